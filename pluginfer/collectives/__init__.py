@@ -1,0 +1,1 @@
+"""Built-in plugins; registration lives in plugin.py (cheap to import)."""

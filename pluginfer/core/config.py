@@ -1,0 +1,160 @@
+"""Deployment configuration: one pydantic model, from a YAML/JSON file and/or CLI flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the field path and the reason."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ParallelConfig(_Section):
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks that split each layer.")
+    collective: str = Field("auto", description="Collective plugin: auto, single, gloo, nccl, mpi, ...")
+    launcher: Literal["inprocess", "spawn", "mpi", "torchrun"] = "inprocess"
+
+
+class CacheConfig(_Section):
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    kv_cache_memory: int | None = Field(
+        None, ge=1, description="Bytes for the KV cache; overrides kv_cache_fraction."
+    )
+    kv_cache_fraction: float = Field(
+        0.3, gt=0, le=0.95, description="Fraction of free device memory for the KV cache."
+    )
+    num_blocks: int | None = Field(None, ge=1, description="Exact number of KV blocks (tests).")
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    enable_prefix_caching: bool = True
+    num_experts_offload_per_rank: int = Field(0, ge=0)
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _parse_size(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, str) else value
+
+
+class SchedulerConfig(_Section):
+    max_num_seqs: int = Field(64, ge=1, description="Sequences in one step at most.")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="Token budget of one step.")
+    enable_chunked_prefill: bool = True
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[str] = Field(default_factory=list)
+    served_model_name: str | None = None
+    max_waiting: int = Field(1024, ge=1, description="Queued requests before 429/503.")
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_logprobs: int = Field(20, ge=0, le=20)
+    reasoning_parser: str | None = None
+
+
+class SamplingDefaults(_Section):
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    max_tokens: int = Field(256, ge=1)
+
+
+class EngineConfig(_Section):
+    model: str = Field(..., description="HF directory, hub id, or 'demo'.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory if not the model's.")
+    revision: str | None = None
+    backend: str = Field("auto", description="Device backend plugin, or auto.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    quant: str = Field("auto", description="Quant method plugin; auto reads the checkpoint.")
+    max_model_len: int | None = Field(None, ge=1, description="Context length; default the model's.")
+    seed: int = 0
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648; '512MB' -> 512000000; plain digits are bytes."""
+    stripped = text.strip().lower()
+    number = stripped.rstrip("abgikmB")
+    unit = stripped[len(number):].strip()
+    if unit not in _UNITS or not number:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB)")
+    return int(float(number) * _UNITS[unit])
+
+
+def _format_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"]) or "(root)"
+        got = f" (got {item['input']!r})" if "input" in item and not isinstance(item["input"], dict) else ""
+        lines.append(f"{path}: {item['msg']}{got}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """{'cache.block_size': 32} -> {'cache': {'block_size': 32}}."""
+    nested: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        *parents, leaf = dotted.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # the parser's own message says where
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def build_config(file: str | Path | None = None, **overrides: Any) -> EngineConfig:
+    """File first, then overrides (dotted keys like ``cache.block_size`` or nested dicts)."""
+    data = read_config_file(file) if file else {}
+    data = _deep_merge(data, nest({k: v for k, v in overrides.items() if v is not None}))
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def config_schema() -> dict[str, Any]:
+    return EngineConfig.model_json_schema()

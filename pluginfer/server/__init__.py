@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (aiohttp); see docs/ once it lands."""
