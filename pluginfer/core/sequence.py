@@ -126,6 +126,19 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]`` without building the whole list."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -1,0 +1,5 @@
+import sys
+
+from pluginfer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,181 @@
+"""The CPU backend: torch ops, paged KV cache in host memory.
+
+Attention gathers each sequence's keys from its blocks and runs one batched
+scaled-dot-product attention for the decode rows and one for the prefill rows; masks and
+gather indices are built once per step in ``prepare`` and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.protocols import KVCacheSpec
+
+
+@dataclass
+class _Part:
+    """Rows of the batch that share one padded attention call (the decodes, or the prefills)."""
+
+    token_rows: torch.Tensor | None  # [seqs, max_q] flat token index per padded query, None if contiguous decode
+    query_valid: torch.Tensor | None  # [seqs, max_q] bool
+    key_slots: torch.Tensor  # [seqs, max_keys] cache slot per key
+    query_positions: torch.Tensor  # [seqs, max_q]
+    key_positions: torch.Tensor  # [max_keys]
+    key_valid: torch.Tensor  # [seqs, 1, 1 or max_q, max_keys] bool
+    token_start: int
+    token_end: int
+    masks: dict = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor | None:
+        if sliding_window not in self.masks:
+            allowed = self.key_valid
+            if sliding_window is not None:
+                recent = self.key_positions[None, None, :] > self.query_positions[:, :, None] - sliding_window
+                allowed = allowed & recent.unsqueeze(1)
+            self.masks[sliding_window] = None if bool(allowed.all()) else allowed
+        return self.masks[sliding_window]
+
+
+def _part(batch: ForwardBatch, seqs: slice, block_size: int) -> _Part | None:
+    seq_lens = batch.seq_lens[seqs]
+    if seq_lens.numel() == 0:
+        return None
+    starts = batch.query_start_loc[seqs]
+    query_lens = batch.query_start_loc[seqs.start + 1: seqs.stop + 1] - starts
+    max_keys = int(seq_lens.max())
+    max_q = int(query_lens.max())
+    key_positions = torch.arange(max_keys)
+    tables = batch.block_tables[seqs, : -(-max_keys // block_size)]
+    key_slots = (tables[:, key_positions // block_size] * block_size + key_positions % block_size)
+    offsets = torch.arange(max_q)
+    query_valid = offsets[None, :] < query_lens[:, None]
+    query_positions = (seq_lens - query_lens)[:, None] + offsets[None, :]
+    # Causal within the sequence; padded query rows see valid slots too (their output is dropped).
+    key_valid = (key_positions[None, None, :] <= query_positions[:, :, None]).unsqueeze(1)
+    token_start, token_end = int(starts[0]), int(batch.query_start_loc[seqs.stop])
+    token_rows = None
+    if max_q > 1:
+        token_rows = (starts[:, None] + offsets[None, :]).masked_fill(~query_valid, token_start)
+    return _Part(token_rows, query_valid if max_q > 1 else None, key_slots, query_positions, key_positions,
+                 key_valid, token_start, token_end)
+
+
+@dataclass
+class CpuAttentionMetadata:
+    decode: _Part | None
+    prefill: _Part | None
+
+
+class CpuBackend:
+    """Runs everything with torch on the host."""
+
+    name = "cpu"
+    device = torch.device("cpu")
+
+    def __init__(self, config: object = None) -> None:
+        threads = os.environ.get("PLUGINFER_CPU_THREADS")
+        if threads:
+            torch.set_num_threads(int(threads))
+
+    def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
+        if requested is not None:
+            return requested
+        return int(_available_memory() * fraction)
+
+    def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
+                          dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        v_dim = spec.v_head_dim or spec.head_dim
+        return [
+            (torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype),
+             torch.zeros(num_blocks, block_size, spec.num_kv_heads, v_dim, dtype=dtype))
+            for _ in range(spec.num_layers)
+        ]
+
+    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src, dst = torch.tensor(copies).T
+        for key_cache, value_cache in kv_caches:
+            key_cache[dst] = key_cache[src]
+            value_cache[dst] = value_cache[src]
+
+    def prepare(self, batch: ForwardBatch) -> CpuAttentionMetadata:
+        query_lens = batch.query_lens
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+        decode = _part(batch, slice(0, num_decodes), batch.block_size)
+        prefill = _part(batch, slice(num_decodes, len(query_lens)), batch.block_size)
+        return CpuAttentionMetadata(decode, prefill)
+
+    def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, scale: float,
+                        sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        flat_keys = key_cache.view(-1, *key_cache.shape[2:])
+        flat_values = value_cache.view(-1, *value_cache.shape[2:])
+        flat_keys.index_copy_(0, batch.slot_mapping, key.to(flat_keys.dtype))
+        flat_values.index_copy_(0, batch.slot_mapping, value.to(flat_values.dtype))
+        meta: CpuAttentionMetadata = batch.attention
+        out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
+        for part in (meta.decode, meta.prefill):
+            if part is not None:
+                _attend(part, query, flat_keys, flat_values, out, scale, sliding_window, logit_soft_cap)
+        return out
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _attend(part: _Part, query: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor,
+            out: torch.Tensor, scale: float, sliding_window: int | None, logit_soft_cap: float | None) -> None:
+    keys = flat_keys[part.key_slots].transpose(1, 2)  # [seqs, kv_heads, max_keys, dim]
+    values = flat_values[part.key_slots].transpose(1, 2)
+    if part.token_rows is None:
+        queries = query[part.token_start:part.token_end].unsqueeze(2)  # [seqs, heads, 1, dim]
+    else:
+        queries = query[part.token_rows].transpose(1, 2)  # [seqs, heads, max_q, dim]
+    queries = queries.to(keys.dtype)
+    mask = part.mask(sliding_window)
+    if logit_soft_cap is None:
+        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
+                                                enable_gqa=queries.shape[1] != keys.shape[1])
+    else:
+        result = _soft_capped_attention(queries, keys, values, mask, scale, logit_soft_cap)
+    result = result.transpose(1, 2)  # [seqs, max_q, heads, dim]
+    if part.token_rows is None:
+        out[part.token_start:part.token_end] = result[:, 0].to(out.dtype)
+    else:
+        out[part.token_start:part.token_end] = result[part.query_valid].to(out.dtype)
+
+
+def _soft_capped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           mask: torch.Tensor | None, scale: float, cap: float) -> torch.Tensor:
+    """Gemma-2 style ``cap * tanh(scores / cap)`` before the softmax (SDPA has no hook for it)."""
+    groups = queries.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(groups, dim=1)
+    values = values.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale
+    scores = cap * torch.tanh(scores / cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(values.dtype), values)
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 2**30
+
+
+def build(config: object = None) -> CpuBackend:
+    return CpuBackend(config)

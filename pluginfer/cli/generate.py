@@ -1,0 +1,117 @@
+"""``pluginfer generate`` (one prompt, or several) and ``pluginfer chat`` (interactive, streamed)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=None, help="default from the config's sampling")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler for this request")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def register(commands: argparse._SubParsersAction, add_engine_arguments: Callable) -> None:
+    generate = commands.add_parser("generate", help="complete one or more prompts and print the text")
+    add_engine_arguments(generate)
+    generate.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    generate.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user message")
+    _sampling_arguments(generate)
+    generate.set_defaults(run=run_generate)
+
+    chat = commands.add_parser("chat", help="interactive chat with streamed answers (empty line or Ctrl-D ends)")
+    add_engine_arguments(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    _sampling_arguments(chat)
+    chat.set_defaults(run=run_chat)
+
+
+def _params(args: argparse.Namespace, config):  # noqa: ANN001, ANN202
+    from pluginfer.core.sequence import SamplingParams
+
+    defaults = config.sampling
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=defaults.temperature if args.temperature is None else args.temperature,
+        top_p=defaults.top_p if args.top_p is None else args.top_p,
+        top_k=defaults.top_k if args.top_k is None else args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
+        stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+
+
+def _engine(args: argparse.Namespace):  # noqa: ANN202
+    from pluginfer.cli import engine_config
+    from pluginfer.core.engine import LLMEngine
+
+    config = engine_config(args)
+    return LLMEngine(config), config
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pluginfer.core.tokenizer import render_chat
+
+    engine, config = _engine(args)
+    params = _params(args, config)
+    order = []
+    for prompt in args.prompt:
+        if args.chat_template:
+            text = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+            prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        order.append(engine.add_request(prompt, params))
+    done = {}
+    while len(done) < len(order):
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    for request_id, prompt in zip(order, args.prompt):
+        output = done[request_id]
+        if output.error:
+            print(f"pluginfer: error: {output.error}", file=sys.stderr)
+            continue
+        for choice in output.outputs:
+            print(choice.text if len(order) == 1 else f"[{prompt!r}] {choice.text}")
+    return 1 if any(done[r].error for r in order) else 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from pluginfer.core.tokenizer import render_chat
+
+    engine, config = _engine(args)
+    params = _params(args, config)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        prompt = engine.tokenizer.encode(render_chat(engine.tokenizer, messages), add_special_tokens=False)
+        request_id = engine.add_request(prompt, params)
+        printed, answer = 0, ""
+        try:
+            finished = False
+            while not finished:
+                for output in engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    answer = output.outputs[0].text
+                    sys.stdout.write(answer[printed:])
+                    sys.stdout.flush()
+                    printed, finished = len(answer), output.finished
+        except KeyboardInterrupt:
+            engine.abort_request(request_id)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": answer})
+    return 0

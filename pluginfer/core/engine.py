@@ -1,0 +1,148 @@
+"""LLMEngine: add requests, call step(), read outputs. One schedule -> forward -> sample per step."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from pluginfer.core.config import EngineConfig
+from pluginfer.core.detokenizer import IncrementalDetokenizer
+from pluginfer.core.outputs import CompletionOutput, RequestOutput
+from pluginfer.core.sequence import SamplingParams, Sequence
+from pluginfer.core.stopping import check_stop
+from pluginfer.core.executor import Executor
+from pluginfer.core.kv_cache import BlockManager
+from pluginfer.core.sampler import Sampler
+from pluginfer.core.scheduler import Scheduler
+from pluginfer.core.tokenizer import eos_token_ids, load_tokenizer
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    error: str | None = None
+    done: set[int] = field(default_factory=set)
+
+
+class LLMEngine:
+    """Continuous batching over one model; not thread-safe (AsyncEngine wraps it in one thread)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = Executor(config)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_path)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.executor.model_path, self.executor.hf_config)
+        self.max_model_len = self.executor.max_model_len
+        self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.sampler = Sampler(self.executor.vocab_size, self.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.step_count = 0
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids); returns its request id."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_step=self.step_count)
+                for i in range(params.n)]
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in seqs]
+        self._requests[request_id] = _Request(request_id, text, token_ids, seqs, detokenizers)
+        self.scheduler.add_request(seqs)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            token_ids, text = list(prompt), None
+            vocab = self.executor.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        return text, token_ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the outputs of the requests that progressed or finished."""
+        self.step_count += 1
+        scheduled = self.scheduler.schedule()
+        touched: dict[str, _Request] = {}
+        for seq in scheduled.rejected:
+            request = self._requests.get(seq.request_id)
+            if request is not None:
+                request.error = seq.error
+                touched[seq.request_id] = request
+        if scheduled.scheduled:
+            logits, seqs = self.executor.execute(scheduled)
+            if seqs:
+                sampled = self.sampler(logits, seqs)
+                for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
+                    request = self._requests[seq.request_id]
+                    touched[seq.request_id] = request
+                    self._append(request, seq, token_id, logprobs)
+        for seq in self.scheduler.update(scheduled):
+            if seq.request_id in self._requests:
+                touched[seq.request_id] = self._requests[seq.request_id]
+        outputs = []
+        for request in touched.values():
+            output = self._output(request)
+            if output.finished:
+                del self._requests[request.request_id]
+            outputs.append(output)
+        return outputs
+
+    def _append(self, request: _Request, seq: Sequence, token_id: int, logprobs: dict | None) -> None:
+        seq.output_token_ids.append(token_id)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        detokenizer = request.detokenizers[seq.index]
+        detokenizer.append(token_id)
+        reason = check_stop(seq, token_id, detokenizer, self.eos_token_ids, self.max_model_len)
+        if reason is not None:
+            seq.finish(reason)
+
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = []
+        for seq, detokenizer in zip(request.seqs, request.detokenizers):
+            if seq.is_finished and seq.index not in request.done:
+                request.done.add(seq.index)
+                if detokenizer.stopped_by is None:
+                    detokenizer.finish()
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=detokenizer.text,
+                token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            ))
+        finished = all(seq.is_finished for seq in request.seqs)
+        error = request.error or next((s.error for s in request.seqs if s.error), None)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             finished=finished, error=error,
+                             num_cached_tokens=request.seqs[0].num_cached_prompt_tokens)
+
+    def abort_all(self) -> None:
+        for request_id in list(self._requests):
+            self.abort_request(request_id)

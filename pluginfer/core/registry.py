@@ -1,0 +1,366 @@
+"""Finds plugins through entry points, records what each registers, and resolves names to specs.
+
+A plugin that fails to load is recorded against its name and shown by ``describe()``; an error
+is raised only when a config selects a name that the failure (or a duplicate claim) affects.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+
+import pluggy
+
+from pluginfer.core import hookspecs
+from pluginfer.core.hookspecs import HOOKS_BY_KIND, KINDS, PLUGIN_API_VERSION, PROJECT_NAME, PluginSpec
+
+logger = logging.getLogger(__name__)
+
+ALLOW_ENV = "PLUGINFER_PLUGINS"
+TRACE_ENV = "PLUGINFER_TRACE_PLUGINS"
+
+
+class PluginError(Exception):
+    """Base of every error the registry raises."""
+
+
+class UnknownPluginError(PluginError):
+    """No loaded plugin provides the requested name."""
+
+
+class DuplicatePluginError(PluginError):
+    """Two plugins claim one name of one kind and not exactly one of them declares overrides=True."""
+
+
+class BrokenPluginError(PluginError):
+    """The plugin providing a name failed to load, or its factory failed to import."""
+
+
+class PluginVersionError(BrokenPluginError):
+    """The plugin was written for plugin API versions this pluginfer does not implement."""
+
+
+@dataclass
+class PluginInfo:
+    """One entry point (or in-process plugin) and what came of loading it."""
+
+    name: str
+    distribution: str
+    version: str
+    specs: list[PluginSpec] = field(default_factory=list)
+    error: str | None = None
+    skipped: bool = False
+
+    @property
+    def label(self) -> str:
+        """``name (distribution version)``, as `pluginfer plugins` prints it."""
+        if self.distribution.startswith("(") and not self.version:
+            return f"{self.name} {self.distribution}"
+        return f"{self.name} ({' '.join(filter(None, (self.distribution, self.version)))})"
+
+
+_Claim = tuple[PluginInfo, PluginSpec]  # a spec and the plugin that registered it
+
+
+class Registry:
+    """The plugins of this process and the specs they registered, looked up by kind and name."""
+
+    def __init__(self, trace: bool | None = None) -> None:
+        self._pm = pluggy.PluginManager(PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs)
+        self._plugins: list[PluginInfo] = []
+        self._unmatched_allow: list[str] = []
+        if trace is None:
+            trace = os.environ.get(TRACE_ENV, "") not in ("", "0")
+        if trace:  # log every hook call, to the logger if it shows debug, else to stderr
+            self._pm.trace.root.setwriter(_trace_writer())
+            self._pm.enable_tracing()
+
+    @classmethod
+    def discover(cls, allow: list[str] | None = None) -> Registry:
+        """Load every ``pluginfer`` entry point, or only those named in ``allow`` / PLUGINFER_PLUGINS."""
+        registry = cls()
+        if allow is None and os.environ.get(ALLOW_ENV, "").strip():
+            allow = os.environ[ALLOW_ENV].split(",")
+        wanted = {_normalize(a) for a in allow if a.strip()} if allow is not None else None
+        seen: set[str] = set()
+        for ep in entry_points(group=PROJECT_NAME):
+            dist, version = (ep.dist.name, ep.dist.version) if ep.dist else ("(unknown)", "")
+            info = PluginInfo(ep.name, dist, version)
+            keys = {_normalize(info.name), _normalize(info.distribution)}
+            seen |= keys
+            if wanted is not None and not wanted & keys:
+                info.skipped = True
+            elif registry._find(ep.name):
+                info.error = f"entry point name {ep.name!r} is taken by another distribution; uninstall one"
+            else:
+                try:
+                    plugin = ep.load()
+                except Exception as exc:  # any import failure is this plugin's, never the engine's
+                    info.error = f"cannot import {ep.value!r}: {type(exc).__name__}: {exc}"
+                else:
+                    registry._add(plugin, info)
+                    continue
+            registry._plugins.append(info)
+        registry._unmatched_allow = sorted(wanted - seen) if wanted is not None else []
+        return registry
+
+    def register(
+        self, plugin: object, name: str, distribution: str = "(in-process)", version: str = ""
+    ) -> None:
+        """Register an in-process plugin with the same checks as an entry point; failures are recorded."""
+        if self._find(name):
+            raise PluginError(f"a plugin named {name!r} is already registered; unregister({name!r}) it first")
+        self._add(plugin, PluginInfo(name, distribution, version))
+
+    def unregister(self, name: str) -> None:
+        """Forget the plugin registered under ``name`` and its specs."""
+        if not self._find(name):
+            known = ", ".join(info.name for info in self._plugins) or "(none)"
+            raise UnknownPluginError(f"no plugin named {name!r} to unregister; registered: {known}")
+        if self._pm.get_plugin(name) is not None:
+            self._pm.unregister(name=name)
+        self._plugins = [info for info in self._plugins if info.name != name]
+
+    def resolve(self, kind: str, name: str) -> PluginSpec:
+        """The spec of ``kind`` whose name or alias (any case) or HF architecture (exact case) is ``name``."""
+        _check_kind(kind)
+        found = self._candidates(kind, name, healthy=True)
+        if found:
+            return self._pick(kind, name, found)[1]
+        for info, spec in self._candidates(kind, name, healthy=False):
+            if PLUGIN_API_VERSION not in spec.api_versions:
+                raise PluginVersionError(_version_message(info, spec))
+            raise BrokenPluginError(
+                f"{kind} {name!r} comes from plugin {info.label}, which is broken: {info.error}; "
+                "fix or reinstall that plugin (see `pluginfer plugins`)"
+            )
+        raise UnknownPluginError(self._unknown_message(kind, f"named {name!r}"))
+
+    def resolve_any(self, kind: str, names: list[str]) -> PluginSpec:
+        """The spec for the first of ``names`` that resolves (e.g. an HF ``architectures`` list)."""
+        for name in names:
+            try:
+                return self.resolve(kind, name)
+            except UnknownPluginError:
+                continue
+        raise UnknownPluginError(self._unknown_message(kind, f"for any of {list(names)!r}"))
+
+    def load(self, kind: str, name: str) -> Callable:
+        """Resolve ``name`` and import its factory."""
+        spec = self.resolve(kind, name)
+        factory = self._import(spec, spec.factory, "factory")
+        if not callable(factory):
+            raise BrokenPluginError(f"{self._owner(spec)}: factory {spec.factory!r} is not callable")
+        return factory
+
+    def usable(self, spec: PluginSpec) -> tuple[bool, str]:
+        """Run ``spec.check``: (True, "") if the plugin can run here, else (False, the reason)."""
+        if spec.check is None:
+            return True, ""
+        try:
+            reason = self._import(spec, spec.check, "check")()
+        except Exception as exc:  # a crashing check means "not usable", not a crashed listing
+            return False, f"check failed: {type(exc).__name__}: {exc}"
+        return (True, "") if reason is None else (False, str(reason))
+
+    def specs(self, kind: str) -> list[PluginSpec]:
+        """Every spec of ``kind`` from the plugins that loaded cleanly."""
+        _check_kind(kind)
+        return [spec for info in self._healthy() for spec in info.specs if spec.kind == kind]
+
+    @property
+    def plugins(self) -> list[PluginInfo]:
+        """Every plugin seen: loaded, broken or skipped."""
+        return list(self._plugins)
+
+    def describe(self) -> str:
+        """The listing `pluginfer plugins` prints."""
+        lines: list[str] = []
+        for info in self._plugins:
+            lines.append(info.label)
+            if info.skipped:
+                lines.append(f"  skipped (not in {ALLOW_ENV})")
+            elif info.error is not None:
+                lines.append(f"  BROKEN: {info.error}")
+            for spec in info.specs if info.error is None else []:
+                ok, reason = self.usable(spec)
+                extra = ", ".join((*spec.aliases, *spec.architectures))
+                status = "usable" if ok else f"not usable here: {reason}"
+                lines.append(f"  {spec.kind} {spec.name}{f' [{extra}]' if extra else ''} - {status}")
+        lines += self._conflicts()
+        lines += [f"{ALLOW_ENV} names {name!r}, which no plugin has" for name in self._unmatched_allow]
+        return "\n".join(lines) if lines else "no pluginfer plugins installed"
+
+    def _add(self, plugin: object, info: PluginInfo) -> None:
+        self._plugins.append(info)
+        try:
+            self._pm.register(plugin, name=info.name)
+        except Exception as exc:  # a hookimpl taking arguments its hookspec lacks, or a plugin twice
+            info.error = f"{type(exc).__name__}: {exc}"
+            return
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError:
+            info.error = self._unknown_hook_message(plugin)
+        if info.error is None and not self._pm.get_hookcallers(plugin):
+            info.error = "defines no hooks; decorate them with pluginfer.core.hookspecs.hookimpl"
+        if info.error is None:
+            info.error = "; ".join(self._collect_specs(plugin, info)) or None
+        if info.error is not None:
+            self._pm.unregister(plugin)
+
+    def _unknown_hook_message(self, plugin: object) -> str:
+        known = sorted(name for name, hook in vars(self._pm.hook).items() if hook.has_spec())
+        problems = []
+        for caller in self._pm.get_hookcallers(plugin) or []:
+            if not caller.has_spec():
+                close = difflib.get_close_matches(caller.name, known, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"the hooks are {', '.join(known)}"
+                problems.append(f"implements unknown hook {caller.name!r}; {hint}")
+        return "; ".join(problems) + " (rename the function to a pluginfer hook)"
+
+    def _collect_specs(self, plugin: object, info: PluginInfo) -> list[str]:
+        errors = []
+        others = [other for other in self._pm.get_plugins() if other is not plugin]
+        for kind, hook_name in HOOKS_BY_KIND.items():
+            caller = self._pm.subset_hook_caller(hook_name, remove_plugins=others)  # one plugin, still traced
+            if not caller.get_hookimpls():
+                continue
+            try:
+                results = caller()
+            except Exception as exc:  # the hook's own bug; recorded so the other plugins still load
+                errors.append(f"hook {hook_name} raised {type(exc).__name__}: {exc}")
+                continue
+            for result in results:
+                if not isinstance(result, (list, tuple)):
+                    errors.append(f"hook {hook_name} must return a list of PluginSpec, got {result!r}")
+                    continue
+                for spec in result:
+                    if not isinstance(spec, PluginSpec):
+                        errors.append(f"hook {hook_name} returned {spec!r}, which is not a PluginSpec")
+                    elif spec.kind != kind:
+                        right = HOOKS_BY_KIND[spec.kind]
+                        errors.append(f"{hook_name} gave {spec.kind} {spec.name!r}; return it from {right}")
+                    else:
+                        info.specs.append(spec)
+                        if PLUGIN_API_VERSION not in spec.api_versions:
+                            errors.append(_version_message(info, spec))
+        return errors
+
+    def _find(self, name: str) -> list[PluginInfo]:
+        return [info for info in self._plugins if info.name == name]
+
+    def _healthy(self) -> list[PluginInfo]:
+        return [info for info in self._plugins if info.error is None and not info.skipped]
+
+    def _candidates(self, kind: str, name: str, healthy: bool) -> list[_Claim]:
+        pool = self._healthy() if healthy else [info for info in self._plugins if info.error is not None]
+        lowered = name.lower()
+        return [
+            (info, spec)
+            for info in pool
+            for spec in info.specs
+            if spec.kind == kind
+            and (lowered in (n.lower() for n in (spec.name, *spec.aliases)) or name in spec.architectures)
+        ]
+
+    def _pick(self, kind: str, name: str, found: list[_Claim]) -> _Claim:
+        overriding = [candidate for candidate in found if candidate[1].overrides]
+        if len(found) == 1 or len(overriding) == 1:
+            return overriding[0] if overriding else found[0]
+        claimants = " and ".join(f"plugin {info.label} ({kind} {spec.name!r})" for info, spec in found)
+        fix = "only one may set overrides=True" if overriding else "mark the winner overrides=True"
+        raise DuplicatePluginError(
+            f"{kind} name {name!r} is claimed by {claimants}; uninstall one, leave one out of {ALLOW_ENV}, "
+            f"or {fix}"
+        )
+
+    def _conflicts(self) -> list[str]:
+        lines, seen = [], set()
+        for kind in KINDS:
+            for name in (name for spec in self.specs(kind) for name in spec.names):
+                found = self._candidates(kind, name, healthy=True)
+                key = (kind, frozenset(id(spec) for _, spec in found))
+                if len(found) < 2 or key in seen:
+                    continue
+                seen.add(key)
+                try:
+                    winner, _ = self._pick(kind, name, found)
+                except DuplicatePluginError as exc:
+                    lines.append(f"DUPLICATE: {exc}")
+                    continue
+                losers = ", ".join(info.name for info, _ in found if info is not winner)
+                lines.append(f"OVERRIDE: {kind} name {name!r} from plugin {winner.name} overrides {losers}")
+        return lines
+
+    def _unknown_message(self, kind: str, asked: str) -> str:
+        names = sorted({n for spec in self.specs(kind) for n in (spec.name, *spec.aliases)}, key=str.lower)
+        message = f"no {kind} plugin {asked}; available: {', '.join(names) or '(none)'}"
+        broken = [f"{info.name}: {info.error}" for info in self._plugins if info.error is not None]
+        skipped = [info.name for info in self._plugins if info.skipped]
+        if broken:
+            message += f" (broken plugins: {'; '.join(broken)})"
+        if skipped:
+            message += f" (not loaded because of {ALLOW_ENV}: {', '.join(skipped)})"
+        return f"{message}. Check the name, install a plugin that provides it, or run `pluginfer plugins`"
+
+    def _owner(self, spec: PluginSpec) -> str:
+        owners = [info.label for info in self._plugins if any(s is spec for s in info.specs)]
+        return f"plugin {owners[0]}" if owners else "an unregistered spec"
+
+    def _import(self, spec: PluginSpec, ref: str, what: str) -> Callable:
+        module_name, _, attr = ref.partition(":")
+        try:
+            return functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
+        except Exception as exc:
+            raise BrokenPluginError(
+                f"{self._owner(spec)}: cannot import {what} {ref!r} of {spec.kind} {spec.name!r}: "
+                f"{type(exc).__name__}: {exc}. Fix or reinstall the plugin, or choose another {spec.kind}"
+            ) from exc
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown plugin kind {kind!r}; the kinds are {', '.join(KINDS)}")
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
+def _version_message(info: PluginInfo, spec: PluginSpec) -> str:
+    versions = ", ".join(str(v) for v in spec.api_versions)
+    return (
+        f"plugin {info.name} was written for plugin API versions ({versions}), this pluginfer has "
+        f"{PLUGIN_API_VERSION} ({spec.kind} {spec.name!r}); install a release of {info.distribution} "
+        f"for API {PLUGIN_API_VERSION}, or a pluginfer it supports"
+    )
+
+
+def _trace_writer() -> Callable[[str], object]:
+    if logger.isEnabledFor(logging.DEBUG):
+        return lambda message: logger.debug(message.rstrip())
+    return lambda message: sys.stderr.write(message)
+
+
+_cached: Registry | None = None
+_lock = threading.Lock()
+
+
+def get_registry(reload: bool = False) -> Registry:
+    """The process-wide ``Registry.discover()``, built on first use (or again with ``reload=True``)."""
+    global _cached
+    with _lock:
+        if _cached is None or reload:
+            _cached = Registry.discover()
+        return _cached

@@ -1,0 +1,38 @@
+"""Gated activations over a merged gate/up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """``silu(gate) * up`` where the input is ``[gate | up]`` on the last axis."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """``gelu(gate) * up`` (tanh approximation when asked, as Gemma's gelu_pytorch_tanh)."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+
+def gated_activation(hidden_act: str) -> nn.Module:
+    """The gated activation for an HF ``hidden_act`` value; unknown names are an error."""
+    if hidden_act in ("silu", "swish"):
+        return SiluAndMul()
+    if hidden_act in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        return GeluAndMul("tanh")
+    if hidden_act == "gelu":
+        return GeluAndMul()
+    raise ValueError(f"hidden_act: unsupported activation {hidden_act!r} (supported: silu, gelu, gelu_pytorch_tanh)")

@@ -1,0 +1,33 @@
+"""Paged attention layer: projections live in the model, the kernel in the device backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pluginfer.core.batch import ForwardBatch
+from pluginfer.layers.context import current_context
+
+
+class Attention(nn.Module):
+    """Attends ``[tokens, heads, head_dim]`` queries over this layer's paged KV cache.
+
+    ``kv_cache`` is bound by the runner after the cache is allocated.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logit_soft_cap: float | None = None) -> None:
+        super().__init__()
+        self.backend = current_context().backend
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale, self.sliding_window, self.logit_soft_cap = scale, sliding_window, logit_soft_cap
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, batch: ForwardBatch, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("Attention.kv_cache is not bound; the runner binds it after allocating the cache")
+        out = self.backend.paged_attention(
+            query, key, value, self.kv_cache, batch, self.scale,
+            sliding_window=self.sliding_window, logit_soft_cap=self.logit_soft_cap,
+        )
+        return out.reshape(query.shape[0], -1)

@@ -1,0 +1,57 @@
+"""Vocabulary-parallel embedding and the LM head (each rank holds a slice of the vocabulary)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pluginfer.layers.context import current_context
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        ctx = current_context()
+        self.collective = ctx.collective
+        self.tp_rank, self.tp_size = ctx.collective.rank, ctx.collective.world_size
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // self.tp_size)
+        self.start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=ctx.dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if loaded.shape[1] != param.shape[1] or loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"embedding: checkpoint shape {tuple(loaded.shape)} does not match "
+                             f"({self.vocab_size}, {param.shape[1]})")
+        part = loaded[self.start:self.start + self.shard_size]
+        param.data.zero_()
+        param.data[: part.shape[0]].copy_(part)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        return self.collective.all_reduce(out)
+
+
+class LMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits; ties to the embedding's weight when asked."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.shard_size, dtype=self.weight.dtype), requires_grad=False)
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight, self.bias)
+        if self.tp_size > 1:
+            logits = self.collective.all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,34 @@
+"""RMSNorm, with the residual add fused in (one pass instead of two)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pluginfer.layers.context import current_context
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * w`` computed in float32; ``offset=1`` gives Gemma's ``(1 + w)``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=current_context().dtype), requires_grad=False)
+        self.eps, self.offset = eps, offset
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.float() + self.offset if self.offset else self.weight
+        if dtype == torch.float32:
+            return x * weight
+        return (x * weight.float()).to(dtype) if self.offset else x.to(dtype) * self.weight
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual

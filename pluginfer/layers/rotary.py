@@ -1,0 +1,111 @@
+"""Rotary position embeddings: default, linear, dynamic (NTK) and llama3 scaling.
+
+Frequencies follow Hugging Face ``modeling_rope_utils`` so logits match transformers.
+cos/sin are looked up once per step and shared by every layer using the same module.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pluginfer.core.batch import ForwardBatch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def rope_parameters(hf_config: dict) -> tuple[float, dict]:
+    """(rope_theta, scaling dict with 'rope_type') from either config style (rope_scaling or rope_parameters)."""
+    params = dict(hf_config.get("rope_parameters") or {})
+    scaling = dict(hf_config.get("rope_scaling") or {})
+    theta = hf_config.get("rope_theta", params.get("rope_theta", 10000.0))
+    merged = {**params, **scaling}
+    merged.pop("rope_theta", None)
+    merged["rope_type"] = merged.get("rope_type", merged.get("type", "default"))
+    return float(theta), merged
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to the first ``rotary_dim`` features of q and k (neox half-split layout)."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 scaling: dict | None = None, original_max_position: int | None = None) -> None:
+        super().__init__()
+        scaling = dict(scaling or {"rope_type": "default"})
+        self.rope_type = scaling.get("rope_type", "default")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_scaling.rope_type: unsupported value {self.rope_type!r} "
+                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, base
+        self.factor = float(scaling.get("factor", 1.0))
+        self.original_max_position = original_max_position or max_position
+        inv_freq = _base_inv_freq(base, rotary_dim)
+        if self.rope_type == "linear":
+            inv_freq = inv_freq / self.factor
+        elif self.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        self.inv_freq = inv_freq
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        self.cos_cache, self.sin_cache = freqs.cos(), freqs.sin()
+
+    def _cos_sin(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("rope", id(self), dtype)
+        if key not in batch.extras:
+            if self.rope_type == "dynamic":
+                freqs = self._dynamic_freqs(batch)
+                cos, sin = freqs.cos(), freqs.sin()
+            else:
+                cos, sin = self.cos_cache[batch.positions], self.sin_cache[batch.positions]
+            batch.extras[key] = (cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1))
+        return batch.extras[key]
+
+    def _dynamic_freqs(self, batch: ForwardBatch) -> torch.Tensor:
+        """NTK base grown with each sequence's length, as transformers does per forward."""
+        lengths = torch.repeat_interleave(batch.seq_lens, torch.tensor(batch.query_lens)).double()
+        limit = self.original_max_position
+        scale = (self.factor * lengths.clamp(min=limit) / limit) - (self.factor - 1)
+        bases = self.base * scale ** (self.rotary_dim / (self.rotary_dim - 2))
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim
+        inv_freq = 1.0 / (bases.float()[:, None] ** exponents[None, :])
+        return batch.positions.float()[:, None] * inv_freq
+
+    def forward(self, batch: ForwardBatch, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """query ``[tokens, heads, head_dim]``, key ``[tokens, kv_heads, head_dim]``."""
+        cos, sin = self._cos_sin(batch, query.dtype)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half:self.rotary_dim]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if self.rotary_dim == self.head_dim:
+            return rotated
+        return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1)
+
+
+def get_rope(hf_config: dict, head_dim: int, rotary_dim: int | None = None,
+             max_position: int | None = None) -> RotaryEmbedding:
+    """Build the rotary embedding an HF config asks for; unknown scaling types are an error."""
+    theta, scaling = rope_parameters(hf_config)
+    config_max = hf_config.get("max_position_embeddings", 4096)
+    return RotaryEmbedding(head_dim, rotary_dim or head_dim, max(max_position or 0, config_max), theta, scaling,
+                           original_max_position=config_max)

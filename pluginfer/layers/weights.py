@@ -1,0 +1,69 @@
+"""Route checkpoint tensors to parameters: fused projections, tied weights, strict accounting."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+# (fused parameter name part, checkpoint name part, shard id) as HF llama-style checkpoints store them.
+LLAMA_STACKED = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match expected {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: Iterable[tuple[str, str, object]] = LLAMA_STACKED,
+    ignore: tuple[str, ...] = ("rotary_emb.inv_freq",),
+    optional: tuple[str, ...] = (),
+) -> None:
+    """Load every tensor into its parameter; unknown tensors and unloaded parameters are errors.
+
+    ``ignore``: checkpoint names containing one of these are skipped (e.g. cached rope tables).
+    ``optional``: parameters that may stay unloaded (e.g. a tied ``lm_head.weight``).
+    """
+    stacked = tuple(stacked)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    unloaded = {name for name in params if not any(part in name for part in optional)}
+    shards_of = {fused: {s for f, _, s in stacked if f == fused} for fused, _, _ in stacked}
+    pending: dict[str, set] = {}  # fused parameter -> shards not yet seen
+    for name, tensor in weights:
+        if any(part in name for part in ignore):
+            continue
+        target, shard_id = name, None
+        for fused, part, shard in stacked:
+            if part in name:
+                target, shard_id = name.replace(part, fused), shard
+                pending.setdefault(target, set(shards_of[fused])).discard(shard)
+                break
+        param = params.get(target)
+        if param is None:
+            raise KeyError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        param.checkpoint_name = name
+        try:
+            loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
+        except ValueError as exc:
+            raise ValueError(f"checkpoint tensor {name!r}: {exc}") from None
+        if not pending.get(target):
+            unloaded.discard(target)
+    if unloaded:
+        missing = ", ".join(sorted(unloaded)[:8])
+        raise KeyError(f"checkpoint is missing {len(unloaded)} tensor(s) for: {missing}")
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)

@@ -1,0 +1,75 @@
+"""The offline Python API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from pluginfer.core.config import EngineConfig, build_config
+from pluginfer.core.engine import LLMEngine
+from pluginfer.core.outputs import RequestOutput
+from pluginfer.core.sequence import SamplingParams
+from pluginfer.core.tokenizer import render_chat
+
+Prompt = str | list[int]
+
+
+def _dotted(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Accept nested fields by their own name too: ``block_size=32`` -> ``cache.block_size``."""
+    sections = {name: field.annotation for name, field in EngineConfig.model_fields.items()
+                if isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields")}
+    dotted = {}
+    for key, value in kwargs.items():
+        if key in EngineConfig.model_fields or "." in key:
+            dotted[key] = value
+            continue
+        owners = [name for name, section in sections.items() if key in section.model_fields]
+        if not owners:
+            raise TypeError(f"LLM() got an unknown argument {key!r} (see `pluginfer config-schema`)")
+        dotted[f"{owners[0]}.{key}"] = value
+    return dotted
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching."""
+
+    def __init__(self, model: str, config_file: str | None = None, **kwargs: Any) -> None:
+        self.config = build_config(config_file, model=model, **_dotted(kwargs))
+        self.engine = LLMEngine(self.config)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Outputs in prompt order. A request that cannot run (e.g. too long) gets finish_reason "error"."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params_list)]
+        return self._run(ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [render_chat(self.engine.tokenizer, conv, **(chat_template_kwargs or {}))
+                   for conv in conversations]  # type: ignore[arg-type]
+        token_ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_ids, params)
+
+    def _run(self, request_ids: SequenceABC[str]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        try:
+            while len(finished) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return [finished[request_id] for request_id in request_ids]

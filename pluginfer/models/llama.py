@@ -1,0 +1,151 @@
+"""Llama-family pipeline: LlamaForCausalLM and MistralForCausalLM (also llama3, Yi, Mistral).
+
+GQA, explicit ``head_dim``, rope scaling (linear, dynamic, llama3), tied embeddings,
+attention/MLP bias, and Mistral's sliding window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.layers.activation import gated_activation
+from pluginfer.layers.attention import Attention
+from pluginfer.layers.context import current_context
+from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
+from pluginfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pluginfer.layers.norm import RMSNorm
+from pluginfer.layers.rotary import RotaryEmbedding, get_rope
+from pluginfer.layers.weights import load_named_weights
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: dict, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden = config["hidden_size"]
+        heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
+        bias = bool(config.get("attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=bias)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.rotary_emb = rope
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads,
+                              sliding_window=config.get("sliding_window"))
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(batch, q, k)
+        out = self.attn(batch, q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+        bias = bool(config.get("mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
+        self.act_fn = gated_activation(config.get("hidden_act", "silu"))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: dict, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(config, rope)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(batch, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: dict, max_model_len: int) -> None:
+        super().__init__()
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        rope = get_rope(config, head_dim, max_position=max_model_len)
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rope) for _ in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(batch, hidden, residual)
+        # Only the rows that are sampled need the final norm (and, later, the LM head).
+        rows = batch.logits_indices
+        return self.norm(hidden[rows] + residual[rows])
+
+
+class LlamaForCausalLM(nn.Module):
+    """The pipeline: ``model`` (decoder stack) and ``lm_head``, named as in HF checkpoints."""
+
+    def __init__(self, config: dict, ctx: BuildContext) -> None:
+        super().__init__()
+        validate_config(config)
+        self.config = config
+        self.model = LlamaModel(config, ctx.max_model_len)
+        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.model.layers[0].self_attn
+        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.tied:
+            weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
+        load_named_weights(self, weights, optional=("lm_head.",) if self.tied else ())
+
+
+_SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+def validate_config(config: dict) -> None:
+    """Reject fields this pipeline would otherwise ignore."""
+    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if not isinstance(config.get(field), int) or config[field] <= 0:
+            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
+    if config.get("hidden_act", "silu") not in _SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported by the llama "
+                         f"pipeline (supported: {', '.join(_SUPPORTED_ACTIVATIONS)})")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+
+
+def build(hf_config: dict, ctx: BuildContext) -> LlamaForCausalLM:
+    assert current_context() is ctx, "build the pipeline inside pluginfer.layers.context.building(ctx)"
+    return LlamaForCausalLM(hf_config, ctx)
