@@ -1,0 +1,48 @@
+"""Tiny random Hugging Face checkpoints for oracle tests (transformers builds and saves them)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def copy_tokenizer(tokenizer_dir: Path, out_dir: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+
+
+def save_hf_model(arch: str, config_kwargs: dict, out_dir: Path, tokenizer_dir: Path, seed: int = 0,
+                  dtype: torch.dtype = torch.float32, max_shard_size: str | None = None) -> torch.nn.Module:
+    """Build ``transformers.<arch>`` from a config, save it with its tokenizer, return the model."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    model_cls = getattr(transformers, arch)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = model_cls.config_class(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=None, **config_kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    copy_tokenizer(tokenizer_dir, out_dir)
+    return model
+
+
+def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation of one prompt, never stopping early."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_logits(model: torch.nn.Module, prompt_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([prompt_ids])).logits[0].float()
