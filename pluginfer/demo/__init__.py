@@ -1,0 +1,1 @@
+"""A tiny demo tokenizer, trained offline on text shipped with the package."""
