@@ -133,8 +133,10 @@ class CpuBackend:
 
 def _attend(part: _Part, query: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor,
             out: torch.Tensor, scale: float, sliding_window: int | None, logit_soft_cap: float | None) -> None:
-    keys = flat_keys[part.key_slots].transpose(1, 2)  # [seqs, kv_heads, max_keys, dim]
-    values = flat_values[part.key_slots].transpose(1, 2)
+    seqs, max_keys = part.key_slots.shape
+    slots = part.key_slots.view(-1)  # index_select copies whole rows: faster than advanced indexing
+    keys = flat_keys.index_select(0, slots).view(seqs, max_keys, *flat_keys.shape[1:]).transpose(1, 2)
+    values = flat_values.index_select(0, slots).view(seqs, max_keys, *flat_values.shape[1:]).transpose(1, 2)
     if part.token_rows is None:
         queries = query[part.token_start:part.token_end].unsqueeze(2)  # [seqs, heads, 1, dim]
     else:
