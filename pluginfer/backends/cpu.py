@@ -7,6 +7,7 @@ gather indices are built once per step in ``prepare`` and shared by every layer.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -14,7 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer.core.batch import ForwardBatch
+from pluginfer.backends import native
 from pluginfer.core.protocols import KVCacheSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,8 +71,9 @@ def _part(batch: ForwardBatch, seqs: slice, block_size: int) -> _Part | None:
 
 @dataclass
 class CpuAttentionMetadata:
-    decode: _Part | None
+    decode: _Part | None  # None when there are no decode rows or the native kernel serves them
     prefill: _Part | None
+    num_native_decodes: int = 0  # leading decode rows for the native kernel
 
 
 class CpuBackend:
@@ -81,6 +86,10 @@ class CpuBackend:
         threads = os.environ.get("PLUGINFER_CPU_THREADS")
         if threads:
             torch.set_num_threads(int(threads))
+        reason = native.available()
+        self.native_kernels = reason is None
+        if reason is not None:
+            logger.warning("cpu backend: native kernels unavailable (%s); using the torch path", reason)
 
     def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
         if requested is not None:
@@ -108,9 +117,10 @@ class CpuBackend:
     def prepare(self, batch: ForwardBatch) -> CpuAttentionMetadata:
         query_lens = batch.query_lens
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
-        decode = _part(batch, slice(0, num_decodes), batch.block_size)
         prefill = _part(batch, slice(num_decodes, len(query_lens)), batch.block_size)
-        return CpuAttentionMetadata(decode, prefill)
+        if self.native_kernels and num_decodes:
+            return CpuAttentionMetadata(None, prefill, num_native_decodes=num_decodes)
+        return CpuAttentionMetadata(_part(batch, slice(0, num_decodes), batch.block_size), prefill)
 
     def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, scale: float,
@@ -122,13 +132,27 @@ class CpuBackend:
         flat_values.index_copy_(0, batch.slot_mapping, value.to(flat_values.dtype))
         meta: CpuAttentionMetadata = batch.attention
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
-        for part in (meta.decode, meta.prefill):
+        decodes = meta.num_native_decodes
+        if decodes and key_cache.dtype == torch.float32:
+            out[:decodes] = native.paged_decode_attention(
+                query[:decodes].float(), key_cache, value_cache, batch.block_tables[:decodes],
+                batch.seq_lens[:decodes], scale, sliding_window, logit_soft_cap).to(out.dtype)
+        elif decodes:  # the kernel is float32 only; other cache dtypes take the torch path
+            _attend(_decode_part(batch, meta), query, flat_keys, flat_values, out, scale, sliding_window,
+                    logit_soft_cap)
+        for part in (None if decodes else meta.decode, meta.prefill):
             if part is not None:
                 _attend(part, query, flat_keys, flat_values, out, scale, sliding_window, logit_soft_cap)
         return out
 
     def synchronize(self) -> None:
         pass
+
+
+def _decode_part(batch: ForwardBatch, meta: CpuAttentionMetadata) -> _Part:
+    if meta.decode is None:
+        meta.decode = _part(batch, slice(0, meta.num_native_decodes), batch.block_size)
+    return meta.decode
 
 
 def _attend(part: _Part, query: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor,

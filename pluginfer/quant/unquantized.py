@@ -8,7 +8,11 @@ from torch import nn
 
 
 class UnquantizedLinear:
-    """Dense ``weight`` of ``[output_size, input_size]``; the matmul is ``F.linear``."""
+    """Dense ``weight`` of ``[output_size, input_size]``; the matmul is ``x @ W^T``.
+
+    On the CPU the weight is stored transposed after loading: MKL's GEMM reads ``[in, out]``
+    faster for the small row counts of decode (docs/performance.md has the measurement).
+    """
 
     name = "none"
 
@@ -16,12 +20,19 @@ class UnquantizedLinear:
         weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
+        layer.weight_transposed = False
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        pass
+        if layer.weight.device.type == "cpu" and not layer.weight_transposed:
+            layer.weight = nn.Parameter(layer.weight.data.t().contiguous(), requires_grad=False)
+            layer.weight_transposed = True
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        if not layer.weight_transposed:
+            return F.linear(x, layer.weight, bias)
+        if bias is None:
+            return torch.matmul(x, layer.weight)
+        return torch.addmm(bias, x, layer.weight) if x.dim() == 2 else torch.matmul(x, layer.weight) + bias
 
 
 def build(quant_config: dict | None = None) -> UnquantizedLinear:

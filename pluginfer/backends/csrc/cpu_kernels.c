@@ -1,0 +1,88 @@
+/* Native CPU kernels for the cpu backend, compiled on first use (see native.py).
+ *
+ * paged_decode_attention: one query token per sequence attends over that sequence's keys,
+ * read in place from the paged cache (no gathered copy), two passes per (sequence, kv head):
+ * scores for every query head of the group, then the softmax-weighted sum of values.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim] */
+                           const float *key_cache,    /* [blocks, block_size, kv_heads, head_dim] */
+                           const float *value_cache,  /* [blocks, block_size, kv_heads, v_dim] */
+                           const int64_t *block_tables, /* [seqs, max_blocks] */
+                           const int64_t *seq_lens,     /* [seqs] */
+                           float *out,                  /* [seqs, heads, v_dim] */
+                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t v_dim, int64_t block_size, int64_t max_blocks, float scale,
+                           int64_t sliding_window, float soft_cap) {
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1)));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            for (int64_t kv = 0; kv < num_kv_heads; kv++) {
+                if (!scores) continue;
+                const int64_t len = seq_lens[s];
+                const int64_t start = (sliding_window > 0 && len > sliding_window) ? len - sliding_window : 0;
+                const int64_t count = len - start;
+                const float *q = query + (s * num_heads + kv * group) * head_dim;
+                const int64_t *table = block_tables + s * max_blocks;
+                for (int64_t i = 0; i < count; i++) {
+                    const int64_t pos = start + i;
+                    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+                    const float *k = key_cache + (slot * num_kv_heads + kv) * head_dim;
+                    for (int64_t g = 0; g < group; g++) {
+                        float score = dot(q + g * head_dim, k, head_dim) * scale;
+                        if (soft_cap > 0.0f) score = soft_cap * tanhf(score / soft_cap);
+                        scores[g * count + i] = score;
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    float *row = scores + g * count;
+                    float max_score = -INFINITY;
+                    for (int64_t i = 0; i < count; i++) max_score = row[i] > max_score ? row[i] : max_score;
+                    float total = 0.0f;
+                    for (int64_t i = 0; i < count; i++) {
+                        row[i] = expf(row[i] - max_score);
+                        total += row[i];
+                    }
+                    const float inverse = 1.0f / total;
+                    for (int64_t i = 0; i < count; i++) row[i] *= inverse;
+                }
+                float *o = out + (s * num_heads + kv * group) * v_dim;
+                memset(o, 0, sizeof(float) * (size_t)(group * v_dim));
+                for (int64_t i = 0; i < count; i++) {
+                    const int64_t pos = start + i;
+                    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+                    const float *v = value_cache + (slot * num_kv_heads + kv) * v_dim;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float p = scores[g * count + i];
+                        float *og = o + g * v_dim;
+#pragma omp simd
+                        for (int64_t d = 0; d < v_dim; d++) og[d] += p * v[d];
+                    }
+                }
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
