@@ -38,9 +38,9 @@ def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
 
 
-def timed(fn) -> float:  # noqa: ANN001
+def timed(fn, *args) -> float:  # noqa: ANN001
     start = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - start
 
 
@@ -120,8 +120,8 @@ def main() -> int:
             for _ in range(args.runs):
                 batch_prompts = prompts(batch, args.prompt_len)
                 for engine in engines:
-                    full = timed(lambda: engine.generate(batch_prompts, args.gen_len))
-                    first = timed(lambda: engine.generate(batch_prompts, 1))
+                    full = timed(engine.generate, batch_prompts, args.gen_len)
+                    first = timed(engine.generate, batch_prompts, 1)
                     samples[engine.name].append(batch * (args.gen_len - 1) / (full - first))
             for name, values in samples.items():
                 results[(f"decode tok/s, batch {batch}", name)] = statistics.median(values)
@@ -129,7 +129,7 @@ def main() -> int:
         for _ in range(args.runs):
             prompt = prompts(1, args.prefill_len)
             for engine in engines:
-                samples[engine.name].append(args.prefill_len / timed(lambda: engine.generate(prompt, 1)))
+                samples[engine.name].append(args.prefill_len / timed(engine.generate, prompt, 1))
         for name, values in samples.items():
             results[(f"prefill tok/s, {args.prefill_len} tokens", name)] = statistics.median(values)
 

@@ -48,7 +48,14 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                ids.append(self.engine.add_request(prompt, p))
+        except BaseException:
+            for request_id in ids:  # a bad prompt fails the call without leaving the others queued
+                self.engine.abort_request(request_id)
+            raise
         return self._run(ids)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -63,10 +70,11 @@ class LLM:
 
     def _run(self, request_ids: SequenceABC[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
         try:
-            while len(finished) < len(request_ids):
+            while len(finished) < len(wanted):
                 for output in self.engine.step():
-                    if output.finished:
+                    if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
         except BaseException:
             for request_id in request_ids:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from pluginfer.core.batch import ForwardBatch
 from pluginfer.backends import native
+from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,10 @@ class CpuBackend:
         self.native_kernels = reason is None
         if reason is not None:
             logger.warning("cpu backend: native kernels unavailable (%s); using the torch path", reason)
+
+    def op(self, name: str) -> Callable | None:
+        """A fused float32 kernel for a layer op, or None (the layer keeps its torch reference)."""
+        return native.OPS.get(name) if self.native_kernels else None
 
     def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
         if requested is not None:

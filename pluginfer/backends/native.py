@@ -59,10 +59,16 @@ def load() -> ctypes.CDLL:
     if not target.is_file():
         _build(SOURCE, target)
     library = ctypes.CDLL(str(target))
-    function = library.paged_decode_attention
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64,
-                                                                         ctypes.c_float]
+    pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "paged_decode_attention": (ctypes.c_int, [pointer] * 6 + [i64] * 7 + [f32, i64, f32]),
+        "rms_norm": (None, [pointer] * 4 + [i64, i64, f32, f32]),
+        "silu_and_mul": (None, [pointer, pointer, i64, i64]),
+        "rotary_neox": (None, [pointer] * 4 + [i64] * 7),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = restype, argtypes
     return library
 
 
@@ -79,7 +85,11 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
     """float32 decode attention over the paged cache; query ``[seqs, heads, dim]``."""
-    query = query.contiguous()
+    query = query.to(torch.float32).contiguous()
+    block_tables = block_tables.to(torch.int64).contiguous()
+    seq_lens = seq_lens.to(torch.int64).contiguous()
+    if not _fits(key_cache, value_cache):
+        raise ValueError("paged_decode_attention needs contiguous float32 key and value caches")
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, v_dim = value_cache.shape
     out = torch.empty(num_seqs, num_heads, v_dim, dtype=torch.float32)
@@ -91,3 +101,42 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its score buffer")
     return out
+
+
+def _fits(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             offset: float) -> torch.Tensor | None:
+    """Fused (residual add +) RMSNorm; updates ``residual`` in place. None: use the torch path."""
+    if not _fits(x, weight) or (residual is not None and not _fits(residual)):
+        return None
+    out = torch.empty_like(x)
+    load().rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                    out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, offset)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(x[:, :n]) * x[:, n:]``. None: use the torch path."""
+    if not _fits(x):
+        return None
+    n = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], n)
+    load().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n)
+    return out
+
+
+def rotary_neox(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rotary_dim: int) -> bool:
+    """Rotate q ``[tokens, heads, dim]`` and k in place (rows may be strided). False: use the torch path."""
+    if not (query.dtype == key.dtype == torch.float32 and _fits(cos, sin)
+            and query.stride()[1:] == (query.shape[2], 1) and key.stride()[1:] == (key.shape[2], 1)):
+        return False
+    load().rotary_neox(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.shape[0],
+                       query.shape[1], key.shape[1], query.shape[2], rotary_dim, query.stride(0), key.stride(0))
+    return True
+
+
+OPS = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_neox": rotary_neox}

@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pluginfer.core.registry import PluginError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -90,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError, KeyError, ImportError) as exc:
-        # pluginfer's own errors (config, model path, plugins) say what is wrong in one line.
+    except BrokenPipeError:  # e.g. `pluginfer config-schema | head`
+        sys.stderr.close()
+        return 0
+    except (ValueError, FileNotFoundError, KeyError, PluginError) as exc:
+        # pluginfer's own errors (config, model path, plugins, checkpoint) say what is wrong in one line.
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"pluginfer: error: {message}", file=sys.stderr)
         return 2

@@ -89,11 +89,15 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 1
 def parse_size(text: str) -> int:
     """'2GiB' -> 2147483648; '512MB' -> 512000000; plain digits are bytes."""
     stripped = text.strip().lower()
-    number = stripped.rstrip("abgikmB")
+    number = stripped.rstrip("abgikm")
     unit = stripped[len(number):].strip()
-    if unit not in _UNITS or not number:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB)")
-    return int(float(number) * _UNITS[unit])
+    try:
+        value = float(number) * _UNITS[unit]
+        if not 0 <= value < 2**63:
+            raise ValueError
+        return int(value)
+    except (KeyError, ValueError, OverflowError):
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB)") from None
 
 
 def _format_error(error: ValidationError) -> str:

@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.detokenizer import IncrementalDetokenizer
-from pluginfer.core.outputs import CompletionOutput, RequestOutput
-from pluginfer.core.sequence import SamplingParams, Sequence
-from pluginfer.core.stopping import check_stop
 from pluginfer.core.executor import Executor
 from pluginfer.core.kv_cache import BlockManager
+from pluginfer.core.outputs import CompletionOutput, RequestOutput
 from pluginfer.core.sampler import Sampler
 from pluginfer.core.scheduler import Scheduler
+from pluginfer.core.sequence import SamplingParams, Sequence
+from pluginfer.core.stopping import check_stop
 from pluginfer.core.tokenizer import eos_token_ids, load_tokenizer
+
 
 @dataclass
 class _Request:
@@ -39,7 +40,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
-        self.sampler = Sampler(self.executor.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(self.executor.vocab_size, self.eos_token_ids, seed=config.seed)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.step_count = 0

@@ -6,8 +6,9 @@ callable building one of these. The core only ever talks to plugins through them
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -33,9 +34,9 @@ class KVCacheSpec:
 class BuildContext:
     """What a model factory receives besides the HF config: the plugins it builds on."""
 
-    backend: "DeviceBackend"
-    quant: "QuantMethod"
-    collective: "Collective"
+    backend: DeviceBackend
+    quant: QuantMethod
+    collective: Collective
     dtype: torch.dtype
     max_model_len: int
 
@@ -61,7 +62,7 @@ class ModelPipeline(Protocol):
         naming the tensor for an unexpected one and for any parameter left unloaded.
         """
 
-    def forward(self, batch: "ForwardBatch") -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the flat batch; return hidden states of the rows in ``batch.logits_indices``."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -113,7 +114,7 @@ class DeviceBackend(Protocol):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One (key, value) pair of tensors per layer, ``[num_blocks, block_size, heads, dim]``."""
 
-    def prepare(self, batch: "ForwardBatch") -> Any:
+    def prepare(self, batch: ForwardBatch) -> Any:
         """Build attention metadata once per step (masks, gather indices); stored in ``batch.attention``."""
 
     def paged_attention(
@@ -122,7 +123,7 @@ class DeviceBackend(Protocol):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        batch: "ForwardBatch",
+        batch: ForwardBatch,
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
@@ -135,6 +136,14 @@ class DeviceBackend(Protocol):
 
     def synchronize(self) -> None:
         """Wait for queued device work (timings and host reads)."""
+
+    def op(self, name: str) -> Any:
+        """Optional: a faster kernel for a layer op ("rms_norm", "silu_and_mul", "rotary_neox"), or None.
+
+        Layers look it up once when built and fall back to their torch reference when the
+        kernel returns None (or False) for inputs it does not handle. Signatures are those of
+        ``pluginfer.backends.native``.
+        """
 
 
 @runtime_checkable

@@ -6,11 +6,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pluginfer.layers.context import backend_op, current_context, has_context
+
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` where the input is ``[gate | up]`` on the last axis."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = backend_op(current_context().backend, "silu_and_mul") if has_context() else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            out = self.kernel(x)
+            if out is not None:
+                return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

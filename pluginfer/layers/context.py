@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pluginfer.core.protocols import BuildContext
 
@@ -19,6 +19,16 @@ def building(ctx: BuildContext) -> Iterator[BuildContext]:
         yield ctx
     finally:
         _current = previous
+
+
+def backend_op(backend: object, name: str) -> Callable | None:
+    """The backend's faster kernel for a layer op, if it offers one (see DeviceBackend.op)."""
+    lookup = getattr(backend, "op", None)
+    return lookup(name) if lookup is not None else None
+
+
+def has_context() -> bool:
+    return _current is not None
 
 
 def current_context() -> BuildContext:

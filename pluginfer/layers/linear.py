@@ -13,9 +13,17 @@ from torch import nn
 from pluginfer.layers.context import current_context
 
 
-def _check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected {tuple(param.shape)}")
+def _check_shape(expected: torch.Tensor | torch.Size, loaded: torch.Tensor, name: str) -> None:
+    shape = expected if isinstance(expected, torch.Size) else expected.shape
+    if shape != loaded.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected {tuple(shape)}")
+
+
+def _check_rank_slice(loaded: torch.Tensor, dim: int, full_size: int, name: str) -> None:
+    """A tensor that is split across ranks must have its full size along ``dim`` before it is cut."""
+    if loaded.dim() <= dim or loaded.shape[dim] != full_size:
+        raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not have {full_size} "
+                         f"along axis {dim}")
 
 
 class LinearBase(nn.Module):
@@ -44,6 +52,9 @@ class LinearBase(nn.Module):
         if dim is None or self.tp_size == 1:
             return loaded
         size = param.shape[dim]
+        full = list(param.shape)
+        full[dim] = size * self.tp_size
+        _check_shape(torch.Size(full), loaded, getattr(param, "checkpoint_name", "weight"))
         return loaded.narrow(dim, self.tp_rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -103,15 +114,27 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return sum(sizes[:shard_id]), sizes[shard_id]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if shard_id is None:
-            return super().weight_loader(param, loaded)
-        offset, size = self._offsets(shard_id)
         dim = getattr(param, "output_dim", 0)
+        if shard_id is None:
+            if self.tp_size == 1:
+                return super().weight_loader(param, loaded)
+            # An already-fused checkpoint tensor: split it into its projections, then shard each.
+            _check_rank_slice(loaded, dim, sum(self._full_sizes()), getattr(param, "checkpoint_name", "weight"))
+            for index, part in enumerate(loaded.split(self._full_sizes(), dim=dim)):
+                self.weight_loader(param, part, index)
+            return
+        offset, size = self._offsets(shard_id)
         target = param.data.narrow(dim, offset, size)
+        name = f"{getattr(param, 'checkpoint_name', 'weight')}[shard {shard_id}]"
         if self.tp_size > 1:
+            _check_rank_slice(loaded, dim, size * self.tp_size, name)
             loaded = loaded.narrow(dim, self.tp_rank * size, size)
-        _check_shape(target, loaded, f"{getattr(param, 'checkpoint_name', 'weight')}[shard {shard_id}]")
+        _check_shape(target, loaded, name)
         target.copy_(loaded)
+
+    def _full_sizes(self) -> list[int]:
+        """Each projection's size in the checkpoint (all ranks together)."""
+        return list(self.output_sizes)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -138,8 +161,14 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             return super().weight_loader(param, loaded, index)
         offset, size = self._offsets(index)
         dim = getattr(param, "output_dim", 0)
+        name = f"{getattr(param, 'checkpoint_name', 'weight')}[{shard_id}]"
+        _check_rank_slice(loaded, dim, self._full_sizes()[index], name)
         kv_rank = self.tp_rank // self.kv_replicas  # ranks that share one KV head load the same slice
         loaded = loaded.narrow(dim, kv_rank * size, size)
         target = param.data.narrow(dim, offset, size)
-        _check_shape(target, loaded, f"{getattr(param, 'checkpoint_name', 'weight')}[{shard_id}]")
+        _check_shape(target, loaded, name)
         target.copy_(loaded)
+
+    def _full_sizes(self) -> list[int]:
+        kv_heads = self.num_kv_heads * self.tp_size // self.kv_replicas  # the checkpoint's KV heads
+        return [self.num_heads * self.tp_size * self.head_dim, kv_heads * self.head_dim, kv_heads * self.v_head_dim]

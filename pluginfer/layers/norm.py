@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pluginfer.layers.context import current_context
+from pluginfer.layers.context import backend_op, current_context
 
 
 class RMSNorm(nn.Module):
@@ -13,8 +13,10 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=current_context().dtype), requires_grad=False)
+        ctx = current_context()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=ctx.dtype), requires_grad=False)
         self.eps, self.offset = eps, offset
+        self.kernel = backend_op(ctx.backend, "rms_norm")
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -28,6 +30,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is not None:
+            out = self.kernel(x, residual, self.weight, self.eps, self.offset)  # residual updated in place
+            if out is not None:
+                return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
+from pluginfer.layers.context import backend_op, current_context, has_context
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -66,15 +67,23 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         self.cos_cache, self.sin_cache = freqs.cos(), freqs.sin()
+        self.kernel = backend_op(current_context().backend, "rotary_neox") if has_context() else None
+
+    def _tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos/sin of ``[tokens, rotary_dim / 2]`` for this step (shared by every layer)."""
+        key = ("rope", id(self))
+        if key not in batch.extras:
+            if self.rope_type == "dynamic":
+                freqs = self._dynamic_freqs(batch)
+                batch.extras[key] = (freqs.cos(), freqs.sin())
+            else:
+                batch.extras[key] = (self.cos_cache[batch.positions], self.sin_cache[batch.positions])
+        return batch.extras[key]
 
     def _cos_sin(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = ("rope", id(self), dtype)
         if key not in batch.extras:
-            if self.rope_type == "dynamic":
-                freqs = self._dynamic_freqs(batch)
-                cos, sin = freqs.cos(), freqs.sin()
-            else:
-                cos, sin = self.cos_cache[batch.positions], self.sin_cache[batch.positions]
+            cos, sin = self._tables(batch)
             batch.extras[key] = (cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1))
         return batch.extras[key]
 
@@ -89,7 +98,9 @@ class RotaryEmbedding(nn.Module):
         return batch.positions.float()[:, None] * inv_freq
 
     def forward(self, batch: ForwardBatch, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """query ``[tokens, heads, head_dim]``, key ``[tokens, kv_heads, head_dim]``."""
+        """query ``[tokens, heads, head_dim]``, key ``[tokens, kv_heads, head_dim]``; may rotate in place."""
+        if self.kernel is not None and self.kernel(query, key, *self._tables(batch), self.rotary_dim):
+            return query, key
         cos, sin = self._cos_sin(batch, query.dtype)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 

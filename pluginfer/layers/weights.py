@@ -39,6 +39,7 @@ def load_named_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     unloaded = {name for name in params if not any(part in name for part in optional)}
     shards_of = {fused: {s for f, _, s in stacked if f == fused} for fused, _, _ in stacked}
+    part_of = {(fused, shard): part for fused, part, shard in stacked}
     pending: dict[str, set] = {}  # fused parameter -> shards not yet seen
     for name, tensor in weights:
         if any(part in name for part in ignore):
@@ -60,9 +61,16 @@ def load_named_weights(
             raise ValueError(f"checkpoint tensor {name!r}: {exc}") from None
         if not pending.get(target):
             unloaded.discard(target)
-    if unloaded:
-        missing = ", ".join(sorted(unloaded)[:8])
-        raise KeyError(f"checkpoint is missing {len(unloaded)} tensor(s) for: {missing}")
+    missing = []
+    for name in sorted(unloaded):  # name the checkpoint tensors, not our fused parameters
+        fused = next((f for f, _, _ in stacked if f in name), None)
+        if fused is None:
+            missing.append(name)
+        else:
+            shards = pending.get(name, shards_of[fused])
+            missing += sorted(name.replace(fused, part_of[(fused, shard)]) for shard in shards)
+    if missing:
+        raise KeyError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}")
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.core.fake_dists import forget_modules, make_dist, plugin_source
 
 from pluginfer.core import registry as registry_module
 from pluginfer.core.hookspecs import PLUGIN_API_VERSION, PluginSpec, hookimpl
@@ -20,6 +19,7 @@ from pluginfer.core.registry import (
     UnknownPluginError,
     get_registry,
 )
+from tests.core.fake_dists import forget_modules, make_dist, plugin_source
 
 BUILTINS = ("builtin-models", "builtin-quant", "builtin-backends", "builtin-collectives")
 GOOD_SPECS = """[PluginSpec(

@@ -86,3 +86,62 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
     }
     return failed ? -1 : 0;
 }
+
+/* rms_norm: out = (src * rsqrt(mean(src^2) + eps)) * (weight + offset), src = x, or x + residual
+ * written back into residual when residual is given (the fused residual add of pre-norm blocks). */
+void rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t cols,
+              float eps, float offset) {
+#pragma omp parallel for if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *in = x + r * cols;
+        float *src = residual ? residual + r * cols : (float *)in;
+        float sum = 0.0f;
+        if (residual) {
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < cols; i++) {
+                src[i] = in[i] + src[i];
+                sum += src[i] * src[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < cols; i++) sum += src[i] * src[i];
+        }
+        const float inverse = 1.0f / sqrtf(sum / (float)cols + eps);
+        float *o = out + r * cols;
+#pragma omp simd
+        for (int64_t i = 0; i < cols; i++) o[i] = (src[i] * inverse) * (weight[i] + offset);
+    }
+}
+
+/* silu_and_mul: out[r, i] = silu(x[r, i]) * x[r, n + i] for x of [rows, 2n]. */
+void silu_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
+#pragma omp parallel for if (rows > 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * 2 * n, *up = gate + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* rotary_neox: rotate the first rotary_dim features of each head in place (half-split layout),
+ * q of [tokens, q_heads, head_dim] and k of [tokens, k_heads, head_dim] whose token rows are
+ * q_stride / k_stride floats apart (they may be views into one fused qkv buffer),
+ * cos/sin of [tokens, rotary_dim/2]. */
+void rotary_neox(float *q, float *k, const float *cos_table, const float *sin_table, int64_t tokens,
+                 int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride,
+                 int64_t k_stride) {
+    const int64_t half = rotary_dim / 2;
+#pragma omp parallel for if (tokens > 8)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_table + t * half, *s = sin_table + t * half;
+        for (int64_t h = 0; h < q_heads + k_heads; h++) {
+            float *x = h < q_heads ? q + t * q_stride + h * head_dim : k + t * k_stride + (h - q_heads) * head_dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * c[i] - x2 * s[i];
+                x[i + half] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}

@@ -1,0 +1,138 @@
+"""The ``pluginfer`` command, run as users run it: ``python -m pluginfer ...`` in a subprocess.
+
+Each run imports torch and transformers (seconds), so only what needs a real process runs in
+one; flag parsing and error reporting are checked in-process through ``pluginfer.cli.main``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pluginfer import LLM, SamplingParams
+from pluginfer.cli import build_parser, engine_config, main
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """PLUGINFER_CACHE of every run in this module (the demo model is built here)."""
+    return tmp_path_factory.mktemp("pluginfer_cache")
+
+
+def run_cli(*args: str, cache: Path, stdin: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PLUGINFER_CACHE": str(cache), "PYTHONIOENCODING": "utf-8", "HF_HUB_OFFLINE": "1"}
+    env.pop("PLUGINFER_PLUGINS", None)  # the built-ins must all load
+    return subprocess.run([sys.executable, "-m", "pluginfer", *args], input=stdin, capture_output=True,
+                          text=True, encoding="utf-8", env=env, cwd=cache, timeout=300)
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_checkpoint) -> LLM:
+    """The in-process oracle for what the command prints."""
+    return LLM(model=str(tiny_llama_checkpoint[0]), dtype="float32", num_blocks=64, block_size=8)
+
+
+def test_plugins_lists_the_builtins_as_usable(cache_dir):
+    result = run_cli("plugins", cache=cache_dir)
+    assert result.returncode == 0, result.stderr
+    for kind, name in [("model", "llama"), ("backend", "cpu"), ("quant", "none"), ("collective", "single")]:
+        line = re.search(rf"^\s+{kind} {name}\b.*$", result.stdout, re.MULTILINE)
+        assert line and line.group(0).endswith("- usable"), (kind, name, result.stdout)
+
+
+def test_config_schema_prints_json(cache_dir):
+    result = run_cli("config-schema", cache=cache_dir)
+    assert result.returncode == 0, result.stderr
+    schema = json.loads(result.stdout)
+    assert {"cache", "scheduler", "parallel"} <= set(schema["properties"])
+
+
+def test_generate_prints_the_text(cache_dir, tiny_llama_checkpoint, llm):
+    result = run_cli("generate", "--model", str(tiny_llama_checkpoint[0]), "--prompt", "hello",
+                     "--max-tokens", "5", "--temperature", "0", "--ignore-eos", cache=cache_dir)
+    assert result.returncode == 0, result.stderr
+    [expected] = llm.generate("hello", _greedy(5))
+    assert result.stdout == expected.outputs[0].text + "\n"
+
+
+def test_chat_answers_each_line_of_stdin(cache_dir, tiny_llama_checkpoint, llm):
+    result = run_cli("chat", "--model", str(tiny_llama_checkpoint[0]), "--max-tokens", "5",
+                     "--temperature", "0", "--ignore-eos", cache=cache_dir, stdin="Hello\nTell me more\n")
+    assert result.returncode == 0, result.stderr
+    # The same conversation through the API: the first answer becomes the assistant's turn.
+    conversation = [{"role": "user", "content": "Hello"}]
+    first = llm.chat(conversation, _greedy(5))[0].outputs[0].text
+    conversation += [{"role": "assistant", "content": first}, {"role": "user", "content": "Tell me more"}]
+    second = llm.chat(conversation, _greedy(5))[0].outputs[0].text
+    assert result.stdout == f"{first}\n{second}\n"
+
+
+def test_missing_model_is_one_line_naming_the_path(cache_dir, tmp_path):
+    missing = tmp_path / "nonexistent"
+    result = run_cli("generate", "--model", str(missing), "--prompt", "x", cache=cache_dir)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert str(missing) in line and "does not exist" in line
+
+
+@pytest.mark.slow
+def test_demo_model_is_built_once_and_called_noise(cache_dir, monkeypatch):
+    result = run_cli("generate", "--model", "demo", "--prompt", "hello", "--max-tokens", "5", cache=cache_dir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and "noise" not in result.stdout
+    assert "noise" in result.stderr
+    demo = cache_dir / "demo-v1"
+    assert (demo / "config.json").is_file() and (demo / "tokenizer.json").is_file()
+
+    from pluginfer.demo.model import ensure_demo_model
+
+    monkeypatch.setenv("PLUGINFER_CACHE", str(cache_dir))
+    weights = demo / "model.safetensors"
+    built_at = weights.stat().st_mtime_ns
+    assert ensure_demo_model() == demo
+    assert weights.stat().st_mtime_ns == built_at  # found, not rebuilt
+    assert sorted(p.name for p in cache_dir.iterdir() if p.name.startswith("demo")) == ["demo-v1"]
+
+
+def test_flags_override_the_config_file(tmp_path):
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("model: m\ncache:\n  block_size: 8\n  enable_prefix_caching: false\n"
+                      "scheduler:\n  max_num_seqs: 4\n")
+    parser = build_parser()
+    base = ["generate", "--config", str(deploy), "--prompt", "p"]
+    from_file = engine_config(parser.parse_args(base))
+    assert from_file.cache.block_size == 8 and from_file.cache.enable_prefix_caching is False
+    assert from_file.scheduler.max_num_seqs == 4
+
+    flagged = engine_config(parser.parse_args(base + [
+        "--model", "other", "--block-size", "32", "--kv-cache-memory", "2GiB", "--enable-prefix-caching",
+        "--no-enable-chunked-prefill", "--dtype", "bfloat16"]))
+    assert flagged.model == "other" and flagged.dtype == "bfloat16"
+    assert flagged.cache.block_size == 32 and flagged.cache.kv_cache_memory == 2 * 2**30
+    assert flagged.cache.enable_prefix_caching is True and flagged.scheduler.enable_chunked_prefill is False
+    assert flagged.scheduler.max_num_seqs == 4
+
+
+def test_invalid_config_file_is_one_line_naming_the_fields(tiny_llama_checkpoint, tmp_path, capsys):
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(f"model: {tiny_llama_checkpoint[0]}\ncache:\n  block_size: 0\nscheduler:\n  max_num_seq: 4\n")
+    assert main(["generate", "--config", str(deploy), "--prompt", "x"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "cache.block_size" in line and "scheduler.max_num_seq" in line
+
+
+def test_unknown_architecture_is_one_line(unknown_architecture_checkpoint, capsys):
+    assert main(["generate", "--model", str(unknown_architecture_checkpoint), "--prompt", "x"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "FooForCausalLM" in line and "llama" in line
