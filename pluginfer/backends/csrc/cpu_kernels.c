@@ -5,6 +5,7 @@
  * scores for every query head of the group, then the softmax-weighted sum of values.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,35 +29,45 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_len = 0;
     for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    /* A task is one sequence and a run of its kv heads: each cache slot row is read as one
+     * contiguous piece; with fewer sequences than threads the heads are split between threads. */
+    const int64_t threads = omp_get_max_threads();
+    int64_t splits = num_seqs >= threads ? 1 : (threads + num_seqs - 1) / num_seqs;
+    if (splits > num_kv_heads) splits = num_kv_heads;
+    const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1)));
+        float *scores = malloc(sizeof(float) * (size_t)(heads_per_task * group * (max_len > 0 ? max_len : 1)));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for collapse(2) schedule(dynamic)
         for (int64_t s = 0; s < num_seqs; s++) {
-            for (int64_t kv = 0; kv < num_kv_heads; kv++) {
-                if (!scores) continue;
+            for (int64_t part = 0; part < splits; part++) {
+                const int64_t kv_begin = part * heads_per_task;
+                const int64_t kv_end = kv_begin + heads_per_task < num_kv_heads ? kv_begin + heads_per_task
+                                                                                  : num_kv_heads;
+                if (!scores || kv_begin >= kv_end) continue;
+                const int64_t rows = (kv_end - kv_begin) * group; /* query heads of this task */
                 const int64_t len = seq_lens[s];
                 const int64_t start = (sliding_window > 0 && len > sliding_window) ? len - sliding_window : 0;
                 const int64_t count = len - start;
-                const float *q = query + (s * num_heads + kv * group) * head_dim;
+                const float *q = query + (s * num_heads + kv_begin * group) * head_dim;
                 const int64_t *table = block_tables + s * max_blocks;
                 for (int64_t i = 0; i < count; i++) {
                     const int64_t pos = start + i;
                     const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                    const float *k = key_cache + (slot * num_kv_heads + kv) * head_dim;
-                    for (int64_t g = 0; g < group; g++) {
-                        float score = dot(q + g * head_dim, k, head_dim) * scale;
+                    const float *k = key_cache + (slot * num_kv_heads + kv_begin) * head_dim;
+                    for (int64_t h = 0; h < rows; h++) {
+                        float score = dot(q + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
                         if (soft_cap > 0.0f) score = soft_cap * tanhf(score / soft_cap);
-                        scores[g * count + i] = score;
+                        scores[h * count + i] = score;
                     }
                 }
-                for (int64_t g = 0; g < group; g++) {
-                    float *row = scores + g * count;
+                for (int64_t h = 0; h < rows; h++) {
+                    float *row = scores + h * count;
                     float max_score = -INFINITY;
                     for (int64_t i = 0; i < count; i++) max_score = row[i] > max_score ? row[i] : max_score;
                     float total = 0.0f;
@@ -67,17 +78,18 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
                     const float inverse = 1.0f / total;
                     for (int64_t i = 0; i < count; i++) row[i] *= inverse;
                 }
-                float *o = out + (s * num_heads + kv * group) * v_dim;
-                memset(o, 0, sizeof(float) * (size_t)(group * v_dim));
+                float *o = out + (s * num_heads + kv_begin * group) * v_dim;
+                memset(o, 0, sizeof(float) * (size_t)(rows * v_dim));
                 for (int64_t i = 0; i < count; i++) {
                     const int64_t pos = start + i;
                     const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                    const float *v = value_cache + (slot * num_kv_heads + kv) * v_dim;
-                    for (int64_t g = 0; g < group; g++) {
-                        const float p = scores[g * count + i];
-                        float *og = o + g * v_dim;
+                    const float *v = value_cache + (slot * num_kv_heads + kv_begin) * v_dim;
+                    for (int64_t h = 0; h < rows; h++) {
+                        const float p = scores[h * count + i];
+                        const float *vh = v + (h / group) * v_dim;
+                        float *oh = o + h * v_dim;
 #pragma omp simd
-                        for (int64_t d = 0; d < v_dim; d++) og[d] += p * v[d];
+                        for (int64_t d = 0; d < v_dim; d++) oh[d] += p * vh[d];
                     }
                 }
             }
