@@ -1,0 +1,143 @@
+"""AsyncEngine: LLMEngine's step loop in its own thread, one asyncio queue per request.
+
+The engine is touched only by the loop thread. Coroutines hand it commands (add, abort)
+through a thread-safe queue and receive RequestOutputs through ``loop.call_soon_threadsafe``.
+Leaving ``generate`` early (a client that disconnects cancels its handler) aborts the request,
+whose KV blocks are freed before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pluginfer.core.engine import LLMEngine
+from pluginfer.core.outputs import RequestOutput
+from pluginfer.core.sequence import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an error; no request can be served any more."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    """Serve many concurrent requests from coroutines; continuous batching happens in the thread."""
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._idle_wait_s = idle_wait_s
+        self._ids = itertools.count()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pluginfer-engine", daemon=True)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still running are aborted."""
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_requests(self) -> int:
+        """Requests accepted and not yet finished (waiting or running)."""
+        return len(self._streams)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step that changed it; the last one is finished."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        request_id = request_id or f"async-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt, params))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    # -- the loop thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        stream = self._streams.get(output.request_id)
+                        if stream is not None:
+                            stream.put(output)
+                else:
+                    self._wakeup.wait(self._idle_wait_s)
+                    self._wakeup.clear()
+            self.engine.abort_all()
+        except BaseException as exc:  # the loop dies; every waiting request learns why
+            logger.exception("engine loop died")
+            self.error = exc
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt, params = command
+                stream = self._streams.get(request_id)
+                if stream is None:  # abandoned before it was added
+                    continue
+                try:
+                    self.engine.add_request(prompt, params, request_id=request_id)
+                except Exception as exc:  # bad input for this request only
+                    stream.put(exc)
+            else:
+                self.engine.abort_request(command[1])
