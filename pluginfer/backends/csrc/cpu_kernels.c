@@ -27,16 +27,21 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
                            int64_t v_dim, int64_t block_size, int64_t max_blocks, float scale,
                            int64_t sliding_window, float soft_cap) {
     const int64_t group = num_heads / num_kv_heads;
-    int64_t max_len = 0;
-    for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    int64_t max_len = 0, total_len = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+        total_len += seq_lens[s];
+    }
+    /* Below ~1M multiply-adds a second thread costs more to wake than it saves. */
+    const int parallel = total_len * num_heads * (head_dim + v_dim) > (1 << 20);
     /* A task is one sequence and a run of its kv heads: each cache slot row is read as one
      * contiguous piece; with fewer sequences than threads the heads are split between threads. */
-    const int64_t threads = omp_get_max_threads();
+    const int64_t threads = parallel ? omp_get_max_threads() : 1;
     int64_t splits = num_seqs >= threads ? 1 : (threads + num_seqs - 1) / num_seqs;
     if (splits > num_kv_heads) splits = num_kv_heads;
     const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel if (parallel)
     {
         float *scores = malloc(sizeof(float) * (size_t)(heads_per_task * group * (max_len > 0 ? max_len : 1)));
         if (!scores) {
