@@ -13,62 +13,26 @@ from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import BuildContext, KVCacheSpec
-from pluginfer.layers.activation import gated_activation
-from pluginfer.layers.attention import Attention
 from pluginfer.layers.context import current_context
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
-from pluginfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.rotary import RotaryEmbedding, get_rope
+from pluginfer.layers.self_attention import SelfAttention
 from pluginfer.layers.weights import load_named_weights
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, config: dict, rope: RotaryEmbedding) -> None:
-        super().__init__()
-        hidden = config["hidden_size"]
-        heads = config["num_attention_heads"]
-        kv_heads = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or hidden // heads
-        bias = bool(config.get("attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=bias)
-        self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=bias)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.head_dim = head_dim
-        self.rotary_emb = rope
-        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads,
-                              sliding_window=config.get("sliding_window"))
-
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(batch, q, k)
-        out = self.attn(batch, q, k, v.view(-1, self.num_kv_heads, self.head_dim))
-        return self.o_proj(out)
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, config: dict) -> None:
-        super().__init__()
-        hidden, intermediate = config["hidden_size"], config["intermediate_size"]
-        bias = bool(config.get("mlp_bias", False))
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
-        self.act_fn = gated_activation(config.get("hidden_act", "silu"))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: dict, rope: RotaryEmbedding) -> None:
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(config, rope)
-        self.mlp = LlamaMLP(config)
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        bias = bool(config.get("attention_bias", False))
+        self.self_attn = SelfAttention(hidden, heads, config.get("num_key_value_heads") or heads,
+                                       config.get("head_dim") or hidden // heads, rope, qkv_bias=bias,
+                                       output_bias=bias, sliding_window=config.get("sliding_window"))
+        self.mlp = GatedMLP(hidden, config["intermediate_size"], config.get("hidden_act", "silu"),
+                            bias=bool(config.get("mlp_bias", False)))
         self.input_layernorm = RMSNorm(config["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
 

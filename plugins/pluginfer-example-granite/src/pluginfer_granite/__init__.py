@@ -1,0 +1,1 @@
+"""An out-of-tree pluginfer model plugin for IBM Granite."""
