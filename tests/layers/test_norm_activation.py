@@ -11,14 +11,12 @@ from transformers.activations import ACT2FN
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from pluginfer.backends import cpu, native
 from pluginfer.backends.cpu import CpuBackend
-from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
 from pluginfer.layers.activation import GeluAndMul, SiluAndMul, gated_activation
 from pluginfer.layers.context import building
 from pluginfer.layers.norm import RMSNorm
-from pluginfer.quant import unquantized
+from tests.layers.conftest import make_context
 
 HIDDEN, EPS = 96, 1e-5
 # bf16 keeps 8 significant bits: adjacent values differ by 2**-8..2**-7 relative. Our norm and the oracle
@@ -26,18 +24,13 @@ HIDDEN, EPS = 96, 1e-5
 TOLERANCE = {torch.float32: dict(atol=1e-6, rtol=1e-5), torch.bfloat16: dict(atol=1e-6, rtol=2**-7)}
 
 
-@pytest.fixture(params=["native", "torch"])
-def backend(request: pytest.FixtureRequest) -> CpuBackend:
-    backend = cpu.build()
-    if request.param == "native" and not backend.native_kernels:
-        pytest.skip(f"native kernels unavailable: {native.available()}")
-    backend.native_kernels = request.param == "native"
-    return backend
+@pytest.fixture
+def backend(cpu_backend: CpuBackend) -> CpuBackend:
+    return cpu_backend
 
 
 def context(backend: CpuBackend, dtype: torch.dtype) -> BuildContext:
-    return BuildContext(backend=backend, quant=unquantized.build(), collective=single.build(), dtype=dtype,
-                        max_model_len=128)
+    return make_context(backend, dtype)
 
 
 def random_weight(seed: int) -> torch.Tensor:

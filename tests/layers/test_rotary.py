@@ -10,13 +10,11 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from pluginfer.backends import cpu, native
-from pluginfer.collectives import single
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import BuildContext
 from pluginfer.layers.context import building
 from pluginfer.layers.rotary import RotaryEmbedding, get_rope
-from pluginfer.quant import unquantized
+from tests.layers.conftest import make_context
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
 ATOL = 1e-5
@@ -25,14 +23,9 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 64}
 
 
-@pytest.fixture(params=["native", "torch"])
-def context(request: pytest.FixtureRequest) -> BuildContext:
-    backend = cpu.build()
-    if request.param == "native" and not backend.native_kernels:
-        pytest.skip(f"native kernels unavailable: {native.available()}")
-    backend.native_kernels = request.param == "native"
-    return BuildContext(backend=backend, quant=unquantized.build(), collective=single.build(),
-                        dtype=torch.float32, max_model_len=256)
+@pytest.fixture
+def context(cpu_backend) -> BuildContext:  # noqa: ANN001
+    return make_context(cpu_backend, max_model_len=256)
 
 
 def build_rope(context: BuildContext, config: dict, head_dim: int = HEAD_DIM, **kwargs: int) -> RotaryEmbedding:

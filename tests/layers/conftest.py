@@ -1,0 +1,26 @@
+"""Layers run on both paths of the cpu backend: the native kernels and the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pluginfer.backends import cpu, native
+from pluginfer.backends.cpu import CpuBackend
+from pluginfer.collectives import single
+from pluginfer.core.protocols import BuildContext
+from pluginfer.quant import unquantized
+
+
+@pytest.fixture(params=["native", "torch"])
+def cpu_backend(request: pytest.FixtureRequest) -> CpuBackend:
+    backend = cpu.build()
+    if request.param == "native" and not backend.native_kernels:
+        pytest.skip(f"native kernels unavailable: {native.available()}")
+    backend.native_kernels = request.param == "native"
+    return backend
+
+
+def make_context(backend: CpuBackend, dtype: torch.dtype = torch.float32, max_model_len: int = 128) -> BuildContext:
+    return BuildContext(backend=backend, quant=unquantized.build(), collective=single.build(), dtype=dtype,
+                        max_model_len=max_model_len)
