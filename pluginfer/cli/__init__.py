@@ -67,7 +67,7 @@ def _config_schema(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pluginfer.cli import generate
+    from pluginfer.cli import bench, generate, serve
 
     parser = argparse.ArgumentParser(prog="pluginfer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pluginfer {__version__}")
@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("config-schema", help="print the JSON schema of the deployment config"
                         ).set_defaults(run=_config_schema)
     generate.register(commands, add_engine_arguments)
+    serve.register(commands, add_engine_arguments)
+    bench.register(commands, add_engine_arguments)
     return parser
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from pluginfer.cli.chat_loop import chat_loop
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +32,9 @@ def register(commands: argparse._SubParsersAction, add_engine_arguments: Callabl
     chat = commands.add_parser("chat", help="interactive chat with streamed answers (empty line or Ctrl-D ends)")
     add_engine_arguments(chat)
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--base-url", default=None,
+                      help="talk to a running OpenAI-compatible server instead (--model: the name to ask for)")
+    chat.add_argument("--api-key", default=None, help="with --base-url: sent as 'Authorization: Bearer KEY'")
     _sampling_arguments(chat)
     chat.set_defaults(run=run_chat)
 
@@ -83,35 +88,28 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    if args.base_url:
+        from pluginfer.cli import remote_chat
+
+        return remote_chat.run(args)
     from pluginfer.core.tokenizer import render_chat
 
     engine, config = _engine(args)
     params = _params(args, config)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    interactive = sys.stdin.isatty()
-    while True:
-        try:
-            line = input("> " if interactive else "")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
+
+    def answer(messages: list[dict]) -> Iterator[str]:
         prompt = engine.tokenizer.encode(render_chat(engine.tokenizer, messages), add_special_tokens=False)
         request_id = engine.add_request(prompt, params)
-        printed, answer = 0, ""
+        printed = 0
         try:
-            finished = False
-            while not finished:
+            while engine.has_unfinished_requests():
                 for output in engine.step():
-                    if output.request_id != request_id:
-                        continue
-                    answer = output.outputs[0].text
-                    sys.stdout.write(answer[printed:])
-                    sys.stdout.flush()
-                    printed, finished = len(answer), output.finished
-        except KeyboardInterrupt:
-            engine.abort_request(request_id)
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": answer})
-    return 0
+                    text = output.outputs[0].text
+                    yield text[printed:]
+                    printed = len(text)
+                    if output.finished and output.error:
+                        raise ValueError(output.error)
+        finally:
+            engine.abort_request(request_id)  # Ctrl-C mid-answer: free its blocks (no-op once finished)
+
+    return chat_loop(args.system, answer)

@@ -33,7 +33,10 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # that event loop is closed: nobody is listening any more
+            pass
 
 
 class AsyncEngine:
@@ -47,6 +50,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
         self._ids = itertools.count()
+        self._not_started: set[str] = set()  # accepted, no output yet (read by coroutines only)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="pluginfer-engine", daemon=True)
 
@@ -65,12 +69,17 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
     @property
     def num_requests(self) -> int:
         """Requests accepted and not yet finished (waiting or running)."""
         return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted that have produced no output yet (queued, or their prompt is being read)."""
+        return len(self._not_started)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -78,17 +87,23 @@ class AsyncEngine:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that changed it; the last one is finished."""
         if not self.is_alive:
-            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+            why = f"it died: {type(self.error).__name__}: {self.error}" if self.error else "it was shut down"
+            raise EngineDeadError(f"the engine loop is not running ({why})")
         request_id = request_id or f"async-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
+        self._not_started.add(request_id)
         self._commands.put(("add", request_id, prompt, params))
         self._wakeup.set()
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
+                self._not_started.discard(request_id)
                 if isinstance(item, BaseException):
+                    finished = True  # the loop never ran it, or has dropped it: nothing to abort
                     raise item
                 finished = item.finished
                 yield item
@@ -96,6 +111,7 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._not_started.discard(request_id)
             if not finished:
                 self.abort(request_id)
 
@@ -108,6 +124,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._wakeup.clear()  # before draining, so a command queued meanwhile is not slept through
                 self._drain_commands()
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
@@ -116,13 +133,14 @@ class AsyncEngine:
                             stream.put(output)
                 else:
                     self._wakeup.wait(self._idle_wait_s)
-                    self._wakeup.clear()
             self.engine.abort_all()
+            reason: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as exc:  # the loop dies; every waiting request learns why
             logger.exception("engine loop died")
             self.error = exc
-            for stream in list(self._streams.values()):
-                stream.put(EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}"))
+            reason = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
+        for stream in list(self._streams.values()):
+            stream.put(reason)
 
     def _drain_commands(self) -> None:
         while True:

@@ -53,6 +53,9 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        vocab = self.executor.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"SamplingParams.logit_bias: token ids must be below the vocabulary size {vocab}")
         seqs = [Sequence(request_id, token_ids, params, index=i, arrival_step=self.step_count)
                 for i in range(params.n)]
         detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in seqs]

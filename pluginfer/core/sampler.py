@@ -122,6 +122,20 @@ def derive_seed(seed: int, index: int) -> int:
     return (seed * _GOLDEN_64 + index) & _MASK_64
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` (ids past the vocabulary are an error for that request only upstream)."""
+    rows = [(i, seq.params.logit_bias) for i, seq in enumerate(seqs) if seq.params.logit_bias]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for row, bias in rows:  # only rows that ask for it; each touches a handful of ids
+        ids = torch.tensor([t for t in bias if t < vocab], dtype=torch.long, device=logits.device)
+        values = torch.tensor([b for t, b in bias.items() if t < vocab], dtype=logits.dtype, device=logits.device)
+        logits[row, ids] += values
+    return logits
+
+
 class Sampler:
     """Picks one token per row of a logits batch, each row following its sequence's SamplingParams."""
 
@@ -140,6 +154,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
 
         logits = apply_penalties(logits, seqs)
+        logits = apply_logit_bias(logits, seqs)
         logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
 
         greedy = [p.temperature == 0 for p in params]

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 
 _INT64_MAX = 2**63 - 1
+_GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -28,6 +29,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # number of alternatives besides the sampled token
+    logit_bias: dict[int, float] | None = None  # token id -> value added to its logit (OpenAI's logit_bias)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -39,6 +41,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if self.temperature < _GREEDY_BELOW:  # as vLLM: dividing by a tiny temperature overflows
+            self.temperature = 0.0
 
     def _validate(self) -> None:
         def fail(name: str, why: str) -> None:
@@ -46,16 +50,16 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            fail("temperature", "must be >= 0")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # also rejects NaN
+            fail("temperature", "must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             fail("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            fail("top_k", "must be -1, 0 (disabled) or a positive integer")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            fail("top_k", "must be -1, 0 (disabled) or a positive integer below 2**31")
         if not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            fail("repetition_penalty", "must be > 0")
+        if not 1e-6 <= self.repetition_penalty <= 1e6:  # outside, float32 logits overflow to inf/0
+            fail("repetition_penalty", "must be in [1e-6, 1e6]")
         if not -2 <= self.presence_penalty <= 2:
             fail("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
@@ -72,6 +76,9 @@ class SamplingParams:
             fail("logprobs", "must be in [0, 20]")
         if any(not s for s in self.stop):
             fail("stop", "stop strings must not be empty")
+        if self.logit_bias is not None and any(
+                not isinstance(t, int) or t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
+            fail("logit_bias", "must map token ids (>= 0) to values in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -1,1 +1,1 @@
-"""OpenAI-compatible HTTP server (aiohttp); see docs/ once it lands."""
+"""OpenAI-compatible HTTP server (aiohttp) over an AsyncEngine; see docs/server.md."""

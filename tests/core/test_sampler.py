@@ -210,3 +210,20 @@ def test_logprobs_are_raw_log_softmax_with_sampled_and_top_alternatives():
         assert math.isclose(value, reference[0, token].item(), rel_tol=1e-5, abs_tol=1e-6)
     assert out.logprobs[1] == pytest.approx({out.token_ids[1]: reference[1, out.token_ids[1]].item()})
     assert out.logprobs[2] is None
+
+
+def test_logit_bias_is_added_to_its_row_only():
+    logits = torch.zeros(2, 8)
+    logits[:, 3] = 5.0
+    biased = seq(temperature=0.0, logit_bias={6: 100.0, 3: -100.0})
+    plain = seq(temperature=0.0, request_id="other")
+    out = Sampler(8, set())(logits, [biased, plain])
+    assert out.token_ids == [6, 3]
+
+
+def test_out_of_range_sampling_values_are_rejected_or_made_greedy():
+    assert SamplingParams(temperature=1e-30).temperature == 0.0  # would overflow float32 logits
+    for field, value in (("repetition_penalty", 1e-30), ("top_k", 2**40), ("temperature", float("nan")),
+                         ("logit_bias", {3: 1000.0})):
+        with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+            SamplingParams(**{field: value})

@@ -1,0 +1,132 @@
+"""The aiohttp application: routes, API keys, request metrics, and the small endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from aiohttp import web
+
+from pluginfer import __version__
+from pluginfer.core.async_engine import AsyncEngine
+from pluginfer.core.config import EngineConfig
+from pluginfer.server.chat import create_chat_completion, render_prompt
+from pluginfer.server.completions import create_completion
+from pluginfer.server.errors import APIError, bad_request, error_middleware
+from pluginfer.server.metrics import CONTENT_TYPE
+from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
+from pluginfer.server.state import STATE, ServerState, read_body
+
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # answered without an API key
+
+
+def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Application:
+    """The OpenAI-compatible app over a started AsyncEngine; ``config.server`` sets keys and limits.
+
+    Run it with ``web.AppRunner(app, handler_cancellation=True)`` so a client that disconnects
+    cancels its handler, which aborts its engine requests.
+    """
+    server = config.server
+    app = web.Application(middlewares=[_metrics_middleware, error_middleware, _auth_middleware(server.api_keys)],
+                          client_max_size=server.max_request_bytes)
+    app[STATE] = ServerState.create(async_engine, config)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", get_model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    return app
+
+
+@web.middleware
+async def _metrics_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    counter = request.app[STATE].metrics.requests
+    try:
+        response = await handler(request)
+    except (asyncio.CancelledError, ConnectionError):
+        counter.labels(route, "499").inc()  # the client closed the connection first (nginx's code)
+        raise
+    counter.labels(route, str(response.status)).inc()
+    return response
+
+
+def _auth_middleware(api_keys: list[str]) -> Any:
+    keys = [key.encode() for key in api_keys]
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        if keys and request.path not in _OPEN_PATHS:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            valid = scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip().encode(), key)
+                                                       for key in keys)
+            if not valid:
+                raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    return check_api_key
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pluginfer",
+            "root": state.config.model, "max_model_len": state.engine.max_model_len}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.check_model(request.match_info["model_id"])
+    return web.json_response(_model_card(state))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_body(request, TokenizeRequest)
+    state.check_model(body.model)
+    if body.messages is not None:
+        tokens = render_prompt(state, [m.for_template() for m in body.messages], body.add_generation_prompt,
+                               body.chat_template_kwargs)
+    elif body.prompt is not None:
+        tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    else:
+        raise bad_request("give prompt or messages", "prompt")
+    return web.json_response({"count": len(tokens), "max_model_len": state.engine.max_model_len,
+                              "tokens": tokens})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_body(request, DetokenizeRequest)
+    state.check_model(body.model)
+    vocab_size = len(state.tokenizer)
+    bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"token ids must be in [0, {vocab_size}), got {bad[:5]}", "tokens")
+    return web.json_response({"prompt": state.tokenizer.decode(body.tokens)})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not state.async_engine.is_alive:
+        error = state.async_engine.error
+        why = f": {type(error).__name__}: {error}" if error else ""
+        raise APIError(503, f"the engine loop is not running{why}", code="engine_unavailable")
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})

@@ -1,0 +1,113 @@
+"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + choice index."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from pluginfer.core.outputs import CompletionOutput, RequestOutput
+from pluginfer.server.logprobs import TokenText, completion_logprobs
+from pluginfer.server.protocol import CompletionRequest
+from pluginfer.server.state import STATE, ServerState, read_body
+from pluginfer.server.streaming import run_requests, stream_response, usage
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_body(request, CompletionRequest)
+    state.check_model(body.model)
+    body.check_supported()
+    params = body.sampling_params(state.config.sampling, state.config.server.max_logprobs)
+    prompts = [state.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompt]
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    outputs = run_requests(state, prompts, params, request_id, "prompt")
+    answer = _CompletionAnswer(state, body, request_id, prompts)
+    if body.stream:
+        return await stream_response(request, answer.chunks(outputs))
+    finals: dict[int, RequestOutput] = {}
+    async with aclosing(outputs) as stream:
+        async for index, output in stream:
+            if output.finished:
+                finals[index] = output
+    return web.json_response(answer.completion([finals[i] for i in range(len(prompts))]))
+
+
+class _CompletionAnswer:
+    """Builds the response body, or the chunks of the stream, from the engine's outputs."""
+
+    def __init__(self, state: ServerState, body: CompletionRequest, request_id: str,
+                 prompts: list[list[int]]) -> None:
+        self.state, self.body, self.id = state, body, request_id
+        self.created = int(time.time())
+        self.text_of = TokenText(state.tokenizer)
+        self.echo = [self._prompt_text(given, ids) for given, ids in zip(body.prompt, prompts)] \
+            if body.echo else [""] * len(prompts)
+
+    def _prompt_text(self, given: str | list[int], ids: list[int]) -> str:
+        return given if isinstance(given, str) else self.state.tokenizer.decode(ids)
+
+    def _logprobs(self, choice: CompletionOutput, start: int, offset: int) -> dict[str, Any] | None:
+        if choice.logprobs is None:
+            return None
+        return completion_logprobs(self.text_of, choice.token_ids[start:], choice.logprobs[start:],
+                                   self.body.logprobs or 0, offset)
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.state.model_name, "choices": choices}
+
+    def completion(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for prompt_index, output in enumerate(outputs):
+            echo = self.echo[prompt_index]
+            for choice in output.outputs:
+                choices.append({"index": prompt_index * self.body.n + choice.index, "text": echo + choice.text,
+                                "logprobs": self._logprobs(choice, 0, len(echo)),
+                                "finish_reason": choice.finish_reason})
+        body = self._chunk(choices)
+        body["usage"] = usage(sum(len(o.prompt_token_ids) for o in outputs),
+                              sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                              sum(o.num_cached_tokens for o in outputs))
+        return body
+
+    async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict[str, Any]]:
+        """Text deltas (the echoed prompt first); each choice's last chunk alone carries its finish_reason."""
+        n = self.body.n
+        count = n * len(self.echo)
+        sent_text, sent_tokens, finished = [0] * count, [0] * count, [False] * count
+        started = [False] * count
+        prompt_tokens, generated = [0] * len(self.echo), [0] * len(self.echo)
+        cached = 0
+        async with aclosing(outputs) as stream:
+            async for prompt_index, output in stream:
+                prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+                generated[prompt_index] = sum(len(c.token_ids) for c in output.outputs)
+                if output.finished:
+                    cached += output.num_cached_tokens
+                for choice in output.outputs:
+                    i, done = prompt_index * n + choice.index, choice.finish_reason is not None
+                    if finished[i]:
+                        continue
+                    prefix = "" if started[i] else self.echo[prompt_index]
+                    text = prefix + choice.text[sent_text[i]:]
+                    new_tokens = len(choice.token_ids) > sent_tokens[i]
+                    if not (text or done or (new_tokens and choice.logprobs is not None)):
+                        continue
+                    offset = len(self.echo[prompt_index]) + sent_text[i]
+                    logprobs = self._logprobs(choice, sent_tokens[i], offset)
+                    started[i], finished[i] = True, done
+                    sent_text[i], sent_tokens[i] = len(choice.text), len(choice.token_ids)
+                    chunk = self._chunk([{"index": i, "text": text, "logprobs": logprobs,
+                                          "finish_reason": choice.finish_reason}])
+                    if self.body.continuous_usage:
+                        chunk["usage"] = usage(prompt_tokens[prompt_index], generated[prompt_index])
+                    yield chunk
+        if self.body.include_usage:
+            chunk = self._chunk([])
+            chunk["usage"] = usage(sum(prompt_tokens), sum(generated), cached)
+            yield chunk

@@ -1,0 +1,93 @@
+"""Running the app: ``run_server`` (blocking, stops on SIGINT/SIGTERM) and ``BackgroundServer`` (a thread).
+
+Shutdown order: stop accepting connections, stop the engine loop (in-flight requests end
+with a 503, or an error event on a stream), then close the remaining connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import threading
+from concurrent.futures import Future
+
+from aiohttp import web
+
+from pluginfer.core.async_engine import AsyncEngine
+from pluginfer.core.config import EngineConfig
+from pluginfer.core.engine import LLMEngine
+from pluginfer.server.app import build_app
+
+logger = logging.getLogger(__name__)
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, web.TCPSite, int]:
+    """Listen on host:port (0: a free port); returns the runner, the site and the bound port."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, site, runner.addresses[0][1]
+
+
+async def stop_site(runner: web.AppRunner, site: web.TCPSite, async_engine: AsyncEngine | None) -> None:
+    """Stop listening; stop the engine (if given), which ends in-flight requests; close the rest."""
+    await site.stop()
+    if async_engine is not None:
+        await asyncio.to_thread(async_engine.shutdown)
+    await runner.cleanup()
+
+
+async def _serve(async_engine: AsyncEngine, config: EngineConfig) -> None:
+    app = build_app(async_engine, config)
+    runner, site, port = await start_site(app, config.server.host, config.server.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"pluginfer: serving {config.server.served_model_name or config.model} "
+          f"on http://{config.server.host}:{port}", flush=True)
+    await stop.wait()
+    print("pluginfer: shutting down", file=sys.stderr, flush=True)
+    await stop_site(runner, site, async_engine)
+
+
+def run_server(config: EngineConfig) -> int:
+    """Load the model, serve until SIGINT or SIGTERM, return 0 after a clean shutdown."""
+    async_engine = AsyncEngine(LLMEngine(config)).start()
+    try:
+        asyncio.run(_serve(async_engine, config))
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+class BackgroundServer:
+    """The app on its own event loop in a daemon thread (tests, notebooks); ``stop()`` ends it.
+
+    The engine stays the caller's: several servers (e.g. with different keys) may share one.
+    """
+
+    def __init__(self, async_engine: AsyncEngine, config: EngineConfig) -> None:
+        self.async_engine = async_engine
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self.app = build_app(async_engine, config)
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pluginfer-server", daemon=True)
+        self._thread.start()
+        self.runner, self.site, self.port = self._call(start_site(self.app, config.server.host,
+                                                                  config.server.port))
+        self.url = f"http://{config.server.host}:{self.port}"
+
+    def _call(self, coroutine):  # noqa: ANN001, ANN202 - any coroutine, its result
+        future: Future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        return future.result(timeout=60)
+
+    def stop(self) -> None:
+        """Stop the server (not the engine)."""
+        if self.loop.is_running():
+            self._call(stop_site(self.runner, self.site, None))
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)

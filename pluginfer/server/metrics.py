@@ -1,0 +1,76 @@
+"""Prometheus metrics of one server, in a registry of its own (two apps in a process do not mix)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pluginfer.core.engine import LLMEngine
+from pluginfer.core.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """Counters and histograms the handlers feed; gauges read from the engine when scraped."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.requests = Counter("pluginfer_requests", "HTTP requests answered, by route and status code",
+                                ["route", "status"], registry=registry)
+        self.prompt_tokens = Counter("pluginfer_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=registry)
+        self.generation_tokens = Counter("pluginfer_generation_tokens", "Tokens generated", registry=registry)
+        self.time_to_first_token = Histogram(
+            "pluginfer_time_to_first_token_seconds", "From arrival to the first generated token",
+            buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inter_token_latency = Histogram(
+            "pluginfer_inter_token_latency_seconds", "Between two outputs of one request",
+            buckets=_LATENCY_BUCKETS, registry=registry)
+        # Read racily from the engine thread's objects: each is one attribute read, good enough for a gauge.
+        Gauge("pluginfer_num_requests_running", "Sequences in the running batch",
+              registry=registry).set_function(lambda: engine.scheduler.num_running)
+        Gauge("pluginfer_num_requests_waiting", "Sequences waiting to be scheduled",
+              registry=registry).set_function(lambda: engine.scheduler.num_waiting)
+        Gauge("pluginfer_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1)",
+              registry=registry).set_function(lambda: engine.block_manager.usage)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Watches one engine request's outputs: first-token and inter-token latency, token counts."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None
+        self.num_prompt_tokens = 0
+        self.num_generated = 0
+
+    def observe(self, output: RequestOutput) -> None:
+        self.num_prompt_tokens = len(output.prompt_token_ids)
+        generated = sum(len(choice.token_ids) for choice in output.outputs)
+        if generated <= self.num_generated:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.time_to_first_token.observe(now - self.start)
+        else:
+            self.metrics.inter_token_latency.observe(now - self.last)
+        self.last, self.num_generated = now, generated
+
+    def close(self) -> None:
+        """Count the request's tokens, however it ended."""
+        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        self.metrics.generation_tokens.inc(self.num_generated)

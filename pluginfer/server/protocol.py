@@ -1,0 +1,236 @@
+"""Request bodies of the OpenAI API (and vLLM's extensions), as pydantic models.
+
+Unknown fields are accepted and ignored, as OpenAI clients send many optional ones.
+``sampling_params`` turns a request into the engine's SamplingParams.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pluginfer.core.config import SamplingDefaults
+from pluginfer.core.sequence import SamplingParams
+from pluginfer.server.errors import APIError, bad_request, from_sampling_error
+
+Prompt = str | list[int]
+_INT64_MAX = 2**63 - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        if isinstance(content, list):
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"only text content parts are served, got a {part.type!r} part")
+        return content
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content a string; text parts joined by newlines."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text or "" for part in content)
+        role = "system" if self.role == "developer" else self.role  # OpenAI's newer name; templates know "system"
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+def _normalize_stop(value: Any) -> Any:
+    """Accept ``"s"``, ``["a", "b"]`` and the tagged forms ``{"Single": s}`` / ``{"Multiple": [...]}``."""
+    if isinstance(value, dict) and len(value) == 1:
+        tag, inner = next(iter(value.items()))
+        if tag == "Single" and isinstance(inner, str):
+            return [inner]
+        if tag == "Multiple" and isinstance(inner, list):
+            return inner
+    if isinstance(value, str):
+        return [value]
+    return value
+
+
+class SamplingRequest(_Body):
+    """The fields chat and completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, le=_INT64_MAX)
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    LOGPROBS_FIELD: ClassVar[str] = "logprobs"  # the request field a SamplingParams.logprobs error names
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, stop: Any) -> Any:
+        return _normalize_stop(stop)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.lstrip("-").isdigit() or int(token) < 0:
+                raise ValueError(f"keys must be token ids, got {token!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values must be in [-100, 100], got {value}")
+        return bias
+
+    def _max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def _logprobs(self, max_logprobs: int) -> int | None:
+        return None
+
+    def sampling_params(self, defaults: SamplingDefaults, max_logprobs: int) -> SamplingParams:
+        """The engine's parameters; an invalid value is a 400 naming the request field."""
+        max_tokens, max_tokens_field = self._max_tokens()
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=self.n, temperature=pick(self.temperature, defaults.temperature),
+                top_p=pick(self.top_p, defaults.top_p), top_k=pick(self.top_k, defaults.top_k),
+                min_p=pick(self.min_p, 0.0), repetition_penalty=pick(self.repetition_penalty, 1.0),
+                presence_penalty=pick(self.presence_penalty, 0.0),
+                frequency_penalty=pick(self.frequency_penalty, 0.0), seed=self.seed, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, max_tokens=pick(max_tokens, defaults.max_tokens),
+                min_tokens=pick(self.min_tokens, 0), ignore_eos=self.ignore_eos,
+                logprobs=self._logprobs(max_logprobs), skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias={int(t): v for t, v in self.logit_bias.items()} if self.logit_bias else None,
+            )
+        except ValueError as exc:
+            raise from_sampling_error(exc, {"max_tokens": max_tokens_field, "logprobs": self.LOGPROBS_FIELD}
+                                      ) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"
+
+    def _max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def _logprobs(self, max_logprobs: int) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if not self.logprobs:
+            return None
+        count = self.top_logprobs or 0
+        if not 0 <= count <= max_logprobs:
+            raise bad_request(f"top_logprobs must be in [0, {max_logprobs}], got {count}", "top_logprobs")
+        return count
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: list[Prompt]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, prompt: Any) -> list[Prompt]:
+        """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("must be a string, a list of strings, token ids, or lists of token ids")
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return prompt
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            return prompt
+        raise ValueError("must be a string, a list of strings, token ids, or non-empty lists of token ids")
+
+    def _logprobs(self, max_logprobs: int) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise bad_request(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}", "logprobs")
+        if self.logprobs is not None and self.echo:
+            raise bad_request("echo with logprobs needs prompt logprobs, which the engine does not compute",
+                              "echo")
+        return self.logprobs
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported", "best_of")
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

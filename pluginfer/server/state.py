@@ -1,0 +1,86 @@
+"""What every handler needs: the engine, the configuration, the metrics; and reading a request body."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from pluginfer.core.async_engine import AsyncEngine
+from pluginfer.core.config import EngineConfig
+from pluginfer.core.engine import LLMEngine
+from pluginfer.server.errors import APIError, bad_request, from_validation_error
+from pluginfer.server.metrics import ServerMetrics
+from pluginfer.server.reasoning import ReasoningParser, get_reasoning_parser
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+@dataclass
+class ServerState:
+    """One served model; the engine thread owns ``engine``, handlers only read its counters."""
+
+    async_engine: AsyncEngine
+    config: EngineConfig
+    model_name: str
+    metrics: ServerMetrics
+    reasoning_parser: type[ReasoningParser] | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def create(cls, async_engine: AsyncEngine, config: EngineConfig) -> ServerState:
+        server = config.server
+        parser = get_reasoning_parser(server.reasoning_parser) if server.reasoning_parser else None
+        return cls(async_engine, config, server.served_model_name or config.model,
+                   ServerMetrics(async_engine.engine), parser)
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.async_engine.engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.async_engine.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        """An absent (or empty) model means the served one; any other name is a 404, as in OpenAI."""
+        if model and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def admit(self) -> None:
+        """Refuse work the engine cannot take: 503 once its loop died, 429 while too many wait."""
+        if not self.async_engine.is_alive:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        limit = self.config.server.max_waiting
+        if self.async_engine.num_waiting >= limit:
+            raise APIError(429, f"too many requests waiting ({self.async_engine.num_waiting}, at most {limit}); "
+                           "retry later", code="rate_limit_exceeded")
+
+
+STATE = web.AppKey("pluginfer_state", ServerState)
+
+
+async def read_body(request: web.Request, model: type[Body]) -> Body:
+    """The JSON body validated as ``model``: 400 for a wrong content type, bad JSON or bad fields."""
+    if request.content_type != "application/json":
+        raise bad_request(f"the body must be JSON (Content-Type: application/json), got {request.content_type!r}")
+    raw = await request.read()  # aiohttp answers 413 beyond the app's client_max_size
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number JSON allows")

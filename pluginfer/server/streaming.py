@@ -1,0 +1,153 @@
+"""Server-sent events, and running a handler's engine requests as one stream of outputs.
+
+``run_requests`` is the one place where requests meet the engine: it starts one engine
+request per prompt, merges their outputs, feeds the metrics, turns an engine failure into
+an APIError, and, when its consumer goes away (client disconnect cancels the handler),
+closes every engine stream, which aborts the requests and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from pluginfer.core.async_engine import EngineDeadError
+from pluginfer.core.outputs import RequestOutput
+from pluginfer.core.sequence import SamplingParams
+from pluginfer.server.errors import APIError, bad_request, sse_error
+from pluginfer.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+_END = object()
+
+
+class EventStream:
+    """A ``text/event-stream`` response: ``data: {json}`` events, then ``data: [DONE]``."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                    "Cache-Control": "no-cache"})
+        self.opened = False
+
+    async def open(self) -> None:
+        """Send the headers (status 200): from here on an error can only be an event."""
+        if not self.opened:
+            self.opened = True
+            await self.response.prepare(self.request)
+
+    async def send(self, payload: dict[str, Any]) -> None:
+        await self.response.write(f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode())
+
+    async def fail(self, error: APIError) -> None:
+        await self.response.write(sse_error(error))
+
+    async def close(self) -> web.StreamResponse:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response
+
+
+async def stream_response(request: web.Request, chunks: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
+    """Send each chunk as an event. An error before the first chunk is an ordinary HTTP error
+    (so e.g. a prompt longer than the context is a 400); after it, an error event, then [DONE]."""
+    events = EventStream(request)
+    try:
+        async with aclosing(chunks) as stream:
+            async for chunk in stream:
+                await events.open()
+                await events.send(chunk)
+    except APIError as exc:
+        if not events.opened:
+            raise
+        await events.fail(exc)
+    except ConnectionError:  # the client went away; closing the chunks aborted its requests
+        raise
+    except Exception as exc:
+        if not events.opened:
+            raise
+        logger.exception("error while streaming %s", request.path)
+        await events.fail(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
+    await events.open()
+    return await events.close()
+
+
+async def run_requests(state: ServerState, prompts: list[list[int]], params: SamplingParams,
+                       request_id: str, prompt_field: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) as the engine makes progress; raises APIError if a request fails.
+
+    ``prompt_field`` is the request field a prompt the engine refuses is blamed on.
+    """
+    state.admit()
+    engine = state.async_engine
+    ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+    timers = [state.metrics.timer() for _ in prompts]
+    streams = [engine.generate(prompt, params, rid) for prompt, rid in zip(prompts, ids)]
+    try:
+        async for index, output in _merge(streams):
+            timers[index].observe(output)
+            if output.finished:
+                _check_finished(output, prompt_field)
+            yield index, output
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_unavailable") from None
+    except ValueError as exc:  # the engine refused the prompt (e.g. a token id outside the vocabulary)
+        raise bad_request(str(exc), prompt_field) from None
+    finally:
+        for timer in timers:
+            timer.close()
+
+
+def _check_finished(output: RequestOutput, prompt_field: str) -> None:
+    reasons = {choice.finish_reason for choice in output.outputs}
+    if "error" in reasons or output.error:  # e.g. a prompt longer than the context: the message says by how much
+        raise bad_request(output.error or "the request could not run", prompt_field)
+    if "abort" in reasons:
+        raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come; closing this closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for output in stream:
+                yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream):
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            queue.put_nowait((index, _END))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

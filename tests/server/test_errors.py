@@ -1,0 +1,196 @@
+"""Every 4xx in the OpenAI shape, naming the field at fault; the server keeps answering afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import openai
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from pluginfer.server.errors import error_middleware
+from tests.server.conftest import (
+    API_KEY,
+    MODEL_NAME,
+    http,
+    make_client,
+    server_config,
+    sse_events,
+    start_engine,
+    wait_until_idle,
+)
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+LONG_PROMPT = list(range(10, 310))  # 300 tokens; the tiny llama's context is 256
+
+
+def _error(status: int, raw: bytes) -> dict:
+    body = json.loads(raw)
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("/v1/chat/completions", {"seed": 2**63}, "seed"),
+    ("/v1/chat/completions", {"seed": -(2**63) - 1}, "seed"),
+    ("/v1/chat/completions", {"temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"max_completion_tokens": -3}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"n": 0}, "n"),
+    ("/v1/chat/completions", {"presence_penalty": 3}, "presence_penalty"),
+    ("/v1/chat/completions", {"temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # the template
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"stop": [""]}, "stop"),
+    ("/v1/chat/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"top_k": 2**70}, "top_k"),  # would overflow the sampler's int64 tensor
+    ("/v1/chat/completions", {"repetition_penalty": 1e-300}, "repetition_penalty"),  # would overflow logits
+    ("/v1/chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt"),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, "prompt"),
+    ("/v1/completions", {"prompt": LONG_PROMPT, "stream": True}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+])
+def test_bad_fields_are_400_naming_the_field(server, path, fields, param):
+    body = {**(CHAT if path.endswith("chat/completions") else {}), **fields}
+    status, _, raw = http(server, "POST", path, body)
+    assert status == 400, raw
+    error = _error(400, raw)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_temperatures_too_small_for_float32_are_greedy(server, client):
+    """1e-40 would turn the logits into inf and fail the whole batch's step; it is served as greedy."""
+    greedy = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=4, temperature=0)
+    tiny = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=4, temperature=1e-40)
+    assert tiny.choices[0].text == greedy.choices[0].text
+    assert http(server, "GET", "/health")[0] == 200
+
+
+def test_prompt_longer_than_the_context_says_the_lengths(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi " * 300}])
+    assert "256" in caught.value.message and "tokens" in caught.value.message
+    assert caught.value.param == "messages"
+    with pytest.raises(openai.BadRequestError):  # a stream fails before its first event: still a 400
+        client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, stream=True)
+
+
+@pytest.mark.parametrize(("data", "content_type"), [
+    (b"{not json", "application/json"), (b"[1, 2]", "application/json"), (b"\xff\xfe", "application/json"),
+    (b'{"temperature": NaN}', "application/json"), (b'{"messages": []}', "text/plain"), (b"", "application/json"),
+])
+def test_bodies_that_are_not_a_json_object_are_400(server, data, content_type):
+    status, _, raw = http(server, "POST", "/v1/chat/completions", data=data,
+                          headers={"Content-Type": content_type})
+    assert status == 400 and _error(400, raw)["message"]
+
+
+def test_unknown_model_and_route_are_404(server, client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4", messages=CHAT["messages"])
+    assert caught.value.code == "model_not_found" and caught.value.param == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    for method, path in [("GET", "/v1/nothing"), ("POST", "/v2/chat/completions")]:
+        status, _, raw = http(server, method, path, {})
+        assert status == 404 and _error(404, raw)["code"] == "not_found"
+    status, _, raw = http(server, "GET", "/v1/chat/completions")
+    assert status == 405 and _error(405, raw)
+
+
+def test_oversized_body_is_413(make_server):
+    small = make_server(**{"server.max_request_bytes": 2048})
+    status, _, raw = http(small, "POST", "/v1/completions", {"prompt": "x" * 4096})
+    assert status == 413 and _error(413, raw)["code"] == "request_too_large"
+    status, _, _ = http(small, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert status == 200
+
+
+def test_api_keys(make_server):
+    keyed = make_server(**{"server.api_keys": ["other-key", API_KEY]})
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        status, _, raw = http(keyed, "GET", "/v1/models", headers=headers)
+        assert status == 401 and _error(401, raw)["code"] == "invalid_api_key"
+    with make_client(keyed, api_key="wrong") as client, pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    with make_client(keyed) as client:
+        assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=2)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    for path in ("/health", "/metrics", "/version"):
+        assert http(keyed, "GET", path)[0] == 200
+
+
+def test_too_many_waiting_is_429(tiny_llama_checkpoint, make_server):
+    """One sequence runs at a time and one may wait: a third request is refused until they are done."""
+    engine = start_engine(server_config(tiny_llama_checkpoint[0], **{"scheduler.max_num_seqs": 1}))
+    step = engine.engine.step
+    engine.engine.step = lambda: (time.sleep(0.01), step())[1]  # this engine only: 100 steps take 1 s
+    busy = make_server(engine, **{"server.max_waiting": 1})
+    long = {"prompt": "hello", "max_tokens": 100, "ignore_eos": True}
+    short = {"prompt": "hello", "max_tokens": 1}
+    runner = threading.Thread(target=http, args=(busy, "POST", "/v1/completions", long))
+    waiter = threading.Thread(target=http, args=(busy, "POST", "/v1/completions", short))
+    try:
+        with make_client(busy) as client:
+            client.models.list()  # the client is ready before the clock starts
+            runner.start()
+            _wait_for(lambda: engine.engine.scheduler.num_running)
+            waiter.start()
+            _wait_for(lambda: engine.num_waiting)
+            with pytest.raises(openai.RateLimitError) as caught:
+                client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1)
+            assert caught.value.code == "rate_limit_exceeded"
+            runner.join()
+            waiter.join()
+            assert client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1).choices
+        wait_until_idle(engine)
+    finally:
+        engine.shutdown()
+
+
+def _wait_for(condition, timeout: float = 5.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+
+
+def test_unexpected_exceptions_are_500_in_the_same_shape():
+    async def boom(request: web.Request) -> web.Response:
+        raise RuntimeError("a bug")
+
+    async def main() -> tuple[int, dict]:
+        app = web.Application(middlewares=[error_middleware])
+        app.router.add_get("/boom", boom)
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            response = await client.get("/boom")
+            return response.status, await response.json()
+
+    status, body = asyncio.run(main())
+    assert status == 500 and body["error"]["type"] == "server_error" and "a bug" in body["error"]["message"]
+
+
+def test_server_still_answers_after_all_that(server, client):
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=2)
+    assert reply.usage.completion_tokens <= 2
+    status, _, raw = http(server, "POST", "/v1/chat/completions", {**CHAT, "stream": True})
+    assert status == 200 and sse_events(raw)[-1] == "[DONE]"

@@ -1,0 +1,44 @@
+"""Reasoning parsers: the split of whole texts, and streamed deltas that add up to it at any cut."""
+
+from __future__ import annotations
+
+import pytest
+
+from pluginfer.server.reasoning import (
+    Qwen3ReasoningParser,
+    ReasoningParser,
+    ReasoningStream,
+    get_reasoning_parser,
+)
+
+
+@pytest.mark.parametrize(("text", "deepseek", "qwen3"), [
+    ("<think>plan</think>answer", ("plan", "answer"), ("plan", "answer")),
+    ("plan</think>answer", ("plan", "answer"), ("", "plan</think>answer")),
+    ("just an answer", ("just an answer", ""), ("", "just an answer")),
+    ("<think>still thinking", ("still thinking", ""), ("still thinking", "")),
+    ("", ("", ""), ("", "")),
+])
+def test_split_of_a_finished_output(text, deepseek, qwen3):
+    assert ReasoningParser().split(text, final=True) == deepseek
+    assert Qwen3ReasoningParser().split(text, final=True) == qwen3
+
+
+@pytest.mark.parametrize("parser", [ReasoningParser, Qwen3ReasoningParser])
+@pytest.mark.parametrize("text", ["<think>a <b> c</thi</think>\nanswer </think> x", "<thin", "x</think",
+                                  "<think></think>", "plain <think> text"])
+def test_streamed_deltas_add_up_at_every_cut(parser, text):
+    expected = parser().split(text, final=True)
+    for step in (1, 2, 3, 5):
+        stream = ReasoningStream(parser())
+        reasoning = content = ""
+        for end in range(step, len(text) + step, step):
+            r, c = stream.delta(text[:end], final=end >= len(text))
+            reasoning, content = reasoning + r, content + c
+        assert (reasoning, content) == expected, step
+
+
+def test_unknown_parser_is_named():
+    assert get_reasoning_parser("qwen3") is Qwen3ReasoningParser
+    with pytest.raises(ValueError, match="deepseek_r1"):
+        get_reasoning_parser("nope")
