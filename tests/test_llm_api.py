@@ -248,3 +248,20 @@ def test_keywords_reach_their_config_sections(llm):
     assert (config.dtype, config.cache.num_blocks, config.cache.block_size) == ("float32", 64, 8)
     assert config.cache.enable_prefix_caching is True
     assert llm.engine.executor.dtype == torch.float32
+
+
+def test_prompt_logprobs_match_transformers_with_chunks_and_prefix_cache(tiny_llama_checkpoint):
+    path, model = tiny_llama_checkpoint
+    prompt = [(7 * i) % 500 + 10 for i in range(37)]
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    # A 16-token budget splits the prompt over three steps; the second request would hit the prefix cache.
+    llm = _make_llm(path, max_num_batched_tokens=16)  # prefix caching is on in _make_llm
+    for _ in range(2):
+        [out] = llm.generate([prompt], _greedy(2, prompt_logprobs=3))
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            token = prompt[position]
+            assert entry[token] == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
+            top = expected[position - 1].topk(3).indices.tolist()
+            assert set(top) <= set(entry)

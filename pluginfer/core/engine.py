@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import torch
+
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.detokenizer import IncrementalDetokenizer
 from pluginfer.core.executor import Executor
@@ -99,7 +101,10 @@ class LLMEngine:
                 request.error = seq.error
                 touched[seq.request_id] = request
         if scheduled.scheduled:
-            logits, seqs = self.executor.execute(scheduled)
+            logits, seqs, prompt_logits = self.executor.execute(scheduled)
+            for seq, first, rows in prompt_logits:
+                record_prompt_logprobs(seq, first, rows)
+                touched[seq.request_id] = self._requests[seq.request_id]
             if seqs:
                 sampled = self.sampler(logits, seqs)
                 for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
@@ -143,10 +148,29 @@ class LLMEngine:
             ))
         finished = all(seq.is_finished for seq in request.seqs)
         error = request.error or next((s.error for s in request.seqs if s.error), None)
+        first = request.seqs[0]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             finished=finished, error=error,
-                             num_cached_tokens=request.seqs[0].num_cached_prompt_tokens)
+                             finished=finished, error=error, num_cached_tokens=first.num_cached_prompt_tokens,
+                             prompt_logprobs=list(first.prompt_logprobs)
+                             if first.params.prompt_logprobs is not None else None)
 
     def abort_all(self) -> None:
         for request_id in list(self._requests):
             self.abort_request(request_id)
+
+
+def record_prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:
+    """Logprob of each prompt token ``first + 1 ...`` given what precedes it, with the top alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(seq.prompt_token_ids[first + 1:first + 1 + logits.shape[0]])
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    k = seq.params.prompt_logprobs or 0
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    if not seq.prompt_logprobs:
+        seq.prompt_logprobs.append(None)  # the first prompt token has no context
+    for row, (token, value) in enumerate(zip(targets.tolist(), chosen)):
+        entry = {token: value}
+        if k:
+            entry.update(zip(top_ids[row].tolist(), top_values[row].tolist()))
+            entry[token] = value
+        seq.prompt_logprobs.append(entry)

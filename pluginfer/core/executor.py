@@ -117,8 +117,9 @@ class Executor:
             raise ValueError(f"cache.kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes each)")
         return int(num_blocks)
 
-    def execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step; returns one float32 logits row per sequence that samples, and those sequences."""
+    def execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence], list[tuple]]:
+        """Run one step: float32 logits, one row per sequence that samples, and those sequences;
+        then (sequence, first position, logits rows) for prompt chunks whose logprobs were asked for."""
         self.runner.copy_blocks(scheduled.block_copies)
         batch = self.runner.build_batch(scheduled.scheduled)
         logits = self.runner.execute(batch)
@@ -130,9 +131,14 @@ class Executor:
                 rows.extend([row] * len(item.sample_for))
                 seqs.extend(item.sample_for)
                 row += 1
+        prompt_logits, offset = [], row
+        for seq, first, count in batch.extras["prompt_logprob_rows"]:
+            prompt_logits.append((seq, first, logits[offset:offset + count]))
+            offset += count
+        logits = logits[:row]
         if len(rows) != logits.shape[0]:  # n > 1: children sample from their parent's row
             logits = logits[torch.tensor(rows, dtype=torch.long)]
-        return logits, seqs
+        return logits, seqs, prompt_logits
 
 
 def model_path(config: EngineConfig) -> Path:

@@ -95,7 +95,9 @@ class BlockManager:
         """
         if seq.block_table or seq.num_computed_tokens:
             return False
-        matched = self._match_prefix(seq.token_ids) if self.enable_prefix_caching else []
+        # Prompt logprobs need logits at every prompt position, so such a prompt computes them all.
+        use_cache = self.enable_prefix_caching and seq.params.prompt_logprobs is None
+        matched = self._match_prefix(seq.token_ids) if use_cache else []
         for block in matched:
             if self._ref_counts[block] == 0:
                 del self._free_cached[block]

@@ -27,3 +27,4 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None  # why the request failed, when finish_reason is "error"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs; [0] None

@@ -51,6 +51,10 @@ class ModelRunner:
         token_rows = np.repeat(np.arange(len(scheduled)), query_lens)
         slot_mapping = tables[token_rows, positions // block_size] * block_size + positions % block_size
         sampling = [row for row, s in enumerate(scheduled) if s.sample_for]
+        logits_rows = query_start_loc[1:][sampling] - 1
+        prompt_rows = self._prompt_logprob_rows(scheduled, starts, query_lens, query_start_loc)
+        if prompt_rows:
+            logits_rows = np.concatenate([logits_rows] + [np.arange(r, r + n) for _, _, r, n in prompt_rows])
         batch = ForwardBatch(
             input_ids=torch.from_numpy(input_ids),
             positions=torch.from_numpy(np.ascontiguousarray(positions)),
@@ -58,14 +62,34 @@ class ModelRunner:
             query_start_loc=torch.from_numpy(query_start_loc),
             seq_lens=torch.from_numpy(seq_lens),
             block_tables=torch.from_numpy(tables),
-            logits_indices=torch.from_numpy(query_start_loc[1:][sampling] - 1),
+            logits_indices=torch.from_numpy(np.ascontiguousarray(logits_rows)),
             query_lens=query_lens.tolist(),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             block_size=block_size,
         )
+        batch.extras["prompt_logprob_rows"] = [(seq, first, n) for seq, first, _, n in prompt_rows]
         batch.attention = self.backend.prepare(batch)
         return batch
+
+    @staticmethod
+    def _prompt_logprob_rows(scheduled: list[ScheduledSequence], starts: np.ndarray, query_lens: np.ndarray,
+                             query_start_loc: np.ndarray) -> list[tuple]:
+        """(seq, first position, flat row, count) for prompt chunks whose logprobs were asked for.
+
+        Row ``first + i`` predicts prompt token ``first + i + 1``; the prompt's last position
+        predicts the first generated token and belongs to sampling.
+        """
+        rows = []
+        for index, item in enumerate(scheduled):
+            seq = item.seq
+            if seq.params.prompt_logprobs is None or seq.index != 0:
+                continue
+            first = int(starts[index])
+            count = min(first + int(query_lens[index]), seq.num_prompt_tokens - 1) - first
+            if count > 0 and len(seq.prompt_logprobs) <= first + 1:  # not again after a recompute
+                rows.append((seq, first, int(query_start_loc[index]), count))
+        return rows
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:

@@ -29,6 +29,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # number of alternatives besides the sampled token
+    prompt_logprobs: int | None = None  # logprobs of the prompt's own tokens, with this many alternatives
     logit_bias: dict[int, float] | None = None  # token id -> value added to its logit (OpenAI's logit_bias)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -74,6 +75,8 @@ class SamplingParams:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             fail("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            fail("prompt_logprobs", "must be in [0, 20]")
         if any(not s for s in self.stop):
             fail("stop", "stop strings must not be empty")
         if self.logit_bias is not None and any(
@@ -117,6 +120,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # [0] is None: no context
     finish_reason: FinishReason | None = None
     error: str | None = None
     block_table: list[int] = field(default_factory=list)

@@ -51,11 +51,17 @@ class _CompletionAnswer:
     def _prompt_text(self, given: str | list[int], ids: list[int]) -> str:
         return given if isinstance(given, str) else self.state.tokenizer.decode(ids)
 
-    def _logprobs(self, choice: CompletionOutput, start: int, offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, choice: CompletionOutput, start: int, offset: int,
+                  echoed: RequestOutput | None = None) -> dict[str, Any] | None:
+        """The choice's token logprobs from ``start``; with ``echoed``, its prompt's come first (echo)."""
         if choice.logprobs is None:
             return None
-        return completion_logprobs(self.text_of, choice.token_ids[start:], choice.logprobs[start:],
-                                   self.body.logprobs or 0, offset)
+        token_ids, logprobs = choice.token_ids[start:], choice.logprobs[start:]
+        if echoed is not None and echoed.prompt_logprobs is not None:
+            token_ids = echoed.prompt_token_ids + token_ids
+            logprobs = echoed.prompt_logprobs + logprobs
+            offset = 0
+        return completion_logprobs(self.text_of, token_ids, logprobs, self.body.logprobs or 0, offset)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -67,7 +73,7 @@ class _CompletionAnswer:
             echo = self.echo[prompt_index]
             for choice in output.outputs:
                 choices.append({"index": prompt_index * self.body.n + choice.index, "text": echo + choice.text,
-                                "logprobs": self._logprobs(choice, 0, len(echo)),
+                                "logprobs": self._logprobs(choice, 0, len(echo), output if echo else None),
                                 "finish_reason": choice.finish_reason})
         body = self._chunk(choices)
         body["usage"] = usage(sum(len(o.prompt_token_ids) for o in outputs),
@@ -91,15 +97,16 @@ class _CompletionAnswer:
                     cached += output.num_cached_tokens
                 for choice in output.outputs:
                     i, done = prompt_index * n + choice.index, choice.finish_reason is not None
-                    if finished[i]:
-                        continue
+                    if finished[i] or (not choice.token_ids and not done):
+                        continue  # nothing generated yet (e.g. a prompt still being prefilled in chunks)
                     prefix = "" if started[i] else self.echo[prompt_index]
                     text = prefix + choice.text[sent_text[i]:]
                     new_tokens = len(choice.token_ids) > sent_tokens[i]
                     if not (text or done or (new_tokens and choice.logprobs is not None)):
                         continue
                     offset = len(self.echo[prompt_index]) + sent_text[i]
-                    logprobs = self._logprobs(choice, sent_tokens[i], offset)
+                    echoed = output if self.body.echo and not started[i] else None
+                    logprobs = self._logprobs(choice, sent_tokens[i], offset, echoed)
                     started[i], finished[i] = True, done
                     sent_text[i], sent_tokens[i] = len(choice.text), len(choice.token_ids)
                     chunk = self._chunk([{"index": i, "text": text, "logprobs": logprobs,

@@ -46,15 +46,19 @@ def chat_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list[dict[
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list[dict[int, float]],
+def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list[dict[int, float] | None],
                         top_count: int, offset: int) -> dict[str, Any]:
     """``offset``: where the first token's text starts in the choice's text."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for token_id, entry in zip(token_ids, logprobs):
         token = text_of(token_id)
         tokens.append(token)
-        token_logprobs.append(_clamp(entry[token_id]))
-        top_logprobs.append({text_of(t): _clamp(v) for t, v in _top(entry, top_count)})
+        if entry is None:  # the first prompt token (echo): nothing before it to predict it
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            token_logprobs.append(_clamp(entry[token_id]))
+            top_logprobs.append({text_of(t): _clamp(v) for t, v in _top(entry, top_count)})
         text_offset.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,

@@ -122,6 +122,9 @@ class SamplingRequest(_Body):
     def _logprobs(self, max_logprobs: int) -> int | None:
         return None
 
+    def _prompt_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, defaults: SamplingDefaults, max_logprobs: int) -> SamplingParams:
         """The engine's parameters; an invalid value is a 400 naming the request field."""
         max_tokens, max_tokens_field = self._max_tokens()
@@ -140,7 +143,8 @@ class SamplingRequest(_Body):
                 frequency_penalty=pick(self.frequency_penalty, 0.0), seed=self.seed, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, max_tokens=pick(max_tokens, defaults.max_tokens),
                 min_tokens=pick(self.min_tokens, 0), ignore_eos=self.ignore_eos,
-                logprobs=self._logprobs(max_logprobs), skip_special_tokens=self.skip_special_tokens,
+                logprobs=self._logprobs(max_logprobs), prompt_logprobs=self._prompt_logprobs(),
+                skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias={int(t): v for t, v in self.logit_bias.items()} if self.logit_bias else None,
             )
@@ -210,10 +214,10 @@ class CompletionRequest(SamplingRequest):
     def _logprobs(self, max_logprobs: int) -> int | None:
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise bad_request(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}", "logprobs")
-        if self.logprobs is not None and self.echo:
-            raise bad_request("echo with logprobs needs prompt logprobs, which the engine does not compute",
-                              "echo")
         return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def check_supported(self) -> None:
         if self.suffix:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.server.conftest import MODEL_NAME, http, sse_events
 
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -46,6 +48,26 @@ def test_echo_prepends_the_prompt(client):
     echoed = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=4, echo=True,
                                        **GREEDY)
     assert echoed.choices[0].text == "hello world" + plain.choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(client, lenient_client):
+    # The first prompt token's logprob is null, as OpenAI's legacy API sends it; the client's own
+    # types say float there, so the echoed responses are read leniently.
+    plain = client.completions.create(model=MODEL_NAME, prompt=[[11, 12, 13, 14]], max_tokens=3, logprobs=1,
+                                      **GREEDY)
+    echoed = lenient_client.completions.create(model=MODEL_NAME, prompt=[[11, 12, 13, 14]], max_tokens=3,
+                                               logprobs=1, echo=True, **GREEDY)
+    logprobs = echoed.choices[0].logprobs
+    assert len(logprobs.tokens) == 4 + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing precedes it
+    assert all(value <= 0 for value in logprobs.token_logprobs[1:])
+    # Same tokens; the values agree to float32 noise (the echoed prompt's rows share the LM head's matmul).
+    assert logprobs.token_logprobs[4:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    streamed = lenient_client.completions.create(model=MODEL_NAME, prompt=[[11, 12, 13, 14]], max_tokens=3,
+                                                 logprobs=1, echo=True, stream=True, **GREEDY)
+    values = [v for chunk in streamed for choice in chunk.choices if choice.logprobs
+              for v in choice.logprobs.token_logprobs]
+    assert values == logprobs.token_logprobs
 
 
 def test_logprobs_count_tokens_and_alternatives(client):
