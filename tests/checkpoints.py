@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 from pathlib import Path
 
@@ -46,3 +47,32 @@ def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int
 def hf_logits(model: torch.nn.Module, prompt_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([prompt_ids])).logits[0].float()
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Prompts of the given lengths, ids drawn (seeded) from [10, vocab): clear of special tokens."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
+
+
+def greedy(max_tokens: int = 32):  # noqa: ANN201 - SamplingParams
+    from pluginfer import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:  # noqa: ANN001 - pluginfer.LLM
+    """Logits at every prompt position through our runner (the public API only exposes the last)."""
+    from pluginfer.core.scheduler import ScheduledSequence
+    from pluginfer.core.sequence import Sequence
+
+    engine = llm.engine
+    seq = Sequence("probe", list(prompt), greedy())
+    assert engine.block_manager.allocate_prompt(seq) and engine.block_manager.ensure_slots(seq, len(prompt))
+    try:
+        runner = engine.executor.runner
+        batch = runner.build_batch([ScheduledSequence(seq, len(prompt) - seq.num_computed_tokens, [seq])])
+        batch.logits_indices = torch.arange(batch.num_tokens)
+        return runner.execute(batch)
+    finally:
+        engine.block_manager.free(seq)

@@ -10,8 +10,7 @@ import torch
 
 from pluginfer import LLM, SamplingParams
 from pluginfer.core.registry import Registry
-from tests.checkpoints import hf_greedy, hf_logits, save_hf_model
-from tests.models.test_llama import prefill_logits
+from tests.checkpoints import hf_greedy, hf_logits, prefill_logits, save_hf_model
 
 try:
     importlib.metadata.distribution("pluginfer-example-granite")

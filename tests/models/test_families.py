@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-import random
 
 import pytest
 import torch
 
 import tests.models as models_package
-from pluginfer import LLM, SamplingParams
-from tests.checkpoints import hf_greedy, hf_logits, save_hf_model
-from tests.models.test_llama import prefill_logits
+from pluginfer import LLM
+from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts, save_hf_model
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
@@ -46,33 +44,24 @@ def family(request, tmp_path_factory, tiny_tokenizer_dir):
     return request.param, out, model
 
 
-def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
-
-
-def _greedy(max_tokens: int = 24) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
 def test_prefill_logits_match_transformers(family):
     name, path, model = family
     llm = LLM(model=str(path), dtype="float32", num_blocks=64, block_size=8)
-    for prompt in _prompts(model.config.vocab_size, [5, 23, 60], seed=0):  # 60 > every sliding window here
+    for prompt in random_prompts(model.config.vocab_size, [5, 23, 60], seed=0):  # 60 > every sliding window here
         ours, theirs = prefill_logits(llm, prompt), hf_logits(model, prompt)
         assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), (name, (ours - theirs).abs().max())
 
 
 def test_greedy_together_and_staggered_match_transformers(family):
     name, path, model = family
-    prompts = _prompts(model.config.vocab_size, [3, 17, 40, 9], seed=1)
+    prompts = random_prompts(model.config.vocab_size, [3, 17, 40, 9], seed=1)
     expected = [hf_greedy(model, p, 24) for p in prompts]
     llm = LLM(model=str(path), dtype="float32", num_blocks=128, block_size=8, max_num_batched_tokens=32)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy())] == expected, name
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24))] == expected, name
     engine, ids, results, step = llm.engine, {}, {}, 0
     while len(results) < len(prompts):
         if step < len(prompts) * 3 and step % 3 == 0:  # one arrival every third step
-            ids[engine.add_request(prompts[step // 3], _greedy())] = step // 3
+            ids[engine.add_request(prompts[step // 3], greedy(24))] = step // 3
         for output in engine.step():
             if output.finished:
                 results[ids[output.request_id]] = output.outputs[0].token_ids
@@ -84,7 +73,7 @@ def test_bfloat16_stays_close_to_float32(family):
     # bf16 keeps 8 significant bits; over two random layers the logits drift by a few percent of
     # their spread. The bound: the max error is under 5% of the fp32 logits' range.
     name, path, model = family
-    prompt = _prompts(model.config.vocab_size, [30], seed=2)[0]
+    prompt = random_prompts(model.config.vocab_size, [30], seed=2)[0]
     reference = hf_logits(model, prompt)
     ours = prefill_logits(LLM(model=str(path), dtype="bfloat16", num_blocks=32, block_size=8), prompt)
     spread = (reference.max() - reference.min()).item()

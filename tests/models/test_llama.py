@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from pluginfer import LLM, SamplingParams
-from tests.checkpoints import hf_greedy, hf_logits, save_hf_model
+from pluginfer import LLM
+from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts, save_hf_model
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-5)
@@ -35,19 +33,10 @@ def checkpoint(request, tmp_path_factory, tiny_tokenizer_dir):
     return request.param, out, model
 
 
-def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
-
-
-def _greedy(max_tokens: int = 32) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
 def test_prefill_logits_match_transformers(checkpoint):
     name, path, model = checkpoint
     llm = LLM(model=str(path), dtype="float32", num_blocks=64, block_size=8)
-    for prompt in _prompts(model.config.vocab_size, [5, 23, 40]):
+    for prompt in random_prompts(model.config.vocab_size, [5, 23, 40]):
         ours = prefill_logits(llm, prompt)
         theirs = hf_logits(model, prompt)
         assert ours.shape == theirs.shape
@@ -56,10 +45,10 @@ def test_prefill_logits_match_transformers(checkpoint):
 
 def test_greedy_together_and_staggered_match_transformers(checkpoint):
     name, path, model = checkpoint
-    prompts = _prompts(model.config.vocab_size, [3, 17, 30, 9, 25], seed=1)
+    prompts = random_prompts(model.config.vocab_size, [3, 17, 30, 9, 25], seed=1)
     expected = [hf_greedy(model, p, 32) for p in prompts]
     llm = LLM(model=str(path), dtype="float32", num_blocks=128, block_size=8, max_num_batched_tokens=48)
-    together = llm.generate(prompts, _greedy())
+    together = llm.generate(prompts, greedy())
     assert [o.outputs[0].token_ids for o in together] == expected, name
 
     engine = llm.engine
@@ -69,7 +58,7 @@ def test_greedy_together_and_staggered_match_transformers(checkpoint):
     step = 0
     while len(results) < len(prompts):
         for index in arrivals.get(step, []):
-            ids[engine.add_request(prompts[index], _greedy())] = index
+            ids[engine.add_request(prompts[index], greedy())] = index
         for output in engine.step():
             if output.finished:
                 results[ids[output.request_id]] = output.outputs[0].token_ids
@@ -85,13 +74,13 @@ def test_preemption_and_prefix_caching_match_transformers(checkpoint):
         # prefix-cache hit) past the native context rotates them with a later base. Not comparable.
         pytest.skip("dynamic rope keys are history-dependent past the native context")
     vocab = model.config.vocab_size
-    shared = _prompts(vocab, [20], seed=2)[0]
-    prompts = [shared + tail for tail in _prompts(vocab, [4, 9, 1, 14], seed=3)] + _prompts(vocab, [6], seed=4)
+    shared = random_prompts(vocab, [20], seed=2)[0]
+    prompts = [shared + tail for tail in random_prompts(vocab, [4, 9, 1, 14], seed=3)] + random_prompts(vocab, [6], seed=4)
     expected = [hf_greedy(model, p, 32) for p in prompts]
     # 20 blocks of 4 tokens hold the longest sequence (66 tokens) but not all five: the newest are preempted.
     llm = LLM(model=str(path), dtype="float32", num_blocks=20, block_size=4, enable_prefix_caching=True)
     engine = llm.engine
-    ids = {engine.add_request(p, _greedy()): i for i, p in enumerate(prompts)}
+    ids = {engine.add_request(p, greedy()): i for i, p in enumerate(prompts)}
     results, preemptions, cached = {}, 0, {}
     while len(results) < len(prompts):
         scheduled_before = engine.scheduler.num_preemptions
@@ -105,25 +94,8 @@ def test_preemption_and_prefix_caching_match_transformers(checkpoint):
     assert engine.block_manager.num_free_blocks == 20
 
     llm = LLM(model=str(path), dtype="float32", num_blocks=64, block_size=4, enable_prefix_caching=True)
-    first = llm.generate(prompts[0], _greedy())
-    rest = llm.generate(prompts[1:4], _greedy())
+    first = llm.generate(prompts[0], greedy())
+    rest = llm.generate(prompts[1:4], greedy())
     assert first[0].outputs[0].token_ids == expected[0]
     assert [o.outputs[0].token_ids for o in rest] == expected[1:4]
     assert all(o.num_cached_tokens >= 16 for o in rest), [o.num_cached_tokens for o in rest]
-
-
-def prefill_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """Logits at every prompt position through our runner (the public API only exposes the last)."""
-    from pluginfer.core.scheduler import ScheduledSequence
-    from pluginfer.core.sequence import Sequence
-
-    engine = llm.engine
-    seq = Sequence("probe", list(prompt), _greedy())
-    assert engine.block_manager.allocate_prompt(seq) and engine.block_manager.ensure_slots(seq, len(prompt))
-    try:
-        runner = engine.executor.runner
-        batch = runner.build_batch([ScheduledSequence(seq, len(prompt) - seq.num_computed_tokens, [seq])])
-        batch.logits_indices = torch.arange(batch.num_tokens)
-        return runner.execute(batch)
-    finally:
-        engine.block_manager.free(seq)
