@@ -46,3 +46,17 @@ def gated_activation(hidden_act: str) -> nn.Module:
     if hidden_act == "gelu":
         return GeluAndMul()
     raise ValueError(f"hidden_act: unsupported activation {hidden_act!r} (supported: silu, gelu, gelu_pytorch_tanh)")
+
+
+def activation(hidden_act: str) -> nn.Module:
+    """The plain (ungated) activation for an HF ``hidden_act`` value, e.g. Phi-2's ``fc2(act(fc1(x)))``."""
+    if hidden_act in ("silu", "swish"):
+        return nn.SiLU()
+    if hidden_act in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        return nn.GELU(approximate="tanh")
+    if hidden_act == "gelu":
+        return nn.GELU()
+    if hidden_act == "relu":
+        return nn.ReLU()
+    raise ValueError(f"hidden_act: unsupported activation {hidden_act!r} "
+                     "(supported: silu, gelu, gelu_pytorch_tanh, gelu_new, gelu_fast, relu)")

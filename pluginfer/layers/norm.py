@@ -38,3 +38,27 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class LayerNorm(nn.Module):
+    """``(x - mean) / std * w + b`` computed in float32, with the same fused residual add as RMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        ctx = current_context()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=ctx.dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=ctx.dtype), requires_grad=False) if bias else None
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        out = torch.nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps)
+        return out.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual

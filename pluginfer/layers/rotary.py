@@ -45,10 +45,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rope to the first ``rotary_dim`` features of q and k (neox half-split layout)."""
+    """Applies rope to the first ``rotary_dim`` features of q and k.
+
+    ``is_neox_style``: rotate the two halves (neox/llama); False rotates adjacent pairs (GPT-J, GLM).
+    """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
-                 scaling: dict | None = None, original_max_position: int | None = None) -> None:
+                 scaling: dict | None = None, original_max_position: int | None = None,
+                 is_neox_style: bool = True) -> None:
         super().__init__()
         scaling = dict(scaling or {"rope_type": "default"})
         self.rope_type = scaling.get("rope_type", "default")
@@ -67,7 +71,10 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         self.cos_cache, self.sin_cache = freqs.cos(), freqs.sin()
-        self.kernel = backend_op(current_context().backend, "rotary_neox") if has_context() else None
+        self.is_neox_style = is_neox_style
+        # The native kernel only does the half-split layout.
+        use_kernel = has_context() and is_neox_style
+        self.kernel = backend_op(current_context().backend, "rotary_neox") if use_kernel else None
 
     def _tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos/sin of ``[tokens, rotary_dim / 2]`` for this step (shared by every layer)."""
@@ -105,18 +112,66 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = self.rotary_dim // 2
-        x1, x2 = x[..., :half], x[..., half:self.rotary_dim]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if self.is_neox_style:
+            half = self.rotary_dim // 2
+            x1, x2 = x[..., :half], x[..., half:self.rotary_dim]
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = x[..., 0:self.rotary_dim:2], x[..., 1:self.rotary_dim:2]
+            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         if self.rotary_dim == self.head_dim:
             return rotated
         return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1)
 
 
 def get_rope(hf_config: dict, head_dim: int, rotary_dim: int | None = None,
-             max_position: int | None = None) -> RotaryEmbedding:
+             max_position: int | None = None, is_neox_style: bool = True) -> RotaryEmbedding:
     """Build the rotary embedding an HF config asks for; unknown scaling types are an error."""
     theta, scaling = rope_parameters(hf_config)
     config_max = hf_config.get("max_position_embeddings", 4096)
     return RotaryEmbedding(head_dim, rotary_dim or head_dim, max(max_position or 0, config_max), theta, scaling,
-                           original_max_position=config_max)
+                           original_max_position=config_max, is_neox_style=is_neox_style)
+
+
+def partial_rotary_dim(hf_config: dict, head_dim: int, default_factor: float = 1.0) -> int:
+    """``head_dim * partial_rotary_factor``, the factor read at the top level or in rope_parameters."""
+    factor = hf_config.get("partial_rotary_factor")
+    if factor is None:
+        factor = (hf_config.get("rope_parameters") or {}).get("partial_rotary_factor", default_factor)
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(f"config.json: partial_rotary_factor must be in (0, 1], got {factor!r}")
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim % 2:
+        raise ValueError(f"config.json: partial_rotary_factor {factor} gives an odd rotary dimension {rotary_dim} "
+                         f"(head_dim {head_dim})")
+    return rotary_dim
+
+
+class LongRopeEmbedding(RotaryEmbedding):
+    """Phi-3's LongRoPE (``longrope``, formerly ``su``): per-frequency short or long factors, cos/sin scaled.
+
+    One set of factors serves the whole run, chosen as vLLM does: the long ones when ``max_model_len``
+    exceeds ``original_max_position``, else the short ones. transformers picks per forward by the sequence's
+    length (its generate() even recomputes the cache when a sequence crosses over), which a paged cache with
+    shared prefixes cannot follow; the two agree whenever every sequence stays on the side this run chose.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float, scaling: dict,
+                 original_max_position: int, max_position_embeddings: int, max_model_len: int) -> None:
+        super().__init__(head_dim, rotary_dim, max_position, base, original_max_position=original_max_position)
+        self.rope_type = "longrope"
+        self.use_long_factors = max_model_len > original_max_position
+        field = "long_factor" if self.use_long_factors else "short_factor"
+        for name in ("short_factor", "long_factor"):
+            value = scaling.get(name)
+            if not isinstance(value, (list, tuple)) or len(value) != rotary_dim // 2:
+                raise ValueError(f"rope_scaling.{name}: longrope needs a list of {rotary_dim // 2} numbers "
+                                 f"(rotary_dim / 2), got {value!r}")
+        factor = scaling.get("factor") or max_position_embeddings / original_max_position
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:  # the paper's default, as transformers computes it
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max_position))
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        self.inv_freq = 1.0 / (torch.tensor(scaling[field], dtype=torch.float32) * base**exponents)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        self.cos_cache, self.sin_cache = freqs.cos() * attention_factor, freqs.sin() * attention_factor

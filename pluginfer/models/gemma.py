@@ -1,0 +1,210 @@
+"""Gemma-family pipeline: GemmaForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM (text).
+
+All three: GeGLU MLP, embeddings scaled by ``sqrt(hidden_size)``, ``(1 + w)`` RMSNorm, tied embeddings.
+Gemma 2 adds norms after attention and around the MLP, ``query_pre_attn_scalar``, attention and
+final-logit soft-capping, and sliding-window layers (``layer_types``). Gemma 3 adds q/k norms and a
+rope per layer type (local base for sliding layers, global base and scaling for full ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.layers.context import current_context
+from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
+from pluginfer.layers.mlp import GatedMLP
+from pluginfer.layers.norm import RMSNorm
+from pluginfer.layers.rotary import RotaryEmbedding, get_rope
+from pluginfer.layers.self_attention import SelfAttention
+from pluginfer.layers.weights import load_named_weights
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+
+
+class GemmaVersion:
+    """What one Gemma generation reads from its config."""
+
+    def __init__(self, architecture: str, config: dict) -> None:
+        self.generation = {"GemmaForCausalLM": 1, "Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 3}[architecture]
+        self.sandwich_norms = self.generation >= 2  # post-attention, pre- and post-feed-forward norms
+        self.qk_norm = self.generation == 3
+        # Gemma 3 keeps attn_logit_softcapping in its config but transformers never applies it.
+        self.attn_soft_cap = config.get("attn_logit_softcapping") if self.generation == 2 else None
+        self.final_soft_cap = config.get("final_logit_softcapping") if self.generation >= 2 else None
+
+
+def hidden_activation(config: dict, generation: int) -> str:
+    if generation == 1:  # transformers reads hidden_act and maps Gemma 1's legacy "gelu" to the tanh form
+        field, value = "hidden_act", config.get("hidden_act", "gelu_pytorch_tanh")
+        value = "gelu_pytorch_tanh" if value == "gelu" else value
+    else:
+        field = "hidden_activation" if config.get("hidden_activation") else "hidden_act"
+        value = config.get(field) or "gelu_pytorch_tanh"
+    if value not in _GELU_TANH:
+        raise ValueError(f"config.json: {field} {value!r} is not supported by the gemma pipeline "
+                         f"(supported: {', '.join(_GELU_TANH)})")
+    return value
+
+
+def layer_types(config: dict, generation: int) -> list[str]:
+    """Each layer's attention kind: Gemma 1 is all full; Gemma 2/3 alternate by ``layer_types`` or pattern."""
+    num_layers = config["num_hidden_layers"]
+    if generation == 1:
+        return [FULL] * num_layers
+    types = config.get("layer_types")
+    if types is None:  # hub configs before layer_types: Gemma 2 alternates, Gemma 3 has a period of 6
+        period = 2 if generation == 2 else config.get("sliding_window_pattern", 6)
+        types = [SLIDING if (i + 1) % period else FULL for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in (SLIDING, FULL) for t in types):
+        raise ValueError(f"config.json: layer_types must list {num_layers} of {SLIDING!r} / {FULL!r}, got {types!r}")
+    if SLIDING in types and not (isinstance(config.get("sliding_window"), int) and config["sliding_window"] > 0):
+        raise ValueError(f"config.json: sliding_window must be a positive integer for sliding layers, "
+                         f"got {config.get('sliding_window')!r}")
+    return list(types)
+
+
+def rope_configs(config: dict, generation: int) -> dict[str, dict]:
+    """The rope config of each layer type, from transformers 5's nested rope_parameters or hub fields."""
+    max_positions = config.get("max_position_embeddings", 8192)
+    params = dict(config.get("rope_parameters") or {})
+    if generation < 3:
+        single = {"rope_parameters": params, "rope_scaling": config.get("rope_scaling"),
+                  "max_position_embeddings": max_positions}
+        if "rope_theta" in config:
+            single["rope_theta"] = config["rope_theta"]
+        return {SLIDING: single, FULL: single}
+    if FULL in params or SLIDING in params:
+        full, local = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
+    else:  # hub style: rope_theta and rope_scaling are global, rope_local_base_freq is local
+        full, local = {**params, **(config.get("rope_scaling") or {})}, {}
+    full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", config.get("rope_local_base_freq", 10_000.0))
+    return {kind: {"rope_parameters": p, "max_position_embeddings": max_positions}
+            for kind, p in ((FULL, full), (SLIDING, local))}
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config: dict, version: GemmaVersion, rope: RotaryEmbedding, kind: str) -> None:
+        super().__init__()
+        eps = config.get("rms_norm_eps", 1e-6)
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        head_dim = config.get("head_dim") or hidden // heads
+        scalar = config.get("query_pre_attn_scalar") if version.generation >= 2 else None
+        self.self_attn = SelfAttention(
+            hidden, heads, config.get("num_key_value_heads") or heads, head_dim, rope,
+            qkv_bias=bool(config.get("attention_bias", False)), output_bias=bool(config.get("attention_bias", False)),
+            scale=None if scalar is None else scalar**-0.5,
+            sliding_window=config["sliding_window"] if kind == SLIDING else None,
+            q_norm=RMSNorm(head_dim, eps, offset=1.0) if version.qk_norm else None,
+            k_norm=RMSNorm(head_dim, eps, offset=1.0) if version.qk_norm else None,
+            logit_soft_cap=version.attn_soft_cap)
+        self.mlp = GatedMLP(hidden, config["intermediate_size"], hidden_activation(config, version.generation))
+        self.input_layernorm = RMSNorm(hidden, eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset=1.0)
+        self.sandwich_norms = version.sandwich_norms
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset=1.0)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset=1.0)
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(batch, hidden)
+        if not self.sandwich_norms:  # Gemma 1: the llama layout
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, config: dict, version: GemmaVersion, max_model_len: int) -> None:
+        super().__init__()
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        kinds = layer_types(config, version.generation)
+        configs = rope_configs(config, version.generation)
+        ropes = {kind: get_rope(configs[kind], head_dim, max_position=max_model_len) for kind in sorted(set(kinds))}
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        self.embed_scale = config["hidden_size"] ** 0.5
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, version, ropes[kind], kind) for kind in kinds)
+        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6), offset=1.0)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        # The scale is rounded to the weights' dtype first, as transformers does (sqrt(3072) is 55.5 in bf16).
+        hidden, residual = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype), None
+        for layer in self.layers:
+            hidden, residual = layer(batch, hidden, residual)
+        rows = batch.logits_indices
+        return self.norm(hidden[rows] + residual[rows])
+
+
+class GemmaForCausalLM(nn.Module):
+    """The pipeline for all three generations; ``model`` and ``lm_head`` named as in HF checkpoints."""
+
+    def __init__(self, config: dict, ctx: BuildContext, architecture: str) -> None:
+        super().__init__()
+        validate_config(config)
+        self.config = config
+        self.version = GemmaVersion(architecture, config)
+        self.model = GemmaModel(config, self.version, ctx.max_model_len)
+        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
+        self.tied = bool(config.get("tie_word_embeddings", True))
+        if self.tied:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.model.layers[0].self_attn
+        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.version.final_soft_cap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.tied:
+            weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
+        load_named_weights(self, weights, optional=("lm_head.",) if self.tied else ())
+
+
+def validate_config(config: dict) -> None:
+    """Reject field values this pipeline would otherwise misread."""
+    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if not isinstance(config.get(field), int) or config[field] <= 0:
+            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if config.get("use_bidirectional_attention"):
+        raise ValueError("config.json: use_bidirectional_attention true (an encoder) is not supported by the gemma "
+                         "pipeline")
+    for field in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        value = config.get(field)
+        if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"config.json: {field} must be a positive number or null, got {value!r}")
+
+
+def build(hf_config: dict, ctx: BuildContext) -> GemmaForCausalLM:
+    assert current_context() is ctx, "build the pipeline inside pluginfer.layers.context.building(ctx)"
+    architectures = hf_config.get("architectures") or []
+    known = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    architecture = next((a for a in architectures if a in known), None)
+    if architecture is None:
+        architecture = {"gemma": known[0], "gemma2": known[1], "gemma3_text": known[2]}.get(hf_config.get("model_type"))
+    if architecture is None:
+        raise ValueError(f"config.json: architectures {architectures!r} / model_type {hf_config.get('model_type')!r} "
+                         f"name no Gemma text model (supported: {', '.join(known)})")
+    return GemmaForCausalLM(hf_config, ctx, architecture)

@@ -1,0 +1,158 @@
+"""Qwen pipeline: Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm).
+
+Both have the Llama block; both may put a sliding window on some layers (``use_sliding_window``
+with ``max_window_layers``, or an explicit ``layer_types`` list).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.layers.context import current_context
+from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
+from pluginfer.layers.mlp import GatedMLP
+from pluginfer.layers.norm import RMSNorm
+from pluginfer.layers.rotary import RotaryEmbedding, get_rope
+from pluginfer.layers.self_attention import SelfAttention
+from pluginfer.layers.weights import load_named_weights
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def head_dim_of(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+class QwenDecoderLayer(nn.Module):
+    def __init__(self, config: dict, rope: RotaryEmbedding, sliding_window: int | None) -> None:
+        super().__init__()
+        eps = config.get("rms_norm_eps", 1e-6)
+        hidden, heads, head_dim = config["hidden_size"], config["num_attention_heads"], head_dim_of(config)
+        qwen3 = variant(config) == "qwen3"
+        # Qwen2 always has q/k/v bias and no output bias; Qwen3 has attention_bias on all four.
+        qkv_bias = bool(config.get("attention_bias", False)) if qwen3 else True
+        output_bias = bool(config.get("attention_bias", False)) if qwen3 else False
+        q_norm = RMSNorm(head_dim, eps) if qwen3 else None
+        k_norm = RMSNorm(head_dim, eps) if qwen3 else None
+        self.self_attn = SelfAttention(hidden, heads, config.get("num_key_value_heads") or heads, head_dim, rope,
+                                       qkv_bias=qkv_bias, output_bias=output_bias, sliding_window=sliding_window,
+                                       q_norm=q_norm, k_norm=k_norm)
+        self.mlp = GatedMLP(hidden, config["intermediate_size"], config.get("hidden_act", "silu"))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(batch, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class QwenModel(nn.Module):
+    def __init__(self, config: dict, max_model_len: int) -> None:
+        super().__init__()
+        rope = get_rope(config, head_dim_of(config), max_position=max_model_len)
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(QwenDecoderLayer(config, rope, window)
+                                    for window in layer_sliding_windows(config))
+        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(batch, hidden, residual)
+        rows = batch.logits_indices  # only the sampled rows need the final norm
+        return self.norm(hidden[rows] + residual[rows])
+
+
+class QwenForCausalLM(nn.Module):
+    """``model`` (decoder stack) and ``lm_head``, named as in HF checkpoints."""
+
+    def __init__(self, config: dict, ctx: BuildContext) -> None:
+        super().__init__()
+        validate_config(config)
+        self.config = config
+        self.model = QwenModel(config, ctx.max_model_len)
+        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.model.layers[0].self_attn
+        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.tied:
+            weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
+        load_named_weights(self, weights, optional=("lm_head.",) if self.tied else ())
+
+
+def layer_sliding_windows(config: dict) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers' Qwen2/Qwen3 configs decide."""
+    layers = config["num_hidden_layers"]
+    window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
+    if config.get("use_sliding_window", False) and (not isinstance(window, int) or window <= 0):
+        raise ValueError(f"config.json: sliding_window must be a positive integer when use_sliding_window is "
+                         f"true, got {window!r}")
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        first_sliding = config.get("max_window_layers", layers)
+        layer_types = ["sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+                       for i in range(layers)]
+    if len(layer_types) != layers:
+        raise ValueError(f"config.json: layer_types has {len(layer_types)} entries for {layers} layers")
+    for kind in layer_types:
+        if kind not in LAYER_TYPES:
+            raise ValueError(f"config.json: layer_types value {kind!r} is not supported by the qwen pipeline "
+                             f"(supported: {', '.join(LAYER_TYPES)})")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+VARIANTS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "qwen2": "qwen2", "qwen3": "qwen3"}
+_SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+def variant(config: dict) -> str:
+    """"qwen2" or "qwen3", from config.json's architectures (else its model_type)."""
+    for name in [*(config.get("architectures") or []), config.get("model_type")]:
+        if name in VARIANTS:
+            return VARIANTS[name]
+    raise ValueError(f"config.json: architectures {config.get('architectures')!r} / model_type "
+                     f"{config.get('model_type')!r} name no architecture of the qwen pipeline "
+                     f"(supported: Qwen2ForCausalLM, Qwen3ForCausalLM)")
+
+
+def validate_config(config: dict) -> None:
+    """Reject fields this pipeline would otherwise ignore."""
+    variant(config)
+    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if not isinstance(config.get(field), int) or config[field] <= 0:
+            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
+    if config.get("hidden_act", "silu") not in _SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported by the qwen "
+                         f"pipeline (supported: {', '.join(_SUPPORTED_ACTIVATIONS)})")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    layer_sliding_windows(config)
+
+
+def build(hf_config: dict, ctx: BuildContext) -> QwenForCausalLM:
+    assert current_context() is ctx, "build the pipeline inside pluginfer.layers.context.building(ctx)"
+    return QwenForCausalLM(hf_config, ctx)

@@ -1,0 +1,158 @@
+"""StableLM pipeline (StableLmForCausalLM: StableLM-3B-4E1T, StableLM 2).
+
+LayerNorm (with bias) instead of RMSNorm, neox rope on the first ``partial_rotary_factor``
+(default 0.25) of each head, and, as the config says: q/k/v bias (``use_qkv_bias``), a
+LayerNorm per head on q and k (``qk_layernorm``), and GPT-NeoX's parallel residual
+(``use_parallel_residual``: attention and MLP both read the same normed input).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.layers.context import current_context
+from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
+from pluginfer.layers.mlp import GatedMLP
+from pluginfer.layers.norm import LayerNorm
+from pluginfer.layers.rotary import RotaryEmbedding, get_rope, partial_rotary_dim
+from pluginfer.layers.self_attention import SelfAttention
+from pluginfer.layers.weights import load_named_weights
+
+
+def head_dim_of(config: dict) -> int:
+    return config["hidden_size"] // config["num_attention_heads"]
+
+
+class LayerNormPerHead(nn.Module):
+    """One bias-free LayerNorm per head over ``[tokens, heads, head_dim]`` (``norms.<i>.weight`` as HF names them).
+
+    Every head's weight is held; this rank uses the ``num_local`` heads from ``first``.
+    """
+
+    def __init__(self, head_dim: int, num_heads: int, eps: float, first: int, num_local: int) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(LayerNorm(head_dim, eps, bias=False) for _ in range(num_heads))
+        self.eps, self.first, self.num_local = eps, first, num_local
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = torch.stack([norm.weight for norm in self.norms[self.first:self.first + self.num_local]])
+        out = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps) * weight.float()
+        return out.to(x.dtype)
+
+
+def _qk_layernorms(config: dict, head_dim: int) -> tuple[LayerNormPerHead, LayerNormPerHead]:
+    """The q and k per-head norms for this rank's heads (KV heads may be replicated across ranks)."""
+    collective = current_context().collective
+    rank, tp_size = collective.rank, collective.world_size
+    heads, eps = config["num_attention_heads"], config.get("layer_norm_eps", 1e-5)
+    kv_heads = config.get("num_key_value_heads") or heads
+    local_heads, local_kv = heads // tp_size, max(1, kv_heads // tp_size)
+    kv_rank = rank // max(1, tp_size // kv_heads)
+    return (LayerNormPerHead(head_dim, heads, eps, rank * local_heads, local_heads),
+            LayerNormPerHead(head_dim, kv_heads, eps, kv_rank * local_kv, local_kv))
+
+
+class StableLmDecoderLayer(nn.Module):
+    def __init__(self, config: dict, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        eps = config.get("layer_norm_eps", 1e-5)
+        hidden, heads, head_dim = config["hidden_size"], config["num_attention_heads"], head_dim_of(config)
+        q_norm, k_norm = _qk_layernorms(config, head_dim) if config.get("qk_layernorm", False) else (None, None)
+        self.self_attn = SelfAttention(hidden, heads, config.get("num_key_value_heads") or heads, head_dim, rope,
+                                       qkv_bias=bool(config.get("use_qkv_bias", False)), q_norm=q_norm,
+                                       k_norm=k_norm)
+        self.mlp = GatedMLP(hidden, config["intermediate_size"], config.get("hidden_act", "silu"))
+        self.input_layernorm = LayerNorm(hidden, eps)
+        self.parallel_residual = bool(config.get("use_parallel_residual", False))
+        if not self.parallel_residual:
+            self.post_attention_layernorm = LayerNorm(hidden, eps)
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        attention = self.self_attn(batch, hidden)
+        if self.parallel_residual:  # x + attn(ln(x)) + mlp(ln(x))
+            return attention + self.mlp(hidden), residual
+        hidden, residual = self.post_attention_layernorm(attention, residual)
+        return self.mlp(hidden), residual
+
+
+class StableLmModel(nn.Module):
+    def __init__(self, config: dict, max_model_len: int) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        rope = get_rope(config, head_dim, rotary_dim=partial_rotary_dim(config, head_dim, default_factor=0.25),
+                        max_position=max_model_len)
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(StableLmDecoderLayer(config, rope) for _ in range(config["num_hidden_layers"]))
+        self.norm = LayerNorm(config["hidden_size"], config.get("layer_norm_eps", 1e-5))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(batch, hidden, residual)
+        rows = batch.logits_indices  # only the sampled rows need the final norm
+        return self.norm(hidden[rows] + residual[rows])
+
+
+class StableLmForCausalLM(nn.Module):
+    """``model`` (decoder stack) and ``lm_head``, named as in HF checkpoints."""
+
+    def __init__(self, config: dict, ctx: BuildContext) -> None:
+        super().__init__()
+        validate_config(config)
+        self.config = config
+        self.model = StableLmModel(config, ctx.max_model_len)
+        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.model.layers[0].self_attn
+        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # HF's self_attn.{q,k}_layernorm are SelfAttention's q_norm / k_norm here.
+        renamed = ((name.replace(".q_layernorm.", ".q_norm.").replace(".k_layernorm.", ".k_norm."), tensor)
+                   for name, tensor in weights if not (self.tied and name == "lm_head.weight"))
+        load_named_weights(self, renamed, optional=("lm_head.",) if self.tied else ())
+
+
+_SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+def validate_config(config: dict) -> None:
+    """Reject fields this pipeline would otherwise ignore."""
+    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if not isinstance(config.get(field), int) or config[field] <= 0:
+            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
+    if config.get("hidden_act", "silu") not in _SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported by the stablelm "
+                         f"pipeline (supported: {', '.join(_SUPPORTED_ACTIVATIONS)})")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if config["hidden_size"] % heads:
+        raise ValueError(f"config.json: hidden_size {config['hidden_size']} is not a multiple of "
+                         f"num_attention_heads {heads}")
+
+
+def build(hf_config: dict, ctx: BuildContext) -> StableLmForCausalLM:
+    assert current_context() is ctx, "build the pipeline inside pluginfer.layers.context.building(ctx)"
+    return StableLmForCausalLM(hf_config, ctx)
