@@ -1,0 +1,36 @@
+"""The matmul shared by the weight-only int8 formats: dequantize a few output rows at a time.
+
+Only one tile of ``rows x input_size`` floating-point weights exists at any moment, never a
+layer's (let alone the model's) full dense weight. On the CPU this is also faster than
+converting the whole int8 weight per call (4096x4096, fp32, one token: 4.7 ms against 22 ms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+TILE_ROWS = 512
+
+
+def tiled_linear(x: torch.Tensor, output_size: int, dequantize_rows: Callable[[int, int], torch.Tensor],
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` where ``dequantize_rows(start, stop)`` returns ``W[start:stop]`` in ``x.dtype``."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.empty(flat.shape[0], output_size, dtype=x.dtype, device=x.device)
+    for start in range(0, output_size, TILE_ROWS):
+        stop = min(start + TILE_ROWS, output_size)
+        torch.matmul(flat, dequantize_rows(start, stop).t(), out=out[:, start:stop])
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], output_size)
+
+
+def replace_weight(layer: torch.nn.Module, **params: torch.Tensor) -> None:
+    """Drop the floating-point ``weight`` the checkpoint was loaded into; register the quantized tensors."""
+    del layer.weight
+    for name, tensor in params.items():
+        param = torch.nn.Parameter(tensor, requires_grad=False)
+        param.output_dim, param.input_dim = 0, 1
+        layer.register_parameter(name, param)
