@@ -32,6 +32,8 @@ def load_named_weights(
 ) -> None:
     """Load every tensor into its parameter; unknown tensors and unloaded parameters are errors.
 
+    A layer's quant method processes it (repacks, quantizes) as soon as its last tensor arrived,
+    so an in-situ quantized model never holds more than a few float layers at once.
     ``ignore``: checkpoint names containing one of these are skipped (e.g. cached rope tables).
     ``optional``: parameters that may stay unloaded (e.g. a tied ``lm_head.weight``).
     """
@@ -41,6 +43,17 @@ def load_named_weights(
     shards_of = {fused: {s for f, _, s in stacked if f == fused} for fused, _, _ in stacked}
     part_of = {(fused, shard): part for fused, part, shard in stacked}
     pending: dict[str, set] = {}  # fused parameter -> shards not yet seen
+    layer_of: dict[str, str] = {}  # parameter -> its quantized layer
+    waiting: dict[str, set[str]] = {}  # quantized layer -> parameters still to load
+    layers = {name: module for name, module in model.named_modules() if hasattr(module, "quant_method")}
+    for name in params:
+        owner = name.rpartition(".")[0]
+        if owner in layers:
+            layer_of[name] = owner
+            if name in unloaded:
+                waiting.setdefault(owner, set()).add(name)
+    for owner in layers.keys() - waiting.keys():  # nothing to load (e.g. all optional)
+        waiting[owner] = set()
     for name, tensor in weights:
         if any(part in name for part in ignore):
             continue
@@ -61,6 +74,12 @@ def load_named_weights(
             raise ValueError(f"checkpoint tensor {name!r}: {exc}") from None
         if not pending.get(target):
             unloaded.discard(target)
+            owner = layer_of.get(target)
+            if owner is not None and owner in waiting:
+                waiting[owner].discard(target)
+                if not waiting[owner]:
+                    del waiting[owner]
+                    layers[owner].quant_method.process_weights_after_loading(layers[owner])
     missing = []
     for name in sorted(unloaded):  # name the checkpoint tensors, not our fused parameters
         fused = next((f for f, _, _ in stacked if f in name), None)
@@ -71,7 +90,5 @@ def load_named_weights(
             missing += sorted(name.replace(fused, part_of[(fused, shard)]) for shard in shards)
     if missing:
         raise KeyError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}")
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+    for owner in waiting:  # layers whose parameters were all optional
+        layers[owner].quant_method.process_weights_after_loading(layers[owner])
