@@ -28,4 +28,10 @@ def pluginfer_models() -> list[PluginSpec]:
                    architectures=("PhiForCausalLM", "Phi3ForCausalLM"),
                    factory="pluginfer.models.phi:build",
                    description="Phi-1/1.5/2, Phi-3, Phi-3.5, Phi-4-mini"),
+        PluginSpec(kind="model", name="mixtral", architectures=("MixtralForCausalLM",),
+                   factory="pluginfer.models.mixtral:build",
+                   description="Mixtral 8x7B, 8x22B (sparse mixture of experts)"),
+        PluginSpec(kind="model", name="qwen3-moe", aliases=("qwen3_moe",), architectures=("Qwen3MoeForCausalLM",),
+                   factory="pluginfer.models.qwen3_moe:build",
+                   description="Qwen3 mixture-of-experts (Qwen3-30B-A3B, Qwen3-235B-A22B)"),
     ]

@@ -1,0 +1,150 @@
+"""Qwen3-MoE pipeline: Qwen3's attention (per-head q/k RMSNorm) with sparse mixture-of-experts layers.
+
+A layer is sparse unless it is listed in ``mlp_only_layers`` or ``(index + 1) % decoder_sparse_step != 0``
+(then it keeps a dense MLP of ``intermediate_size``); ``norm_topk_prob`` renormalizes the top-k weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.layers.context import current_context
+from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
+from pluginfer.layers.mlp import GatedMLP
+from pluginfer.layers.moe import SparseMoeBlock, expert_weight_names, validate_router_config
+from pluginfer.layers.norm import RMSNorm
+from pluginfer.layers.rotary import RotaryEmbedding, get_rope
+from pluginfer.layers.self_attention import SelfAttention
+from pluginfer.layers.weights import LLAMA_STACKED, load_named_weights
+
+
+def head_dim_of(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def num_experts_of(config: dict) -> int:
+    """``num_experts`` (saved by transformers as ``num_local_experts``)."""
+    return config.get("num_experts", config.get("num_local_experts"))
+
+
+def sparse_layers(config: dict) -> list[bool]:
+    """Which layers hold experts, as transformers' Qwen3MoeDecoderLayer decides."""
+    mlp_only, step = config.get("mlp_only_layers") or [], config.get("decoder_sparse_step", 1)
+    return [i not in mlp_only and num_experts_of(config) > 0 and (i + 1) % step == 0
+            for i in range(config["num_hidden_layers"])]
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, config: dict, rope: RotaryEmbedding, sparse: bool) -> None:
+        super().__init__()
+        eps = config.get("rms_norm_eps", 1e-6)
+        hidden, heads, head_dim = config["hidden_size"], config["num_attention_heads"], head_dim_of(config)
+        bias = bool(config.get("attention_bias", False))
+        window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
+        self.self_attn = SelfAttention(hidden, heads, config.get("num_key_value_heads") or heads, head_dim, rope,
+                                       qkv_bias=bias, output_bias=bias, sliding_window=window,
+                                       q_norm=RMSNorm(head_dim, eps), k_norm=RMSNorm(head_dim, eps))
+        act = config.get("hidden_act", "silu")
+        if sparse:
+            self.mlp = SparseMoeBlock(num_experts_of(config), config.get("num_experts_per_tok", 2), hidden,
+                                      config["moe_intermediate_size"], bool(config.get("norm_topk_prob", False)), act)
+        else:
+            self.mlp = GatedMLP(hidden, config["intermediate_size"], act)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(batch, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, config: dict, max_model_len: int) -> None:
+        super().__init__()
+        rope = get_rope(config, head_dim_of(config), max_position=max_model_len)
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, rope, sparse) for sparse in sparse_layers(config))
+        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(batch, hidden, residual)
+        rows = batch.logits_indices  # only the sampled rows need the final norm
+        return self.norm(hidden[rows] + residual[rows])
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """``model`` (decoder stack) and ``lm_head``, named as in HF checkpoints."""
+
+    def __init__(self, config: dict, ctx: BuildContext) -> None:
+        super().__init__()
+        validate_config(config)
+        self.config = config
+        self.model = Qwen3MoeModel(config, ctx.max_model_len)
+        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.model.layers[0].self_attn
+        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.tied:
+            weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
+        # Expert names first: LLAMA_STACKED's ".gate_proj." would also match "experts.{e}.gate_proj.".
+        experts = expert_weight_names(num_experts_of(self.config), "gate_proj", "up_proj", "down_proj")
+        load_named_weights(self, weights, stacked=experts + LLAMA_STACKED,
+                           optional=("lm_head.",) if self.tied else ())
+
+
+_SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+def validate_config(config: dict) -> None:
+    """Reject fields this pipeline would otherwise ignore."""
+    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+        if not isinstance(config.get(field), int) or config[field] <= 0:
+            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
+    validate_router_config(config, num_experts_of(config), "num_experts")
+    step = config.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step <= 0:
+        raise ValueError(f"config.json: decoder_sparse_step must be a positive integer, got {step!r}")
+    sparse = sparse_layers(config)
+    for field, needed in (("moe_intermediate_size", any(sparse)), ("intermediate_size", not all(sparse))):
+        if needed and (not isinstance(config.get(field), int) or config[field] <= 0):
+            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
+    if config.get("hidden_act", "silu") not in _SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported by the qwen3-moe "
+                         f"pipeline (supported: {', '.join(_SUPPORTED_ACTIVATIONS)})")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    window = config.get("sliding_window")
+    if config.get("use_sliding_window", False) and (not isinstance(window, int) or window <= 0):
+        raise ValueError(f"config.json: sliding_window must be a positive integer when use_sliding_window is "
+                         f"true, got {window!r}")
+
+
+def build(hf_config: dict, ctx: BuildContext) -> Qwen3MoeForCausalLM:
+    assert current_context() is ctx, "build the pipeline inside pluginfer.layers.context.building(ctx)"
+    return Qwen3MoeForCausalLM(hf_config, ctx)
