@@ -2,6 +2,7 @@
 
     python benchmarks/offline_throughput.py                 # ~0.5B shape, fp32, 3 runs each
     python benchmarks/offline_throughput.py --layers 2      # quick smoke run
+    python benchmarks/offline_throughput.py --arch mixtral --layers 8 --hidden 512 --intermediate 1408
 
 Decode tokens/s = batch * (gen_len - 1) / (time(generate gen_len) - time(generate 1 token)), so the
 prefill is not counted; prefill tokens/s = prompt_len / time(generate 1 token). Runs alternate
@@ -21,7 +22,7 @@ import torch
 
 
 def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     from pluginfer.demo.tokenizer import train_tokenizer
 
@@ -30,12 +31,16 @@ def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
     # Pad the small demo vocabulary so every id the model can emit detokenizes (the real path).
     tokenizer.add_tokens([f"<pad_{i}>" for i in range(args.vocab - len(tokenizer))])
     tokenizer.save_pretrained(out)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=2048,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                  max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    if args.arch == "mixtral":
+        config = MixtralConfig(**common, num_local_experts=args.experts, num_experts_per_tok=args.top_k)
+        MixtralForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    else:
+        LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(out, safe_serialization=True)
 
 
 def timed(fn, *args) -> float:  # noqa: ANN001
@@ -65,9 +70,9 @@ class Transformers:
     name = "transformers"
 
     def __init__(self, path: Path, args: argparse.Namespace) -> None:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        self.model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         with torch.inference_mode():  # static batch: every prompt has the same length, no padding
@@ -87,6 +92,9 @@ def memory_bandwidth() -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=["llama", "mixtral"], default="llama")
+    parser.add_argument("--experts", type=int, default=8, help="mixtral: experts per layer")
+    parser.add_argument("--top-k", type=int, default=2, help="mixtral: experts per token")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
@@ -136,7 +144,7 @@ def main() -> int:
     bandwidth = memory_bandwidth()
     bound = bandwidth / weight_bytes
     names = [e.name for e in engines]
-    print(f"\nmodel: {args.layers} layers, hidden {args.hidden}, {weight_bytes / 2**30:.2f} GiB fp32 weights; "
+    print(f"\nmodel: {args.arch}, {args.layers} layers, hidden {args.hidden}, {weight_bytes / 2**30:.2f} GiB fp32 weights; "
           f"medians of {args.runs} runs")
     print(f"{'metric':<28}" + "".join(f"{n:>14}" for n in names) + ("        ratio" if len(names) == 2 else ""))
     for metric in dict.fromkeys(m for m, _ in results):
