@@ -6,20 +6,17 @@ attention/MLP bias, and Mistral's sliding window.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.core.protocols import BuildContext
+from pluginfer.layers.causal_lm import CausalLM, DecoderStack, check_positive_fields
 from pluginfer.layers.context import current_context
-from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.rotary import RotaryEmbedding, get_rope
 from pluginfer.layers.self_attention import SelfAttention
-from pluginfer.layers.weights import load_named_weights
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -47,51 +44,12 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: dict, max_model_len: int) -> None:
-        super().__init__()
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        rope = get_rope(config, head_dim, max_position=max_model_len)
-        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rope) for _ in range(config["num_hidden_layers"]))
-        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(batch, hidden, residual)
-        # Only the rows that are sampled need the final norm (and, later, the LM head).
-        rows = batch.logits_indices
-        return self.norm(hidden[rows] + residual[rows])
-
-
-class LlamaForCausalLM(nn.Module):
-    """The pipeline: ``model`` (decoder stack) and ``lm_head``, named as in HF checkpoints."""
-
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config: dict, ctx: BuildContext) -> None:
-        super().__init__()
         validate_config(config)
-        self.config = config
-        self.model = LlamaModel(config, ctx.max_model_len)
-        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.tie(self.model.embed_tokens)
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
-        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.tied:
-            weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
-        load_named_weights(self, weights, optional=("lm_head.",) if self.tied else ())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        rope = get_rope(config, head_dim, max_position=ctx.max_model_len)
+        super().__init__(config, DecoderStack(config, lambda _: LlamaDecoderLayer(config, rope)))
 
 
 _SUPPORTED_ACTIVATIONS = ("silu",)
@@ -99,9 +57,8 @@ _SUPPORTED_ACTIVATIONS = ("silu",)
 
 def validate_config(config: dict) -> None:
     """Reject fields this pipeline would otherwise ignore."""
-    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-        if not isinstance(config.get(field), int) or config[field] <= 0:
-            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
+    check_positive_fields(config, ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                                   "vocab_size"))
     if config.get("hidden_act", "silu") not in _SUPPORTED_ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported by the llama "
                          f"pipeline (supported: {', '.join(_SUPPORTED_ACTIVATIONS)})")

@@ -6,20 +6,17 @@ with ``max_window_layers``, or an explicit ``layer_types`` list).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.core.protocols import BuildContext
+from pluginfer.layers.causal_lm import CausalLM, DecoderStack
 from pluginfer.layers.context import current_context
-from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.rotary import RotaryEmbedding, get_rope
 from pluginfer.layers.self_attention import SelfAttention
-from pluginfer.layers.weights import load_named_weights
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -57,50 +54,12 @@ class QwenDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class QwenModel(nn.Module):
-    def __init__(self, config: dict, max_model_len: int) -> None:
-        super().__init__()
-        rope = get_rope(config, head_dim_of(config), max_position=max_model_len)
-        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(QwenDecoderLayer(config, rope, window)
-                                    for window in layer_sliding_windows(config))
-        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(batch, hidden, residual)
-        rows = batch.logits_indices  # only the sampled rows need the final norm
-        return self.norm(hidden[rows] + residual[rows])
-
-
-class QwenForCausalLM(nn.Module):
-    """``model`` (decoder stack) and ``lm_head``, named as in HF checkpoints."""
-
+class QwenForCausalLM(CausalLM):
     def __init__(self, config: dict, ctx: BuildContext) -> None:
-        super().__init__()
         validate_config(config)
-        self.config = config
-        self.model = QwenModel(config, ctx.max_model_len)
-        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.tie(self.model.embed_tokens)
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
-        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.tied:
-            weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
-        load_named_weights(self, weights, optional=("lm_head.",) if self.tied else ())
+        rope = get_rope(config, head_dim_of(config), max_position=ctx.max_model_len)
+        windows = layer_sliding_windows(config)
+        super().__init__(config, DecoderStack(config, lambda i: QwenDecoderLayer(config, rope, windows[i])))
 
 
 def layer_sliding_windows(config: dict) -> list[int | None]:

@@ -6,21 +6,19 @@ A layer is sparse unless it is listed in ``mlp_only_layers`` or ``(index + 1) % 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.core.protocols import BuildContext
+from pluginfer.layers.causal_lm import CausalLM, DecoderStack
 from pluginfer.layers.context import current_context
-from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.moe import SparseMoeBlock, expert_weight_names, validate_router_config
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.rotary import RotaryEmbedding, get_rope
 from pluginfer.layers.self_attention import SelfAttention
-from pluginfer.layers.weights import LLAMA_STACKED, load_named_weights
+from pluginfer.layers.weights import LLAMA_STACKED
 
 
 def head_dim_of(config: dict) -> int:
@@ -69,52 +67,17 @@ class Qwen3MoeDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class Qwen3MoeModel(nn.Module):
-    def __init__(self, config: dict, max_model_len: int) -> None:
-        super().__init__()
-        rope = get_rope(config, head_dim_of(config), max_position=max_model_len)
-        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, rope, sparse) for sparse in sparse_layers(config))
-        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(batch, hidden, residual)
-        rows = batch.logits_indices  # only the sampled rows need the final norm
-        return self.norm(hidden[rows] + residual[rows])
-
-
-class Qwen3MoeForCausalLM(nn.Module):
-    """``model`` (decoder stack) and ``lm_head``, named as in HF checkpoints."""
-
+class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, config: dict, ctx: BuildContext) -> None:
-        super().__init__()
         validate_config(config)
-        self.config = config
-        self.model = Qwen3MoeModel(config, ctx.max_model_len)
-        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.tie(self.model.embed_tokens)
+        rope = get_rope(config, head_dim_of(config), max_position=ctx.max_model_len)
+        sparse = sparse_layers(config)
+        super().__init__(config, DecoderStack(config, lambda i: Qwen3MoeDecoderLayer(config, rope, sparse[i])))
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
-        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.tied:
-            weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
+    def weight_routes(self) -> tuple:
         # Expert names first: LLAMA_STACKED's ".gate_proj." would also match "experts.{e}.gate_proj.".
         experts = expert_weight_names(num_experts_of(self.config), "gate_proj", "up_proj", "down_proj")
-        load_named_weights(self, weights, stacked=experts + LLAMA_STACKED,
-                           optional=("lm_head.",) if self.tied else ())
+        return experts + LLAMA_STACKED
 
 
 _SUPPORTED_ACTIVATIONS = ("silu",)
