@@ -21,11 +21,12 @@ from pluginfer.layers.weights import LLAMA_STACKED, load_named_weights
 class DecoderStack(nn.Module):
     """``embed_tokens`` -> ``layers`` -> ``norm`` (only on the rows that are sampled)."""
 
-    def __init__(self, config: dict, make_layer: Callable[[int], nn.Module], eps_default: float = 1e-6) -> None:
+    def __init__(self, config: dict, make_layer: Callable[[int], nn.Module], eps_default: float = 1e-6,
+                 norm: nn.Module | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
         self.layers = nn.ModuleList(make_layer(index) for index in range(config["num_hidden_layers"]))
-        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", eps_default))
+        self.norm = norm if norm is not None else RMSNorm(config["hidden_size"], config.get("rms_norm_eps", eps_default))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(batch.input_ids), None

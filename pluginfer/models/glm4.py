@@ -7,20 +7,17 @@ the first ``partial_rotary_factor`` (default 0.5) of each head.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.core.protocols import BuildContext
+from pluginfer.layers.causal_lm import CausalLM, DecoderStack
 from pluginfer.layers.context import current_context
-from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.rotary import RotaryEmbedding, get_rope, partial_rotary_dim
 from pluginfer.layers.self_attention import SelfAttention
-from pluginfer.layers.weights import load_named_weights
 
 
 def head_dim_of(config: dict) -> int:
@@ -51,52 +48,15 @@ class Glm4DecoderLayer(nn.Module):
         return self.post_mlp_layernorm(self.mlp(hidden)), residual
 
 
-class Glm4Model(nn.Module):
-    def __init__(self, config: dict, max_model_len: int) -> None:
-        super().__init__()
-        head_dim = head_dim_of(config)
-        rope = get_rope(config, head_dim, rotary_dim=partial_rotary_dim(config, head_dim, default_factor=0.5),
-                        max_position=max_model_len, is_neox_style=False)
-        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(Glm4DecoderLayer(config, rope) for _ in range(config["num_hidden_layers"]))
-        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(batch, hidden, residual)
-        rows = batch.logits_indices  # only the sampled rows need the final norm
-        return self.norm(hidden[rows] + residual[rows])
-
-
-class Glm4ForCausalLM(nn.Module):
-    """``model`` (decoder stack) and ``lm_head``, named as in HF checkpoints."""
+class Glm4ForCausalLM(CausalLM):
+    """The checkpoint's mlp.gate_up_proj is already fused ([gate | up]); it loads as one tensor."""
 
     def __init__(self, config: dict, ctx: BuildContext) -> None:
-        super().__init__()
         validate_config(config)
-        self.config = config
-        self.model = Glm4Model(config, ctx.max_model_len)
-        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.tie(self.model.embed_tokens)
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
-        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # The checkpoint's mlp.gate_up_proj is already fused ([gate | up]); it loads as one tensor.
-        if self.tied:
-            weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
-        load_named_weights(self, weights, optional=("lm_head.",) if self.tied else ())
+        head_dim = head_dim_of(config)
+        rope = get_rope(config, head_dim, rotary_dim=partial_rotary_dim(config, head_dim, default_factor=0.5),
+                        max_position=ctx.max_model_len, is_neox_style=False)
+        super().__init__(config, DecoderStack(config, lambda _: Glm4DecoderLayer(config, rope)))
 
 
 _SUPPORTED_ACTIVATIONS = ("silu",)

@@ -15,14 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.core.protocols import BuildContext
+from pluginfer.layers.causal_lm import CausalLM, DecoderStack
 from pluginfer.layers.context import current_context
-from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.norm import LayerNorm
 from pluginfer.layers.rotary import RotaryEmbedding, get_rope, partial_rotary_dim
 from pluginfer.layers.self_attention import SelfAttention
-from pluginfer.layers.weights import load_named_weights
 
 
 def head_dim_of(config: dict) -> int:
@@ -86,52 +85,19 @@ class StableLmDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class StableLmModel(nn.Module):
-    def __init__(self, config: dict, max_model_len: int) -> None:
-        super().__init__()
+class StableLmForCausalLM(CausalLM):
+    def __init__(self, config: dict, ctx: BuildContext) -> None:
+        validate_config(config)
         head_dim = head_dim_of(config)
         rope = get_rope(config, head_dim, rotary_dim=partial_rotary_dim(config, head_dim, default_factor=0.25),
-                        max_position=max_model_len)
-        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(StableLmDecoderLayer(config, rope) for _ in range(config["num_hidden_layers"]))
-        self.norm = LayerNorm(config["hidden_size"], config.get("layer_norm_eps", 1e-5))
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(batch, hidden, residual)
-        rows = batch.logits_indices  # only the sampled rows need the final norm
-        return self.norm(hidden[rows] + residual[rows])
-
-
-class StableLmForCausalLM(nn.Module):
-    """``model`` (decoder stack) and ``lm_head``, named as in HF checkpoints."""
-
-    def __init__(self, config: dict, ctx: BuildContext) -> None:
-        super().__init__()
-        validate_config(config)
-        self.config = config
-        self.model = StableLmModel(config, ctx.max_model_len)
-        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.tie(self.model.embed_tokens)
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
-        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+                        max_position=ctx.max_model_len)
+        final_norm = LayerNorm(config["hidden_size"], config.get("layer_norm_eps", 1e-5))
+        super().__init__(config, DecoderStack(config, lambda _: StableLmDecoderLayer(config, rope), norm=final_norm))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # HF's self_attn.{q,k}_layernorm are SelfAttention's q_norm / k_norm here.
-        renamed = ((name.replace(".q_layernorm.", ".q_norm.").replace(".k_layernorm.", ".k_norm."), tensor)
-                   for name, tensor in weights if not (self.tied and name == "lm_head.weight"))
-        load_named_weights(self, renamed, optional=("lm_head.",) if self.tied else ())
+        super().load_weights((name.replace(".q_layernorm.", ".q_norm.").replace(".k_layernorm.", ".k_norm."), tensor)
+                             for name, tensor in weights)
 
 
 _SUPPORTED_ACTIVATIONS = ("silu",)
