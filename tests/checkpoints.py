@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -76,3 +77,22 @@ def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:  # noqa: ANN001 - pl
         return runner.execute(batch)
     finally:
         engine.block_manager.free(seq)
+
+
+def save_family_checkpoints(out_root: Path, tokenizer_dir: Path, architectures: dict[str, tuple[str, dict]],
+                            base: dict) -> dict[str, Path]:
+    """One tiny checkpoint per family: ``{family: (hf_architecture, config overrides)}`` -> directories."""
+    paths = {}
+    for family, (arch, overrides) in architectures.items():
+        paths[family] = out_root / family
+        save_hf_model(arch, {**base, **overrides}, paths[family], tokenizer_dir)
+    return paths
+
+
+def copy_with_config(source: Path, target: Path, changes: dict) -> Path:
+    """A copy of a checkpoint whose config.json has ``changes`` applied."""
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target

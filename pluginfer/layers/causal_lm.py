@@ -18,6 +18,27 @@ from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.weights import LLAMA_STACKED, load_named_weights
 
 
+class PreNormDecoderLayer(nn.Module):
+    """``x + attn(norm(x))`` then ``+ ffn(norm(x))``; each norm adds the residual it is handed (fused).
+
+    Subclasses build ``self_attn``, ``input_layernorm``, ``post_attention_layernorm`` and the
+    feed-forward block, and override ``feed_forward`` when it is not ``self.mlp``.
+    """
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mlp(hidden)
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(batch, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.feed_forward(hidden), residual
+
+
 class DecoderStack(nn.Module):
     """``embed_tokens`` -> ``layers`` -> ``norm`` (only on the rows that are sampled)."""
 
@@ -69,7 +90,22 @@ class CausalLM(nn.Module):
                            optional=("lm_head.",) if self.tied else ())
 
 
+DECODER_SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+
+
 def check_positive_fields(config: dict, fields: Iterable[str]) -> None:
     for field in fields:
         if not isinstance(config.get(field), int) or config[field] <= 0:
             raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
+
+
+def check_activation(config: dict, pipeline: str, supported: tuple[str, ...]) -> None:
+    if config.get("hidden_act", "silu") not in supported:
+        raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported by the {pipeline} "
+                         f"pipeline (supported: {', '.join(supported)})")
+
+
+def check_kv_heads(config: dict) -> None:
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads:
+        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")

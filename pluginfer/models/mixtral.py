@@ -6,11 +6,17 @@ The router keeps each token's top ``num_experts_per_tok`` experts and always ren
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import BuildContext
-from pluginfer.layers.causal_lm import CausalLM, DecoderStack
+from pluginfer.layers.causal_lm import (
+    DECODER_SIZE_FIELDS,
+    CausalLM,
+    DecoderStack,
+    PreNormDecoderLayer,
+    check_activation,
+    check_kv_heads,
+    check_positive_fields,
+)
 from pluginfer.layers.context import current_context
 from pluginfer.layers.moe import SparseMoeBlock, expert_weight_names, validate_router_config
 from pluginfer.layers.norm import RMSNorm
@@ -24,7 +30,7 @@ def num_experts_of(config: dict) -> int:
     return config.get("num_local_experts", config.get("num_experts"))
 
 
-class MixtralDecoderLayer(nn.Module):
+class MixtralDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: dict, rope: RotaryEmbedding) -> None:
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-5)
@@ -38,15 +44,8 @@ class MixtralDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(batch, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.block_sparse_moe(hidden), residual
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(hidden)
 
 
 class MixtralForCausalLM(CausalLM):
@@ -66,16 +65,10 @@ _SUPPORTED_ACTIVATIONS = ("silu",)
 
 def validate_config(config: dict) -> None:
     """Reject fields this pipeline would otherwise ignore."""
-    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-        if not isinstance(config.get(field), int) or config[field] <= 0:
-            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
+    check_positive_fields(config, DECODER_SIZE_FIELDS)
     validate_router_config(config, num_experts_of(config), "num_local_experts")
-    if config.get("hidden_act", "silu") not in _SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported by the mixtral "
-                         f"pipeline (supported: {', '.join(_SUPPORTED_ACTIVATIONS)})")
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    if heads % kv_heads:
-        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    check_activation(config, "mixtral", _SUPPORTED_ACTIVATIONS)
+    check_kv_heads(config)
 
 
 def build(hf_config: dict, ctx: BuildContext) -> MixtralForCausalLM:

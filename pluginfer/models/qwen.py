@@ -6,12 +6,16 @@ with ``max_window_layers``, or an explicit ``layer_types`` list).
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import BuildContext
-from pluginfer.layers.causal_lm import CausalLM, DecoderStack
+from pluginfer.layers.causal_lm import (
+    DECODER_SIZE_FIELDS,
+    CausalLM,
+    DecoderStack,
+    PreNormDecoderLayer,
+    check_activation,
+    check_kv_heads,
+    check_positive_fields,
+)
 from pluginfer.layers.context import current_context
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.norm import RMSNorm
@@ -25,7 +29,7 @@ def head_dim_of(config: dict) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
-class QwenDecoderLayer(nn.Module):
+class QwenDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: dict, rope: RotaryEmbedding, sliding_window: int | None) -> None:
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-6)
@@ -43,15 +47,6 @@ class QwenDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(batch, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class QwenForCausalLM(CausalLM):
@@ -100,15 +95,9 @@ def variant(config: dict) -> str:
 def validate_config(config: dict) -> None:
     """Reject fields this pipeline would otherwise ignore."""
     variant(config)
-    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-        if not isinstance(config.get(field), int) or config[field] <= 0:
-            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
-    if config.get("hidden_act", "silu") not in _SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported by the qwen "
-                         f"pipeline (supported: {', '.join(_SUPPORTED_ACTIVATIONS)})")
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    if heads % kv_heads:
-        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    check_positive_fields(config, DECODER_SIZE_FIELDS)
+    check_activation(config, "qwen", _SUPPORTED_ACTIVATIONS)
+    check_kv_heads(config)
     layer_sliding_windows(config)
 
 

@@ -6,12 +6,15 @@ A layer is sparse unless it is listed in ``mlp_only_layers`` or ``(index + 1) % 
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import BuildContext
-from pluginfer.layers.causal_lm import CausalLM, DecoderStack
+from pluginfer.layers.causal_lm import (
+    CausalLM,
+    DecoderStack,
+    PreNormDecoderLayer,
+    check_activation,
+    check_kv_heads,
+    check_positive_fields,
+)
 from pluginfer.layers.context import current_context
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.moe import SparseMoeBlock, expert_weight_names, validate_router_config
@@ -37,7 +40,7 @@ def sparse_layers(config: dict) -> list[bool]:
             for i in range(config["num_hidden_layers"])]
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: dict, rope: RotaryEmbedding, sparse: bool) -> None:
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-6)
@@ -56,15 +59,6 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(batch, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class Qwen3MoeForCausalLM(CausalLM):
@@ -85,9 +79,7 @@ _SUPPORTED_ACTIVATIONS = ("silu",)
 
 def validate_config(config: dict) -> None:
     """Reject fields this pipeline would otherwise ignore."""
-    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
-        if not isinstance(config.get(field), int) or config[field] <= 0:
-            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
+    check_positive_fields(config, ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"))
     validate_router_config(config, num_experts_of(config), "num_experts")
     step = config.get("decoder_sparse_step", 1)
     if not isinstance(step, int) or step <= 0:
@@ -96,12 +88,8 @@ def validate_config(config: dict) -> None:
     for field, needed in (("moe_intermediate_size", any(sparse)), ("intermediate_size", not all(sparse))):
         if needed and (not isinstance(config.get(field), int) or config[field] <= 0):
             raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
-    if config.get("hidden_act", "silu") not in _SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported by the qwen3-moe "
-                         f"pipeline (supported: {', '.join(_SUPPORTED_ACTIVATIONS)})")
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    if heads % kv_heads:
-        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    check_activation(config, "qwen3-moe", _SUPPORTED_ACTIVATIONS)
+    check_kv_heads(config)
     window = config.get("sliding_window")
     if config.get("use_sliding_window", False) and (not isinstance(window, int) or window <= 0):
         raise ValueError(f"config.json: sliding_window must be a positive integer when use_sliding_window is "

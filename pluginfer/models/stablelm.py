@@ -16,7 +16,14 @@ from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import BuildContext
-from pluginfer.layers.causal_lm import CausalLM, DecoderStack
+from pluginfer.layers.causal_lm import (
+    DECODER_SIZE_FIELDS,
+    CausalLM,
+    DecoderStack,
+    check_activation,
+    check_kv_heads,
+    check_positive_fields,
+)
 from pluginfer.layers.context import current_context
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.norm import LayerNorm
@@ -105,15 +112,10 @@ _SUPPORTED_ACTIVATIONS = ("silu",)
 
 def validate_config(config: dict) -> None:
     """Reject fields this pipeline would otherwise ignore."""
-    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-        if not isinstance(config.get(field), int) or config[field] <= 0:
-            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
-    if config.get("hidden_act", "silu") not in _SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported by the stablelm "
-                         f"pipeline (supported: {', '.join(_SUPPORTED_ACTIVATIONS)})")
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    if heads % kv_heads:
-        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    check_positive_fields(config, DECODER_SIZE_FIELDS)
+    check_activation(config, "stablelm", _SUPPORTED_ACTIVATIONS)
+    check_kv_heads(config)
+    heads = config["num_attention_heads"]
     if config["hidden_size"] % heads:
         raise ValueError(f"config.json: hidden_size {config['hidden_size']} is not a multiple of "
                          f"num_attention_heads {heads}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pluginfer.quant.tiled import replace_weight, tiled_linear
+from pluginfer.quant.tiled import InSituQuantMethod, replace_weight, tiled_linear
 
 BLOCK_SIZE = 32
 
@@ -40,14 +40,8 @@ def dequantize_q8_0(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return dense.reshape(rows, cols).to(dtype)
 
 
-class Q8_0Linear:
+class Q8_0Linear(InSituQuantMethod):
     name = "q8_0"
-
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        # The checkpoint's float weight lands here; process_weights_after_loading quantizes and frees it.
-        weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
-        weight.output_dim, weight.input_dim = 0, 1
-        layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if "weight" not in layer._parameters:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pluginfer.quant.tiled import replace_weight, tiled_linear
+from pluginfer.quant.tiled import InSituQuantMethod, replace_weight, tiled_linear
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,14 +25,8 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
-class Int8Linear:
+class Int8Linear(InSituQuantMethod):
     name = "int8"
-
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        # The checkpoint's float weight lands here; process_weights_after_loading quantizes and frees it.
-        weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
-        weight.output_dim, weight.input_dim = 0, 1
-        layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if "weight" not in layer._parameters:

@@ -34,3 +34,13 @@ def replace_weight(layer: torch.nn.Module, **params: torch.Tensor) -> None:
         param = torch.nn.Parameter(tensor, requires_grad=False)
         param.output_dim, param.input_dim = 0, 1
         layer.register_parameter(name, param)
+
+
+class InSituQuantMethod:
+    """Base of the formats quantized while loading: the checkpoint's float weight lands in a plain
+    ``weight`` parameter; ``process_weights_after_loading`` quantizes it and frees the float copy."""
+
+    def create_weights(self, layer: torch.nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        weight.output_dim, weight.input_dim = 0, 1
+        layer.register_parameter("weight", weight)

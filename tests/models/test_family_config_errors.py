@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from pluginfer import LLM
-from tests.checkpoints import save_hf_model
+from tests.checkpoints import copy_with_config, save_family_checkpoints
 
 # The shape test_families.py uses (not imported: that module collects every family's case module).
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -42,22 +40,14 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> dict[str, Path]:
-    paths = {}
-    for family, (arch, overrides) in ARCHITECTURES.items():
-        paths[family] = tmp_path_factory.mktemp(family)
-        save_hf_model(arch, {**BASE, **overrides}, paths[family], tiny_tokenizer_dir)
-    return paths
+    return save_family_checkpoints(tmp_path_factory.mktemp("families"), tiny_tokenizer_dir, ARCHITECTURES, BASE)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_unsupported_config_fails_at_load_naming_field_and_value(checkpoints: dict[str, Path], tmp_path: Path,
                                                                  case: str) -> None:
     family, changes, pattern = CASES[case]
-    path = tmp_path / case
-    shutil.copytree(checkpoints[family], path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(changes)
-    (path / "config.json").write_text(json.dumps(config))
+    path = copy_with_config(checkpoints[family], tmp_path / case, changes)
     with pytest.raises(ValueError, match=pattern):
         LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8)
 

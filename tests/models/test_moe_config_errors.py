@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from pluginfer import LLM
-from tests.checkpoints import save_hf_model
+from tests.checkpoints import copy_with_config, save_family_checkpoints
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, num_experts_per_tok=2)
@@ -39,22 +38,14 @@ MISSING = {"mixtral": "model.layers.1.block_sparse_moe.experts.3.w2.weight",
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> dict[str, Path]:
-    paths = {}
-    for family, (arch, overrides) in ARCHITECTURES.items():
-        paths[family] = tmp_path_factory.mktemp(family)
-        save_hf_model(arch, {**BASE, **overrides}, paths[family], tiny_tokenizer_dir)
-    return paths
+    return save_family_checkpoints(tmp_path_factory.mktemp("families"), tiny_tokenizer_dir, ARCHITECTURES, BASE)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_unsupported_config_fails_at_load_naming_field_and_value(checkpoints: dict[str, Path], tmp_path: Path,
                                                                  case: str) -> None:
     family, changes, pattern = CASES[case]
-    path = tmp_path / case
-    shutil.copytree(checkpoints[family], path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(changes)
-    (path / "config.json").write_text(json.dumps(config))
+    path = copy_with_config(checkpoints[family], tmp_path / case, changes)
     with pytest.raises(ValueError, match=pattern):
         LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8)
 
