@@ -2,17 +2,48 @@
 
 from pluginfer.core.hookspecs import PluginSpec, hookimpl
 
+# In-situ block formats of llama.cpp: quantized from a floating-point checkpoint while it loads.
+_GGML_INSITU = {
+    "q8_0": "32 int8 + fp16 scale",
+    "q4_0": "32 4-bit + fp16 scale",
+    "q4_1": "32 4-bit + fp16 scale and min",
+    "q5_0": "32 5-bit + fp16 scale",
+    "q5_1": "32 5-bit + fp16 scale and min",
+    "q4_k": "256-weight super-blocks of 4-bit, 6-bit sub-block scales",
+    "q6_k": "256-weight super-blocks of 6-bit, 8-bit sub-block scales",
+}
+
+
+# TODO(ggml helper): drop once ggml_insitu.py serves q8_0 too.
+_INSITU_FACTORY = {"q8_0": "pluginfer.quant.ggml_q8_0:build"}
+
 
 @hookimpl
 def pluginfer_quant_methods() -> list[PluginSpec]:
-    return [
+    specs = [
         PluginSpec(kind="quant", name="none", aliases=("unquantized", "fp"),
                    factory="pluginfer.quant.unquantized:build",
                    description="dense weights in the model dtype"),
         PluginSpec(kind="quant", name="int8", aliases=("w8a16",),
                    factory="pluginfer.quant.int8:build",
                    description="per-channel int8 weights quantized at load (W8A16)"),
-        PluginSpec(kind="quant", name="q8_0",
-                   factory="pluginfer.quant.ggml_q8_0:build",
-                   description="GGUF Q8_0 blocks (32 int8 + fp16 scale) quantized at load"),
+        PluginSpec(kind="quant", name="int4", aliases=("w4a16",),
+                   factory="pluginfer.quant.int4:build",
+                   description="group-wise int4 weights quantized at load (W4A16)"),
+        PluginSpec(kind="quant", name="gguf",
+                   factory="pluginfer.quant.gguf:build",
+                   description="tensors of a .gguf file, kept in their GGML block types"),
+        PluginSpec(kind="quant", name="gptq",
+                   factory="pluginfer.quant.gptq:build",
+                   description="GPTQ checkpoints (4/8-bit, groups, act-order, sym/asym)"),
+        PluginSpec(kind="quant", name="awq",
+                   factory="pluginfer.quant.awq:build",
+                   description="AWQ GEMM checkpoints (4-bit, zero point)"),
+        PluginSpec(kind="quant", name="marlin",
+                   factory="pluginfer.quant.marlin:build",
+                   description="4-bit GPTQ/AWQ repacked into Marlin tiles (Triton kernel; generic on CPU)"),
     ]
+    specs += [PluginSpec(kind="quant", name=name, factory=_INSITU_FACTORY.get(name, f"pluginfer.quant.ggml_insitu:build_{name}"),
+                         description=f"GGUF {name.upper()} blocks ({layout}) quantized at load")
+              for name, layout in _GGML_INSITU.items()]
+    return specs
