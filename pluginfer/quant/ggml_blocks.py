@@ -1,0 +1,212 @@
+"""llama.cpp's GGML tensor types in torch: byte layout, dequantization, quantization, and the matmul.
+
+The contract other modules (the GGUF loader, the in-situ quant methods) code against:
+
+- types are ``gguf.GGMLQuantizationType`` members or their int values;
+- ``row_bytes(qtype, cols)``: bytes of one row of ``cols`` weights (``ValueError`` unless ``cols``
+  is a multiple of the type's block size);
+- ``dequantize(raw, qtype, cols, dtype=torch.float32)``: ``raw`` uint8 ``[rows, row_bytes]``, exactly
+  as a GGUF file stores it, to ``[rows, cols]`` in ``dtype``;
+- ``quantize(weight, qtype, *, name="weight")``: float ``[rows, cols]`` to uint8 ``[rows, row_bytes]``;
+  ``name`` is the tensor named in errors;
+- ``ggml_linear(x, raw, qtype, cols, bias)``: ``x @ W.T + bias``, dequantizing a tile of rows at a
+  time (``tiled.tiled_linear``), never the whole weight.
+
+Dequantization is bit-exact with ``gguf.quants.dequantize`` for every type in ``DEQUANTIZABLE``.
+Quantization of F32, F16, BF16 and Q4_0 ... Q8_0 repeats ``gguf.quants.quantize``'s float32 steps
+in the same order, so its bytes are those of gguf-py (equal to llama.cpp's C reference); Q4_K and
+Q6_K port llama.cpp's ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K_ref`` (the tests compare
+them with bytes the C library produced). Each block is a row of ``type_size`` bytes; the code
+below takes byte views of it and unpacks bits with shifts, for all blocks at once.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from pluginfer.quant.tiled import tiled_linear
+
+T = GGMLQuantizationType
+QK_K = 256
+
+
+def _qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
+    return GGMLQuantizationType(int(qtype))
+
+
+def block_size(qtype: GGMLQuantizationType | int) -> int:
+    """Weights per block (1 for the float types)."""
+    return GGML_QUANT_SIZES[_qtype(qtype)][0]
+
+
+def row_bytes(qtype: GGMLQuantizationType | int, cols: int) -> int:
+    """Bytes of one row of ``cols`` weights."""
+    qtype = _qtype(qtype)
+    size, type_size = GGML_QUANT_SIZES[qtype]
+    if cols % size:
+        raise ValueError(f"a row of {qtype.name} holds whole blocks of {size} weights, got {cols} columns")
+    return cols // size * type_size
+
+
+# --------------------------------------------------------------------------- dequantization
+# Each function takes blocks uint8 [n, type_size] and returns float32 [n, block_size].
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """Two bytes per row, little-endian fp16, as float32 ``[n, 1]``."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """``[n, m]`` bytes to ``[n, 2, m]``: the low nibbles, then the high ones."""
+    return torch.stack([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _bits(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """``[n, m]`` bytes to ``[n, 8 // width, m]``: bit fields of ``width`` bits, lowest first."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)
+    return (packed.unsqueeze(1) >> shifts[:, None]) & ((1 << width) - 1)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """4 bytes per row, a little-endian uint32 bit mask, to ``[n, 32]`` bits (bit i at column i)."""
+    return _bits(qh, 1).transpose(1, 2).reshape(qh.shape[0], 32)
+
+
+def _dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d, qs = _f16(blocks[:, :2]), blocks[:, 2:]
+    q = _nibbles(qs).reshape(-1, 32).to(torch.int8) - 8
+    return d * q.float()
+
+
+def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m, qs = _f16(blocks[:, :2]), _f16(blocks[:, 2:4]), blocks[:, 4:]
+    return d * _nibbles(qs).reshape(-1, 32).float() + m
+
+
+def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    return _nibbles(qs).reshape(-1, 32) | (_high_bits(qh) << 4)
+
+
+def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d, qh, qs = _f16(blocks[:, :2]), blocks[:, 2:6], blocks[:, 6:]
+    return d * (_five_bit(qh, qs).to(torch.int8) - 16).float()
+
+
+def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m, qh, qs = _f16(blocks[:, :2]), _f16(blocks[:, 2:4]), blocks[:, 4:8], blocks[:, 8:]
+    return d * _five_bit(qh, qs).float() + m
+
+
+def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks[:, 2:].view(torch.int8).float() * _f16(blocks[:, :2])
+
+
+def _dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    scales, qs = blocks[:, :16], blocks[:, 16:80]
+    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    dl = (d * (scales & 0x0F).float()).reshape(n, 16, 1)
+    ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)
+    # Two halves of 32 bytes, each holding four 2-bit planes of 32 weights.
+    q = _bits(qs.reshape(n * 2, 32), 2).reshape(n, 16, 16).float()
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    hmask, qs, packed, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], _f16(blocks[:, 108:110])
+    # 16 six-bit scales: low nibbles in bytes 0-7 (two per byte), high 2-bit pairs in bytes 8-11.
+    low = _bits(packed[:, :8], 4).reshape(n, 16)
+    high = _bits(packed[:, 8:], 2).reshape(n, 16)
+    scales = ((low | (high << 4)).to(torch.int8) - 32).float()
+    dl = (d * scales).reshape(n, 16, 1)
+    ql = _bits(qs.reshape(n * 2, 32), 2).reshape(n, 16, 16)
+    qh = _bits(hmask, 1).reshape(n, 16, 16) ^ 1  # the offset of 4 applies where the mask bit is 0
+    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()
+    return (dl * q).reshape(n, QK_K)
+
+
+def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes to 8 six-bit scales and 8 six-bit mins (``get_scale_min_k4``)."""
+    d, m, md = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return scales, mins
+
+
+def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin, qs = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4]), blocks[:, 16:]
+    scales, mins = _k_scale_min(blocks[:, 4:16])
+    dl = (d * scales.float()).reshape(n, 8, 1)
+    ml = (dmin * mins.float()).reshape(n, 8, 1)
+    q = _nibbles(qs.reshape(n * 4, 32)).reshape(n, 8, 32).float()
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin, qh, qs = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4]), blocks[:, 16:48], blocks[:, 48:]
+    scales, mins = _k_scale_min(blocks[:, 4:16])
+    dl = (d * scales.float()).reshape(n, 8, 1)
+    ml = (dmin * mins.float()).reshape(n, 8, 1)
+    ql = _nibbles(qs.reshape(n * 4, 32)).reshape(n, 8, 32)
+    q = (ql | (_bits(qh, 1) << 4)).float()
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    ql, qh, scales, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], _f16(blocks[:, 208:210])
+    dl = (d * scales.view(torch.int8).float()).reshape(n, 16, 1)
+    low = _nibbles(ql.reshape(n * 2, 64)).reshape(n, 8, 32)
+    high = _bits(qh.reshape(n * 2, 32), 2).reshape(n, 8, 32)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+    return (dl * q).reshape(n, QK_K)
+
+
+def _dequantize_bf16(blocks: torch.Tensor) -> torch.Tensor:
+    return (blocks.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+
+
+_DEQUANTIZE = {
+    T.F32: lambda blocks: blocks.contiguous().view(torch.float32),
+    T.F16: lambda blocks: blocks.contiguous().view(torch.float16).float(),
+    T.BF16: _dequantize_bf16,
+    T.Q4_0: _dequantize_q4_0,
+    T.Q4_1: _dequantize_q4_1,
+    T.Q5_0: _dequantize_q5_0,
+    T.Q5_1: _dequantize_q5_1,
+    T.Q8_0: _dequantize_q8_0,
+    T.Q2_K: _dequantize_q2_k,
+    T.Q3_K: _dequantize_q3_k,
+    T.Q4_K: _dequantize_q4_k,
+    T.Q5_K: _dequantize_q5_k,
+    T.Q6_K: _dequantize_q6_k,
+}
+DEQUANTIZABLE = frozenset(_DEQUANTIZE)
+
+
+def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType | int, cols: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 ``[..., row_bytes]`` as the GGUF file stores it to ``[..., cols]`` in ``dtype``."""
+    qtype = _qtype(qtype)
+    if qtype not in _DEQUANTIZE:
+        raise ValueError(f"cannot dequantize GGML type {qtype.name}; supported: "
+                         f"{', '.join(t.name for t in _DEQUANTIZE)}")
+    expected = row_bytes(qtype, cols)
+    if raw.dtype != torch.uint8 or raw.shape[-1] != expected:
+        raise ValueError(f"{qtype.name} rows of {cols} weights are {expected} uint8 bytes, "
+                         f"got {raw.dtype} of shape {tuple(raw.shape)}")
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    blocks = raw.reshape(-1, type_size)
+    return _DEQUANTIZE[qtype](blocks).reshape(*raw.shape[:-1], cols).to(dtype)
+
+
+def ggml_linear(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType | int, cols: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``W = dequantize(raw, qtype, cols)``, one tile of output rows at a time."""
+    qtype = _qtype(qtype)
+    return tiled_linear(x, raw.shape[0], lambda start, stop: dequantize(raw[start:stop], qtype, cols, x.dtype), bias)
