@@ -1,0 +1,170 @@
+"""The Marlin weight layout (IST-DASLab ``marlin``, mirrored by GPTQModel and vLLM), in plain torch.
+
+A 4-bit weight ``q`` of ``[in, out]`` (``k x n``, unsigned codes 0..15) is cut into 16x16 tiles;
+each row of 16 input features becomes one row of ``B`` holding all its ``n / 16`` tiles one after
+the other (256 codes each). Within every run of four tiles (1024 codes, 64 output columns) the
+codes are reordered so that one GPU warp's tensor-core fragment is contiguous, and each group of
+eight is interleaved ``[0, 2, 4, 6, 1, 3, 5, 7]`` so that one int32 unpacks into fp16 pairs. Eight
+codes go into one int32, lowest nibble first: ``B`` is ``[k / 16, n * 2]`` int32.
+
+Scales ``[groups, out]`` are permuted within runs of 64 columns (grouped) or 32 columns (one
+group per column, ``group_size == -1``) to match the fragment order. Zero points (AWQ) use the
+grouped scale permutation, then the 4-bit interleave, packed eight columns per int32.
+
+``pack_*`` builds the layout, ``unpack_*`` is its exact inverse.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TILE = 16  # the tile is 16 input rows x 16 output columns
+CHUNK_COLUMNS = 64  # the weight permutation acts on runs of four tiles: 64 output columns
+INTERLEAVE_4BIT = (0, 2, 4, 6, 1, 3, 5, 7)
+PACK = 8  # 4-bit codes per int32
+
+
+def tile_permutation() -> torch.Tensor:
+    """Order (before the interleave) of the 1024 codes of four consecutive 16x16 tiles.
+
+    Entry ``p`` is the index into the row-major run ``[tile (4), row (16), column (16)]`` of the
+    code stored at position ``p``. Thread ``t`` of a warp owns rows ``2(t%4), 2(t%4)+1, 2(t%4)+8,
+    2(t%4)+9`` of column ``t//4`` in both 8-column halves (the mma.m16n8k16 B fragment).
+    """
+    order = []
+    for thread in range(32):
+        column = thread // 4
+        fragment = []
+        for half in (0, 1):
+            for row in (2 * (thread % 4), 2 * (thread % 4) + 1, 2 * (thread % 4 + 4), 2 * (thread % 4 + 4) + 1):
+                fragment.append(TILE * row + column + 8 * half)
+        for tile in range(4):
+            order.extend(index + TILE * TILE * tile for index in fragment)
+    return torch.tensor(order, dtype=torch.long)
+
+
+def weight_permutation() -> torch.Tensor:
+    """The tile permutation followed by the 4-bit interleave: position -> source in a 1024-code run."""
+    interleave = torch.tensor(INTERLEAVE_4BIT, dtype=torch.long)
+    return tile_permutation().reshape(-1, PACK)[:, interleave].reshape(-1)
+
+
+def scale_permutation() -> torch.Tensor:
+    """Grouped scales: position ``8i + j`` of each 64-column run holds column ``i + 8j``."""
+    return torch.tensor([i + 8 * j for i in range(8) for j in range(8)], dtype=torch.long)
+
+
+def scale_permutation_single() -> torch.Tensor:
+    """Per-column scales (one group): each 32-column run, in the order the fragments read them."""
+    return torch.tensor([2 * i + j for i in range(4) for j in (0, 1, 8, 9, 16, 17, 24, 25)], dtype=torch.long)
+
+
+def check_shape(size_k: int, size_n: int, group_size: int) -> None:
+    """The layout needs whole 16-row tiles, whole 64-column runs and whole groups."""
+    if size_k % TILE:
+        raise ValueError(f"marlin: input size {size_k} is not a multiple of {TILE}")
+    if size_n % CHUNK_COLUMNS:
+        raise ValueError(f"marlin: output size {size_n} is not a multiple of {CHUNK_COLUMNS}")
+    if group_size != -1 and size_k % group_size:
+        raise ValueError(f"marlin: input size {size_k} is not a multiple of the group size {group_size}")
+
+
+def pack_int4_columns(codes: torch.Tensor) -> torch.Tensor:
+    """``[rows, 8c]`` codes 0..15 -> ``[rows, c]`` int32, code ``8j + i`` in bits ``4i..4i+3`` of word ``j``."""
+    codes = codes.to(torch.int64).reshape(codes.shape[0], -1, PACK)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
+    words = (codes << shifts).sum(dim=-1)  # nibbles are disjoint: the sum is a bitwise or
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_int4_columns(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_columns`: int32 ``[rows, c]`` -> int32 codes ``[rows, 8c]``."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(words.shape[0], -1)
+
+
+def _scale_perm(size_k: int, group_size: int) -> torch.Tensor:
+    grouped = group_size != -1 and group_size < size_k
+    return scale_permutation() if grouped else scale_permutation_single()
+
+
+def permute_scales(scales: torch.Tensor, size_k: int, group_size: int) -> torch.Tensor:
+    """Scales ``[groups, n]`` in column order -> the Marlin order (same shape)."""
+    perm = _scale_perm(size_k, group_size).to(scales.device)
+    return scales.reshape(-1, perm.numel())[:, perm].reshape(scales.shape).contiguous()
+
+
+def unpermute_scales(scales: torch.Tensor, size_k: int, group_size: int) -> torch.Tensor:
+    perm = _scale_perm(size_k, group_size).to(scales.device)
+    out = torch.empty_like(scales).reshape(-1, perm.numel())
+    out[:, perm] = scales.reshape(-1, perm.numel())
+    return out.reshape(scales.shape)
+
+
+def pack_weight(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes ``[k, n]`` (0..15) -> Marlin tiles ``B`` int32 ``[k / 16, n * 2]``."""
+    size_k, size_n = codes.shape
+    check_shape(size_k, size_n, -1)
+    tiles = codes.reshape(size_k // TILE, TILE, size_n // TILE, TILE).permute(0, 2, 1, 3)
+    rows = tiles.reshape(size_k // TILE, size_n * TILE)
+    perm = weight_permutation().to(codes.device)
+    rows = rows.reshape(-1, perm.numel())[:, perm].reshape(rows.shape)
+    return pack_int4_columns(rows)
+
+
+def unpack_weight(packed: torch.Tensor, size_k: int, size_n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: ``B`` -> int32 codes ``[k, n]``."""
+    if packed.shape != (size_k // TILE, size_n * TILE // PACK):
+        raise ValueError(f"marlin: B has shape {tuple(packed.shape)}, expected "
+                         f"{(size_k // TILE, size_n * TILE // PACK)} for a {size_k}x{size_n} weight")
+    rows = unpack_int4_columns(packed)
+    perm = weight_permutation().to(packed.device)
+    ordered = torch.empty_like(rows).reshape(-1, perm.numel())
+    ordered[:, perm] = rows.reshape(-1, perm.numel())
+    tiles = ordered.reshape(size_k // TILE, size_n // TILE, TILE, TILE).permute(0, 2, 1, 3)
+    return tiles.reshape(size_k, size_n).contiguous()
+
+
+def pack_zero_points(zeros: torch.Tensor) -> torch.Tensor:
+    """Zero points ``[groups, n]`` (0..15) -> int32 ``[groups, n / 8]``: grouped scale order, interleaved."""
+    groups, size_n = zeros.shape
+    ordered = zeros.reshape(-1, CHUNK_COLUMNS)[:, scale_permutation().to(zeros.device)]
+    ordered = ordered.reshape(-1, PACK)[:, torch.tensor(INTERLEAVE_4BIT, device=zeros.device)]
+    return pack_int4_columns(ordered.reshape(groups, size_n))
+
+
+def unpack_zero_points(packed: torch.Tensor, size_n: int) -> torch.Tensor:
+    groups = packed.shape[0]
+    ordered = unpack_int4_columns(packed).reshape(-1, PACK)
+    interleave = torch.tensor(INTERLEAVE_4BIT, device=packed.device)
+    deinterleaved = torch.empty_like(ordered)
+    deinterleaved[:, interleave] = ordered
+    zeros = torch.empty_like(deinterleaved).reshape(-1, CHUNK_COLUMNS)
+    zeros[:, scale_permutation().to(packed.device)] = deinterleaved.reshape(-1, CHUNK_COLUMNS)
+    return zeros.reshape(groups, size_n)
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes ``[k, n]``, scales ``[groups, n]``) -> (``B`` ``[k/16, 2n]`` int32, permuted scales)."""
+    size_k, size_n = codes.shape
+    check_shape(size_k, size_n, group_size)
+    groups = 1 if group_size == -1 else size_k // group_size
+    if scales.shape != (groups, size_n):
+        raise ValueError(f"marlin: scales have shape {tuple(scales.shape)}, expected {(groups, size_n)}")
+    return pack_weight(codes), permute_scales(scales, size_k, group_size)
+
+
+def unpack(packed: torch.Tensor, scales: torch.Tensor, size_k: int, size_n: int,
+           group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack`: (codes ``[k, n]`` int32, scales ``[groups, n]`` in column order)."""
+    return unpack_weight(packed, size_k, size_n), unpermute_scales(scales, size_k, group_size)
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, size_k: int, size_n: int, group_size: int,
+               zeros: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``[k, n]`` weight a Marlin layer holds: ``(code - zero) * scale``; symmetric zero is 8."""
+    codes, column_scales = unpack(packed, scales, size_k, size_n, group_size)
+    rows_per_group = size_k if group_size == -1 else group_size
+    zero = 8 if zeros is None else unpack_zero_points(zeros, size_n).repeat_interleave(rows_per_group, dim=0)
+    weight = (codes - zero).float() * column_scales.float().repeat_interleave(rows_per_group, dim=0)
+    return weight.to(dtype)
