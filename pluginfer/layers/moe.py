@@ -1,11 +1,21 @@
-"""Sparse mixture-of-experts block: a softmax top-k router and experts held as stacked weights.
+"""Sparse mixture-of-experts block: a top-k router and experts held as stacked weights.
 
 Experts live in two tensors, ``gate_up_proj`` ``[num_experts, 2 * intermediate, hidden]`` (gate rows first)
 and ``down_proj`` ``[num_experts, hidden, intermediate]``; checkpoints that store one tensor per expert
 are routed into them by ``expert_weight_names`` and the parameters' ``weight_loader``.
+
+Routers (``RouterSpec.topk_method``): ``greedy`` (softmax, top-k: Mixtral, Qwen3-MoE, DeepSeek-V2-Lite),
+``group_limited_greedy`` (DeepSeek-V2: softmax, keep the ``topk_group`` groups with the best expert, then
+top-k) and ``noaux_tc`` (DeepSeek-V3: sigmoid, a per-expert bias that only steers the choice, groups ranked
+by their two best biased scores). Offloaded experts (``num_offloaded``) wait in a host store and are copied
+into a staging buffer on the compute device when a token is routed to them.
 """
 
 from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +23,8 @@ from torch import nn
 
 from pluginfer.layers.activation import gated_activation
 from pluginfer.layers.context import backend_op, current_context
+
+logger = logging.getLogger(__name__)
 
 
 def expert_weight_names(num_experts: int, gate: str, up: str, down: str) -> tuple[tuple[str, str, object], ...]:
@@ -28,20 +40,81 @@ def expert_weight_names(num_experts: int, gate: str, up: str, down: str) -> tupl
     return tuple(names)
 
 
-def validate_router_config(config: dict, num_experts: object, experts_field: str) -> None:
-    """Expert counts must be positive integers with top-k <= experts; routing modes we lack are errors."""
+# topk_method -> the scoring function it is defined with (DeepSeek's reference code knows no other pairing).
+TOPK_METHODS = {"greedy": "softmax", "group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
+_GROUPED = ("group_limited_greedy", "noaux_tc")
+# Router fields of other MoE families; a pipeline whose router lacks them rejects them.
+_ROUTER_FIELDS = ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor",
+                  "n_shared_experts")
+# Fields no router here implements (Qwen2-MoE's gated shared expert).
+_UNIMPLEMENTED_FIELDS = ("shared_expert_intermediate_size",)
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a token picks its experts and weighs them.
+
+    ``renormalize``: top-k weights divided by their sum; ``routed_scaling_factor`` multiplies them after.
+    ``num_groups`` / ``topk_groups``: experts split into equal groups, only the best groups are eligible.
+    ``correction_bias``: the router holds ``e_score_correction_bias`` (added to scores to choose, not to weigh).
+    """
+
+    top_k: int
+    renormalize: bool = False
+    topk_method: str = "greedy"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False
+
+    @property
+    def scoring_func(self) -> str:
+        return TOPK_METHODS[self.topk_method]
+
+
+def validate_router_config(config: dict, num_experts: object, experts_field: str,
+                           methods: tuple[str, ...] = (), default_method: str = "greedy") -> None:
+    """Expert counts must be positive integers with top-k <= experts; routing modes we lack are errors.
+
+    ``methods``: the topk_methods this pipeline routes with; empty means plain softmax top-k, which
+    rejects every other router field (scoring_func, n_group, routed_scaling_factor, shared experts).
+    """
     if not isinstance(num_experts, int) or num_experts <= 0:
         raise ValueError(f"config.json: {experts_field} must be a positive integer, got {num_experts!r}")
     top_k = config.get("num_experts_per_tok", 2)
     if not isinstance(top_k, int) or not 0 < top_k <= num_experts:
         raise ValueError(f"config.json: num_experts_per_tok must be an integer in [1, {experts_field} "
                          f"{num_experts}], got {top_k!r}")
-    # Fields of other MoE routers (grouped top-k, sigmoid scoring, routed scaling, shared experts).
-    for field in ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor",
-                  "n_shared_experts", "shared_expert_intermediate_size"):
+    for field in _UNIMPLEMENTED_FIELDS + (() if methods else _ROUTER_FIELDS):
         if config.get(field) is not None:
             raise ValueError(f"config.json: router field {field} = {config[field]!r} is not supported "
                              "(only softmax top-k routing without shared experts)")
+    if not methods:
+        return
+    method = config.get("topk_method") or default_method
+    if method not in methods:
+        raise ValueError(f"config.json: topk_method = {method!r} is not supported by this pipeline "
+                         f"(supported: {', '.join(methods)})")
+    scoring = config.get("scoring_func") or TOPK_METHODS[method]
+    if scoring != TOPK_METHODS[method]:
+        raise ValueError(f"config.json: scoring_func = {scoring!r} is not supported with topk_method {method!r} "
+                         f"(it scores with {TOPK_METHODS[method]!r})")
+    if method in _GROUPED:
+        groups, chosen = config.get("n_group"), config.get("topk_group")
+        if not isinstance(groups, int) or groups <= 0 or num_experts % groups:
+            raise ValueError(f"config.json: n_group = {groups!r} must be a positive integer dividing "
+                             f"{experts_field} {num_experts} (topk_method {method!r})")
+        if not isinstance(chosen, int) or not 0 < chosen <= groups:
+            raise ValueError(f"config.json: topk_group = {chosen!r} must be an integer in [1, n_group {groups}]")
+        if method == "noaux_tc" and num_experts // groups < 2:
+            raise ValueError(f"config.json: n_group = {groups!r} leaves fewer than 2 experts per group "
+                             "(noaux_tc ranks groups by their two best experts)")
+    scaling = config.get("routed_scaling_factor", 1.0)
+    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or scaling <= 0:
+        raise ValueError(f"config.json: routed_scaling_factor = {scaling!r} must be a positive number")
+    shared = config.get("n_shared_experts")
+    if shared is not None and (not isinstance(shared, int) or shared < 0):
+        raise ValueError(f"config.json: n_shared_experts = {shared!r} must be a non-negative integer")
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,38 +126,160 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
-class FusedExperts(nn.Module):
-    """Every expert's gated MLP; each token's output is the router-weighted sum over its top-k experts."""
+def _group_mask(scores: torch.Tensor, group_scores: torch.Tensor, topk_groups: int) -> torch.Tensor:
+    """True for experts in each token's ``topk_groups`` best groups (``group_scores`` ``[tokens, groups]``)."""
+    tokens, groups = group_scores.shape
+    chosen = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+    mask = torch.zeros(tokens, groups, dtype=torch.bool, device=scores.device).scatter_(1, chosen, True)
+    return mask.repeat_interleave(scores.shape[-1] // groups, dim=-1)
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
+
+def select_experts(router_logits: torch.Tensor, spec: RouterSpec,
+                   correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 weights and ids ``[tokens, top_k]`` for any router in ``TOPK_METHODS``."""
+    logits = router_logits.float()
+    tokens, num_experts = logits.shape
+    groups = spec.num_groups if spec.topk_method in _GROUPED else 1
+    if spec.topk_method == "noaux_tc":
+        scores = logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if groups > 1:
+            group_scores = choice.view(tokens, groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            choice = choice.masked_fill(~_group_mask(choice, group_scores, spec.topk_groups), float("-inf"))
+        ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+    else:
+        scores = logits.softmax(dim=-1)
+        if groups > 1:
+            group_scores = scores.view(tokens, groups, -1).max(dim=-1).values
+            scores = scores.masked_fill(~_group_mask(scores, group_scores, spec.topk_groups), 0.0)
+        weights, ids = torch.topk(scores, k=spec.top_k, dim=-1, sorted=spec.topk_method == "greedy")
+    if spec.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # as DeepSeek's reference code
+    if spec.routed_scaling_factor != 1.0:
+        weights = weights * spec.routed_scaling_factor
+    return weights, ids
+
+
+class _StagingPool:
+    """Device buffers an offloaded expert is copied into; one per (shape, dtype), shared by a model's layers."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.buffers = device, {}
+
+    def buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(shape), dtype)
+        if key not in self.buffers:
+            self.buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return self.buffers[key]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self.buffers.values())
+
+
+_POOLS: dict[int, _StagingPool] = {}  # id(BuildContext) -> pool; layers built in one context share it
+
+
+def _staging_pool(ctx: object, device: torch.device) -> _StagingPool:
+    key = id(ctx)
+    if key not in _POOLS:
+        _POOLS[key] = _StagingPool(device)
+        weakref.finalize(ctx, _POOLS.pop, key, None)
+    return _POOLS[key]
+
+
+class FusedExperts(nn.Module):
+    """Every expert's gated MLP; each token's output is the router-weighted sum over its top-k experts.
+
+    ``num_offloaded`` (default: the build context's ``num_experts_offload_per_rank``): the last experts of the
+    layer live in a host store, not in the parameters; a routed one is copied into a staging buffer on the
+    compute device for its matmuls (``transfers`` / ``transferred_bytes`` count the copies).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str = "silu",
+                 num_offloaded: int | None = None) -> None:
         super().__init__()
         ctx = current_context()
         if ctx.collective.world_size > 1:
             raise ValueError("mixture-of-experts layers do not support tensor parallelism yet "
                              f"(tensor-parallel size {ctx.collective.world_size})")
+        if num_offloaded is None:
+            num_offloaded = getattr(ctx, "num_experts_offload_per_rank", 0)
+        if not 0 <= num_offloaded <= num_experts:
+            raise ValueError(f"cache.num_experts_offload_per_rank: {num_offloaded} is more than the "
+                             f"{num_experts} experts of a layer")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size,
-                                                     dtype=ctx.dtype), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=ctx.dtype),
+        self.num_resident = num_experts - num_offloaded
+        gate_up_shape, down_shape = (2 * intermediate_size, hidden_size), (hidden_size, intermediate_size)
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_resident, *gate_up_shape, dtype=ctx.dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(self.num_resident, *down_shape, dtype=ctx.dtype),
                                       requires_grad=False)
         for param in (self.gate_up_proj, self.down_proj):
             param.weight_loader = self.weight_loader
+        device = torch.empty(0).device  # the device the model is being built on
+        pin = device.type == "cuda"  # page-locked host memory lets the copy run asynchronously
+        # Plain attributes, not buffers: ``module.to(device)`` must not pull the host store back.
+        self.host_gate_up = torch.empty(num_offloaded, *gate_up_shape, dtype=ctx.dtype, device="cpu", pin_memory=pin)
+        self.host_down = torch.empty(num_offloaded, *down_shape, dtype=ctx.dtype, device="cpu", pin_memory=pin)
+        self.staging = _staging_pool(ctx, device) if num_offloaded else None
+        if self.staging is not None:  # allocated now, so the load-time memory report counts them
+            self.staging.buffer(gate_up_shape, ctx.dtype), self.staging.buffer(down_shape, ctx.dtype)
+        self.transfers, self.transferred_bytes = 0, 0
         self.act_fn = gated_activation(hidden_act)
-        self.kernel = backend_op(ctx.backend, "fused_moe")
+        self.kernel = backend_op(ctx.backend, "fused_moe") if num_offloaded == 0 else None
+
+    @property
+    def num_offloaded(self) -> int:
+        return self.num_experts - self.num_resident
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of expert weights on the compute device (the shared staging buffers not included)."""
+        return self.gate_up_proj.nbytes + self.down_proj.nbytes
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return self.host_gate_up.nbytes + self.host_down.nbytes
+
+    def _expert_view(self, param: nn.Parameter, expert: int) -> torch.Tensor:
+        if expert < self.num_resident:
+            return param.data[expert]
+        host = self.host_gate_up if param is self.gate_up_proj else self.host_down
+        return host[expert - self.num_resident]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """``shard_id`` None: the whole stacked tensor; ``(expert, 0 | 1)``: its gate or up; ``(expert, None)``: down."""
         name = getattr(param, "checkpoint_name", "weight")
-        target = param.data
-        if shard_id is not None:
-            expert, half = shard_id
-            target = target[expert]
-            if half is not None:
-                target = target.narrow(0, half * self.intermediate_size, self.intermediate_size)
+        if shard_id is None:
+            expected = (self.num_experts, *param.shape[1:])
+            if tuple(loaded.shape) != expected:
+                raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected {expected}")
+            for expert in range(self.num_experts):
+                self._expert_view(param, expert).copy_(loaded[expert])
+            return
+        expert, half = shard_id
+        target = self._expert_view(param, expert)
+        if half is not None:
+            target = target.narrow(0, half * self.intermediate_size, self.intermediate_size)
         if target.shape != loaded.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected "
                              f"{tuple(target.shape)}")
         target.copy_(loaded)
+
+    def _weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This expert's (gate_up, down) on the compute device, copied from the host store if offloaded."""
+        if expert < self.num_resident:
+            return self.gate_up_proj[expert], self.down_proj[expert]
+        index = expert - self.num_resident
+        gate_up = self.staging.buffer(self.host_gate_up.shape[1:], self.host_gate_up.dtype)
+        down = self.staging.buffer(self.host_down.shape[1:], self.host_down.dtype)  # the pool reuses these
+        gate_up.copy_(self.host_gate_up[index], non_blocking=True)
+        down.copy_(self.host_down[index], non_blocking=True)
+        self.transfers += 1
+        self.transferred_bytes += gate_up.nbytes + down.nbytes
+        return gate_up, down
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -104,8 +299,9 @@ class FusedExperts(nn.Module):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            gate_up = F.linear(routed[rows], self.gate_up_proj[expert])
-            outputs[rows] = F.linear(self.act_fn(gate_up), self.down_proj[expert])
+            gate_up_weight, down_weight = self._weights(expert)
+            gate_up = F.linear(routed[rows], gate_up_weight)
+            outputs[rows] = F.linear(self.act_fn(gate_up), down_weight)
             start += count
         weighted = outputs.float() * topk_weights.flatten()[order, None]
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -116,31 +312,68 @@ class TopKRouter(nn.Module):
     """Router logits ``x W^T`` with W ``[num_experts, hidden]`` kept in float32 (replicated, never quantized).
 
     float32 even in a bf16 model: a rounding that swaps two close experts is an error of a whole expert.
+    ``correction_bias``: also hold DeepSeek-V3's ``e_score_correction_bias`` ``[num_experts]`` (float32).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                     requires_grad=False) if correction_bias else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden.float(), self.weight)
 
 
 class SparseMoeBlock(nn.Module):
-    """``gate`` (router) and ``experts``, named as Mixtral and Qwen3-MoE checkpoints name them.
+    """``gate`` (router), ``experts`` and optional ``shared_experts``, named as MoE checkpoints name them.
 
     ``renormalize``: rescale the top-k weights to sum to one (Mixtral always; Qwen3-MoE's ``norm_topk_prob``).
+    ``router``: a full RouterSpec (grouped, sigmoid, scaled routers); it overrides ``top_k`` / ``renormalize``.
+    ``shared_experts``: a dense MLP every token also runs through (DeepSeek), added to the routed output.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, hidden_act: str = "silu") -> None:
+                 renormalize: bool, hidden_act: str = "silu", router: RouterSpec | None = None,
+                 shared_experts: nn.Module | None = None) -> None:
         super().__init__()
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
-        self.top_k, self.renormalize = top_k, renormalize
-        self.gate = TopKRouter(num_experts, hidden_size)
+        router = router or RouterSpec(top_k, renormalize)
+        if not 0 < router.top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {router.top_k} must be between 1 and num_experts {num_experts}")
+        self.top_k, self.renormalize, self.router = router.top_k, router.renormalize, router
+        self.gate = TopKRouter(num_experts, hidden_size, router.correction_bias)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, hidden_act)
+        self.shared_experts = shared_experts
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(hidden), self.top_k, self.renormalize)
-        return self.experts(hidden, weights, ids)
+        logits = self.gate(hidden)
+        if self.router.topk_method == "greedy" and self.router.routed_scaling_factor == 1.0:
+            weights, ids = route(logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = select_experts(logits, self.router, self.gate.e_score_correction_bias)
+        out = self.experts(hidden, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out
+
+
+@dataclass(frozen=True)
+class ExpertMemory:
+    """Expert weight bytes of a model: on the compute device, in the host store, and the staging buffers."""
+
+    resident_bytes: int
+    offloaded_bytes: int
+    staging_bytes: int
+    offloaded_experts: int
+
+
+def expert_memory(model: nn.Module) -> ExpertMemory:
+    layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    pools = {id(layer.staging): layer.staging for layer in layers if layer.staging is not None}
+    return ExpertMemory(sum(layer.resident_bytes for layer in layers), sum(layer.offloaded_bytes for layer in layers),
+                        sum(pool.nbytes for pool in pools.values()), sum(layer.num_offloaded for layer in layers))
+
+
+def expert_transfers(model: nn.Module) -> int:
+    """Offloaded experts copied to the compute device so far, over all layers."""
+    return sum(m.transfers for m in model.modules() if isinstance(m, FusedExperts))
