@@ -103,6 +103,10 @@ class CpuBackend:
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
                           dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if spec.value_in_key is not None:  # the value is the key's first features: no storage of its own
+            keys = [torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype)
+                    for _ in range(spec.num_layers)]
+            return [(key, key[..., :spec.value_in_key]) for key in keys]
         v_dim = spec.v_head_dim or spec.head_dim
         return [
             (torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype),
@@ -117,7 +121,8 @@ class CpuBackend:
         src, dst = torch.tensor(copies).T
         for key_cache, value_cache in kv_caches:
             key_cache[dst] = key_cache[src]
-            value_cache[dst] = value_cache[src]
+            if value_cache.data_ptr() != key_cache.data_ptr():  # a value inside the key moved with it
+                value_cache[dst] = value_cache[src]
 
     def prepare(self, batch: ForwardBatch) -> CpuAttentionMetadata:
         query_lens = batch.query_lens
@@ -127,18 +132,21 @@ class CpuBackend:
             return CpuAttentionMetadata(None, prefill, num_native_decodes=num_decodes)
         return CpuAttentionMetadata(_part(batch, slice(0, num_decodes), batch.block_size), prefill)
 
-    def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
                         kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, scale: float,
                         sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
+        """``value`` None: the value cache is a view of the key cache (MLA's latent), only keys are written."""
         key_cache, value_cache = kv_cache
         flat_keys = key_cache.view(-1, *key_cache.shape[2:])
         flat_values = value_cache.view(-1, *value_cache.shape[2:])
         flat_keys.index_copy_(0, batch.slot_mapping, key.to(flat_keys.dtype))
-        flat_values.index_copy_(0, batch.slot_mapping, value.to(flat_values.dtype))
+        if value is not None:
+            flat_values.index_copy_(0, batch.slot_mapping, value.to(flat_values.dtype))
         meta: CpuAttentionMetadata = batch.attention
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
         decodes = meta.num_native_decodes
-        if decodes and key_cache.dtype == torch.float32:
+        # The C kernel reads contiguous value rows; a value inside the key takes the torch path.
+        if decodes and key_cache.dtype == torch.float32 and value_cache.is_contiguous():
             out[:decodes] = native.paged_decode_attention(
                 query[:decodes].float(), key_cache, value_cache, batch.block_tables[:decodes],
                 batch.seq_lens[:decodes], scale, sliding_window, logit_soft_cap).to(out.dtype)

@@ -18,6 +18,7 @@ from pluginfer.core.protocols import BuildContext
 from pluginfer.core.registry import Registry, get_registry
 from pluginfer.core.runner import ModelRunner
 from pluginfer.layers.context import building
+from pluginfer.layers.moe import expert_memory
 from pluginfer.layers.rotary import rope_parameters
 
 if TYPE_CHECKING:
@@ -42,13 +43,19 @@ class Executor:
         self.dtype = resolve_dtype(config.dtype, self.hf_config)
         self.max_model_len = self._max_model_len(config)
         self.vocab_size = int(self.hf_config["vocab_size"])
-        ctx = BuildContext(self.backend, self.quant, self.collective, self.dtype, self.max_model_len)
+        ctx = BuildContext(self.backend, self.quant, self.collective, self.dtype, self.max_model_len,
+                           num_experts_offload_per_rank=config.cache.num_experts_offload_per_rank)
         spec = self._model_spec()
         factory = self.registry.load("model", spec.name)
         with building(ctx), torch.device(self.backend.device):
             self.pipeline = factory(self.hf_config, ctx)
         self.pipeline.eval()
         self.pipeline.load_weights(iter_weights(self.model_path))
+        self.expert_memory = expert_memory(self.pipeline)
+        if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:
+            logger.info("experts: %d bytes resident on %s, %d bytes in the host store (%d experts), %d bytes staging",
+                        self.expert_memory.resident_bytes, self.backend.name, self.expert_memory.offloaded_bytes,
+                        self.expert_memory.offloaded_experts, self.expert_memory.staging_bytes)
         self.num_blocks = self._num_blocks(config)
         kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else resolve_dtype(config.cache.kv_cache_dtype, {})
         kv_caches = self.backend.allocate_kv_cache(self.pipeline.kv_cache_spec(), self.num_blocks,

@@ -18,15 +18,24 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """What one token costs in the paged cache: per layer, K of ``head_dim`` and V of ``v_head_dim``."""
+    """What one token costs in the paged cache: per layer, K of ``head_dim`` and V of ``v_head_dim``.
+
+    ``value_in_key``: no value is stored; the value is the first ``value_in_key`` features of the
+    cached key. Multi-head latent attention (DeepSeek) caches one "head" per token, the compressed
+    latent followed by the rope key, and reads the latent back as the value.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     v_head_dim: int | None = None
+    value_in_key: int | None = None
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        width = self.head_dim + (self.v_head_dim if self.v_head_dim is not None else self.head_dim)
+        if self.value_in_key is not None:
+            width = self.head_dim
+        else:
+            width = self.head_dim + (self.v_head_dim if self.v_head_dim is not None else self.head_dim)
         return self.num_layers * self.num_kv_heads * width * dtype.itemsize
 
 
@@ -39,6 +48,8 @@ class BuildContext:
     collective: Collective
     dtype: torch.dtype
     max_model_len: int
+    # Experts per MoE layer kept in host memory and copied to the device when routed (cache config).
+    num_experts_offload_per_rank: int = 0
 
 
 @runtime_checkable
@@ -112,7 +123,11 @@ class DeviceBackend(Protocol):
     def allocate_kv_cache(
         self, spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (key, value) pair of tensors per layer, ``[num_blocks, block_size, heads, dim]``."""
+        """One (key, value) pair of tensors per layer, ``[num_blocks, block_size, heads, dim]``.
+
+        With ``spec.value_in_key`` the value tensor is a view of the key tensor's first features
+        (no storage of its own).
+        """
 
     def prepare(self, batch: ForwardBatch) -> Any:
         """Build attention metadata once per step (masks, gather indices); stored in ``batch.attention``."""
@@ -132,6 +147,8 @@ class DeviceBackend(Protocol):
         ``query`` is ``[num_tokens, heads, head_dim]``, ``key``/``value`` are
         ``[num_tokens, kv_heads, head_dim]``; causal within each sequence, limited to the
         last ``sliding_window`` positions when given. Returns ``[num_tokens, heads, v_dim]``.
+        ``value`` None: the cache's value is a view of its key (``KVCacheSpec.value_in_key``);
+        only the key is written.
         """
 
     def synchronize(self) -> None:

@@ -23,7 +23,9 @@ class Attention(nn.Module):
         self.scale, self.sliding_window, self.logit_soft_cap = scale, sliding_window, logit_soft_cap
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, batch: ForwardBatch, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor | None) -> torch.Tensor:
+        """``value`` None: the value is read from the cached key (``KVCacheSpec.value_in_key``)."""
         if self.kv_cache is None:
             raise RuntimeError("Attention.kv_cache is not bound; the runner binds it after allocating the cache")
         out = self.backend.paged_attention(
