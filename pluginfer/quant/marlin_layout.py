@@ -168,3 +168,12 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, size_k: int, size_n: 
     zero = 8 if zeros is None else unpack_zero_points(zeros, size_n).repeat_interleave(rows_per_group, dim=0)
     weight = (codes - zero).float() * column_scales.float().repeat_interleave(rows_per_group, dim=0)
     return weight.to(dtype)
+
+
+def matmul_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
+                     zeros: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W (+ bias)`` through the full unpack: the oracle of the Triton kernel (float32 product)."""
+    size_k, size_n = packed.shape[0] * TILE, packed.shape[1] * PACK // TILE
+    weight = dequantize(packed, scales, size_k, size_n, group_size, zeros)
+    out = (x.float() @ weight).to(x.dtype)
+    return out if bias is None else out + bias
