@@ -89,6 +89,8 @@ class Executor:
         if name != "auto":
             return name
         quant_config = self.hf_config.get("quantization_config") or {}
+        if quant_config.get("checkpoint_format") == "marlin" or quant_config.get("is_marlin_format"):
+            return "marlin"  # GPTQ tensors already in Marlin tiles
         return quant_config.get("quant_method", "none")
 
     def _model_spec(self):  # noqa: ANN202 - PluginSpec
