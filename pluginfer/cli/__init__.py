@@ -1,4 +1,4 @@
-"""The ``pluginfer`` command: plugins, config-schema, generate, chat."""
+"""The ``pluginfer`` command: plugins, config-schema, generate, chat, serve, bench, convert."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _config_schema(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pluginfer.cli import bench, generate, serve
+    from pluginfer.cli import bench, convert, generate, serve
 
     parser = argparse.ArgumentParser(prog="pluginfer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pluginfer {__version__}")
@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(commands, add_engine_arguments)
     serve.register(commands, add_engine_arguments)
     bench.register(commands, add_engine_arguments)
+    convert.register(commands, add_engine_arguments)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Find a checkpoint (local directory or hub id) and stream its safetensors weights."""
+"""Find a checkpoint (local directory, hub id or .gguf file) and stream its weights."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from pluginfer.core.gguf_checkpoint import is_gguf_file, iter_gguf_weights, read_gguf_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
@@ -29,8 +31,10 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"model directory {path} has no config.json (not a Hugging Face checkpoint)")
         return path
+    if is_gguf_file(path):
+        return path
     if path.exists():
-        raise ModelNotFoundError(f"model path {path} is a file, not a checkpoint directory")
+        raise ModelNotFoundError(f"model path {path} is a file, not a checkpoint directory (nor a .gguf file)")
     if _looks_like_path(model):
         raise ModelNotFoundError(f"model path {path} does not exist")
     return _download(model, revision)
@@ -58,6 +62,8 @@ def _download(repo_id: str, revision: str | None) -> Path:
 
 
 def read_hf_config(path: Path) -> dict:
+    if is_gguf_file(path):
+        return read_gguf_config(path)
     with open(path / "config.json") as config_file:
         config = json.load(config_file)
     if not isinstance(config, dict):
@@ -93,6 +99,9 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def iter_weights(path: Path, progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every shard, memory-mapped; a progress bar on a terminal (``progress=None``)."""
+    if is_gguf_file(path):
+        yield from iter_gguf_weights(path, progress)
+        return
     from safetensors import safe_open
     from tqdm import tqdm
 

@@ -10,7 +10,10 @@ from typing import Any
 def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
+    path = Path(path)
     try:
+        if path.suffix.lower() == ".gguf" and path.is_file():  # built from the file's tokenizer.ggml.* metadata
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
         raise ValueError(f"cannot load a tokenizer from {path}: {type(exc).__name__}: {exc}") from None

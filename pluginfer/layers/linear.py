@@ -26,6 +26,17 @@ def _check_rank_slice(loaded: torch.Tensor, dim: int, full_size: int, name: str)
                          f"along axis {dim}")
 
 
+def _packed(param: nn.Parameter, dim: int, *sizes: int) -> list[int]:
+    """Sizes along ``dim`` in ``param``'s elements: a packed parameter holds ``packed_factor`` values in each."""
+    if getattr(param, "packed_dim", None) != dim:
+        return list(sizes)
+    factor = param.packed_factor
+    if any(size % factor for size in sizes):
+        raise ValueError(f"{getattr(param, 'checkpoint_name', 'weight')}: a projection of {sizes} outputs does not "
+                         f"split into words of {factor} packed values")
+    return [size // factor for size in sizes]
+
+
 class LinearBase(nn.Module):
     """``y = x W^T + b`` with W of ``output_size x input_size`` (this rank's shard)."""
 
@@ -39,7 +50,8 @@ class LinearBase(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.quant_method.create_weights(self, input_size, output_size, ctx.dtype)
         for param in self.parameters(recurse=False):
-            param.weight_loader = self.weight_loader
+            if not hasattr(param, "weight_loader"):  # a quant method may install its own loader
+                param.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=ctx.dtype), requires_grad=False)
             self.bias.output_dim = 0
@@ -119,11 +131,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             if self.tp_size == 1:
                 return super().weight_loader(param, loaded)
             # An already-fused checkpoint tensor: split it into its projections, then shard each.
-            _check_rank_slice(loaded, dim, sum(self._full_sizes()), getattr(param, "checkpoint_name", "weight"))
-            for index, part in enumerate(loaded.split(self._full_sizes(), dim=dim)):
+            full_sizes = _packed(param, dim, *self._full_sizes())
+            _check_rank_slice(loaded, dim, sum(full_sizes), getattr(param, "checkpoint_name", "weight"))
+            for index, part in enumerate(loaded.split(full_sizes, dim=dim)):
                 self.weight_loader(param, part, index)
             return
-        offset, size = self._offsets(shard_id)
+        offset, size = _packed(param, dim, *self._offsets(shard_id))
         target = param.data.narrow(dim, offset, size)
         name = f"{getattr(param, 'checkpoint_name', 'weight')}[shard {shard_id}]"
         if self.tp_size > 1:
@@ -159,10 +172,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         index = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)  # type: ignore[arg-type]
         if index is None or index == 0 or self.tp_size == 1:
             return super().weight_loader(param, loaded, index)
-        offset, size = self._offsets(index)
         dim = getattr(param, "output_dim", 0)
+        offset, size, full_size = _packed(param, dim, *self._offsets(index), self._full_sizes()[index])
         name = f"{getattr(param, 'checkpoint_name', 'weight')}[{shard_id}]"
-        _check_rank_slice(loaded, dim, self._full_sizes()[index], name)
+        _check_rank_slice(loaded, dim, full_size, name)
         kv_rank = self.tp_rank // self.kv_replicas  # ranks that share one KV head load the same slice
         loaded = loaded.narrow(dim, kv_rank * size, size)
         target = param.data.narrow(dim, offset, size)

@@ -1,0 +1,212 @@
+"""``pluginfer convert``: a Hugging Face llama/qwen2/qwen3 checkpoint to a quantized ``.gguf`` file.
+
+The file follows llama.cpp's ``convert_hf_to_gguf.py``: the same metadata keys, a gpt2-style BPE
+vocabulary with merges and token types, the chat template, llama's q/k rows permuted, 1-D
+tensors in F32. Linear weights take the requested type (F16 where a row does not divide into its
+blocks, as llama.cpp falls back); the embedding and the LM head take ``--embedding-type``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# HF architecture -> GGUF general.architecture.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
+# Our type names -> llama.cpp's general.file_type.
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
+               "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1", "q5_0": "MOSTLY_Q5_0", "q5_1": "MOSTLY_Q5_1",
+               "q4_k": "MOSTLY_Q4_K_M", "q6_k": "MOSTLY_Q6_K"}
+
+
+def register(commands: argparse._SubParsersAction, add_engine_arguments: Callable) -> None:
+    convert = commands.add_parser("convert", help="write a Hugging Face checkpoint as a quantized .gguf file")
+    convert.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    convert.add_argument("--quant", required=True, choices=TYPES, help="type of the linear layers' weights")
+    convert.add_argument("--output", required=True, help="the .gguf file to write")
+    convert.add_argument("--embedding-type", default="f16", choices=TYPES,
+                         help="type of the embedding table and LM head (default f16)")
+    convert.set_defaults(run=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    path = convert_to_gguf(Path(args.model), Path(args.output), args.quant, args.embedding_type)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _qtype(name: str):  # noqa: ANN202 - gguf.GGMLQuantizationType
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType[name.upper()]
+
+
+def quantize(weight: torch.Tensor, qtype: object, name: str) -> np.ndarray:
+    """uint8 ``[rows, row_bytes]`` blocks (ggml_blocks when it quantizes this type, else gguf-py)."""
+    from gguf import quants
+
+    from pluginfer.quant import ggml_blocks
+
+    if hasattr(ggml_blocks, "quantize"):
+        return ggml_blocks.quantize(weight.float(), qtype, name=name).numpy()
+    try:
+        return quants.quantize(weight.float().numpy(), qtype)
+    except NotImplementedError:
+        raise ValueError(f"{name}: no quantizer for {qtype.name} here") from None
+
+
+def convert_to_gguf(model_dir: Path, output: Path, quant: str, embedding_type: str = "f16") -> Path:
+    from pluginfer.core.loader import iter_weights, read_hf_config
+    from pluginfer.core.tokenizer import load_tokenizer
+
+    config = read_hf_config(model_dir)
+    if config.get("quantization_config"):
+        raise ValueError(f"{model_dir} is already quantized ({config['quantization_config'].get('quant_method')}); "
+                         f"convert reads floating-point checkpoints")
+    return write_gguf(output, config, load_tokenizer(model_dir), iter_weights(model_dir, progress=False),
+                      quant, embedding_type)
+
+
+def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[tuple[str, object]],
+               quant: str, embedding_type: str = "f16", types: dict[str, str] | None = None) -> Path:
+    """Write (HF name, tensor) pairs as llama.cpp would; ``types``: a type per HF name, overriding ``quant``.
+
+    A ``GGMLTensor`` (already in blocks) is written as it is, after the q/k row permutation.
+    """
+    import gguf
+
+    from pluginfer.core.gguf_checkpoint import GGMLTensor, permute_rows
+
+    names = [a for a in config.get("architectures") or [] if a in ARCHITECTURES]
+    if not names:
+        raise ValueError(f"architectures {config.get('architectures')} cannot be converted "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
+    arch = ARCHITECTURES[names[0]]
+    writer = gguf.GGUFWriter(str(output), arch)
+    _write_hparams(writer, config, gguf.LlamaFileType[_FILE_TYPES[quant]])
+    _write_tokenizer(writer, tokenizer, int(config["vocab_size"]))
+    name_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
+                                        int(config["num_hidden_layers"]))
+    heads = {"q_proj": config["num_attention_heads"],
+             "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"]}
+    for hf_name, tensor in weights:
+        if "rotary_emb.inv_freq" in hf_name:
+            continue
+        if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
+            continue
+        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise KeyError(f"tensor {hf_name!r} has no GGUF name for {arch}")
+        projection = hf_name.split(".")[-2]
+        if isinstance(tensor, GGMLTensor):
+            raw = tensor.raw
+            if arch == "llama" and projection in heads:
+                raw = permute_rows(raw, heads[projection])
+            writer.add_tensor(gguf_name, raw.numpy(), raw_shape=tuple(raw.shape), raw_dtype=tensor.qtype)
+            continue
+        tensor = tensor.float()
+        if arch == "llama" and projection in heads:
+            tensor = permute_rows(tensor, heads[projection])
+        wanted = embedding_type if hf_name in ("model.embed_tokens.weight", "lm_head.weight") else quant
+        _add_tensor(writer, gguf_name, tensor, _qtype((types or {}).get(hf_name, wanted)))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return output
+
+
+def _add_tensor(writer: object, name: str, tensor: torch.Tensor, qtype: object) -> None:
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as T
+
+    if tensor.dim() == 1 or qtype == T.F32:  # norms and biases stay F32, as llama.cpp writes them
+        writer.add_tensor(name, tensor.numpy().astype(np.float32))
+        return
+    if tensor.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+        qtype = T.F16  # llama.cpp's fallback for rows that do not divide into blocks
+    if qtype == T.F16:
+        writer.add_tensor(name, tensor.numpy().astype(np.float16))
+        return
+    blocks = quantize(tensor, qtype, name)
+    writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+
+
+def _write_hparams(writer: object, config: dict, file_type: object) -> None:
+    import gguf
+
+    from pluginfer.layers.rotary import rope_parameters
+
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_name(config.get("_name_or_path") or "pluginfer-convert")
+    writer.add_context_length(int(config.get("max_position_embeddings") or 2048))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    theta, scaling = rope_parameters(config)
+    writer.add_rope_freq_base(theta)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(file_type)
+    if scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    elif scaling["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    elif scaling["rope_type"] != "default":
+        raise ValueError(f"rope scaling {scaling['rope_type']!r} cannot be written to GGUF here "
+                         f"(supported: linear, yarn)")
+    if config.get("sliding_window") and ARCHITECTURES[config["architectures"][0]] == "llama":
+        writer.add_sliding_window(int(config["sliding_window"]))
+
+
+def _write_tokenizer(writer: object, tokenizer: object, vocab_size: int) -> None:
+    """A byte-level BPE vocabulary as llama.cpp's ``_set_vocab_gpt2`` writes it."""
+    import gguf
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = state["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"convert writes byte-level BPE tokenizers only, this one is {model.get('type')}")
+    by_id = {index: token for token, index in tokenizer.get_vocab().items()}
+    added = {token.content: token.special for token in tokenizer.added_tokens_decoder.values()}
+    tokens, types = [], []
+    for index in range(vocab_size):
+        token = by_id.get(index)
+        if token is None:
+            tokens.append(f"[PAD{index}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(token)
+            kind = gguf.TokenType.NORMAL
+            if token in added:
+                kind = gguf.TokenType.CONTROL if added[token] else gguf.TokenType.USER_DEFINED
+            types.append(kind)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for attribute, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id)):
+        if getattr(tokenizer, attribute, None) is not None:
+            add(getattr(tokenizer, attribute))
+    writer.add_add_bos_token(False)
+    if getattr(tokenizer, "chat_template", None):
+        writer.add_chat_template(tokenizer.chat_template)

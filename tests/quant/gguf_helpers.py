@@ -1,0 +1,27 @@
+"""GGUF test helpers: the transformers oracle (gguf-py dequantization, its own q/k un-permutation)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def transformers_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' reading of a .gguf file: its config mapping, gguf-py's dequantize, its name map.
+
+    Built without ``from_pretrained(gguf_file=...)``, which needs accelerate, from the same pieces.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys
+    allowed = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    assert set(result.missing_keys) <= allowed, result.missing_keys
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
