@@ -36,7 +36,7 @@ def _marlin_matmul_kernel(
     x_ptr, b_ptr, s_ptr, z_ptr, table_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_bk, stride_sg, stride_zg, stride_om, stride_on,
-    GROUP_SIZE: tl.constexpr, GROUPED_SCALES: tl.constexpr, HAS_ZEROS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, GROUPED_SCALES: tl.constexpr, HAS_ZEROS: tl.constexpr, IEEE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -74,7 +74,10 @@ def _marlin_matmul_kernel(
         else:
             zero = 8
         weight = ((code - zero).to(tl.float32) * scale.to(tl.float32)).to(x.dtype)
-        acc = tl.dot(x, weight, acc, input_precision=DOT_PRECISION)
+        if IEEE_DOT:  # float32 inputs: no tf32 rounding
+            acc = tl.dot(x, weight, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, weight, acc)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
@@ -101,7 +104,7 @@ def marlin_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, g
         flat.stride(0), flat.stride(1), packed.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, out.stride(0), out.stride(1),
         GROUP_SIZE=group_size if grouped else size_k, GROUPED_SCALES=grouped, HAS_ZEROS=zeros is not None,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # no tf32 rounding of float32 inputs
+        IEEE_DOT=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     if bias is not None:
