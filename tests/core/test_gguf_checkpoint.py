@@ -1,0 +1,146 @@
+"""core/gguf_checkpoint.py: metadata -> HF config, tokenizer from the file, and the named errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from pluginfer import LLM  # noqa: E402
+from pluginfer.cli.convert import convert_to_gguf, write_gguf  # noqa: E402
+from pluginfer.core.gguf_checkpoint import GGMLTensor, GGUFCheckpoint  # noqa: E402
+from pluginfer.core.loader import ModelNotFoundError, iter_weights, read_hf_config, resolve_model_path  # noqa: E402
+from pluginfer.core.tokenizer import load_tokenizer  # noqa: E402
+from pluginfer.quant.gguf import GGUFLinear  # noqa: E402
+
+
+def load(path: Path) -> LLM:
+    return LLM(model=str(path), num_blocks=16, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tiny_llama_checkpoint: tuple[Path, object], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return convert_to_gguf(tiny_llama_checkpoint[0], tmp_path_factory.mktemp("gguf") / "tiny.gguf", "q8_0", "f32")
+
+
+def rewrite(directory: Path, out: Path, edit: dict[str, object]) -> Path:
+    """The checkpoint as a q8_0 GGUF with tensors replaced (a tensor / GGMLTensor) or dropped (None)."""
+    def weights() -> Iterator[tuple[str, object]]:
+        for name, tensor in iter_weights(directory):
+            replacement = edit.get(name, tensor)
+            if replacement is not None:
+                yield name, replacement
+    return write_gguf(out, read_hf_config(directory), load_tokenizer(directory), weights(), "q8_0", "f32")
+
+
+def test_metadata_becomes_the_hf_config(llama_gguf: Path, tiny_llama_checkpoint: tuple[Path, object]) -> None:
+    hf = read_hf_config(tiny_llama_checkpoint[0])
+    config = read_hf_config(llama_gguf)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "max_position_embeddings", "vocab_size", "bos_token_id", "eos_token_id",
+                "tie_word_embeddings"):
+        assert config[key] == hf[key], key
+    assert config["head_dim"] == hf["hidden_size"] // hf["num_attention_heads"]
+    assert config["rms_norm_eps"] == pytest.approx(hf["rms_norm_eps"])
+    assert config["rope_theta"] == pytest.approx(hf.get("rope_theta", hf.get("rope_parameters", {}).get("rope_theta")))
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["quantization_config"] == {"quant_method": "gguf"}
+    assert resolve_model_path(str(llama_gguf)) == llama_gguf
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(llama_gguf: Path, tiny_tokenizer_dir: Path) -> None:
+    ours, reference = load_tokenizer(llama_gguf), load_tokenizer(tiny_tokenizer_dir)
+    text = "The engine reads a file.\n\n  Twice, <|im_start|>user 42 times é"
+    assert ours.encode(text) == reference.encode(text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    llm = load(llama_gguf)
+    assert llm.engine.eos_token_ids == {reference.eos_token_id}
+    assert llm.generate("The engine", None)[0].outputs[0].token_ids  # text prompts go through the file's tokenizer
+
+
+def test_unknown_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported \(supported: llama, qwen2, qwen3\)"):
+        load(path)
+
+
+def test_missing_tensor_is_named(tiny_llama_checkpoint: tuple[Path, object], tmp_path: Path) -> None:
+    path = rewrite(tiny_llama_checkpoint[0], tmp_path / "missing.gguf", {"model.layers.1.mlp.down_proj.weight": None})
+    with pytest.raises(KeyError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        load(path)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_shape_that_does_not_match_the_config_is_named(quantized: bool, tiny_llama_checkpoint: tuple[Path, object],
+                                                       tmp_path: Path) -> None:
+    name = "model.layers.0.mlp.up_proj.weight"
+    directory, model = tiny_llama_checkpoint
+    short = model.state_dict()[name][:96]
+    if quantized:
+        blocks = torch.from_numpy(gguf.quants.quantize(short.numpy(), gguf.GGMLQuantizationType.Q8_0))
+        short = GGMLTensor(blocks, gguf.GGMLQuantizationType.Q8_0, short.shape, "blk.0.ffn_up.weight")
+    path = rewrite(directory, tmp_path / "short.gguf", {name: short})
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'.*\(96, 64\) does not match "
+                                         r"expected \(128, 64\)"):
+        load(path)
+
+
+def test_unsupported_tensor_type_is_named(tiny_llama_checkpoint: tuple[Path, object], tmp_path: Path) -> None:
+    name = "model.layers.0.self_attn.o_proj.weight"
+    iq4_nl = gguf.GGMLQuantizationType.IQ4_NL
+    raw = torch.zeros(64, 64 // 32 * gguf.GGML_QUANT_SIZES[iq4_nl][1], dtype=torch.uint8)
+    path = rewrite(tiny_llama_checkpoint[0], tmp_path / "iq4.gguf",
+                   {name: GGMLTensor(raw, iq4_nl, torch.Size([64, 64]), "blk.0.attn_output.weight")})
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight'.*IQ4_NL is not supported"):
+        load(path)
+
+
+def test_tensor_without_counterpart_is_named(llama_gguf: Path, tmp_path: Path) -> None:
+    reader = gguf.GGUFReader(llama_gguf)
+    path = tmp_path / "extra.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():  # copy the metadata as it is
+        if field.name.startswith(("GGUF.", "general.architecture")):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tuple(tensor.data.shape), raw_dtype=tensor.tensor_type)
+    writer.add_tensor("blk.0.attn_sinks.weight", torch.zeros(4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert GGUFCheckpoint(path).hf_config()["hidden_size"] == 64  # the copy is a valid file
+    with pytest.raises(KeyError, match=r"'blk\.0\.attn_sinks\.weight' has no counterpart"):
+        load(path)
+
+
+def test_tensor_parallel_is_refused() -> None:
+    layer = torch.nn.Module()
+    layer.tp_size = 2
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 1"):
+        GGUFLinear().create_weights(layer, 64, 64, torch.float32)
+
+
+def test_a_file_that_is_not_gguf_is_still_refused(tmp_path: Path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(ModelNotFoundError, match="is a file"):
+        resolve_model_path(str(tmp_path / "weights.bin"))
+    (tmp_path / "broken.gguf").write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load(tmp_path / "broken.gguf")
