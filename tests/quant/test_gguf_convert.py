@@ -1,0 +1,81 @@
+"""``pluginfer convert``: the file gguf-py reads, that generates like the in-situ quantized HF checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from pluginfer import LLM  # noqa: E402
+from pluginfer.cli import build_parser, main  # noqa: E402
+from pluginfer.core.registry import PluginError, get_registry  # noqa: E402
+from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model  # noqa: E402
+
+
+def in_situ_available(quant: str) -> bool:
+    try:
+        get_registry().load("quant", quant)
+    except (PluginError, ImportError):
+        return False
+    return True
+
+
+def load(path: Path, **kwargs: object) -> LLM:
+    return LLM(model=str(path), dtype="float32", num_blocks=64, block_size=8, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """Rows of 256 weights, as K-quant blocks need."""
+    out = tmp_path_factory.mktemp("wide_llama")
+    save_hf_model("LlamaForCausalLM", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                           initializer_range=0.05, rms_norm_eps=1e-5), out, tiny_tokenizer_dir)
+    return out
+
+
+def test_convert_is_listed_in_help() -> None:
+    assert "convert" in build_parser().format_help()
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q5_1", "q4_k", "q6_k"])
+def test_converted_file_generates_like_the_in_situ_quantized_checkpoint(
+        quant: str, tiny_llama_checkpoint: tuple[Path, object], wide_llama: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture) -> None:
+    if not in_situ_available(quant):
+        pytest.skip(f"in-situ quant method {quant} is not available yet")
+    directory = wide_llama if quant.endswith("_k") else tiny_llama_checkpoint[0]
+    out = tmp_path / f"model-{quant}.gguf"
+    assert main(["convert", "--model", str(directory), "--quant", quant, "--output", str(out),
+                 "--embedding-type", "f32"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    # gguf-py reads it: linear weights in the asked type, norms and the embedding F32, q/k as llama.cpp.
+    reader = gguf.GGUFReader(out)
+    types = {tensor.name: tensor.tensor_type.name for tensor in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == quant.upper()
+    assert types["blk.0.attn_norm.weight"] == types["token_embd.weight"] == types["output.weight"] == "F32"
+    assert reader.get_field("general.architecture").contents() == "llama"
+    assert reader.get_field("tokenizer.ggml.model").contents() == "gpt2"
+    assert reader.get_field("tokenizer.chat_template").contents().startswith("{%- for message in messages")
+
+    prompt = random_prompts(200, [24], seed=8)[0]
+    from_file, in_situ = load(out), load(directory, quant=quant)
+    torch.testing.assert_close(prefill_logits(from_file, prompt), prefill_logits(in_situ, prompt), atol=1e-4, rtol=1e-4)
+    assert from_file.generate([prompt], greedy(12))[0].outputs[0].token_ids == \
+        in_situ.generate([prompt], greedy(12))[0].outputs[0].token_ids
+
+
+def test_convert_refuses_what_it_cannot_write(tiny_llama_checkpoint: tuple[Path, object], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    source = tmp_path / "gemma"
+    shutil.copytree(tiny_llama_checkpoint[0], source)
+    config = json.loads((source / "config.json").read_text())
+    config["architectures"] = ["GemmaForCausalLM"]
+    (source / "config.json").write_text(json.dumps(config))
+    assert main(["convert", "--model", str(source), "--quant", "q8_0", "--output", str(tmp_path / "x.gguf")]) == 2
+    assert "cannot be converted (supported: LlamaForCausalLM" in capsys.readouterr().err
