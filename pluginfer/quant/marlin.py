@@ -108,6 +108,7 @@ class MarlinLinear:
         if "B" in layer._parameters:
             layer.marlin_group_size = self.group_size
             return  # already Marlin (checkpoint or an earlier call)
+        checkpoint = getattr(layer.qweight, "checkpoint_name", "a layer").removesuffix(".qweight")
         self.source.process_weights_after_loading(layer)
         codes = _unpack_gptq_rows(layer.qweight.data)
         size_k, size_n = codes.shape
@@ -117,10 +118,10 @@ class MarlinLinear:
         if g_idx is not None:
             expected = torch.arange(size_k, device=g_idx.device) // group_size
             if not torch.equal(g_idx.to(expected.dtype), expected):
-                raise ValueError(f"marlin: act-order: {getattr(layer.qweight, 'checkpoint_name', 'a layer')}'s g_idx "
-                                 f"is not sorted (i // {group_size}); Marlin reads groups in input order")
+                raise ValueError(f"marlin: act-order: {checkpoint}'s g_idx is not sorted (i // {group_size}); "
+                                 "Marlin reads groups in input order")
         if not self.zero_points and not bool((zeros == 8).all()):
-            raise ValueError("marlin: asym: a GPTQ layer has zero points other than 8; Marlin's GPTQ path is "
+            raise ValueError(f"marlin: asym: {checkpoint} has zero points other than 8; Marlin's GPTQ path is "
                              "symmetric (load it with --quant gptq)")
         layout.check_shape(size_k, size_n, self.group_size)
         packed, scales = layout.pack(codes, layer.scales.data, self.group_size)

@@ -102,3 +102,82 @@ def test_incompatible_configs_name_the_condition(config, message):
 def test_unquantized_checkpoint_is_refused():
     with pytest.raises(ValueError, match="not quantized"):
         build(None)
+
+
+# GPTQModel 7.6.0 checkpoints (tests/quant/fixtures/make_gptq_awq.py): the gptq/awq quant methods
+# are the oracle for the repacked layers; both dequantize to float32 as (q - zero) * scale.
+FIXTURES = Path(__file__).parent / "fixtures" / "gptq_awq"
+COMPATIBLE = ["gptq_b4_g128_sym", "awq_b4_g128"]
+INCOMPATIBLE = {
+    "gptq_b4_g32_act_asym": "group size: 32.*asym",
+    "gptq_b4_gall_asym": "asym",
+    "gptq_b4_g64_act_sym": "group size: 64",
+    "gptq_b8_g32_asym": "bits: 8.*group size: 32.*asym",
+    "gptq_b8_gall_act_sym": "bits: 8",
+    "awq_b4_g32": "group size: 32",
+}
+
+
+def fixture(name: str) -> Path:
+    path = FIXTURES / name
+    if not (path / "config.json").is_file():
+        pytest.skip(f"GPTQModel fixture {name} is not in {FIXTURES} (make_gptq_awq.py writes it)")
+    return path
+
+
+def copy_fixture(name: str, out: Path) -> Path:
+    """The checkpoint and the ``base`` it shares tensors with (its index points at ``../base``)."""
+    import shutil
+
+    shutil.copytree(fixture("base"), out / "base")
+    shutil.copytree(fixture(name), out / name)
+    return out / name
+
+
+@pytest.mark.parametrize("name", COMPATIBLE)
+def test_repacked_checkpoint_equals_its_own_quant_method(name):
+    path = fixture(name)
+    marlin, reference = load(path, quant="marlin"), load(path)
+    assert reference.engine.executor.quant.name == name.split("_")[0]
+    layers = [m for m in marlin.engine.executor.pipeline.modules() if hasattr(m, "quant_method")]
+    assert layers and all(hasattr(m, "B") and not hasattr(m, "qweight") for m in layers)
+    assert all(hasattr(m, "z") == name.startswith("awq") for m in layers)
+    prompt = random_prompts(500, [30], seed=1)[0]
+    torch.testing.assert_close(prefill_logits(marlin, prompt), prefill_logits(reference, prompt),
+                               atol=1e-5, rtol=1e-5)
+    prompts = random_prompts(500, [5, 17], seed=2)
+    assert ([o.outputs[0].token_ids for o in marlin.generate(prompts, greedy(8))]
+            == [o.outputs[0].token_ids for o in reference.generate(prompts, greedy(8))])
+
+
+@pytest.mark.parametrize("name", list(INCOMPATIBLE))
+def test_incompatible_checkpoint_names_the_condition(name):
+    with pytest.raises(ValueError, match=INCOMPATIBLE[name]):
+        load(fixture(name), quant="marlin")
+
+
+def _set_desc_act(path: Path) -> None:
+    for config_name in ("config.json", "quantize_config.json"):
+        config = json.loads((path / config_name).read_text())
+        (config.get("quantization_config") or config)["desc_act"] = True
+        (path / config_name).write_text(json.dumps(config))
+
+
+def test_act_order_with_unsorted_g_idx_is_refused(tmp_path):
+    path = copy_fixture("gptq_b4_g128_sym", tmp_path)
+    _set_desc_act(path)
+    tensors = load_file(str(path / "linear.safetensors"))
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    tensors[name] = tensors[name][torch.randperm(tensors[name].numel(), generator=torch.Generator().manual_seed(0))]
+    save_file(tensors, str(path / "linear.safetensors"))
+    load(path)  # a valid act-order checkpoint for the gptq method
+    with pytest.raises(ValueError, match="act-order.*down_proj.*not sorted"):
+        load(path, quant="marlin")
+
+
+def test_act_order_with_sorted_g_idx_is_accepted(tmp_path):
+    path = copy_fixture("gptq_b4_g128_sym", tmp_path)
+    _set_desc_act(path)
+    prompt = random_prompts(500, [20], seed=4)[0]
+    torch.testing.assert_close(prefill_logits(load(path, quant="marlin"), prompt), prefill_logits(load(path), prompt),
+                               atol=1e-5, rtol=1e-5)
