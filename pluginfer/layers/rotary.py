@@ -175,3 +175,58 @@ class LongRopeEmbedding(RotaryEmbedding):
         self.inv_freq = 1.0 / (torch.tensor(scaling[field], dtype=torch.float32) * base**exponents)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         self.cos_cache, self.sin_cache = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 when not stretched)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_factor(scaling: dict, max_position_embeddings: int) -> tuple[float, int]:
+    """(factor, original_max_position_embeddings) as transformers reads them: a missing factor is the ratio."""
+    original = int(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = scaling.get("factor")
+    return (float(factor) if factor is not None else max_position_embeddings / original), original
+
+
+class YarnRotaryEmbedding(RotaryEmbedding):
+    """YaRN (``rope_type: yarn``) as transformers' ``_compute_yarn_parameters``: frequencies blended between
+    interpolated and extrapolated by a ramp over ``beta_fast``/``beta_slow`` rotations, cos/sin multiplied by
+    ``attention_factor`` (default from ``factor``, ``mscale`` and ``mscale_all_dim``).
+
+    Families opt in by building it (DeepSeek); ``get_rope`` still rejects yarn for the others, whose
+    transformers implementation has not been compared.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float, scaling: dict,
+                 max_position_embeddings: int, is_neox_style: bool = True) -> None:
+        super().__init__(head_dim, rotary_dim, max_position, base, is_neox_style=is_neox_style)
+        self.rope_type = "yarn"
+        factor, original = yarn_factor(scaling, max_position_embeddings)
+        self.factor, self.original_max_position = factor, original
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            if mscale and mscale_all_dim:
+                attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = yarn_mscale(factor)
+        beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+        dim = rotary_dim
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # as transformers: no zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+        extrapolation = 1 - ramp
+        self.inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        self.attention_factor = float(attention_factor)
+        self.cos_cache, self.sin_cache = freqs.cos() * attention_factor, freqs.sin() * attention_factor

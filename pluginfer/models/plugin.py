@@ -34,4 +34,8 @@ def pluginfer_models() -> list[PluginSpec]:
         PluginSpec(kind="model", name="qwen3-moe", aliases=("qwen3_moe",), architectures=("Qwen3MoeForCausalLM",),
                    factory="pluginfer.models.qwen3_moe:build",
                    description="Qwen3 mixture-of-experts (Qwen3-30B-A3B, Qwen3-235B-A22B)"),
+        PluginSpec(kind="model", name="deepseek", aliases=("deep-seek", "deepseek_v2", "deepseek_v3"),
+                   architectures=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+                   factory="pluginfer.models.deepseek:build",
+                   description="DeepSeek-V2, V2-Lite, V3, R1 (latent attention, routed + shared experts)"),
     ]
