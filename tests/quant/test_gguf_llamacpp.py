@@ -1,0 +1,52 @@
+"""Files written by llama.cpp's own converter (fixtures/make_gguf_fixtures.py): an independent writer.
+
+Our reading of each file against transformers reading the same file (gguf-py's dequantization,
+transformers' own undoing of llama's q/k permutation).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from pluginfer import LLM  # noqa: E402
+from pluginfer.core.gguf_checkpoint import GGMLTensor  # noqa: E402
+from pluginfer.core.loader import iter_weights, read_hf_config  # noqa: E402
+from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts  # noqa: E402
+from tests.quant.gguf_helpers import transformers_from_gguf  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FILES = {  # file -> (architecture, the type of its linear weights)
+    "llamacpp-llama-f16.gguf": ("LlamaForCausalLM", "F16"),
+    "llamacpp-llama-q8_0.gguf": ("LlamaForCausalLM", "Q8_0"),
+    "llamacpp-qwen2-q8_0.gguf": ("Qwen2ForCausalLM", "Q8_0"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_llama_cpp_file_generates_like_transformers_reading_it(name: str) -> None:
+    path = FIXTURES / name
+    architecture, linear_type = FILES[name]
+    config = read_hf_config(path)
+    assert config["architectures"] == [architecture] and config["hidden_size"] == 64
+    types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == linear_type
+    weights = dict(iter_weights(path))
+    if linear_type != "F16":
+        assert isinstance(weights["model.layers.0.self_attn.q_proj.weight"], GGMLTensor)
+    assert not isinstance(weights["model.embed_tokens.weight"], GGMLTensor)  # dequantized at load
+
+    oracle = transformers_from_gguf(path)
+    llm = LLM(model=str(path), num_blocks=64, block_size=8)
+    prompt = random_prompts(900, [24], seed=9)[0]
+    torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(oracle, prompt), atol=1e-4, rtol=1e-4)
+    assert llm.generate([prompt], greedy(16))[0].outputs[0].token_ids == hf_greedy(oracle, prompt, 16)
+    # The tokenizer and its special tokens come from the file.
+    tokenizer = llm.get_tokenizer()
+    text = "The model reads the file."
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    assert tokenizer.eos_token == "</s>" and config["eos_token_id"] in llm.engine.eos_token_ids
