@@ -1,0 +1,61 @@
+"""The latent KV cache: per token and layer only kv_lora_rank + qk_rope_head_dim values, by the cache's own accounting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pluginfer import LLM
+from tests.checkpoints import greedy, random_prompts, save_hf_model
+
+CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=4, max_position_embeddings=256, initializer_range=0.2, q_lora_rank=24,
+              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+LATENT, ROPE, LAYERS = 32, 8, 3
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    path = tmp_path_factory.mktemp("deepseek-v2")
+    save_hf_model("DeepseekV2ForCausalLM", CONFIG, path, tiny_tokenizer_dir)
+    return path
+
+
+def allocated_bytes(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Bytes of the distinct storages behind every layer's (key, value) tensors."""
+    storages = {}
+    for pair in kv_caches:
+        for tensor in pair:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_bytes_per_token_are_latent_plus_rope_key(checkpoint: Path, dtype: str) -> None:
+    num_blocks, block_size = 12, 8
+    llm = LLM(model=str(checkpoint), dtype=dtype, num_blocks=num_blocks, block_size=block_size)
+    executor = llm.engine.executor
+    itemsize = getattr(torch, dtype).itemsize
+    expected = (LATENT + ROPE) * LAYERS * itemsize
+    assert executor.pipeline.kv_cache_spec().bytes_per_token(getattr(torch, dtype)) == expected
+    assert allocated_bytes(executor.runner.kv_caches) == expected * num_blocks * block_size
+    key, value = executor.runner.kv_caches[0]
+    assert key.shape == (num_blocks, block_size, 1, LATENT + ROPE)
+    assert value.shape[-1] == LATENT and value.data_ptr() == key.data_ptr(), "the value is the key's latent"
+
+
+def test_cached_latent_is_written_and_copied_for_forks(checkpoint: Path) -> None:
+    """n > 1 forks copy a partial block; with the value inside the key, only keys move (and outputs agree)."""
+    from pluginfer import SamplingParams
+
+    llm = LLM(model=str(checkpoint), dtype="float32", num_blocks=32, block_size=8)
+    prompt = random_prompts(1800, [13], seed=3)[0]
+    single = llm.generate([prompt], greedy(6))[0].outputs[0].token_ids
+    forked = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2))[0]
+    assert [o.token_ids for o in forked.outputs] == [single, single]
+    key, _ = llm.engine.executor.runner.kv_caches[0]
+    assert key.abs().sum() > 0
