@@ -14,10 +14,6 @@ _GGML_INSITU = {
 }
 
 
-# TODO(ggml helper): drop once ggml_insitu.py serves q8_0 too.
-_INSITU_FACTORY = {"q8_0": "pluginfer.quant.ggml_q8_0:build"}
-
-
 @hookimpl
 def pluginfer_quant_methods() -> list[PluginSpec]:
     specs = [
@@ -43,7 +39,7 @@ def pluginfer_quant_methods() -> list[PluginSpec]:
                    factory="pluginfer.quant.marlin:build",
                    description="4-bit GPTQ/AWQ repacked into Marlin tiles (Triton kernel; generic on CPU)"),
     ]
-    specs += [PluginSpec(kind="quant", name=name, factory=_INSITU_FACTORY.get(name, f"pluginfer.quant.ggml_insitu:build_{name}"),
+    specs += [PluginSpec(kind="quant", name=name, factory=f"pluginfer.quant.ggml_insitu:build_{name}",
                          description=f"GGUF {name.upper()} blocks ({layout}) quantized at load")
               for name, layout in _GGML_INSITU.items()]
     return specs

@@ -1,0 +1,78 @@
+"""In-situ GGML quant methods (``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q6_k``).
+
+A floating-point checkpoint is loaded as usual; once a layer's weight has arrived it is quantized
+to llama.cpp's block type and kept as raw GGML bytes, ``qweight`` uint8 ``[out, row_bytes]``: the
+storage a GGUF file's tensor of that type gets, so both share ``ggml_blocks.ggml_linear``. The
+bytes are those llama.cpp writes (gguf-py's for the legacy types, its C reference for Q4_K and
+Q6_K). Each row holds whole blocks of 32 (256 for the K-quants) input weights; a weight whose
+input size (this rank's shard) is not a multiple of that is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+from pluginfer.quant import ggml_blocks
+from pluginfer.quant.tiled import InSituQuantMethod, replace_weight
+
+
+class GGMLInSituLinear(InSituQuantMethod):
+    """One GGML block type, quantized from the checkpoint's float weight while it loads."""
+
+    def __init__(self, name: str, qtype: GGMLQuantizationType) -> None:
+        self.name = name
+        self.qtype = qtype
+        self.block_size, self.type_size = GGML_QUANT_SIZES[qtype]
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if "weight" not in layer._parameters:
+            return  # already quantized
+        weight = layer.weight.data
+        name = getattr(layer.weight, "checkpoint_name", "weight")
+        if weight.shape[1] % self.block_size:
+            raise ValueError(f"quant method {self.name!r} stores blocks of {self.block_size} weights along the "
+                             f"input dim; {name!r} has shape {tuple(weight.shape)}, an input size that is not a "
+                             f"multiple of {self.block_size}")
+        replace_weight(layer, qweight=ggml_blocks.quantize(weight, self.qtype, name=name))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raw = layer.qweight
+        cols = raw.shape[1] // self.type_size * self.block_size
+        return ggml_blocks.ggml_linear(x, raw, self.qtype, cols, bias)
+
+
+def _build(name: str, qtype: GGMLQuantizationType, quant_config: dict | None) -> GGMLInSituLinear:
+    if quant_config:
+        raise ValueError(f"quant method {name!r} quantizes a floating-point checkpoint while loading; "
+                         f"this checkpoint is already quantized ({quant_config.get('quant_method', quant_config)})")
+    return GGMLInSituLinear(name, qtype)
+
+
+def build_q8_0(quant_config: dict | None = None) -> GGMLInSituLinear:
+    return _build("q8_0", GGMLQuantizationType.Q8_0, quant_config)
+
+
+def build_q4_0(quant_config: dict | None = None) -> GGMLInSituLinear:
+    return _build("q4_0", GGMLQuantizationType.Q4_0, quant_config)
+
+
+def build_q4_1(quant_config: dict | None = None) -> GGMLInSituLinear:
+    return _build("q4_1", GGMLQuantizationType.Q4_1, quant_config)
+
+
+def build_q5_0(quant_config: dict | None = None) -> GGMLInSituLinear:
+    return _build("q5_0", GGMLQuantizationType.Q5_0, quant_config)
+
+
+def build_q5_1(quant_config: dict | None = None) -> GGMLInSituLinear:
+    return _build("q5_1", GGMLQuantizationType.Q5_1, quant_config)
+
+
+def build_q4_k(quant_config: dict | None = None) -> GGMLInSituLinear:
+    return _build("q4_k", GGMLQuantizationType.Q4_K, quant_config)
+
+
+def build_q6_k(quant_config: dict | None = None) -> GGMLInSituLinear:
+    return _build("q6_k", GGMLQuantizationType.Q6_K, quant_config)
