@@ -3,6 +3,7 @@
     python benchmarks/offline_throughput.py                 # ~0.5B shape, fp32, 3 runs each
     python benchmarks/offline_throughput.py --layers 2      # quick smoke run
     python benchmarks/offline_throughput.py --arch mixtral --layers 8 --hidden 512 --intermediate 1408
+    python benchmarks/offline_throughput.py --arch deepseek --layers 4 --hidden 512 --offload 2
 
 Decode tokens/s = batch * (gen_len - 1) / (time(generate gen_len) - time(generate 1 token)), so the
 prefill is not counted; prefill tokens/s = prompt_len / time(generate 1 token). Runs alternate
@@ -22,7 +23,15 @@ import torch
 
 
 def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
 
     from pluginfer.demo.tokenizer import train_tokenizer
 
@@ -39,6 +48,14 @@ def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
     if args.arch == "mixtral":
         config = MixtralConfig(**common, num_local_experts=args.experts, num_experts_per_tok=args.top_k)
         MixtralForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    elif args.arch == "deepseek":  # V3 layout: latent attention, sigmoid grouped routing, one shared expert
+        common["num_key_value_heads"] = args.heads
+        config = DeepseekV3Config(**common, n_routed_experts=args.experts, num_experts_per_tok=args.top_k,
+                                  moe_intermediate_size=args.intermediate // 4, n_shared_experts=1,
+                                  n_group=2 if args.experts % 2 == 0 and args.experts >= 4 else 1, topk_group=1,
+                                  first_k_dense_replace=1, q_lora_rank=args.hidden // 2, kv_lora_rank=128,
+                                  qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
+        DeepseekV3ForCausalLM(config).save_pretrained(out, safe_serialization=True)
     else:
         LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(out, safe_serialization=True)
 
@@ -56,7 +73,8 @@ class Ours:
         from pluginfer import LLM
 
         self.llm = LLM(model=str(path), dtype="float32", max_model_len=1024, max_num_seqs=max(args.batch),
-                       enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.prefill_len))
+                       enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.prefill_len),
+                       num_experts_offload_per_rank=args.offload)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         from pluginfer import SamplingParams
@@ -92,9 +110,11 @@ def memory_bandwidth() -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=["llama", "mixtral"], default="llama")
-    parser.add_argument("--experts", type=int, default=8, help="mixtral: experts per layer")
-    parser.add_argument("--top-k", type=int, default=2, help="mixtral: experts per token")
+    parser.add_argument("--arch", choices=["llama", "mixtral", "deepseek"], default="llama")
+    parser.add_argument("--experts", type=int, default=8, help="mixtral/deepseek: experts per layer")
+    parser.add_argument("--top-k", type=int, default=2, help="mixtral/deepseek: experts per token")
+    parser.add_argument("--offload", type=int, default=0,
+                        help="mixtral/deepseek: experts per layer kept in host memory (pluginfer only)")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
