@@ -40,9 +40,8 @@ def check_config(config: dict) -> None:
     group_size = config.get("group_size", config.get("q_group_size", 128))
     if group_size not in GROUP_SIZES:
         failures.append(f"group size: {group_size} (Marlin takes 128 or -1)")
-    if method == "gptq" and not _is_marlin_checkpoint(config):
-        if config.get("sym") is False:
-            failures.append("asym: sym is false (GPTQ Marlin takes symmetric weights; AWQ carries zero points)")
+    if method in ("gptq", "marlin") and config.get("sym") is False:
+        failures.append("asym: sym is false (GPTQ Marlin takes symmetric weights; AWQ carries zero points)")
     if method == "awq":
         version = str(config.get("version", "gemm")).lower()
         if version != "gemm":

@@ -81,9 +81,25 @@ def test_marlin_checkpoint_computes_its_dequantized_weights(marlin_checkpoints):
             == [o.outputs[0].token_ids for o in dense.generate(prompts, greedy(8))])
 
 
-def test_auto_picks_marlin_for_a_marlin_checkpoint(marlin_checkpoints):
-    llm = load(marlin_checkpoints[0])
+@pytest.mark.parametrize("quantization_config", [
+    None,  # as written above: GPTQ with checkpoint_format marlin
+    {"quant_method": "gptq", "is_marlin_format": True, "bits": 4, "group_size": GROUP},  # AutoGPTQ
+    {"quant_method": "marlin", "group_size": GROUP},  # vLLM / neuralmagic
+])
+def test_auto_picks_marlin_for_a_marlin_checkpoint(marlin_checkpoints, quantization_config, tmp_path):
+    import shutil
+
+    path = marlin_checkpoints[0]
+    if quantization_config is not None:
+        path = Path(shutil.copytree(path, tmp_path / "marlin"))
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = quantization_config
+        (path / "config.json").write_text(json.dumps(config))
+    llm = load(path)
     assert llm.engine.executor.quant.name == "marlin"
+    prompt = random_prompts(200, [12], seed=8)[0]
+    torch.testing.assert_close(prefill_logits(llm, prompt), prefill_logits(load(marlin_checkpoints[1]), prompt),
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("config, message", [
@@ -92,6 +108,7 @@ def test_auto_picks_marlin_for_a_marlin_checkpoint(marlin_checkpoints):
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False}, "asym"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 32, "sym": False}, "bits: 3.*group size: 32.*asym"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version"),
+    ({"quant_method": "gptq", "checkpoint_format": "marlin", "bits": 4, "group_size": 128, "sym": False}, "asym"),
     ({"quant_method": "fp8"}, "not quant_method 'fp8'"),
 ])
 def test_incompatible_configs_name_the_condition(config, message):
@@ -166,10 +183,11 @@ def _set_desc_act(path: Path) -> None:
 def test_act_order_with_unsorted_g_idx_is_refused(tmp_path):
     path = copy_fixture("gptq_b4_g128_sym", tmp_path)
     _set_desc_act(path)
-    tensors = load_file(str(path / "linear.safetensors"))
     name = "model.layers.0.mlp.down_proj.g_idx"
+    shard = path / json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(str(shard))
     tensors[name] = tensors[name][torch.randperm(tensors[name].numel(), generator=torch.Generator().manual_seed(0))]
-    save_file(tensors, str(path / "linear.safetensors"))
+    save_file(tensors, str(shard))
     load(path)  # a valid act-order checkpoint for the gptq method
     with pytest.raises(ValueError, match="act-order.*down_proj.*not sorted"):
         load(path, quant="marlin")
