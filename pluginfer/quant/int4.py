@@ -1,0 +1,71 @@
+"""The ``int4`` quant method: group-wise asymmetric 4-bit weights quantized at load (W4A16).
+
+Each run of ``GROUP_SIZE`` = 128 weights along the input dim gets an fp16 ``scale`` and an fp16
+``zero``, the weight that level 0 stands for (the group's minimum); the weights become levels
+``q`` in 0..15 and read back as ``q * scale + zero``:
+
+    scale = fp16((max - min) / 15),  zero = fp16(min),  q = clamp(round((w - zero) / scale), 0, 15)
+
+(``q = 0`` where ``scale`` is 0: a constant group reads back as its fp16 value). So each weight is
+off by at most ``scale / 2 + |min - zero| + 15 * |(max - min) / 15 - scale|``: half a step, plus
+what rounding the two parameters to fp16 moved the grid. Two levels share a byte, the even input
+index in the low nibble. Stored: ``qweight`` uint8 ``[out, in / 2]``, ``scales`` and ``zeros`` fp16
+``[out, in / 128]``: 0.53 bytes per weight. An input size (this rank's shard) that is not a
+multiple of 128 is refused: a smaller group would cost more than 0.6 bytes per weight at 32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pluginfer.quant.tiled import InSituQuantMethod, replace_weight, tiled_linear
+
+GROUP_SIZE = 128
+
+
+def quantize_int4(weight: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(uint8 ``[out, in / 2]``, fp16 scales, fp16 zeros ``[out, in / 128]``); ``name`` is named in errors."""
+    if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
+        raise ValueError(f"quant method 'int4' quantizes groups of {GROUP_SIZE} weights along the input dim; "
+                         f"{name!r} has shape {tuple(weight.shape)}, an input size that is not a multiple of "
+                         f"{GROUP_SIZE}")
+    rows, cols = weight.shape
+    groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scales, zeros = ((high - low) / 15).half(), low.half()
+    step = scales.float().unsqueeze(-1)
+    levels = torch.where(step == 0, 0.0, (groups - zeros.float().unsqueeze(-1)) / step)
+    q = torch.round(levels).clamp_(0, 15).to(torch.uint8).reshape(rows, cols // 2, 2)
+    return q[..., 0] | (q[..., 1] << 4), scales, zeros
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale + zero`` in float32, then ``dtype``: ``[out, in]``."""
+    rows, groups = scales.shape
+    q = torch.stack([qweight & 0x0F, qweight >> 4], dim=-1).reshape(rows, groups, GROUP_SIZE)
+    dense = q.float() * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)
+    return dense.reshape(rows, groups * GROUP_SIZE).to(dtype)
+
+
+class Int4Linear(InSituQuantMethod):
+    name = "int4"
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if "weight" not in layer._parameters:
+            return  # already quantized
+        qweight, scales, zeros = quantize_int4(layer.weight.data, getattr(layer.weight, "checkpoint_name", "weight"))
+        replace_weight(layer, qweight=qweight, scales=scales, zeros=zeros)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
+        return tiled_linear(x, qweight.shape[0], lambda start, stop: dequantize_int4(
+            qweight[start:stop], scales[start:stop], zeros[start:stop], x.dtype), bias)
+
+
+def build(quant_config: dict | None = None) -> Int4Linear:
+    if quant_config:
+        raise ValueError(f"quant method 'int4' quantizes a floating-point checkpoint while loading; "
+                         f"this checkpoint is already quantized ({quant_config.get('quant_method', quant_config)})")
+    return Int4Linear()
