@@ -174,14 +174,10 @@ def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, QK_K)
 
 
-def _dequantize_bf16(blocks: torch.Tensor) -> torch.Tensor:
-    return (blocks.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32)
-
-
 _DEQUANTIZE = {
     T.F32: lambda blocks: blocks.contiguous().view(torch.float32),
     T.F16: lambda blocks: blocks.contiguous().view(torch.float16).float(),
-    T.BF16: _dequantize_bf16,
+    T.BF16: lambda blocks: blocks.contiguous().view(torch.bfloat16).float(),  # widening shifts the bits
     T.Q4_0: _dequantize_q4_0,
     T.Q4_1: _dequantize_q4_1,
     T.Q5_0: _dequantize_q5_0,
@@ -207,6 +203,8 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType | int, cols: int,
     if raw.dtype != torch.uint8 or raw.shape[-1] != expected:
         raise ValueError(f"{qtype.name} rows of {cols} weights are {expected} uint8 bytes, "
                          f"got {raw.dtype} of shape {tuple(raw.shape)}")
+    if (qtype, dtype) in ((T.F16, torch.float16), (T.BF16, torch.bfloat16)):
+        return raw.contiguous().view(dtype)  # the stored values themselves, no float32 round trip
     type_size = GGML_QUANT_SIZES[qtype][1]
     blocks = raw.reshape(-1, type_size)
     return _DEQUANTIZE[qtype](blocks).reshape(*raw.shape[:-1], cols).to(dtype)

@@ -68,11 +68,12 @@ def test_dequantize_is_bit_exact_with_gguf(qtype: GGMLQuantizationType) -> None:
     assert not np.isnan(expected[[0, 2, 3, 4, 5]]).any()  # the rows with finite scales are checked in full
 
 
-def test_dequantize_to_another_dtype_rounds_the_float32_result() -> None:
-    raw = raw_blocks(T.Q4_K, rows=6, cols=256, seed=1)[:6]
-    dense = ggml_blocks.dequantize(torch.from_numpy(raw), T.Q4_K, 256)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.F16, T.BF16], ids=lambda t: t.name)
+def test_dequantize_to_another_dtype_rounds_the_float32_result(qtype: GGMLQuantizationType) -> None:
+    raw = torch.from_numpy(raw_blocks(qtype, rows=6, cols=256, seed=1)[2:6])  # finite rows
+    dense = ggml_blocks.dequantize(raw, qtype, 256)
     for dtype in (torch.bfloat16, torch.float16):
-        assert torch.equal(ggml_blocks.dequantize(torch.from_numpy(raw), int(T.Q4_K), 256, dtype), dense.to(dtype))
+        assert torch.equal(ggml_blocks.dequantize(raw, int(qtype), 256, dtype), dense.to(dtype))
 
 
 def edge_case_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
