@@ -7,11 +7,13 @@ the variable set before anything imports triton. The tests read what the script 
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,6 +63,48 @@ def _run_case(kernel, rows, size_k, size_n, group_size, asymmetric, dtype_name, 
     return report
 
 
+# GPTQModel checkpoints (tests/quant/fixtures/gptq_awq): one layer repacked into Marlin tiles; the tiles
+# dequantize to GPTQModel's own dequantized weight (oracle.safetensors.gz) and the kernel multiplies by it.
+FIXTURES = Path(__file__).parent / "fixtures" / "gptq_awq"
+ORACLE_LAYER = "model.layers.0.mlp.down_proj"
+ORACLE_CASES = {"gptqmodel-gptq-b4-g128-sym": "gptq_b4_g128_sym", "gptqmodel-awq-b4-g128": "awq_b4_g128"}
+
+
+def _run_oracle_case(kernel, checkpoint: str) -> dict:
+    from safetensors.torch import load, load_file
+
+    path = FIXTURES / checkpoint
+    shard = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][f"{ORACLE_LAYER}.qweight"]
+    tensors = load_file(str(path / shard))
+    qweight, qzeros, scales = (tensors[f"{ORACLE_LAYER}.{name}"] for name in ("qweight", "qzeros", "scales"))
+    if checkpoint.startswith("awq"):
+        from pluginfer.quant.awq import unpack_awq
+
+        codes, zeros, scales = unpack_awq(qweight, qzeros, scales)
+        packed_zeros = layout.pack_zero_points(zeros)
+    else:
+        from pluginfer.quant.gptq import unpack_gptq
+
+        codes, zeros, scales, _ = unpack_gptq(qweight, qzeros, scales, None, 4)
+        assert bool((zeros == 8).all())
+        packed_zeros = None
+    packed, permuted = layout.pack(codes, scales, 128)
+    oracle = load(gzip.open(path / "oracle.safetensors.gz").read())[f"{ORACLE_LAYER}.weight"]
+    x = torch.randn(5, codes.shape[0], generator=torch.Generator().manual_seed(9))
+    out = kernel.marlin_matmul(x, packed, permuted.float(), 128, packed_zeros)
+    dense = layout.dequantize(packed, permuted, codes.shape[0], codes.shape[1], 128, packed_zeros)
+    expected = x @ dense
+    report = {"shape": list(out.shape), "dtype": "float32", "max_error": (out - expected).abs().max().item(),
+              "error": None}
+    try:
+        # GPTQModel multiplies in float16: our exact float32 product, rounded once, is its weight bit for bit.
+        torch.testing.assert_close(dense.half().t(), oracle, atol=0, rtol=0)
+        torch.testing.assert_close(out, expected, **TOLERANCE["float32"])
+    except AssertionError as exc:
+        report["error"] = str(exc)
+    return report
+
+
 def _interpreted(names: list[str]) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, __file__, *names], env=env, capture_output=True, text=True, timeout=600)
@@ -72,9 +116,14 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (pip install triton; the test extra has it)")
 
 
+def _have_oracle(name: str) -> bool:
+    return (FIXTURES / ORACLE_CASES[name] / "oracle.safetensors.gz").is_file()
+
+
 @pytest.fixture(scope="module")
 def reports() -> dict:
-    return _interpreted(list(CASES))
+    """Every fast case in one interpreter process (each start imports torch and triton anew)."""
+    return _interpreted(list(CASES) + [name for name in ORACLE_CASES if _have_oracle(name)])
 
 
 def _check(report: dict, case: tuple) -> None:
@@ -87,6 +136,16 @@ def _check(report: dict, case: tuple) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_equals_dequantized_matmul(reports, name):
     _check(reports[name], CASES[name])
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(ORACLE_CASES))
+def test_kernel_on_gptqmodel_layer_equals_its_dequantized_weight(reports, name):
+    if not _have_oracle(name):
+        pytest.skip(f"GPTQModel fixture {ORACLE_CASES[name]} is not in {FIXTURES}")
+    report = reports[name]
+    assert report["error"] is None, report["error"]
+    assert report["shape"] == [5, 128]
 
 
 @needs_triton
@@ -117,4 +176,5 @@ if __name__ == "__main__":
     from pluginfer.quant import marlin_kernel
 
     cases = {**CASES, **SLOW_CASES}
-    print(json.dumps({name: _run_case(marlin_kernel, *cases[name]) for name in sys.argv[1:]}))
+    print(json.dumps({name: _run_oracle_case(marlin_kernel, ORACLE_CASES[name]) if name in ORACLE_CASES
+                      else _run_case(marlin_kernel, *cases[name]) for name in sys.argv[1:]}))
