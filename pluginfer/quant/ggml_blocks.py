@@ -15,9 +15,11 @@ The contract other modules (the GGUF loader, the in-situ quant methods) code aga
 Dequantization is bit-exact with ``gguf.quants.dequantize`` for every type in ``DEQUANTIZABLE``
 (a NaN, which only a NaN scale field or F16 weight produces, stays a NaN, its payload not kept).
 Quantization of F32, F16, BF16 and Q4_0 ... Q8_0 repeats ``gguf.quants.quantize``'s float32 steps
-in the same order, so its bytes are those of gguf-py (equal to llama.cpp's C reference); Q4_K and
-Q6_K port llama.cpp's ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K_ref`` (the tests compare
-them with bytes the C library produced). Each block is a row of ``type_size`` bytes; the code
+in the same order, so its bytes are those of gguf-py and of llama.cpp's C reference, with one
+exception where gguf-py departs from C and we follow C: a block's extremes among signed zeros
+(C keeps the first of -0 and +0, and an all-zero block's Q4_0/Q5_0 scale is -0). Q4_K and Q6_K
+port llama.cpp's ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K_ref``. The tests compare all of
+them with bytes the C library produced. Each block is a row of ``type_size`` bytes; the code
 below takes byte views of it and unpacks bits with shifts, for all blocks at once.
 
 The K-quant quantizers replay C's sequential float32 sums and its search over 21 (Q4_K) or 19
@@ -245,8 +247,22 @@ def _pack_high_bits(q: torch.Tensor) -> torch.Tensor:
 
 
 def _absmax_signed(blocks: torch.Tensor) -> torch.Tensor:
-    """The value of largest magnitude in each block, with its sign (the first of equals)."""
-    return blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True))
+    """The value of largest magnitude in each block ``[n, 1]``, with its sign: the first of equals,
+    and +0 for an all-zero block (C starts from ``max = 0`` and takes ``|v| > amax`` only)."""
+    absolute = blocks.abs()
+    found = blocks.gather(1, absolute.argmax(dim=1, keepdim=True))
+    return torch.where(found == 0, 0.0, found)
+
+
+def _first_equal(blocks: torch.Tensor, extreme: torch.Tensor) -> torch.Tensor:
+    """The first element of each block equal to ``extreme`` ``[n, 1]``: C's ``if (v < min) min = v``
+    keeps the first of -0 and +0, which torch's ``amin``/``amax`` may not."""
+    return blocks.gather(1, (blocks == extreme).to(torch.uint8).argmax(dim=1, keepdim=True))
+
+
+def _min_max(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    low, high = blocks.amin(dim=1, keepdim=True), blocks.amax(dim=1, keepdim=True)
+    return _first_equal(blocks, low), _first_equal(blocks, high)
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
@@ -260,7 +276,7 @@ def _quantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    low, high = blocks.amin(dim=1, keepdim=True), blocks.amax(dim=1, keepdim=True)
+    low, high = _min_max(blocks)
     d = (high - low) / 15
     q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp(0, 15).to(torch.uint8)
     return torch.cat([_f16_bytes(d), _f16_bytes(low), _pack_nibbles(q.reshape(-1, 2, 16))], dim=1)
@@ -273,7 +289,7 @@ def _quantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    low, high = blocks.amin(dim=1, keepdim=True), blocks.amax(dim=1, keepdim=True)
+    low, high = _min_max(blocks)
     d = (high - low) / 31
     q = torch.trunc((blocks - low) * _inverse(d) + 0.5).clamp(0, 31).to(torch.uint8)
     return torch.cat([_f16_bytes(d), _f16_bytes(low), _pack_high_bits(q),

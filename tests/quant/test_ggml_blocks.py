@@ -92,6 +92,8 @@ def edge_case_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", QUANTIZED_LIKE_GGUF, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_is_bit_exact_with_gguf(qtype: GGMLQuantizationType, dtype: torch.dtype) -> None:
+    """No -0.0 here: with signed zeros gguf-py departs from llama.cpp's C, which we follow (the
+    fixture test's signed-zero row)."""
     weight = edge_case_weight(8, 256, seed=int(qtype)).to(dtype)
     ours = ggml_blocks.quantize(weight, qtype)
     assert ours.dtype == torch.uint8 and ours.shape == (8, ggml_blocks.row_bytes(qtype, 256))
@@ -102,7 +104,8 @@ def test_quantize_is_bit_exact_with_gguf(qtype: GGMLQuantizationType, dtype: tor
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_quantize_matches_llama_cpp_c_library(name: str) -> None:
     """Bytes from ``ggml_quantize_chunk`` (fixtures/make_kquant_fixtures.py: all-zero, constant,
-    all-positive/negative, ramp, outlier, tiny below/above GROUP_MAX_EPS, sparse and large rows).
+    all-positive/negative, ramp, outlier, tiny below/above GROUP_MAX_EPS, sparse, large and
+    signed-zero rows).
     The C build had no FMA, so the comparison is exact; no tolerance is needed or allowed."""
     fixtures = np.load(FIXTURES)
     ours = ggml_blocks.quantize(torch.from_numpy(fixtures["weight"]), T[name])
