@@ -169,9 +169,13 @@ def _write_hparams(writer: object, config: dict, file_type: object) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
         writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    elif scaling["rope_type"] == "llama3":  # as llama.cpp: per-frequency divisors in a rope_freqs tensor
+        from pluginfer.core.gguf_checkpoint import llama3_rope_factors
+
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(theta, head_dim, scaling).numpy())
     elif scaling["rope_type"] != "default":
         raise ValueError(f"rope scaling {scaling['rope_type']!r} cannot be written to GGUF here "
-                         f"(supported: linear, yarn)")
+                         f"(supported: linear, yarn, llama3)")
     if config.get("sliding_window") and ARCHITECTURES[config["architectures"][0]] == "llama":
         writer.add_sliding_window(int(config["sliding_window"]))
 

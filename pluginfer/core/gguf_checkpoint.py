@@ -10,6 +10,7 @@ as dense tensors (see docs/quantization.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ _HF_MODULES = (
     "model.layers.{bid}.self_attn.q_norm", "model.layers.{bid}.self_attn.k_norm",
     "model.layers.{bid}.mlp.gate_proj", "model.layers.{bid}.mlp.up_proj", "model.layers.{bid}.mlp.down_proj",
 )
+# llama.cpp's per-frequency rope divisors (llama3 rope scaling); no HF tensor, the config's rope_scaling.
+_ROPE_FREQS = "rope_freqs.weight"
 # Used as dense tensors by the embedding / LM head layers: dequantized while loading.
 DENSE_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -103,9 +106,6 @@ class GGUFCheckpoint:
         if value_dim != head_dim or rope_dim != head_dim:
             raise ValueError(f"{self.path}: key_length {head_dim}, value_length {value_dim} and "
                              f"rope.dimension_count {rope_dim} differ; the {self.arch} pipeline needs them equal")
-        if "rope_freqs.weight" in self.tensors:
-            raise ValueError(f"{self.path}: tensor 'rope_freqs.weight' (llama3-style rope factors) is not "
-                             f"supported yet")
         tokens = self.field("tokenizer.ggml.tokens")
         config: dict[str, Any] = {
             "architectures": [SUPPORTED_ARCHITECTURES[self.arch]],
@@ -139,7 +139,8 @@ class GGUFCheckpoint:
         for key, name in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
             if self.field(key) is not None:
                 config[name] = int(self.field(key))
-        scaling = self._rope_scaling()
+        scaling = self._llama3_scaling(config["rope_theta"], head_dim) if _ROPE_FREQS in self.tensors \
+            else self._rope_scaling()
         if scaling:
             config["rope_scaling"] = scaling
         return config
@@ -159,6 +160,22 @@ class GGUFCheckpoint:
             return scaling
         raise ValueError(f"{self.path}: rope scaling type {kind!r} is not supported (supported: linear, yarn)")
 
+    def _llama3_scaling(self, theta: float, head_dim: int) -> dict:
+        """llama3 rope scaling from the ``rope_freqs`` factors llama.cpp's converter computed from it.
+
+        The factor is the largest one; low/high frequency factors 1 and 4 and an original context of
+        8192 (or the file's) are Llama 3.1's, and the factors must come out the same, else it is an error.
+        """
+        factors = torch.from_numpy(np.array(self.tensors[_ROPE_FREQS].data, dtype=np.float32)).reshape(-1)
+        original = int(self.field("{arch}.rope.scaling.original_context_length") or 8192)
+        scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+        if factors.numel() != head_dim // 2 or not torch.allclose(llama3_rope_factors(theta, head_dim, scaling),
+                                                                  factors, rtol=1e-5, atol=0):
+            raise ValueError(f"{self.path}: tensor {_ROPE_FREQS!r} holds rope factors that match no llama3 rope "
+                             f"scaling (low/high frequency factors 1 and 4, original context {original})")
+        return scaling
+
     def hf_names(self) -> dict[str, str]:
         """GGUF tensor name -> Hugging Face name, for every tensor in the file (unknown ones are errors)."""
         import gguf
@@ -175,6 +192,8 @@ class GGUFCheckpoint:
                     to_hf[gguf_name] = hf
         names = {}
         for tensor_name in self.tensors:
+            if tensor_name == _ROPE_FREQS:  # read into the config's rope scaling
+                continue
             base, _, suffix = tensor_name.rpartition(".")
             if base not in to_hf or suffix not in ("weight", "bias"):
                 raise KeyError(f"{self.path}: GGUF tensor {tensor_name!r} has no counterpart in the "
@@ -192,6 +211,8 @@ class GGUFCheckpoint:
         with tqdm(total=len(self.tensors), desc="Loading GGUF", unit="tensor",
                   disable=None if progress is None else not progress, leave=False) as bar:
             for tensor_name, tensor in self.tensors.items():
+                if tensor_name not in names:
+                    continue
                 hf_name = names[tensor_name]
                 loaded = self._tensor(tensor)
                 if hf_name in DENSE_TENSORS and isinstance(loaded, GGMLTensor):
@@ -237,6 +258,24 @@ def permute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = weight.shape[0]
     permuted = torch.arange(rows).reshape(num_heads, 2, rows // num_heads // 2).transpose(1, 2).reshape(-1)
     return weight[permuted]
+
+
+def llama3_rope_factors(theta: float, head_dim: int, scaling: dict) -> torch.Tensor:
+    """The ``rope_freqs`` divisors llama.cpp's converter writes for llama3 rope scaling (its float32 steps)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
 
 
 def read_gguf_config(path: str | Path) -> dict:

@@ -7,15 +7,18 @@ from pathlib import Path
 import torch
 
 
-def transformers_from_gguf(path: Path) -> torch.nn.Module:
+def transformers_from_gguf(path: Path, rope_parameters: dict | None = None) -> torch.nn.Module:
     """transformers' reading of a .gguf file: its config mapping, gguf-py's dequantize, its name map.
 
     Built without ``from_pretrained(gguf_file=...)``, which needs accelerate, from the same pieces.
+    ``rope_parameters``: set by hand (transformers' GGUF config mapping ignores llama3's rope_freqs).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if rope_parameters is not None:
+        config.rope_parameters = {**rope_parameters, "rope_theta": config.rope_parameters["rope_theta"]}
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     result = model.load_state_dict(tensors, strict=False)

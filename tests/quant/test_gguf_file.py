@@ -30,6 +30,10 @@ has_k_quantize = pytest.mark.skipif(not hasattr(ggml_blocks, "quantize"),
                                     reason="ggml_blocks has no quantize (K-quants) yet")
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
 def load(path: Path, **kwargs: object) -> LLM:
     return LLM(model=str(path), num_blocks=64, block_size=8, **kwargs)
 
@@ -105,6 +109,7 @@ def family_checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_
         "qwen3": ("Qwen3ForCausalLM", {**base, "tie_word_embeddings": False}),
         # transformers' GGUF config mapping ignores key_length for qwen3: the HF model is the oracle here.
         "qwen3_head_dim_32": ("Qwen3ForCausalLM", {**base, "head_dim": 32, "tie_word_embeddings": False}),
+        "llama3_rope": ("LlamaForCausalLM", {**base, "rope_scaling": dict(LLAMA3_ROPE), "max_position_embeddings": 16384}),
         "llama256": ("LlamaForCausalLM", {**base, "hidden_size": 256, "intermediate_size": 512,
                                           "num_attention_heads": 4, "num_key_value_heads": 2,
                                           "initializer_range": 0.05}),
@@ -122,6 +127,20 @@ def test_qwen_files_match_transformers(family: str, quant: str, family_checkpoin
                                        tmp_path: Path) -> None:
     path = convert_to_gguf(family_checkpoints[family], tmp_path / f"{family}.gguf", quant, "f32")
     assert_matches_transformers(path, random_prompts(200, [20], seed=5)[0])
+
+
+def test_llama3_rope_scaling_travels_as_rope_freqs(family_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    import transformers
+
+    directory = family_checkpoints["llama3_rope"]
+    path = convert_to_gguf(directory, tmp_path / "llama3.gguf", "f32", "f32")
+    assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+    assert read_hf_config(path)["rope_scaling"] == LLAMA3_ROPE
+    model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = random_prompts(200, [20], seed=10)[0]
+    llm = load(path, max_model_len=256)
+    torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(model, prompt), atol=1e-4, rtol=1e-4)
+    assert llm.generate([prompt], greedy(12))[0].outputs[0].token_ids == hf_greedy(model, prompt, 12)
 
 
 def test_qwen3_head_dim_from_key_length(family_checkpoints: dict[str, Path], tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from tests.quant.gguf_helpers import transformers_from_gguf  # noqa: E402
 FIXTURES = Path(__file__).parent / "fixtures"
 FILES = {  # file -> (architecture, the type of its linear weights)
     "llamacpp-llama-f16.gguf": ("LlamaForCausalLM", "F16"),
+    "llamacpp-llama3-f16.gguf": ("LlamaForCausalLM", "F16"),
     "llamacpp-llama-q8_0.gguf": ("LlamaForCausalLM", "Q8_0"),
     "llamacpp-qwen2-q8_0.gguf": ("Qwen2ForCausalLM", "Q8_0"),
 }
@@ -40,7 +41,12 @@ def test_llama_cpp_file_generates_like_transformers_reading_it(name: str) -> Non
         assert isinstance(weights["model.layers.0.self_attn.q_proj.weight"], GGMLTensor)
     assert not isinstance(weights["model.embed_tokens.weight"], GGMLTensor)  # dequantized at load
 
-    oracle = transformers_from_gguf(path)
+    rope = None
+    if "llama3" in name:  # make_gguf_fixtures.py's LLAMA3_ROPE, which llama.cpp wrote as rope_freqs factors
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+        assert config["rope_scaling"] == rope
+    oracle = transformers_from_gguf(path, rope)
     llm = LLM(model=str(path), num_blocks=64, block_size=8)
     prompt = random_prompts(900, [24], seed=9)[0]
     torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(oracle, prompt), atol=1e-4, rtol=1e-4)
