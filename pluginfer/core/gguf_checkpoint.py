@@ -139,6 +139,9 @@ class GGUFCheckpoint:
         for key, name in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
             if self.field(key) is not None:
                 config[name] = int(self.field(key))
+        end_of_turn = self.field("tokenizer.ggml.eot_token_id")  # chat models end a turn with it (<|im_end|>)
+        if end_of_turn is not None and int(end_of_turn) != config.get("eos_token_id"):
+            config["eos_token_id"] = [i for i in (config.get("eos_token_id"), int(end_of_turn)) if i is not None]
         scaling = self._llama3_scaling(config["rope_theta"], head_dim) if _ROPE_FREQS in self.tensors \
             else self._rope_scaling()
         if scaling:

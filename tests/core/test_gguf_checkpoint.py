@@ -108,26 +108,50 @@ def test_unsupported_tensor_type_is_named(tiny_llama_checkpoint: tuple[Path, obj
         load(path)
 
 
-def test_tensor_without_counterpart_is_named(llama_gguf: Path, tmp_path: Path) -> None:
-    reader = gguf.GGUFReader(llama_gguf)
-    path = tmp_path / "extra.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for field in reader.fields.values():  # copy the metadata as it is
+def copy_gguf(source: Path, out: Path, fields: dict[str, int] = {}, tensors: dict[str, object] = {}) -> Path:  # noqa: B006
+    """``source`` rewritten with its metadata and tensors as they are, plus uint32 ``fields`` and ``tensors``."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for field in reader.fields.values():
         if field.name.startswith(("GGUF.", "general.architecture")):
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for key, value in fields.items():
+        writer.add_uint32(key, value)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, tensor.data, raw_shape=tuple(tensor.data.shape), raw_dtype=tensor.tensor_type)
-    writer.add_tensor("blk.0.attn_sinks.weight", torch.zeros(4).numpy())
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def test_tensor_without_counterpart_is_named(llama_gguf: Path, tmp_path: Path) -> None:
+    path = copy_gguf(llama_gguf, tmp_path / "extra.gguf", tensors={"blk.0.attn_sinks.weight": torch.zeros(4).numpy()})
     assert GGUFCheckpoint(path).hf_config()["hidden_size"] == 64  # the copy is a valid file
     with pytest.raises(KeyError, match=r"'blk\.0\.attn_sinks\.weight' has no counterpart"):
         load(path)
+
+
+def test_end_of_turn_token_also_stops(llama_gguf: Path, tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    im_end = load_tokenizer(tiny_tokenizer_dir).convert_tokens_to_ids("<|im_end|>")
+    path = copy_gguf(llama_gguf, tmp_path / "eot.gguf", fields={"tokenizer.ggml.eot_token_id": im_end})
+    eos = read_hf_config(llama_gguf)["eos_token_id"]
+    assert read_hf_config(path)["eos_token_id"] == [eos, im_end]
+    assert load(path).engine.eos_token_ids == {eos, im_end}
+
+
+def test_generate_command_reads_a_gguf_file(llama_gguf: Path, capsys: pytest.CaptureFixture) -> None:
+    from pluginfer.cli import main
+
+    assert main(["generate", "--model", str(llama_gguf), "--prompt", "The engine", "--chat-template",
+                 "--max-tokens", "4", "--ignore-eos", "--temperature", "0", "--num-blocks", "16"]) == 0
+    assert capsys.readouterr().out.strip()
 
 
 def test_tensor_parallel_is_refused() -> None:
