@@ -37,9 +37,9 @@ def expected_bytes(weight: torch.Tensor, method: str) -> np.ndarray:
     return ggml_blocks.quantize(weight, qtype).numpy()
 
 
-def dequantized(weight: torch.Tensor, method: str) -> torch.Tensor:
-    """The weight the quantized layer computes with, dequantized by gguf-py."""
-    return torch.from_numpy(gguf_quants.dequantize(expected_bytes(weight, method), QTYPES[method]))
+def dequantized(raw: np.ndarray, method: str) -> torch.Tensor:
+    """GGML bytes dequantized by gguf-py."""
+    return torch.from_numpy(gguf_quants.dequantize(raw, QTYPES[method]))
 
 
 def resident_bytes_per_weight(layers: list[torch.nn.Module]) -> float:
@@ -61,13 +61,14 @@ def test_layer_keeps_ggml_bytes_and_matches_the_dequantized_matmul(method: str, 
     assert set(dict(layer.named_parameters())) == {"qweight", "bias"}
     block, type_size = GGML_QUANT_SIZES[QTYPES[method]]
     assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape == (520, 256 // block * type_size)
-    np.testing.assert_array_equal(layer.qweight.numpy(), expected_bytes(weight, method))
+    expected_raw = expected_bytes(weight, method)
+    np.testing.assert_array_equal(layer.qweight.numpy(), expected_raw)
     assert resident_bytes_per_weight([layer]) == type_size / block
 
     x = torch.randn(3, 5, 256, generator=generator).to(dtype)
     out = layer(x)
     assert out.dtype == dtype and out.shape == (3, 5, 520)
-    expected = F.linear(x.float(), dequantized(weight, method), bias.to(dtype).float())
+    expected = F.linear(x.float(), dequantized(expected_raw, method), bias.to(dtype).float())
     # float32: the same products summed in another order. bfloat16: each tile is rounded to
     # bfloat16 before the matmul, like any bfloat16 weight.
     tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
@@ -137,7 +138,7 @@ def dequantized_checkpoint(source: Path, out: Path, method: str) -> Path:
     tensors = load_file(str(out / "model.safetensors"))
     for name, tensor in tensors.items():
         if name.endswith("proj.weight"):
-            tensors[name] = dequantized(tensor, method)
+            tensors[name] = dequantized(expected_bytes(tensor, method), method)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
