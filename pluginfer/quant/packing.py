@@ -1,0 +1,135 @@
+"""Integers packed into int32 words, and the group-quantized linear layer GPTQ and AWQ share.
+
+A word holds ``32 // bits`` values, the first at the lowest bits. AWQ interleaves them: its
+slot ``i`` holds value ``AWQ_ORDER[i]`` of the eight a word covers. After loading both formats
+keep one layout, GPTQ's: ``qweight`` int32 ``[in / pack, out]`` (packed along the inputs),
+``qzeros`` int32 ``[groups, out / pack]`` holding the real zero points (packed along the
+outputs), ``scales`` ``[groups, out]`` in the checkpoint's float type, and, for act-order
+checkpoints only, ``g_idx`` int32 ``[in]``. The Marlin method repacks from this layout. ``apply`` dequantizes a few hundred output columns
+at a time (``tiled.tiled_linear``), so no dense copy of a layer's weight is ever resident.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pluginfer.quant.tiled import tiled_linear
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_factor(bits: int) -> int:
+    return 32 // bits
+
+
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    inverse = [0] * len(order)
+    for slot, value in enumerate(order):
+        inverse[value] = slot
+    return inverse
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 values in ``[0, 2**bits)``: ``packed`` with ``dim`` grown ``32 // bits`` times (contiguous)."""
+    factor = pack_factor(bits)
+    dim = dim % packed.dim()
+    shape = [1] * (packed.dim() + 1)
+    shape[dim + 1] = factor
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device).view(shape)
+    values = (packed.to(torch.int32).unsqueeze(dim + 1) >> shifts) & ((1 << bits) - 1)  # the mask undoes sign extension
+    if order is not None:
+        values = values.index_select(dim + 1, torch.tensor(_inverse(order), device=packed.device))
+    return values.flatten(dim, dim + 1)
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The inverse of ``unpack_int32``: values in ``[0, 2**bits)`` packed ``32 // bits`` per int32 along ``dim``."""
+    factor = pack_factor(bits)
+    dim = dim % values.dim()
+    if values.shape[dim] % factor:
+        raise ValueError(f"cannot pack {values.shape[dim]} values {factor} to a word")
+    wide = values.to(torch.int64)
+    if (wide < 0).any() or (wide >> bits).any():
+        raise ValueError(f"values to pack do not fit in {bits} bits")
+    grouped = wide.unflatten(dim, (-1, factor))
+    if order is not None:
+        grouped = grouped.index_select(dim + 1, torch.tensor(order, device=values.device))
+    shape = [1] * grouped.dim()
+    shape[dim + 1] = factor
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device).view(shape)
+    words = (grouped << shifts).sum(dim + 1)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement into int32
+    return words.to(torch.int32)
+
+
+def dequantize_grouped(weights: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``W[out, in] = (q[in, out] - zeros[g, out]) * scales[g, out]`` with ``g = g_idx[in]``, transposed.
+
+    Computed in float32, where ``(q - z) * s`` is exact for a float16 or bfloat16 scale (at most
+    9 + 11 significant bits), then rounded once to ``dtype``: float16 gives the float16 product.
+    """
+    g = g_idx.long()
+    return ((weights - zeros[g]).float() * scales[g].float()).to(dtype).t()
+
+
+class GroupQuantLinear:
+    """The QuantMethod base of GPTQ and AWQ: checkpoint parameters in, GPTQ layout after loading."""
+
+    name = "group-quantized"
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits, self.group_size = bits, group_size
+        self.pack = pack_factor(bits)
+
+    def _group_size(self, layer: nn.Module, input_size: int) -> int:
+        """Inputs per group on this rank; -1 (one group per output) keeps a row-split layer's group whole."""
+        return input_size if self.group_size == -1 else self.group_size
+
+    def _check_sizes(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+        if input_size % self.pack or output_size % self.pack:
+            raise ValueError(f"{self.name}: a {output_size}x{input_size} weight (this rank's shard) does not "
+                             f"split into {self.pack} {self.bits}-bit values per int32 word")
+        if self.group_size != -1 and input_size % self.group_size:
+            raise ValueError(f"{self.name}: group_size {self.group_size} does not divide this rank's "
+                             f"{input_size} input features")
+
+    @staticmethod
+    def _register(layer: nn.Module, name: str, tensor: torch.Tensor, output_dim: int | None,
+                  input_dim: int | None, packed_dim: int | None = None, packed_factor: int = 1) -> None:
+        param = nn.Parameter(tensor, requires_grad=False)
+        param.output_dim, param.input_dim = output_dim, input_dim
+        if packed_dim is not None:  # the linear layers divide offsets along this axis by the factor
+            param.packed_dim, param.packed_factor = packed_dim, packed_factor
+        layer.register_parameter(name, param)
+
+    def _set_layout(self, layer: nn.Module, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    g_idx: torch.Tensor | None) -> None:
+        """Replace the checkpoint parameters by the layout ``apply`` reads (see the module docstring)."""
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            if name in layer._parameters:
+                delattr(layer, name)
+        for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx)):
+            if tensor is not None:
+                layer.register_parameter(name, nn.Parameter(tensor.contiguous(), requires_grad=False))
+        layer.quant_group_size = self._group_size(layer, qweight.shape[0] * self.pack)
+
+    def dequantize_columns(self, layer: nn.Module, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """``W[start:stop]`` (``[rows, in]``, a transposed view) in ``dtype``; bounds are multiples of the pack."""
+        rows = stop - start
+        weights = unpack_int32(layer.qweight[:, start:stop], self.bits, dim=0).float()  # [in, rows]
+        zeros = unpack_int32(layer.qzeros[:, start // self.pack:stop // self.pack], self.bits, dim=1).float()
+        scales = layer.scales[:, start:stop].float()  # zeros and scales: [groups, rows]
+        g_idx = getattr(layer, "g_idx", None)
+        if g_idx is not None:
+            index = g_idx.long()
+            dense = weights.sub_(zeros[index]).mul_(scales[index])
+        else:  # (q - z) * s is exact in float32 (see dequantize_grouped)
+            groups = zeros.shape[0]
+            dense = weights.view(groups, -1, rows).sub_(zeros[:, None]).mul_(scales[:, None]).view(-1, rows)
+        return (dense if dtype == torch.float32 else dense.to(dtype)).t()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return tiled_linear(x, layer.qweight.shape[1],
+                            lambda start, stop: self.dequantize_columns(layer, start, stop, x.dtype), bias)
