@@ -24,7 +24,7 @@ from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, rand
 from tests.quant.gguf_helpers import transformers_from_gguf  # noqa: E402
 
 # Types gguf-py (or ggml_blocks) can quantize; K-quants need rows of 256 (a wider model below).
-BLOCK_TYPES = ["f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+BLOCK_TYPES = ["f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 K_TYPES = ["q4_k", "q6_k"]
 has_k_quantize = pytest.mark.skipif(not hasattr(ggml_blocks, "quantize"),
                                     reason="ggml_blocks has no quantize (K-quants) yet")
@@ -74,7 +74,7 @@ def test_block_types_match_transformers_on_the_dequantized_weights(
     path = convert_to_gguf(tiny_llama_checkpoint[0], tmp_path / f"llama-{quant}.gguf", quant, embedding_type=quant)
     assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors} == {"F32", quant.upper()}
     llm = assert_matches_transformers(path, random_prompts(200, [20], seed=2)[0])
-    if quant != "f16":  # the linear layers hold the file's blocks, not dense weights
+    if quant not in ("f16", "bf16"):  # the linear layers hold the file's blocks, not dense weights
         qkv = llm.engine.executor.pipeline.model.layers[0].self_attn.qkv_proj
         assert [(q.name, w.dtype) for q, w in qkv.gguf_groups] == [(quant.upper(), torch.uint8)]
 
