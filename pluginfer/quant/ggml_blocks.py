@@ -59,7 +59,8 @@ def row_bytes(qtype: GGMLQuantizationType | int, cols: int) -> int:
 
 
 # --------------------------------------------------------------------------- dequantization
-# Each function takes blocks uint8 [n, type_size] and returns float32 [n, block_size].
+# Each function takes blocks uint8 [n, type_size] and returns float32 [n, block_size]; scaling
+# works in place on the fresh float levels (the same IEEE products, one allocation fewer).
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -86,12 +87,12 @@ def _high_bits(qh: torch.Tensor) -> torch.Tensor:
 def _dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     d, qs = _f16(blocks[:, :2]), blocks[:, 2:]
     q = _nibbles(qs).reshape(-1, 32).to(torch.int8) - 8
-    return d * q.float()
+    return q.float().mul_(d)
 
 
 def _dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     d, m, qs = _f16(blocks[:, :2]), _f16(blocks[:, 2:4]), blocks[:, 4:]
-    return d * _nibbles(qs).reshape(-1, 32).float() + m
+    return _nibbles(qs).reshape(-1, 32).float().mul_(d).add_(m)
 
 
 def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
@@ -100,16 +101,16 @@ def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 
 def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
     d, qh, qs = _f16(blocks[:, :2]), blocks[:, 2:6], blocks[:, 6:]
-    return d * (_five_bit(qh, qs).to(torch.int8) - 16).float()
+    return (_five_bit(qh, qs).to(torch.int8) - 16).float().mul_(d)
 
 
 def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
     d, m, qh, qs = _f16(blocks[:, :2]), _f16(blocks[:, 2:4]), blocks[:, 4:8], blocks[:, 8:]
-    return d * _five_bit(qh, qs).float() + m
+    return _five_bit(qh, qs).float().mul_(d).add_(m)
 
 
 def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks[:, 2:].view(torch.int8).float() * _f16(blocks[:, :2])
+    return blocks[:, 2:].view(torch.int8).float().mul_(_f16(blocks[:, :2]))
 
 
 def _dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -120,7 +121,7 @@ def _dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
     ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)
     # Two halves of 32 bytes, each holding four 2-bit planes of 32 weights.
     q = _bits(qs.reshape(n * 2, 32), 2).reshape(n, 16, 16).float()
-    return (dl * q - ml).reshape(n, QK_K)
+    return q.mul_(dl).sub_(ml).reshape(n, QK_K)
 
 
 def _dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -134,7 +135,7 @@ def _dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     ql = _bits(qs.reshape(n * 2, 32), 2).reshape(n, 16, 16)
     qh = _bits(hmask, 1).reshape(n, 16, 16) ^ 1  # the offset of 4 applies where the mask bit is 0
     q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()
-    return (dl * q).reshape(n, QK_K)
+    return q.mul_(dl).reshape(n, QK_K)
 
 
 def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +153,7 @@ def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     dl = (d * scales.float()).reshape(n, 8, 1)
     ml = (dmin * mins.float()).reshape(n, 8, 1)
     q = _nibbles(qs.reshape(n * 4, 32)).reshape(n, 8, 32).float()
-    return (dl * q - ml).reshape(n, QK_K)
+    return q.mul_(dl).sub_(ml).reshape(n, QK_K)
 
 
 def _dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -163,7 +164,7 @@ def _dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     ml = (dmin * mins.float()).reshape(n, 8, 1)
     ql = _nibbles(qs.reshape(n * 4, 32)).reshape(n, 8, 32)
     q = (ql | (_bits(qh, 1) << 4)).float()
-    return (dl * q - ml).reshape(n, QK_K)
+    return q.mul_(dl).sub_(ml).reshape(n, QK_K)
 
 
 def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -173,7 +174,7 @@ def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     low = _nibbles(ql.reshape(n * 2, 64)).reshape(n, 8, 32)
     high = _bits(qh.reshape(n * 2, 32), 2).reshape(n, 8, 32)
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
-    return (dl * q).reshape(n, QK_K)
+    return q.mul_(dl).reshape(n, QK_K)
 
 
 _DEQUANTIZE = {
