@@ -162,3 +162,38 @@ def test_router_fields_nothing_implements_are_rejected(changes: dict, pattern: s
 def test_plain_router_rejects_deepseek_fields() -> None:
     with pytest.raises(ValueError, match=r"n_shared_experts = 2"):
         validate_router_config({"n_shared_experts": 2}, 8, "num_experts")
+
+
+@pytest.mark.parametrize("case", ["v2-group-limited", "v3-noaux-tc"])
+def test_moe_block_with_shared_experts_matches_transformers(case: str) -> None:
+    """Our SparseMoeBlock loaded from the state dict of transformers' DeepseekV2Moe / DeepseekV3MoE."""
+    import importlib
+
+    from pluginfer.backends import cpu
+    from pluginfer.layers.context import building
+    from pluginfer.layers.mlp import GatedMLP
+    from pluginfer.layers.moe import SparseMoeBlock
+    from pluginfer.layers.weights import load_named_weights
+    from tests.layers.conftest import make_context
+
+    arch, _, fields = HF_CASES[case]
+    v3 = "V3" in arch
+    package = "deepseek_v3" if v3 else "deepseek_v2"
+    module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    config = _hf_config(arch, n_shared_experts=2, **fields)
+    torch.manual_seed(0)
+    theirs = getattr(module, "DeepseekV3MoE" if v3 else "DeepseekV2Moe")(config).eval()
+    with torch.no_grad():
+        for name, tensor in [*theirs.named_parameters(), *theirs.named_buffers()]:
+            tensor.normal_(0, 0.1 if "bias" in name else 0.3)
+    with building(make_context(cpu.build())):
+        holder = torch.nn.Module()
+        holder.mlp = SparseMoeBlock(16, config.num_experts_per_tok, HIDDEN, 16, renormalize=False,
+                                    router=_spec_from_config(arch, config.to_dict()),
+                                    shared_experts=GatedMLP(HIDDEN, 2 * 16))
+    state = {f"mlp.{name}": tensor for name, tensor in theirs.state_dict().items()}
+    load_named_weights(holder, state.items())  # experts arrive stacked, shared experts as gate/up/down
+    hidden = torch.randn(30, HIDDEN, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = theirs(hidden.unsqueeze(0))[0]
+    torch.testing.assert_close(holder.mlp(hidden), expected, atol=1e-5, rtol=1e-5)
