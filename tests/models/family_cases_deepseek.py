@@ -40,4 +40,10 @@ CASES = {
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                             "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8,
                             "beta_fast": 32, "beta_slow": 1}}, "", randomise_correction_bias),
+    # V3 with rope_interleave off (transformers then rotates the neox halves), plain q_proj, default rope,
+    # one expert group (noaux_tc reduces to biased top-k).
+    "deepseek-v3-halves-rope": ("DeepseekV3ForCausalLM", {
+        **MLA, "q_lora_rank": None, "n_routed_experts": 6, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 2, "rope_interleave": False}, "", randomise_correction_bias),
 }
