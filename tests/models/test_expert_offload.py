@@ -5,6 +5,7 @@ Outputs must not change; the copies must happen; the resident expert bytes must 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -56,13 +57,17 @@ def test_offloaded_outputs_equal_resident_and_experts_travel(family: tuple[str, 
     assert expert_transfers(resident.engine.executor.pipeline) == 0
 
 
-def test_resident_bytes_drop_by_offloaded_experts(family: tuple[str, Path, int]) -> None:
+def test_resident_bytes_drop_by_offloaded_experts(family: tuple[str, Path, int],
+                                                 caplog: pytest.LogCaptureFixture) -> None:
     name, path, _ = family
     _, _, experts, intermediate, moe_layers = FAMILIES[name]
     expert_bytes = 3 * intermediate * BASE["hidden_size"] * 4  # gate, up and down in float32
     full = LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8).engine.executor.expert_memory
-    part = LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8,
-               num_experts_offload_per_rank=OFFLOAD).engine.executor.expert_memory
+    with caplog.at_level(logging.INFO, logger="pluginfer.core.executor"):
+        part = LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8,
+                   num_experts_offload_per_rank=OFFLOAD).engine.executor.expert_memory
+    assert f"{part.resident_bytes} bytes resident" in caplog.text
+    assert f"{part.offloaded_bytes} bytes in the host store ({OFFLOAD * moe_layers} experts)" in caplog.text
     assert full.resident_bytes == experts * expert_bytes * moe_layers and full.offloaded_bytes == 0
     assert full.resident_bytes - part.resident_bytes == OFFLOAD * expert_bytes * moe_layers
     assert part.offloaded_bytes == OFFLOAD * expert_bytes * moe_layers
