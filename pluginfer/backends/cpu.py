@@ -173,7 +173,10 @@ def _attend(part: _Part, query: torch.Tensor, flat_keys: torch.Tensor, flat_valu
     seqs, max_keys = part.key_slots.shape
     slots = part.key_slots.view(-1)  # index_select copies whole rows: faster than advanced indexing
     keys = flat_keys.index_select(0, slots).view(seqs, max_keys, *flat_keys.shape[1:]).transpose(1, 2)
-    values = flat_values.index_select(0, slots).view(seqs, max_keys, *flat_values.shape[1:]).transpose(1, 2)
+    if flat_values.data_ptr() == flat_keys.data_ptr():  # the value is the key's first features: gathered already
+        values = keys[..., :flat_values.shape[-1]]
+    else:
+        values = flat_values.index_select(0, slots).view(seqs, max_keys, *flat_values.shape[1:]).transpose(1, 2)
     if part.token_rows is None:
         queries = query[part.token_start:part.token_end].unsqueeze(2)  # [seqs, heads, 1, dim]
     else:
