@@ -197,3 +197,19 @@ def test_moe_block_with_shared_experts_matches_transformers(case: str) -> None:
     with torch.no_grad():
         expected = theirs(hidden.unsqueeze(0))[0]
     torch.testing.assert_close(holder.mlp(hidden), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_deepseek_v2_norm_topk_prob_follows_deepseek_code() -> None:
+    """DeepSeek-V2's modeling code normalizes or scales, never both; transformers' V2 ignores norm_topk_prob.
+
+    Every released V2 checkpoint has norm_topk_prob false, where the three agree (see models/deepseek.py).
+    """
+    from pluginfer.models.deepseek import router_spec
+
+    base = {"architectures": ["DeepseekV2ForCausalLM"], "num_experts_per_tok": 2, "topk_method": "greedy",
+            "routed_scaling_factor": 16.0}
+    assert router_spec({**base, "norm_topk_prob": False}) == RouterSpec(2, False, "greedy", 1, 1, 16.0, False)
+    assert router_spec({**base, "norm_topk_prob": True}) == RouterSpec(2, True, "greedy", 1, 1, 1.0, False)
+    v3 = {**base, "architectures": ["DeepseekV3ForCausalLM"], "topk_method": "noaux_tc", "n_group": 4,
+          "topk_group": 2, "norm_topk_prob": True}
+    assert router_spec(v3) == RouterSpec(2, True, "noaux_tc", 4, 2, 16.0, True)
