@@ -59,3 +59,15 @@ def test_cached_latent_is_written_and_copied_for_forks(checkpoint: Path) -> None
     assert [o.token_ids for o in forked.outputs] == [single, single]
     key, _ = llm.engine.executor.runner.kv_caches[0]
     assert key.abs().sum() > 0
+
+
+def test_prefix_cache_hit_reads_the_cached_latents(checkpoint: Path) -> None:
+    """A second prompt sharing two full blocks starts from cached latents; its tokens equal a cold run's."""
+    shared = random_prompts(1800, [16], seed=5)[0]
+    first, second = shared + [11, 12, 13], shared + [21, 22, 23, 24]
+    warm = LLM(model=str(checkpoint), dtype="float32", num_blocks=32, block_size=8)
+    warm.generate([first], greedy(4))
+    out = warm.generate([second], greedy(8))[0]
+    assert out.num_cached_tokens == 16
+    cold = LLM(model=str(checkpoint), dtype="float32", num_blocks=32, block_size=8, enable_prefix_caching=False)
+    assert out.outputs[0].token_ids == cold.generate([second], greedy(8))[0].outputs[0].token_ids
