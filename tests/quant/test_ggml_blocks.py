@@ -3,6 +3,7 @@ quantizers, llama.cpp's C library (committed fixtures) for the K-quant quantizer
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,16 @@ def test_quantize_matches_llama_cpp_c_library(name: str) -> None:
     fixtures = np.load(FIXTURES)
     ours = ggml_blocks.quantize(torch.from_numpy(fixtures["weight"]), T[name])
     np.testing.assert_array_equal(ours.numpy(), fixtures[name])
+
+
+def test_fixture_inputs_are_the_scripts() -> None:
+    """The committed rows are what make_kquant_fixtures.py generates, so the script documents them."""
+    spec = importlib.util.spec_from_file_location("make_kquant_fixtures", FIXTURES.with_name("make_kquant_fixtures.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    fixtures = np.load(FIXTURES)
+    np.testing.assert_array_equal(fixtures["weight"], script.fixture_rows())
+    assert str(fixtures["llama_cpp_commit"]) == script.LLAMA_CPP_COMMIT
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
