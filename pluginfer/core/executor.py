@@ -50,8 +50,12 @@ class Executor:
         with building(ctx), torch.device(self.backend.device):
             self.pipeline = factory(self.hf_config, ctx)
         self.pipeline.eval()
-        self.pipeline.load_weights(iter_weights(self.model_path))
         self.expert_memory = expert_memory(self.pipeline)
+        offload = config.cache.num_experts_offload_per_rank
+        if offload and not self.expert_memory.offloaded_experts:
+            raise ValueError(f"cache.num_experts_offload_per_rank: {offload}, but {spec.name} built no "
+                             "mixture-of-experts layer to offload from")
+        self.pipeline.load_weights(iter_weights(self.model_path))
         if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:
             logger.info("experts: %d bytes resident on %s, %d bytes in the host store (%d experts), %d bytes staging",
                         self.expert_memory.resident_bytes, self.backend.name, self.expert_memory.offloaded_bytes,

@@ -105,3 +105,9 @@ def test_every_expert_offloaded_still_matches() -> None:
     assert blocks[1].experts.resident_bytes == 0
     assert torch.equal(blocks[0](x), blocks[1](x))
     assert blocks[1].experts.transfers == len(torch.unique(blocks[1].gate(x).topk(2).indices))
+
+
+def test_offloading_from_a_dense_model_is_an_error(tiny_llama_checkpoint: tuple[Path, object]) -> None:
+    with pytest.raises(ValueError, match=r"num_experts_offload_per_rank: 2, but llama built no mixture-of-experts"):
+        LLM(model=str(tiny_llama_checkpoint[0]), dtype="float32", num_blocks=16, block_size=8,
+            num_experts_offload_per_rank=2)
