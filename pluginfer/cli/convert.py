@@ -2,8 +2,9 @@
 
 The file follows llama.cpp's ``convert_hf_to_gguf.py``: the same metadata keys, a gpt2-style BPE
 vocabulary with merges and token types, the chat template, llama's q/k rows permuted, 1-D
-tensors in F32. Linear weights take the requested type (F16 where a row does not divide into its
-blocks, as llama.cpp falls back); the embedding and the LM head take ``--embedding-type``.
+tensors in F32. Linear weights take the requested type, quantized by ``quant/ggml_blocks.py``
+(F16 where a row does not divide into its blocks, as llama.cpp falls back); the embedding and the
+LM head take ``--embedding-type``.
 """
 
 from __future__ import annotations
@@ -46,20 +47,6 @@ def _qtype(name: str):  # noqa: ANN202 - gguf.GGMLQuantizationType
     from gguf import GGMLQuantizationType
 
     return GGMLQuantizationType[name.upper()]
-
-
-def quantize(weight: torch.Tensor, qtype: object, name: str) -> np.ndarray:
-    """uint8 ``[rows, row_bytes]`` blocks (ggml_blocks when it quantizes this type, else gguf-py)."""
-    from gguf import quants
-
-    from pluginfer.quant import ggml_blocks
-
-    if hasattr(ggml_blocks, "quantize"):
-        return ggml_blocks.quantize(weight.float(), qtype, name=name).numpy()
-    try:
-        return quants.quantize(weight.float().numpy(), qtype)
-    except NotImplementedError:
-        raise ValueError(f"{name}: no quantizer for {qtype.name} here") from None
 
 
 def convert_to_gguf(model_dir: Path, output: Path, quant: str, embedding_type: str = "f16") -> Path:
@@ -136,7 +123,9 @@ def _add_tensor(writer: object, name: str, tensor: torch.Tensor, qtype: object) 
     if qtype == T.F16:
         writer.add_tensor(name, tensor.numpy().astype(np.float16))
         return
-    blocks = quantize(tensor, qtype, name)
+    from pluginfer.quant.ggml_blocks import quantize
+
+    blocks = quantize(tensor, qtype, name=name).numpy()
     writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
 
 

@@ -19,15 +19,12 @@ from pluginfer.cli.convert import convert_to_gguf, write_gguf  # noqa: E402
 from pluginfer.core.gguf_checkpoint import GGMLTensor  # noqa: E402
 from pluginfer.core.loader import iter_weights, read_hf_config  # noqa: E402
 from pluginfer.core.tokenizer import load_tokenizer  # noqa: E402
-from pluginfer.quant import ggml_blocks  # noqa: E402
 from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts, save_hf_model  # noqa: E402
 from tests.quant.gguf_helpers import transformers_from_gguf  # noqa: E402
 
-# Types gguf-py (or ggml_blocks) can quantize; K-quants need rows of 256 (a wider model below).
+# Types ggml_blocks quantizes (as gguf-py / llama.cpp do); K-quants need rows of 256 (a wider model below).
 BLOCK_TYPES = ["f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 K_TYPES = ["q4_k", "q6_k"]
-has_k_quantize = pytest.mark.skipif(not hasattr(ggml_blocks, "quantize"),
-                                    reason="ggml_blocks has no quantize (K-quants) yet")
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -183,7 +180,6 @@ def test_qwen3_head_dim_from_key_length(family_checkpoints: dict[str, Path], tmp
     assert llm.generate([prompt], greedy(12))[0].outputs[0].token_ids == hf_greedy(model, prompt, 12)
 
 
-@has_k_quantize
 @pytest.mark.parametrize("quant", K_TYPES)
 def test_k_quants_match_transformers(quant: str, family_checkpoints: dict[str, Path], tmp_path: Path) -> None:
     path = convert_to_gguf(family_checkpoints["llama256"], tmp_path / f"{quant}.gguf", quant, quant)
