@@ -17,6 +17,7 @@ from torch import nn
 from pluginfer.quant.packing import AWQ_ORDER, GroupQuantLinear, dequantize_grouped, pack_int32, unpack_int32
 
 AWQ_BITS = 4
+REPACK_WORDS = 128  # qweight columns (8 outputs each) repacked per step
 
 
 def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int = AWQ_BITS
@@ -76,9 +77,15 @@ class AWQLinear(GroupQuantLinear):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "quant_group_size", None) is not None:
             return  # already in the compute layout
-        weights, zeros, scales = unpack_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data, self.bits)
-        self._set_layout(layer, pack_int32(weights, self.bits, dim=0), pack_int32(zeros, self.bits, dim=1),
-                         scales, None)
+        qweight, qzeros, scales = layer.qweight.data, layer.qzeros.data, layer.scales.data
+        repacked = torch.empty(qweight.shape[0] // self.pack, scales.shape[1], dtype=torch.int32,
+                               device=qweight.device)
+        for start in range(0, qweight.shape[1], REPACK_WORDS):  # a few MB of int64 codes at a time
+            stop = min(start + REPACK_WORDS, qweight.shape[1])
+            codes = unpack_int32(qweight[:, start:stop], self.bits, dim=1, order=AWQ_ORDER)
+            repacked[:, start * self.pack:stop * self.pack] = pack_int32(codes, self.bits, dim=0)
+        zeros = pack_int32(unpack_int32(qzeros, self.bits, dim=1, order=AWQ_ORDER), self.bits, dim=1)
+        self._set_layout(layer, repacked, zeros, scales, None)
 
 
 def build(quant_config: dict | None = None) -> AWQLinear:

@@ -21,7 +21,6 @@ from pluginfer.quant.packing import (
     GroupQuantLinear,
     dequantize_grouped,
     pack_factor,
-    pack_int32,
     unpack_int32,
 )
 
@@ -84,11 +83,6 @@ def _check_config(config: dict) -> tuple[int, int, bool, bool, str]:
                          f"(supported: int32)")
     if config.get("lm_head"):
         raise ValueError("quantization_config.lm_head: unsupported value True (the LM head is not quantized here)")
-    for field in ("static_groups",):
-        if config.get(field):
-            raise ValueError(f"quantization_config.{field}: unsupported value {config[field]!r}")
-    if (config.get("meta") or {}).get("static_groups"):
-        raise ValueError("quantization_config.meta.static_groups: unsupported value True")
     return bits, group_size, bool(config.get("desc_act", False)), bool(config.get("sym", True)), checkpoint_format
 
 
@@ -98,12 +92,10 @@ def _load_g_idx(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, sha
     name = getattr(param, "checkpoint_name", "g_idx")
     if loaded.shape != param.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected {tuple(param.shape)}")
-    if shard_id is not None and shard_id in getattr(param, "loaded_shards", ()):
-        raise ValueError(f"{name}: loaded twice")
-    if getattr(param, "loaded_shards", None) and not torch.equal(param.data, loaded.to(param.dtype)):
+    if getattr(param, "loaded", False) and not torch.equal(param.data, loaded.to(param.dtype)):
         raise ValueError(f"{name}: differs from the g_idx of the projections fused with it")
     param.data.copy_(loaded)
-    param.loaded_shards = {*getattr(param, "loaded_shards", ()), shard_id}
+    param.loaded = True
 
 
 class GPTQLinear(GroupQuantLinear):
@@ -121,7 +113,7 @@ class GPTQLinear(GroupQuantLinear):
                              "tensor-parallel ranks (its groups span the whole input)")
         # Group -1 has one group over all inputs: a row-split layer keeps that group's scales whole.
         group_dim = 0 if self.group_size != -1 else None
-        groups = input_size // self._group_size(layer, input_size)
+        groups = input_size // self._group_size(input_size)
         self._register(layer, "qweight", torch.zeros(input_size // self.pack, output_size, dtype=torch.int32),
                        output_dim=1, input_dim=0, packed_dim=0, packed_factor=self.pack)
         self._register(layer, "qzeros", torch.zeros(groups, output_size // self.pack, dtype=torch.int32),
@@ -134,16 +126,17 @@ class GPTQLinear(GroupQuantLinear):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "quant_group_size", None) is not None:
             return  # already in the compute layout
-        qweight, scales, g_idx = layer.qweight.data, layer.scales.data, layer.g_idx.data
-        _, zeros, _, _ = unpack_gptq(qweight[:0], layer.qzeros.data, scales, None, self.bits, self.checkpoint_format)
+        qweight, qzeros, scales, g_idx = layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.g_idx.data
+        if self.checkpoint_format == "gptq":
+            qzeros = v1_to_v2_zeros(qzeros, self.bits)
         input_size = qweight.shape[0] * self.pack
-        group_size = self._group_size(layer, input_size)
+        group_size = self._group_size(input_size)
         first = int(g_idx.min()) if g_idx.numel() else 0  # a row-split rank sees groups from its offset on
         contiguous = torch.arange(input_size, device=g_idx.device) // group_size + first
         if int(g_idx.max()) - first >= scales.shape[0] or int(g_idx.min()) < 0:
             raise ValueError(f"{self.name}: g_idx names groups outside 0..{scales.shape[0] - 1}")
         keep_g_idx = None if torch.equal(g_idx, contiguous) else (g_idx - first).to(torch.int32)
-        self._set_layout(layer, qweight, pack_int32(zeros, self.bits, dim=1), scales, keep_g_idx)
+        self._set_layout(layer, qweight, qzeros, scales, keep_g_idx)
 
 
 def build(quant_config: dict | None = None) -> GPTQLinear:

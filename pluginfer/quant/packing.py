@@ -83,7 +83,7 @@ class GroupQuantLinear:
         self.bits, self.group_size = bits, group_size
         self.pack = pack_factor(bits)
 
-    def _group_size(self, layer: nn.Module, input_size: int) -> int:
+    def _group_size(self, input_size: int) -> int:
         """Inputs per group on this rank; -1 (one group per output) keeps a row-split layer's group whole."""
         return input_size if self.group_size == -1 else self.group_size
 
@@ -113,7 +113,7 @@ class GroupQuantLinear:
         for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx)):
             if tensor is not None:
                 layer.register_parameter(name, nn.Parameter(tensor.contiguous(), requires_grad=False))
-        layer.quant_group_size = self._group_size(layer, qweight.shape[0] * self.pack)
+        layer.quant_group_size = self._group_size(qweight.shape[0] * self.pack)
 
     def dequantize_columns(self, layer: nn.Module, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """``W[start:stop]`` (``[rows, in]``, a transposed view) in ``dtype``; bounds are multiples of the pack."""

@@ -291,3 +291,28 @@ def test_unsupported_config_fails_at_load(tmp_path: Path) -> None:
     path = copy_with_quant_config(GPTQ_FIXTURES[0], tmp_path, {"bits": 3})
     with pytest.raises(ValueError, match="quantization_config.bits: unsupported value 3"):
         LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8)
+
+
+def test_act_order_refuses_a_row_split_layer() -> None:
+    name = next(n for n in GPTQ_FIXTURES if quant_config(n)["desc_act"])
+    ctx = BuildContext(backend=cpu.build(), quant=gptq.build(quant_config(name)), collective=FakeRank(0, 2),
+                       dtype=torch.float32, max_model_len=64)
+    with building(ctx), pytest.raises(ValueError, match="quantization_config.desc_act"):
+        RowParallelLinear(256, 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_tiles_round_the_exact_weight_once(dtype: torch.dtype) -> None:
+    name = "gptq_b4_g32_act_asym"
+    layer = quantized_layers(engine(name))["model.layers.1.mlp.gate_up_proj"]
+    oracle = oracle_weights(name)
+    dense = torch.cat([oracle["model.layers.1.mlp.gate_proj.weight"], oracle["model.layers.1.mlp.up_proj.weight"]])
+    tile = layer.quant_method.dequantize_columns(layer, 0, layer.output_size, dtype)
+    assert tile.dtype == dtype
+    if dtype == torch.float16:
+        assert torch.equal(tile, dense)  # GPTQModel's own float16 product
+    x = torch.randn(3, 128)
+    out = layer(x.to(dtype))
+    assert out.dtype == dtype
+    # Inputs and weights rounded to dtype, float accumulation: a few units of dtype's precision.
+    torch.testing.assert_close(out.float(), x @ dense.float().t(), atol=0.05, rtol=0.02)
