@@ -13,16 +13,7 @@ gguf = pytest.importorskip("gguf")
 
 from pluginfer import LLM  # noqa: E402
 from pluginfer.cli import build_parser, main  # noqa: E402
-from pluginfer.core.registry import PluginError, get_registry  # noqa: E402
 from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model  # noqa: E402
-
-
-def in_situ_available(quant: str) -> bool:
-    try:
-        get_registry().load("quant", quant)
-    except (PluginError, ImportError):
-        return False
-    return True
 
 
 def load(path: Path, **kwargs: object) -> LLM:
@@ -47,8 +38,6 @@ def test_convert_is_listed_in_help() -> None:
 def test_converted_file_generates_like_the_in_situ_quantized_checkpoint(
         quant: str, tiny_llama_checkpoint: tuple[Path, object], wide_llama: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture) -> None:
-    if not in_situ_available(quant):
-        pytest.skip(f"in-situ quant method {quant} is not available yet")
     directory = wide_llama if quant.endswith("_k") else tiny_llama_checkpoint[0]
     out = tmp_path / f"model-{quant}.gguf"
     assert main(["convert", "--model", str(directory), "--quant", quant, "--output", str(out),
