@@ -74,10 +74,13 @@ def _check_config(config: dict) -> tuple[int, int, bool, bool, str]:
     if not isinstance(group_size, int) or isinstance(group_size, bool) or (group_size <= 0 and group_size != -1):
         raise ValueError(f"quantization_config.group_size: unsupported value {group_size!r} "
                          f"(a positive number of inputs, or -1)")
-    checkpoint_format = config.get("checkpoint_format") or config.get("format") or "gptq"
+    field = "checkpoint_format" if config.get("checkpoint_format") else "format"  # older writers: format only
+    checkpoint_format = config.get(field) or "gptq"
     if checkpoint_format not in CHECKPOINT_FORMATS:
-        raise ValueError(f"quantization_config.checkpoint_format: unsupported value {checkpoint_format!r} "
+        raise ValueError(f"quantization_config.{field}: unsupported value {checkpoint_format!r} "
                          f"for gptq (supported: {', '.join(CHECKPOINT_FORMATS)})")
+    if config.get("is_marlin_format"):  # AutoGPTQ's flag for Marlin-packed tensors
+        raise ValueError("quantization_config.is_marlin_format: unsupported value True for gptq (use --quant marlin)")
     if config.get("pack_dtype", "int32") != "int32":
         raise ValueError(f"quantization_config.pack_dtype: unsupported value {config['pack_dtype']!r} "
                          f"(supported: int32)")

@@ -267,6 +267,8 @@ def test_tensor_parallel_shards_of_packed_tensors(name: str) -> None:
     ({"bits": 2}, "bits: unsupported value 2"),
     ({"group_size": 0}, "group_size: unsupported value 0"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format: unsupported value 'marlin'"),
+    ({"checkpoint_format": None, "format": "bitblas"}, "format: unsupported value 'bitblas'"),
+    ({"is_marlin_format": True}, "is_marlin_format: unsupported value True"),
     ({"pack_dtype": "int16"}, "pack_dtype: unsupported value 'int16'"),
     ({"lm_head": True}, "lm_head: unsupported value True"),
     ({"quant_method": "awq"}, "quant_method: 'awq'"),
