@@ -183,7 +183,16 @@ def _attend(part: _Part, query: torch.Tensor, flat_keys: torch.Tensor, flat_valu
         queries = query[part.token_rows].transpose(1, 2)  # [seqs, heads, max_q, dim]
     queries = queries.to(keys.dtype)
     mask = part.mask(sliding_window)
-    if logit_soft_cap is None:
+    seqs, heads, max_q, _ = queries.shape
+    if logit_soft_cap is None and keys.shape[1] == 1 and heads > 1:
+        # One KV head (latent attention): heads become query rows of one attention. On the CPU, SDPA's
+        # enable_gqa path runs tens of times slower than this for MLA's shapes.
+        folded = queries.reshape(seqs, 1, heads * max_q, queries.shape[-1])
+        if mask is not None and mask.shape[2] > 1:
+            mask = mask.repeat(1, 1, heads, 1)  # rows ordered (head, query)
+        result = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+        result = result.view(seqs, heads, max_q, -1)
+    elif logit_soft_cap is None:
         result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
                                                 enable_gqa=queries.shape[1] != keys.shape[1])
     else:

@@ -1,0 +1,100 @@
+"""CpuBackend.paged_attention over a latent cache (KVCacheSpec.value_in_key): one KV head whose value is
+the key's first features, written through ``value=None``; against dense float64 attention per sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pluginfer.backends.cpu import CpuBackend
+from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.protocols import KVCacheSpec
+from tests.backends import test_cpu_attention as dense
+from tests.backends.test_cpu_attention import (
+    BF16_TOLERANCE,
+    BLOCK_SIZE,
+    CASES,
+    FP32_TOLERANCE,
+    HEAD_DIM,
+    HEADS,
+    NUM_BLOCKS,
+    SCALE,
+    Step,
+    reference,
+)
+
+# The same fixtures: every case runs with the native kernels loaded and on the torch path.
+backend, one_torch_thread = dense.backend, dense.one_torch_thread
+
+LATENT = 12  # the value: the first 12 of the key's 16 features
+
+
+def build_latent_step(backend: CpuBackend, seq_lens: list[int], query_lens: list[int],
+                      dtype: torch.dtype = torch.float32, seed: int = 0) -> Step:
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=generator)).to(dtype)
+
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM, value_in_key=LATENT)
+    key_cache, value_cache = backend.allocate_kv_cache(spec, NUM_BLOCKS, BLOCK_SIZE, dtype)[0]
+    assert value_cache.data_ptr() == key_cache.data_ptr() and value_cache.shape[-1] == LATENT
+    key_cache.copy_(randn(*key_cache.shape, scale=30.0))  # garbage in slots nobody owns
+    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    flat_keys = key_cache.view(-1, 1, HEAD_DIM)
+    tables, all_keys = [], []
+    for seq_len, query_len in zip(seq_lens, query_lens, strict=True):
+        blocks = [free.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
+        tables.append(blocks)
+        keys = randn(seq_len, 1, HEAD_DIM)
+        cached = torch.arange(seq_len - query_len)
+        flat_keys[torch.tensor(blocks)[cached // BLOCK_SIZE] * BLOCK_SIZE + cached % BLOCK_SIZE] = keys[:len(cached)]
+        all_keys.append(keys)
+    block_tables = torch.zeros(len(seq_lens), max(map(len, tables)), dtype=torch.int64)
+    for row, blocks in enumerate(tables):
+        block_tables[row, :len(blocks)] = torch.tensor(blocks)
+    positions = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens, strict=True)])
+    rows = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(query_lens))
+    starts = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+    starts[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(len(positions), dtype=torch.int64), positions=positions,
+        slot_mapping=block_tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
+        query_start_loc=starts, seq_lens=torch.tensor(seq_lens), block_tables=block_tables,
+        logits_indices=starts[1:] - 1, query_lens=list(query_lens), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), block_size=BLOCK_SIZE)
+    batch.attention = backend.prepare(batch)
+    new_keys = torch.cat([k[s - q:] for k, s, q in zip(all_keys, seq_lens, query_lens, strict=True)])
+    query = randn(len(positions), HEADS, HEAD_DIM)
+    return Step(batch, query, new_keys, None, (key_cache, value_cache), all_keys,
+                [keys[..., :LATENT] for keys in all_keys])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_latent_cache_matches_dense_reference(backend: CpuBackend, case: str, sliding_window: int | None) -> None:
+    step = build_latent_step(backend, *CASES[case])
+    out = backend.paged_attention(step.query, step.key, None, step.cache, step.batch, SCALE,
+                                  sliding_window=sliding_window)
+    assert out.shape == (step.batch.num_tokens, HEADS, LATENT)
+    torch.testing.assert_close(out.double(), reference(step, sliding_window), **FP32_TOLERANCE)
+    key_cache = step.cache[0].view(-1, 1, HEAD_DIM)
+    assert torch.equal(key_cache[step.batch.slot_mapping], step.key), "this step's keys are written"
+
+
+def test_latent_cache_in_bfloat16(backend: CpuBackend) -> None:
+    step = build_latent_step(backend, *CASES["mixed"], dtype=torch.bfloat16, seed=1)
+    out = backend.paged_attention(step.query, step.key, None, step.cache, step.batch, SCALE)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), reference(step), **BF16_TOLERANCE)
+
+
+def test_block_copies_move_the_latent_once(backend: CpuBackend) -> None:
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=HEAD_DIM, value_in_key=LATENT)
+    caches = backend.allocate_kv_cache(spec, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
+    for key, _ in caches:
+        key.copy_(torch.randn(key.shape))
+    backend.copy_blocks(caches, [(3, 7), (5, 9)])
+    for key, value in caches:
+        assert torch.equal(key[7], key[3]) and torch.equal(key[9], key[5])
+        assert torch.equal(value[7], key[3][..., :LATENT])
