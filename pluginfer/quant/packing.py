@@ -11,6 +11,8 @@ at a time (``tiled.tiled_linear``), so no dense copy of a layer's weight is ever
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -74,6 +76,17 @@ def dequantize_grouped(weights: torch.Tensor, zeros: torch.Tensor, scales: torch
     return ((weights - zeros[g]).float() * scales[g].float()).to(dtype).t()
 
 
+def _load_in_checkpoint_dtype(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+                              shard_id: object = None) -> None:
+    """Scales keep the checkpoint's float type (float16 as GPTQModel writes them, or bfloat16): never rounded."""
+    if loaded.is_floating_point() and loaded.dtype != param.dtype:
+        param.data = param.data.to(loaded.dtype)
+    if shard_id is None:
+        layer.weight_loader(param, loaded)
+    else:
+        layer.weight_loader(param, loaded, shard_id)
+
+
 class GroupQuantLinear:
     """The QuantMethod base of GPTQ and AWQ: checkpoint parameters in, GPTQ layout after loading."""
 
@@ -102,6 +115,8 @@ class GroupQuantLinear:
         param.output_dim, param.input_dim = output_dim, input_dim
         if packed_dim is not None:  # the linear layers divide offsets along this axis by the factor
             param.packed_dim, param.packed_factor = packed_dim, packed_factor
+        if tensor.is_floating_point():
+            param.weight_loader = partial(_load_in_checkpoint_dtype, layer)
         layer.register_parameter(name, param)
 
     def _set_layout(self, layer: nn.Module, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,

@@ -318,3 +318,19 @@ def test_half_precision_tiles_round_the_exact_weight_once(dtype: torch.dtype) ->
     assert out.dtype == dtype
     # Inputs and weights rounded to dtype, float accumulation: a few units of dtype's precision.
     torch.testing.assert_close(out.float(), x @ dense.float().t(), atol=0.05, rtol=0.02)
+
+
+def test_bfloat16_scales_are_kept_as_they_are(tmp_path: Path) -> None:
+    """A checkpoint whose scales are bfloat16 loads them unrounded (float16 cannot hold every bfloat16)."""
+    from safetensors.torch import save_file
+
+    name = "gptq_b4_g32_act_asym"
+    path = copy_with_quant_config(name, tmp_path, {})
+    tensors = {k: v.bfloat16() if k.endswith(".scales") else v for k, v in checkpoint_tensors(name).items()}
+    save_file(tensors, str(path / "quantized.safetensors"))
+    llm = LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8)
+    layer = quantized_layers(llm)["model.layers.0.mlp.gate_up_proj"]
+    assert layer.scales.dtype == torch.bfloat16
+    expected = torch.cat([tensors["model.layers.0.mlp.gate_proj.scales"], tensors["model.layers.0.mlp.up_proj.scales"]],
+                         dim=1)
+    assert torch.equal(layer.scales, expected)
