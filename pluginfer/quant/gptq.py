@@ -110,8 +110,7 @@ class GPTQLinear(GroupQuantLinear):
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         self._check_sizes(layer, input_size, output_size)
-        row_split = getattr(layer, "shard_dim", None) == 1 and getattr(layer, "tp_size", 1) > 1
-        if row_split and self.desc_act:
+        if self._row_split(layer) and self.desc_act and self.group_size != -1:
             raise ValueError("quantization_config.desc_act: act-order GPTQ cannot split a layer's inputs across "
                              "tensor-parallel ranks (its groups span the whole input)")
         # Group -1 has one group over all inputs: a row-split layer keeps that group's scales whole.
@@ -126,6 +125,10 @@ class GPTQLinear(GroupQuantLinear):
         self._register(layer, "g_idx", torch.zeros(input_size, dtype=torch.int32), output_dim=None, input_dim=0)
         layer.g_idx.weight_loader = partial(_load_g_idx, layer)
 
+    @staticmethod
+    def _row_split(layer: nn.Module) -> bool:
+        return getattr(layer, "shard_dim", None) == 1 and getattr(layer, "tp_size", 1) > 1
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "quant_group_size", None) is not None:
             return  # already in the compute layout
@@ -134,10 +137,12 @@ class GPTQLinear(GroupQuantLinear):
             qzeros = v1_to_v2_zeros(qzeros, self.bits)
         input_size = qweight.shape[0] * self.pack
         group_size = self._group_size(input_size)
-        first = int(g_idx.min()) if g_idx.numel() else 0  # a row-split rank sees groups from its offset on
+        # A row-split rank holds the inputs (and groups) from its offset on; g_idx counts from the first rank's.
+        first = layer.tp_rank * scales.shape[0] if self._row_split(layer) and self.group_size != -1 else 0
         contiguous = torch.arange(input_size, device=g_idx.device) // group_size + first
-        if int(g_idx.max()) - first >= scales.shape[0] or int(g_idx.min()) < 0:
-            raise ValueError(f"{self.name}: g_idx names groups outside 0..{scales.shape[0] - 1}")
+        if int(g_idx.max()) - first >= scales.shape[0] or int(g_idx.min()) - first < 0:
+            name = getattr(layer.qweight, "checkpoint_name", "qweight").removesuffix(".qweight")
+            raise ValueError(f"{name}.g_idx names groups outside the {scales.shape[0]} of this layer")
         keep_g_idx = None if torch.equal(g_idx, contiguous) else (g_idx - first).to(torch.int32)
         self._set_layout(layer, qweight, qzeros, scales, keep_g_idx)
 

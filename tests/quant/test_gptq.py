@@ -191,9 +191,10 @@ def test_gptq_llama_matches_transformers_on_oracle_weights(name: str) -> None:
 def test_gptq_weights_stay_packed(name: str) -> None:
     assert_compact(name, quant_config(name)["bits"])
     layers = quantized_layers(engine(name)).values()
-    act_order = quant_config(name)["desc_act"]
-    # Act-order keeps its g_idx; contiguous groups need none.
-    assert any(hasattr(m, "g_idx") for m in layers) == act_order or quant_config(name)["group_size"] == -1
+    config = quant_config(name)
+    # Act-order keeps its g_idx; contiguous groups (and the single group of -1) need none.
+    shuffled = config["desc_act"] and config["group_size"] != -1
+    assert all(hasattr(m, "g_idx") == shuffled for m in layers)
 
 
 def test_asym_fixtures_hold_zero_points_at_both_ends_of_the_range() -> None:
@@ -234,7 +235,7 @@ def test_pack_unpack_round_trip(bits: int, order: tuple[int, ...] | None) -> Non
         assert [(int(word) >> (4 * i)) & 15 for i in range(8)] == list(order)
 
 
-@pytest.mark.parametrize("name", ["gptq_b4_gall_asym", "gptq_b8_g32_asym"])
+@pytest.mark.parametrize("name", ["gptq_b4_gall_asym", "gptq_b8_g32_asym", "gptq_b8_gall_act_sym"])
 def test_tensor_parallel_shards_of_packed_tensors(name: str) -> None:
     """Rank 1 of 2: the fused qkv (outputs split, zeros packed along them) and o_proj (inputs split)."""
     config, tensors, oracle = quant_config(name), checkpoint_tensors(name), oracle_weights(name)
@@ -334,3 +335,17 @@ def test_bfloat16_scales_are_kept_as_they_are(tmp_path: Path) -> None:
     expected = torch.cat([tensors["model.layers.0.mlp.gate_proj.scales"], tensors["model.layers.0.mlp.up_proj.scales"]],
                          dim=1)
     assert torch.equal(layer.scales, expected)
+
+
+def test_fused_projections_must_share_their_g_idx() -> None:
+    name = "gptq_b4_g32_act_asym"
+    tensors = checkpoint_tensors(name)
+    ctx = BuildContext(backend=cpu.build(), quant=gptq.build(quant_config(name)), collective=FakeRank(0, 1),
+                       dtype=torch.float32, max_model_len=64)
+    with building(ctx):
+        qkv = QKVParallelLinear(128, 32, 4, 2)
+    g_idx = tensors["model.layers.0.self_attn.q_proj.g_idx"]
+    qkv.g_idx.weight_loader(qkv.g_idx, g_idx, "q")
+    qkv.g_idx.weight_loader(qkv.g_idx, g_idx.clone(), "k")  # the same: fine
+    with pytest.raises(ValueError, match="differs from the g_idx of the projections fused with it"):
+        qkv.g_idx.weight_loader(qkv.g_idx, g_idx.flip(0), "v")
