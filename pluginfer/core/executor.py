@@ -44,7 +44,8 @@ class Executor:
         self.max_model_len = self._max_model_len(config)
         self.vocab_size = int(self.hf_config["vocab_size"])
         ctx = BuildContext(self.backend, self.quant, self.collective, self.dtype, self.max_model_len,
-                           num_experts_offload_per_rank=config.cache.num_experts_offload_per_rank)
+                           num_experts_offload_per_rank=config.cache.num_experts_offload_per_rank,
+                           max_num_seqs=config.scheduler.max_num_seqs)
         spec = self._model_spec()
         factory = self.registry.load("model", spec.name)
         with building(ctx), torch.device(self.backend.device):

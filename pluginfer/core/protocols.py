@@ -50,6 +50,8 @@ class BuildContext:
     max_model_len: int
     # Experts per MoE layer kept in host memory and copied to the device when routed (cache config).
     num_experts_offload_per_rank: int = 0
+    # Sequences one step may batch (scheduler config): a weight layout may be chosen for it.
+    max_num_seqs: int = 1
 
 
 @runtime_checkable

@@ -1,4 +1,17 @@
-"""The ``none`` quant method: a plain dense weight in the model's dtype."""
+"""The ``none`` quant method: a plain dense weight in the model's dtype.
+
+On the CPU the weight is re-laid out once it has loaded, for the matmul library that reads it
+fastest (docs/performance.md has the measurements, 0.5B-shaped llama, fp32, 2 cores):
+
+- ``onednn``: oneDNN's own blocked layout (``torch.ops.mkldnn``), when the engine batches several
+  sequences per step (``scheduler.max_num_seqs > 1``) and the dtype is float32. MKL's skinny GEMM
+  wastes most of its time at 2-64 rows; oneDNN's prepacked kernel decodes batch 16 ~1.3x faster,
+  at a ~7% cost for a lone sequence.
+- ``transposed`` (``[in, out]``): otherwise. MKL's GEMV reads this layout at close to the memory
+  bandwidth, the best a batch of one can do.
+
+Both replace the checkpoint's layout: the weight is held once either way.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pluginfer.layers.context import current_context
+
+# oneDNN packs for an expected row count; 4 decodes batches of 2-64 best here (docs/performance.md).
+_ONEDNN_ROWS_HINT = 4
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
 
 class UnquantizedLinear:
-    """Dense ``weight`` of ``[output_size, input_size]``; the matmul is ``x @ W^T``.
-
-    On the CPU the weight is stored transposed after loading: MKL's GEMM reads ``[in, out]``
-    faster for the small row counts of decode (docs/performance.md has the measurement).
-    """
+    """Dense ``weight`` of ``[output_size, input_size]``; the matmul is ``x @ W^T``."""
 
     name = "none"
 
@@ -20,15 +38,24 @@ class UnquantizedLinear:
         weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
-        layer.weight_transposed = False
+        layer.weight_layout = "checkpoint"
+        layer.batched = current_context().max_num_seqs > 1
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if layer.weight.device.type == "cpu" and not layer.weight_transposed:
-            layer.weight = nn.Parameter(layer.weight.data.t().contiguous(), requires_grad=False)
-            layer.weight_transposed = True
+        weight = layer.weight.data
+        if weight.device.type != "cpu" or layer.weight_layout != "checkpoint":
+            return
+        if layer.batched and weight.dtype == torch.float32 and onednn_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_ROWS_HINT)
+            layer.weight, layer.weight_layout = nn.Parameter(packed, requires_grad=False), "onednn"
+        else:
+            layer.weight = nn.Parameter(weight.t().contiguous(), requires_grad=False)
+            layer.weight_layout = "transposed"
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not layer.weight_transposed:
+        if layer.weight_layout == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, layer.weight, bias, "none", [], "")
+        if layer.weight_layout == "checkpoint":
             return F.linear(x, layer.weight, bias)
         if bias is None:
             return torch.matmul(x, layer.weight)

@@ -1,0 +1,56 @@
+"""The ``none`` quant method re-lays the CPU weight out for the batch sizes the engine runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pluginfer.backends import cpu
+from pluginfer.collectives import single
+from pluginfer.core.protocols import BuildContext
+from pluginfer.layers.context import building
+from pluginfer.layers.linear import ReplicatedLinear
+from pluginfer.quant import unquantized
+
+
+def build(max_num_seqs: int, dtype: torch.dtype = torch.float32, bias: bool = True) -> ReplicatedLinear:
+    ctx = BuildContext(backend=cpu.build(), quant=unquantized.build(), collective=single.build(), dtype=dtype,
+                       max_model_len=64, max_num_seqs=max_num_seqs)
+    with building(ctx):
+        return ReplicatedLinear(96, 80, bias=bias)
+
+
+def load(layer: ReplicatedLinear, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    layer.weight.weight_loader(layer.weight, weight)
+    layer.bias.weight_loader(layer.bias, bias)
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize(("max_num_seqs", "layout"), [(1, "transposed"), (16, "onednn")])
+def test_layout_follows_the_batch_and_computes_the_same(max_num_seqs: int, layout: str) -> None:
+    if layout == "onednn" and not unquantized.onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(80, 96), torch.randn(80)
+    layer = build(max_num_seqs)
+    load(layer, weight, bias)
+    assert layer.weight_layout == layout
+    for rows in (1, 3, 16, 70):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    x = torch.randn(2, 5, 96)  # leading dims are kept
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    layer.quant_method.process_weights_after_loading(layer)  # a second call keeps the layout
+    assert layer.weight_layout == layout
+
+
+def test_half_precision_keeps_the_transposed_layout() -> None:
+    """oneDNN's prepacked linear is used for float32 only; bf16 weights stay ``[in, out]``."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(80, 96), torch.randn(80)
+    layer = build(16, dtype=torch.bfloat16)
+    load(layer, weight.bfloat16(), bias.bfloat16())
+    assert layer.weight_layout == "transposed"
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), F.linear(x, weight.bfloat16(), bias.bfloat16()), atol=0.1, rtol=0.02)
