@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pluginfer.layers import onednn
 from pluginfer.layers.context import current_context
 
 
@@ -39,10 +40,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class LMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits; ties to the embedding's weight when asked."""
+    """Projects hidden states to logits; ties to the embedding's weight when asked.
+
+    An untied float32 head of an engine that batches is packed for oneDNN once it has loaded
+    (``layers/onednn.py``): the largest single matmul of a decode step, it runs ~2x faster so.
+    """
 
     def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
         super().__init__(vocab_size, hidden_size)
+        self.batched = current_context().max_num_seqs > 1
+        self.packed = False
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.shard_size, dtype=self.weight.dtype), requires_grad=False)
@@ -50,8 +57,17 @@ class LMHead(VocabParallelEmbedding):
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        super().weight_loader(param, loaded, shard_id)
+        if param is self.weight and onednn.worth_packing(param.data, self.batched):
+            self.weight = nn.Parameter(onednn.pack(param.data), requires_grad=False)
+            self.packed = True
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight, self.bias)
+        if self.packed:
+            logits = onednn.linear(hidden, self.weight, self.bias)
+        else:
+            logits = F.linear(hidden, self.weight, self.bias)
         if self.tp_size > 1:
             logits = self.collective.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

@@ -19,14 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pluginfer.layers import onednn
 from pluginfer.layers.context import current_context
-
-# oneDNN packs for an expected row count; 4 decodes batches of 2-64 best here (docs/performance.md).
-_ONEDNN_ROWS_HINT = 4
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 class UnquantizedLinear:
@@ -45,16 +39,16 @@ class UnquantizedLinear:
         weight = layer.weight.data
         if weight.device.type != "cpu" or layer.weight_layout != "checkpoint":
             return
-        if layer.batched and weight.dtype == torch.float32 and onednn_available():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_ROWS_HINT)
-            layer.weight, layer.weight_layout = nn.Parameter(packed, requires_grad=False), "onednn"
+        if onednn.worth_packing(weight, layer.batched):
+            layer.weight = nn.Parameter(onednn.pack(weight), requires_grad=False)
+            layer.weight_layout = "onednn"
         else:
             layer.weight = nn.Parameter(weight.t().contiguous(), requires_grad=False)
             layer.weight_layout = "transposed"
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.weight_layout == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, layer.weight, bias, "none", [], "")
+            return onednn.linear(x, layer.weight, bias)
         if layer.weight_layout == "checkpoint":
             return F.linear(x, layer.weight, bias)
         if bias is None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from pluginfer.backends import cpu
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
+from pluginfer.layers import onednn
 from pluginfer.layers.context import building
 from pluginfer.layers.linear import ReplicatedLinear
 from pluginfer.quant import unquantized
@@ -29,7 +30,7 @@ def load(layer: ReplicatedLinear, weight: torch.Tensor, bias: torch.Tensor) -> N
 
 @pytest.mark.parametrize(("max_num_seqs", "layout"), [(1, "transposed"), (16, "onednn")])
 def test_layout_follows_the_batch_and_computes_the_same(max_num_seqs: int, layout: str) -> None:
-    if layout == "onednn" and not unquantized.onednn_available():
+    if layout == "onednn" and not onednn.available():
         pytest.skip("this torch build has no oneDNN")
     torch.manual_seed(0)
     weight, bias = torch.randn(80, 96), torch.randn(80)
