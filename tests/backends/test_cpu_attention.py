@@ -268,3 +268,37 @@ def test_native_paged_decode_attention_accepts_a_sliced_block_table() -> None:
     out = native.paged_decode_attention(step.query, *step.cache, wide[:, : tables.shape[1]], step.batch.seq_lens,
                                         SCALE, None, None)
     torch.testing.assert_close(out.double(), reference(step), **FP32_TOLERANCE)
+
+
+@pytest.mark.usefixtures("native_kernel")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "v_dim", "sliding_window"), [
+    (16, 8, 64, 64, None),  # the AVX-512 path: dims that are multiples of 16
+    (8, 2, 128, 128, 20),
+    (4, 4, 64, 80, None),  # a value dim that is not a whole number of 4-register chunks
+    (6, 1, 32, 16, None),
+    (4, 2, 40, 40, None),  # dims that are not multiples of 16 take the portable loop
+])
+def test_native_decode_attention_head_dims(heads: int, kv_heads: int, head_dim: int, v_dim: int,
+                                           sliding_window: int | None) -> None:
+    """Against a float64 gather-and-softmax reference, with lengths around the 16-position chunks."""
+    generator = torch.Generator().manual_seed(3)
+    block_size, seq_lens = 16, [1, 15, 16, 17, 33, 150]
+    blocks_per_seq = -(-max(seq_lens) // block_size)
+    num_blocks = len(seq_lens) * blocks_per_seq + 3
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, v_dim, generator=generator)
+    tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * blocks_per_seq]
+    tables = tables.reshape(len(seq_lens), blocks_per_seq)
+    query = 2 * torch.randn(len(seq_lens), heads, head_dim, generator=generator)
+    scale = head_dim ** -0.5
+    out = native.paged_decode_attention(query, key_cache, value_cache, tables, torch.tensor(seq_lens), scale,
+                                        sliding_window, None)
+    for s, length in enumerate(seq_lens):
+        first = max(0, length - sliding_window) if sliding_window else 0
+        slots = (tables[s, torch.arange(first, length) // block_size] * block_size
+                 + torch.arange(first, length) % block_size)
+        keys = key_cache.reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, 1)
+        values = value_cache.reshape(-1, kv_heads, v_dim)[slots].double().repeat_interleave(heads // kv_heads, 1)
+        probs = torch.softmax(torch.einsum("hd,thd->ht", query[s].double(), keys) * scale, dim=-1)
+        expected = torch.einsum("ht,thd->hd", probs, values)
+        torch.testing.assert_close(out[s].double(), expected, atol=2e-5, rtol=2e-5)
