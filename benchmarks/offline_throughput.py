@@ -69,10 +69,13 @@ def timed(fn, *args) -> float:  # noqa: ANN001
 class Ours:
     name = "pluginfer"
 
-    def __init__(self, path: Path, args: argparse.Namespace) -> None:
+    def __init__(self, path: Path, args: argparse.Namespace, max_num_seqs: int | None = None) -> None:
         from pluginfer import LLM
 
-        self.llm = LLM(model=str(path), dtype="float32", max_model_len=1024, max_num_seqs=max(args.batch),
+        # The batching engine runs every batch size; an engine sized for one sequence (the dense
+        # layout for MKL's GEMV instead of oneDNN's packed one) is timed at batch 1 beside it.
+        self.max_num_seqs = max_num_seqs or max(args.batch)
+        self.llm = LLM(model=str(path), dtype="float32", max_model_len=1024, max_num_seqs=self.max_num_seqs,
                        enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.prefill_len),
                        num_experts_offload_per_rank=args.offload)
 
@@ -134,6 +137,7 @@ def main() -> int:
         path = Path(tmp)
         build_checkpoint(path, args)
         engines = [cls(path, args) for cls in (Ours, Transformers) if cls.name in args.engines]
+        single = Ours(path, args, max_num_seqs=1) if "pluginfer" in args.engines and 1 in args.batch else None
         weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         generator = torch.Generator().manual_seed(0)
 
@@ -141,18 +145,21 @@ def main() -> int:
             return torch.randint(10, args.vocab, (batch, length), generator=generator).tolist()
 
         results: dict[tuple[str, str], float] = {}
-        for engine in engines:  # warm up both (allocations, first-call paths)
+        for engine in engines + [single] * (single is not None):  # warm up (allocations, first-call paths)
             engine.generate(prompts(1, 16), 2)
         for batch in args.batch:
-            samples: dict[str, list[float]] = {e.name: [] for e in engines}
+            timed_engines = engines + [single] * (batch == 1 and single is not None)
+            samples: dict[int, list[float]] = {id(e): [] for e in timed_engines}
             for _ in range(args.runs):
                 batch_prompts = prompts(batch, args.prompt_len)
-                for engine in engines:
+                for engine in timed_engines:
                     full = timed(engine.generate, batch_prompts, args.gen_len)
                     first = timed(engine.generate, batch_prompts, 1)
-                    samples[engine.name].append(batch * (args.gen_len - 1) / (full - first))
-            for name, values in samples.items():
-                results[(f"decode tok/s, batch {batch}", name)] = statistics.median(values)
+                    samples[id(engine)].append(batch * (args.gen_len - 1) / (full - first))
+            for engine in engines:
+                results[(f"decode tok/s, batch {batch}", engine.name)] = statistics.median(samples[id(engine)])
+            if batch == 1 and single is not None:
+                results[("  same, max_num_seqs 1", "pluginfer")] = statistics.median(samples[id(single)])
         samples = {e.name: [] for e in engines}
         for _ in range(args.runs):
             prompt = prompts(1, args.prefill_len)
@@ -168,7 +175,7 @@ def main() -> int:
           f"medians of {args.runs} runs")
     print(f"{'metric':<28}" + "".join(f"{n:>14}" for n in names) + ("        ratio" if len(names) == 2 else ""))
     for metric in dict.fromkeys(m for m, _ in results):
-        values = [results[(metric, n)] for n in names]
+        values = [results.get((metric, n), results.get(("decode tok/s, batch 1", n))) for n in names]
         ratio = f"{values[0] / values[1]:>12.2f}x" if len(values) == 2 else ""
         print(f"{metric:<28}" + "".join(f"{v:>14.2f}" for v in values) + ratio)
     print(f"\nmatrix-vector bandwidth {bandwidth / 1e9:.2f} GB/s -> batch-1 decode bound {bound:.2f} tok/s")
