@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pluginfer.layers import onednn
 from pluginfer.layers.activation import gated_activation
 from pluginfer.layers.context import backend_op, current_context
 
@@ -229,6 +230,8 @@ class FusedExperts(nn.Module):
         self.transfers, self.transferred_bytes = 0, 0
         self.act_fn = gated_activation(hidden_act)
         self.kernel = backend_op(ctx.backend, "fused_moe") if num_offloaded == 0 else None
+        self.batched = ctx.max_num_seqs > 1
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # oneDNN copies of resident experts
 
     @property
     def num_offloaded(self) -> int:
@@ -237,7 +240,21 @@ class FusedExperts(nn.Module):
     @property
     def resident_bytes(self) -> int:
         """Bytes of expert weights on the compute device (the shared staging buffers not included)."""
+        if self.packed is not None:
+            return sum(t.numel() * t.element_size() for pair in self.packed for t in pair)
         return self.gate_up_proj.nbytes + self.down_proj.nbytes
+
+    def process_weights_after_loading(self) -> None:
+        """On the CPU, in float32, for an engine that batches: resident experts move to oneDNN's packed
+        layout (``layers/onednn.py``; the stacked parameters are emptied, so they are held once)."""
+        if self.packed is not None or self.kernel is not None:
+            return
+        if not onednn.worth_packing(self.gate_up_proj.data, self.batched):
+            return
+        self.packed = [(onednn.pack(self.gate_up_proj.data[e]), onednn.pack(self.down_proj.data[e]))
+                       for e in range(self.num_resident)]
+        for param in (self.gate_up_proj, self.down_proj):
+            param.data = param.data.new_empty((0, *param.shape[1:]))
 
     @property
     def offloaded_bytes(self) -> int:
@@ -269,16 +286,26 @@ class FusedExperts(nn.Module):
         target.copy_(loaded)
 
     def _weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This expert's (gate_up, down) on the compute device, copied from the host store if offloaded."""
+        """This expert's (gate_up, down) on the compute device, copied from the host store if offloaded.
+
+        In oneDNN's packed layout when the resident experts are packed: an offloaded expert is then
+        packed straight from the host store (the copy the staging buffer would take), so both
+        kinds of expert run the same kernel and offloading never changes a result.
+        """
         if expert < self.num_resident:
+            if self.packed is not None:
+                return self.packed[expert]
             return self.gate_up_proj[expert], self.down_proj[expert]
         index = expert - self.num_resident
-        gate_up = self.staging.buffer(self.host_gate_up.shape[1:], self.host_gate_up.dtype)
-        down = self.staging.buffer(self.host_down.shape[1:], self.host_down.dtype)  # the pool reuses these
-        gate_up.copy_(self.host_gate_up[index], non_blocking=True)
-        down.copy_(self.host_down[index], non_blocking=True)
+        if self.packed is not None:
+            gate_up, down = onednn.pack(self.host_gate_up[index]), onednn.pack(self.host_down[index])
+        else:
+            gate_up = self.staging.buffer(self.host_gate_up.shape[1:], self.host_gate_up.dtype)
+            down = self.staging.buffer(self.host_down.shape[1:], self.host_down.dtype)  # the pool reuses these
+            gate_up.copy_(self.host_gate_up[index], non_blocking=True)
+            down.copy_(self.host_down[index], non_blocking=True)
         self.transfers += 1
-        self.transferred_bytes += gate_up.nbytes + down.nbytes
+        self.transferred_bytes += self.host_gate_up[index].nbytes + self.host_down[index].nbytes
         return gate_up, down
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -300,12 +327,15 @@ class FusedExperts(nn.Module):
                 continue
             rows = slice(start, start + count)
             gate_up_weight, down_weight = self._weights(expert)
-            gate_up = F.linear(routed[rows], gate_up_weight)
-            outputs[rows] = F.linear(self.act_fn(gate_up), down_weight)
+            linear = onednn.linear if self.packed is not None else F.linear
+            gate_up = linear(routed[rows], gate_up_weight, None)
+            outputs[rows] = linear(self.act_fn(gate_up), down_weight, None)
             start += count
         weighted = outputs.float() * topk_weights.flatten()[order, None]
-        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        return out.index_add_(0, tokens, weighted).to(hidden.dtype)
+        # Back to (token, k) order, then each token's sum over its k experts. (index_add_ into the
+        # tokens is far slower on the CPU: up to tens of ms per layer with repeated indices.)
+        unsorted = torch.empty_like(weighted).index_copy_(0, order, weighted)
+        return unsorted.view(-1, top_k, hidden.shape[-1]).sum(dim=1).to(hidden.dtype)
 
 
 class TopKRouter(nn.Module):

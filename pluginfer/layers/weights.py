@@ -33,7 +33,8 @@ def load_named_weights(
     """Load every tensor into its parameter; unknown tensors and unloaded parameters are errors.
 
     A layer's quant method processes it (repacks, quantizes) as soon as its last tensor arrived,
-    so an in-situ quantized model never holds more than a few float layers at once.
+    so an in-situ quantized model never holds more than a few float layers at once. Other modules
+    with a ``process_weights_after_loading()`` method get it called once everything has loaded.
     ``ignore``: checkpoint names containing one of these are skipped (e.g. cached rope tables).
     ``optional``: parameters that may stay unloaded (e.g. a tied ``lm_head.weight``).
     """
@@ -92,3 +93,6 @@ def load_named_weights(
         raise KeyError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}")
     for owner in waiting:  # layers whose parameters were all optional
         layers[owner].quant_method.process_weights_after_loading(layers[owner])
+    for module in model.modules():  # other layers that re-lay their weights out (e.g. FusedExperts)
+        if not hasattr(module, "quant_method") and hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()

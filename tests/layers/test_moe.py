@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer.backends import cpu
+from pluginfer.layers import onednn
 from pluginfer.layers.context import building
 from pluginfer.layers.moe import SparseMoeBlock, expert_weight_names
 from pluginfer.layers.weights import load_named_weights
@@ -46,8 +47,11 @@ class Holder(torch.nn.Module):
         self.moe = block
 
 
-def build(num_experts: int, top_k: int, renormalize: bool, weights: dict[str, torch.Tensor]) -> Holder:
-    with building(make_context(cpu.build())):
+def build(num_experts: int, top_k: int, renormalize: bool, weights: dict[str, torch.Tensor],
+          max_num_seqs: int = 1) -> Holder:
+    ctx = make_context(cpu.build())
+    ctx.max_num_seqs = max_num_seqs  # > 1: resident experts move to oneDNN's packed layout after loading
+    with building(ctx):
         model = Holder(SparseMoeBlock(num_experts, top_k, HIDDEN, INTERMEDIATE, renormalize))
     load_named_weights(model, weights.items(), stacked=expert_weight_names(num_experts, "w1", "w3", "w2"))
     return model
@@ -56,9 +60,12 @@ def build(num_experts: int, top_k: int, renormalize: bool, weights: dict[str, to
 @pytest.mark.parametrize("num_experts,top_k,renormalize", [(8, 2, True), (8, 2, False), (4, 1, False),
                                                            (6, 3, True)])
 @pytest.mark.parametrize("tokens", [1, 7, 33])
-def test_matches_dense_reference(num_experts: int, top_k: int, renormalize: bool, tokens: int) -> None:
+@pytest.mark.parametrize("max_num_seqs", [1, 16])
+def test_matches_dense_reference(num_experts: int, top_k: int, renormalize: bool, tokens: int,
+                                 max_num_seqs: int) -> None:
     weights = per_expert_weights(num_experts)
-    model = build(num_experts, top_k, renormalize, weights)
+    model = build(num_experts, top_k, renormalize, weights, max_num_seqs)
+    assert (model.moe.experts.packed is not None) == (max_num_seqs > 1 and onednn.available())
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
     out = model.moe(x)
     assert out.dtype == torch.float32
