@@ -65,6 +65,7 @@ def load() -> ctypes.CDLL:
         "rms_norm": (None, [pointer] * 4 + [i64, i64, f32, f32]),
         "silu_and_mul": (None, [pointer, pointer, i64, i64]),
         "rotary_neox": (None, [pointer] * 4 + [i64] * 7),
+        "ggml_dequantize_rows": (ctypes.c_int, [ctypes.c_int, pointer, i64, i64, i64, pointer]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(library, name)
@@ -139,4 +140,32 @@ def rotary_neox(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: 
     return True
 
 
-OPS = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_neox": rotary_neox}
+# gguf.GGMLQuantizationType values ggml_dequantize_rows handles (Q4_0 ... Q8_0, Q2_K ... Q6_K).
+GGML_DEQUANTIZABLE = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
+
+
+def ggml_dequantize(raw: torch.Tensor, qtype: int, cols: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Raw GGML blocks uint8 ``[rows, row_bytes]`` to float32 ``[rows, cols]`` (into ``out`` when
+    given, a contiguous float32 tensor of at least ``rows * cols`` elements), bit-exact with
+    ``ggml_blocks.dequantize``. None: a type (or a non-contiguous ``raw``) this kernel does not handle;
+    use the torch path."""
+    qtype = int(qtype)
+    rows = raw.shape[0]
+    if qtype not in GGML_DEQUANTIZABLE or raw.dtype != torch.uint8 or not raw.is_contiguous():
+        return None
+    if out is None:
+        out = torch.empty(rows, cols, dtype=torch.float32)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < rows * cols:
+        raise ValueError(f"ggml_dequantize needs a contiguous float32 out of {rows * cols} elements, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    else:
+        out = out.view(-1)[:rows * cols].view(rows, cols)
+    status = load().ggml_dequantize_rows(qtype, raw.data_ptr(), rows, raw.shape[1], cols, out.data_ptr())
+    if status != 0:  # the columns are not whole blocks filling each row
+        raise ValueError(f"ggml_dequantize: {cols} columns of GGML type {qtype} do not fit rows of "
+                         f"{raw.shape[1]} bytes")
+    return out
+
+
+OPS = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_neox": rotary_neox,
+       "ggml_dequantize": ggml_dequantize}

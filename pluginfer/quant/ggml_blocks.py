@@ -9,8 +9,9 @@ The contract other modules (the GGUF loader, the in-situ quant methods) code aga
   as a GGUF file stores it, to ``[rows, cols]`` in ``dtype``;
 - ``quantize(weight, qtype, *, name="weight")``: float ``[rows, cols]`` to uint8 ``[rows, row_bytes]``;
   ``name`` is the tensor named in errors;
-- ``ggml_linear(x, raw, qtype, cols, bias)``: ``x @ W.T + bias``, dequantizing a tile of rows at a
-  time (``tiled.tiled_linear``), never the whole weight.
+- ``ggml_linear(x, raw, qtype, cols, bias, dequantize_rows=None)``: ``x @ W.T + bias``, dequantizing
+  a tile of rows at a time (``tiled.tiled_linear``), never the whole weight; ``dequantize_rows`` is
+  a backend's native tile dequantization (the cpu backend's ``ggml_dequantize`` op), if any.
 
 Dequantization is bit-exact with ``gguf.quants.dequantize`` for every type in ``DEQUANTIZABLE``
 (a NaN, which only a NaN scale field or F16 weight produces, stays a NaN, its payload not kept).
@@ -29,6 +30,9 @@ Dequantizing a 512 x 4096 tile takes about 1 ms (Q8_0), 2 ms (Q4_K) or 4 ms (Q6_
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -498,8 +502,38 @@ def quantize(weight: torch.Tensor, qtype: GGMLQuantizationType | int, *, name: s
     return torch.cat([_QUANTIZE[qtype](chunk) for chunk in chunks]).reshape(rows, row_bytes(qtype, cols))
 
 
+# ``(raw, qtype, cols, out) -> float32 [rows, cols]`` or None: a backend's native dequantization
+# (``DeviceBackend.op("ggml_dequantize")``), bit-exact with ``dequantize``.
+DequantizeKernel = Callable[[torch.Tensor, int, int, "torch.Tensor | None"], "torch.Tensor | None"]
+_scratch = threading.local()  # one float32 tile buffer per thread, grown to the largest tile seen
+
+
+def _tile_buffer(elements: int) -> torch.Tensor:
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < elements:
+        buffer = _scratch.buffer = torch.empty(elements, dtype=torch.float32)
+    return buffer
+
+
 def ggml_linear(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType | int, cols: int,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for ``W = dequantize(raw, qtype, cols)``, one tile of output rows at a time."""
+                bias: torch.Tensor | None, dequantize_rows: DequantizeKernel | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``W = dequantize(raw, qtype, cols)``, one tile of output rows at a time.
+
+    With ``dequantize_rows`` (a native kernel) each tile is dequantized by it, for float32 ``x``
+    into one reused buffer (a tile is consumed by its matmul before the next is written); the
+    torch ``dequantize`` remains the path for the types the kernel declines (it returns None)."""
     qtype = _qtype(qtype)
-    return tiled_linear(x, raw.shape[0], lambda start, stop: dequantize(raw[start:stop], qtype, cols, x.dtype), bias)
+    if dequantize_rows is None or raw.device.type != "cpu":
+        return tiled_linear(x, raw.shape[0], lambda start, stop: dequantize(raw[start:stop], qtype, cols, x.dtype),
+                            bias)
+    into_buffer = x.dtype == torch.float32
+
+    def tile(start: int, stop: int) -> torch.Tensor:
+        rows = raw[start:stop]
+        buffer = _tile_buffer((stop - start) * cols) if into_buffer else None
+        weights = dequantize_rows(rows, int(qtype), cols, buffer)
+        if weights is None:
+            return dequantize(rows, qtype, cols, x.dtype)
+        return weights if buffer is not None else weights.to(x.dtype)
+
+    return tiled_linear(x, raw.shape[0], tile, bias)

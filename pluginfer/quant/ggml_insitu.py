@@ -14,6 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from pluginfer.layers.context import backend_op, current_context, has_context
 from pluginfer.quant import ggml_blocks
 from pluginfer.quant.tiled import InSituQuantMethod, replace_weight
 
@@ -25,6 +26,11 @@ class GGMLInSituLinear(InSituQuantMethod):
         self.name = name
         self.qtype = qtype
         self.block_size, self.type_size = GGML_QUANT_SIZES[qtype]
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        super().create_weights(layer, input_size, output_size, dtype)
+        # The backend's native tile dequantization, if it has one (None: the torch path).
+        layer.ggml_dequantize = backend_op(current_context().backend, "ggml_dequantize") if has_context() else None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if "weight" not in layer._parameters:
@@ -40,7 +46,7 @@ class GGMLInSituLinear(InSituQuantMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raw = layer.qweight
         cols = raw.shape[1] // self.type_size * self.block_size
-        return ggml_blocks.ggml_linear(x, raw, self.qtype, cols, bias)
+        return ggml_blocks.ggml_linear(x, raw, self.qtype, cols, bias, getattr(layer, "ggml_dequantize", None))
 
 
 def _build(name: str, qtype: GGMLQuantizationType, quant_config: dict | None) -> GGMLInSituLinear:

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pluginfer.quant.ggml_blocks import DEQUANTIZABLE, ggml_linear, row_bytes
+from pluginfer.layers.context import backend_op, current_context, has_context
+from pluginfer.quant.ggml_blocks import DEQUANTIZABLE, DequantizeKernel, ggml_linear, row_bytes
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -38,6 +39,8 @@ class GGUFLinear:
         layer.gguf_dtype = dtype
         layer.gguf_shards = {}
         layer.gguf_groups = []
+        # The backend's native tile dequantization, if it has one (None: the torch path).
+        layer.ggml_dequantize = backend_op(current_context().backend, "ggml_dequantize") if has_context() else None
 
     def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: object, shard_id: object = None) -> None:
         """Keep one checkpoint tensor (``GGMLTensor`` or dense) as shard ``shard_id`` of the layer's weight."""
@@ -76,18 +79,19 @@ class GGUFLinear:
         del layer.weight  # the placeholder; the groups hold the weights
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        groups = layer.gguf_groups
+        groups, kernel = layer.gguf_groups, getattr(layer, "ggml_dequantize", None)
         if len(groups) == 1:
-            return _group_linear(x, *groups[0], layer.input_size, bias)
-        out = torch.cat([_group_linear(x, qtype, weight, layer.input_size, None) for qtype, weight in groups], dim=-1)
+            return _group_linear(x, *groups[0], layer.input_size, bias, kernel)
+        out = torch.cat([_group_linear(x, qtype, weight, layer.input_size, None, kernel) for qtype, weight in groups],
+                        dim=-1)
         return out if bias is None else out + bias
 
 
-def _group_linear(x: torch.Tensor, qtype: object, weight: torch.Tensor, cols: int,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+def _group_linear(x: torch.Tensor, qtype: object, weight: torch.Tensor, cols: int, bias: torch.Tensor | None,
+                  kernel: DequantizeKernel | None) -> torch.Tensor:
     if qtype is None:
         return F.linear(x, weight, bias)
-    return ggml_linear(x, weight, qtype, cols, bias)
+    return ggml_linear(x, weight, qtype, cols, bias, kernel)
 
 
 def build(quant_config: dict | None = None) -> GGUFLinear:

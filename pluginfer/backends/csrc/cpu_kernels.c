@@ -296,3 +296,229 @@ void rotary_neox(float *q, float *k, const float *cos_table, const float *sin_ta
         }
     }
 }
+
+/* ggml_dequantize_rows: contiguous rows of raw llama.cpp blocks (row_bytes each) to float32 [rows, cols],
+ * bit-exact with pluginfer.quant.ggml_blocks.dequantize: every value is formed by the same float32
+ * operations in the same order (e.g. Q4_K: dl = d * sc, ml = dmin * m, then q * dl - ml, two
+ * roundings). That relies on no contraction into FMA: -std=c11 makes gcc's default
+ * -ffp-contract=off. Types are gguf's GGMLQuantizationType values; returns -1 for any other, -2
+ * when cols is not whole blocks filling row_bytes. */
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q2_K = 10,
+       GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* IEEE half to float, exact for every input (subnormals, infinities; a NaN keeps its payload and
+ * gets the quiet bit, as F16C's vcvtph2ps does). */
+static inline float half_to_float(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000 | (mantissa << 13) | (mantissa ? 0x400000 : 0);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        int shift = 0;
+        uint32_t m = mantissa;
+        while (!(m & 0x400)) { m <<= 1; shift++; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* The loops below run over the 32 (or 32 of 256) weights with per-lane selects (j < 16 ? ...):
+ * gcc 12 vectorises them well, where two loops of 16 or an unpacking loop first run 3-4x slower.
+ * Weight j of a 32-weight block with nibbles: low nibble of byte j, or high nibble of byte j - 16. */
+#define NIBBLE(qs, j) ((j) < 16 ? (qs)[j] & 0x0F : (qs)[(j) - 16] >> 4)
+
+static void dequantize_q4_0(const uint8_t *restrict b, float *restrict y) {
+    const float d = half_to_float(b);
+    for (int j = 0; j < 32; j++) {
+        const int level = NIBBLE(b + 2, j) - 8;
+        y[j] = (float)level * d;
+    }
+}
+
+static void dequantize_q4_1(const uint8_t *restrict b, float *restrict y) {
+    const float d = half_to_float(b), m = half_to_float(b + 2);
+    for (int j = 0; j < 32; j++) {
+        const int level = NIBBLE(b + 4, j);
+        const float t = (float)level * d;
+        y[j] = t + m;
+    }
+}
+
+static inline uint32_t load_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void dequantize_q5_0(const uint8_t *restrict b, float *restrict y) {
+    const float d = half_to_float(b);
+    const uint32_t qh = load_u32(b + 2);
+    for (int j = 0; j < 32; j++) y[j] = (float)((NIBBLE(b + 6, j) | (int)((qh >> j) & 1) << 4) - 16) * d;
+}
+
+static void dequantize_q5_1(const uint8_t *restrict b, float *restrict y) {
+    const float d = half_to_float(b), m = half_to_float(b + 2);
+    const uint32_t qh = load_u32(b + 4);
+    for (int j = 0; j < 32; j++) {
+        const float t = (float)(NIBBLE(b + 8, j) | (int)((qh >> j) & 1) << 4) * d;
+        y[j] = t + m;
+    }
+}
+
+static void dequantize_q8_0(const uint8_t *restrict b, float *restrict y) {
+    const float d = half_to_float(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) y[j] = (float)q[j] * d;
+}
+
+/* 256 weights, 16 sub-blocks of 16: scale nibble low, min nibble high; 2-bit levels in two halves of
+ * 32 bytes, four planes each (weight h*128 + p*32 + j is bits 2p of qs[h*32 + j]). */
+static void dequantize_q2_k(const uint8_t *restrict b, float *restrict y) {
+    const uint8_t *scales = b, *qs = b + 16;
+    const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+    for (int p = 0; p < 8; p++) { /* 32 weights: sub-blocks 2p and 2p + 1 */
+        const float dl0 = d * (float)(scales[2 * p] & 0x0F), ml0 = dmin * (float)(scales[2 * p] >> 4);
+        const float dl1 = d * (float)(scales[2 * p + 1] & 0x0F), ml1 = dmin * (float)(scales[2 * p + 1] >> 4);
+        const uint8_t *q = qs + (p / 4) * 32;
+        const int shift = 2 * (p % 4);
+        for (int j = 0; j < 32; j++) {
+            const float t = (float)((q[j] >> shift) & 3) * (j < 16 ? dl0 : dl1);
+            y[p * 32 + j] = t - (j < 16 ? ml0 : ml1);
+        }
+    }
+}
+
+/* Q3_K: as Q2_K's planes, minus 4 where the weight's bit in hmask (bit e / 32 of byte e % 32) is 0. */
+static void dequantize_q3_k(const uint8_t *restrict b, float *restrict y) {
+    const uint8_t *hmask = b, *qs = b + 32, *packed = b + 96;
+    const float d = half_to_float(b + 108);
+    float dl[16];
+    for (int s = 0; s < 16; s++) {
+        const int low = (packed[s % 8] >> (4 * (s / 8))) & 0x0F;
+        const int high = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;
+        dl[s] = d * (float)((int8_t)(low | high << 4) - 32);
+    }
+    for (int p = 0; p < 8; p++) {
+        const uint8_t *q = qs + (p / 4) * 32;
+        const int shift = 2 * (p % 4);
+        const float dl0 = dl[2 * p], dl1 = dl[2 * p + 1];
+        for (int j = 0; j < 32; j++) {
+            const int level = ((q[j] >> shift) & 3) - (((hmask[j] >> p) & 1) ? 0 : 4);
+            y[p * 32 + j] = (float)level * (j < 16 ? dl0 : dl1);
+        }
+    }
+}
+
+/* get_scale_min_k4: Q4_K/Q5_K's 12 bytes to sub-block j's six-bit scale and min. */
+static inline void k_scale_min(const uint8_t *packed, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = packed[j] & 0x3F;
+        *min = packed[j + 4] & 0x3F;
+    } else {
+        *scale = (packed[j + 4] & 0x0F) | ((packed[j - 4] >> 2) & 0x30);
+        *min = (packed[j + 4] >> 4) | ((packed[j] >> 2) & 0x30);
+    }
+}
+
+static void dequantize_q4_k(const uint8_t *restrict b, float *restrict y) {
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t *qs = b + 16;
+    for (int s = 0; s < 8; s++) {
+        int scale, min;
+        k_scale_min(b + 4, s, &scale, &min);
+        const float dl = d * (float)scale, ml = dmin * (float)min;
+        const uint8_t *q = qs + (s / 2) * 32;
+        const int shift = 4 * (s % 2);
+        for (int j = 0; j < 32; j++) {
+            const float t = (float)((q[j] >> shift) & 0x0F) * dl;
+            y[s * 32 + j] = t - ml;
+        }
+    }
+}
+
+static void dequantize_q5_k(const uint8_t *restrict b, float *restrict y) {
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int s = 0; s < 8; s++) {
+        int scale, min;
+        k_scale_min(b + 4, s, &scale, &min);
+        const float dl = d * (float)scale, ml = dmin * (float)min;
+        const uint8_t *q = qs + (s / 2) * 32;
+        const int shift = 4 * (s % 2);
+        for (int j = 0; j < 32; j++) {
+            const int level = ((q[j] >> shift) & 0x0F) | ((qh[j] >> s) & 1) << 4;
+            const float t = (float)level * dl;
+            y[s * 32 + j] = t - ml;
+        }
+    }
+}
+
+/* Weight h*128 + e (e < 128): low nibble e / 64 of ql[h*64 + e % 64], two high bits 2 (e / 32) of
+ * qh[h*32 + e % 32]; sub-block of 16 weights (h*128 + e) / 16 has an int8 scale. */
+static void dequantize_q6_k(const uint8_t *restrict b, float *restrict y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = half_to_float(b + 208);
+    for (int p = 0; p < 8; p++) { /* 32 weights e0 = 32 (p % 4) .. + 31 of half h = p / 4 */
+        const int h = p / 4, e0 = 32 * (p % 4);
+        const float dl0 = d * (float)scales[2 * p], dl1 = d * (float)scales[2 * p + 1];
+        const uint8_t *low = ql + h * 64 + e0 % 64, *high = qh + h * 32;
+        const int low_shift = 4 * (e0 / 64), high_shift = 2 * (e0 / 32);
+        for (int j = 0; j < 32; j++) {
+            const int level = (((low[j] >> low_shift) & 0x0F) | ((high[j] >> high_shift) & 3) << 4) - 32;
+            y[p * 32 + j] = (float)level * (j < 16 ? dl0 : dl1);
+        }
+    }
+}
+
+/* One row of blocks; the block function is inlined into the loop (no call per block). */
+#define DEQUANTIZE_ROW(block, weights, type_size)                                                 \
+    for (int64_t i = 0; i < cols / (weights); i++) block(row + i * (type_size), y + i * (weights))
+
+int ggml_dequantize_rows(int type, const uint8_t *raw, int64_t rows, int64_t row_bytes, int64_t cols, float *out) {
+    int64_t weights, type_size;
+    switch (type) {
+    case GGML_Q4_0: weights = 32; type_size = 18; break;
+    case GGML_Q4_1: weights = 32; type_size = 20; break;
+    case GGML_Q5_0: weights = 32; type_size = 22; break;
+    case GGML_Q5_1: weights = 32; type_size = 24; break;
+    case GGML_Q8_0: weights = 32; type_size = 34; break;
+    case GGML_Q2_K: weights = 256; type_size = 84; break;
+    case GGML_Q3_K: weights = 256; type_size = 110; break;
+    case GGML_Q4_K: weights = 256; type_size = 144; break;
+    case GGML_Q5_K: weights = 256; type_size = 176; break;
+    case GGML_Q6_K: weights = 256; type_size = 210; break;
+    default: return -1;
+    }
+    if (cols % weights || cols / weights * type_size != row_bytes) return -2;
+#pragma omp parallel for if (rows * cols >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = raw + r * row_bytes;
+        float *y = out + r * cols;
+        switch (type) {
+        case GGML_Q4_0: DEQUANTIZE_ROW(dequantize_q4_0, 32, 18); break;
+        case GGML_Q4_1: DEQUANTIZE_ROW(dequantize_q4_1, 32, 20); break;
+        case GGML_Q5_0: DEQUANTIZE_ROW(dequantize_q5_0, 32, 22); break;
+        case GGML_Q5_1: DEQUANTIZE_ROW(dequantize_q5_1, 32, 24); break;
+        case GGML_Q8_0: DEQUANTIZE_ROW(dequantize_q8_0, 32, 34); break;
+        case GGML_Q2_K: DEQUANTIZE_ROW(dequantize_q2_k, 256, 84); break;
+        case GGML_Q3_K: DEQUANTIZE_ROW(dequantize_q3_k, 256, 110); break;
+        case GGML_Q4_K: DEQUANTIZE_ROW(dequantize_q4_k, 256, 144); break;
+        case GGML_Q5_K: DEQUANTIZE_ROW(dequantize_q5_k, 256, 176); break;
+        case GGML_Q6_K: DEQUANTIZE_ROW(dequantize_q6_k, 256, 210); break;
+        }
+    }
+    return 0;
+}
