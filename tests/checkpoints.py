@@ -96,3 +96,14 @@ def copy_with_config(source: Path, target: Path, changes: dict) -> Path:
     config.update(changes)
     (target / "config.json").write_text(json.dumps(config))
     return target
+
+
+def assert_config_rejected(source: Path, target: Path, changes: dict, pattern: str) -> None:
+    """Loading ``source`` with ``changes`` in its config.json fails with a ValueError matching ``pattern``."""
+    import pytest
+
+    from pluginfer import LLM
+
+    path = copy_with_config(source, target, changes)
+    with pytest.raises(ValueError, match=pattern):
+        LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8)

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from pluginfer import LLM
-from tests.checkpoints import copy_with_config, save_family_checkpoints
+from tests.checkpoints import assert_config_rejected, save_family_checkpoints
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, num_experts_per_tok=2)
@@ -45,9 +45,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Pa
 def test_unsupported_config_fails_at_load_naming_field_and_value(checkpoints: dict[str, Path], tmp_path: Path,
                                                                  case: str) -> None:
     family, changes, pattern = CASES[case]
-    path = copy_with_config(checkpoints[family], tmp_path / case, changes)
-    with pytest.raises(ValueError, match=pattern):
-        LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8)
+    assert_config_rejected(checkpoints[family], tmp_path / case, changes, pattern)
 
 
 @pytest.mark.parametrize("family", list(MISSING))
