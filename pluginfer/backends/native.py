@@ -66,6 +66,8 @@ def load() -> ctypes.CDLL:
         "silu_and_mul": (None, [pointer, pointer, i64, i64]),
         "rotary_neox": (None, [pointer] * 4 + [i64] * 7),
         "ggml_dequantize_rows": (ctypes.c_int, [ctypes.c_int, pointer, i64, i64, i64, pointer]),
+        "grouped_dequantize": (ctypes.c_int, [ctypes.c_int, pointer, pointer, pointer, ctypes.c_int, pointer]
+                               + [i64] * 6 + [pointer]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(library, name)
@@ -167,5 +169,46 @@ def ggml_dequantize(raw: torch.Tensor, qtype: int, cols: int, out: torch.Tensor 
     return out
 
 
+# Scale dtypes grouped_dequantize reads, by the code its C kernel takes.
+SCALE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def grouped_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                       bits: int, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Output columns ``start:stop`` of the GPTQ/AWQ layout (``pluginfer.quant.packing``) as float32
+    ``[in, stop - start]`` (into ``out`` when given, a contiguous float32 tensor of at least that many
+    elements), bit-exact with ``GroupQuantLinear.dequantize_columns`` in float32 (which returns its
+    transpose). ``g_idx`` must name groups of ``scales``, as loading checks. None: bits, dtypes,
+    devices or strides this kernel does not handle; use the torch path."""
+    if bits not in (4, 8):
+        return None
+    pack = 32 // bits
+    in_features, rows, groups = qweight.shape[0] * pack, stop - start, scales.shape[0]
+    tensors = (qweight, qzeros, scales) if g_idx is None else (qweight, qzeros, scales, g_idx)
+    if (scales.dtype not in SCALE_TYPES or qweight.dtype != torch.int32 or qzeros.dtype != torch.int32
+            or (g_idx is not None and (g_idx.dtype != torch.int32 or g_idx.numel() != in_features))
+            or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+            or groups == 0 or in_features % groups or scales.shape[1] != qweight.shape[1]
+            or qzeros.shape[0] != groups or start % pack or stop % pack
+            or not 0 <= start < stop <= qweight.shape[1] or qzeros.shape[1] * pack < stop):
+        return None
+    if out is None:
+        out = torch.empty(in_features, rows, dtype=torch.float32)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < in_features * rows:
+        raise ValueError(f"grouped_dequantize needs a contiguous float32 out of {in_features * rows} elements, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    else:
+        out = out.view(-1)[:in_features * rows].view(in_features, rows)
+    status = load().grouped_dequantize(
+        bits, qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), SCALE_TYPES[scales.dtype],
+        g_idx.data_ptr() if g_idx is not None else None, in_features, qweight.shape[1], groups, qzeros.shape[1],
+        start, stop, out.data_ptr())
+    if status == -3:
+        raise MemoryError("grouped_dequantize could not allocate its per-group buffers")
+    if status != 0:
+        raise ValueError(f"grouped_dequantize: status {status} for bits {bits}, columns {start}:{stop}")
+    return out
+
+
 OPS = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_neox": rotary_neox,
-       "ggml_dequantize": ggml_dequantize}
+       "ggml_dequantize": ggml_dequantize, "grouped_dequantize": grouped_dequantize}

@@ -73,6 +73,7 @@ class AWQLinear(GroupQuantLinear):
                        output_dim=1, input_dim=0, packed_dim=1, packed_factor=self.pack)
         self._register(layer, "scales", torch.zeros(groups, output_size, dtype=torch.float16),
                        output_dim=1, input_dim=0)
+        self._find_kernel(layer)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "quant_group_size", None) is not None:

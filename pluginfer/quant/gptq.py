@@ -124,6 +124,7 @@ class GPTQLinear(GroupQuantLinear):
                        output_dim=1, input_dim=group_dim)
         self._register(layer, "g_idx", torch.zeros(input_size, dtype=torch.int32), output_dim=None, input_dim=0)
         layer.g_idx.weight_loader = partial(_load_g_idx, layer)
+        self._find_kernel(layer)
 
     @staticmethod
     def _row_split(layer: nn.Module) -> bool:

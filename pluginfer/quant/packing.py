@@ -11,14 +11,24 @@ at a time (``tiled.tiled_linear``), so no dense copy of a layer's weight is ever
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import torch
 from torch import nn
 
+from pluginfer.layers.context import backend_op, current_context, has_context
 from pluginfer.quant.tiled import tiled_linear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_scratch = threading.local()  # one float32 tile buffer per thread, grown to the largest tile seen
+
+
+def _tile_buffer(elements: int) -> torch.Tensor:
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < elements:
+        buffer = _scratch.buffer = torch.empty(elements, dtype=torch.float32)
+    return buffer
 
 
 def pack_factor(bits: int) -> int:
@@ -100,6 +110,12 @@ class GroupQuantLinear:
         """Inputs per group on this rank; -1 (one group per output) keeps a row-split layer's group whole."""
         return input_size if self.group_size == -1 else self.group_size
 
+    @staticmethod
+    def _find_kernel(layer: nn.Module) -> None:
+        """The backend's native tile dequantization, if it has one (None: the torch path)."""
+        layer.grouped_dequantize = (backend_op(current_context().backend, "grouped_dequantize")
+                                    if has_context() else None)
+
     def _check_sizes(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         if input_size % self.pack or output_size % self.pack:
             raise ValueError(f"{self.name}: a {output_size}x{input_size} weight (this rank's shard) does not "
@@ -146,5 +162,18 @@ class GroupQuantLinear:
         return (dense if dtype == torch.float32 else dense.to(dtype)).t()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return tiled_linear(x, layer.qweight.shape[1],
-                            lambda start, stop: self.dequantize_columns(layer, start, stop, x.dtype), bias)
+        kernel = getattr(layer, "grouped_dequantize", None)
+        if kernel is None:
+            return tiled_linear(x, layer.qweight.shape[1],
+                                lambda start, stop: self.dequantize_columns(layer, start, stop, x.dtype), bias)
+        into_buffer = x.dtype == torch.float32  # a tile is consumed by its matmul before the next is written
+        g_idx = getattr(layer, "g_idx", None)
+
+        def tile(start: int, stop: int) -> torch.Tensor:
+            buffer = _tile_buffer((stop - start) * layer.qweight.shape[0] * self.pack) if into_buffer else None
+            dense = kernel(layer.qweight, layer.qzeros, layer.scales, g_idx, self.bits, start, stop, buffer)
+            if dense is None:
+                return self.dequantize_columns(layer, start, stop, x.dtype)
+            return (dense if into_buffer else dense.to(x.dtype)).t()
+
+        return tiled_linear(x, layer.qweight.shape[1], tile, bias)

@@ -522,3 +522,65 @@ int ggml_dequantize_rows(int type, const uint8_t *raw, int64_t rows, int64_t row
     }
     return 0;
 }
+
+/* grouped_dequantize: output columns [start, stop) of the group-quantized layout GPTQ and AWQ keep
+ * (pluginfer.quant.packing): qweight int32 [in / pack, out] packed along the inputs, qzeros int32
+ * [groups, zero_words] packed along the outputs, scales [groups, out] (scale_type 0 float32, 1
+ * float16, 2 bfloat16), g_idx int32 [in] or NULL (then input i is in group i / (in / groups)).
+ * Writes float32 [in, stop - start] (the transposed tile), each value (q - zero) * scale as
+ * GroupQuantLinear.dequantize_columns forms it: q - zero is exact, so one rounding, bit-exact.
+ * Returns -1 for bits other than 4 or 8, -2 for column bounds that are not whole words, -3 when
+ * the per-group buffers cannot be allocated. */
+static inline float scale_to_float(const void *scales, int scale_type, int64_t index) {
+    if (scale_type == 1) return half_to_float((const uint8_t *)scales + 2 * index);
+    if (scale_type == 2) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)scales)[index] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return ((const float *)scales)[index];
+}
+
+int grouped_dequantize(int bits, const int32_t *qweight, const int32_t *qzeros, const void *scales,
+                       int scale_type, const int32_t *g_idx, int64_t in, int64_t out_features, int64_t groups,
+                       int64_t zero_words, int64_t start, int64_t stop, float *out) {
+    if (bits != 4 && bits != 8) return -1;
+    const int64_t pack = 32 / bits, rows = stop - start, group_size = in / groups;
+    const uint32_t mask = (1u << bits) - 1;
+    if (start % pack || stop % pack || rows <= 0 || stop > out_features) return -2;
+    /* Every group's zero points and scales for this tile, as floats (exact for both). */
+    float *zero = malloc(sizeof(float) * groups * rows), *scale = malloc(sizeof(float) * groups * rows);
+    if (zero == NULL || scale == NULL) {
+        free(zero);
+        free(scale);
+        return -3;
+    }
+#pragma omp parallel for if (groups * rows >= (1 << 14))
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t c = 0; c < rows; c++) {
+            const int64_t o = start + c;
+            const uint32_t word = (uint32_t)qzeros[g * zero_words + o / pack];
+            zero[g * rows + c] = (float)((word >> ((o % pack) * bits)) & mask);
+            scale[g * rows + c] = scale_to_float(scales, scale_type, g * out_features + o);
+        }
+    }
+#pragma omp parallel for if (in * rows >= (1 << 16))
+    for (int64_t p = 0; p < in / pack; p++) {
+        const uint32_t *restrict words = (const uint32_t *)qweight + p * out_features + start;
+        for (int64_t k = 0; k < pack; k++) {
+            const int64_t i = p * pack + k;
+            const int64_t g = g_idx != NULL ? g_idx[i] : i / group_size;
+            const float *restrict z = zero + g * rows, *restrict s = scale + g * rows;
+            float *restrict y = out + i * rows;
+            const int shift = (int)(k * bits);
+            for (int64_t c = 0; c < rows; c++) {
+                const float q = (float)((words[c] >> shift) & mask);
+                y[c] = (q - z[c]) * s[c];
+            }
+        }
+    }
+    free(zero);
+    free(scale);
+    return 0;
+}
