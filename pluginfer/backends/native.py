@@ -68,6 +68,7 @@ def load() -> ctypes.CDLL:
         "ggml_dequantize_rows": (ctypes.c_int, [ctypes.c_int, pointer, i64, i64, i64, pointer]),
         "grouped_dequantize": (ctypes.c_int, [ctypes.c_int, pointer, pointer, pointer, ctypes.c_int, pointer]
                                + [i64] * 6 + [pointer]),
+        "int4_dequantize_rows": (ctypes.c_int, [pointer] * 3 + [i64] * 3 + [pointer]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(library, name)
@@ -210,5 +211,30 @@ def grouped_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torc
     return out
 
 
+def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Rows of the int4 method's layout (``pluginfer.quant.int4``) as float32 ``[rows, in]`` (into ``out``
+    when given, a contiguous float32 tensor of at least that many elements), bit-exact with
+    ``int4.dequantize_int4``. None: dtypes, devices, strides or shapes this kernel does not handle."""
+    rows, in_features = qweight.shape[0], qweight.shape[1] * 2
+    tensors = (qweight, scales, zeros)
+    if (qweight.dtype != torch.uint8 or scales.dtype != torch.float16 or zeros.dtype != torch.float16
+            or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+            or scales.shape != zeros.shape or scales.shape[0] != rows or scales.shape[1] == 0
+            or in_features % scales.shape[1] or (in_features // scales.shape[1]) % 2):
+        return None
+    if out is None:
+        out = torch.empty(rows, in_features, dtype=torch.float32)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < rows * in_features:
+        raise ValueError(f"int4_dequantize needs a contiguous float32 out of {rows * in_features} elements, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    else:
+        out = out.view(-1)[:rows * in_features].view(rows, in_features)
+    load().int4_dequantize_rows(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), rows, in_features,
+                                in_features // scales.shape[1], out.data_ptr())
+    return out
+
+
 OPS = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_neox": rotary_neox,
-       "ggml_dequantize": ggml_dequantize, "grouped_dequantize": grouped_dequantize}
+       "ggml_dequantize": ggml_dequantize, "grouped_dequantize": grouped_dequantize,
+       "int4_dequantize": int4_dequantize}

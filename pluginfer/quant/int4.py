@@ -16,12 +16,16 @@ multiple of 128 is refused: a smaller group would cost more than 0.6 bytes per w
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
+from pluginfer.layers.context import backend_op, current_context, has_context
 from pluginfer.quant.tiled import InSituQuantMethod, replace_weight, tiled_linear
 
 GROUP_SIZE = 128
+_scratch = threading.local()  # one float32 tile buffer per thread, grown to the largest tile seen
 
 
 def quantize_int4(weight: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,8 +53,20 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return dense.reshape(rows, groups * GROUP_SIZE).to(dtype)
 
 
+def _tile_buffer(elements: int) -> torch.Tensor:
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < elements:
+        buffer = _scratch.buffer = torch.empty(elements, dtype=torch.float32)
+    return buffer
+
+
 class Int4Linear(InSituQuantMethod):
     name = "int4"
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        super().create_weights(layer, input_size, output_size, dtype)
+        # The backend's native tile dequantization, if it has one (None: the torch path).
+        layer.int4_dequantize = backend_op(current_context().backend, "int4_dequantize") if has_context() else None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if "weight" not in layer._parameters:
@@ -60,8 +76,18 @@ class Int4Linear(InSituQuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
-        return tiled_linear(x, qweight.shape[0], lambda start, stop: dequantize_int4(
-            qweight[start:stop], scales[start:stop], zeros[start:stop], x.dtype), bias)
+        kernel = getattr(layer, "int4_dequantize", None)
+        into_buffer = x.dtype == torch.float32  # a tile is consumed by its matmul before the next is written
+
+        def tile(start: int, stop: int) -> torch.Tensor:
+            if kernel is not None:
+                buffer = _tile_buffer((stop - start) * qweight.shape[1] * 2) if into_buffer else None
+                dense = kernel(qweight[start:stop], scales[start:stop], zeros[start:stop], buffer)
+                if dense is not None:
+                    return dense if into_buffer else dense.to(x.dtype)
+            return dequantize_int4(qweight[start:stop], scales[start:stop], zeros[start:stop], x.dtype)
+
+        return tiled_linear(x, qweight.shape[0], tile, bias)
 
 
 def build(quant_config: dict | None = None) -> Int4Linear:

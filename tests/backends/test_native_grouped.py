@@ -1,6 +1,7 @@
 """The native GPTQ/AWQ tile dequantization (``native.grouped_dequantize``, the cpu backend's
 ``grouped_dequantize`` op) against its oracle, ``GroupQuantLinear.dequantize_columns``: equal bit for
-bit, and so are the layer outputs and a GPTQ checkpoint's logits with and without it.
+bit, and so are the layer outputs and GPTQ/AWQ checkpoints' logits with and without it. Likewise the
+int4 method's rows (``native.int4_dequantize``) against ``int4.dequantize_int4``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from torch import nn
 
 from pluginfer import LLM
 from pluginfer.backends import native
+from pluginfer.quant import int4
 from pluginfer.quant.packing import GroupQuantLinear
-from tests.checkpoints import prefill_logits, random_prompts
+from pluginfer.quant.tiled import replace_weight
+from tests.checkpoints import prefill_logits, random_prompts, save_hf_model
 
 FIXTURES = Path(__file__).parents[1] / "quant" / "fixtures" / "gptq_awq"
 IN_FEATURES, OUT_FEATURES, GROUP_SIZE = 256, 96, 32
@@ -119,5 +122,62 @@ def test_checkpoint_logits_with_and_without_the_native_dequantization(
     # The same native backend without this one op: identical logits (the tiles are the same bits).
     monkeypatch.delitem(native.OPS, "grouped_dequantize")
     without_op, kernels = gptq_logits(name, prompt)
+    assert kernels == {None}
+    assert torch.equal(logits, without_op)
+
+
+def random_int4(rows: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random levels (every byte value), fp16 scales and zeros of either sign, row 0 all zero levels."""
+    generator = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(0, 256, (rows, in_features // 2), generator=generator, dtype=torch.uint8)
+    qweight[0] = 0
+    shape = (rows, in_features // int4.GROUP_SIZE)
+    scales = (torch.randn(shape, generator=generator) * 0.01).half()
+    zeros = (torch.randn(shape, generator=generator) * 0.1).half()
+    return qweight, scales, zeros
+
+
+@pytest.mark.parametrize("rows", [3, 300], ids=["one-thread", "openmp"])
+def test_int4_rows_are_bit_exact_with_the_torch_path(rows: int) -> None:
+    qweight, scales, zeros = random_int4(rows, 512, seed=rows)
+    expected = int4.dequantize_int4(qweight, scales, zeros)
+    assert torch.equal(native.int4_dequantize(qweight, scales, zeros).view(torch.int32), expected.view(torch.int32))
+    assert native.int4_dequantize(qweight, scales.float(), zeros) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_layer_output_with_the_kernel_equals_the_torch_path(dtype: torch.dtype) -> None:
+    method = int4.Int4Linear()
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.empty(1), requires_grad=False)
+    qweight, scales, zeros = random_int4(600, 256, seed=3)  # two tiles, the second partial
+    replace_weight(layer, qweight=qweight, scales=scales, zeros=zeros)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
+    layer.int4_dequantize = None
+    expected = method.apply(layer, x, None)
+    layer.int4_dequantize = native.int4_dequantize
+    assert torch.equal(method.apply(layer, x, None), expected)
+
+
+# A small llama whose every input size is a multiple of int4's 128-input groups.
+INT4_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05, rms_norm_eps=1e-5)
+
+
+def int4_logits(path: Path, prompt: list[int]) -> tuple[torch.Tensor, set]:
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64, block_size=8, quant="int4")
+    layers = [m for m in llm.engine.executor.pipeline.modules() if hasattr(m, "qweight")]
+    assert layers
+    return prefill_logits(llm, prompt), {m.int4_dequantize for m in layers}
+
+
+def test_int4_llama_logits_with_and_without_the_native_dequantization(
+        tmp_path: Path, tiny_tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_hf_model("LlamaForCausalLM", INT4_LLAMA, tmp_path, tiny_tokenizer_dir)
+    prompt = random_prompts(200, [24], seed=6)[0]
+    logits, kernels = int4_logits(tmp_path, prompt)
+    assert kernels == {native.int4_dequantize}
+    monkeypatch.delitem(native.OPS, "int4_dequantize")
+    without_op, kernels = int4_logits(tmp_path, prompt)
     assert kernels == {None}
     assert torch.equal(logits, without_op)

@@ -584,3 +584,27 @@ int grouped_dequantize(int bits, const int32_t *qweight, const int32_t *qzeros, 
     free(scale);
     return 0;
 }
+
+/* int4_dequantize_rows: rows of the int4 method's layout (pluginfer.quant.int4): qweight uint8
+ * [rows, in / 2], input 2j in the low nibble of byte j and 2j + 1 in the high one; scales and zeros
+ * float16 [rows, in / group]. Writes float32 [rows, in], q * scale + zero with dequantize_int4's
+ * two roundings (no FMA: -std=c11). Returns -2 when group is not even or does not divide in. */
+int int4_dequantize_rows(const uint8_t *qweight, const uint8_t *scales, const uint8_t *zeros, int64_t rows,
+                         int64_t in, int64_t group, float *out) {
+    if (group <= 0 || group % 2 || in % group) return -2;
+    const int64_t groups = in / group;
+#pragma omp parallel for if (rows * in >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float s = half_to_float(scales + 2 * (r * groups + g)), z = half_to_float(zeros + 2 * (r * groups + g));
+            const uint8_t *restrict b = qweight + r * (in / 2) + g * (group / 2);
+            float *restrict y = out + r * in + g * group;
+            for (int64_t k = 0; k < group / 2; k++) {  /* pairs: gcc vectorises this with interleaved stores */
+                const float low = (float)(b[k] & 0x0F) * s, high = (float)(b[k] >> 4) * s;
+                y[2 * k] = low + z;
+                y[2 * k + 1] = high + z;
+            }
+        }
+    }
+    return 0;
+}
