@@ -31,14 +31,13 @@ Dequantizing a 512 x 4096 tile takes about 1 ms (Q8_0), 2 ms (Q4_K) or 4 ms (Q6_
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pluginfer.quant.tiled import tiled_linear
+from pluginfer.quant.tiled import tile_buffer, tiled_linear
 
 T = GGMLQuantizationType
 QK_K = 256
@@ -505,14 +504,6 @@ def quantize(weight: torch.Tensor, qtype: GGMLQuantizationType | int, *, name: s
 # ``(raw, qtype, cols, out) -> float32 [rows, cols]`` or None: a backend's native dequantization
 # (``DeviceBackend.op("ggml_dequantize")``), bit-exact with ``dequantize``.
 DequantizeKernel = Callable[[torch.Tensor, int, int, "torch.Tensor | None"], "torch.Tensor | None"]
-_scratch = threading.local()  # one float32 tile buffer per thread, grown to the largest tile seen
-
-
-def _tile_buffer(elements: int) -> torch.Tensor:
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.numel() < elements:
-        buffer = _scratch.buffer = torch.empty(elements, dtype=torch.float32)
-    return buffer
 
 
 def ggml_linear(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType | int, cols: int,
@@ -530,7 +521,7 @@ def ggml_linear(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType 
 
     def tile(start: int, stop: int) -> torch.Tensor:
         rows = raw[start:stop]
-        buffer = _tile_buffer((stop - start) * cols) if into_buffer else None
+        buffer = tile_buffer((stop - start) * cols) if into_buffer else None
         weights = dequantize_rows(rows, int(qtype), cols, buffer)
         if weights is None:
             return dequantize(rows, qtype, cols, x.dtype)

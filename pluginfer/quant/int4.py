@@ -16,16 +16,13 @@ multiple of 128 is refused: a smaller group would cost more than 0.6 bytes per w
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from torch import nn
 
 from pluginfer.layers.context import backend_op, current_context, has_context
-from pluginfer.quant.tiled import InSituQuantMethod, replace_weight, tiled_linear
+from pluginfer.quant.tiled import InSituQuantMethod, replace_weight, tile_buffer, tiled_linear
 
 GROUP_SIZE = 128
-_scratch = threading.local()  # one float32 tile buffer per thread, grown to the largest tile seen
 
 
 def quantize_int4(weight: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,13 +50,6 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return dense.reshape(rows, groups * GROUP_SIZE).to(dtype)
 
 
-def _tile_buffer(elements: int) -> torch.Tensor:
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.numel() < elements:
-        buffer = _scratch.buffer = torch.empty(elements, dtype=torch.float32)
-    return buffer
-
-
 class Int4Linear(InSituQuantMethod):
     name = "int4"
 
@@ -81,7 +71,7 @@ class Int4Linear(InSituQuantMethod):
 
         def tile(start: int, stop: int) -> torch.Tensor:
             if kernel is not None:
-                buffer = _tile_buffer((stop - start) * qweight.shape[1] * 2) if into_buffer else None
+                buffer = tile_buffer((stop - start) * qweight.shape[1] * 2) if into_buffer else None
                 dense = kernel(qweight[start:stop], scales[start:stop], zeros[start:stop], buffer)
                 if dense is not None:
                     return dense if into_buffer else dense.to(x.dtype)

@@ -11,24 +11,15 @@ at a time (``tiled.tiled_linear``), so no dense copy of a layer's weight is ever
 
 from __future__ import annotations
 
-import threading
 from functools import partial
 
 import torch
 from torch import nn
 
 from pluginfer.layers.context import backend_op, current_context, has_context
-from pluginfer.quant.tiled import tiled_linear
+from pluginfer.quant.tiled import tile_buffer, tiled_linear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-_scratch = threading.local()  # one float32 tile buffer per thread, grown to the largest tile seen
-
-
-def _tile_buffer(elements: int) -> torch.Tensor:
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.numel() < elements:
-        buffer = _scratch.buffer = torch.empty(elements, dtype=torch.float32)
-    return buffer
 
 
 def pack_factor(bits: int) -> int:
@@ -170,7 +161,7 @@ class GroupQuantLinear:
         g_idx = getattr(layer, "g_idx", None)
 
         def tile(start: int, stop: int) -> torch.Tensor:
-            buffer = _tile_buffer((stop - start) * layer.qweight.shape[0] * self.pack) if into_buffer else None
+            buffer = tile_buffer((stop - start) * layer.qweight.shape[0] * self.pack) if into_buffer else None
             dense = kernel(layer.qweight, layer.qzeros, layer.scales, g_idx, self.bits, start, stop, buffer)
             if dense is None:
                 return self.dequantize_columns(layer, start, stop, x.dtype)

@@ -7,11 +7,25 @@ converting the whole int8 weight per call (4096x4096, fp32, one token: 4.7 ms ag
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
 
 TILE_ROWS = 512
+_scratch = threading.local()  # one float32 tile buffer per thread, grown to the largest tile seen
+
+
+def tile_buffer(elements: int) -> torch.Tensor:
+    """A float32 scratch buffer of at least ``elements`` for a native kernel to dequantize a tile into.
+
+    One per thread, shared by every layer: each tile is consumed by its matmul before the next
+    one is written.
+    """
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < elements:
+        buffer = _scratch.buffer = torch.empty(elements, dtype=torch.float32)
+    return buffer
 
 
 def tiled_linear(x: torch.Tensor, output_size: int, dequantize_rows: Callable[[int, int], torch.Tensor],
