@@ -40,17 +40,24 @@ class PreNormDecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """``embed_tokens`` -> ``layers`` -> ``norm`` (only on the rows that are sampled)."""
+    """``embed_tokens`` -> ``layers`` -> ``norm`` (only on the rows that are sampled).
+
+    ``embed_scale``: multiply the embeddings by it (Gemma's ``sqrt(hidden_size)``), rounded to the
+    embeddings' dtype first as transformers does.
+    """
 
     def __init__(self, config: dict, make_layer: Callable[[int], nn.Module], eps_default: float = 1e-6,
-                 norm: nn.Module | None = None) -> None:
+                 norm: nn.Module | None = None, embed_scale: float | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        self.embed_scale = embed_scale
         self.layers = nn.ModuleList(make_layer(index) for index in range(config["num_hidden_layers"]))
         self.norm = norm if norm is not None else RMSNorm(config["hidden_size"], config.get("rms_norm_eps", eps_default))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(batch.input_ids), None
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         for layer in self.layers:
             hidden, residual = layer(batch, hidden, residual)
         rows = batch.logits_indices
@@ -60,12 +67,12 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module):
     """A ModelPipeline: ``model`` (a DecoderStack) and ``lm_head``, named as in HF checkpoints."""
 
-    def __init__(self, config: dict, model: DecoderStack) -> None:
+    def __init__(self, config: dict, model: DecoderStack, tied_by_default: bool = False) -> None:
         super().__init__()
         self.config = config
         self.model = model
         self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
-        self.tied = bool(config.get("tie_word_embeddings", False))
+        self.tied = bool(config.get("tie_word_embeddings", tied_by_default))
         if self.tied:
             self.lm_head.tie(self.model.embed_tokens)
 

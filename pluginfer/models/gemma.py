@@ -8,20 +8,23 @@ rope per layer type (local base for sliding layers, global base and scaling for 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.core.protocols import BuildContext
+from pluginfer.layers.causal_lm import (
+    DECODER_SIZE_FIELDS,
+    CausalLM,
+    DecoderStack,
+    check_kv_heads,
+    check_positive_fields,
+)
 from pluginfer.layers.context import current_context
-from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.rotary import RotaryEmbedding, get_rope
 from pluginfer.layers.self_attention import SelfAttention
-from pluginfer.layers.weights import load_named_weights
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
@@ -126,68 +129,33 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, config: dict, version: GemmaVersion, max_model_len: int) -> None:
-        super().__init__()
+class GemmaForCausalLM(CausalLM):
+    """The pipeline for all three generations: embeddings scaled by ``sqrt(hidden)``, ``1 + weight``
+    norms, per-layer sliding/global rope, soft-capped logits."""
+
+    def __init__(self, config: dict, ctx: BuildContext, architecture: str) -> None:
+        validate_config(config)
+        version = GemmaVersion(architecture, config)
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         kinds = layer_types(config, version.generation)
         configs = rope_configs(config, version.generation)
-        ropes = {kind: get_rope(configs[kind], head_dim, max_position=max_model_len) for kind in sorted(set(kinds))}
-        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
-        self.embed_scale = config["hidden_size"] ** 0.5
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, version, ropes[kind], kind) for kind in kinds)
-        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6), offset=1.0)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)
-        # The scale is rounded to the weights' dtype first, as transformers does (sqrt(3072) is 55.5 in bf16).
-        hidden, residual = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype), None
-        for layer in self.layers:
-            hidden, residual = layer(batch, hidden, residual)
-        rows = batch.logits_indices
-        return self.norm(hidden[rows] + residual[rows])
-
-
-class GemmaForCausalLM(nn.Module):
-    """The pipeline for all three generations; ``model`` and ``lm_head`` named as in HF checkpoints."""
-
-    def __init__(self, config: dict, ctx: BuildContext, architecture: str) -> None:
-        super().__init__()
-        validate_config(config)
-        self.config = config
-        self.version = GemmaVersion(architecture, config)
-        self.model = GemmaModel(config, self.version, ctx.max_model_len)
-        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
-        self.tied = bool(config.get("tie_word_embeddings", True))
-        if self.tied:
-            self.lm_head.tie(self.model.embed_tokens)
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
-        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
+        ropes = {kind: get_rope(configs[kind], head_dim, max_position=ctx.max_model_len) for kind in sorted(set(kinds))}
+        model = DecoderStack(config, lambda index: GemmaDecoderLayer(config, version, ropes[kinds[index]], kinds[index]),
+                             norm=RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6), offset=1.0),
+                             embed_scale=config["hidden_size"] ** 0.5)
+        super().__init__(config, model, tied_by_default=True)
+        self.version = version
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
         cap = self.version.final_soft_cap
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.tied:
-            weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
-        load_named_weights(self, weights, optional=("lm_head.",) if self.tied else ())
-
 
 def validate_config(config: dict) -> None:
     """Reject field values this pipeline would otherwise misread."""
-    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-        if not isinstance(config.get(field), int) or config[field] <= 0:
-            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    if heads % kv_heads:
-        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    check_positive_fields(config, DECODER_SIZE_FIELDS)
+    check_kv_heads(config)
     if config.get("use_bidirectional_attention"):
         raise ValueError("config.json: use_bidirectional_attention true (an encoder) is not supported by the gemma "
                          "pipeline")
