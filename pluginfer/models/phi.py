@@ -15,6 +15,13 @@ from torch import nn
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import BuildContext, KVCacheSpec
 from pluginfer.layers.activation import activation
+from pluginfer.layers.causal_lm import (
+    DECODER_SIZE_FIELDS,
+    DecoderStack,
+    PreNormDecoderLayer,
+    check_kv_heads,
+    check_positive_fields,
+)
 from pluginfer.layers.context import current_context
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -105,7 +112,7 @@ def phi3_rope(config: dict, head_dim: int, max_model_len: int) -> RotaryEmbeddin
                              max_model_len=max_model_len)
 
 
-class Phi3DecoderLayer(nn.Module):
+class Phi3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: dict, rope: RotaryEmbedding) -> None:
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-5)
@@ -116,30 +123,10 @@ class Phi3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, residual = self.post_attention_layernorm(self.self_attn(batch, hidden), residual)
-        return self.mlp(hidden), residual
 
-
-class Phi3Model(nn.Module):
-    def __init__(self, config: dict, max_model_len: int) -> None:
-        super().__init__()
-        rope = phi3_rope(config, _head_dim(config), max_model_len)
-        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(Phi3DecoderLayer(config, rope) for _ in range(config["num_hidden_layers"]))
-        self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-5))
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(batch, hidden, residual)
-        rows = batch.logits_indices
-        return self.norm(hidden[rows] + residual[rows])
+def phi3_model(config: dict, max_model_len: int) -> DecoderStack:
+    rope = phi3_rope(config, _head_dim(config), max_model_len)
+    return DecoderStack(config, lambda _: Phi3DecoderLayer(config, rope), eps_default=1e-5)
 
 
 class PhiForCausalLM(nn.Module):
@@ -149,7 +136,7 @@ class PhiForCausalLM(nn.Module):
         super().__init__()
         validate_config(config, phi3)
         self.config, self.phi3 = config, phi3
-        self.model = Phi3Model(config, ctx.max_model_len) if phi3 else PhiModel(config, ctx.max_model_len)
+        self.model = phi3_model(config, ctx.max_model_len) if phi3 else PhiModel(config, ctx.max_model_len)
         self.lm_head = LMHead(config["vocab_size"], config["hidden_size"], bias=not phi3)
         if self.lm_head.bias is not None:
             self.lm_head.bias.weight_loader = self._load_head_bias
@@ -196,12 +183,8 @@ class PhiForCausalLM(nn.Module):
 
 def validate_config(config: dict, phi3: bool) -> None:
     """Reject field values this pipeline would otherwise misread."""
-    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-        if not isinstance(config.get(field), int) or config[field] <= 0:
-            raise ValueError(f"config.json: {field} must be a positive integer, got {config.get(field)!r}")
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    if heads % kv_heads:
-        raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    check_positive_fields(config, DECODER_SIZE_FIELDS)
+    check_kv_heads(config)
     if phi3 and config.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"config.json: hidden_act {config['hidden_act']!r} is not supported by Phi3ForCausalLM "
                          "(supported: silu)")
