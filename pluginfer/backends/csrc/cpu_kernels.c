@@ -43,7 +43,7 @@ static inline __m512 sum16(__m512 a[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
 }
 
-/* expf for x <= 0 (Cephes' polynomial, ~1 ulp); below -87.3 the result flushes towards 0. */
+/* expf (Cephes' polynomial, ~1 ulp); below -87.3 the result flushes towards 0, above ~88.7 it is inf. */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -270,7 +270,16 @@ void silu_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = x + r * 2 * n, *up = gate + n;
         float *o = out + r * n;
-        for (int64_t i = 0; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 g = _mm512_loadu_ps(gate + i);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
 }
 
