@@ -143,6 +143,16 @@ def rotary_neox(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: 
     return True
 
 
+def _output(out: torch.Tensor | None, rows: int, cols: int, op: str) -> torch.Tensor:
+    """A float32 ``[rows, cols]`` result: new, or a view of the front of a caller's reusable buffer."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=torch.float32)
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < rows * cols:
+        raise ValueError(f"{op} needs a contiguous float32 out of {rows * cols} elements, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    return out.view(-1)[:rows * cols].view(rows, cols)
+
+
 # gguf.GGMLQuantizationType values ggml_dequantize_rows handles (Q4_0 ... Q8_0, Q2_K ... Q6_K).
 GGML_DEQUANTIZABLE = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
 
@@ -156,13 +166,7 @@ def ggml_dequantize(raw: torch.Tensor, qtype: int, cols: int, out: torch.Tensor 
     rows = raw.shape[0]
     if qtype not in GGML_DEQUANTIZABLE or raw.dtype != torch.uint8 or not raw.is_contiguous():
         return None
-    if out is None:
-        out = torch.empty(rows, cols, dtype=torch.float32)
-    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < rows * cols:
-        raise ValueError(f"ggml_dequantize needs a contiguous float32 out of {rows * cols} elements, got "
-                         f"{out.dtype} {tuple(out.shape)}")
-    else:
-        out = out.view(-1)[:rows * cols].view(rows, cols)
+    out = _output(out, rows, cols, "ggml_dequantize")
     status = load().ggml_dequantize_rows(qtype, raw.data_ptr(), rows, raw.shape[1], cols, out.data_ptr())
     if status != 0:  # the columns are not whole blocks filling each row
         raise ValueError(f"ggml_dequantize: {cols} columns of GGML type {qtype} do not fit rows of "
@@ -193,13 +197,7 @@ def grouped_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torc
             or qzeros.shape[0] != groups or start % pack or stop % pack
             or not 0 <= start < stop <= qweight.shape[1] or qzeros.shape[1] * pack < stop):
         return None
-    if out is None:
-        out = torch.empty(in_features, rows, dtype=torch.float32)
-    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < in_features * rows:
-        raise ValueError(f"grouped_dequantize needs a contiguous float32 out of {in_features * rows} elements, "
-                         f"got {out.dtype} {tuple(out.shape)}")
-    else:
-        out = out.view(-1)[:in_features * rows].view(in_features, rows)
+    out = _output(out, in_features, rows, "grouped_dequantize")
     status = load().grouped_dequantize(
         bits, qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), SCALE_TYPES[scales.dtype],
         g_idx.data_ptr() if g_idx is not None else None, in_features, qweight.shape[1], groups, qzeros.shape[1],
@@ -223,13 +221,7 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
             or scales.shape != zeros.shape or scales.shape[0] != rows or scales.shape[1] == 0
             or in_features % scales.shape[1] or (in_features // scales.shape[1]) % 2):
         return None
-    if out is None:
-        out = torch.empty(rows, in_features, dtype=torch.float32)
-    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < rows * in_features:
-        raise ValueError(f"int4_dequantize needs a contiguous float32 out of {rows * in_features} elements, "
-                         f"got {out.dtype} {tuple(out.shape)}")
-    else:
-        out = out.view(-1)[:rows * in_features].view(rows, in_features)
+    out = _output(out, rows, in_features, "int4_dequantize")
     load().int4_dequantize_rows(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), rows, in_features,
                                 in_features // scales.shape[1], out.data_ptr())
     return out
