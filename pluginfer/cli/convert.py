@@ -123,7 +123,7 @@ def _add_tensor(writer: object, name: str, tensor: torch.Tensor, qtype: object) 
     if qtype == T.F16:
         writer.add_tensor(name, tensor.numpy().astype(np.float16))
         return
-    from pluginfer.quant.ggml_blocks import quantize
+    from pluginfer.quant.ggml_quantize import quantize
 
     blocks = quantize(tensor, qtype, name=name).numpy()
     writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)

@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from pluginfer.layers.context import backend_op, current_context, has_context
-from pluginfer.quant import ggml_blocks
+from pluginfer.quant import ggml_blocks, ggml_quantize
 from pluginfer.quant.tiled import InSituQuantMethod, replace_weight
 
 
@@ -41,7 +41,7 @@ class GGMLInSituLinear(InSituQuantMethod):
             raise ValueError(f"quant method {self.name!r} stores blocks of {self.block_size} weights along the "
                              f"input dim; {name!r} has shape {tuple(weight.shape)}, an input size that is not a "
                              f"multiple of {self.block_size}")
-        replace_weight(layer, qweight=ggml_blocks.quantize(weight, self.qtype, name=name))
+        replace_weight(layer, qweight=ggml_quantize.quantize(weight, self.qtype, name=name))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raw = layer.qweight

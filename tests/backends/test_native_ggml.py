@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
 from pluginfer import LLM  # noqa: E402
 from pluginfer.backends import native  # noqa: E402
-from pluginfer.quant import ggml_blocks  # noqa: E402
+from pluginfer.quant import ggml_blocks, ggml_quantize  # noqa: E402
 from pluginfer.quant.tiled import TILE_ROWS  # noqa: E402
 from tests.checkpoints import prefill_logits, random_prompts, save_hf_model  # noqa: E402
 from tests.quant.test_ggml_blocks import FP16_FIELDS, raw_blocks  # noqa: E402
@@ -108,7 +108,7 @@ def test_ggml_linear_with_the_kernel_equals_the_torch_path(qtype: GGMLQuantizati
     (same shapes, strides and alignment), so the products and sums are the same. F16 is declined
     by the kernel and falls back to the torch dequantization."""
     rows, cols = 1100, 256  # three tiles of rows, the last one partial
-    raw = (ggml_blocks.quantize(torch.randn(rows, cols), qtype) if qtype == T.F16 else finite_raw(qtype, rows, cols))
+    raw = (ggml_quantize.quantize(torch.randn(rows, cols), qtype) if qtype == T.F16 else finite_raw(qtype, rows, cols))
     x, bias = torch.randn(3, 4, cols).to(dtype), torch.randn(rows).to(dtype)
     calls: list[tuple[int, int]] = []
 

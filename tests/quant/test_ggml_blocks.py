@@ -14,7 +14,7 @@ import torch.nn.functional as F
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
-from pluginfer.quant import ggml_blocks  # noqa: E402
+from pluginfer.quant import ggml_blocks, ggml_quantize  # noqa: E402
 from pluginfer.quant.tiled import TILE_ROWS  # noqa: E402
 
 T = GGMLQuantizationType
@@ -96,7 +96,7 @@ def test_quantize_is_bit_exact_with_gguf(qtype: GGMLQuantizationType, dtype: tor
     """No -0.0 here: with signed zeros gguf-py departs from llama.cpp's C, which we follow (the
     fixture test's signed-zero row)."""
     weight = edge_case_weight(8, 256, seed=int(qtype)).to(dtype)
-    ours = ggml_blocks.quantize(weight, qtype)
+    ours = ggml_quantize.quantize(weight, qtype)
     assert ours.dtype == torch.uint8 and ours.shape == (8, ggml_blocks.row_bytes(qtype, 256))
     expected = gguf_quants.quantize(weight.float().numpy(), qtype)
     np.testing.assert_array_equal(ours.numpy(), expected.view(np.uint8).reshape(ours.shape))
@@ -109,7 +109,7 @@ def test_quantize_matches_llama_cpp_c_library(name: str) -> None:
     signed-zero rows).
     The C build had no FMA, so the comparison is exact; no tolerance is needed or allowed."""
     fixtures = np.load(FIXTURES)
-    ours = ggml_blocks.quantize(torch.from_numpy(fixtures["weight"]), T[name])
+    ours = ggml_quantize.quantize(torch.from_numpy(fixtures["weight"]), T[name])
     np.testing.assert_array_equal(ours.numpy(), fixtures[name])
 
 
@@ -126,7 +126,7 @@ def test_fixture_inputs_are_the_scripts() -> None:
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_k_quant_round_trip_error_is_a_fraction_of_each_sub_block_range(qtype: GGMLQuantizationType) -> None:
     weight = edge_case_weight(16, 512, seed=5)
-    restored = ggml_blocks.dequantize(ggml_blocks.quantize(weight, qtype), qtype, 512)
+    restored = ggml_blocks.dequantize(ggml_quantize.quantize(weight, qtype), qtype, 512)
     sub_block = 32 if qtype == T.Q4_K else 16
     levels = 15 if qtype == T.Q4_K else 63
     blocks, restored_blocks = weight.reshape(-1, sub_block), restored.reshape(-1, sub_block)
@@ -144,9 +144,9 @@ def test_row_bytes_and_errors_name_the_type_and_tensor() -> None:
     with pytest.raises(ValueError, match=r"Q4_K.*256.*100"):
         ggml_blocks.row_bytes(T.Q4_K, 100)
     with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight'.*Q2_K"):
-        ggml_blocks.quantize(torch.randn(2, 256), T.Q2_K, name="blk.0.attn_q.weight")
+        ggml_quantize.quantize(torch.randn(2, 256), T.Q2_K, name="blk.0.attn_q.weight")
     with pytest.raises(ValueError, match=r"Q6_K.*'w'.*multiple of 256.*\(2, 288\)"):
-        ggml_blocks.quantize(torch.randn(2, 288), T.Q6_K, name="w")
+        ggml_quantize.quantize(torch.randn(2, 288), T.Q6_K, name="w")
     with pytest.raises(ValueError, match=r"IQ2_XXS"):
         ggml_blocks.dequantize(torch.zeros(1, 66, dtype=torch.uint8), T.IQ2_XXS, 256)
     with pytest.raises(ValueError, match=r"Q8_0 rows of 64 weights are 68"):
@@ -162,7 +162,7 @@ def test_ggml_linear_dequantizes_one_tile_at_a_time(qtype: GGMLQuantizationType,
         raw.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])[:, :, offset + 1] &= 0x3B
     raw = torch.from_numpy(raw)
     if qtype == T.F16:
-        raw = ggml_blocks.quantize(torch.randn(rows, cols), qtype)
+        raw = ggml_quantize.quantize(torch.randn(rows, cols), qtype)
     x, bias = torch.randn(3, 4, cols), torch.randn(rows)
     expected = F.linear(x, ggml_blocks.dequantize(raw, qtype, cols), bias)
     assert expected.isfinite().all()

@@ -1,7 +1,7 @@
 """The in-situ GGML quant methods: the bytes they keep, their matmul, and a tiny llama quantized at load.
 
 The oracles: gguf-py quantizes the legacy types to the same bytes (and dequantizes every type);
-Q4_K and Q6_K bytes come from ``ggml_blocks.quantize``, which test_ggml_blocks.py proves equal
+Q4_K and Q6_K bytes come from ``ggml_quantize.quantize``, which test_ggml_blocks.py proves equal
 to llama.cpp's C library.
 """
 
@@ -19,7 +19,7 @@ gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
 from pluginfer import LLM  # noqa: E402
-from pluginfer.quant import ggml_blocks, ggml_insitu  # noqa: E402
+from pluginfer.quant import ggml_insitu, ggml_quantize  # noqa: E402
 from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model  # noqa: E402
 from tests.quant.helpers import build_layer, load_and_quantize  # noqa: E402
 
@@ -34,7 +34,7 @@ def expected_bytes(weight: torch.Tensor, method: str) -> np.ndarray:
     qtype = QTYPES[method]
     if method in GGUF_PY_QUANTIZES:
         return gguf_quants.quantize(weight.float().numpy(), qtype)
-    return ggml_blocks.quantize(weight, qtype).numpy()
+    return ggml_quantize.quantize(weight, qtype).numpy()
 
 
 def dequantized(raw: np.ndarray, method: str) -> torch.Tensor:
