@@ -15,6 +15,7 @@ from pluginfer.backends import cpu, native
 from pluginfer.backends.cpu import CpuBackend
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import KVCacheSpec
+from tests.backends.paged import paged_batch
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
@@ -92,23 +93,10 @@ def build_step(backend: CpuBackend, seq_lens: list[int], query_lens: list[int], 
         flat_keys[slots], flat_values[slots] = keys[: len(cached)], values[: len(cached)]
         all_keys.append(keys)
         all_values.append(values)
-    block_tables = torch.zeros(len(seq_lens), max(map(len, tables)), dtype=torch.int64)
-    for row, blocks in enumerate(tables):
-        block_tables[row, : len(blocks)] = torch.tensor(blocks)
-    positions = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens, strict=True)])
-    rows = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(query_lens))
-    starts = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
-    starts[1:] = torch.cumsum(torch.tensor(query_lens), 0)
-    batch = ForwardBatch(
-        input_ids=torch.zeros(len(positions), dtype=torch.int64), positions=positions,
-        slot_mapping=block_tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
-        query_start_loc=starts, seq_lens=torch.tensor(seq_lens), block_tables=block_tables,
-        logits_indices=starts[1:] - 1, query_lens=list(query_lens), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), block_size=BLOCK_SIZE)
-    batch.attention = backend.prepare(batch)
+    batch = paged_batch(backend, tables, seq_lens, query_lens, BLOCK_SIZE)
     new_keys = torch.cat([k[s - q:] for k, s, q in zip(all_keys, seq_lens, query_lens, strict=True)])
     new_values = torch.cat([v[s - q:] for v, s, q in zip(all_values, seq_lens, query_lens, strict=True)])
-    query = randn(len(positions), HEADS, HEAD_DIM, scale=query_scale)
+    query = randn(len(batch.positions), HEADS, HEAD_DIM, scale=query_scale)
     return Step(batch, query, new_keys, new_values, (key_cache, value_cache), all_keys, all_values)
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pluginfer.backends.cpu import CpuBackend
-from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import KVCacheSpec
 from tests.backends import test_cpu_attention as dense
+from tests.backends.paged import paged_batch
 from tests.backends.test_cpu_attention import (
     BF16_TOLERANCE,
     BLOCK_SIZE,
@@ -50,22 +50,9 @@ def build_latent_step(backend: CpuBackend, seq_lens: list[int], query_lens: list
         cached = torch.arange(seq_len - query_len)
         flat_keys[torch.tensor(blocks)[cached // BLOCK_SIZE] * BLOCK_SIZE + cached % BLOCK_SIZE] = keys[:len(cached)]
         all_keys.append(keys)
-    block_tables = torch.zeros(len(seq_lens), max(map(len, tables)), dtype=torch.int64)
-    for row, blocks in enumerate(tables):
-        block_tables[row, :len(blocks)] = torch.tensor(blocks)
-    positions = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens, strict=True)])
-    rows = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(query_lens))
-    starts = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
-    starts[1:] = torch.cumsum(torch.tensor(query_lens), 0)
-    batch = ForwardBatch(
-        input_ids=torch.zeros(len(positions), dtype=torch.int64), positions=positions,
-        slot_mapping=block_tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
-        query_start_loc=starts, seq_lens=torch.tensor(seq_lens), block_tables=block_tables,
-        logits_indices=starts[1:] - 1, query_lens=list(query_lens), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), block_size=BLOCK_SIZE)
-    batch.attention = backend.prepare(batch)
+    batch = paged_batch(backend, tables, seq_lens, query_lens, BLOCK_SIZE)
     new_keys = torch.cat([k[s - q:] for k, s, q in zip(all_keys, seq_lens, query_lens, strict=True)])
-    query = randn(len(positions), HEADS, HEAD_DIM)
+    query = randn(len(batch.positions), HEADS, HEAD_DIM)
     return Step(batch, query, new_keys, None, (key_cache, value_cache), all_keys,
                 [keys[..., :LATENT] for keys in all_keys])
 
