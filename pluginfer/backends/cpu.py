@@ -94,7 +94,7 @@ class CpuBackend:
 
     def op(self, name: str) -> Callable | None:
         """A fused float32 kernel for a layer op, or None (the layer keeps its torch reference)."""
-        return native.OPS.get(name) if self.native_kernels else None
+        return native.op(name) if self.native_kernels else None
 
     def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
         if requested is not None:

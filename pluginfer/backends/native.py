@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.c", "panel_linear.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -33,18 +34,19 @@ def _cache_dir() -> Path:
     return root / "native"
 
 
-def _build(source: Path, target: Path) -> None:
+def _build(sources: tuple[Path, ...], target: Path) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise NativeKernelsUnavailable("no C compiler (cc/gcc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as staging:
         staging_path = Path(staging.name)
-    result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(staging_path), "-lm"],
+    result = subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", str(staging_path), "-lm"],
                             capture_output=True, text=True)
     if result.returncode != 0:
         staging_path.unlink(missing_ok=True)
-        raise NativeKernelsUnavailable(f"compiling {source.name} failed: {result.stderr.strip()[:500]}")
+        raise NativeKernelsUnavailable(f"compiling {', '.join(s.name for s in sources)} failed: "
+                                       f"{result.stderr.strip()[:500]}")
     staging_path.replace(target)  # atomic: concurrent builders never load a half-written file
 
 
@@ -53,11 +55,11 @@ def load() -> ctypes.CDLL:
     """The compiled kernel library (built once per source version and machine)."""
     if os.environ.get("PLUGINFER_NATIVE", "1") == "0":
         raise NativeKernelsUnavailable("disabled by PLUGINFER_NATIVE=0")
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     digest = hashlib.sha256(source + " ".join(FLAGS).encode() + os.uname().machine.encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{digest}.so"
     if not target.is_file():
-        _build(SOURCE, target)
+        _build(SOURCES, target)
     library = ctypes.CDLL(str(target))
     pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
@@ -69,6 +71,10 @@ def load() -> ctypes.CDLL:
         "grouped_dequantize": (ctypes.c_int, [ctypes.c_int, pointer, pointer, pointer, ctypes.c_int, pointer]
                                + [i64] * 6 + [pointer]),
         "int4_dequantize_rows": (ctypes.c_int, [pointer] * 3 + [i64] * 3 + [pointer]),
+        "panel_linear_supported": (ctypes.c_int, []),
+        "panel_padded_outputs": (i64, [i64]),
+        "pack_panels": (None, [pointer, pointer, i64, i64]),
+        "panel_linear": (ctypes.c_int, [pointer] * 4 + [i64] * 3),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(library, name)
@@ -227,6 +233,44 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return out
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` float32 CPU weight -> panels of 16 outputs (``[padded out / 16, in, 16]``, zero
+    rows padding ``out`` to a multiple of 64; ``csrc/panel_linear.c``)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"pack_panels needs a 2-d float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
+                         f"on {weight.device}")
+    out_features, in_features = weight.shape
+    weight = weight.contiguous()
+    packed = torch.empty(load().panel_padded_outputs(out_features) // 16, in_features, 16, dtype=torch.float32)
+    load().pack_panels(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+    return packed
+
+
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T + bias`` over any leading dims of float32 ``x``, W packed by :func:`pack_panels`."""
+    in_features = packed.shape[1]
+    if x.dtype != torch.float32 or x.shape[-1] != in_features:
+        raise ValueError(f"panel_linear needs float32 inputs of {in_features} features, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    rows = x.numel() // in_features
+    flat = x.reshape(rows, in_features).contiguous()
+    out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    if rows and load().panel_linear(flat.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                    out.data_ptr(), rows, out_features, in_features):
+        raise MemoryError("panel_linear could not allocate its row buffer")
+    return out
+
+
+def op(name: str) -> Callable | None:
+    """The kernel for a layer op, or None; the panel ops need a CPU with AVX-512."""
+    if name in ("pack_panels", "panel_linear") and not load().panel_linear_supported():
+        return None
+    return OPS.get(name)
+
+
 OPS = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_neox": rotary_neox,
        "ggml_dequantize": ggml_dequantize, "grouped_dequantize": grouped_dequantize,
-       "int4_dequantize": int4_dequantize}
+       "int4_dequantize": int4_dequantize, "pack_panels": pack_panels, "panel_linear": panel_linear}

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pluginfer.layers import onednn
+from pluginfer.layers import dense
 from pluginfer.layers.context import current_context
 
 
@@ -42,14 +42,17 @@ class VocabParallelEmbedding(nn.Module):
 class LMHead(VocabParallelEmbedding):
     """Projects hidden states to logits; ties to the embedding's weight when asked.
 
-    An untied float32 head of an engine that batches is packed for oneDNN once it has loaded
-    (``layers/onednn.py``): the largest single matmul of a decode step, it runs ~2x faster so.
+    An untied head moves to the layout its fastest matmul reads once it has loaded
+    (``layers/dense.py``): the largest single matmul of a decode step. A tied head shares the
+    embedding's ``[vocab, hidden]`` table and keeps it.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
         super().__init__(vocab_size, hidden_size)
-        self.batched = current_context().max_num_seqs > 1
-        self.packed = False
+        ctx = current_context()
+        self.batched = ctx.max_num_seqs > 1
+        self.kernels = dense.DenseKernels(ctx.backend)
+        self.layout = "checkpoint"
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.shard_size, dtype=self.weight.dtype), requires_grad=False)
@@ -59,15 +62,13 @@ class LMHead(VocabParallelEmbedding):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         super().weight_loader(param, loaded, shard_id)
-        if param is self.weight and onednn.worth_packing(param.data, self.batched):
-            self.weight = nn.Parameter(onednn.pack(param.data), requires_grad=False)
-            self.packed = True
+        if param is self.weight:
+            self.layout, weight = dense.relayout(param.data, self.batched, self.kernels)
+            if weight is not param.data:
+                self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            logits = onednn.linear(hidden, self.weight, self.bias)
-        else:
-            logits = F.linear(hidden, self.weight, self.bias)
+        logits = dense.linear(self.layout, hidden, self.weight, self.bias, self.shard_size, self.kernels)
         if self.tp_size > 1:
             logits = self.collective.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pluginfer.layers import onednn
+from pluginfer.layers import dense
 from pluginfer.layers.activation import gated_activation
 from pluginfer.layers.context import backend_op, current_context
 
@@ -231,7 +231,9 @@ class FusedExperts(nn.Module):
         self.act_fn = gated_activation(hidden_act)
         self.kernel = backend_op(ctx.backend, "fused_moe") if num_offloaded == 0 else None
         self.batched = ctx.max_num_seqs > 1
-        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # oneDNN copies of resident experts
+        self.kernels = dense.DenseKernels(ctx.backend)
+        self.layout: str | None = None  # a packed layout of layers/dense.py, once the experts are packed
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # packed copies of resident experts
 
     @property
     def num_offloaded(self) -> int:
@@ -245,13 +247,15 @@ class FusedExperts(nn.Module):
         return self.gate_up_proj.nbytes + self.down_proj.nbytes
 
     def process_weights_after_loading(self) -> None:
-        """On the CPU, in float32, for an engine that batches: resident experts move to oneDNN's packed
-        layout (``layers/onednn.py``; the stacked parameters are emptied, so they are held once)."""
+        """On the CPU, in float32: resident experts move to a packed layout (``layers/dense.py``: the
+        native panels, or oneDNN's for an engine that batches; the stacked parameters are emptied,
+        so they are held once)."""
         if self.packed is not None or self.kernel is not None:
             return
-        if not onednn.worth_packing(self.gate_up_proj.data, self.batched):
+        self.layout = dense.packed_layout(self.gate_up_proj.data, self.batched, self.kernels)
+        if self.layout is None:
             return
-        self.packed = [(onednn.pack(self.gate_up_proj.data[e]), onednn.pack(self.down_proj.data[e]))
+        self.packed = [(self._pack(self.gate_up_proj.data[e]), self._pack(self.down_proj.data[e]))
                        for e in range(self.num_resident)]
         for param in (self.gate_up_proj, self.down_proj):
             param.data = param.data.new_empty((0, *param.shape[1:]))
@@ -288,7 +292,7 @@ class FusedExperts(nn.Module):
     def _weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This expert's (gate_up, down) on the compute device, copied from the host store if offloaded.
 
-        In oneDNN's packed layout when the resident experts are packed: an offloaded expert is then
+        In the resident experts' packed layout when they are packed: an offloaded expert is then
         packed straight from the host store (the copy the staging buffer would take), so both
         kinds of expert run the same kernel and offloading never changes a result.
         """
@@ -298,7 +302,7 @@ class FusedExperts(nn.Module):
             return self.gate_up_proj[expert], self.down_proj[expert]
         index = expert - self.num_resident
         if self.packed is not None:
-            gate_up, down = onednn.pack(self.host_gate_up[index]), onednn.pack(self.host_down[index])
+            gate_up, down = self._pack(self.host_gate_up[index]), self._pack(self.host_down[index])
         else:
             gate_up = self.staging.buffer(self.host_gate_up.shape[1:], self.host_gate_up.dtype)
             down = self.staging.buffer(self.host_down.shape[1:], self.host_down.dtype)  # the pool reuses these
@@ -307,6 +311,14 @@ class FusedExperts(nn.Module):
         self.transfers += 1
         self.transferred_bytes += self.host_gate_up[index].nbytes + self.host_down[index].nbytes
         return gate_up, down
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return dense.pack(self.layout, weight, self.kernels)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, weight)
+        return dense.linear(self.layout, x, weight, None, out_features, self.kernels)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -327,9 +339,8 @@ class FusedExperts(nn.Module):
                 continue
             rows = slice(start, start + count)
             gate_up_weight, down_weight = self._weights(expert)
-            linear = onednn.linear if self.packed is not None else F.linear
-            gate_up = linear(routed[rows], gate_up_weight, None)
-            outputs[rows] = linear(self.act_fn(gate_up), down_weight, None)
+            gate_up = self._linear(routed[rows], gate_up_weight, 2 * self.intermediate_size)
+            outputs[rows] = self._linear(self.act_fn(gate_up), down_weight, self.hidden_size)
             start += count
         weighted = outputs.float() * topk_weights.flatten()[order, None]
         # Back to (token, k) order, then each token's sum over its k experts. (index_add_ into the

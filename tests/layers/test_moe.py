@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer.backends import cpu
-from pluginfer.layers import onednn
+from pluginfer.layers import dense
 from pluginfer.layers.context import building
 from pluginfer.layers.moe import SparseMoeBlock, expert_weight_names
 from pluginfer.layers.weights import load_named_weights
@@ -48,9 +48,11 @@ class Holder(torch.nn.Module):
 
 
 def build(num_experts: int, top_k: int, renormalize: bool, weights: dict[str, torch.Tensor],
-          max_num_seqs: int = 1) -> Holder:
-    ctx = make_context(cpu.build())
-    ctx.max_num_seqs = max_num_seqs  # > 1: resident experts move to oneDNN's packed layout after loading
+          max_num_seqs: int = 1, dtype: torch.dtype = torch.float32, native_kernels: bool = True) -> Holder:
+    backend = cpu.build()
+    backend.native_kernels = backend.native_kernels and native_kernels  # False (and one sequence): stay stacked
+    ctx = make_context(backend, dtype)
+    ctx.max_num_seqs = max_num_seqs  # > 1: oneDNN's packed layout where the native panels are unavailable
     with building(ctx):
         model = Holder(SparseMoeBlock(num_experts, top_k, HIDDEN, INTERMEDIATE, renormalize))
     load_named_weights(model, weights.items(), stacked=expert_weight_names(num_experts, "w1", "w3", "w2"))
@@ -65,7 +67,9 @@ def test_matches_dense_reference(num_experts: int, top_k: int, renormalize: bool
                                  max_num_seqs: int) -> None:
     weights = per_expert_weights(num_experts)
     model = build(num_experts, top_k, renormalize, weights, max_num_seqs)
-    assert (model.moe.experts.packed is not None) == (max_num_seqs > 1 and onednn.available())
+    experts = model.moe.experts
+    expected = dense.packed_layout(torch.empty(1, 1), max_num_seqs > 1, experts.kernels)
+    assert experts.layout == expected and (experts.packed is not None) == (expected is not None)
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
     out = model.moe(x)
     assert out.dtype == torch.float32
@@ -77,7 +81,8 @@ def test_idle_experts_are_skipped() -> None:
     weights = per_expert_weights(4)
     weights["moe.gate.weight"] = torch.zeros(4, HIDDEN)
     weights["moe.gate.weight"][:2, 0] = torch.tensor([5.0, 4.0])
-    model = build(4, 2, True, weights)
+    model = build(4, 2, True, weights, native_kernels=False)
+    assert model.moe.experts.packed is None
     model.moe.experts.gate_up_proj.data[2:] = float("nan")
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(2)).abs()
     assert torch.allclose(model.moe(x).double(), reference(x, weights, 2, True), atol=1e-5, rtol=1e-5)
@@ -85,8 +90,8 @@ def test_idle_experts_are_skipped() -> None:
 
 def test_bfloat16_stays_close_to_reference() -> None:
     weights = per_expert_weights(8)
-    model = build(8, 2, True, weights)
-    model.moe.experts.to(torch.bfloat16)
+    model = build(8, 2, True, weights, dtype=torch.bfloat16)
+    assert model.moe.experts.packed is None  # the packed layouts are float32 only
     x = torch.randn(16, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
     out = model.moe(x)
     expected = reference(x.float(), weights, 2, True)
@@ -96,7 +101,7 @@ def test_bfloat16_stays_close_to_reference() -> None:
 
 def test_stacked_layout_is_gate_then_up() -> None:
     weights = per_expert_weights(4)
-    model = build(4, 2, True, weights)
+    model = build(4, 2, True, weights, native_kernels=False)
     stacked = model.moe.experts.gate_up_proj
     assert torch.equal(stacked[3, :INTERMEDIATE], weights["moe.experts.3.w1.weight"])
     assert torch.equal(stacked[3, INTERMEDIATE:], weights["moe.experts.3.w3.weight"])

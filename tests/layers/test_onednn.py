@@ -1,4 +1,4 @@
-"""oneDNN-prepacked float32 linears (layers/onednn.py) and the LM head that uses them when batched."""
+"""oneDNN-prepacked float32 linears (layers/onednn.py) and the LM head's packed layouts (layers/dense.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import cpu
+from pluginfer.backends import cpu, native
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
 from pluginfer.layers import onednn
@@ -17,8 +17,10 @@ from pluginfer.quant import unquantized
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
 
 
-def context(max_num_seqs: int) -> BuildContext:
-    return BuildContext(backend=cpu.build(), quant=unquantized.build(), collective=single.build(),
+def context(max_num_seqs: int, native_kernels: bool = True) -> BuildContext:
+    backend = cpu.build()
+    backend.native_kernels = backend.native_kernels and native_kernels
+    return BuildContext(backend=backend, quant=unquantized.build(), collective=single.build(),
                         dtype=torch.float32, max_model_len=64, max_num_seqs=max_num_seqs)
 
 
@@ -39,14 +41,17 @@ def test_worth_packing_only_batched_float32_cpu_weights() -> None:
     assert not onednn.worth_packing(weight.bfloat16(), batched=True)
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 16])
-def test_lm_head_packs_when_batched_and_untied(max_num_seqs: int) -> None:
+@pytest.mark.parametrize(("max_num_seqs", "native_kernels", "layout"), [
+    (1, True, "panels"), (16, True, "panels"), (1, False, "transposed"), (16, False, "onednn")])
+def test_untied_lm_head_is_packed(max_num_seqs: int, native_kernels: bool, layout: str) -> None:
+    if layout == "panels" and (native.available() is not None or native.op("panel_linear") is None):
+        pytest.skip("the panel kernel needs the native library on an AVX-512 CPU")
     torch.manual_seed(0)
     weight = torch.randn(100, 32)
-    with building(context(max_num_seqs)):
+    with building(context(max_num_seqs, native_kernels)):
         head = LMHead(100, 32)
     head.weight.weight_loader(head.weight, weight)
-    assert head.packed == (max_num_seqs > 1)
+    assert head.layout == layout
     hidden = torch.randn(5, 32)
     torch.testing.assert_close(head(hidden), F.linear(hidden, weight), atol=1e-5, rtol=1e-5)
 
@@ -58,6 +63,6 @@ def test_tied_lm_head_keeps_the_embedding_weight() -> None:
         embedding, head = VocabParallelEmbedding(100, 32), LMHead(100, 32)
     head.tie(embedding)
     embedding.weight.weight_loader(embedding.weight, weight)
-    assert not head.packed and head.weight is embedding.weight
+    assert head.layout == "checkpoint" and head.weight is embedding.weight
     hidden = torch.randn(5, 32)
     torch.testing.assert_close(head(hidden), F.linear(hidden, weight))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import cpu
+from pluginfer.backends import cpu, native
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
 from pluginfer.layers import onednn
@@ -15,8 +15,11 @@ from pluginfer.layers.linear import ReplicatedLinear
 from pluginfer.quant import unquantized
 
 
-def build(max_num_seqs: int, dtype: torch.dtype = torch.float32, bias: bool = True) -> ReplicatedLinear:
-    ctx = BuildContext(backend=cpu.build(), quant=unquantized.build(), collective=single.build(), dtype=dtype,
+def build(max_num_seqs: int, dtype: torch.dtype = torch.float32, bias: bool = True,
+          native_kernels: bool = True) -> ReplicatedLinear:
+    backend = cpu.build()
+    backend.native_kernels = backend.native_kernels and native_kernels
+    ctx = BuildContext(backend=backend, quant=unquantized.build(), collective=single.build(), dtype=dtype,
                        max_model_len=64, max_num_seqs=max_num_seqs)
     with building(ctx):
         return ReplicatedLinear(96, 80, bias=bias)
@@ -28,13 +31,17 @@ def load(layer: ReplicatedLinear, weight: torch.Tensor, bias: torch.Tensor) -> N
     layer.quant_method.process_weights_after_loading(layer)
 
 
-@pytest.mark.parametrize(("max_num_seqs", "layout"), [(1, "transposed"), (16, "onednn")])
-def test_layout_follows_the_batch_and_computes_the_same(max_num_seqs: int, layout: str) -> None:
+@pytest.mark.parametrize(("max_num_seqs", "native_kernels", "layout"), [
+    (1, True, "panels"), (16, True, "panels"), (1, False, "transposed"), (16, False, "onednn")])
+def test_layout_follows_the_kernels_and_the_batch_and_computes_the_same(max_num_seqs: int, native_kernels: bool,
+                                                                         layout: str) -> None:
     if layout == "onednn" and not onednn.available():
         pytest.skip("this torch build has no oneDNN")
+    if layout == "panels" and (native.available() is not None or native.op("panel_linear") is None):
+        pytest.skip("the panel kernel needs the native library on an AVX-512 CPU")
     torch.manual_seed(0)
     weight, bias = torch.randn(80, 96), torch.randn(80)
-    layer = build(max_num_seqs)
+    layer = build(max_num_seqs, native_kernels=native_kernels)
     load(layer, weight, bias)
     assert layer.weight_layout == layout
     for rows in (1, 3, 16, 70):
@@ -47,7 +54,7 @@ def test_layout_follows_the_batch_and_computes_the_same(max_num_seqs: int, layou
 
 
 def test_half_precision_keeps_the_transposed_layout() -> None:
-    """oneDNN's prepacked linear is used for float32 only; bf16 weights stay ``[in, out]``."""
+    """The packed layouts are float32 only; bf16 weights go ``[in, out]``."""
     torch.manual_seed(0)
     weight, bias = torch.randn(80, 96), torch.randn(80)
     layer = build(16, dtype=torch.bfloat16)
