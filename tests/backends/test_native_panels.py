@@ -23,9 +23,10 @@ def test_packed_layout_is_panels_of_sixteen_outputs_padded_to_sixty_four() -> No
         assert torch.equal(packed[panel], expected.t())
 
 
-# Row counts cover each tile (1-4 rows: 4 panels; 5-14: 2 panels; more: several row groups), outputs
+# Row counts cover each tile (1-4 rows: 4 panels; 5-14: 2 panels; more: several row groups; past 112:
+# several passes over the weight), outputs
 # that end inside a panel or a panel pair, inputs across several 256-input blocks and not a multiple of it.
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 14, 15, 16, 29, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 14, 15, 16, 29, 70, 130])
 @pytest.mark.parametrize(("outputs", "inputs"), [(64, 64), (70, 33), (100, 300), (1, 5), (31, 513), (256, 1024)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_equals_f_linear(rows: int, outputs: int, inputs: int, with_bias: bool) -> None:
@@ -53,9 +54,9 @@ def test_a_row_does_not_depend_on_the_batch_around_it() -> None:
     """Each output sums its inputs in one fixed order whatever the tile: batching never changes a row."""
     weight = torch.randn(200, 700)
     packed = native.pack_panels(weight)
-    batch = torch.randn(33, 700)
-    alone = torch.cat([native.panel_linear(batch[i:i + 1], packed, 200) for i in range(33)])
-    for rows in (2, 4, 5, 16, 33):
+    batch = torch.randn(130, 700)
+    alone = torch.cat([native.panel_linear(batch[i:i + 1], packed, 200) for i in range(130)])
+    for rows in (2, 4, 5, 16, 33, 130):
         assert torch.equal(native.panel_linear(batch[:rows], packed, 200), alone[:rows])
 
 

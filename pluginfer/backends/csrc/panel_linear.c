@@ -6,9 +6,10 @@
  * 64-byte line of each panel it works on and multiplies it by one input of every row it holds in
  * registers: up to 14 rows x 2 panels (28 accumulators), or 4 rows x 4 panels for up to 4 rows,
  * so that a lone sequence still reads four streams at once. The inputs are cut into blocks of
- * PANEL_K_BLOCK so that the block of a panel pair stays in L1 while every row group passes over
- * it: the weight is read from memory once per call whatever the row count. x is first repacked
- * into row groups, [groups][in][rows of the group], so each broadcast reads the next float.
+ * PANEL_K_BLOCK so that the block of a panel pair stays in cache while the row groups pass over
+ * it: the weight is read from memory once per PANEL_ROW_GROUPS row groups (once per call for up to
+ * 112 rows, a decode step). x is first repacked into row groups, [groups][in][rows of the group],
+ * so each broadcast reads the next float.
  *
  * Measured on this project's 2-core AVX-512 machine (docs/performance.md): 1.3x oneDNN's
  * prepacked GEMM for 1-32 rows and at or above MKL's GEMV for one row; ~0.9x oneDNN for prefill.
@@ -24,6 +25,7 @@
 #define PANEL 16
 #define PANEL_PAD 64
 #define PANEL_K_BLOCK 256
+#define PANEL_ROW_GROUPS 8 /* row groups per pass over the weight: their x stays in L2 */
 #define PANEL_PREFETCH 32 /* inputs ahead: 2 KiB of each panel */
 #define GROUP_ROWS(P) ((P) == 4 ? 4 : 14) /* rows per group of repacked x for tiles of P panels */
 
@@ -120,28 +122,35 @@ int panel_linear(const float *x, const float *packed, const float *bias, float *
     }
     float *at = row_groups;
 #pragma omp parallel for if (m * k >= (1 << 16))
-    for (int64_t r = 0; r < m; r++) {
-        float *dst = at + (r / MR) * MR * k + r % MR;
-        const float *src = x + r * k;
-        for (int64_t i = 0; i < k; i++) dst[i * MR] = src[i];
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = g * MR, rows = m - r0 < MR ? m - r0 : MR;
+        float *dst = at + r0 * k;
+        const float *src = x + r0 * k;
+        for (int64_t i = 0; i < k; i++)
+            for (int64_t r = 0; r < rows; r++) dst[i * MR + r] = src[r * k + i];
     }
     const int64_t width = (int64_t)P * PANEL, blocks = (n + width - 1) / width;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        __mmask16 masks[4];
-        for (int p = 0; p < P; p++) {
-            const int64_t valid = n - b * width - p * PANEL;
-            masks[p] = valid >= PANEL ? (__mmask16)0xFFFF : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
-        }
-        const float *w = packed + b * P * k * PANEL;
-        const float *bias_b = bias ? bias + b * width : NULL;
-        for (int64_t i0 = 0; i0 < k; i0 += PANEL_K_BLOCK) {
-            const int64_t kk = k - i0 < PANEL_K_BLOCK ? k - i0 : PANEL_K_BLOCK;
-            const int first = i0 == 0, last = i0 + kk == k;
-            for (int64_t r0 = 0; r0 < m; r0 += MR) {
-                const int64_t rows = m - r0 < MR ? m - r0 : MR;
-                tiles[rows](at + r0 * k + i0 * MR, w + i0 * PANEL, k, out + r0 * n + b * width, n, kk, masks,
-                            bias_b, first, last, r0 == 0);
+    const int64_t row_block = PANEL_ROW_GROUPS * MR;
+#pragma omp parallel
+    for (int64_t rb = 0; rb < m; rb += row_block) {
+        const int64_t rb_end = m - rb < row_block ? m : rb + row_block;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            __mmask16 masks[4];
+            for (int p = 0; p < P; p++) {
+                const int64_t valid = n - b * width - p * PANEL;
+                masks[p] = valid >= PANEL ? (__mmask16)0xFFFF : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
+            }
+            const float *w = packed + b * P * k * PANEL;
+            const float *bias_b = bias ? bias + b * width : NULL;
+            for (int64_t i0 = 0; i0 < k; i0 += PANEL_K_BLOCK) {
+                const int64_t kk = k - i0 < PANEL_K_BLOCK ? k - i0 : PANEL_K_BLOCK;
+                const int first = i0 == 0, last = i0 + kk == k;
+                for (int64_t r0 = rb; r0 < rb_end; r0 += MR) {
+                    const int64_t rows = rb_end - r0 < MR ? rb_end - r0 : MR;
+                    tiles[rows](at + r0 * k + i0 * MR, w + i0 * PANEL, k, out + r0 * n + b * width, n, kk, masks,
+                                bias_b, first, last, r0 == rb);
+                }
             }
         }
     }
