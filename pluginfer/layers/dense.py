@@ -25,48 +25,53 @@ from pluginfer.layers import onednn
 from pluginfer.layers.context import backend_op
 
 
-class DenseKernels:
-    """The backend's native packed-weight ops, looked up once at build time (``panels``: both exist)."""
+class DenseMatmul:
+    """Places loaded ``[out, in]`` weights and multiplies by them, for one engine.
 
-    def __init__(self, backend: object) -> None:
+    Built once per layer from the build context: the backend's native packed-weight ops (None where
+    it has none; ``panels``: both exist) and whether the engine batches sequences.
+    """
+
+    def __init__(self, backend: object, batched: bool) -> None:
         self.pack_panels: Callable | None = backend_op(backend, "pack_panels")
         self.panel_linear: Callable | None = backend_op(backend, "panel_linear")
         self.panels = self.pack_panels is not None and self.panel_linear is not None
+        self.batched = batched
 
+    @classmethod
+    def for_context(cls, ctx: object) -> DenseMatmul:
+        return cls(ctx.backend, ctx.max_num_seqs > 1)
 
-def packed_layout(weight: torch.Tensor, batched: bool, kernels: DenseKernels | None) -> str | None:
-    """``panels`` or ``onednn`` when :func:`relayout` packs this weight, else None."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return None
-    if kernels is not None and kernels.panels:
-        return "panels"
-    return "onednn" if onednn.worth_packing(weight, batched) else None
+    def packed_layout(self, weight: torch.Tensor) -> str | None:
+        """``panels`` or ``onednn`` when :meth:`relayout` packs this weight, else None."""
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return None
+        if self.panels:
+            return "panels"
+        return "onednn" if onednn.worth_packing(weight, self.batched) else None
 
+    def pack(self, layout: str, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[out, in]`` in a packed layout :meth:`packed_layout` chose."""
+        return self.pack_panels(weight) if layout == "panels" else onednn.pack(weight)
 
-def pack(layout: str, weight: torch.Tensor, kernels: DenseKernels | None) -> torch.Tensor:
-    """``weight`` ``[out, in]`` in a packed layout :func:`packed_layout` chose."""
-    return kernels.pack_panels(weight) if layout == "panels" else onednn.pack(weight)
+    def relayout(self, weight: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """(layout name, the weight in it) for a loaded ``[out, in]`` weight; see the module docstring."""
+        if weight.device.type != "cpu":
+            return "checkpoint", weight
+        layout = self.packed_layout(weight)
+        if layout is not None:
+            return layout, self.pack(layout, weight)
+        return "transposed", weight.t().contiguous()
 
-
-def relayout(weight: torch.Tensor, batched: bool, kernels: DenseKernels | None) -> tuple[str, torch.Tensor]:
-    """(layout name, the weight in it) for a loaded ``[out, in]`` weight; see the module docstring."""
-    if weight.device.type != "cpu":
-        return "checkpoint", weight
-    layout = packed_layout(weight, batched, kernels)
-    if layout is not None:
-        return layout, pack(layout, weight, kernels)
-    return "transposed", weight.t().contiguous()
-
-
-def linear(layout: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-           kernels: DenseKernels | None) -> torch.Tensor:
-    """``x @ W^T + bias`` for a weight that :func:`relayout` placed in ``layout``."""
-    if layout == "panels":
-        return kernels.panel_linear(x, weight, out_features, bias)
-    if layout == "onednn":
-        return onednn.linear(x, weight, bias)
-    if layout == "checkpoint":
-        return F.linear(x, weight, bias)
-    if bias is None:
-        return torch.matmul(x, weight)
-    return torch.addmm(bias, x, weight) if x.dim() == 2 else torch.matmul(x, weight) + bias
+    def linear(self, layout: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int) -> torch.Tensor:
+        """``x @ W^T + bias`` for a weight that :meth:`relayout` placed in ``layout``."""
+        if layout == "panels":
+            return self.panel_linear(x, weight, out_features, bias)
+        if layout == "onednn":
+            return onednn.linear(x, weight, bias)
+        if layout == "checkpoint":
+            return F.linear(x, weight, bias)
+        if bias is None:
+            return torch.matmul(x, weight)
+        return torch.addmm(bias, x, weight) if x.dim() == 2 else torch.matmul(x, weight) + bias

@@ -49,9 +49,7 @@ class LMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
         super().__init__(vocab_size, hidden_size)
-        ctx = current_context()
-        self.batched = ctx.max_num_seqs > 1
-        self.kernels = dense.DenseKernels(ctx.backend)
+        self.dense = dense.DenseMatmul.for_context(current_context())
         self.layout = "checkpoint"
         self.bias = None
         if bias:
@@ -63,12 +61,12 @@ class LMHead(VocabParallelEmbedding):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         super().weight_loader(param, loaded, shard_id)
         if param is self.weight:
-            self.layout, weight = dense.relayout(param.data, self.batched, self.kernels)
+            self.layout, weight = self.dense.relayout(param.data)
             if weight is not param.data:
                 self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = dense.linear(self.layout, hidden, self.weight, self.bias, self.shard_size, self.kernels)
+        logits = self.dense.linear(self.layout, hidden, self.weight, self.bias, self.shard_size)
         if self.tp_size > 1:
             logits = self.collective.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

@@ -230,9 +230,8 @@ class FusedExperts(nn.Module):
         self.transfers, self.transferred_bytes = 0, 0
         self.act_fn = gated_activation(hidden_act)
         self.kernel = backend_op(ctx.backend, "fused_moe") if num_offloaded == 0 else None
-        self.batched = ctx.max_num_seqs > 1
-        self.kernels = dense.DenseKernels(ctx.backend)
-        self.layout: str | None = None  # a packed layout of layers/dense.py, once the experts are packed
+        self.dense = dense.DenseMatmul.for_context(ctx)
+        self.layout = "checkpoint"  # a packed layout of layers/dense.py once the experts are packed
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # packed copies of resident experts
 
     @property
@@ -252,9 +251,10 @@ class FusedExperts(nn.Module):
         so they are held once)."""
         if self.packed is not None or self.kernel is not None:
             return
-        self.layout = dense.packed_layout(self.gate_up_proj.data, self.batched, self.kernels)
-        if self.layout is None:
+        layout = self.dense.packed_layout(self.gate_up_proj.data)
+        if layout is None:
             return
+        self.layout = layout
         self.packed = [(self._pack(self.gate_up_proj.data[e]), self._pack(self.down_proj.data[e]))
                        for e in range(self.num_resident)]
         for param in (self.gate_up_proj, self.down_proj):
@@ -313,12 +313,7 @@ class FusedExperts(nn.Module):
         return gate_up, down
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return dense.pack(self.layout, weight, self.kernels)
-
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, weight)
-        return dense.linear(self.layout, x, weight, None, out_features, self.kernels)
+        return self.dense.pack(self.layout, weight)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -339,8 +334,8 @@ class FusedExperts(nn.Module):
                 continue
             rows = slice(start, start + count)
             gate_up_weight, down_weight = self._weights(expert)
-            gate_up = self._linear(routed[rows], gate_up_weight, 2 * self.intermediate_size)
-            outputs[rows] = self._linear(self.act_fn(gate_up), down_weight, self.hidden_size)
+            gate_up = self.dense.linear(self.layout, routed[rows], gate_up_weight, None, 2 * self.intermediate_size)
+            outputs[rows] = self.dense.linear(self.layout, self.act_fn(gate_up), down_weight, None, self.hidden_size)
             start += count
         weighted = outputs.float() * topk_weights.flatten()[order, None]
         # Back to (token, k) order, then each token's sum over its k experts. (index_add_ into the

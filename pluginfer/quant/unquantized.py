@@ -23,19 +23,17 @@ class UnquantizedLinear:
         weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
         layer.weight_layout = "checkpoint"
-        ctx = current_context()
-        layer.batched = ctx.max_num_seqs > 1
-        layer.dense_kernels = dense.DenseKernels(ctx.backend)
+        layer.dense = dense.DenseMatmul.for_context(current_context())
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.weight_layout != "checkpoint":
             return
-        layer.weight_layout, weight = dense.relayout(layer.weight.data, layer.batched, layer.dense_kernels)
+        layer.weight_layout, weight = layer.dense.relayout(layer.weight.data)
         if weight is not layer.weight.data:
             layer.weight = nn.Parameter(weight, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return dense.linear(layer.weight_layout, x, layer.weight, bias, layer.output_size, layer.dense_kernels)
+        return layer.dense.linear(layer.weight_layout, x, layer.weight, bias, layer.output_size)
 
 
 def build(quant_config: dict | None = None) -> UnquantizedLinear:

@@ -21,6 +21,17 @@ def cpu_backend(request: pytest.FixtureRequest) -> CpuBackend:
     return backend
 
 
+# The native panel GEMM (backends/csrc/panel_linear.c) needs the native library on an AVX-512 CPU.
+PANELS_AVAILABLE = native.available() is None and native.op("panel_linear") is not None
+
+
+def backend_with(native_kernels: bool) -> CpuBackend:
+    """A cpu backend that offers its native kernels only when asked to (and able)."""
+    backend = cpu.build()
+    backend.native_kernels = backend.native_kernels and native_kernels
+    return backend
+
+
 def make_context(backend: CpuBackend, dtype: torch.dtype = torch.float32, max_model_len: int = 128) -> BuildContext:
     return BuildContext(backend=backend, quant=unquantized.build(), collective=single.build(), dtype=dtype,
                         max_model_len=max_model_len)

@@ -6,16 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import cpu, native
 from pluginfer.layers import dense, onednn
-
-PANELS = native.available() is None and native.op("panel_linear") is not None
-
-
-def kernels(native_kernels: bool) -> dense.DenseKernels:
-    backend = cpu.build()
-    backend.native_kernels = backend.native_kernels and native_kernels
-    return dense.DenseKernels(backend)
+from tests.layers.conftest import PANELS_AVAILABLE, backend_with
 
 
 @pytest.mark.parametrize(("native_kernels", "batched", "expected"), [
@@ -23,34 +15,35 @@ def kernels(native_kernels: bool) -> dense.DenseKernels:
     (False, False, "transposed"), (False, True, "onednn"),
 ])
 def test_layout_choice_and_result(native_kernels: bool, batched: bool, expected: str) -> None:
-    if expected == "panels" and not PANELS:
+    if expected == "panels" and not PANELS_AVAILABLE:
         pytest.skip("the panel kernel needs the native library on an AVX-512 CPU")
     if expected == "onednn" and not onednn.available():
         pytest.skip("this torch build has no oneDNN")
-    ops = kernels(native_kernels)
+    matmul = dense.DenseMatmul(backend_with(native_kernels), batched)
     weight, bias = torch.randn(90, 40), torch.randn(90)
-    layout, placed = dense.relayout(weight, batched, ops)
+    layout, placed = matmul.relayout(weight)
     assert layout == expected
-    assert dense.packed_layout(weight, batched, ops) == (None if expected == "transposed" else expected)
+    assert matmul.packed_layout(weight) == (None if expected == "transposed" else expected)
     for shape in ((1, 40), (16, 40), (3, 5, 40)):
         x = torch.randn(*shape)
         for b in (None, bias):
-            torch.testing.assert_close(dense.linear(layout, x, placed, b, 90, ops), F.linear(x, weight, b),
+            torch.testing.assert_close(matmul.linear(layout, x, placed, b, 90), F.linear(x, weight, b),
                                        atol=1e-5, rtol=1e-5)
 
 
 def test_half_precision_is_never_packed() -> None:
     weight = torch.randn(32, 16).bfloat16()
     for native_kernels in (True, False):
-        layout, placed = dense.relayout(weight, True, kernels(native_kernels))
+        matmul = dense.DenseMatmul(backend_with(native_kernels), True)
+        layout, placed = matmul.relayout(weight)
         assert layout == "transposed" and placed.shape == (16, 32)
-        assert dense.packed_layout(weight, True, kernels(native_kernels)) is None
+        assert matmul.packed_layout(weight) is None
 
 
 def test_without_a_backend_op_there_are_no_panels() -> None:
     class Plain:  # a backend that offers no kernels
         pass
 
-    ops = dense.DenseKernels(Plain())
-    assert not ops.panels
-    assert dense.relayout(torch.randn(8, 8), False, ops)[0] == "transposed"
+    matmul = dense.DenseMatmul(Plain(), False)
+    assert not matmul.panels
+    assert matmul.relayout(torch.randn(8, 8))[0] == "transposed"

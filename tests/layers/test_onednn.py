@@ -6,21 +6,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import cpu, native
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
 from pluginfer.layers import onednn
 from pluginfer.layers.context import building
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.quant import unquantized
+from tests.layers.conftest import PANELS_AVAILABLE, backend_with
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
 
 
 def context(max_num_seqs: int, native_kernels: bool = True) -> BuildContext:
-    backend = cpu.build()
-    backend.native_kernels = backend.native_kernels and native_kernels
-    return BuildContext(backend=backend, quant=unquantized.build(), collective=single.build(),
+    return BuildContext(backend=backend_with(native_kernels), quant=unquantized.build(), collective=single.build(),
                         dtype=torch.float32, max_model_len=64, max_num_seqs=max_num_seqs)
 
 
@@ -44,7 +42,7 @@ def test_worth_packing_only_batched_float32_cpu_weights() -> None:
 @pytest.mark.parametrize(("max_num_seqs", "native_kernels", "layout"), [
     (1, True, "panels"), (16, True, "panels"), (1, False, "transposed"), (16, False, "onednn")])
 def test_untied_lm_head_is_packed(max_num_seqs: int, native_kernels: bool, layout: str) -> None:
-    if layout == "panels" and (native.available() is not None or native.op("panel_linear") is None):
+    if layout == "panels" and not PANELS_AVAILABLE:
         pytest.skip("the panel kernel needs the native library on an AVX-512 CPU")
     torch.manual_seed(0)
     weight = torch.randn(100, 32)

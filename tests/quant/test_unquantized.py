@@ -6,20 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import cpu, native
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
 from pluginfer.layers import onednn
 from pluginfer.layers.context import building
 from pluginfer.layers.linear import ReplicatedLinear
 from pluginfer.quant import unquantized
+from tests.layers.conftest import PANELS_AVAILABLE, backend_with
 
 
 def build(max_num_seqs: int, dtype: torch.dtype = torch.float32, bias: bool = True,
           native_kernels: bool = True) -> ReplicatedLinear:
-    backend = cpu.build()
-    backend.native_kernels = backend.native_kernels and native_kernels
-    ctx = BuildContext(backend=backend, quant=unquantized.build(), collective=single.build(), dtype=dtype,
+    ctx = BuildContext(backend=backend_with(native_kernels), quant=unquantized.build(), collective=single.build(), dtype=dtype,
                        max_model_len=64, max_num_seqs=max_num_seqs)
     with building(ctx):
         return ReplicatedLinear(96, 80, bias=bias)
@@ -37,7 +35,7 @@ def test_layout_follows_the_kernels_and_the_batch_and_computes_the_same(max_num_
                                                                          layout: str) -> None:
     if layout == "onednn" and not onednn.available():
         pytest.skip("this torch build has no oneDNN")
-    if layout == "panels" and (native.available() is not None or native.op("panel_linear") is None):
+    if layout == "panels" and not PANELS_AVAILABLE:
         pytest.skip("the panel kernel needs the native library on an AVX-512 CPU")
     torch.manual_seed(0)
     weight, bias = torch.randn(80, 96), torch.randn(80)

@@ -17,7 +17,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
