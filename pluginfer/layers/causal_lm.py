@@ -18,6 +18,15 @@ from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.weights import LLAMA_STACKED, load_named_weights
 
 
+def add_and_norm(norm: nn.Module, hidden: torch.Tensor,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(hidden + residual), hidden + residual)`` with the add fused into the norm; the first
+    layer (``residual`` None) starts the residual stream with ``hidden``."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
 class PreNormDecoderLayer(nn.Module):
     """``x + attn(norm(x))`` then ``+ ffn(norm(x))``; each norm adds the residual it is handed (fused).
 
@@ -30,10 +39,7 @@ class PreNormDecoderLayer(nn.Module):
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(batch, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.feed_forward(hidden), residual

@@ -17,6 +17,7 @@ from pluginfer.layers.causal_lm import (
     DECODER_SIZE_FIELDS,
     CausalLM,
     DecoderStack,
+    add_and_norm,
     check_kv_heads,
     check_positive_fields,
 )
@@ -117,10 +118,7 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(batch, hidden)
         if not self.sandwich_norms:  # Gemma 1: the llama layout
             hidden, residual = self.post_attention_layernorm(hidden, residual)

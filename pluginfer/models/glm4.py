@@ -16,6 +16,7 @@ from pluginfer.layers.causal_lm import (
     DECODER_SIZE_FIELDS,
     CausalLM,
     DecoderStack,
+    add_and_norm,
     check_activation,
     check_kv_heads,
     check_positive_fields,
@@ -46,10 +47,7 @@ class Glm4DecoderLayer(nn.Module):
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.post_self_attn_layernorm(self.self_attn(batch, hidden))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.post_mlp_layernorm(self.mlp(hidden)), residual

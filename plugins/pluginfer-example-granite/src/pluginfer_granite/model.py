@@ -9,6 +9,7 @@ from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.layers.causal_lm import add_and_norm
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.norm import RMSNorm
@@ -34,10 +35,7 @@ class GraniteDecoderLayer(nn.Module):
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # Each block's output is scaled before it joins the residual stream (the norm adds it).
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(batch, hidden) * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden) * self.residual_multiplier, residual
