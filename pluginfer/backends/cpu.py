@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pluginfer.backends import native
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import KVCacheSpec
+from pluginfer.core.protocols import KVCacheSpec, RankInfo
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +83,12 @@ class CpuBackend:
     name = "cpu"
     device = torch.device("cpu")
 
-    def __init__(self, config: object = None) -> None:
+    def __init__(self, config: object = None, rank: RankInfo | None = None) -> None:
         threads = os.environ.get("PLUGINFER_CPU_THREADS")
         if threads:
             torch.set_num_threads(int(threads))
+        elif rank is not None and rank.local_world_size > 1:  # ranks on one machine share its cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world_size))
         reason = native.available()
         self.native_kernels = reason is None
         if reason is not None:
@@ -228,5 +230,5 @@ def _available_memory() -> int:
     return 4 * 2**30
 
 
-def build(config: object = None) -> CpuBackend:
-    return CpuBackend(config)
+def build(config: object = None, rank: RankInfo | None = None) -> CpuBackend:
+    return CpuBackend(config, rank)

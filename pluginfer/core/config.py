@@ -19,8 +19,17 @@ class _Section(BaseModel):
 
 class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks that split each layer.")
-    collective: str = Field("auto", description="Collective plugin: auto, single, gloo, nccl, mpi, ...")
-    launcher: Literal["inprocess", "spawn", "mpi", "torchrun"] = "inprocess"
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages, each a contiguous run of layers.")
+    collective: str = Field(
+        "auto", description="Collective plugin: auto (the backend's default: gloo on cpu, nccl on cuda), "
+                            "single, gloo, nccl, mpi, ...")
+    launcher: Literal["auto", "inprocess", "spawn", "torchrun", "mpi"] = Field(
+        "auto", description="Who starts the ranks: auto (torchrun's or mpiexec's environment when present, "
+                            "else spawn local workers when more than one rank is asked, else inprocess).")
+    master_addr: str = Field("127.0.0.1", description="Rendezvous address of spawned ranks (torchrun: MASTER_ADDR).")
+    master_port: int = Field(0, ge=0, le=65535, description="Rendezvous port; 0 picks a free one.")
+    timeout_s: float = Field(120.0, gt=0, description="Longest wait of a collective at start-up, per step and "
+                                                      "at shutdown before a rank is declared lost.")
 
 
 class CacheConfig(_Section):

@@ -39,9 +39,94 @@ class KVCacheSpec:
         return self.num_layers * self.num_kv_heads * width * dtype.itemsize
 
 
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one process sits among the ranks of a deployment; what launchers produce.
+
+    Global rank ``r`` is tensor-parallel rank ``r % tp_size`` of pipeline stage ``r // tp_size``.
+    ``local_rank`` picks the device on this machine. ``master_addr`` / ``master_port`` are the
+    rendezvous of collectives that need one (``torch.distributed``); port 0 means "rank 0 picks a
+    free port and hands it to the ranks it spawns".
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    launcher: str = "inprocess"
+
+    def __post_init__(self) -> None:
+        if self.tp_size * self.pp_size != self.world_size:
+            raise ValueError(f"parallel: tensor_parallel_size {self.tp_size} x pipeline_parallel_size "
+                             f"{self.pp_size} must equal the world size {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def tp_groups(self) -> list[list[int]]:
+        """Global ranks of every tensor-parallel group (one per pipeline stage)."""
+        return [[stage * self.tp_size + i for i in range(self.tp_size)] for stage in range(self.pp_size)]
+
+    def pp_groups(self) -> list[list[int]]:
+        """Global ranks of every pipeline (one per tensor-parallel rank)."""
+        return [[stage * self.tp_size + i for stage in range(self.pp_size)] for i in range(self.tp_size)]
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of this rank's tensor-parallel peer in pipeline stage ``stage``."""
+        return stage * self.tp_size + self.tp_rank
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a linear layer's weight is split across tensor-parallel ranks; ``create_weights`` gets it.
+
+    ``dim``: 0 when the outputs are split (column parallel), 1 when the inputs are (row parallel),
+    None when every rank holds the whole weight. ``rank`` / ``size``: the tensor-parallel rank and
+    world. ``output_sizes``: the full (all ranks) sizes of the projections fused in this layer
+    (q/k/v, gate/up), whose shards are each split separately; ``kv_replicas``: ranks that hold the
+    same key/value heads when there are fewer KV heads than ranks (QKV layers only).
+    """
+
+    dim: int | None = None
+    rank: int = 0
+    size: int = 1
+    output_sizes: tuple[int, ...] = ()
+    kv_replicas: int = 1
+
+    @property
+    def is_split(self) -> bool:
+        return self.dim is not None and self.size > 1
+
+    def narrow(self, loaded: torch.Tensor, axis: int, part: int) -> torch.Tensor:
+        """This rank's ``part``-sized slice of ``loaded`` along ``axis`` (which must hold ``part * size``)."""
+        if loaded.dim() <= axis or loaded.shape[axis] != part * self.size:
+            raise ValueError(f"checkpoint shape {tuple(loaded.shape)} does not have {part * self.size} "
+                             f"along axis {axis} to split over {self.size} tensor-parallel ranks")
+        return loaded.narrow(axis, self.rank * part, part)
+
+
 @dataclass
 class BuildContext:
-    """What a model factory receives besides the HF config: the plugins it builds on."""
+    """What a model factory receives besides the HF config: the plugins it builds on.
+
+    ``collective`` is this rank's tensor-parallel group (its rank and world size are the TP rank and
+    size); ``rank`` says where the process sits in the whole deployment, pipeline stage included.
+    """
 
     backend: DeviceBackend
     quant: QuantMethod
@@ -52,6 +137,27 @@ class BuildContext:
     num_experts_offload_per_rank: int = 0
     # Sequences one step may batch (scheduler config): a weight layout may be chosen for it.
     max_num_seqs: int = 1
+    rank: RankInfo = RankInfo()
+
+    def stage_layers(self, num_layers: int) -> range:
+        """The decoder layers this rank's pipeline stage holds (contiguous, earlier stages get the extra)."""
+        return stage_layers(num_layers, self.rank.pp_size, self.rank.pp_rank)
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    if pp_size > num_layers:
+        raise ValueError(f"parallel.pipeline_parallel_size {pp_size} is larger than the model's "
+                         f"num_hidden_layers {num_layers}")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+@dataclass
+class IntermediateTensors:
+    """What one pipeline stage hands the next: named hidden-state tensors ``[num_tokens, ...]``."""
+
+    tensors: dict[str, torch.Tensor]
 
 
 @runtime_checkable
@@ -62,10 +168,20 @@ class ModelPipeline(Protocol):
     take their parameters and matmul from ``ctx.quant`` and their attention from
     ``ctx.backend``. The factory raises ``ValueError`` naming the config field for any
     combination it does not implement (never ignore a field silently).
+
+    Pipeline parallelism: with ``ctx.rank.pp_size > 1`` the factory builds only the layers of
+    ``ctx.stage_layers(num_layers)`` (the first stage also the embedding, the last the final norm
+    and LM head), or raises ``ValueError`` naming ``parallel.pipeline_parallel_size`` if it cannot.
     """
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """Shape of the paged cache this model needs."""
+        """Shape of the paged cache this model (this pipeline stage's layers) needs."""
+
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hand each attention layer of this stage its (key, value) cache, in layer order.
+
+        ``len(kv_caches) == kv_cache_spec().num_layers``; raise ``ValueError`` otherwise.
+        """
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consume (checkpoint name, tensor) pairs as they stream from disk.
@@ -75,8 +191,14 @@ class ModelPipeline(Protocol):
         naming the tensor for an unexpected one and for any parameter left unloaded.
         """
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the flat batch; return hidden states of the rows in ``batch.logits_indices``."""
+    def forward(self, batch: ForwardBatch,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """Run the flat batch; return hidden states of the rows in ``batch.logits_indices``.
+
+        Under pipeline parallelism every stage but the first receives the previous stage's
+        ``intermediate`` instead of embedding ``batch.input_ids``, and every stage but the last
+        returns its ``IntermediateTensors`` (the same names and shapes on every step).
+        """
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states to float32 logits over the whole vocabulary."""
@@ -94,12 +216,16 @@ class QuantMethod(Protocol):
     name: str
 
     def create_weights(
-        self, layer: torch.nn.Module, input_size: int, output_size: int, dtype: torch.dtype
+        self, layer: torch.nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+        shard: ShardSpec = ShardSpec(),
     ) -> None:
         """Register the parameters this format keeps for an ``output_size x input_size`` weight.
 
-        Sizes are this rank's shard. Each parameter gets ``output_dim`` / ``input_dim``
-        attributes (which axis is sharded) so layers can load slices into it.
+        Sizes are this rank's shard; ``shard`` says how the full weight is split across
+        tensor-parallel ranks (raise ``ValueError`` naming the sizes for a split the format cannot
+        make, e.g. a quantization group or block cut in two). Each parameter gets ``output_dim`` /
+        ``input_dim`` attributes (which axis is sharded) so layers can load slices into it; a
+        format that installs its own ``weight_loader`` slices with ``shard`` itself.
         """
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -111,9 +237,10 @@ class QuantMethod(Protocol):
 
 @runtime_checkable
 class DeviceBackend(Protocol):
-    """One device. Factory: ``factory(config: EngineConfig)``.
+    """One device. Factory: ``factory(config: EngineConfig, rank: RankInfo)``.
 
-    The spec's ``check`` tells whether the device is usable on this machine.
+    The spec's ``check`` tells whether the device is usable on this machine. ``rank.local_rank``
+    picks this rank's device; ``rank.local_world_size`` ranks share the machine (and its cores).
     """
 
     name: str
@@ -143,6 +270,7 @@ class DeviceBackend(Protocol):
         batch: ForwardBatch,
         scale: float,
         sliding_window: int | None = None,
+        logit_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's ``key``/``value`` into the cache at ``batch.slot_mapping``, then attend.
 
@@ -150,8 +278,13 @@ class DeviceBackend(Protocol):
         ``[num_tokens, kv_heads, head_dim]``; causal within each sequence, limited to the
         last ``sliding_window`` positions when given. Returns ``[num_tokens, heads, v_dim]``.
         ``value`` None: the cache's value is a view of its key (``KVCacheSpec.value_in_key``);
-        only the key is written.
+        only the key is written. ``logit_soft_cap``: scores become ``cap * tanh(scores / cap)``
+        before the softmax (Gemma 2).
         """
+
+    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    copies: list[tuple[int, int]]) -> None:
+        """Copy whole cache blocks ``src -> dst`` in every layer (n > 1 children forking a partial block)."""
 
     def synchronize(self) -> None:
         """Wait for queued device work (timings and host reads)."""
@@ -167,7 +300,15 @@ class DeviceBackend(Protocol):
 
 @runtime_checkable
 class Collective(Protocol):
-    """One communication library. Factory: ``factory(config: EngineConfig)``."""
+    """One communication library over a group of ranks. Factory: ``factory(config: EngineConfig, rank: RankInfo)``.
+
+    The factory joins the whole world (``rank.world_size`` processes; rendezvous at
+    ``rank.master_addr:master_port`` where the library needs one) within
+    ``config.parallel.timeout_s`` or raises. ``rank`` and ``world_size`` are this process's place in
+    *this* group; ``src`` / ``dst`` below are ranks of this group. Every call is collective (all
+    members make it, in the same order) except ``send`` / ``recv``. A peer that died or a wait past
+    the timeout raises ``RuntimeError``; it never hangs forever.
+    """
 
     rank: int
     world_size: int
@@ -176,10 +317,29 @@ class Collective(Protocol):
         """Sum over ranks, in place where the library allows; returns the result."""
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's tensor along ``dim``."""
+        """Concatenate every rank's tensor (same shape on every rank) along ``dim``, in rank order."""
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Send a picklable object (e.g. a ForwardBatch) from ``src`` to every rank."""
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with ``src``'s (same shape and dtype everywhere); returns it."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object (e.g. a ``StepInput``) from ``src``; every rank returns it."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object, in rank order."""
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Point to point: hand ``tensor`` to rank ``dst`` (which calls ``recv`` with the same shape)."""
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Point to point: fill ``tensor`` with what rank ``src`` sent; returns it."""
 
     def barrier(self) -> None:
         """Wait until every rank arrives."""
+
+    def new_group(self, partition: list[list[int]]) -> Collective:
+        """Split into disjoint groups (lists of this group's ranks covering all of them); every rank
+        calls it with the same partition and gets the group it belongs to."""
+
+    def close(self) -> None:
+        """Leave the group and release the library's resources (idempotent)."""
