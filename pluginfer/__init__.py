@@ -3,7 +3,18 @@
 from pluginfer.core.hookspecs import PLUGIN_API_VERSION
 from pluginfer.core.sequence import SamplingParams
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml's `version` is the one place it is written."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pluginfer")
+    except PackageNotFoundError:  # a checkout on sys.path that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 __all__ = ["LLM", "SamplingParams", "PLUGIN_API_VERSION", "__version__"]
 
 
