@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,16 @@ from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
 
 logger = logging.getLogger(__name__)
+
+
+@cache
+def _report_unavailable(reason: str) -> None:
+    """Once per process: a warning saying how to get the kernels, or a note when PLUGINFER_NATIVE=0 chose this."""
+    if os.environ.get("PLUGINFER_NATIVE") == "0":
+        logger.info("cpu backend: native kernels off (PLUGINFER_NATIVE=0); using the torch path")
+    else:
+        logger.warning("cpu backend: native kernels unavailable (%s); using the slower torch path. To get them: %s",
+                       reason, native.HOW_TO_GET)
 
 
 @dataclass
@@ -92,7 +103,7 @@ class CpuBackend:
         reason = native.available()
         self.native_kernels = reason is None
         if reason is not None:
-            logger.warning("cpu backend: native kernels unavailable (%s); using the torch path", reason)
+            _report_unavailable(reason)
 
     def op(self, name: str) -> Callable | None:
         """A fused float32 kernel for a layer op, or None (the layer keeps its torch reference)."""

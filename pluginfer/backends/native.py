@@ -10,6 +10,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.c", "panel_linear.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# What a log line about missing kernels tells the user to do.
+HOW_TO_GET = "install a C compiler (gcc or clang; CC picks one) and restart; PLUGINFER_NATIVE=0 silences this"
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -34,10 +37,24 @@ def _cache_dir() -> Path:
     return root / "native"
 
 
+def _instruction_set() -> bytes:
+    """What a ``-march=native`` build depends on: the architecture and the CPU's feature flags (a cache
+    shared between machines, e.g. on NFS, must not hand an AVX-512 build to a CPU without it)."""
+    key = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            key += next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:  # not Linux: the processor name is the best there is
+        key += platform.processor()
+    return key.encode()
+
+
 def _build(sources: tuple[Path, ...], target: Path) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise NativeKernelsUnavailable("no C compiler (cc/gcc) on PATH")
+    if shutil.which(compiler) is None:
+        raise NativeKernelsUnavailable(f"C compiler {compiler!r} (from CC) not found")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as staging:
         staging_path = Path(staging.name)
@@ -56,7 +73,7 @@ def load() -> ctypes.CDLL:
     if os.environ.get("PLUGINFER_NATIVE", "1") == "0":
         raise NativeKernelsUnavailable("disabled by PLUGINFER_NATIVE=0")
     source = b"".join(path.read_bytes() for path in SOURCES)
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode() + os.uname().machine.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode() + _instruction_set()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{digest}.so"
     if not target.is_file():
         _build(SOURCES, target)
