@@ -7,6 +7,7 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -66,15 +67,16 @@ def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:  # noqa: ANN001 - pl
     """Logits at every prompt position through our runner (the public API only exposes the last)."""
     from pluginfer.core.scheduler import ScheduledSequence
     from pluginfer.core.sequence import Sequence
+    from pluginfer.core.step import build_step
 
     engine = llm.engine
     seq = Sequence("probe", list(prompt), greedy())
     assert engine.block_manager.allocate_prompt(seq) and engine.block_manager.ensure_slots(seq, len(prompt))
     try:
-        runner = engine.executor.runner
-        batch = runner.build_batch([ScheduledSequence(seq, len(prompt) - seq.num_computed_tokens, [seq])])
-        batch.logits_indices = torch.arange(batch.num_tokens)
-        return runner.execute(batch)
+        plan = build_step([ScheduledSequence(seq, len(prompt) - seq.num_computed_tokens, [seq])],
+                          engine.config.cache.block_size)
+        plan.step.logits_indices = np.arange(plan.step.num_tokens)
+        return engine.executor.run_step(plan.step)
     finally:
         engine.block_manager.free(seq)
 

@@ -93,6 +93,7 @@ class CpuBackend:
 
     name = "cpu"
     device = torch.device("cpu")
+    default_collective = "gloo"
 
     def __init__(self, config: object = None, rank: RankInfo | None = None) -> None:
         threads = os.environ.get("PLUGINFER_CPU_THREADS")

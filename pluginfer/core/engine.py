@@ -158,6 +158,11 @@ class LLMEngine:
         for request_id in list(self._requests):
             self.abort_request(request_id)
 
+    def shutdown(self) -> None:
+        """Abort what is left and stop the other ranks (idempotent; also run at interpreter exit)."""
+        self.abort_all()
+        self.executor.shutdown()
+
 
 def record_prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:
     """Logprob of each prompt token ``first + 1 ...`` given what precedes it, with the top alternatives."""

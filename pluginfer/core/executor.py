@@ -1,24 +1,33 @@
-"""Executor: builds the plugins and the model on this rank, runs a scheduled step, samples.
+"""Executor: the driver's side of the ranks (rank 0) — starts them, sends each step, returns logits.
 
-Single-rank, in-process for now; tensor-parallel launchers build one Executor per rank and
-broadcast each step's ForwardBatch through the Collective.
+``start_rank`` builds one rank in order: its ``RankInfo`` (from the launcher), its device backend
+(which picks the rank's device), the world collective (``parallel.collective``; ``auto`` takes the
+backend's ``default_collective``, or ``mpi`` under mpiexec), a check that every rank runs the same
+config and plugin versions, its ``Worker`` (model shard and KV cache, the block count agreed by all
+ranks). The driver then broadcasts a ``StepInput`` per step; the other ranks run ``launch.run_worker``.
 """
 
 from __future__ import annotations
 
+import atexit
+import hashlib
+import json
 import logging
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pluginfer.core.config import EngineConfig
-from pluginfer.core.loader import iter_weights, read_hf_config, resolve_dtype, resolve_model_path
-from pluginfer.core.protocols import BuildContext
+from pluginfer.core.launch import LocalWorkers, detect_launcher, rank_info
+from pluginfer.core.loader import read_hf_config, resolve_model_path
+from pluginfer.core.protocols import Collective, RankInfo
 from pluginfer.core.registry import Registry, get_registry
-from pluginfer.core.runner import ModelRunner
-from pluginfer.layers.context import building
-from pluginfer.layers.moe import expert_memory
+from pluginfer.core.step import build_step
+from pluginfer.core.worker import Worker, build_plugin
 from pluginfer.layers.rotary import rope_parameters
 
 if TYPE_CHECKING:
@@ -30,113 +39,136 @@ logger = logging.getLogger(__name__)
 _DEFAULT_CONTEXT = 2048
 
 
+@dataclass
+class StartedRank:
+    worker: Worker
+    model_path: Path
+    hf_config: dict
+    max_model_len: int
+    num_blocks: int
+
+
+def start_rank(config: EngineConfig, rank: RankInfo, registry: Registry) -> StartedRank:
+    """Build this rank: backend, world collective, agreement with the other ranks, worker, KV cache."""
+    path = model_path(config)
+    hf_config = read_hf_config(path)
+    backend = build_plugin(registry, "backend", _backend_name(config.backend, registry), config, rank)
+    world = _build_collective(config, rank, registry, backend)
+    try:
+        model_name = _model_spec(hf_config, path, registry).name
+        quant_name = _quant_name(config.quant, hf_config)
+        _check_agreement(world, config, registry, rank, [("backend", backend.name), ("model", model_name),
+                                                         ("quant", quant_name)])
+        max_model_len = _max_model_len(config, hf_config)
+        worker = Worker(config, rank, world, backend, registry, path, hf_config, model_name, quant_name,
+                        max_model_len)
+        num_blocks = min(world.all_gather_object(worker.max_num_blocks(max_model_len)))
+        worker.allocate_kv_cache(num_blocks)
+    except BaseException:
+        world.close()
+        raise
+    logger.info("rank %d/%d (tp %d/%d, pp %d/%d) loaded %s (%s) on %s: %d KV blocks of %d tokens", rank.rank,
+                rank.world_size, rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, path, model_name,
+                backend.name, num_blocks, config.cache.block_size)
+    return StartedRank(worker, path, hf_config, max_model_len, num_blocks)
+
+
 class Executor:
-    """Everything that touches tensors: plugins, weights, KV cache, forward and sampling."""
+    """Rank 0: its own worker plus the other ranks; one ``execute`` per engine step."""
 
     def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
-        self.registry = registry or get_registry()
-        self.model_path = model_path(config)
-        self.hf_config = read_hf_config(self.model_path)
-        self.backend = self._build("backend", self._backend_name(config.backend), config)
-        self.collective = self._build("collective", self._collective_name(config), config)
-        self.quant = self._build("quant", self._quant_name(config.quant), self.hf_config.get("quantization_config"))
-        self.dtype = resolve_dtype(config.dtype, self.hf_config)
-        self.max_model_len = self._max_model_len(config)
+        registry = registry or get_registry()
+        rank = rank_info(config)
+        if not rank.is_driver:
+            raise RuntimeError(f"rank {rank.rank} is not the driver: run it with pluginfer.core.launch.run_worker "
+                               "(`pluginfer serve` and `pluginfer generate` do so under torchrun and mpiexec)")
+        self.rank, self.config = rank, config
+        self.failure: str | None = None
+        self._lock = threading.Lock()  # one collective sequence at a time: steps and keep-alive pings
+        self._last_message = time.monotonic()
+        self.local_workers = LocalWorkers(config, rank, self._lost) if rank.launcher == "spawn" else None
+        try:
+            started = start_rank(config, rank, registry)
+        except BaseException:
+            if self.local_workers is not None:
+                self.local_workers.join(timeout=5)
+            raise
+        self.worker = started.worker
+        self.model_path, self.hf_config = started.model_path, started.hf_config
+        self.max_model_len, self.num_blocks = started.max_model_len, started.num_blocks
         self.vocab_size = int(self.hf_config["vocab_size"])
-        ctx = BuildContext(self.backend, self.quant, self.collective, self.dtype, self.max_model_len,
-                           num_experts_offload_per_rank=config.cache.num_experts_offload_per_rank,
-                           max_num_seqs=config.scheduler.max_num_seqs)
-        spec = self._model_spec()
-        factory = self.registry.load("model", spec.name)
-        with building(ctx), torch.device(self.backend.device):
-            self.pipeline = factory(self.hf_config, ctx)
-        self.pipeline.eval()
-        self.expert_memory = expert_memory(self.pipeline)
-        offload = config.cache.num_experts_offload_per_rank
-        if offload and not self.expert_memory.offloaded_experts:
-            raise ValueError(f"cache.num_experts_offload_per_rank: {offload}, but {spec.name} built no "
-                             "mixture-of-experts layer to offload from")
-        self.pipeline.load_weights(iter_weights(self.model_path))
-        if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:
-            logger.info("experts: %d bytes resident on %s, %d bytes in the host store (%d experts), %d bytes staging",
-                        self.expert_memory.resident_bytes, self.backend.name, self.expert_memory.offloaded_bytes,
-                        self.expert_memory.offloaded_experts, self.expert_memory.staging_bytes)
-        self.num_blocks = self._num_blocks(config)
-        kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else resolve_dtype(config.cache.kv_cache_dtype, {})
-        kv_caches = self.backend.allocate_kv_cache(self.pipeline.kv_cache_spec(), self.num_blocks,
-                                                   config.cache.block_size, kv_dtype)
-        self.runner = ModelRunner(self.pipeline, self.backend, kv_caches, config.cache.block_size)
-        logger.info("loaded %s (%s) on %s: %d KV blocks of %d tokens", self.model_path, spec.name,
-                    self.backend.name, self.num_blocks, config.cache.block_size)
+        self.expert_memory = self.worker.expert_memory
+        self.world: Collective = self.worker.world
+        self._closed = False
+        if rank.world_size > 1:
+            atexit.register(self.shutdown)  # the other ranks leave with this process
+            threading.Thread(target=self._keep_alive, name="pluginfer-keepalive", daemon=True).start()
 
-    def _build(self, kind: str, name: str, argument: object) -> object:
-        spec = self.registry.resolve(kind, name)
-        usable, reason = self.registry.usable(spec)
-        if not usable:
-            raise RuntimeError(f"{kind} plugin {spec.name!r} cannot run here: {reason}")
-        return self.registry.load(kind, spec.name)(argument)
+    # The rank-0 worker's parts, for tools and tests that inspect the loaded model.
+    @property
+    def pipeline(self) -> Any:
+        return self.worker.pipeline
 
-    def _backend_name(self, name: str) -> str:
-        if name != "auto":
-            return name
-        for spec in self.registry.specs("backend"):  # prefer an accelerator when one is usable
-            if spec.name != "cpu" and self.registry.usable(spec)[0]:
-                return spec.name
-        return "cpu"
+    @property
+    def backend(self) -> Any:
+        return self.worker.backend
 
-    def _collective_name(self, config: EngineConfig) -> str:
-        name = config.parallel.collective
-        if name == "auto":
-            return "single" if config.parallel.tensor_parallel_size == 1 else "gloo"
-        return name
+    @property
+    def quant(self) -> Any:
+        return self.worker.quant
 
-    def _quant_name(self, name: str) -> str:
-        if name != "auto":
-            return name
-        quant_config = self.hf_config.get("quantization_config") or {}
-        if quant_config.get("checkpoint_format") == "marlin" or quant_config.get("is_marlin_format"):
-            return "marlin"  # GPTQ tensors already in Marlin tiles
-        return quant_config.get("quant_method", "none")
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.worker.dtype
 
-    def _model_spec(self):  # noqa: ANN202 - PluginSpec
-        names = list(self.hf_config.get("architectures") or [])
-        if self.hf_config.get("model_type"):
-            names.append(self.hf_config["model_type"])
-        if not names:
-            raise ValueError(f"{self.model_path / 'config.json'} names no architectures and no model_type")
-        return self.registry.resolve_any("model", names)
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.worker.kv_caches
 
-    def _max_model_len(self, config: EngineConfig) -> int:
-        native = int(self.hf_config.get("max_position_embeddings") or _DEFAULT_CONTEXT)
-        _, scaling = rope_parameters(self.hf_config)
-        if scaling["rope_type"] in ("linear", "dynamic"):  # as vLLM: these stretch the native context
-            native = int(native * float(scaling.get("factor", 1.0)))
-        if config.max_model_len is None:
-            return native
-        if config.max_model_len > native:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({native})")
-        return config.max_model_len
+    def _lost(self, reason: str) -> None:
+        self.failure = reason
+        logger.error("pluginfer: %s; the engine cannot go on", reason)
 
-    def _num_blocks(self, config: EngineConfig) -> int:
-        cache = config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        per_block = self.pipeline.kv_cache_spec().bytes_per_token(self.dtype) * cache.block_size
-        budget = self.backend.kv_cache_budget_bytes(cache.kv_cache_memory, cache.kv_cache_fraction)
-        blocks_per_seq = -(-self.max_model_len // cache.block_size)
-        useful = blocks_per_seq * config.scheduler.max_num_seqs  # more could never be used at once
-        num_blocks = min(budget // per_block, useful)
-        if num_blocks < 1:
-            raise ValueError(f"cache.kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes each)")
-        return int(num_blocks)
+    def _keep_alive(self) -> None:
+        """Idle ranks wait in a broadcast whose timeout is ``parallel.timeout_s``: ping them meanwhile."""
+        period = self.config.parallel.timeout_s / 4
+        while not self._closed:
+            time.sleep(min(period, 1.0))
+            if self._closed or self.failure or time.monotonic() - self._last_message < period:
+                continue
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    self.world.broadcast_object("ping", src=0)
+                    self._last_message = time.monotonic()
+                except Exception as exc:  # noqa: BLE001 - recorded; the next step raises it
+                    self.failure = self.failure or f"a rank stopped answering: {exc}"
+                    return
+
+    def run_step(self, step: Any) -> torch.Tensor:
+        """Send ``step`` to every rank and run it here; the last stage's float32 logits."""
+        with self._lock:
+            if self.failure:
+                raise RuntimeError(f"tensor-parallel ranks lost: {self.failure}")
+            if self.rank.world_size > 1:
+                try:
+                    self.world.broadcast_object(step, src=0)
+                except Exception as exc:
+                    raise RuntimeError(f"a rank stopped answering: {self.failure or exc}") from exc
+            self._last_message = time.monotonic()
+            try:
+                return self.worker.execute(step)
+            except RuntimeError as exc:
+                if self.failure:
+                    raise RuntimeError(f"tensor-parallel ranks lost: {self.failure}") from exc
+                raise
 
     def execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence], list[tuple]]:
         """Run one step: float32 logits, one row per sequence that samples, and those sequences;
         then (sequence, first position, logits rows) for prompt chunks whose logprobs were asked for."""
-        self.runner.copy_blocks(scheduled.block_copies)
-        batch = self.runner.build_batch(scheduled.scheduled)
-        logits = self.runner.execute(batch)
+        plan = build_step(scheduled.scheduled, self.config.cache.block_size, scheduled.block_copies)
+        logits = self.run_step(plan.step)
         rows: list[int] = []
         seqs: list[Sequence] = []
         row = 0
@@ -146,13 +178,113 @@ class Executor:
                 seqs.extend(item.sample_for)
                 row += 1
         prompt_logits, offset = [], row
-        for seq, first, count in batch.extras["prompt_logprob_rows"]:
+        for seq, first, count in plan.prompt_logprob_rows:
             prompt_logits.append((seq, first, logits[offset:offset + count]))
             offset += count
         logits = logits[:row]
         if len(rows) != logits.shape[0]:  # n > 1: children sample from their parent's row
             logits = logits[torch.tensor(rows, dtype=torch.long)]
         return logits, seqs, prompt_logits
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the other ranks and leave the collective (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        with self._lock:
+            if self.rank.world_size > 1 and not self.failure:
+                try:
+                    self.world.broadcast_object(None, src=0)
+                except Exception as exc:  # noqa: BLE001 - they are gone already
+                    logger.warning("stopping the ranks: %s", exc)
+            if self.local_workers is not None:
+                self.local_workers.join(timeout)
+            self.world.close()
+
+
+def _backend_name(name: str, registry: Registry) -> str:
+    if name != "auto":
+        return name
+    usable = [spec for spec in registry.specs("backend") if registry.usable(spec)[0]]
+    if not usable:
+        raise RuntimeError("backend auto: no usable device backend plugin (see `pluginfer plugins`)")
+    return max(usable, key=lambda spec: spec.priority).name
+
+
+def _build_collective(config: EngineConfig, rank: RankInfo, registry: Registry, backend: Any) -> Collective:
+    name = config.parallel.collective
+    if name == "auto":
+        if rank.world_size == 1:
+            name = "single"
+        elif rank.launcher == "mpi":
+            name = "mpi"
+        else:
+            name = backend.default_collective
+    return build_plugin(registry, "collective", name, config, rank)
+
+
+def _check_agreement(world: Collective, config: EngineConfig, registry: Registry, rank: RankInfo,
+                     plugins: list[tuple[str, str]]) -> None:
+    """Ranks that disagree on the config or on plugin versions fail at start-up, naming what differs."""
+    from pluginfer import __version__
+
+    if world.world_size == 1:
+        return
+    settings = config.model_dump(mode="json")
+    settings.pop("server", None)  # only the driver serves
+    versions = {"pluginfer": __version__}
+    for kind, name in plugins:
+        spec = registry.resolve(kind, name)
+        versions[f"{kind} {name}"] = registry.version_of(spec)
+    mine = {"config": settings, "versions": versions}
+    everyone = world.all_gather_object(mine)
+    for other, theirs in enumerate(everyone):
+        if theirs == everyone[0]:
+            continue
+        for section in ("config", "versions"):
+            for key in sorted(set(theirs[section]) | set(everyone[0][section])):
+                ours, its = everyone[0][section].get(key), theirs[section].get(key)
+                if ours != its:
+                    raise RuntimeError(f"rank {other} disagrees with rank 0 on {section} {key}: "
+                                       f"{_short(its)} vs {_short(ours)}; start every rank with the same "
+                                       "config and the same installed plugins")
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) < 200 else hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _quant_name(name: str, hf_config: dict) -> str:
+    if name != "auto":
+        return name
+    quant_config = hf_config.get("quantization_config") or {}
+    if quant_config.get("checkpoint_format") == "marlin" or quant_config.get("is_marlin_format"):
+        return "marlin"  # GPTQ tensors already in Marlin tiles
+    return quant_config.get("quant_method", "none")
+
+
+def _model_spec(hf_config: dict, path: Path, registry: Registry):  # noqa: ANN202 - PluginSpec
+    names = list(hf_config.get("architectures") or [])
+    if hf_config.get("model_type"):
+        names.append(hf_config["model_type"])
+    if not names:
+        raise ValueError(f"{path / 'config.json'} names no architectures and no model_type")
+    return registry.resolve_any("model", names)
+
+
+def _max_model_len(config: EngineConfig, hf_config: dict) -> int:
+    native = int(hf_config.get("max_position_embeddings") or _DEFAULT_CONTEXT)
+    _, scaling = rope_parameters(hf_config)
+    if scaling["rope_type"] in ("linear", "dynamic"):  # as vLLM: these stretch the native context
+        native = int(native * float(scaling.get("factor", 1.0)))
+    if config.max_model_len is None:
+        return native
+    if config.max_model_len > native:
+        raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({native})")
+    return config.max_model_len
 
 
 def model_path(config: EngineConfig) -> Path:
@@ -161,3 +293,6 @@ def model_path(config: EngineConfig) -> Path:
 
         return ensure_demo_model()
     return resolve_model_path(config.model, config.revision)
+
+
+__all__ = ["Executor", "StartedRank", "detect_launcher", "model_path", "start_rank"]

@@ -29,6 +29,7 @@ class PluginSpec:
     ``factory`` and ``check`` are ``"module:attr"`` strings, imported on first use.
     ``check`` returns ``None`` when the plugin can run here, else the reason it cannot
     (e.g. "no CUDA device"). ``architectures`` are HF ``config.json`` architecture names.
+    ``priority``: among usable backends, ``backend: auto`` takes the highest (an accelerator over the cpu).
     """
 
     kind: str
@@ -40,6 +41,7 @@ class PluginSpec:
     overrides: bool = False
     check: str | None = None
     description: str = ""
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

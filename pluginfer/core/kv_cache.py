@@ -151,7 +151,7 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
         """Share the parent's computed full blocks with the child; copy a partial last block.
 
-        Returns the (source, destination) block copies the runner must do before the
+        Returns the (source, destination) block copies the workers must do before the
         child's next forward. Raises RuntimeError, changing nothing, if no block is free
         for the copy (see can_fork).
         """

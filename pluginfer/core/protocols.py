@@ -245,6 +245,8 @@ class DeviceBackend(Protocol):
 
     name: str
     device: torch.device
+    # The collective plugin ``parallel.collective: auto`` uses with several ranks ("gloo", "nccl", ...).
+    default_collective: str
 
     def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
         """Bytes the paged cache may take: ``requested`` if given, else a fraction of what is free."""

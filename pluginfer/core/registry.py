@@ -173,6 +173,11 @@ class Registry:
             return False, f"check failed: {type(exc).__name__}: {exc}"
         return (True, "") if reason is None else (False, str(reason))
 
+    def version_of(self, spec: PluginSpec) -> str:
+        """``distribution version`` of the plugin that registered ``spec`` (ranks compare these)."""
+        owners = [info for info in self._plugins if any(s is spec for s in info.specs)]
+        return " ".join(filter(None, (owners[0].distribution, owners[0].version))) if owners else ""
+
     def specs(self, kind: str) -> list[PluginSpec]:
         """Every spec of ``kind`` from the plugins that loaded cleanly."""
         _check_kind(kind)

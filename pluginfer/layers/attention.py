@@ -12,7 +12,7 @@ from pluginfer.layers.context import current_context
 class Attention(nn.Module):
     """Attends ``[tokens, heads, head_dim]`` queries over this layer's paged KV cache.
 
-    ``kv_cache`` is bound by the runner after the cache is allocated.
+    ``kv_cache`` is bound by the pipeline's ``bind_kv_caches`` after the worker allocates the cache.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
@@ -27,9 +27,19 @@ class Attention(nn.Module):
                 value: torch.Tensor | None) -> torch.Tensor:
         """``value`` None: the value is read from the cached key (``KVCacheSpec.value_in_key``)."""
         if self.kv_cache is None:
-            raise RuntimeError("Attention.kv_cache is not bound; the runner binds it after allocating the cache")
+            raise RuntimeError("Attention.kv_cache is not bound; the worker binds it after allocating the cache")
         out = self.backend.paged_attention(
             query, key, value, self.kv_cache, batch, self.scale,
             sliding_window=self.sliding_window, logit_soft_cap=self.logit_soft_cap,
         )
         return out.reshape(query.shape[0], -1)
+
+
+def bind_kv_caches(module: nn.Module | list[nn.Module], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Hand the ``Attention`` layers inside ``module`` (in module order) one cache each."""
+    modules = module if isinstance(module, list) else [module]
+    layers = [m for part in modules for m in part.modules() if isinstance(m, Attention)]
+    if len(layers) != len(kv_caches):
+        raise ValueError(f"the pipeline has {len(layers)} attention layers but {len(kv_caches)} KV caches")
+    for layer, cache in zip(layers, kv_caches):
+        layer.kv_cache = cache

@@ -6,13 +6,16 @@ pre-norm with the residual add fused into the next norm) and, if it differs, its
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import KVCacheSpec
+from pluginfer.core.protocols import IntermediateTensors, KVCacheSpec, stage_layers
+from pluginfer.layers.attention import bind_kv_caches
+from pluginfer.layers.context import current_context, has_context
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.weights import LLAMA_STACKED, load_named_weights
@@ -45,29 +48,73 @@ class PreNormDecoderLayer(nn.Module):
         return self.feed_forward(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer that another pipeline stage holds: no parameters, never called."""
+
+
 class DecoderStack(nn.Module):
     """``embed_tokens`` -> ``layers`` -> ``norm`` (only on the rows that are sampled).
 
     ``embed_scale``: multiply the embeddings by it (Gemma's ``sqrt(hidden_size)``), rounded to the
     embeddings' dtype first as transformers does.
+
+    Under pipeline parallelism (the build context's ``rank.pp_size > 1``) only this stage's layers
+    are built (the others are ``MissingLayer``s, so checkpoint names keep their indices); the first
+    stage embeds, the last one holds the final norm, and the embedding too when the head is tied.
     """
 
     def __init__(self, config: dict, make_layer: Callable[[int], nn.Module], eps_default: float = 1e-6,
                  norm: nn.Module | None = None, embed_scale: float | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        rank = current_context().rank if has_context() else None
+        num_layers = config["num_hidden_layers"]
+        pp_size, pp_rank = (rank.pp_size, rank.pp_rank) if rank is not None else (1, 0)
+        self.layer_range = stage_layers(num_layers, pp_size, pp_rank)
+        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"]) \
+            if self.is_first or self.is_last else None
         self.embed_scale = embed_scale
-        self.layers = nn.ModuleList(make_layer(index) for index in range(config["num_hidden_layers"]))
-        self.norm = norm if norm is not None else RMSNorm(config["hidden_size"], config.get("rms_norm_eps", eps_default))
+        self.layers = nn.ModuleList(make_layer(index) if index in self.layer_range else MissingLayer()
+                                    for index in range(num_layers))
+        if not self.is_last:
+            self.norm = None
+        else:
+            self.norm = norm if norm is not None else RMSNorm(config["hidden_size"],
+                                                              config.get("rms_norm_eps", eps_default))
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(batch.input_ids), None
-        if self.embed_scale is not None:
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        for layer in self.layers:
-            hidden, residual = layer(batch, hidden, residual)
+    def held_layers(self) -> list[nn.Module]:
+        """This pipeline stage's decoder layers, in order."""
+        return [self.layers[index] for index in self.layer_range]
+
+    def forward(self, batch: ForwardBatch,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if self.is_first:
+            hidden, residual = self.embed_tokens(batch.input_ids), None
+            if self.embed_scale is not None:
+                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        else:
+            hidden, residual = intermediate.tensors["hidden"], intermediate.tensors["residual"]
+        for index in self.layer_range:
+            hidden, residual = self.layers[index](batch, hidden, residual)
+        if not self.is_last:
+            return IntermediateTensors({"hidden": hidden, "residual": residual})
         rows = batch.logits_indices
         return self.norm(hidden[rows] + residual[rows])
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def held_by_stage(name: str, stack: DecoderStack, head: str = "lm_head.") -> bool:
+    """Whether checkpoint tensor ``name`` belongs to this pipeline stage's part of the model."""
+    match = _LAYER_INDEX.search(name)
+    if match is not None:
+        return int(match.group(1)) in stack.layer_range
+    if ".embed_tokens." in f".{name}":
+        return stack.embed_tokens is not None
+    if name.startswith(head) or ".norm." in f".{name}":
+        return stack.is_last
+    return True
 
 
 class CausalLM(nn.Module):
@@ -77,17 +124,24 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = model
-        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"])
         self.tied = bool(config.get("tie_word_embeddings", tied_by_default))
-        if self.tied:
+        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"]) if model.is_last else None
+        if model.is_last and self.tied:
             self.lm_head.tie(self.model.embed_tokens)
+        if not model.is_first and not (model.is_last and self.tied):
+            self.model.embed_tokens = None  # a middle or untied last stage never embeds
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
-        return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
+        held = self.model.held_layers()
+        attn = held[0].self_attn
+        return KVCacheSpec(len(held), attn.num_kv_heads, attn.head_dim)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        bind_kv_caches(self.model.held_layers(), kv_caches)
+
+    def forward(self, batch: ForwardBatch,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(batch, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -99,6 +153,7 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.tied:  # a tied head has no weight of its own; some checkpoints store a copy anyway
             weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
+        weights = ((name, tensor) for name, tensor in weights if held_by_stage(name, self.model))
         load_named_weights(self, weights, stacked=self.weight_routes(),
                            optional=("lm_head.",) if self.tied else ())
 

@@ -22,6 +22,7 @@ from pluginfer.layers.causal_lm import (
     check_kv_heads,
     check_positive_fields,
 )
+from pluginfer.layers.attention import bind_kv_caches
 from pluginfer.layers.context import current_context
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -157,7 +158,10 @@ class PhiForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         return KVCacheSpec(len(self.model.layers), attn.num_kv_heads, attn.head_dim)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        bind_kv_caches(self.model, kv_caches)
+
+    def forward(self, batch: ForwardBatch, intermediate: object = None) -> torch.Tensor:
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -192,6 +196,9 @@ def validate_config(config: dict, phi3: bool) -> None:
 
 def _build(hf_config: dict, ctx: BuildContext, phi3: bool) -> PhiForCausalLM:
     assert current_context() is ctx, "build the pipeline inside pluginfer.layers.context.building(ctx)"
+    if ctx.rank.pp_size > 1:
+        raise ValueError(f"parallel.pipeline_parallel_size: {ctx.rank.pp_size} stages, but the phi pipeline "
+                         "runs its layers on one stage (tensor parallelism works)")
     return PhiForCausalLM(hf_config, ctx, phi3)
 
 

@@ -42,8 +42,8 @@ def test_kv_bytes_per_token_are_latent_plus_rope_key(checkpoint: Path, dtype: st
     itemsize = getattr(torch, dtype).itemsize
     expected = (LATENT + ROPE) * LAYERS * itemsize
     assert executor.pipeline.kv_cache_spec().bytes_per_token(getattr(torch, dtype)) == expected
-    assert allocated_bytes(executor.runner.kv_caches) == expected * num_blocks * block_size
-    key, value = executor.runner.kv_caches[0]
+    assert allocated_bytes(executor.kv_caches) == expected * num_blocks * block_size
+    key, value = executor.kv_caches[0]
     assert key.shape == (num_blocks, block_size, 1, LATENT + ROPE)
     assert value.shape[-1] == LATENT and value.data_ptr() == key.data_ptr(), "the value is the key's latent"
 
@@ -57,7 +57,7 @@ def test_cached_latent_is_written_and_copied_for_forks(checkpoint: Path) -> None
     single = llm.generate([prompt], greedy(6))[0].outputs[0].token_ids
     forked = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2))[0]
     assert [o.token_ids for o in forked.outputs] == [single, single]
-    key, _ = llm.engine.executor.runner.kv_caches[0]
+    key, _ = llm.engine.executor.kv_caches[0]
     assert key.abs().sum() > 0
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import BuildContext, KVCacheSpec
+from pluginfer.layers.attention import bind_kv_caches
 from pluginfer.layers.causal_lm import add_and_norm
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.mlp import GatedMLP
@@ -44,6 +45,9 @@ class GraniteDecoderLayer(nn.Module):
 class GraniteForCausalLM(nn.Module):
     def __init__(self, config: dict, ctx: BuildContext) -> None:
         super().__init__()
+        if ctx.rank.pp_size > 1:  # this example keeps every layer on one stage
+            raise ValueError(f"parallel.pipeline_parallel_size: {ctx.rank.pp_size} stages; GraniteForCausalLM "
+                             "runs on one pipeline stage (tensor parallelism works)")
         for field in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
             if not isinstance(config.get(field), (int, float)):
                 raise ValueError(f"config.json: {field} must be a number for GraniteForCausalLM, "
@@ -63,7 +67,10 @@ class GraniteForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         return KVCacheSpec(len(self.layers), attn.num_kv_heads, attn.head_dim)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        bind_kv_caches(self, kv_caches)
+
+    def forward(self, batch: ForwardBatch, intermediate: object = None) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids) * self.config["embedding_multiplier"]
         residual = None
         for layer in self.layers:

@@ -1,0 +1,125 @@
+"""StepInput: one engine step as plain host integers, what the driver sends every rank.
+
+The driver flattens the scheduled sequences (``build_step``); each worker turns the result into a
+``ForwardBatch`` on its own device (``StepInput.to_batch``) and lets its backend build the
+attention metadata. No ``Sequence`` object and no device tensor crosses ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pluginfer.core.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from pluginfer.core.scheduler import ScheduledSequence
+    from pluginfer.core.sequence import Sequence
+
+
+@dataclass
+class StepInput:
+    """Flat int64 arrays of one step (see ``ForwardBatch`` for their meaning) and the block copies."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    logits_indices: np.ndarray
+    block_size: int
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_logits(self) -> int:
+        return int(self.logits_indices.shape[0])
+
+    def to_batch(self, device: torch.device) -> ForwardBatch:
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device, non_blocking=True)
+
+        query_lens = np.diff(self.query_start_loc)
+        return ForwardBatch(
+            input_ids=tensor(self.input_ids),
+            positions=tensor(self.positions),
+            slot_mapping=tensor(self.slot_mapping),
+            query_start_loc=tensor(self.query_start_loc),
+            seq_lens=tensor(self.seq_lens),
+            block_tables=tensor(self.block_tables),
+            logits_indices=tensor(self.logits_indices),
+            query_lens=query_lens.tolist(),
+            max_query_len=int(query_lens.max()) if query_lens.size else 0,
+            max_seq_len=int(self.seq_lens.max()) if self.seq_lens.size else 0,
+            block_size=self.block_size,
+        )
+
+
+@dataclass
+class StepPlan:
+    """The driver's side of a step: the StepInput and what its logits rows mean."""
+
+    step: StepInput
+    prompt_logprob_rows: list[tuple[Sequence, int, int]]  # (sequence, first position, logits rows)
+
+
+def build_step(scheduled: list[ScheduledSequence], block_size: int,
+               block_copies: list[tuple[int, int]] | None = None) -> StepPlan:
+    """Flatten the step: tokens, positions, cache slots and block tables of every sequence."""
+    count = len(scheduled)
+    starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), np.int64, count)
+    query_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, count)
+    seq_lens = starts + query_lens
+    query_start_loc = np.zeros(count + 1, np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    if int(query_lens.max()) == 1:  # decode-only: one token per sequence, no concatenation
+        input_ids = np.fromiter((s.seq.last_token_id for s in scheduled), np.int64, count)
+        positions = starts
+    else:
+        input_ids = np.concatenate([
+            np.asarray(s.seq.token_slice(int(a), int(a + n)), np.int64)
+            for s, a, n in zip(scheduled, starts, query_lens)])
+        positions = np.repeat(starts - query_start_loc[:-1], query_lens) + np.arange(query_start_loc[-1])
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    tables = np.zeros((count, max_blocks), np.int64)
+    for row, s in enumerate(scheduled):
+        table = s.seq.block_table[:max_blocks]
+        tables[row, : len(table)] = table
+    token_rows = np.repeat(np.arange(count), query_lens)
+    slot_mapping = tables[token_rows, positions // block_size] * block_size + positions % block_size
+    sampling = [row for row, s in enumerate(scheduled) if s.sample_for]
+    logits_rows = query_start_loc[1:][sampling] - 1
+    prompt_rows = _prompt_logprob_rows(scheduled, starts, query_lens, query_start_loc)
+    if prompt_rows:
+        logits_rows = np.concatenate([logits_rows] + [np.arange(r, r + n) for _, _, r, n in prompt_rows])
+    step = StepInput(input_ids=input_ids, positions=np.ascontiguousarray(positions), slot_mapping=slot_mapping,
+                     query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=tables,
+                     logits_indices=np.ascontiguousarray(logits_rows, dtype=np.int64), block_size=block_size,
+                     block_copies=list(block_copies or []))
+    return StepPlan(step, [(seq, first, n) for seq, first, _, n in prompt_rows])
+
+
+def _prompt_logprob_rows(scheduled: list[ScheduledSequence], starts: np.ndarray, query_lens: np.ndarray,
+                         query_start_loc: np.ndarray) -> list[tuple]:
+    """(seq, first position, flat row, count) for prompt chunks whose logprobs were asked for.
+
+    Row ``first + i`` predicts prompt token ``first + i + 1``; the prompt's last position
+    predicts the first generated token and belongs to sampling.
+    """
+    rows = []
+    for index, item in enumerate(scheduled):
+        seq = item.seq
+        if seq.params.prompt_logprobs is None or seq.index != 0:
+            continue
+        first = int(starts[index])
+        count = min(first + int(query_lens[index]), seq.num_prompt_tokens - 1) - first
+        if count > 0 and len(seq.prompt_logprobs) <= first + 1:  # not again after a recompute
+            rows.append((seq, first, int(query_start_loc[index]), count))
+    return rows

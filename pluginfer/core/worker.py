@@ -1,0 +1,155 @@
+"""Worker: one rank's device backend, model shard (its pipeline stage) and KV cache.
+
+Every rank builds one, the driver's included. A step reaches it as a ``StepInput`` of host
+integers; the worker moves it to its device, lets its backend build the attention metadata, runs
+its stage (receiving the previous stage's hidden states and sending its own to the next), and the
+last stage returns float32 logits (handed to the driver when the driver sits in another stage).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pluginfer.core.config import EngineConfig
+from pluginfer.core.loader import iter_weights, resolve_dtype
+from pluginfer.core.protocols import BuildContext, Collective, IntermediateTensors, RankInfo
+from pluginfer.core.registry import Registry
+from pluginfer.core.step import StepInput
+from pluginfer.layers.context import building
+from pluginfer.layers.moe import expert_memory
+
+logger = logging.getLogger(__name__)
+
+# dtypes an intermediate tensor may have, by their code in the header sent before it
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+_HEADER = 64  # int64 slots of the header that describes a stage's intermediate tensors
+
+
+def build_plugin(registry: Registry, kind: str, name: str, *arguments: object) -> Any:
+    spec = registry.resolve(kind, name)
+    usable, reason = registry.usable(spec)
+    if not usable:
+        raise RuntimeError(f"{kind} plugin {spec.name!r} cannot run here: {reason}")
+    return registry.load(kind, spec.name)(*arguments)
+
+
+class Worker:
+    """One rank of the model: built from the config, the rank and the world collective."""
+
+    def __init__(self, config: EngineConfig, rank: RankInfo, world: Collective, backend: Any,
+                 registry: Registry, model_path: Path, hf_config: dict, model_name: str, quant_name: str,
+                 max_model_len: int) -> None:
+        self.config, self.rank, self.world, self.backend = config, rank, world, backend
+        # Every rank creates every group (collective semantics), then keeps its own.
+        self.tp_group = world.new_group(rank.tp_groups()) if rank.world_size > 1 else world
+        self.quant = build_plugin(registry, "quant", quant_name, hf_config.get("quantization_config"))
+        self.dtype = resolve_dtype(config.dtype, hf_config)
+        ctx = BuildContext(self.backend, self.quant, self.tp_group, self.dtype, max_model_len,
+                           num_experts_offload_per_rank=config.cache.num_experts_offload_per_rank,
+                           max_num_seqs=config.scheduler.max_num_seqs, rank=rank)
+        factory = registry.load("model", model_name)
+        with building(ctx), torch.device(self.backend.device):
+            self.pipeline = factory(hf_config, ctx)
+        self.pipeline.eval()
+        self.expert_memory = expert_memory(self.pipeline)
+        offload = config.cache.num_experts_offload_per_rank
+        if offload and not self.expert_memory.offloaded_experts:
+            raise ValueError(f"cache.num_experts_offload_per_rank: {offload}, but {model_name} built no "
+                             "mixture-of-experts layer to offload from")
+        self.pipeline.load_weights(iter_weights(model_path))
+        if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:
+            logger.info("rank %d experts: %d bytes resident on %s, %d bytes in the host store (%d experts), "
+                        "%d bytes staging", rank.rank, self.expert_memory.resident_bytes, self.backend.name,
+                        self.expert_memory.offloaded_bytes, self.expert_memory.offloaded_experts,
+                        self.expert_memory.staging_bytes)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.is_first_stage = rank.pp_rank == 0
+        self.is_last_stage = rank.pp_rank == rank.pp_size - 1
+        self.vocab_size = int(hf_config["vocab_size"])
+
+    def max_num_blocks(self, max_model_len: int) -> int:
+        """KV blocks this rank's memory budget holds (the driver takes the smallest over ranks)."""
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        per_block = self.pipeline.kv_cache_spec().bytes_per_token(self.kv_dtype) * cache.block_size
+        budget = self.backend.kv_cache_budget_bytes(cache.kv_cache_memory, cache.kv_cache_fraction)
+        blocks_per_seq = -(-max_model_len // cache.block_size)
+        useful = blocks_per_seq * self.config.scheduler.max_num_seqs  # more could never be used at once
+        num_blocks = min(budget // per_block, useful)
+        if num_blocks < 1:
+            raise ValueError(f"cache.kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes each)")
+        return int(num_blocks)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        kind = self.config.cache.kv_cache_dtype
+        return self.dtype if kind == "auto" else resolve_dtype(kind, {})
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self.backend.allocate_kv_cache(self.pipeline.kv_cache_spec(), num_blocks,
+                                                        self.config.cache.block_size, self.kv_dtype)
+        self.pipeline.bind_kv_caches(self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Run this rank's part of the step; float32 logits ``[step.num_logits, vocab]`` on the ranks of
+        the last stage (and on the driver), None elsewhere."""
+        if step.block_copies:
+            self.backend.copy_blocks(self.kv_caches, step.block_copies)
+        batch = step.to_batch(self.backend.device)
+        batch.attention = self.backend.prepare(batch)
+        intermediate = None
+        if not self.is_first_stage:
+            intermediate = self._recv_intermediate(self.rank.stage_rank(self.rank.pp_rank - 1))
+        out = self.pipeline.forward(batch, intermediate)
+        if not self.is_last_stage:
+            self._send_intermediate(out, self.rank.stage_rank(self.rank.pp_rank + 1))
+            if self.rank.is_driver:  # the driver samples: the last stage's first rank sends it the logits
+                return self._recv_logits(step.num_logits)
+            return None
+        if out.shape[0] == 0:
+            logits = out.new_empty(0, self.vocab_size, dtype=torch.float32)
+        else:
+            logits = self.pipeline.compute_logits(out)
+        if self.rank.pp_size > 1 and self.rank.tp_rank == 0 and not self.rank.is_driver:
+            self.world.send(logits.contiguous(), 0)
+        return logits
+
+    def _recv_logits(self, rows: int) -> torch.Tensor:
+        if rows == 0:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.backend.device)
+        buffer = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.backend.device)
+        return self.world.recv(buffer, (self.rank.pp_size - 1) * self.rank.tp_size)  # last stage, TP rank 0
+
+    def _send_intermediate(self, intermediate: IntermediateTensors, dst: int) -> None:
+        """A header (names, dtypes, shapes) then each tensor: stages need not know each other's shapes."""
+        header: list[int] = [len(intermediate.tensors)]
+        for name, tensor in intermediate.tensors.items():
+            encoded = name.encode()
+            header += [len(encoded), *encoded, _DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+        if len(header) > _HEADER:
+            raise ValueError(f"pipeline stage output needs a header of {len(header)} > {_HEADER} slots")
+        self.world.send(torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64,
+                                     device=self.backend.device), dst)
+        for tensor in intermediate.tensors.values():
+            self.world.send(tensor.contiguous(), dst)
+
+    def _recv_intermediate(self, src: int) -> IntermediateTensors:
+        header = self.world.recv(torch.empty(_HEADER, dtype=torch.int64, device=self.backend.device), src).tolist()
+        count, at, tensors = header[0], 1, {}
+        for _ in range(count):
+            length = header[at]
+            name = bytes(header[at + 1:at + 1 + length]).decode()
+            at += 1 + length
+            dtype, ndim = _DTYPES[header[at]], header[at + 1]
+            shape = header[at + 2:at + 2 + ndim]
+            at += 2 + ndim
+            tensors[name] = torch.empty(shape, dtype=dtype, device=self.backend.device)
+        for tensor in tensors.values():
+            self.world.recv(tensor, src)
+        return IntermediateTensors(tensors)
