@@ -1,7 +1,8 @@
 """Native CPU kernels: C compiled on first use with the system compiler, loaded through ctypes.
 
 No torch headers are needed, so the build takes about a second. When no compiler is found (or
-``PLUGINFER_NATIVE=0``) the cpu backend keeps its torch path; `pluginfer plugins` says which.
+``PLUGINFER_NATIVE=0``) the cpu backend keeps its torch path and logs once why, and how to get them.
+The sources ship as package data (docs/architecture.md, "How native code ships").
 """
 
 from __future__ import annotations
