@@ -9,6 +9,10 @@ Routers (``RouterSpec.topk_method``): ``greedy`` (softmax, top-k: Mixtral, Qwen3
 top-k) and ``noaux_tc`` (DeepSeek-V3: sigmoid, a per-expert bias that only steers the choice, groups ranked
 by their two best biased scores). Offloaded experts (``num_offloaded``) wait in a host store and are copied
 into a staging buffer on the compute device when a token is routed to them.
+
+Tensor parallelism runs inside the experts (as vLLM's default): every rank holds every expert's slice of
+the intermediate dimension (gate and up rows, down columns), the router is replicated so every rank routes
+alike, and the block's output is one all-reduce of the routed experts' and the shared experts' partial sums.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from pluginfer.layers import dense
 from pluginfer.layers.activation import gated_activation
 from pluginfer.layers.context import backend_op, current_context
+from pluginfer.layers.mlp import check_tp_divisible
 
 logger = logging.getLogger(__name__)
 
@@ -196,15 +201,22 @@ class FusedExperts(nn.Module):
     ``num_offloaded`` (default: the build context's ``num_experts_offload_per_rank``): the last experts of the
     layer live in a host store, not in the parameters; a routed one is copied into a staging buffer on the
     compute device for its matmuls (``transfers`` / ``transferred_bytes`` count the copies).
+
+    Tensor parallelism (the context's collective): each rank holds its ``intermediate_size / tp_size`` slice
+    of every expert (``shard_size``), offloaded ones included. ``reduce_results``: all-reduce the output; a
+    block that adds more partial sums first (shared experts) passes False and reduces once itself.
+    ``size_field``: the config field ``intermediate_size`` came from, named when it does not split.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str = "silu",
-                 num_offloaded: int | None = None) -> None:
+                 num_offloaded: int | None = None, reduce_results: bool = True,
+                 size_field: str = "intermediate_size") -> None:
         super().__init__()
         ctx = current_context()
-        if ctx.collective.world_size > 1:
-            raise ValueError("mixture-of-experts layers do not support tensor parallelism yet "
-                             f"(tensor-parallel size {ctx.collective.world_size})")
+        self.collective, self.reduce_results = ctx.collective, reduce_results
+        self.tp_rank, self.tp_size = ctx.collective.rank, ctx.collective.world_size
+        check_tp_divisible(intermediate_size, size_field)
+        self.shard_size = intermediate_size // self.tp_size
         if num_offloaded is None:
             num_offloaded = getattr(ctx, "num_experts_offload_per_rank", 0)
         if not 0 <= num_offloaded <= num_experts:
@@ -212,7 +224,7 @@ class FusedExperts(nn.Module):
                              f"{num_experts} experts of a layer")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.num_resident = num_experts - num_offloaded
-        gate_up_shape, down_shape = (2 * intermediate_size, hidden_size), (hidden_size, intermediate_size)
+        gate_up_shape, down_shape = (2 * self.shard_size, hidden_size), (hidden_size, self.shard_size)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_resident, *gate_up_shape, dtype=ctx.dtype),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.num_resident, *down_shape, dtype=ctx.dtype),
@@ -271,22 +283,51 @@ class FusedExperts(nn.Module):
         return host[expert - self.num_resident]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        """``shard_id`` None: the whole stacked tensor; ``(expert, 0 | 1)``: its gate or up; ``(expert, None)``: down."""
+        """``shard_id`` None: the whole stacked tensor; ``(expert, 0 | 1)``: its gate or up; ``(expert, None)``:
+        that expert's whole tensor (gate and up stacked, gate rows first; or down).
+
+        Checkpoint tensors have the full intermediate size; this rank copies its slice.
+        """
         name = getattr(param, "checkpoint_name", "weight")
         if shard_id is None:
-            expected = (self.num_experts, *param.shape[1:])
+            expected = (self.num_experts, *self._full_shape(param))
             if tuple(loaded.shape) != expected:
                 raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected {expected}")
             for expert in range(self.num_experts):
-                self._expert_view(param, expert).copy_(loaded[expert])
+                self._load_expert(param, expert, None, loaded[expert], name)
             return
         expert, half = shard_id
+        self._load_expert(param, expert, half, loaded, name)
+
+    def _full_shape(self, param: nn.Parameter) -> tuple[int, int]:
+        """One expert's tensor in the checkpoint (every rank's slices together)."""
+        if param is self.gate_up_proj:
+            return 2 * self.intermediate_size, self.hidden_size
+        return self.hidden_size, self.intermediate_size
+
+    def _load_expert(self, param: nn.Parameter, expert: int, half: int | None, loaded: torch.Tensor,
+                     name: str) -> None:
+        """Copy this rank's slice of one expert's gate (``half`` 0), up (1), gate and up (None) or down weight."""
+        if param is self.gate_up_proj and half is None:
+            if tuple(loaded.shape) != self._full_shape(param):
+                raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected "
+                                 f"{self._full_shape(param)}")
+            if self.tp_size == 1:  # the rank's slice is the whole tensor: one copy
+                self._expert_view(param, expert).copy_(loaded)
+                return
+            for index, part in enumerate(loaded.split(self.intermediate_size)):
+                self._load_expert(param, expert, index, part, name)
+            return
         target = self._expert_view(param, expert)
+        axis = 1 if half is None else 0  # down's inputs, gate's and up's outputs are the intermediate axis
         if half is not None:
-            target = target.narrow(0, half * self.intermediate_size, self.intermediate_size)
-        if target.shape != loaded.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected "
-                             f"{tuple(target.shape)}")
+            target = target.narrow(0, half * self.shard_size, self.shard_size)
+        full = list(target.shape)
+        full[axis] = self.intermediate_size
+        if list(loaded.shape) != full:
+            raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected {tuple(full)}")
+        if self.tp_size > 1:
+            loaded = loaded.narrow(axis, self.tp_rank * self.shard_size, self.shard_size)
         target.copy_(loaded)
 
     def _weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,6 +357,13 @@ class FusedExperts(nn.Module):
         return self.dense.pack(self.layout, weight)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        out = self.partial(hidden, topk_weights, topk_ids)
+        if self.reduce_results and self.tp_size > 1:
+            out = self.collective.all_reduce(out)
+        return out
+
+    def partial(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (the whole output on one rank): its slice of every expert."""
         if self.kernel is not None:
             out = self.kernel(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
             if out is not None:
@@ -334,7 +382,7 @@ class FusedExperts(nn.Module):
                 continue
             rows = slice(start, start + count)
             gate_up_weight, down_weight = self._weights(expert)
-            gate_up = self.dense.linear(self.layout, routed[rows], gate_up_weight, None, 2 * self.intermediate_size)
+            gate_up = self.dense.linear(self.layout, routed[rows], gate_up_weight, None, 2 * self.shard_size)
             outputs[rows] = self.dense.linear(self.layout, self.act_fn(gate_up), down_weight, None, self.hidden_size)
             start += count
         weighted = outputs.float() * topk_weights.flatten()[order, None]
@@ -367,19 +415,25 @@ class SparseMoeBlock(nn.Module):
     ``renormalize``: rescale the top-k weights to sum to one (Mixtral always; Qwen3-MoE's ``norm_topk_prob``).
     ``router``: a full RouterSpec (grouped, sigmoid, scaled routers); it overrides ``top_k`` / ``renormalize``.
     ``shared_experts``: a dense MLP every token also runs through (DeepSeek), added to the routed output.
+    ``size_field``: the config field of ``intermediate_size`` (named when it does not split across ranks).
+
+    Under tensor parallelism the router is replicated (every rank picks the same experts), each rank runs
+    its slice of the experts and of a ``GatedMLP`` shared expert, and one all-reduce sums both.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, hidden_act: str = "silu", router: RouterSpec | None = None,
-                 shared_experts: nn.Module | None = None) -> None:
+                 shared_experts: nn.Module | None = None, size_field: str = "intermediate_size") -> None:
         super().__init__()
         router = router or RouterSpec(top_k, renormalize)
         if not 0 < router.top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {router.top_k} must be between 1 and num_experts {num_experts}")
         self.top_k, self.renormalize, self.router = router.top_k, router.renormalize, router
         self.gate = TopKRouter(num_experts, hidden_size, router.correction_bias)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, hidden_act)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, hidden_act, reduce_results=False,
+                                    size_field=size_field)
         self.shared_experts = shared_experts
+        self.collective = self.experts.collective
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.gate(hidden)
@@ -388,7 +442,13 @@ class SparseMoeBlock(nn.Module):
         else:
             weights, ids = select_experts(logits, self.router, self.gate.e_score_correction_bias)
         out = self.experts(hidden, weights, ids)
-        if self.shared_experts is not None:
+        if self.experts.tp_size == 1:
+            return out if self.shared_experts is None else out + self.shared_experts(hidden)
+        partial = getattr(self.shared_experts, "forward_partial", None)
+        if partial is not None:  # one all-reduce for the routed and the shared experts
+            out = out + partial(hidden)
+        out = self.collective.all_reduce(out)
+        if self.shared_experts is not None and partial is None:  # a shared block that reduces itself
             out = out + self.shared_experts(hidden)
         return out
 

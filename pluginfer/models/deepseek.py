@@ -27,7 +27,7 @@ from pluginfer.layers.causal_lm import (
 )
 from pluginfer.layers.context import current_context
 from pluginfer.layers.mla import MultiHeadLatentAttention
-from pluginfer.layers.mlp import GatedMLP
+from pluginfer.layers.mlp import GatedMLP, check_tp_divisible
 from pluginfer.layers.moe import RouterSpec, SparseMoeBlock, expert_weight_names, validate_router_config
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.rotary import (
@@ -113,10 +113,14 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
             config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"], rope, scale,
             bias=bool(config.get("attention_bias", False)))
         if sparse:
+            # Tensor parallelism splits the routed and the shared experts' intermediate dimension.
             moe_size, shared = config["moe_intermediate_size"], config.get("n_shared_experts") or 0
+            check_tp_divisible(moe_size, "moe_intermediate_size")
+            shared_mlp = GatedMLP(hidden, moe_size * shared, act,
+                                  size_field="n_shared_experts * moe_intermediate_size") if shared else None
             self.mlp = SparseMoeBlock(config["n_routed_experts"], config.get("num_experts_per_tok", 2), hidden,
                                       moe_size, renormalize=False, hidden_act=act, router=router_spec(config),
-                                      shared_experts=GatedMLP(hidden, moe_size * shared, act) if shared else None)
+                                      shared_experts=shared_mlp, size_field="moe_intermediate_size")
         else:
             self.mlp = GatedMLP(hidden, config["intermediate_size"], act)
         self.input_layernorm = RMSNorm(hidden, eps)

@@ -53,7 +53,8 @@ class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
         act = config.get("hidden_act", "silu")
         if sparse:
             self.mlp = SparseMoeBlock(num_experts_of(config), config.get("num_experts_per_tok", 2), hidden,
-                                      config["moe_intermediate_size"], bool(config.get("norm_topk_prob", False)), act)
+                                      config["moe_intermediate_size"], bool(config.get("norm_topk_prob", False)), act,
+                                      size_field="moe_intermediate_size")
         else:
             self.mlp = GatedMLP(hidden, config["intermediate_size"], act)
         self.input_layernorm = RMSNorm(hidden, eps)
