@@ -6,6 +6,12 @@ Attention runs in the absorbed form for prefill and decode alike: each head's no
 into latent space through its slice of ``kv_b_proj`` (``W_UK``), so a score is ``q_latent . latent +
 q_rope . k_rope``; the softmax-weighted latent comes back through ``W_UV`` to the head's value space.
 No per-head key or value is ever materialised.
+
+Tensor parallelism splits the heads: ``q_proj`` / ``q_b_proj`` are column parallel, ``kv_b_proj`` holds this
+rank's heads' rows and ``o_proj`` is row parallel (one all-reduce per layer). ``q_a_proj``,
+``kv_a_proj_with_mqa`` and their norms are replicated, and so is the latent cache: its one "head" serves
+every query head, so each rank computes and keeps the whole latent (as vLLM does; the KV cache per rank is
+that of one rank, not 1/tp of it).
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ class LatentUpProjection(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, kv_lora_rank, dtype=ctx.dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """The checkpoint holds every head's rows, head by head; this rank copies its heads' block."""
         rows = param.shape[0]
         full = (rows * self.world, param.shape[1])
         if tuple(loaded.shape) != full:
@@ -67,7 +74,8 @@ class MultiHeadLatentAttention(nn.Module):
         super().__init__()
         world = current_context().collective.world_size
         if num_heads % world:
-            raise ValueError(f"num_attention_heads {num_heads} is not divisible by tensor-parallel size {world}")
+            raise ValueError(f"config.json: num_attention_heads {num_heads} is not divisible by the tensor-parallel "
+                             f"size {world} (parallel.tensor_parallel_size)")
         self.num_heads = num_heads // world
         self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim = (kv_lora_rank, qk_nope_head_dim,
                                                                       qk_rope_head_dim, v_head_dim)
