@@ -1,4 +1,10 @@
-"""Vocabulary-parallel embedding and the LM head (each rank holds a slice of the vocabulary)."""
+"""Vocabulary-parallel embedding and the LM head (each rank holds a slice of the vocabulary).
+
+Rank ``r`` of ``tp_size`` holds rows ``[r * shard_size, (r + 1) * shard_size)`` with ``shard_size =
+ceil(vocab_size / tp_size)``; rows past ``vocab_size`` (the last ranks' padding) are zeros. The embedding
+looks up the ids in its slice and all-reduces; the head all-gathers its logits slices and cuts the padding
+off (``[..., :vocab_size]``), so a padding row can never be sampled.
+"""
 
 from __future__ import annotations
 
@@ -23,11 +29,16 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if loaded.shape[1] != param.shape[1] or loaded.shape[0] != self.vocab_size:
+        if loaded.dim() != 2 or loaded.shape[1] != param.shape[1] or loaded.shape[0] != self.vocab_size:
             raise ValueError(f"embedding: checkpoint shape {tuple(loaded.shape)} does not match "
                              f"({self.vocab_size}, {param.shape[1]})")
+        self._copy_slice(param, loaded)
+
+    def _copy_slice(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's rows of a full-vocabulary tensor; the padding rows past the vocabulary stay zero."""
         part = loaded[self.start:self.start + self.shard_size]
-        param.data.zero_()
+        if part.shape[0] < self.shard_size:
+            param.data.zero_()
         param.data[: part.shape[0]].copy_(part)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -54,6 +65,13 @@ class LMHead(VocabParallelEmbedding):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.shard_size, dtype=self.weight.dtype), requires_grad=False)
+            self.bias.weight_loader = self.bias_loader
+
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if tuple(loaded.shape) != (self.vocab_size,):
+            raise ValueError(f"lm_head bias: checkpoint shape {tuple(loaded.shape)} does not match "
+                             f"({self.vocab_size},)")
+        self._copy_slice(param, loaded)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
