@@ -7,7 +7,6 @@ from typing import Any
 
 from pluginfer.core.config import EngineConfig, build_config
 from pluginfer.core.engine import LLMEngine
-from pluginfer.core.launch import rank_info, run_worker
 from pluginfer.core.outputs import RequestOutput
 from pluginfer.core.sequence import SamplingParams
 from pluginfer.core.tokenizer import render_chat
@@ -36,9 +35,6 @@ class LLM:
 
     def __init__(self, model: str, config_file: str | None = None, **kwargs: Any) -> None:
         self.config = build_config(config_file, model=model, **_dotted(kwargs))
-        rank = rank_info(self.config)
-        if not rank.is_driver:  # a rank started by torchrun or mpiexec: serve the driver, then leave
-            raise SystemExit(run_worker(self.config, rank))
         self.engine = LLMEngine(self.config)
 
     def close(self) -> None:

@@ -61,11 +61,12 @@ class AsyncEngine:
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop; requests still running are aborted."""
+        """Stop the loop; requests still running are aborted; the other ranks are stopped."""
         self._stop.set()
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.engine.executor.shutdown()
 
     @property
     def is_alive(self) -> bool:
@@ -132,6 +133,8 @@ class AsyncEngine:
                         if stream is not None:
                             stream.put(output)
                 else:
+                    if self.engine.failure:  # a rank was lost while idle: fail now, not at the next request
+                        raise RuntimeError(self.engine.failure)
                     self._wakeup.wait(self._idle_wait_s)
             self.engine.abort_all()
             reason: BaseException = EngineDeadError("the engine was shut down")

@@ -11,6 +11,7 @@ from pluginfer.core.config import EngineConfig
 from pluginfer.core.detokenizer import IncrementalDetokenizer
 from pluginfer.core.executor import Executor
 from pluginfer.core.kv_cache import BlockManager
+from pluginfer.core.launch import serve_if_worker
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
 from pluginfer.core.sampler import Sampler
 from pluginfer.core.scheduler import Scheduler
@@ -35,6 +36,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        serve_if_worker(config)  # ranks other than 0 (torchrun, mpiexec) serve the driver and exit here
         self.executor = Executor(config)
         self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_path)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.executor.model_path, self.executor.hf_config)
@@ -86,6 +88,11 @@ class LLMEngine:
             return None
         self.scheduler.abort(request_id)
         return self._output(request)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot go on (a rank was lost), or None."""
+        return self.executor.failure
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

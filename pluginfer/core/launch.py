@@ -5,7 +5,7 @@ rest of the engine does not know which one ran.
 
 - ``inprocess``: one rank, this process.
 - ``spawn``: this process is rank 0 (the driver); it starts ranks 1..N-1 as local processes
-  (``multiprocessing`` "spawn": each loads the plugins afresh) that rendezvous at
+  (``python -m pluginfer.core.launch``: each loads the plugins afresh) that rendezvous at
   ``parallel.master_addr`` on a free port.
 - ``torchrun``: ranks from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``MASTER_ADDR``...), possibly on several machines.
@@ -15,12 +15,15 @@ rest of the engine does not know which one ran.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 
 from pluginfer.core.config import EngineConfig
@@ -101,52 +104,81 @@ def free_port(host: str) -> int:
 
 
 class LocalWorkers:
-    """Ranks 1..N-1 as local processes; a watcher reports the first one that dies."""
+    """Ranks 1..N-1 as local processes (``python -m pluginfer.core.launch``); a watcher reports the first
+    one that dies. Plain subprocesses, not ``multiprocessing``: a user's script is never re-imported
+    (no ``if __name__ == "__main__"`` needed), and on Linux a worker dies with its driver."""
 
     def __init__(self, config: EngineConfig, rank: RankInfo, on_death: Callable[[str], None]) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.processes = []
+        self.processes: list[tuple[int, subprocess.Popen]] = []
         for other in range(1, rank.world_size):
-            info = RankInfo(other, rank.world_size, rank.tp_size, rank.pp_size, other, rank.local_world_size,
-                            rank.master_addr, rank.master_port, "spawn")
-            process = context.Process(target=worker_process, args=(config.model_dump_json(), info),
-                                      name=f"pluginfer-rank-{other}", daemon=True)
-            process.start()
-            self.processes.append(process)
+            info = dataclasses.replace(rank, rank=other, local_rank=other)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "pluginfer.core.launch", json.dumps(dataclasses.asdict(info))],
+                stdin=subprocess.PIPE, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            process.stdin.write(config.model_dump_json().encode())
+            process.stdin.close()
+            self.processes.append((other, process))
         self.stopping = False
         self._on_death = on_death
-        self._watcher = threading.Thread(target=self._watch, name="pluginfer-rank-watcher", daemon=True)
-        self._watcher.start()
+        for other, process in self.processes:
+            threading.Thread(target=self._watch, args=(other, process), name=f"pluginfer-watch-rank-{other}",
+                             daemon=True).start()
 
-    def _watch(self) -> None:
-        sentinels = {process.sentinel: process for process in self.processes}
-        while sentinels:
-            ready = multiprocessing.connection.wait(list(sentinels))
-            for sentinel in ready:
-                process = sentinels.pop(sentinel)
-                process.join()
-                if not self.stopping:
-                    rank = int(process.name.rsplit("-", 1)[1])
-                    self._on_death(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
-                    return
+    def _watch(self, rank: int, process: subprocess.Popen) -> None:
+        code = process.wait()
+        if not self.stopping:
+            self._on_death(f"rank {rank} (pid {process.pid}) exited with code {code}")
 
     def join(self, timeout: float) -> None:
         """Wait for the workers to leave after the driver's stop message; kill what is left."""
         self.stopping = True
-        for process in self.processes:
-            process.join(timeout)
-        for process in self.processes:
-            if process.is_alive():
-                logger.warning("rank %s did not exit within %.0f s; terminating it", process.name, timeout)
+        deadline = time.monotonic() + timeout
+        for rank, process in self.processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("rank %d did not exit within %.0f s; terminating it", rank, timeout)
                 process.terminate()
-                process.join(5)
+                try:
+                    process.wait(5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+    def kill(self) -> None:
+        self.stopping = True
+        for _, process in self.processes:
+            if process.poll() is None:
+                process.kill()
 
 
-def worker_process(config_json: str, rank: RankInfo) -> None:
-    """Entry point of a spawned rank: build this rank's worker, serve steps until the driver stops."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank.rank} %(levelname)s %(name)s: %(message)s")
-    config = EngineConfig.model_validate_json(config_json)
-    raise SystemExit(run_worker(config, rank))
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the driver's process goes away."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _worker_main(argv: list[str]) -> int:
+    """``python -m pluginfer.core.launch RANK_INFO_JSON`` with the config's JSON on stdin."""
+    rank = RankInfo(**json.loads(argv[0]))
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank {rank.rank} %(levelname)s %(name)s: %(message)s")
+    config = EngineConfig.model_validate_json(sys.stdin.read())
+    return run_worker(config, rank)
+
+
+def serve_if_worker(config: EngineConfig) -> None:
+    """On a rank that torchrun or mpiexec started other than rank 0: serve the driver's steps, then exit.
+
+    Engines call this first, so ``pluginfer serve``, ``pluginfer generate`` and a script building
+    ``LLM(...)`` run unchanged on every rank; only rank 0 gets past it.
+    """
+    if detect_launcher(config) not in ("torchrun", "mpi"):
+        return
+    rank = rank_info(config)
+    if not rank.is_driver:
+        raise SystemExit(run_worker(config, rank))
 
 
 def run_worker(config: EngineConfig, rank: RankInfo) -> int:
@@ -169,3 +201,7 @@ def run_worker(config: EngineConfig, rank: RankInfo) -> int:
         return 1
     finally:
         worker.world.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker_main(sys.argv[1:]))

@@ -139,8 +139,9 @@ class DeepseekForCausalLM(CausalLM):
         super().__init__(config, stack)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
-        return KVCacheSpec(len(self.model.layers), 1, attn.kv_lora_rank + attn.rope_dim,
+        held = self.model.held_layers()
+        attn = held[0].self_attn
+        return KVCacheSpec(len(held), 1, attn.kv_lora_rank + attn.rope_dim,
                            value_in_key=attn.kv_lora_rank)
 
     def weight_routes(self) -> tuple:

@@ -40,7 +40,7 @@ async def stop_site(runner: web.AppRunner, site: web.TCPSite, async_engine: Asyn
     await runner.cleanup()
 
 
-async def _serve(async_engine: AsyncEngine, config: EngineConfig) -> None:
+async def _serve(async_engine: AsyncEngine, config: EngineConfig) -> int:
     app = build_app(async_engine, config)
     runner, site, port = await start_site(app, config.server.host, config.server.port)
     stop = asyncio.Event()
@@ -49,19 +49,37 @@ async def _serve(async_engine: AsyncEngine, config: EngineConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     print(f"pluginfer: serving {config.server.served_model_name or config.model} "
           f"on http://{config.server.host}:{port}", flush=True)
+    watcher = asyncio.create_task(_watch_engine(async_engine, stop))
     await stop.wait()
+    died = watcher.done() and watcher.result()
+    watcher.cancel()
     print("pluginfer: shutting down", file=sys.stderr, flush=True)
     await stop_site(runner, site, async_engine)
+    return 1 if died else 0
+
+
+async def _watch_engine(async_engine: AsyncEngine, stop: asyncio.Event, grace_s: float = 1.0) -> bool:
+    """When the engine dies (e.g. a rank is lost): say why in one line, keep answering 503 for
+    ``grace_s`` (load balancers see it), then stop the server; True if that happened."""
+    while async_engine.is_alive:
+        await asyncio.sleep(0.2)
+    if stop.is_set():
+        return False
+    error = async_engine.error
+    why = f"{type(error).__name__}: {error}" if error else "it stopped"
+    print(f"pluginfer: the engine died ({why}); exiting", file=sys.stderr, flush=True)
+    await asyncio.sleep(grace_s)
+    stop.set()
+    return True
 
 
 def run_server(config: EngineConfig) -> int:
-    """Load the model, serve until SIGINT or SIGTERM, return 0 after a clean shutdown."""
+    """Load the model, serve until SIGINT or SIGTERM (0) or until the engine dies (1)."""
     async_engine = AsyncEngine(LLMEngine(config)).start()
     try:
-        asyncio.run(_serve(async_engine, config))
+        return asyncio.run(_serve(async_engine, config))
     finally:
         async_engine.shutdown()
-    return 0
 
 
 class BackgroundServer:

@@ -63,7 +63,7 @@ def test_resident_bytes_drop_by_offloaded_experts(family: tuple[str, Path, int],
     _, _, experts, intermediate, moe_layers = FAMILIES[name]
     expert_bytes = 3 * intermediate * BASE["hidden_size"] * 4  # gate, up and down in float32
     full = LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8).engine.executor.expert_memory
-    with caplog.at_level(logging.INFO, logger="pluginfer.core.executor"):
+    with caplog.at_level(logging.INFO, logger="pluginfer.core.worker"):
         part = LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8,
                    num_experts_offload_per_rank=OFFLOAD).engine.executor.expert_memory
     assert f"{part.resident_bytes} bytes resident" in caplog.text
