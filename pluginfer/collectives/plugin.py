@@ -9,4 +9,13 @@ def pluginfer_collectives() -> list[PluginSpec]:
         PluginSpec(kind="collective", name="single", aliases=("none",),
                    factory="pluginfer.collectives.single:build",
                    description="one rank, no communication"),
+        PluginSpec(kind="collective", name="gloo", factory="pluginfer.collectives.torch_distributed:build_gloo",
+                   check="pluginfer.collectives.torch_distributed:gloo_unavailable",
+                   description="torch.distributed gloo: CPU tensors, TCP between processes and machines"),
+        PluginSpec(kind="collective", name="nccl", factory="pluginfer.collectives.torch_distributed:build_nccl",
+                   check="pluginfer.collectives.torch_distributed:nccl_unavailable",
+                   description="torch.distributed NCCL: CUDA tensors, one GPU per rank (cuda:local_rank)"),
+        PluginSpec(kind="collective", name="mpi", factory="pluginfer.collectives.mpi:build",
+                   check="pluginfer.collectives.mpi:unavailable",
+                   description="MPI through mpi4py: ranks started by mpiexec, CPU tensors via numpy"),
     ]
