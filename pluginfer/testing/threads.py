@@ -7,6 +7,7 @@ released rather than left waiting). Sums run in rank order, so results are deter
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -39,13 +40,19 @@ class ThreadCollective:
         self._shared, self.rank = shared, rank
         self.world_size = shared.world_size
         self._ranks = ranks or list(range(shared.world_size))  # this group's members, as world ranks
-        self.calls: dict[str, int] = {}
+        self.stats: dict[str, list[int]] = {}  # operation -> [calls, bytes], as the process collectives count
 
-    def _count(self, name: str) -> None:
-        self.calls[name] = self.calls.get(name, 0) + 1
+    @property
+    def calls(self) -> dict[str, int]:
+        return {name: calls for name, (calls, _) in self.stats.items()}
+
+    def _count(self, name: str, nbytes: int = 0) -> None:
+        entry = self.stats.setdefault(name, [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._count("all_reduce")
+        self._count("all_reduce", tensor.nbytes)
         parts = self._shared.exchange(self.rank, tensor.clone())
         total = parts[0].clone()
         for part in parts[1:]:
@@ -54,30 +61,31 @@ class ThreadCollective:
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        self._count("all_gather")
+        self._count("all_gather", tensor.nbytes)
         return torch.cat(self._shared.exchange(self.rank, tensor.clone()), dim=dim)
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        self._count("broadcast_tensor")
+        self._count("broadcast_tensor", tensor.nbytes)
         tensor.copy_(self._shared.exchange(self.rank, tensor.clone())[src])
         return tensor
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        self._count("broadcast_object")
-        return self._shared.exchange(self.rank, obj)[src]
+        obj = self._shared.exchange(self.rank, obj)[src]
+        self._count("broadcast_object", _pickled_size(obj))
+        return obj
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        self._count("all_gather_object")
+        self._count("all_gather_object", _pickled_size(obj))
         return self._shared.exchange(self.rank, obj)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self._count("send")
+        self._count("send", tensor.nbytes)
         with self._shared.mail:
             self._shared.mailboxes.setdefault((self.rank, dst), []).append(tensor.clone())
             self._shared.mail.notify_all()
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        self._count("recv")
+        self._count("recv", tensor.nbytes)
         key = (src, self.rank)
         with self._shared.mail:
             if not self._shared.mail.wait_for(lambda: self._shared.mailboxes.get(key), self._shared.timeout):
@@ -87,6 +95,7 @@ class ThreadCollective:
         return tensor
 
     def barrier(self) -> None:
+        self._count("barrier")
         self._shared.barrier.wait()
 
     def new_group(self, partition: list[list[int]]) -> ThreadCollective:
@@ -104,6 +113,14 @@ class ThreadCollective:
 
     def close(self) -> None:
         pass
+
+
+def _pickled_size(obj: Any) -> int:
+    """What a process collective would move for ``obj`` (0 for objects that do not pickle)."""
+    try:
+        return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:  # noqa: BLE001 - thread ranks can share anything; only the count is lost
+        return 0
 
 
 def run_ranks(world_size: int, fn: Callable[[ThreadCollective], Any], timeout: float = 60.0) -> list[Any]:
