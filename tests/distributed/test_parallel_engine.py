@@ -73,8 +73,9 @@ def test_pipeline_parallel_2_equals_one_rank(family: str, family_checkpoints: di
 
 
 def test_gptq_act_order_under_tensor_parallelism(tmp_path: Path) -> None:
-    path = tmp_path / "gptq"
-    shutil.copytree(FIXTURES / "gptq_awq" / "gptq_b4_g32_act_asym", path)
+    shutil.copytree(FIXTURES / "gptq_awq" / "base", tmp_path / "base")  # the shared unquantized tensors
+    path = tmp_path / "gptq_b4_g32_act_asym"
+    shutil.copytree(FIXTURES / "gptq_awq" / path.name, path)
     _compare(path, {"tensor_parallel_size": 2}, random_prompts(512, [7, 13]))
 
 
