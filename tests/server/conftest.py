@@ -45,9 +45,12 @@ def wait_until_idle(async_engine: AsyncEngine, timeout: float = 5.0) -> None:
     assert not async_engine.engine.has_unfinished_requests()
 
 
-@pytest.fixture(scope="package")
-def async_engine(tiny_llama_checkpoint) -> Iterator[AsyncEngine]:
-    engine = start_engine(server_config(tiny_llama_checkpoint[0]))
+@pytest.fixture(scope="package", params=[1, 2], ids=["tp1", "tp2"])
+def async_engine(request, tiny_llama_checkpoint) -> Iterator[AsyncEngine]:
+    """The shared engine: every server test runs on one rank and again on two tensor-parallel ranks
+    (spawned processes over gloo), so the whole API is checked through the distributed engine."""
+    engine = start_engine(server_config(tiny_llama_checkpoint[0],
+                                        **{"parallel.tensor_parallel_size": request.param}))
     yield engine
     engine.shutdown()
 
