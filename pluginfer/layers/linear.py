@@ -3,6 +3,12 @@
 Column-parallel layers split the output features across ranks, row-parallel layers
 split the input features and all-reduce the result. Each parameter carries a
 ``weight_loader`` that copies this rank's slice of a checkpoint tensor into it.
+
+Every layer describes its split as a ``ShardSpec`` (``layer.shard``, public) and hands it to
+``QuantMethod.create_weights``: a quant method learns everything about the split from it (never
+from the layer's private helpers). ``projection_rows(shard, index)`` is the one place that says
+which checkpoint rows of a fused projection a rank holds (key/value heads replicated when there
+are fewer of them than ranks); the layers' own loaders use it too.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import current_context
 
 
@@ -37,6 +44,26 @@ def _packed(param: nn.Parameter, dim: int, *sizes: int) -> list[int]:
     return [size // factor for size in sizes]
 
 
+def projection_rows(shard: ShardSpec, index: int) -> tuple[int, int, int]:
+    """Projection ``index`` of a layer split as ``shard``: (first checkpoint row this rank holds, rows, offset).
+
+    Rows count output features of the checkpoint tensor of that projection (``shard.output_sizes[index]``
+    of them, all ranks); the offset is where they start in this rank's fused weight. Unless the outputs
+    are split (``shard.dim == 0`` over several ranks) a rank holds every row. Every projection after the
+    first (k and v of a QKV layer) is shared by ``shard.kv_replicas`` consecutive ranks.
+    """
+    def part(i: int) -> tuple[int, int]:
+        full = shard.output_sizes[i]
+        if shard.dim != 0 or shard.size == 1:
+            return 0, full
+        replicas = shard.kv_replicas if i > 0 else 1
+        rows = full * replicas // shard.size
+        return (shard.rank // replicas) * rows, rows
+
+    start, rows = part(index)
+    return start, rows, sum(part(i)[1] for i in range(index))
+
+
 class LinearBase(nn.Module):
     """``y = x W^T + b`` with W of ``output_size x input_size`` (this rank's shard)."""
 
@@ -48,7 +75,10 @@ class LinearBase(nn.Module):
         self.quant_method = ctx.quant
         self.shard_dim = shard_dim  # 0: outputs split, 1: inputs split, None: replicated
         self.input_size, self.output_size = input_size, output_size
-        self.quant_method.create_weights(self, input_size, output_size, ctx.dtype)
+        # What the quant method learns of the split (the full sizes of fused projections included).
+        self.shard = ShardSpec(dim=shard_dim, rank=self.tp_rank, size=self.tp_size,
+                               output_sizes=tuple(self._full_sizes()), kv_replicas=getattr(self, "kv_replicas", 1))
+        self.quant_method.create_weights(self, input_size, output_size, ctx.dtype, self.shard)
         for param in self.parameters(recurse=False):
             if not hasattr(param, "weight_loader"):  # a quant method may install its own loader
                 param.weight_loader = self.weight_loader
@@ -59,15 +89,19 @@ class LinearBase(nn.Module):
         else:
             self.bias = None
 
+    def _full_sizes(self) -> list[int]:
+        """Each projection's size in the checkpoint (all ranks together)."""
+        return [self.output_size * self.tp_size if self.shard_dim == 0 else self.output_size]
+
     def _shard(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
-        dim = {0: getattr(param, "output_dim", None), 1: getattr(param, "input_dim", None)}.get(self.shard_dim)
-        if dim is None or self.tp_size == 1:
+        dim = {0: getattr(param, "output_dim", None), 1: getattr(param, "input_dim", None)}.get(self.shard.dim)
+        if dim is None or not self.shard.is_split:
             return loaded
         size = param.shape[dim]
         full = list(param.shape)
-        full[dim] = size * self.tp_size
+        full[dim] = size * self.shard.size
         _check_shape(torch.Size(full), loaded, getattr(param, "checkpoint_name", "weight"))
-        return loaded.narrow(dim, self.tp_rank * size, size)
+        return loaded.narrow(dim, self.shard.rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         loaded = self._shard(param, loaded)
@@ -121,32 +155,34 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def _offsets(self, shard_id: int) -> tuple[int, int]:
-        sizes = [size // self.tp_size for size in self.output_sizes]
-        return sum(sizes[:shard_id]), sizes[shard_id]
+    def _projection(self, shard_id: object) -> int | None:
+        """The index in ``output_sizes`` of the projection a checkpoint tensor is (None: all of them, fused)."""
+        return shard_id  # type: ignore[return-value]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        index = self._projection(shard_id)
         dim = getattr(param, "output_dim", 0)
-        if shard_id is None:
-            if self.tp_size == 1:
+        name = getattr(param, "checkpoint_name", "weight")
+        if index is None:
+            if not self.shard.is_split:
                 return super().weight_loader(param, loaded)
             # An already-fused checkpoint tensor: split it into its projections, then shard each.
-            full_sizes = _packed(param, dim, *self._full_sizes())
-            _check_rank_slice(loaded, dim, sum(full_sizes), getattr(param, "checkpoint_name", "weight"))
-            for index, part in enumerate(loaded.split(full_sizes, dim=dim)):
-                self.weight_loader(param, part, index)
+            full_sizes = _packed(param, dim, *self.shard.output_sizes)
+            _check_rank_slice(loaded, dim, sum(full_sizes), name)
+            for i, part in enumerate(loaded.split(full_sizes, dim=dim)):
+                self.weight_loader(param, part, i)
             return
-        offset, size = _packed(param, dim, *self._offsets(shard_id))
-        target = param.data.narrow(dim, offset, size)
-        name = f"{getattr(param, 'checkpoint_name', 'weight')}[shard {shard_id}]"
-        if self.tp_size > 1:
-            _check_rank_slice(loaded, dim, size * self.tp_size, name)
-            loaded = loaded.narrow(dim, self.tp_rank * size, size)
+        start, rows, offset, full = _packed(param, dim, *projection_rows(self.shard, index),
+                                            self.shard.output_sizes[index])
+        name = f"{name}[{shard_id}]" if isinstance(shard_id, str) else f"{name}[shard {shard_id}]"
+        if self.shard.is_split:
+            _check_rank_slice(loaded, dim, full, name)
+            loaded = loaded.narrow(dim, start, rows)  # ranks that share one KV head load the same slice
+        target = param.data.narrow(dim, offset, rows)
         _check_shape(target, loaded, name)
         target.copy_(loaded)
 
     def _full_sizes(self) -> list[int]:
-        """Each projection's size in the checkpoint (all ranks together)."""
         return list(self.output_sizes)
 
 
@@ -168,19 +204,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         self.head_dim, self.v_head_dim = head_dim, v_head_dim
         super().__init__(hidden_size, sizes, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        index = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)  # type: ignore[arg-type]
-        if index is None or index == 0 or self.tp_size == 1:
-            return super().weight_loader(param, loaded, index)
-        dim = getattr(param, "output_dim", 0)
-        offset, size, full_size = _packed(param, dim, *self._offsets(index), self._full_sizes()[index])
-        name = f"{getattr(param, 'checkpoint_name', 'weight')}[{shard_id}]"
-        _check_rank_slice(loaded, dim, full_size, name)
-        kv_rank = self.tp_rank // self.kv_replicas  # ranks that share one KV head load the same slice
-        loaded = loaded.narrow(dim, kv_rank * size, size)
-        target = param.data.narrow(dim, offset, size)
-        _check_shape(target, loaded, name)
-        target.copy_(loaded)
+    def _projection(self, shard_id: object) -> int | None:
+        return {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)  # type: ignore[arg-type]
 
     def _full_sizes(self) -> list[int]:
         kv_heads = self.num_kv_heads * self.tp_size // self.kv_replicas  # the checkpoint's KV heads

@@ -7,6 +7,11 @@ for an ``out x in`` layer: ``qweight`` int32 ``[in, out / 8]`` and ``qzeros`` in
 and no ``+1`` on the zero points. ``W[o, i] = (q[i, o] - zero[i // group, o]) * scale[i // group, o]``.
 Loading repacks ``qweight`` into GPTQ's layout (packed along the inputs) so both formats share
 one tiled matmul (``packing.GroupQuantLinear``).
+
+Tensor parallelism: a column-parallel rank takes its outputs of every tensor (whole int32 words of
+eight outputs); a row-parallel rank takes its input rows of ``qweight`` and its groups of
+``scales``/``qzeros``, so its inputs must hold whole groups (else a ``ValueError`` at build naming
+``parallel.tensor_parallel_size`` and ``quantization_config.group_size``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pluginfer.core.protocols import ShardSpec
 from pluginfer.quant.packing import AWQ_ORDER, GroupQuantLinear, dequantize_grouped, pack_int32, unpack_int32
+from pluginfer.quant.sharding import UNSPLIT
 
 AWQ_BITS = 4
 REPACK_WORDS = 128  # qweight columns (8 outputs each) repacked per step
@@ -64,8 +71,9 @@ def _check_config(config: dict) -> tuple[int, int]:
 class AWQLinear(GroupQuantLinear):
     name = "awq"
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        self._check_sizes(layer, input_size, output_size)
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shard: ShardSpec = UNSPLIT) -> None:
+        self._check_sizes(layer, input_size, output_size, shard)
         groups = input_size // self.group_size
         self._register(layer, "qweight", torch.zeros(input_size, output_size // self.pack, dtype=torch.int32),
                        output_dim=1, input_dim=0, packed_dim=1, packed_factor=self.pack)

@@ -5,7 +5,9 @@ to llama.cpp's block type and kept as raw GGML bytes, ``qweight`` uint8 ``[out, 
 storage a GGUF file's tensor of that type gets, so both share ``ggml_blocks.ggml_linear``. The
 bytes are those llama.cpp writes (gguf-py's for the legacy types, its C reference for Q4_K and
 Q6_K). Each row holds whole blocks of 32 (256 for the K-quants) input weights; a weight whose
-input size (this rank's shard) is not a multiple of that is refused.
+input size (this rank's shard) is not a multiple of that is refused: at build time when a
+row-parallel split cuts a block (``sharding.check_input_split``), at load time otherwise. Blocks are
+quantized independently, so a rank's slice quantizes to the same bytes as on one rank.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context
 from pluginfer.quant import ggml_blocks, ggml_quantize
+from pluginfer.quant.sharding import UNSPLIT, check_input_split
 from pluginfer.quant.tiled import InSituQuantMethod, replace_weight
 
 
@@ -27,8 +31,12 @@ class GGMLInSituLinear(InSituQuantMethod):
         self.qtype = qtype
         self.block_size, self.type_size = GGML_QUANT_SIZES[qtype]
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        super().create_weights(layer, input_size, output_size, dtype)
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shard: ShardSpec = UNSPLIT) -> None:
+        # A row-parallel rank quantizes its own slice of inputs: whole blocks, each quantized as on one rank.
+        check_input_split(shard, input_size, self.block_size,
+                          f"the {self.qtype.name} block of {self.block_size} inputs")
+        super().create_weights(layer, input_size, output_size, dtype, shard)
         # The backend's native tile dequantization, if it has one (None: the torch path).
         layer.ggml_dequantize = backend_op(current_context().backend, "ggml_dequantize") if has_context() else None
 

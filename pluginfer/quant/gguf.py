@@ -8,18 +8,29 @@ outputs. Float shards (F32/F16/BF16 files) are plain dense weights in the model 
 
 The checkpoint side is ``pluginfer.core.gguf_checkpoint`` (it yields ``GGMLTensor``s); the
 embedding and the LM head arrive already dequantized (docs/quantization.md).
+
+Tensor parallelism: ``create_weights`` keeps the layer's ``ShardSpec`` as ``layer.shard`` and each
+checkpoint tensor arrives whole. A column-parallel rank keeps its rows of blocks (of each fused
+projection; key/value rows shared by the ranks that replicate a KV head); a row-parallel rank keeps
+its columns of bytes, which must be whole blocks: its inputs must be a multiple of the type's block
+(32 weights, 256 for the K-quants), else loading stops naming the tensor, the tensor-parallel size,
+both input counts and the block. Blocks are independent, so a rank's bytes are those of its weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context
-from pluginfer.quant.ggml_blocks import DEQUANTIZABLE, DequantizeKernel, ggml_linear, row_bytes
+from pluginfer.layers.linear import projection_rows
+from pluginfer.quant.ggml_blocks import DEQUANTIZABLE, DequantizeKernel, block_size, ggml_linear, row_bytes
+from pluginfer.quant.sharding import UNSPLIT, column_split, row_split, split_error
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -27,10 +38,9 @@ _FLOAT_TYPES = ("F32", "F16", "BF16")
 class GGUFLinear:
     name = "gguf"
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        if layer.tp_size > 1:
-            raise ValueError("quant method 'gguf' runs on one rank: GGUF checkpoints need "
-                             "tensor_parallel_size 1")
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shard: ShardSpec = UNSPLIT) -> None:
+        layer.shard = shard  # load_shard cuts each whole checkpoint tensor to this rank's part
         # A placeholder the loader routes checkpoint tensors to; the blocks land in ``layer.gguf_shards``.
         weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         weight.output_dim, weight.input_dim = 0, 1
@@ -43,26 +53,48 @@ class GGUFLinear:
         layer.ggml_dequantize = backend_op(current_context().backend, "ggml_dequantize") if has_context() else None
 
     def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: object, shard_id: object = None) -> None:
-        """Keep one checkpoint tensor (``GGMLTensor`` or dense) as shard ``shard_id`` of the layer's weight."""
+        """Keep this rank's part of one whole checkpoint tensor (``GGMLTensor`` or dense) as shard ``shard_id``."""
         name = getattr(param, "checkpoint_name", "weight")
+        shard = getattr(layer, "shard", UNSPLIT)
         index = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)  # type: ignore[arg-type]
-        sizes = getattr(layer, "output_sizes", None)
-        rows = layer.output_size if index is None else sizes[index]
-        if tuple(loaded.shape) != (rows, layer.input_size):
-            raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected "
-                             f"{(rows, layer.input_size)}")
+        sizes = shard.output_sizes or tuple(getattr(layer, "output_sizes", None) or (layer.output_size,))
+        if index is None and len(sizes) > 1 and column_split(shard):
+            # An already-fused tensor on a rank holding part of each projection: cut it into projections.
+            self._check_shape(name, loaded, sum(sizes), layer.input_size)
+            start = 0
+            for i, rows in enumerate(sizes):
+                self.load_shard(layer, param, _rows(loaded, start, rows), i)
+                start += rows
+            return
+        full_rows = sum(sizes) if index is None else sizes[index]
+        inputs = layer.input_size * (shard.size if row_split(shard) else 1)
+        self._check_shape(name, loaded, full_rows, inputs)
         qtype = getattr(loaded, "qtype", None)
+        if qtype is not None:
+            if qtype not in DEQUANTIZABLE or qtype.name in _FLOAT_TYPES:
+                supported = ", ".join(sorted(t.name for t in DEQUANTIZABLE if t.name not in _FLOAT_TYPES))
+                raise ValueError(f"{name}: GGML type {qtype.name} is not supported (supported: {supported})")
+            block = block_size(qtype)
+            if row_split(shard) and layer.input_size % block:
+                raise split_error(shard, layer.input_size, f"the {qtype.name} block of {block} inputs", name)
+            expected = row_bytes(qtype, inputs)
+            if tuple(loaded.raw.shape) != (full_rows, expected):
+                raise ValueError(f"{name}: {qtype.name} blocks of shape {tuple(loaded.raw.shape)}, expected "
+                                 f"{(full_rows, expected)}")
+        if column_split(shard):  # (index None here: a layer of one projection)
+            start, rows, _ = projection_rows(shard, index or 0)
+            loaded = _rows(loaded, start, rows)
+        if row_split(shard):
+            loaded = _columns(loaded, shard.rank * layer.input_size, layer.input_size)
         if qtype is None:  # a float tensor: dense, in the model dtype
             layer.gguf_shards[index or 0] = (None, loaded.to(device=param.device, dtype=layer.gguf_dtype))
-            return
-        if qtype not in DEQUANTIZABLE or qtype.name in _FLOAT_TYPES:
-            supported = ", ".join(sorted(t.name for t in DEQUANTIZABLE if t.name not in _FLOAT_TYPES))
-            raise ValueError(f"{name}: GGML type {qtype.name} is not supported (supported: {supported})")
-        expected = row_bytes(qtype, layer.input_size)
-        if tuple(loaded.raw.shape) != (rows, expected):
-            raise ValueError(f"{name}: {qtype.name} blocks of shape {tuple(loaded.raw.shape)}, expected "
-                             f"{(rows, expected)}")
-        layer.gguf_shards[index or 0] = (qtype, loaded.raw.to(param.device))
+        else:
+            layer.gguf_shards[index or 0] = (qtype, loaded.raw.to(param.device))
+
+    @staticmethod
+    def _check_shape(name: str, loaded: object, rows: int, cols: int) -> None:
+        if tuple(loaded.shape) != (rows, cols):
+            raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected {(rows, cols)}")
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not layer.gguf_shards:
@@ -85,6 +117,25 @@ class GGUFLinear:
         out = torch.cat([_group_linear(x, qtype, weight, layer.input_size, None, kernel) for qtype, weight in groups],
                         dim=-1)
         return out if bias is None else out + bias
+
+
+def _rows(loaded: object, start: int, rows: int) -> object:
+    """Rows ``start:start + rows`` of a dense tensor or a ``GGMLTensor`` (its rows of blocks: a view)."""
+    qtype = getattr(loaded, "qtype", None)
+    if qtype is None:
+        return loaded[start:start + rows]
+    return dataclasses.replace(loaded, raw=loaded.raw[start:start + rows],
+                               shape=torch.Size([rows, loaded.shape[1]]))
+
+
+def _columns(loaded: object, start: int, cols: int) -> object:
+    """Input columns ``start:start + cols`` (whole blocks) of a dense tensor or a ``GGMLTensor`` (a copy)."""
+    qtype = getattr(loaded, "qtype", None)
+    if qtype is None:
+        return loaded[:, start:start + cols]
+    first, width = row_bytes(qtype, start), row_bytes(qtype, cols)
+    return dataclasses.replace(loaded, raw=loaded.raw[:, first:first + width].contiguous(),
+                               shape=torch.Size([loaded.shape[0], cols]))
 
 
 def _group_linear(x: torch.Tensor, qtype: object, weight: torch.Tensor, cols: int, bias: torch.Tensor | None,

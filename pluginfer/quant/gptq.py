@@ -8,6 +8,14 @@ Checkpoint tensors, for a layer of ``out x in`` weights and ``pack = 32 // bits`
 ``qweight`` int32 ``[in / pack, out]`` (packed along the inputs), ``qzeros`` int32
 ``[groups, out / pack]`` (packed along the outputs), ``scales`` float16 ``[groups, out]``,
 ``g_idx`` int32 ``[in]``. ``W[o, i] = (q[i, o] - zero[g_idx[i], o]) * scale[g_idx[i], o]``.
+
+Tensor parallelism (the ``ShardSpec`` given to ``create_weights``): a column-parallel rank takes its
+outputs of every tensor (``qzeros`` cut at whole int32 words). A row-parallel rank takes its input
+rows of ``qweight`` and ``g_idx``; without act-order its inputs must hold whole groups and it takes
+those groups' ``scales``/``qzeros``. With act-order, ``g_idx`` sends each input row to any group, so
+every rank keeps the scales and zero points of *all* groups (``[groups, out]``, small beside
+``qweight``) and its slice of ``g_idx`` indexes them as they are: the shard only has to hold whole
+int32 words. After loading, a rank whose ``g_idx`` turns out to be contiguous keeps only its groups.
 """
 
 from __future__ import annotations
@@ -17,12 +25,14 @@ from functools import partial
 import torch
 from torch import nn
 
+from pluginfer.core.protocols import ShardSpec
 from pluginfer.quant.packing import (
     GroupQuantLinear,
     dequantize_grouped,
     pack_factor,
     unpack_int32,
 )
+from pluginfer.quant.sharding import UNSPLIT, row_split
 
 SUPPORTED_BITS = (4, 8)
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -89,10 +99,15 @@ def _check_config(config: dict) -> tuple[int, int, bool, bool, str]:
     return bits, group_size, bool(config.get("desc_act", False)), bool(config.get("sym", True)), checkpoint_format
 
 
-def _load_g_idx(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-    """Fused projections (q/k/v, gate/up) read the same inputs, so their checkpoints' g_idx must agree."""
-    loaded = layer._shard(param, loaded)
+def _load_g_idx(shard: ShardSpec, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """This rank's input rows of ``g_idx`` (row parallel) or all of it. Fused projections (q/k/v, gate/up)
+    read the same inputs, so their checkpoints' g_idx must agree."""
     name = getattr(param, "checkpoint_name", "g_idx")
+    if row_split(shard):
+        try:
+            loaded = shard.narrow(loaded, 0, param.shape[0])
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
     if loaded.shape != param.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected {tuple(param.shape)}")
     if getattr(param, "loaded", False) and not torch.equal(param.data, loaded.to(param.dtype)):
@@ -108,14 +123,22 @@ class GPTQLinear(GroupQuantLinear):
         super().__init__(bits, group_size)
         self.desc_act, self.sym, self.checkpoint_format = desc_act, sym, checkpoint_format
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        self._check_sizes(layer, input_size, output_size)
-        if self._row_split(layer) and self.desc_act and self.group_size != -1:
-            raise ValueError("quantization_config.desc_act: act-order GPTQ cannot split a layer's inputs across "
-                             "tensor-parallel ranks (its groups span the whole input)")
-        # Group -1 has one group over all inputs: a row-split layer keeps that group's scales whole.
-        group_dim = 0 if self.group_size != -1 else None
-        groups = input_size // self._group_size(input_size)
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shard: ShardSpec = UNSPLIT) -> None:
+        all_groups = row_split(shard) and self.desc_act and self.group_size != -1
+        self._check_sizes(layer, input_size, output_size, shard, whole_groups=not all_groups)
+        if all_groups:  # act-order, inputs split: every rank keeps every group (see the module docstring)
+            full_inputs = input_size * shard.size
+            if full_inputs % self.group_size:
+                raise ValueError(f"{self.name}: group_size {self.group_size} does not divide the layer's "
+                                 f"{full_inputs} input features")
+            group_dim, groups = None, full_inputs // self.group_size
+        else:
+            # Group -1 has one group over all inputs: a row-split layer keeps that group's scales whole.
+            group_dim = 0 if self.group_size != -1 else None
+            groups = input_size // self._group_size(input_size)
+        # The checkpoint group that this rank's first row of scales is (g_idx counts the checkpoint's).
+        layer.gptq_first_group = shard.rank * groups if row_split(shard) and group_dim == 0 else 0
         self._register(layer, "qweight", torch.zeros(input_size // self.pack, output_size, dtype=torch.int32),
                        output_dim=1, input_dim=0, packed_dim=0, packed_factor=self.pack)
         self._register(layer, "qzeros", torch.zeros(groups, output_size // self.pack, dtype=torch.int32),
@@ -123,12 +146,8 @@ class GPTQLinear(GroupQuantLinear):
         self._register(layer, "scales", torch.zeros(groups, output_size, dtype=torch.float16),
                        output_dim=1, input_dim=group_dim)
         self._register(layer, "g_idx", torch.zeros(input_size, dtype=torch.int32), output_dim=None, input_dim=0)
-        layer.g_idx.weight_loader = partial(_load_g_idx, layer)
+        layer.g_idx.weight_loader = partial(_load_g_idx, shard)
         self._find_kernel(layer)
-
-    @staticmethod
-    def _row_split(layer: nn.Module) -> bool:
-        return getattr(layer, "shard_dim", None) == 1 and getattr(layer, "tp_size", 1) > 1
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "quant_group_size", None) is not None:
@@ -138,14 +157,18 @@ class GPTQLinear(GroupQuantLinear):
             qzeros = v1_to_v2_zeros(qzeros, self.bits)
         input_size = qweight.shape[0] * self.pack
         group_size = self._group_size(input_size)
-        # A row-split rank holds the inputs (and groups) from its offset on; g_idx counts from the first rank's.
-        first = layer.tp_rank * scales.shape[0] if self._row_split(layer) and self.group_size != -1 else 0
-        contiguous = torch.arange(input_size, device=g_idx.device) // group_size + first
-        if int(g_idx.max()) - first >= scales.shape[0] or int(g_idx.min()) - first < 0:
+        # Groups of this layer's scales, numbered from 0 (a row-split rank without act-order holds its own).
+        local = g_idx.to(torch.int64) - getattr(layer, "gptq_first_group", 0)
+        if int(local.max()) >= scales.shape[0] or int(local.min()) < 0:
             name = getattr(layer.qweight, "checkpoint_name", "qweight").removesuffix(".qweight")
             raise ValueError(f"{name}.g_idx names groups outside the {scales.shape[0]} of this layer")
-        keep_g_idx = None if torch.equal(g_idx, contiguous) else (g_idx - first).to(torch.int32)
-        self._set_layout(layer, qweight, qzeros, scales, keep_g_idx)
+        first, groups = int(local.min()), input_size // group_size
+        contiguous = torch.arange(input_size, device=g_idx.device) // group_size + first
+        if input_size % group_size == 0 and first + groups <= scales.shape[0] and torch.equal(local, contiguous):
+            # Groups in input order: keep this rank's groups only, and no g_idx.
+            self._set_layout(layer, qweight, qzeros[first:first + groups], scales[first:first + groups], None)
+        else:
+            self._set_layout(layer, qweight, qzeros, scales, local.to(torch.int32))
 
 
 def build(quant_config: dict | None = None) -> GPTQLinear:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context
+from pluginfer.quant.sharding import UNSPLIT, check_input_split
 from pluginfer.quant.tiled import InSituQuantMethod, replace_weight, tile_buffer, tiled_linear
 
 GROUP_SIZE = 128
@@ -53,8 +55,12 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 class Int4Linear(InSituQuantMethod):
     name = "int4"
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        super().create_weights(layer, input_size, output_size, dtype)
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shard: ShardSpec = UNSPLIT) -> None:
+        # Groups run along the inputs: a row-parallel rank's inputs must hold whole groups (then each group
+        # is quantized exactly as on one rank).
+        check_input_split(shard, input_size, GROUP_SIZE, f"the int4 group of {GROUP_SIZE} inputs")
+        super().create_weights(layer, input_size, output_size, dtype, shard)
         # The backend's native tile dequantization, if it has one (None: the torch path).
         layer.int4_dequantize = backend_op(current_context().backend, "int4_dequantize") if has_context() else None
 

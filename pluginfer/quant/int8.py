@@ -2,20 +2,33 @@
 
 The checkpoint's floating-point weight is loaded as usual, then replaced by an int8 ``qweight``
 ``[out, in]`` and one float32 ``weight_scale`` per output row (``scale = max|row| / 127``).
+
+Tensor parallelism: a column-parallel rank holds whole rows. A row-parallel rank holds a slice of
+every row, but its scale is still that of the *whole* row: the loader sees the full checkpoint
+tensor before cutting the slice and keeps ``max|row|`` then, so each rank's codes and scales are
+exactly the one-rank layer's (not a coarser or finer per-slice quantization).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
+from pluginfer.core.protocols import ShardSpec
+from pluginfer.quant.sharding import UNSPLIT, row_split
 from pluginfer.quant.tiled import InSituQuantMethod, replace_weight, tiled_linear
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 ``[out, in]``, float32 scale ``[out]``) with ``weight ~= q * scale[:, None]``."""
+def quantize_int8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 ``[out, in]``, float32 scale ``[out]``) with ``weight ~= q * scale[:, None]``.
+
+    ``scale``: the rows' scales when ``weight`` is a slice of longer rows (a row-parallel shard).
+    """
     weight = weight.float()
-    scale = weight.abs().amax(dim=1) / 127
+    if scale is None:
+        scale = weight.abs().amax(dim=1) / 127
     divisor = torch.where(scale == 0, torch.ones_like(scale), scale)  # an all-zero row stays zero
     q = torch.round(weight / divisor[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
@@ -25,13 +38,29 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
+def _load_row_split(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """Keep each whole row's ``max|row|`` (in the weight's dtype, as one rank would see it), then load the slice."""
+    if loaded.dim() == 2:  # a wrong shape is left to the layer's loader to name
+        # Rounding to the weight's dtype is monotonic and symmetric, so it commutes with abs and max.
+        layer.int8_row_absmax = loaded.abs().amax(dim=1).to(param.dtype).float()
+    layer.weight_loader(param, loaded)
+
+
 class Int8Linear(InSituQuantMethod):
     name = "int8"
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shard: ShardSpec = UNSPLIT) -> None:
+        super().create_weights(layer, input_size, output_size, dtype, shard)
+        if row_split(shard):
+            layer.weight.weight_loader = partial(_load_row_split, layer)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if "weight" not in layer._parameters:
             return  # already quantized
-        q, scale = quantize_int8(layer.weight.data)
+        absmax = getattr(layer, "int8_row_absmax", None)
+        q, scale = quantize_int8(layer.weight.data, None if absmax is None else absmax / 127)
+        layer.int8_row_absmax = None
         replace_weight(layer, qweight=q, weight_scale=scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -10,6 +10,14 @@ Three kinds of checkpoint load into it:
 GPTQ and AWQ tensors are loaded by those formats' own quant methods, then repacked
 (``marlin_layout.pack``) as soon as a layer is complete. ``apply`` runs the Triton kernel on a CUDA
 device and, elsewhere, dequantizes a few hundred output columns of the tiles at a time in torch.
+
+Tensor parallelism: GPTQ and AWQ checkpoints are sharded by their own methods (which get the
+``ShardSpec``), then each rank repacks its shard. A Marlin checkpoint's ``B`` splits along the
+outputs at whole column pairs (the permutation stays within 64 outputs, so each rank's outputs must
+be a multiple of 64) and along the inputs at whole 16-row tiles and groups; ``s`` follows. Marlin
+orders scales one way when a layer has several groups and another when it has one (``group_size``
+not below the inputs): a rank left with a single group of a multi-group checkpoint re-permutes its
+scales from the first order to the second after loading.
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pluginfer.core.protocols import ShardSpec
+from pluginfer.layers.linear import projection_rows
 from pluginfer.quant import marlin_layout as layout
+from pluginfer.quant.sharding import UNSPLIT, check_input_split, column_split, row_split
 from pluginfer.quant.tiled import tiled_linear
 
 GROUP_SIZES = (128, -1)
@@ -68,13 +79,30 @@ class MarlinLinear:
         self.source = source  # the GPTQ/AWQ quant method that loads the checkpoint; None: already Marlin
         self.zero_points = zero_points
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shard: ShardSpec = UNSPLIT) -> None:
+        check_input_split(shard, input_size, layout.TILE, f"Marlin's tile of {layout.TILE} inputs")
+        if self.group_size != -1:
+            check_input_split(shard, input_size, self.group_size, f"quantization_config.group_size {self.group_size}")
         if self.group_size != -1 and input_size % self.group_size:
             raise ValueError(f"marlin: group size {self.group_size} does not divide this layer's {input_size} inputs")
+        if column_split(shard) and output_size % layout.CHUNK_COLUMNS:
+            raise ValueError(f"parallel.tensor_parallel_size {shard.size} gives each rank {output_size} outputs of a "
+                             f"layer of {sum(shard.output_sizes) or output_size * shard.size}, not a multiple of "
+                             f"Marlin's runs of {layout.CHUNK_COLUMNS} outputs")
         if self.source is not None:
-            self.source.create_weights(layer, input_size, output_size, dtype)
+            self.source.create_weights(layer, input_size, output_size, dtype, shard)
             return
+        if column_split(shard):  # each projection's B is cut into whole runs of 64 outputs
+            for index in range(len(shard.output_sizes)):
+                rows = projection_rows(shard, index)[1]
+                if rows % layout.CHUNK_COLUMNS:
+                    raise ValueError(f"parallel.tensor_parallel_size {shard.size} gives each rank {rows} outputs of "
+                                     f"a {shard.output_sizes[index]}-output projection, not a multiple of Marlin's "
+                                     f"runs of {layout.CHUNK_COLUMNS} outputs")
         layout.check_shape(input_size, output_size, self.group_size)
+        # The inputs the checkpoint's scales were permuted for (their order depends on it).
+        layer.marlin_checkpoint_k = input_size * shard.size if row_split(shard) else input_size
         packed = nn.Parameter(torch.empty(input_size // layout.TILE, output_size * 2, dtype=torch.int32),
                               requires_grad=False)
         packed.input_dim, packed.output_dim = 0, 1
@@ -104,9 +132,16 @@ class MarlinLinear:
         return load
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if "B" in layer._parameters:
+        if getattr(layer, "marlin_group_size", None) is not None:
+            return  # an earlier call
+        if "B" in layer._parameters:  # a Marlin checkpoint
+            size_k = layer.B.shape[0] * layout.TILE
+            full_k = getattr(layer, "marlin_checkpoint_k", size_k)
+            if layout.grouped_scales(full_k, self.group_size) != layout.grouped_scales(size_k, self.group_size):
+                column_order = layout.unpermute_scales(layer.s.data, full_k, self.group_size)
+                layer.s.data = layout.permute_scales(column_order, size_k, self.group_size)
             layer.marlin_group_size = self.group_size
-            return  # already Marlin (checkpoint or an earlier call)
+            return
         checkpoint = getattr(layer.qweight, "checkpoint_name", "a layer").removesuffix(".qweight")
         self.source.process_weights_after_loading(layer)
         codes = _unpack_gptq_rows(layer.qweight.data)

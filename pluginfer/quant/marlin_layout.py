@@ -83,9 +83,13 @@ def unpack_int4_columns(words: torch.Tensor) -> torch.Tensor:
     return ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(words.shape[0], -1)
 
 
+def grouped_scales(size_k: int, group_size: int) -> bool:
+    """Whether scales of a ``size_k``-input layer take the grouped permutation (several groups) or the single one."""
+    return group_size != -1 and group_size < size_k
+
+
 def _scale_perm(size_k: int, group_size: int) -> torch.Tensor:
-    grouped = group_size != -1 and group_size < size_k
-    return scale_permutation() if grouped else scale_permutation_single()
+    return scale_permutation() if grouped_scales(size_k, group_size) else scale_permutation_single()
 
 
 def permute_scales(scales: torch.Tensor, size_k: int, group_size: int) -> torch.Tensor:

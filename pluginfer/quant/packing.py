@@ -16,7 +16,9 @@ from functools import partial
 import torch
 from torch import nn
 
+from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context
+from pluginfer.quant.sharding import column_split, row_split, split_error
 from pluginfer.quant.tiled import tile_buffer, tiled_linear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -107,11 +109,20 @@ class GroupQuantLinear:
         layer.grouped_dequantize = (backend_op(current_context().backend, "grouped_dequantize")
                                     if has_context() else None)
 
-    def _check_sizes(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+    def _check_sizes(self, layer: nn.Module, input_size: int, output_size: int, shard: ShardSpec,
+                     whole_groups: bool = True) -> None:
+        """This rank's shard must hold whole int32 words and (``whole_groups``) whole groups of inputs."""
+        if row_split(shard) and input_size % self.pack:
+            raise split_error(shard, input_size, f"the {self.pack} {self.bits}-bit inputs of a packed int32 word")
+        if column_split(shard) and output_size % self.pack:
+            raise split_error(shard, output_size, f"the {self.pack} {self.bits}-bit outputs of a packed int32 word",
+                              axis="output")
         if input_size % self.pack or output_size % self.pack:
             raise ValueError(f"{self.name}: a {output_size}x{input_size} weight (this rank's shard) does not "
                              f"split into {self.pack} {self.bits}-bit values per int32 word")
-        if self.group_size != -1 and input_size % self.group_size:
+        if whole_groups and self.group_size != -1 and input_size % self.group_size:
+            if row_split(shard) and (input_size * shard.size) % self.group_size == 0:
+                raise split_error(shard, input_size, f"quantization_config.group_size {self.group_size}")
             raise ValueError(f"{self.name}: group_size {self.group_size} does not divide this rank's "
                              f"{input_size} input features")
 

@@ -12,6 +12,9 @@ from collections.abc import Callable
 
 import torch
 
+from pluginfer.core.protocols import ShardSpec
+from pluginfer.quant.sharding import UNSPLIT
+
 TILE_ROWS = 512
 _scratch = threading.local()  # one float32 tile buffer per thread, grown to the largest tile seen
 
@@ -52,9 +55,15 @@ def replace_weight(layer: torch.nn.Module, **params: torch.Tensor) -> None:
 
 class InSituQuantMethod:
     """Base of the formats quantized while loading: the checkpoint's float weight lands in a plain
-    ``weight`` parameter; ``process_weights_after_loading`` quantizes it and frees the float copy."""
+    ``weight`` parameter; ``process_weights_after_loading`` quantizes it and frees the float copy.
 
-    def create_weights(self, layer: torch.nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+    Under tensor parallelism the layer's loader cuts this rank's slice of the float weight (``output_dim`` /
+    ``input_dim``) before it is quantized; a format with blocks along the inputs checks in
+    ``create_weights`` that a row-parallel slice holds whole blocks (``sharding.check_input_split``).
+    """
+
+    def create_weights(self, layer: torch.nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shard: ShardSpec = UNSPLIT) -> None:
         weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)

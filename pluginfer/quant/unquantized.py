@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers import dense
 from pluginfer.layers.context import current_context
+from pluginfer.quant.sharding import UNSPLIT
 
 
 class UnquantizedLinear:
@@ -18,7 +20,9 @@ class UnquantizedLinear:
 
     name = "none"
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shard: ShardSpec = UNSPLIT) -> None:
+        # A dense weight splits anywhere: the layer's loader cuts this rank's slice (``output_dim`` / ``input_dim``).
         weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)

@@ -11,12 +11,13 @@ from torch import nn
 
 from pluginfer.backends import cpu
 from pluginfer.collectives import single
-from pluginfer.core.protocols import BuildContext
+from pluginfer.core.protocols import BuildContext, ShardSpec
 from pluginfer.layers.context import building
 from pluginfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.weights import load_named_weights
 from pluginfer.quant import unquantized
+from pluginfer.quant.sharding import UNSPLIT
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 32, 4, 2, 8, 48, 20
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
@@ -30,8 +31,9 @@ class CountingQuant:
         self.name = self.inner.name
         self.processed: list[nn.Module] = []
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        self.inner.create_weights(layer, input_size, output_size, dtype)
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
+                       shard: ShardSpec = UNSPLIT) -> None:
+        self.inner.create_weights(layer, input_size, output_size, dtype, shard)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.processed.append(layer)

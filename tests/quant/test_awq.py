@@ -93,7 +93,9 @@ def test_tensor_parallel_shards_of_packed_tensors(name: str) -> None:
     with building(ctx):
         layers = {"qkv": QKVParallelLinear(128, 32, 4, 2)}
         if 64 % config["group_size"]:  # o_proj's 64 inputs per rank cannot hold whole groups
-            with pytest.raises(ValueError, match=f"group_size {config['group_size']} does not divide"):
+            with pytest.raises(ValueError, match=rf"parallel.tensor_parallel_size 2 splits a layer's 128 inputs into "
+                                                 rf"64-input shards, not a multiple of quantization_config.group_size "
+                                                 rf"{config['group_size']}"):
                 RowParallelLinear(128, 128)
         else:
             layers["o_proj"] = RowParallelLinear(128, 128)

@@ -296,12 +296,26 @@ def test_unsupported_config_fails_at_load(tmp_path: Path) -> None:
         LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8)
 
 
-def test_act_order_refuses_a_row_split_layer() -> None:
-    name = next(n for n in GPTQ_FIXTURES if quant_config(n)["desc_act"])
-    ctx = BuildContext(backend=cpu.build(), quant=gptq.build(quant_config(name)), collective=FakeRank(0, 2),
-                       dtype=torch.float32, max_model_len=64)
-    with building(ctx), pytest.raises(ValueError, match="quantization_config.desc_act"):
-        RowParallelLinear(256, 128)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_act_order_row_split_keeps_every_group(rank: int) -> None:
+    """Act-order with groups, inputs split: each rank keeps all groups' scales and zeros and its rows of g_idx."""
+    name = "gptq_b4_g32_act_asym"
+    config, tensors, oracle = quant_config(name), checkpoint_tensors(name), oracle_weights(name)
+    method = gptq.build(config)
+    ctx = BuildContext(backend=cpu.build(), quant=method, collective=FakeRank(rank, 2), dtype=torch.float32,
+                       max_model_len=64)
+    with building(ctx):
+        down = RowParallelLinear(256, 128)
+    prefix = "model.layers.0.mlp.down_proj"
+    groups = 256 // config["group_size"]
+    assert down.scales.shape == (groups, 128) and down.qzeros.shape == (groups, 128 // 8)
+    for suffix in ("qweight", "qzeros", "scales", "g_idx"):
+        param = getattr(down, suffix)
+        param.weight_loader(param, tensors[f"{prefix}.{suffix}"])
+    method.process_weights_after_loading(down)
+    assert torch.equal(down.g_idx, tensors[f"{prefix}.g_idx"][rank * 128:(rank + 1) * 128])
+    dense = method.dequantize_columns(down, 0, 128, torch.float32)
+    assert torch.equal(dense.half(), oracle[f"{prefix}.weight"][:, rank * 128:(rank + 1) * 128])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
