@@ -186,7 +186,11 @@ def run_worker(config: EngineConfig, rank: RankInfo) -> int:
     from pluginfer.core.executor import start_rank
     from pluginfer.core.registry import get_registry
 
-    started = start_rank(config, rank, get_registry())
+    try:
+        started = start_rank(config, rank, get_registry())
+    except Exception as exc:  # rank 0 reports the same error in full; one line here
+        logger.error("rank %d: could not start: %s: %s", rank.rank, type(exc).__name__, exc)
+        return 1
     worker = started.worker
     try:
         while True:
