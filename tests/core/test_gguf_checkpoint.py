@@ -15,7 +15,6 @@ from pluginfer.cli.convert import convert_to_gguf, write_gguf  # noqa: E402
 from pluginfer.core.gguf_checkpoint import GGMLTensor, GGUFCheckpoint  # noqa: E402
 from pluginfer.core.loader import ModelNotFoundError, iter_weights, read_hf_config, resolve_model_path  # noqa: E402
 from pluginfer.core.tokenizer import load_tokenizer  # noqa: E402
-from pluginfer.quant.gguf import GGUFLinear  # noqa: E402
 
 
 def load(path: Path) -> LLM:
@@ -152,13 +151,6 @@ def test_generate_command_reads_a_gguf_file(llama_gguf: Path, capsys: pytest.Cap
     assert main(["generate", "--model", str(llama_gguf), "--prompt", "The engine", "--chat-template",
                  "--max-tokens", "4", "--ignore-eos", "--temperature", "0", "--num-blocks", "16"]) == 0
     assert capsys.readouterr().out.strip()
-
-
-def test_tensor_parallel_is_refused() -> None:
-    layer = torch.nn.Module()
-    layer.tp_size = 2
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 1"):
-        GGUFLinear().create_weights(layer, 64, 64, torch.float32)
 
 
 def test_a_file_that_is_not_gguf_is_still_refused(tmp_path: Path) -> None:
