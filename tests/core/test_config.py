@@ -126,3 +126,13 @@ def test_parse_size_rejects_what_is_not_a_size(text):
 def test_an_infinite_size_names_the_field():
     with pytest.raises(ConfigError, match=r"cache\.kv_cache_memory"):
         build_config(model="m", **{"cache.kv_cache_memory": "inf"})
+
+
+def test_parallel_section_from_a_deployment_file_and_flags(tmp_path) -> None:
+    path = tmp_path / "deploy.yaml"
+    path.write_text("model: demo\nparallel:\n  tensor_parallel_size: 2\n  pipeline_parallel_size: 2\n"
+                    "  collective: gloo\n  launcher: torchrun\n  timeout_s: 30\n")
+    config = build_config(path, **{"parallel.pipeline_parallel_size": 1})
+    parallel = config.parallel
+    assert (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) == (2, 1)  # the flag wins
+    assert (parallel.collective, parallel.launcher, parallel.timeout_s) == ("gloo", "torchrun", 30.0)
