@@ -23,8 +23,7 @@ def building(ctx: BuildContext) -> Iterator[BuildContext]:
 
 def backend_op(backend: object, name: str) -> Callable | None:
     """The backend's faster kernel for a layer op, if it offers one (see DeviceBackend.op)."""
-    lookup = getattr(backend, "op", None)
-    return lookup(name) if lookup is not None else None
+    return backend.op(name)
 
 
 def has_context() -> bool:

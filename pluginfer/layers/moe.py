@@ -218,7 +218,7 @@ class FusedExperts(nn.Module):
         check_tp_divisible(intermediate_size, size_field)
         self.shard_size = intermediate_size // self.tp_size
         if num_offloaded is None:
-            num_offloaded = getattr(ctx, "num_experts_offload_per_rank", 0)
+            num_offloaded = ctx.num_experts_offload_per_rank
         if not 0 <= num_offloaded <= num_experts:
             raise ValueError(f"cache.num_experts_offload_per_rank: {num_offloaded} is more than the "
                              f"{num_experts} experts of a layer")
