@@ -17,21 +17,21 @@ def rank_main(scenario: str, rank: int, world_size: int, port: int, timeout_s: f
         from pluginfer.collectives.torch_distributed import build_gloo
         from pluginfer.core.config import EngineConfig
         from pluginfer.core.protocols import RankInfo
-        from tests.collectives.contract import check_contract
+        from pluginfer.testing.collective_contract import check_contract
 
         config = EngineConfig(model="unused", parallel={"tensor_parallel_size": world_size, "timeout_s": timeout_s})
         info = RankInfo(rank=rank, world_size=world_size, tp_size=world_size, local_rank=rank,
                         local_world_size=world_size, master_port=port, launcher="spawn")
         coll = build_gloo(config, info)
         if scenario == "contract":
-            payload = check_contract(coll)
+            payload = check_contract(coll, count_traffic=True)
         elif scenario == "upcast":  # the float32 detour of half sums, taken when gloo cannot sum them
             coll._upcast.update((torch.bfloat16, torch.float16))
             tensor = torch.tensor([0.5, 1.5, 256.0], dtype=torch.bfloat16) * (rank + 1)
             coll.all_reduce(tensor)
             assert torch.equal(tensor, torch.tensor([1.5, 4.5, 768.0], dtype=torch.bfloat16)), tensor
             assert coll.stats["all_reduce"] == [1, 12], coll.stats  # three float32 on the wire
-            payload = check_contract(coll)
+            payload = check_contract(coll, count_traffic=True)
         elif scenario in ("dead_peer", "silent_peer"):
             coll.barrier()
             if rank == 1:
@@ -63,13 +63,13 @@ def torchrun_main() -> None:
     from pluginfer.collectives.torch_distributed import build_gloo
     from pluginfer.core.config import EngineConfig
     from pluginfer.core.protocols import RankInfo
-    from tests.collectives.contract import check_contract
+    from pluginfer.testing.collective_contract import check_contract
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = EngineConfig(model="unused", parallel={"tensor_parallel_size": world, "timeout_s": 20.0})
     info = RankInfo(rank=rank, world_size=world, tp_size=world, local_rank=int(os.environ["LOCAL_RANK"]),
                     local_world_size=world, launcher="torchrun")
-    stats = check_contract(build_gloo(config, info))
+    stats = check_contract(build_gloo(config, info), count_traffic=True)
     print(f"rank {rank} contract ok {sorted(stats)}", flush=True)
 
 

@@ -27,7 +27,7 @@ def main(scenario: str) -> None:
     from pluginfer.collectives.mpi import build
     from pluginfer.core.config import EngineConfig
     from pluginfer.core.protocols import RankInfo
-    from tests.collectives.contract import check_contract
+    from pluginfer.testing.collective_contract import check_contract
 
     rank = _env_int("OMPI_COMM_WORLD_RANK", "PMI_RANK", default=0)
     world = _env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", default=1)
@@ -41,7 +41,7 @@ def main(scenario: str) -> None:
         print(f"rank {rank} factory refused: {exc}", flush=True)
         sys.exit(3)
     if scenario == "contract":
-        stats = check_contract(coll)
+        stats = check_contract(coll, count_traffic=True)
         print(f"rank {rank} contract ok {sorted(stats)}", flush=True)
     elif scenario == "dead_peer":
         coll.barrier()

@@ -24,8 +24,8 @@ from pluginfer.collectives._common import check_partition, concat_gathered
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.protocols import Collective, RankInfo
 from pluginfer.core.registry import get_registry
+from pluginfer.testing.collective_contract import check_contract
 from pluginfer.testing.threads import run_ranks
-from tests.collectives.contract import check_contract
 from tests.collectives.gloo_ranks import rank_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def _mpiexec(*args: str, ranks: int = 2, timeout: float = 60.0) -> subprocess.Co
 
 # -- the reference ---------------------------------------------------------------------------------
 def test_thread_collective_meets_the_contract():
-    stats = run_ranks(2, check_contract, timeout=30)
+    stats = run_ranks(2, lambda coll: check_contract(coll, count_traffic=True), timeout=30)
     assert stats[0]["all_reduce"][0] == 6
 
 

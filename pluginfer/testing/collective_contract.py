@@ -1,7 +1,11 @@
-"""The behaviour every ``Collective`` owes on a world of two ranks: one body of checks, several transports.
+"""Conformance kit: the behaviour every ``Collective`` owes on a world of two ranks.
 
-``check_contract(collective)`` runs on each rank (threads, spawned gloo processes, mpiexec ranks) and
-raises AssertionError on the first broken promise. It ends by closing the collective (twice).
+``check_contract(collective)`` runs on each of two ranks and raises AssertionError on the first broken
+promise of the protocol (``pluginfer/core/protocols.py``); it ends by closing the collective (twice).
+A third-party collective plugin calls it from two processes started however its library starts them
+(pluginfer's own tests run it on threads, spawned gloo processes, torchrun and mpiexec ranks).
+``count_traffic=True`` also checks the ``stats`` traffic counters pluginfer's built-in collectives keep
+(``{operation: [calls, bytes]}``; not part of the protocol).
 """
 
 from __future__ import annotations
@@ -17,12 +21,12 @@ def _grid(rank: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32)
     return (torch.arange(n, dtype=torch.float32) + 100 * rank).reshape(shape).to(dtype)
 
 
-def check_contract(coll) -> dict:
+def check_contract(coll, count_traffic: bool = False) -> dict:
     assert coll.world_size == 2, coll.world_size
     me = coll.rank
     assert me in (0, 1), me
     other = 1 - me
-    before = {name: list(entry) for name, entry in coll.stats.items()}
+    before = {name: list(entry) for name, entry in coll.stats.items()} if count_traffic else {}
 
     # all_reduce: sums, in place, every dtype the engine uses
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
@@ -92,6 +96,11 @@ def check_contract(coll) -> dict:
     tensor = torch.ones(2)
     assert torch.equal(coll.all_reduce(tensor), torch.full((2,), 2.0))
 
+    if not count_traffic:
+        for group in (solo, pair, coll):
+            group.close()
+            group.close()  # idempotent
+        return {}
     # traffic counters: [calls, bytes] per operation, counted from the start of these checks
     stats = {name: [calls - before.get(name, [0, 0])[0], nbytes - before.get(name, [0, 0])[1]]
              for name, (calls, nbytes) in coll.stats.items()}
