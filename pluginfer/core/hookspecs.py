@@ -66,12 +66,12 @@ def pluginfer_quant_methods() -> list[PluginSpec]:
 
 @hookspec
 def pluginfer_backends() -> list[PluginSpec]:
-    """Devices (kind "backend"): factory(config: EngineConfig) -> DeviceBackend."""
+    """Devices (kind "backend"): factory(config: EngineConfig, rank: RankInfo) -> DeviceBackend."""
 
 
 @hookspec
 def pluginfer_collectives() -> list[PluginSpec]:
-    """Communication libraries (kind "collective"): factory(config: EngineConfig) -> Collective."""
+    """Communication libraries (kind "collective"): factory(config: EngineConfig, rank: RankInfo) -> Collective."""
 
 
 HOOKS_BY_KIND = {
