@@ -33,13 +33,24 @@ def render_prompt(state: ServerState, messages: list[dict[str, Any]], add_genera
     return state.tokenizer.encode(text, add_special_tokens=False)
 
 
+def template_kwargs(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
+    """``chat_template_kwargs``, and ``reasoning_effort`` for a template that reads it (else a 400)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        if "reasoning_effort" not in str(getattr(state.tokenizer, "chat_template", None) or ""):
+            raise bad_request("reasoning_effort: this model's chat template does not read it",
+                              "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    return kwargs
+
+
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request, ChatCompletionRequest)
     state.check_model(body.model)
     params = body.sampling_params(state.config.sampling, state.config.server.max_logprobs)
     prompt = render_prompt(state, [m.for_template() for m in body.messages], body.add_generation_prompt,
-                           body.chat_template_kwargs)
+                           template_kwargs(state, body))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     outputs = run_requests(state, [prompt], params, request_id, "messages")
     answer = _ChatAnswer(state, body, request_id)

@@ -1,18 +1,20 @@
 """Request bodies of the OpenAI API (and vLLM's extensions), as pydantic models.
 
-Unknown fields are accepted and ignored, as OpenAI clients send many optional ones.
-``sampling_params`` turns a request into the engine's SamplingParams.
+A request field is honoured or refused: an unknown field, or one asking for what this server
+cannot do, is a 400 naming it (``unsupported.py``). Nested objects a client echoes back
+(messages) are lenient. ``sampling_params`` turns a request into the engine's SamplingParams.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pluginfer.core.config import SamplingDefaults
 from pluginfer.core.sequence import SamplingParams
 from pluginfer.server.errors import APIError, bad_request, from_sampling_error
+from pluginfer.server.unsupported import CHAT, COMPLETION, Unsupported, check_fields
 
 Prompt = str | list[int]
 _INT64_MAX = 2**63 - 1
@@ -23,8 +25,10 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: Literal[False] = False  # padding events against length side channels: not sent
 
 
 class ContentPart(_Body):
@@ -97,9 +101,15 @@ class SamplingRequest(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # informational: identifies the end user to OpenAI; no effect here
 
     LOGPROBS_FIELD: ClassVar[str] = "logprobs"  # the request field a SamplingParams.logprobs error names
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return check_fields(data, set(cls.model_fields), cls.UNSUPPORTED)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -168,8 +178,23 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    reasoning_effort: str | None = None  # passed to chat templates that read it; else a 400
+    parallel_tool_calls: bool | None = None
+    # Informational: OpenAI's account-side identifiers and tags; they change nothing in the answer.
+    safety_identifier: str | None = Field(None, max_length=64)
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
 
     LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = CHAT
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is not None and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512
+                                                               for k, v in metadata.items())):
+            raise ValueError("at most 16 pairs, keys up to 64 characters, values up to 512")
+        return metadata
 
     def _max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -192,7 +217,8 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
-    suffix: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = COMPLETION
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -220,8 +246,6 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs if self.echo else None
 
     def check_supported(self) -> None:
-        if self.suffix:
-            raise APIError(400, "suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported", "best_of")
 

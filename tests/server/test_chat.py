@@ -116,7 +116,7 @@ def test_async_client_and_extra_fields(server):
                 model=MODEL_NAME, messages=MESSAGES, max_tokens=3, user="someone", top_p=0.9, seed=1,
                 presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"5": 1.0},
                 extra_body={"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 2,
-                            "stop_token_ids": [3], "skip_special_tokens": False, "unknown_field": [1],
+                            "stop_token_ids": [3], "skip_special_tokens": False,
                             "chat_template_kwargs": {"enable_thinking": False}})
             return response.choices[0].finish_reason
 

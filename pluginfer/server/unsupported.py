@@ -1,0 +1,76 @@
+"""No request field is silently ignored: what this server cannot do is a 400 naming the field.
+
+Each request model declares the fields it honours. Fields of OpenAI's request schemas that it
+cannot honour are listed here with the values that ask for nothing (``store: false``,
+``modalities: ["text"]``): those pass, any other value is a 400 saying why. A field that is
+neither declared nor listed is unknown: also a 400. ``tests/server/test_request_fields.py``
+walks OpenAI's published spec and checks that every field is honoured or refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pluginfer.server.errors import APIError
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A field this server does not implement; ``accepted`` are the values that ask for nothing."""
+
+    why: str
+    accepted: tuple[Any, ...] = (None,)
+
+
+# Accepted and without effect: OpenAI's account-side identifiers and tags, which change nothing in an answer.
+INFORMATIONAL = frozenset({"user", "safety_identifier", "prompt_cache_key", "metadata"})
+
+_SHARED: dict[str, Unsupported] = {
+    "use_beam_search": Unsupported("beam search is not implemented", (None, False)),
+}
+
+CHAT: dict[str, Unsupported] = {
+    **_SHARED,
+    "audio": Unsupported("audio output is not supported"),
+    "modalities": Unsupported("only text output is supported", (None, ["text"])),
+    "web_search_options": Unsupported("web search is not supported"),
+    "prediction": Unsupported("predicted outputs are not supported"),
+    "moderation": Unsupported("moderation is not supported"),
+    "verbosity": Unsupported("verbosity is not supported: no served model reads it"),
+    "functions": Unsupported("the deprecated functions field is not supported; use tools"),
+    "function_call": Unsupported("the deprecated function_call field is not supported; use tool_choice"),
+    "store": Unsupported("completions are not stored", (None, False)),
+    "service_tier": Unsupported("this server has one service tier", (None, "auto", "default")),
+    "prompt_cache_retention": Unsupported("the prefix cache lives in memory only", (None, "in_memory")),
+    "prompt_cache_options": Unsupported("the prefix cache is automatic and has no options", (None, {})),
+    "response_format": Unsupported("structured output is not implemented yet", (None, {"type": "text"})),
+    "tools": Unsupported("tool calling is not implemented yet", (None, [])),
+    "tool_choice": Unsupported("tool calling is not implemented yet", (None, "none", "auto")),
+}
+
+COMPLETION: dict[str, Unsupported] = {
+    **_SHARED,
+    "suffix": Unsupported("suffix (text insertion) is not supported", (None, "")),
+}
+
+
+def check_fields(data: Any, declared: set[str], unsupported: dict[str, Unsupported]) -> Any:
+    """Raise a 400 for the first field of ``data`` that is unknown or asks for what is not supported;
+    return ``data`` without the unsupported fields that asked for nothing."""
+    if not isinstance(data, dict):
+        return data
+    for name, value in data.items():
+        rule = unsupported.get(name)
+        if rule is not None:
+            if not any(value == ok and type(value) is type(ok) for ok in rule.accepted):
+                raise APIError(400, f"{name}: {rule.why}; accepted values: "
+                               f"{', '.join(_show(ok) for ok in rule.accepted)}", name)
+        elif name not in declared:
+            raise APIError(400, f"{name}: unknown field; this server does not support it", name)
+    return {name: value for name, value in data.items() if name not in unsupported}
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value)
