@@ -49,6 +49,25 @@ def weight_permutation() -> torch.Tensor:
     return tile_permutation().reshape(-1, PACK)[:, interleave].reshape(-1)
 
 
+_POSITION_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def position_table(device: torch.device) -> torch.Tensor:
+    """int32 ``[16 * 64]``: where, in its 1024-code run, the code of (tile row ``r``, run column ``c``) sits.
+
+    What a kernel reading ``B`` tile by tile needs of the permutation (the ``marlin_matmul`` op's ``positions``).
+    """
+    table = _POSITION_TABLES.get(device)
+    if table is None:
+        where = torch.argsort(weight_permutation())  # source index -> position
+        row = torch.arange(TILE)[:, None]
+        column = torch.arange(CHUNK_COLUMNS)[None, :]
+        source = TILE * TILE * (column // TILE) + TILE * row + column % TILE
+        table = where[source].reshape(-1).to(device=device, dtype=torch.int32)
+        _POSITION_TABLES[device] = table
+    return table
+
+
 def scale_permutation() -> torch.Tensor:
     """Grouped scales: position ``8i + j`` of each 64-column run holds column ``i + 8j``."""
     return torch.tensor([i + 8 * j for i in range(8) for j in range(8)], dtype=torch.long)

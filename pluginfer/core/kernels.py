@@ -1,0 +1,306 @@
+"""The typed table of device kernels: each op's name, signature and plain torch reference.
+
+The reference functions below *are* the table: an op is named by its reference function, its
+signature and docstring are the contract, and its body is the oracle every device kernel is tested
+against. A backend keeps a :class:`KernelTable` and registers its implementations into it (the cuda
+backend its Triton kernels); a lookup of an op the backend did not implement falls back to the
+reference. ``DeviceBackend.op(name)`` hands layers and quant methods the backend's implementation
+(or None: they keep their own torch path, which equals the reference).
+
+Conventions shared by every op: tensors live on one device; an implementation may return None
+(False for the in-place rotary ops) for inputs it does not handle, and the caller then runs its
+torch path. Paged caches are ``[num_blocks, block_size, kv_heads, dim]``; a value cache may be a view
+of the key cache's first features (multi-head latent attention), which every op reads as it is.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pluginfer.core.batch import ForwardBatch
+
+
+# -- norms and activations --------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             offset: float) -> torch.Tensor | None:
+    """``x / rms(x) * (weight + offset)`` over the last axis, in float32.
+
+    ``residual`` given: it becomes ``x + residual`` in place and is what gets normalized (the fused
+    residual add). Rounding follows ``layers.norm.RMSNorm``: a half-precision input without offset is
+    normalized in float32, rounded, then multiplied by the weight in its own dtype.
+    """
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    dtype = x.dtype
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    if dtype == torch.float32:
+        return normed * (weight.float() + offset if offset else weight)
+    if offset:
+        return (normed * (weight.float() + offset)).to(dtype)
+    return normed.to(dtype) * weight
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` where ``x`` is ``[..., 2n]`` = ``[gate | up]``; returns ``[..., n]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor | None:
+    """``gelu(gate) * up`` (``approximate`` "none" or "tanh") where ``x`` is ``[..., 2n]`` = ``[gate | up]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+# -- rotary embeddings ------------------------------------------------------------------------------
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, neox: bool) -> None:
+    if neox:
+        half = rotary_dim // 2
+        first, second = x[..., :half], x[..., half:rotary_dim]
+    else:
+        first, second = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+    x1, x2 = first.float().clone(), second.float().clone()  # float() of float32 is no copy
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    first.copy_(x1 * cos - x2 * sin)
+    second.copy_(x2 * cos + x1 * sin)
+
+
+def rotary_neox(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rotary_dim: int) -> bool:
+    """Rotate the first ``rotary_dim`` features of every head in place, the two halves as pairs (neox/llama).
+
+    ``query`` ``[tokens, heads, head_dim]``, ``key`` ``[tokens, kv_heads, head_dim]`` (rows may be strided);
+    ``cos``/``sin`` float32 ``[tokens, rotary_dim / 2]``. Features past ``rotary_dim`` are left alone
+    (partial rotary). Computed in float32. Returns True (done).
+    """
+    _rotate(query, cos, sin, rotary_dim, True)
+    _rotate(key, cos, sin, rotary_dim, True)
+    return True
+
+
+def rotary_interleaved(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       rotary_dim: int) -> bool:
+    """As :func:`rotary_neox`, adjacent features ``(2i, 2i + 1)`` as pairs (GPT-J, GLM)."""
+    _rotate(query, cos, sin, rotary_dim, False)
+    _rotate(key, cos, sin, rotary_dim, False)
+    return True
+
+
+# -- paged KV cache and attention --------------------------------------------------------------------
+def write_kv(key: torch.Tensor, value: torch.Tensor | None, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store token ``t``'s ``key[t]`` (``[tokens, kv_heads, dim]``) at cache slot ``slot_mapping[t]``
+    (``block * block_size + offset``), and its value unless ``value`` is None (a value inside the key)."""
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    if value is not None:
+        value_cache.flatten(0, 1).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def _attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor,
+                scale: float, sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+    """float32 attention of ``[q, heads, dim]`` over one sequence's ``[n, kv_heads, dim]`` keys."""
+    groups = query.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(groups, dim=1)
+    values = values.float().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    key_positions = torch.arange(keys.shape[0], device=query.device)
+    allowed = key_positions[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        allowed = allowed & (key_positions[None, :] > query_positions[:, None] - sliding_window)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first ``length`` cached rows ``[length, kv_heads, dim]``."""
+    positions = torch.arange(length, device=cache.device)
+    return cache[table[positions // cache.shape[1]], positions % cache.shape[1]]
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+    """One query token per sequence: ``query`` ``[seqs, heads, dim]`` at position ``seq_lens[i] - 1``
+    attends over the sequence's ``seq_lens[i]`` cached keys (``block_tables[i]`` names its blocks).
+
+    GQA: query head ``h`` reads KV head ``h // (heads / kv_heads)``. ``sliding_window``: only keys at
+    positions ``> position - sliding_window``. ``soft_cap``: scores become ``cap * tanh(score / cap)``
+    before the softmax. Returns ``[seqs, heads, v_dim]`` in the query's dtype.
+    """
+    starts = torch.arange(seq_lens.shape[0] + 1, device=query.device)
+    return paged_prefill_attention(query, key_cache, value_cache, block_tables, starts, seq_lens, 1, scale,
+                                   sliding_window, soft_cap)
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            max_query_len: int, scale: float, sliding_window: int | None,
+                            soft_cap: float | None) -> torch.Tensor:
+    """Any number of query tokens per sequence, over the paged cache (chunked prefill, prefix-cache hits).
+
+    Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i + 1]`` (at most
+    ``max_query_len``): its last positions, whose keys are already in the cache. Causal within the
+    sequence; GQA, sliding window and soft cap as :func:`paged_decode_attention`. Returns
+    ``[tokens, heads, v_dim]`` in the query's dtype.
+    """
+    out = query.new_zeros(query.shape[0], query.shape[1], value_cache.shape[-1])
+    starts, lengths = query_start_loc.tolist(), seq_lens.tolist()
+    for i, length in enumerate(lengths):
+        rows = slice(starts[i], starts[i + 1])
+        count = starts[i + 1] - starts[i]
+        keys = _gather(key_cache, block_tables[i], length)
+        values = _gather(value_cache, block_tables[i], length)
+        positions = torch.arange(length - count, length, device=query.device)
+        out[rows] = _attend_one(query[rows], keys, values, positions, scale, sliding_window, soft_cap).to(out.dtype)
+    return out
+
+
+# -- per-format matmuls -----------------------------------------------------------------------------
+def marlin_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
+                  zeros: torch.Tensor | None, bias: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    """``x @ W (+ bias)`` for a 4-bit weight in the Marlin layout (``quant/marlin_layout.py``); ``x`` ``[..., k]``.
+
+    ``packed``: int32 ``[k / 16, 2n]``; ``scales``: permuted ``[groups, n]``; ``zeros``: AWQ zero points
+    ``[groups, n / 8]`` in the Marlin order, None for symmetric (zero 8); ``positions``: int32 ``[1024]``,
+    where the code of tile row ``r``, run column ``c`` sits in its run (``marlin_layout.position_table``).
+    Each weight is dequantized in float32, rounded to ``x``'s dtype, and products summed in float32.
+    """
+    size_k, size_n = packed.shape[0] * 16, packed.shape[1] // 2
+    grouped = group_size != -1 and group_size < size_k
+    k = torch.arange(size_k, device=x.device)[:, None]
+    n = torch.arange(size_n, device=x.device)[None, :]
+    run, column = n // 64, n % 64
+    position = positions.long()[(k % 16) * 64 + column]
+    word = packed.long()[k // 16, run * 128 + position // 8]
+    code = (word >> ((position % 8) * 4)) & 0xF
+    if grouped:
+        scale_column = run * 64 + 8 * (column % 8) + column // 8
+    else:
+        c32 = n % 32
+        scale_column = (n // 32) * 32 + 8 * ((c32 % 8) // 2) + 2 * (c32 // 8) + c32 % 2
+    group = k // (group_size if grouped else size_k)
+    scale = scales.float()[group, scale_column]
+    zero = 8
+    if zeros is not None:
+        p = 8 * (column % 8) + column // 8
+        slot = run * 64 + (p // 8) * 8 + (p % 2) * 4 + (p % 8) // 2
+        zero = (zeros.long()[group, slot // 8] >> ((slot % 8) * 4)) & 0xF
+    weight = ((code - zero).float() * scale).to(x.dtype)
+    out = (x.reshape(-1, size_k).float() @ weight.float()).to(x.dtype)
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], size_n)
+
+
+# -- the table --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelOp:
+    """One op of the table: its name, its reference (whose signature and docstring are the contract)."""
+
+    name: str
+    reference: Callable
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        return tuple(inspect.signature(self.reference).parameters)
+
+    @property
+    def doc(self) -> str:
+        return inspect.getdoc(self.reference) or ""
+
+
+OPS: dict[str, KernelOp] = {fn.__name__: KernelOp(fn.__name__, fn) for fn in (
+    rms_norm, silu_and_mul, gelu_and_mul, rotary_neox, rotary_interleaved, write_kv,
+    paged_decode_attention, paged_prefill_attention, marlin_matmul,
+)}
+
+
+class KernelTable:
+    """One backend's implementations of the ops in :data:`OPS`; what it lacks, the reference does."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._implementations: dict[str, Callable] = {}
+
+    def register(self, name: str, implementation: Callable) -> None:
+        """Offer ``implementation`` for op ``name``; its parameters must be named as the reference's."""
+        op = OPS.get(name)
+        if op is None:
+            raise KeyError(f"{self.owner}: no kernel op named {name!r}; the ops are {', '.join(sorted(OPS))}")
+        try:
+            parameters = tuple(inspect.signature(implementation).parameters)
+        except (TypeError, ValueError):  # a builtin without a signature: trust it
+            parameters = op.parameters
+        if parameters != op.parameters:
+            raise TypeError(f"{self.owner}: kernel for {name!r} takes ({', '.join(parameters)}); "
+                            f"the op's signature is ({', '.join(op.parameters)})")
+        self._implementations[name] = implementation
+
+    def implementation(self, name: str) -> Callable | None:
+        """The backend's own kernel for ``name``, or None."""
+        return self._implementations.get(name)
+
+    def get(self, name: str) -> Callable:
+        """The backend's kernel for ``name``, else the reference."""
+        if name not in OPS:
+            raise KeyError(f"no kernel op named {name!r}; the ops are {', '.join(sorted(OPS))}")
+        return self._implementations.get(name, OPS[name].reference)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._implementations
+
+    def names(self) -> list[str]:
+        return sorted(self._implementations)
+
+
+
+# -- a backend's paged attention through its table ---------------------------------------------------
+@dataclass
+class PagedAttentionMetadata:
+    """One step's batch split for the attention ops: the leading one-token sequences decode, the rest prefill."""
+
+    num_decodes: int
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    prefill_starts: torch.Tensor  # query_start_loc of the prefill sequences, from 0
+    prefill_max_query_len: int
+
+
+def paged_attention_metadata(batch: ForwardBatch) -> PagedAttentionMetadata:
+    """Built once per step (``DeviceBackend.prepare``) from host integers: no device synchronisation."""
+    num_decodes = next((i for i, n in enumerate(batch.query_lens) if n != 1), len(batch.query_lens))
+    prefill_lens = batch.query_lens[num_decodes:]
+    return PagedAttentionMetadata(num_decodes, batch.block_tables, batch.seq_lens,
+                                  batch.query_start_loc[num_decodes:] - num_decodes, max(prefill_lens, default=0))
+
+
+def paged_attention(kernels: KernelTable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, scale: float,
+                    sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+    """``DeviceBackend.paged_attention`` from the table's ``write_kv``, ``paged_decode_attention`` and
+    ``paged_prefill_attention`` (``batch.attention`` is a :class:`PagedAttentionMetadata`)."""
+    key_cache, value_cache = kv_cache
+    meta: PagedAttentionMetadata = batch.attention
+    kernels.get("write_kv")(key, value, key_cache, value_cache, batch.slot_mapping)
+    decodes = meta.num_decodes
+    if decodes == query.shape[0]:
+        return kernels.get("paged_decode_attention")(query, key_cache, value_cache, meta.block_tables,
+                                                     meta.seq_lens, scale, sliding_window, soft_cap)
+    out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
+    if decodes:
+        out[:decodes] = kernels.get("paged_decode_attention")(
+            query[:decodes], key_cache, value_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,
+            sliding_window, soft_cap)
+    out[decodes:] = kernels.get("paged_prefill_attention")(
+        query[decodes:], key_cache, value_cache, meta.block_tables[decodes:], meta.prefill_starts,
+        meta.seq_lens[decodes:], meta.prefill_max_query_len, scale, sliding_window, soft_cap)
+    return out
