@@ -7,5 +7,5 @@ from pluginfer.core.hookspecs import PluginSpec, hookimpl
 def pluginfer_backends() -> list[PluginSpec]:
     return [
         PluginSpec(kind="backend", name="cpu", factory="pluginfer.backends.cpu:build",
-                   description="torch on the host CPU"),
+                   description="torch on the host CPU", details="pluginfer.backends.native:report"),
     ]

@@ -26,10 +26,14 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 class PluginSpec:
     """One thing a plugin provides.
 
-    ``factory`` and ``check`` are ``"module:attr"`` strings, imported on first use.
-    ``check`` returns ``None`` when the plugin can run here, else the reason it cannot
-    (e.g. "no CUDA device"). ``architectures`` are HF ``config.json`` architecture names.
-    ``priority``: among usable backends, ``backend: auto`` takes the highest (an accelerator over the cpu).
+    ``factory``, ``check``, ``details`` and ``gguf_converter`` are ``"module:attr"`` strings, imported
+    on first use. ``check`` returns ``None`` when the plugin can run here, else the reason it cannot
+    (e.g. "no CUDA device"). ``details`` returns one line `pluginfer plugins` prints under the spec
+    (e.g. which native kernels loaded). ``description`` is shown there too. ``architectures`` are HF
+    ``config.json`` architecture names. ``priority``: among usable backends, ``backend: auto`` takes
+    the highest (an accelerator over the cpu). A model spec reads GGUF files whose
+    ``general.architecture`` is in ``gguf_architectures``: ``gguf_converter(checkpoint: GGUFCheckpoint)
+    -> GGUFModel`` (``pluginfer.core.gguf_checkpoint``) gives their HF config and tensor names.
     """
 
     kind: str
@@ -42,12 +46,19 @@ class PluginSpec:
     check: str | None = None
     description: str = ""
     priority: int = 0
+    details: str | None = None
+    gguf_architectures: tuple[str, ...] = ()
+    gguf_converter: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"PluginSpec.kind must be one of {KINDS}, got {self.kind!r}")
-        if ":" not in self.factory:
-            raise ValueError(f"PluginSpec.factory must be 'module:attr', got {self.factory!r}")
+        for field in ("factory", "check", "details", "gguf_converter"):
+            ref = getattr(self, field)
+            if ref is not None and ":" not in ref:
+                raise ValueError(f"PluginSpec.{field} must be 'module:attr', got {ref!r}")
+        if bool(self.gguf_architectures) != (self.gguf_converter is not None):
+            raise ValueError("PluginSpec.gguf_architectures and gguf_converter go together")
 
     @property
     def names(self) -> tuple[str, ...]:

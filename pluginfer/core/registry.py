@@ -2,6 +2,8 @@
 
 A plugin that fails to load is recorded against its name and shown by ``describe()``; an error
 is raised only when a config selects a name that the failure (or a duplicate claim) affects.
+pluginfer's own plugins (``pluginfer.builtin_plugins``) load even where the package was not installed
+with its entry points (a source checkout on ``PYTHONPATH``), once.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class PluginInfo:
     specs: list[PluginSpec] = field(default_factory=list)
     error: str | None = None
     skipped: bool = False
+    hooks: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -111,8 +114,32 @@ class Registry:
                     registry._add(plugin, info)
                     continue
             registry._plugins.append(info)
+        registry._add_builtins(wanted, seen)
         registry._unmatched_allow = sorted(wanted - seen) if wanted is not None else []
         return registry
+
+    def _add_builtins(self, wanted: set[str] | None, seen: set[str]) -> None:
+        """The built-in plugins no entry point named (pluginfer run from a checkout it was not installed from)."""
+        from pluginfer import __version__
+        from pluginfer.builtin_plugins import DEFAULT_PLUGINS
+
+        for name, module in DEFAULT_PLUGINS.items():
+            if self._find(name):
+                continue
+            info = PluginInfo(name, "pluginfer", f"{__version__}, from source")
+            keys = {_normalize(name), _normalize(info.distribution)}
+            seen |= keys
+            if wanted is not None and not wanted & keys:
+                info.skipped = True
+                self._plugins.append(info)
+                continue
+            try:
+                plugin = importlib.import_module(module)
+            except Exception as exc:  # as an entry point's: recorded, never the engine's failure
+                info.error = f"cannot import {module!r}: {type(exc).__name__}: {exc}"
+                self._plugins.append(info)
+                continue
+            self._add(plugin, info)
 
     def register(
         self, plugin: object, name: str, distribution: str = "(in-process)", version: str = ""
@@ -197,14 +224,34 @@ class Registry:
                 lines.append(f"  skipped (not in {ALLOW_ENV})")
             elif info.error is not None:
                 lines.append(f"  BROKEN: {info.error}")
+            elif info.hooks:
+                lines.append(f"  hooks: {', '.join(info.hooks)}")
             for spec in info.specs if info.error is None else []:
                 ok, reason = self.usable(spec)
                 extra = ", ".join((*spec.aliases, *spec.architectures))
+                about = f": {spec.description}" if spec.description else ""
                 status = "usable" if ok else f"not usable here: {reason}"
-                lines.append(f"  {spec.kind} {spec.name}{f' [{extra}]' if extra else ''} - {status}")
+                lines.append(f"  {spec.kind} {spec.name}{f' [{extra}]' if extra else ''}{about} - {status}")
+                if ok and spec.details is not None:
+                    lines.append(f"    {self._details(spec)}")
         lines += self._conflicts()
         lines += [f"{ALLOW_ENV} names {name!r}, which no plugin has" for name in self._unmatched_allow]
         return "\n".join(lines) if lines else "no pluginfer plugins installed"
+
+    def _details(self, spec: PluginSpec) -> str:
+        try:
+            return str(self._import(spec, spec.details, "details")())
+        except Exception as exc:  # a crashing report is shown, not raised
+            return f"details failed: {type(exc).__name__}: {exc}"
+
+    def gguf_converter(self, architecture: str) -> Callable:
+        """The converter of the model plugin that reads GGUF files of ``general.architecture`` ``architecture``."""
+        specs = [spec for spec in self.specs("model") if architecture in spec.gguf_architectures]
+        if not specs:
+            known = sorted({arch for spec in self.specs("model") for arch in spec.gguf_architectures})
+            raise UnknownPluginError(f"GGUF architecture {architecture!r} is not supported "
+                                     f"(supported: {', '.join(known) or '(none)'})")
+        return self._import(specs[0], specs[0].gguf_converter, "gguf_converter")
 
     def _add(self, plugin: object, info: PluginInfo) -> None:
         self._plugins.append(info)
@@ -219,6 +266,7 @@ class Registry:
             info.error = self._unknown_hook_message(plugin)
         if info.error is None and not self._pm.get_hookcallers(plugin):
             info.error = "defines no hooks; decorate them with pluginfer.core.hookspecs.hookimpl"
+        info.hooks = sorted(caller.name for caller in self._pm.get_hookcallers(plugin) or [])
         if info.error is None:
             info.error = "; ".join(self._collect_specs(plugin, info)) or None
         if info.error is not None:

@@ -313,3 +313,42 @@ def test_get_registry_is_cached(good_dist: Path, monkeypatch: pytest.MonkeyPatch
     assert get_registry() is first
     assert get_registry(reload=True) is not first
     assert get_registry().resolve("model", "fakellama").name == "fakellama"
+
+
+def test_builtins_load_once_from_their_entry_points_and_match_pyproject() -> None:
+    import re
+
+    from pluginfer.builtin_plugins import DEFAULT_PLUGINS
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    section = pyproject.split("[project.entry-points.pluginfer]")[1].split("\n[")[0]
+    assert dict(re.findall(r'^([\w-]+) = "([\w.:]+)"', section, re.M)) == DEFAULT_PLUGINS
+    registry = Registry.discover()
+    for name in DEFAULT_PLUGINS:
+        (info,) = [info for info in registry.plugins if info.name == name]  # not a second, "from source" one
+        assert info.distribution == "pluginfer" and "from source" not in info.version
+
+
+def test_listing_shows_hooks_descriptions_and_details(site: Path) -> None:
+    make_dist(site, "fake-details", modules={"fakeplug_details": "def report():\n    return 'kernels: 3 loaded'\n"})
+    spec = PluginSpec(kind="backend", name="fakedev", factory="m:f", description="a fake device",
+                      details="fakeplug_details:report")
+    registry = Registry()
+    registry.register(plugin_with(spec, hook="pluginfer_backends"), name="dev")
+    listing = registry.describe()
+    assert "dev (in-process)\n  hooks: pluginfer_backends\n  backend fakedev: a fake device - usable\n" \
+           "    kernels: 3 loaded" in listing
+    with pytest.raises(ValueError, match="details must be 'module:attr'"):
+        PluginSpec(kind="backend", name="x", factory="m:f", details="nocolon")
+
+
+def test_gguf_architectures_resolve_to_the_model_plugins_converter(site: Path) -> None:
+    make_dist(site, "fake-gguf", modules={"fakeplug_gguf": "def convert(checkpoint):\n    return 'converted'\n"})
+    spec = model("fakemamba", gguf_architectures=("mamba",), gguf_converter="fakeplug_gguf:convert")
+    registry = Registry()
+    registry.register(plugin_with(spec), name="mamba")
+    assert registry.gguf_converter("mamba")(None) == "converted"
+    with pytest.raises(UnknownPluginError, match=r"GGUF architecture 'rwkv' is not supported \(supported: mamba\)"):
+        registry.gguf_converter("rwkv")
+    with pytest.raises(ValueError, match="go together"):
+        model("half", gguf_architectures=("llama",))

@@ -1,0 +1,136 @@
+"""backends/native.py build machinery: a cache shared between machines, ranks building at once, no
+compiler, a compiler that hangs, no OpenMP. A tiny C source stands in for the kernels (seconds less each)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pluginfer.backends import cpu, native
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+TINY = "#include <omp.h>\nint threads(void) { return omp_get_max_threads(); }\n"
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("PLUGINFER_CACHE", str(tmp_path / "cache"))
+    native.load.cache_clear()
+    cpu._report_unavailable.cache_clear()
+    yield tmp_path / "cache" / "native"
+    native.load.cache_clear()
+    cpu._report_unavailable.cache_clear()
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> tuple[Path, ...]:
+    source = tmp_path / "tiny.c"
+    source.write_text(TINY)
+    return (source,)
+
+
+def script(path: Path, body: str) -> str:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def pluginfer_records(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("pluginfer")]
+
+
+def test_a_cache_made_for_other_cpu_features_is_rebuilt(cache: Path, tiny: tuple[Path, ...],
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    # One key for both CPUs: as if the key had missed what differs, the check at load must catch it.
+    monkeypatch.setattr(native, "_cache_key", lambda sources, compiler: "fixed")
+    monkeypatch.setattr(native, "cpu_features", lambda: frozenset({"sse2", "avx512f"}))
+    _, info, path = native.build_library("tiny", tiny)
+    assert info.features == ["avx512f", "sse2"]
+    built = path.stat().st_ino
+
+    monkeypatch.setattr(native, "cpu_features", lambda: frozenset({"sse2"}))
+    caplog.set_level(logging.INFO)
+    _, info, path = native.build_library("tiny", tiny)
+    assert info.features == ["sse2"] and native._read_info(path) == info and path.stat().st_ino != built
+    [line] = pluginfer_records(caplog)
+    assert "built for a CPU with avx512f, which this one lacks; rebuilding" in line
+
+    caplog.clear()
+    native.build_library("tiny", tiny)  # now it fits: loaded, nothing said
+    assert pluginfer_records(caplog) == []
+
+
+def test_a_corrupt_cached_library_is_rebuilt_with_one_log_line(cache: Path, tiny: tuple[Path, ...],
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    _, info, path = native.build_library("tiny", tiny)
+    path.write_bytes(b"not a shared library")
+    caplog.set_level(logging.INFO)
+    _, rebuilt, path = native.build_library("tiny", tiny)
+    assert rebuilt == info and native._read_info(path) == info
+    [line] = pluginfer_records(caplog)
+    assert "is corrupt or not pluginfer's" in line and "rebuilding" in line
+
+
+def test_two_processes_building_at_once_get_one_library(cache: Path, tiny: tuple[Path, ...],
+                                                        tmp_path: Path) -> None:
+    calls = tmp_path / "compiles.log"
+    # Slow enough that both processes are inside build_library before the first compile ends.
+    compiler = script(tmp_path / "cc", f'case "$*" in *build_info.c*) echo "$$" >> {calls}; sleep 2;; esac\n'
+                                       f'exec {shutil.which("cc")} "$@"')
+    code = ("import sys; from pathlib import Path; from pluginfer.backends import native; "
+            "library, info, path = native.build_library('tiny', (Path(sys.argv[1]),)); "
+            "print(path, library.threads())")
+    env = dict(os.environ, CC=compiler, PLUGINFER_CACHE=str(cache.parent))
+    processes = [subprocess.Popen([sys.executable, "-c", code, str(tiny[0])], env=env, stdout=subprocess.PIPE,
+                                  text=True) for _ in range(2)]
+    outputs = [process.communicate(timeout=120)[0].split() for process in processes]
+    assert all(process.returncode == 0 for process in processes)
+    assert outputs[0][0] == outputs[1][0]
+    assert len(calls.read_text().split()) == 1, "the library was compiled more than once"
+    assert list(cache.glob("*.so")) == [Path(outputs[0][0])]
+
+
+def test_no_compiler_keeps_the_torch_path_with_one_log_line(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CC", "/nonexistent")
+    caplog.set_level(logging.INFO)
+    assert not cpu.build().native_kernels and not cpu.build().native_kernels
+    [line] = pluginfer_records(caplog)
+    assert "'/nonexistent' (from CC) not found" in line and "torch path" in line
+    assert native.report().startswith("native kernels: not loaded (C compiler '/nonexistent'")
+
+
+def test_a_compiler_that_hangs_times_out_with_one_log_line(cache: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CC", script(tmp_path / "cc", "sleep 60"))
+    monkeypatch.setenv(native.BUILD_TIMEOUT_ENV, "1")
+    caplog.set_level(logging.INFO)
+    start = time.monotonic()
+    assert not cpu.build().native_kernels
+    assert time.monotonic() - start < 20
+    [line] = pluginfer_records(caplog)
+    assert "did not finish in 1 s" in line and "torch path" in line
+
+
+def test_without_omp_h_the_kernels_build_single_threaded(cache: Path, tiny: tuple[Path, ...], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Apple clang's answer to -fopenmp.
+    monkeypatch.setenv("CC", script(tmp_path / "cc", 'case " $* " in *" -fopenmp "*) '
+                                    'echo "clang: error: unsupported option \'-fopenmp\'" >&2; exit 1;; esac\n'
+                                    f'exec {shutil.which("cc")} "$@"'))
+    library, info, _ = native.build_library("tiny", tiny)
+    assert not info.openmp and "-fopenmp" not in info.flags
+    library.threads.restype = ctypes.c_int
+    assert library.threads() == 1
