@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
-from pluginfer.core.config import EngineConfig, build_config
+from pluginfer.core.config import build_config
 from pluginfer.core.engine import LLMEngine
+from pluginfer.core.options import dotted_keywords
 from pluginfer.core.outputs import RequestOutput
 from pluginfer.core.sequence import SamplingParams
 from pluginfer.core.tokenizer import render_chat
@@ -14,27 +15,15 @@ from pluginfer.core.tokenizer import render_chat
 Prompt = str | list[int]
 
 
-def _dotted(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Accept nested fields by their own name too: ``block_size=32`` -> ``cache.block_size``."""
-    sections = {name: field.annotation for name, field in EngineConfig.model_fields.items()
-                if isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields")}
-    dotted = {}
-    for key, value in kwargs.items():
-        if key in EngineConfig.model_fields or "." in key:
-            dotted[key] = value
-            continue
-        owners = [name for name, section in sections.items() if key in section.model_fields]
-        if not owners:
-            raise TypeError(f"LLM() got an unknown argument {key!r} (see `pluginfer config-schema`)")
-        dotted[f"{owners[0]}.{key}"] = value
-    return dotted
-
-
 class LLM:
     """Load a model once, then generate for many prompts with continuous batching."""
 
     def __init__(self, model: str, config_file: str | None = None, **kwargs: Any) -> None:
-        self.config = build_config(config_file, model=model, **_dotted(kwargs))
+        """``model``: a checkpoint directory, ``.gguf`` file, hub id or ``"demo"``; ``kwargs``: any
+        ``EngineConfig`` field by its name (``block_size=32``), its dotted path or its flag's name."""
+        from pluginfer.demo.model import with_demo_model
+
+        self.config = with_demo_model(build_config(config_file, model=model, **dotted_keywords(kwargs)))
         self.engine = LLMEngine(self.config)
 
     def close(self) -> None:

@@ -7,55 +7,28 @@ import json
 import logging
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pluginfer import __version__
 
-# flag -> dotted EngineConfig field; every engine command accepts these and they override --config.
-ENGINE_FLAGS: dict[str, tuple[str, type | None, str]] = {
-    "--model": ("model", str, "HF checkpoint directory, hub id, or 'demo' (a random model: noise)"),
-    "--tokenizer": ("tokenizer", str, "tokenizer directory, if not the model's"),
-    "--revision": ("revision", str, "hub revision"),
-    "--backend": ("backend", str, "device backend plugin (default auto)"),
-    "--dtype": ("dtype", str, "auto, float32, float16, bfloat16"),
-    "--quant": ("quant", str, "quant method plugin (default auto: from the checkpoint)"),
-    "--max-model-len": ("max_model_len", int, "context length (default the model's)"),
-    "--seed": ("seed", int, "engine seed"),
-    "--tensor-parallel-size": ("parallel.tensor_parallel_size", int, "ranks that split each layer"),
-    "--pipeline-parallel-size": ("parallel.pipeline_parallel_size", int, "pipeline stages (layers split in runs)"),
-    "--collective": ("parallel.collective", str, "collective plugin: auto, gloo, nccl, mpi, ..."),
-    "--launcher": ("parallel.launcher", str, "auto, inprocess, spawn, torchrun, mpi (auto reads the environment)"),
-    "--master-addr": ("parallel.master_addr", str, "rendezvous address of spawned ranks"),
-    "--master-port": ("parallel.master_port", int, "rendezvous port (0: a free one)"),
-    "--distributed-timeout": ("parallel.timeout_s", float, "seconds a rank may stay silent before it is lost"),
-    "--block-size": ("cache.block_size", int, "tokens per KV block"),
-    "--num-blocks": ("cache.num_blocks", int, "exact number of KV blocks"),
-    "--kv-cache-memory": ("cache.kv_cache_memory", str, "KV cache size, e.g. 2GiB"),
-    "--kv-cache-fraction": ("cache.kv_cache_fraction", float, "fraction of free memory for the KV cache"),
-    "--num-experts-offload-per-rank": ("cache.num_experts_offload_per_rank", int, "MoE experts kept on the host"),
-    "--max-num-seqs": ("scheduler.max_num_seqs", int, "sequences per step at most"),
-    "--max-num-batched-tokens": ("scheduler.max_num_batched_tokens", int, "token budget per step"),
-}
-BOOL_FLAGS = {
-    "prefix-caching": "cache.enable_prefix_caching",
-    "chunked-prefill": "scheduler.enable_chunked_prefill",
-}
-
+if TYPE_CHECKING:
+    from pluginfer.core.config import EngineConfig
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config`` and a flag for every engine field (``pluginfer.core.options``); flags override the file."""
+    from pluginfer.core.options import add_arguments
+
     parser.add_argument("--config", help="deployment file (YAML or JSON); flags override it")
-    for flag, (dest, kind, help_text) in ENGINE_FLAGS.items():
-        parser.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
-    for name, dest in BOOL_FLAGS.items():
-        parser.add_argument(f"--enable-{name}", dest=dest, action="store_true", default=None)
-        parser.add_argument(f"--no-enable-{name}", dest=dest, action="store_false")
+    add_arguments(parser)
 
 
-def engine_config(args: argparse.Namespace):  # noqa: ANN201 - EngineConfig
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """--config, then the flags given on top; ``--model demo`` becomes the built demo checkpoint."""
     from pluginfer.core.config import build_config
+    from pluginfer.core.options import overrides
+    from pluginfer.demo.model import with_demo_model
 
-    dotted = [dest for dest, _, _ in ENGINE_FLAGS.values()] + list(BOOL_FLAGS.values())
-    overrides = {dest: getattr(args, dest) for dest in dotted if getattr(args, dest, None) is not None}
-    return build_config(args.config, **overrides)
+    return with_demo_model(build_config(args.config, **overrides(args)))
 
 
 def _plugins(args: argparse.Namespace) -> int:

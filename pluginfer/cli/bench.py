@@ -284,11 +284,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_throughput(args: argparse.Namespace) -> int:
     from pluginfer import LLM, SamplingParams
-    from pluginfer.cli import BOOL_FLAGS, ENGINE_FLAGS
+    from pluginfer.core.options import overrides
 
-    dotted = [dest for dest, _, _ in ENGINE_FLAGS.values() if dest != "model"] + list(BOOL_FLAGS.values())
-    overrides = {dest: getattr(args, dest) for dest in dotted if getattr(args, dest, None) is not None}
-    llm = LLM(args.model, args.config, **overrides)
+    llm = LLM(args.model, args.config, **{k: v for k, v in overrides(args).items() if k != "model"})
     pool = token_pool(llm.engine.executor.vocab_size, llm.get_tokenizer())
     rng = random.Random(args.seed or 0)
     prompts = random_prompts(pool, args.input_len, args.num_prompts, rng)

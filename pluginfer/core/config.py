@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
 
 class ConfigError(ValueError):
@@ -34,79 +34,61 @@ class ParallelConfig(_Section):
 
 class CacheConfig(_Section):
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
-    kv_cache_memory: int | None = Field(
-        None, ge=1, description="Bytes for the KV cache; overrides kv_cache_fraction."
+    kv_cache_memory: ByteSize | None = Field(
+        None, ge=1, description="KV cache size: bytes, or text such as 2GiB or 512MB; overrides kv_cache_fraction."
     )
     kv_cache_fraction: float = Field(
         0.3, gt=0, le=0.95, description="Fraction of free device memory for the KV cache."
     )
     num_blocks: int | None = Field(None, ge=1, description="Exact number of KV blocks (tests).")
-    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    enable_prefix_caching: bool = True
-    num_experts_offload_per_rank: int = Field(0, ge=0)
-
-    @field_validator("kv_cache_memory", mode="before")
-    @classmethod
-    def _parse_size(cls, value: Any) -> Any:
-        return parse_size(value) if isinstance(value, str) else value
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="KV cache dtype; auto: the model's.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of a shared prompt prefix.")
+    num_experts_offload_per_rank: int = Field(
+        0, ge=0, description="MoE experts per layer kept in host memory and brought in when routed.")
 
 
 class SchedulerConfig(_Section):
     max_num_seqs: int = Field(64, ge=1, description="Sequences in one step at most.")
     max_num_batched_tokens: int = Field(2048, ge=16, description="Token budget of one step.")
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts over steps.")
 
 
 class ServerConfig(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_keys: list[str] = Field(default_factory=list)
-    served_model_name: str | None = None
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port; 0 picks a free one.")
+    api_keys: list[str] = Field(default_factory=list,
+                                description="Bearer keys the server accepts; none: no key needed.")
+    served_model_name: str | None = Field(None, description="Model name clients use; default the model.")
     max_waiting: int = Field(1024, ge=1, description="Queued requests before 429/503.")
-    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    max_logprobs: int = Field(20, ge=0, le=20)
-    reasoning_parser: str | None = None
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body (413 beyond).")
+    max_logprobs: int = Field(20, ge=0, le=20, description="Most top logprobs a request may ask for.")
+    reasoning_parser: str | None = Field(
+        None, description="deepseek_r1 or qwen3: <think> text to reasoning_content.")
 
 
 class SamplingDefaults(_Section):
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
-    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, ge=0, description="Temperature of requests that set none.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Top-p of requests that set none.")
+    top_k: int = Field(0, ge=-1, description="Top-k of requests that set none (0 or -1: off).")
+    max_tokens: int = Field(256, ge=1, description="Tokens to generate for requests that set no limit.")
 
 
 class EngineConfig(_Section):
     model: str = Field(..., description="HF directory, hub id, or 'demo'.")
     tokenizer: str | None = Field(None, description="Tokenizer directory if not the model's.")
-    revision: str | None = None
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     backend: str = Field("auto", description="Device backend plugin, or auto.")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Weights and activations; auto: the checkpoint's.")
     quant: str = Field("auto", description="Quant method plugin; auto reads the checkpoint.")
     max_model_len: int | None = Field(None, ge=1, description="Context length; default the model's.")
-    seed: int = 0
+    seed: int = Field(0, description="Engine seed.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """'2GiB' -> 2147483648; '512MB' -> 512000000; plain digits are bytes."""
-    stripped = text.strip().lower()
-    number = stripped.rstrip("abgikm")
-    unit = stripped[len(number):].strip()
-    try:
-        value = float(number) * _UNITS[unit]
-        if not 0 <= value < 2**63:
-            raise ValueError
-        return int(value)
-    except (KeyError, ValueError, OverflowError):
-        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 2GiB)") from None
 
 
 def _format_error(error: ValidationError) -> str:

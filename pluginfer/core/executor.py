@@ -288,10 +288,7 @@ def _max_model_len(config: EngineConfig, hf_config: dict) -> int:
 
 
 def model_path(config: EngineConfig) -> Path:
-    if config.model == "demo":
-        from pluginfer.demo.model import ensure_demo_model
-
-        return ensure_demo_model()
+    """The checkpoint of ``config.model`` (``LLM`` and the CLI have already made ``demo`` a directory)."""
     return resolve_model_path(config.model, config.revision)
 
 

@@ -10,6 +10,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pluginfer.core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +24,17 @@ NOISE_WARNING = "demo model: random weights, so its output is noise (it shows th
 def demo_dir() -> Path:
     root = Path(os.environ.get("PLUGINFER_CACHE", Path.home() / ".cache" / "pluginfer"))
     return root / f"demo-v{DEMO_VERSION}"
+
+
+def with_demo_model(config: EngineConfig) -> EngineConfig:
+    """``model: demo`` -> the demo checkpoint's directory, built on first use (the engine sees only paths);
+    the server keeps calling it "demo". Any other config unchanged."""
+    if config.model != "demo":
+        return config
+    server = config.server
+    if server.served_model_name is None:
+        server = server.model_copy(update={"served_model_name": "demo"})
+    return config.model_copy(update={"model": str(ensure_demo_model()), "server": server})
 
 
 def ensure_demo_model() -> Path:
