@@ -232,14 +232,10 @@ def _soft_capped_attention(queries: torch.Tensor, keys: torch.Tensor, values: to
 
 
 def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 * 2**30
+    """Bytes the host can give without swapping (Linux, macOS, Windows alike)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def build(config: object = None, rank: RankInfo | None = None) -> CpuBackend:
