@@ -15,8 +15,9 @@ from pluginfer.core.launch import serve_if_worker
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
 from pluginfer.core.sampler import Sampler
 from pluginfer.core.scheduler import Scheduler
-from pluginfer.core.sequence import SamplingParams, Sequence
+from pluginfer.core.sequence import FinishReason, SamplingParams, Sequence
 from pluginfer.core.stopping import check_stop
+from pluginfer.core.structured import GrammarCompiler, accept_token
 from pluginfer.core.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -45,6 +46,7 @@ class LLMEngine:
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.sampler = Sampler(self.executor.vocab_size, self.eos_token_ids, seed=config.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, self.executor.vocab_size, self.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.step_count = 0
@@ -62,6 +64,9 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.logit_bias: token ids must be below the vocabulary size {vocab}")
         seqs = [Sequence(request_id, token_ids, params, index=i, arrival_step=self.step_count)
                 for i in range(params.n)]
+        if params.structured_outputs is not None:  # a copy of the cached matcher (the server compiles it first)
+            for seq in seqs:
+                seq.grammar = self.grammars.matcher(params.structured_outputs)
         detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in seqs]
         self._requests[request_id] = _Request(request_id, text, token_ids, seqs, detokenizers)
         self.scheduler.add_request(seqs)
@@ -136,6 +141,8 @@ class LLMEngine:
         detokenizer = request.detokenizers[seq.index]
         detokenizer.append(token_id)
         reason = check_stop(seq, token_id, detokenizer, self.eos_token_ids, self.max_model_len)
+        if seq.grammar is not None and accept_token(seq.grammar, token_id):
+            reason = FinishReason.STOP  # the grammar is complete: nothing may follow
         if reason is not None:
             seq.finish(reason)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pluginfer.core.sequence import SamplingParams, Sequence
+from pluginfer.core.structured import fill_token_bitmask
 
 _MASK_64 = 2**64 - 1
 _GOLDEN_64 = 0x9E3779B97F4A7C15  # odd multiplier (splitmix64) so (seed, index) pairs rarely collide
@@ -136,6 +137,18 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     return logits
 
 
+def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Set to -inf the tokens each structured-output sequence's grammar forbids next (one batched mask)."""
+    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    if not rows:
+        return logits
+    allowed = fill_token_bitmask([seqs[i].grammar for i in rows], logits.shape[1]).to(logits.device)
+    if len(rows) == len(seqs):
+        return logits.masked_fill(~allowed, float("-inf"))
+    index = torch.tensor(rows, device=logits.device)
+    return logits.index_copy(0, index, logits[index].masked_fill(~allowed, float("-inf")))
+
+
 class Sampler:
     """Picks one token per row of a logits batch, each row following its sequence's SamplingParams."""
 
@@ -156,6 +169,7 @@ class Sampler:
         logits = apply_penalties(logits, seqs)
         logits = apply_logit_bias(logits, seqs)
         logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
+        logits = apply_grammar_masks(logits, seqs)
 
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):

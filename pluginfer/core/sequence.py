@@ -6,6 +6,8 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from pluginfer.core.structured import StructuredOutputsParams
+
 _INT64_MAX = 2**63 - 1
 _GREEDY_BELOW = 1e-5
 
@@ -33,6 +35,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> value added to its logit (OpenAI's logit_bias)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +85,8 @@ class SamplingParams:
         if self.logit_bias is not None and any(
                 not isinstance(t, int) or t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
             fail("logit_bias", "must map token ids (>= 0) to values in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
@@ -127,6 +132,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # tokens found through prefix caching
     generator: object | None = None  # torch.Generator when params.seed is set
+    grammar: object | None = None  # llguidance matcher when params.structured_outputs is set
     output_text: str = ""  # filled by the detokenizer
 
     @property

@@ -13,6 +13,7 @@ from aiohttp import web
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
 from pluginfer.core.tokenizer import render_chat
 from pluginfer.server.errors import bad_request
+from pluginfer.server.grammar import compile_grammar
 from pluginfer.server.logprobs import TokenText, chat_logprobs
 from pluginfer.server.protocol import ChatCompletionRequest
 from pluginfer.server.reasoning import ReasoningStream
@@ -49,6 +50,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, ChatCompletionRequest)
     state.check_model(body.model)
     params = body.sampling_params(state.config.sampling, state.config.server.max_logprobs)
+    grammar = body.grammar()
+    if grammar is not None:
+        await compile_grammar(state, *grammar)
     prompt = render_prompt(state, [m.for_template() for m in body.messages], body.add_generation_prompt,
                            template_kwargs(state, body))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

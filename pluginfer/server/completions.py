@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
+from pluginfer.server.grammar import compile_grammar
 from pluginfer.server.logprobs import TokenText, completion_logprobs
 from pluginfer.server.protocol import CompletionRequest
 from pluginfer.server.state import STATE, ServerState, read_body
@@ -23,6 +24,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state.check_model(body.model)
     body.check_supported()
     params = body.sampling_params(state.config.sampling, state.config.server.max_logprobs)
+    grammar = body.grammar()
+    if grammar is not None:
+        await compile_grammar(state, *grammar)
     prompts = [state.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompt]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     outputs = run_requests(state, prompts, params, request_id, "prompt")

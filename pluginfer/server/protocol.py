@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pluginfer.core.config import SamplingDefaults
 from pluginfer.core.sequence import SamplingParams
+from pluginfer.core.structured import StructuredOutputsParams
 from pluginfer.server.errors import APIError, bad_request, from_sampling_error
+from pluginfer.server.grammar import ResponseFormat, StructuredOutputsRequest, requested_grammar
 from pluginfer.server.unsupported import CHAT, COMPLETION, Unsupported, check_fields
 
 Prompt = str | list[int]
@@ -102,6 +104,8 @@ class SamplingRequest(_Body):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # informational: identifies the end user to OpenAI; no effect here
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     LOGPROBS_FIELD: ClassVar[str] = "logprobs"  # the request field a SamplingParams.logprobs error names
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {}
@@ -135,6 +139,10 @@ class SamplingRequest(_Body):
     def _prompt_logprobs(self) -> int | None:
         return None
 
+    def grammar(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The grammar the output must follow and the request field that asked for it, or None."""
+        return requested_grammar(self.response_format, self.structured_outputs)
+
     def sampling_params(self, defaults: SamplingDefaults, max_logprobs: int) -> SamplingParams:
         """The engine's parameters; an invalid value is a 400 naming the request field."""
         max_tokens, max_tokens_field = self._max_tokens()
@@ -143,6 +151,8 @@ class SamplingRequest(_Body):
 
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
+
+        grammar = self.grammar()
 
         try:
             return SamplingParams(
@@ -157,6 +167,7 @@ class SamplingRequest(_Body):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias={int(t): v for t, v in self.logit_bias.items()} if self.logit_bias else None,
+                structured_outputs=grammar[0] if grammar else None,
             )
         except ValueError as exc:
             raise from_sampling_error(exc, {"max_tokens": max_tokens_field, "logprobs": self.LOGPROBS_FIELD}

@@ -29,6 +29,9 @@ INFORMATIONAL = frozenset({"user", "safety_identifier", "prompt_cache_key", "met
 
 _SHARED: dict[str, Unsupported] = {
     "use_beam_search": Unsupported("beam search is not implemented", (None, False)),
+    **{f"guided_{kind}": Unsupported(f"removed in vLLM 0.12: use structured_outputs: {{{kind}: ...}}")
+       for kind in ("json", "regex", "choice", "grammar", "whitespace_pattern")},
+    "guided_decoding_backend": Unsupported("removed in vLLM 0.12; llguidance serves structured_outputs"),
 }
 
 CHAT: dict[str, Unsupported] = {
@@ -45,7 +48,6 @@ CHAT: dict[str, Unsupported] = {
     "service_tier": Unsupported("this server has one service tier", (None, "auto", "default")),
     "prompt_cache_retention": Unsupported("the prefix cache lives in memory only", (None, "in_memory")),
     "prompt_cache_options": Unsupported("the prefix cache is automatic and has no options", (None, {})),
-    "response_format": Unsupported("structured output is not implemented yet", (None, {"type": "text"})),
     "tools": Unsupported("tool calling is not implemented yet", (None, [])),
     "tool_choice": Unsupported("tool calling is not implemented yet", (None, "none", "auto")),
 }

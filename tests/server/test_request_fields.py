@@ -48,6 +48,7 @@ HONOURED = {
     "echo": "tests/server/test_completions.py::test_echo_prepends_the_prompt",
     "best_of": "tests/server/test_request_fields.py::test_best_of_equal_to_n_is_served",
     "reasoning_effort": "tests/server/test_request_fields.py::test_reasoning_effort_goes_to_templates_that_read_it",
+    "response_format": "tests/server/test_structured_output.py::test_json_schema_output_validates",
     "parallel_tool_calls": "tests/server/test_request_fields.py::test_every_spec_field_is_honoured_or_refused",
 }
 
@@ -65,7 +66,6 @@ REFUSED_EXAMPLES: dict[str, Any] = {
     "service_tier": "flex",
     "prompt_cache_retention": "24h",
     "prompt_cache_options": {"ttl": "30m"},
-    "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "required",
     "suffix": "and then",
