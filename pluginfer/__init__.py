@@ -2,6 +2,7 @@
 
 from pluginfer.core.hookspecs import PLUGIN_API_VERSION
 from pluginfer.core.sequence import SamplingParams
+from pluginfer.core.structured import StructuredOutputsParams
 
 
 def _version() -> str:
@@ -15,7 +16,7 @@ def _version() -> str:
 
 
 __version__ = _version()
-__all__ = ["LLM", "SamplingParams", "PLUGIN_API_VERSION", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "PLUGIN_API_VERSION", "__version__"]
 
 
 def __getattr__(name: str):  # noqa: ANN202 - LLM pulls in the engine; keep `import pluginfer` cheap
