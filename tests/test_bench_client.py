@@ -276,3 +276,17 @@ def test_remote_chat_reports_a_refused_turn(server, monkeypatch, capsys):
     status = main(["chat", "--base-url", server.url, "--model", "http-400"])
     assert status == 1
     assert "HTTP 400: fake 400" in capsys.readouterr().err
+
+
+def test_sse_events_join_their_data_lines_and_skip_comments_and_other_fields():
+    from pluginfer.cli.openai_client import sse_data
+
+    async def lines():
+        for line in [b": keep-alive\n", b"event: message\n", b"data: {\"a\":\n", b"data:  1}\n", b"\n", b"\n",
+                     b"id: 7\r\n", b"data: [DONE]\r\n", b"\r\n", b"data: unterminated"]:
+            yield line
+
+    async def collect():
+        return [data async for data in sse_data(lines())]
+
+    assert asyncio.run(collect()) == ['{"a":\n 1}', "[DONE]", "unterminated"]

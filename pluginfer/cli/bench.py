@@ -15,8 +15,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from pluginfer.cli.remote_chat import api_root, auth_headers, error_message, list_models, sse_data
+if TYPE_CHECKING:
+    import aiohttp
 
 DEFAULT_VOCAB_SIZE = 1000  # small enough to be valid for any real model
 
@@ -96,24 +98,23 @@ def _carries_token(event: dict) -> bool:
     return any(choice.get("text") or choice.get("finish_reason") is None for choice in event.get("choices") or [])
 
 
-async def send_completion(session: object, url: str, payload: dict, headers: dict[str, str],
+async def send_completion(session: aiohttp.ClientSession, url: str, payload: dict, headers: dict[str, str],
                           timeout: float) -> RequestResult:
     """POST one streamed completion and time its chunks; a failure is recorded, never raised."""
     import aiohttp
+
+    from pluginfer.cli.openai_client import REQUEST_ERRORS, error_message, sse_data
 
     result = RequestResult(prompt_tokens=len(payload["prompt"]))
     start = last = time.perf_counter()
     chunks, usage, done = 0, None, False
     try:
-        async with session.post(url, json=payload, headers=headers,  # type: ignore[attr-defined]
+        async with session.post(url, json=payload, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {error_message(await response.text())}"
                 return result
-            async for line in response.content:
-                data = sse_data(line)
-                if data is None:
-                    continue
+            async for data in sse_data(response.content):
                 if data == "[DONE]":
                     done = True
                     break
@@ -131,7 +132,7 @@ async def send_completion(session: object, url: str, payload: dict, headers: dic
                 if isinstance(event.get("usage"), dict):
                     usage = event["usage"]
     # TypeError, AttributeError: a chunk of the wrong shape (e.g. "choices": 3)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError, TypeError, AttributeError) as exc:
+    except (*REQUEST_ERRORS, ValueError, TypeError, AttributeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return result
     result.latency = time.perf_counter() - start
@@ -247,8 +248,10 @@ def print_serve_summary(summary: dict) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from pluginfer.cli.openai_client import api_root, auth_headers, fetch_models
+
     root = api_root(args.base_url)
-    models = list_models(root, args.api_key)
+    models = fetch_models(root, args.api_key)
     model = args.model or (models[0].get("id") if models else None)
     if not model:
         raise ValueError(f"{root}/v1/models lists no model: pass --model")

@@ -1,97 +1,19 @@
-"""``pluginfer chat --base-url URL``: multi-turn chat with a running OpenAI-compatible server, streamed.
-
-Also the small client pieces ``pluginfer bench serve`` shares: the server's root, its model list,
-and the ``data:`` lines of a server-sent event stream.
-"""
+"""``pluginfer chat --base-url URL``: multi-turn chat with a running OpenAI-compatible server, streamed."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+import aiohttp
 
 from pluginfer.cli.chat_loop import chat_loop
+from pluginfer.cli.openai_client import api_root, list_models, stream_chat
 
-# the longest wait for the next line of an answer (not for the whole answer)
+# the longest wait for the next piece of an answer (not for the whole answer)
 READ_TIMEOUT_S = 600.0
-
-
-class ServerError(RuntimeError):
-    """The server refused a request (HTTP status) or reported an error inside the stream."""
-
-
-def api_root(base_url: str) -> str:
-    """``http://host:8000``, ``http://host:8000/`` and ``http://host:8000/v1`` name the same server."""
-    root = base_url.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
-
-
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    return headers
-
-
-def list_models(root: str, api_key: str | None, timeout: float = 30.0) -> list[dict]:
-    """The entries of ``GET /v1/models``; [] when the server answers it with an error status."""
-    request = urllib.request.Request(f"{root}/v1/models", headers=auth_headers(api_key))
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = json.loads(response.read())
-    except urllib.error.HTTPError:
-        return []
-    except (urllib.error.URLError, OSError) as exc:
-        raise ValueError(f"cannot reach {root}: {getattr(exc, 'reason', exc)}") from None
-    data = body.get("data") if isinstance(body, dict) else None
-    return [entry for entry in data if isinstance(entry, dict)] if isinstance(data, list) else []
-
-
-def sse_data(line: bytes) -> str | None:
-    """The payload of one ``data:`` line of a server-sent event stream; None for any other line."""
-    text = line.decode("utf-8").strip()
-    return text[len("data:"):].strip() if text.startswith("data:") else None
-
-
-def error_message(body: object) -> str:
-    """The ``message`` of an OpenAI error body ``{"error": {"message": ...}}``, else the body itself."""
-    if isinstance(body, (str, bytes)):
-        try:
-            body = json.loads(body)
-        except ValueError:
-            return (body.decode(errors="replace") if isinstance(body, bytes) else body).strip()[:200]
-    error = body.get("error", body) if isinstance(body, dict) else body
-    if isinstance(error, dict):
-        return str(error.get("message") or error)
-    return str(error)
-
-
-def stream_chat(root: str, payload: dict, api_key: str | None, timeout: float) -> Iterator[str]:
-    """Pieces of the assistant's answer as the server streams them."""
-    request = urllib.request.Request(f"{root}/v1/chat/completions", data=json.dumps(payload).encode(),
-                                     headers=auth_headers(api_key), method="POST")
-    try:
-        response = urllib.request.urlopen(request, timeout=timeout)
-    except urllib.error.HTTPError as exc:
-        raise ServerError(f"HTTP {exc.code}: {error_message(exc.read())}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ServerError(f"cannot reach {root}: {getattr(exc, 'reason', exc)}") from None
-    with response:
-        for line in response:
-            data = sse_data(line)
-            if data is None:
-                continue
-            if data == "[DONE]":
-                return
-            event = json.loads(data)
-            if not isinstance(event, dict) or "error" in event:
-                raise ServerError(error_message(event))
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    yield piece
 
 
 def _payload(args: argparse.Namespace, model: str, messages: list[dict]) -> dict:
@@ -108,16 +30,41 @@ def _payload(args: argparse.Namespace, model: str, messages: list[dict]) -> dict
     return payload
 
 
+def _iterate(loop: asyncio.AbstractEventLoop, pieces: AsyncIterator[str]) -> Iterator[str]:
+    """An async iterator driven one item at a time on ``loop``, for the synchronous chat loop."""
+    try:
+        while True:
+            try:
+                yield loop.run_until_complete(pieces.__anext__())
+            except StopAsyncIteration:
+                return
+    finally:
+        with contextlib.suppress(RuntimeError):  # still running after a Ctrl-C: the loop's close ends it
+            loop.run_until_complete(pieces.aclose())
+
+
 def run(args: argparse.Namespace) -> int:
     """Read user turns from stdin until an empty line or EOF; print each answer as it streams."""
     root = api_root(args.base_url)
-    model = args.model
-    if model is None:
-        models = list_models(root, args.api_key)
-        if not models:
-            raise ValueError(f"{root}/v1/models lists no model: pass --model")
-        model = models[0]["id"]
-    def answer(messages: list[dict]) -> Iterator[str]:
-        return stream_chat(root, _payload(args, model, messages), args.api_key, READ_TIMEOUT_S)
 
-    return chat_loop(args.system, answer)
+    async def open_session() -> aiohttp.ClientSession:
+        return aiohttp.ClientSession()
+
+    loop = asyncio.new_event_loop()
+    session = loop.run_until_complete(open_session())
+    try:
+        model = args.model
+        if model is None:
+            models = loop.run_until_complete(list_models(session, root, args.api_key))
+            if not models:
+                raise ValueError(f"{root}/v1/models lists no model: pass --model")
+            model = models[0]["id"]
+
+        def answer(messages: list[dict]) -> Iterator[str]:
+            return _iterate(loop, stream_chat(session, root, _payload(args, model, messages), args.api_key,
+                                              READ_TIMEOUT_S))
+
+        return chat_loop(args.system, answer)
+    finally:
+        loop.run_until_complete(session.close())
+        loop.close()
