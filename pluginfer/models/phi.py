@@ -15,6 +15,7 @@ from torch import nn
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import BuildContext, KVCacheSpec
 from pluginfer.layers.activation import activation
+from pluginfer.layers.attention import bind_kv_caches
 from pluginfer.layers.causal_lm import (
     DECODER_SIZE_FIELDS,
     DecoderStack,
@@ -22,7 +23,6 @@ from pluginfer.layers.causal_lm import (
     check_kv_heads,
     check_positive_fields,
 )
-from pluginfer.layers.attention import bind_kv_caches
 from pluginfer.layers.context import current_context
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.linear import ColumnParallelLinear, RowParallelLinear
