@@ -31,8 +31,13 @@ class GeluAndMul(nn.Module):
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
         self.approximate = approximate
+        self.kernel = backend_op(current_context().backend, "gelu_and_mul") if has_context() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            out = self.kernel(x, self.approximate)
+            if out is not None:
+                return out
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
 

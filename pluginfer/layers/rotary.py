@@ -72,9 +72,8 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]
         self.cos_cache, self.sin_cache = freqs.cos(), freqs.sin()
         self.is_neox_style = is_neox_style
-        # The native kernel only does the half-split layout.
-        use_kernel = has_context() and is_neox_style
-        self.kernel = backend_op(current_context().backend, "rotary_neox") if use_kernel else None
+        op_name = "rotary_neox" if is_neox_style else "rotary_interleaved"  # ops of core/kernels.py
+        self.kernel = backend_op(current_context().backend, op_name) if has_context() else None
 
     def _tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos/sin of ``[tokens, rotary_dim / 2]`` for this step (shared by every layer)."""

@@ -8,8 +8,9 @@ Three kinds of checkpoint load into it:
   ``checkpoint_format: marlin`` / ``is_marlin_format: true``): tensors ``B`` int32
   ``[in / 16, out * 2]`` and ``s`` ``[groups, out]``, as IST-DASLab marlin, AutoGPTQ and vLLM name them.
 GPTQ and AWQ tensors are loaded by those formats' own quant methods, then repacked
-(``marlin_layout.pack``) as soon as a layer is complete. ``apply`` runs the Triton kernel on a CUDA
-device and, elsewhere, dequantizes a few hundred output columns of the tiles at a time in torch.
+(``marlin_layout.pack``) as soon as a layer is complete. ``apply`` runs the backend's ``marlin_matmul``
+kernel when it has one (the cuda backend's Triton kernel, ``DeviceBackend.op``) and otherwise dequantizes
+a few hundred output columns of the tiles at a time in torch.
 
 Tensor parallelism: GPTQ and AWQ checkpoints are sharded by their own methods (which get the
 ``ShardSpec``), then each rank repacks its shard. A Marlin checkpoint's ``B`` splits along the
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from pluginfer.core.protocols import ShardSpec
+from pluginfer.layers.context import backend_op, current_context, has_context
 from pluginfer.layers.linear import projection_rows
 from pluginfer.quant import marlin_layout as layout
 from pluginfer.quant.sharding import UNSPLIT, check_input_split, column_split, row_split
@@ -90,6 +92,7 @@ class MarlinLinear:
             raise ValueError(f"parallel.tensor_parallel_size {shard.size} gives each rank {output_size} outputs of a "
                              f"layer of {sum(shard.output_sizes) or output_size * shard.size}, not a multiple of "
                              f"Marlin's runs of {layout.CHUNK_COLUMNS} outputs")
+        layer.marlin_matmul = backend_op(current_context().backend, "marlin_matmul") if has_context() else None
         if self.source is not None:
             self.source.create_weights(layer, input_size, output_size, dtype, shard)
             return
@@ -179,11 +182,9 @@ class MarlinLinear:
         return weight.t()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda:
-            from pluginfer.quant.marlin_kernel import marlin_matmul
-
-            return marlin_matmul(x, layer.B, layer.s.to(x.dtype), layer.marlin_group_size,
-                                 getattr(layer, "z", None), bias)
+        if layer.marlin_matmul is not None:
+            return layer.marlin_matmul(x, layer.B, layer.s.to(x.dtype), layer.marlin_group_size,
+                                       getattr(layer, "z", None), bias, layout.position_table(x.device))
         return tiled_linear(x, layer.s.shape[1], lambda start, stop: self.dequantize_columns(layer, start, stop,
                                                                                               x.dtype), bias)
 

@@ -49,7 +49,7 @@ def _run_case(kernel, rows, size_k, size_n, group_size, asymmetric, dtype_name, 
                                                       dtype=torch.int32))
     x = torch.randn(*leading, rows, size_k, generator=generator).to(dtype)
     bias = torch.randn(size_n, generator=generator).to(dtype)
-    out = kernel.marlin_matmul(x, packed, permuted.to(dtype), group_size, zeros, bias)
+    out = kernel.marlin_matmul(x, packed, permuted.to(dtype), group_size, zeros, bias, layout.position_table(x.device))
     dense = layout.dequantize(packed, permuted, size_k, size_n, group_size, zeros)
     expected = (x.float() @ dense + bias.float()).to(dtype)
     report = {"shape": list(out.shape), "dtype": str(out.dtype).removeprefix("torch."),
@@ -91,7 +91,7 @@ def _run_oracle_case(kernel, checkpoint: str) -> dict:
     packed, permuted = layout.pack(codes, scales, 128)
     oracle = load(gzip.open(path / "oracle.safetensors.gz").read())[f"{ORACLE_LAYER}.weight"]
     x = torch.randn(5, codes.shape[0], generator=torch.Generator().manual_seed(9))
-    out = kernel.marlin_matmul(x, packed, permuted.float(), 128, packed_zeros)
+    out = kernel.marlin_matmul(x, packed, permuted.float(), 128, packed_zeros, None, layout.position_table(x.device))
     dense = layout.dequantize(packed, permuted, codes.shape[0], codes.shape[1], 128, packed_zeros)
     expected = x @ dense
     report = {"shape": list(out.shape), "dtype": "float32", "max_error": (out - expected).abs().max().item(),
@@ -159,7 +159,7 @@ def test_kernel_larger_shape():
 @needs_triton
 def test_position_table_inverts_the_layout():
     """The kernel's table: code (row r, column c) of a 16x64 run sits at that position of its run in B."""
-    done = subprocess.run([sys.executable, "-c", "from pluginfer.quant.marlin_kernel import position_table; "
+    done = subprocess.run([sys.executable, "-c", "from pluginfer.quant.marlin_layout import position_table; "
                            "import torch; print(position_table(torch.device('cpu')).tolist())"],
                           env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -173,7 +173,7 @@ def test_position_table_inverts_the_layout():
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton
-    from pluginfer.quant import marlin_kernel
+    from pluginfer.backends.triton_kernels import marlin_matmul as marlin_kernel
 
     cases = {**CASES, **SLOW_CASES}
     print(json.dumps({name: _run_oracle_case(marlin_kernel, ORACLE_CASES[name]) if name in ORACLE_CASES

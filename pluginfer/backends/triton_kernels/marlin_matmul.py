@@ -1,10 +1,10 @@
-"""``x @ W`` read straight from Marlin tiles: a Triton kernel and the torch reference it is tested against.
+"""``x @ W`` read straight from Marlin tiles (op ``marlin_matmul``): the format is ``quant/marlin_layout.py``.
 
 The kernel never builds ``W``: for each ``[BLOCK_K, BLOCK_N]`` tile it finds every weight's int32
-word and nibble in ``B`` (the inverse of the Marlin permutation, a 16x64 table), its scale in the
-permuted scales (closed form) and, for AWQ, its zero point, dequantizes in registers and
-accumulates ``x @ w`` in float32. Import this module only where Triton is installed; its oracle,
-:func:`pluginfer.quant.marlin_layout.matmul_reference`, needs torch alone.
+word and nibble in ``B`` through ``positions`` (the inverse of the Marlin permutation, a 16x64 table
+the quant method hands over), its scale in the permuted scales (closed form) and, for AWQ, its zero
+point, dequantizes in registers and accumulates ``x @ w`` in float32. Its references: the table's
+``core.kernels.marlin_matmul`` and the layout's own ``marlin_layout.matmul_reference``.
 """
 
 from __future__ import annotations
@@ -13,22 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pluginfer.quant import marlin_layout as layout
-
-_POSITION_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
-def position_table(device: torch.device) -> torch.Tensor:
-    """int32 ``[16 * 64]``: where, in its 1024-code run, the code of (tile row ``r``, run column ``c``) sits."""
-    table = _POSITION_TABLES.get(device)
-    if table is None:
-        where = torch.argsort(layout.weight_permutation())  # source index -> position
-        row = torch.arange(layout.TILE)[:, None]
-        column = torch.arange(layout.CHUNK_COLUMNS)[None, :]
-        source = layout.TILE * layout.TILE * (column // layout.TILE) + layout.TILE * row + column % layout.TILE
-        table = where[source].reshape(-1).to(device=device, dtype=torch.int32)
-        _POSITION_TABLES[device] = table
-    return table
+TILE, PACK = 16, 8  # Marlin tiles are 16 x 16; eight 4-bit codes per int32 word
 
 
 @triton.jit
@@ -83,13 +68,14 @@ def _marlin_matmul_kernel(
 
 
 def marlin_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
-                  zeros: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+                  zeros: torch.Tensor | None, bias: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
     """``x @ W (+ bias)`` for the Marlin weight ``(packed, scales[, zeros])``; ``x`` is ``[..., k]``.
 
     ``packed``: ``B`` int32 ``[k / 16, 2n]``; ``scales``: permuted ``[groups, n]``; ``zeros``: AWQ
-    zero points in the Marlin layout (``[groups, n / 8]``), None for symmetric GPTQ (zero 8).
+    zero points in the Marlin layout (``[groups, n / 8]``), None for symmetric GPTQ (zero 8);
+    ``positions``: ``marlin_layout.position_table(x.device)``.
     """
-    size_k, size_n = packed.shape[0] * layout.TILE, packed.shape[1] * layout.PACK // layout.TILE
+    size_k, size_n = packed.shape[0] * TILE, packed.shape[1] * PACK // TILE
     if x.shape[-1] != size_k:
         raise ValueError(f"marlin_matmul: x has {x.shape[-1]} features, the weight {size_k}")
     flat = x.reshape(-1, size_k)
@@ -99,7 +85,7 @@ def marlin_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, g
     block_n, block_k = 64, 32
     grid = (triton.cdiv(flat.shape[0], block_m), triton.cdiv(size_n, block_n))
     _marlin_matmul_kernel[grid](
-        flat, packed, scales, zeros if zeros is not None else packed, position_table(x.device), out,
+        flat, packed, scales, zeros if zeros is not None else packed, positions, out,
         flat.shape[0], size_n, size_k,
         flat.stride(0), flat.stride(1), packed.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, out.stride(0), out.stride(1),

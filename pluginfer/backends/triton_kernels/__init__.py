@@ -1,0 +1,42 @@
+"""Triton kernels of the cuda backend, one module per op of ``pluginfer.core.kernels`` (its torch
+reference is each one's oracle). Importing a module imports triton: the backend does so when built."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pluginfer.core.kernels import KernelTable
+
+
+def dot_in_float32(dtype: torch.dtype) -> bool:
+    """Whether attention multiplies in float32 (``input_precision="ieee"``, no tf32) rather than in ``dtype``.
+
+    float32 caches always do. bf16 ones do under ``TRITON_INTERPRET=1`` only: Triton 3.9's interpreter returns
+    garbage for ``tl.dot`` on bf16 operands (numpy has no bf16); a GPU multiplies them natively.
+    """
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def register(table: KernelTable) -> None:
+    """Fill ``table`` with every Triton kernel."""
+    from pluginfer.backends.triton_kernels import (
+        decode_attention,
+        gated_activation,
+        marlin_matmul,
+        prefill_attention,
+        rms_norm,
+        rotary,
+        write_kv,
+    )
+
+    table.register("rms_norm", rms_norm.rms_norm)
+    table.register("silu_and_mul", gated_activation.silu_and_mul)
+    table.register("gelu_and_mul", gated_activation.gelu_and_mul)
+    table.register("rotary_neox", rotary.rotary_neox)
+    table.register("rotary_interleaved", rotary.rotary_interleaved)
+    table.register("write_kv", write_kv.write_kv)
+    table.register("paged_decode_attention", decode_attention.paged_decode_attention)
+    table.register("paged_prefill_attention", prefill_attention.paged_prefill_attention)
+    table.register("marlin_matmul", marlin_matmul.marlin_matmul)

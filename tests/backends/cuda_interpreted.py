@@ -1,0 +1,56 @@
+"""Run pluginfer's engine on one backend and print what it generated, as JSON (a script, not a test).
+
+``python tests/backends/cuda_interpreted.py SPEC.json``: SPEC holds ``model``, ``backend``, ``engine``
+(LLM keyword arguments), ``prompt_groups`` (lists of token-id prompts, generated one group after the
+other in one engine, so later groups hit the prefix cache) and ``max_tokens``. For the cuda backend the
+caller sets ``TRITON_INTERPRET=1`` and ``PLUGINFER_CUDA_ON_CPU=1`` before this process starts (Triton reads
+the first once, at import). Every kernel registered into a ``KernelTable`` is counted, so the caller can
+tell which Triton kernels ran.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections import Counter
+from collections.abc import Callable
+
+CALLS: Counter = Counter()
+
+
+def _count_registered_kernels() -> None:
+    from pluginfer.core.kernels import KernelTable
+
+    register = KernelTable.register
+
+    def counting(self: KernelTable, name: str, implementation: Callable) -> None:
+        @functools.wraps(implementation)  # keeps the signature the table checks
+        def counted(*args: object) -> object:
+            CALLS[name] += 1
+            return implementation(*args)
+
+        register(self, name, counted)
+
+    KernelTable.register = counting
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(open(spec_path).read())
+    _count_registered_kernels()
+    from pluginfer import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], backend=spec["backend"], **spec["engine"])
+    backend = llm.engine.executor.backend
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    groups, cached = [], []
+    for prompts in spec["prompt_groups"]:
+        outputs = llm.generate(prompts, params)
+        groups.append([output.outputs[0].token_ids for output in outputs])
+        cached.append([output.num_cached_tokens for output in outputs])
+    print(json.dumps({"backend": backend.name, "device": str(backend.device), "tokens": groups,
+                      "cached_tokens": cached, "kernel_calls": dict(CALLS)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

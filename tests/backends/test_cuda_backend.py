@@ -1,0 +1,71 @@
+"""The cuda backend's registration, availability and selection on a machine without a GPU.
+
+Its kernels and the engine on it are proven under Triton's interpreter (``test_triton_kernels.py``,
+``test_cuda_engine.py``); these tests check what a user without a GPU sees.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from pluginfer import LLM
+from pluginfer.backends import cuda
+from pluginfer.backends import plugin as backends_plugin
+from pluginfer.core.executor import _backend_name
+from pluginfer.core.registry import Registry
+
+needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+
+
+@pytest.fixture
+def registry() -> Registry:
+    registry = Registry()
+    registry.register(backends_plugin, name="builtin-backends")
+    return registry
+
+
+@pytest.fixture(autouse=True)
+def no_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cuda.ON_CPU, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@needs_no_gpu
+def test_listed_unusable_without_a_gpu(registry: Registry) -> None:
+    spec = registry.resolve("backend", "cuda")
+    assert spec.priority > registry.resolve("backend", "cpu").priority
+    assert registry.usable(spec) == (False, "no CUDA device")
+    assert "backend cuda: NVIDIA GPUs" in registry.describe()
+    assert "not usable here: no CUDA device" in registry.describe()
+    assert _backend_name("auto", registry) == "cpu"
+
+
+@needs_no_gpu
+def test_selecting_cuda_fails_at_start_naming_the_reason(tiny_llama_checkpoint) -> None:
+    with pytest.raises(RuntimeError, match="backend plugin 'cuda' cannot run here: no CUDA device"):
+        LLM(model=str(tiny_llama_checkpoint[0]), backend="cuda", num_blocks=8)
+
+
+def test_interpreter_mode_needs_triton_interpret(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv(cuda.ON_CPU, "1")
+    usable, reason = registry.usable(registry.resolve("backend", "cuda"))
+    assert not usable and reason.startswith("PLUGINFER_CUDA_ON_CPU=1 needs TRITON_INTERPRET=1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert registry.usable(registry.resolve("backend", "cuda")) == (True, "")
+    assert _backend_name("auto", registry) == "cuda"  # the highest priority among usable backends
+
+
+def test_backend_on_cpu_tensors_names_its_device_and_collective() -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    backend = cuda.CudaBackend(device=torch.device("cpu"))
+    assert backend.device == torch.device("cpu") and backend.default_collective == "gloo"
+    assert backend.op("pack_panels") is None  # the cpu backend's layout ops are not the cuda backend's
+    assert backend.op("rms_norm").__module__ == "pluginfer.backends.triton_kernels.rms_norm"
+    assert backend.kv_cache_budget_bytes(12345, 0.5) == 12345
+    assert backend.kv_cache_budget_bytes(None, 0.5) > 0

@@ -1,0 +1,102 @@
+"""The whole engine on the cuda backend, its Triton kernels run by Triton's interpreter on CPU tensors.
+
+Each case builds a tiny random Hugging Face checkpoint, asks transformers for its greedy continuations
+(the oracle), and runs ``tests/backends/cuda_interpreted.py`` in a fresh interpreter with
+``TRITON_INTERPRET=1 PLUGINFER_CUDA_ON_CPU=1`` and ``backend="cuda"``. The prompts come in two groups
+generated one after the other: the second shares the first's prefix (prefix-cache hits, whose
+prefill reads the cached blocks) and the step budget of 16 tokens cuts longer prompts into chunks
+(chunked prefill over cached blocks). Decode rows and prefill rows share steps. The greedy tokens
+must equal transformers', and the Triton kernels each case needs must have run. The Marlin case
+compares against the cpu backend (same checkpoint, the torch dequantize path) instead.
+
+No GPU is involved: this proves the kernels and the backend's plumbing, not CUDA compilation or speed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.checkpoints import hf_greedy, random_prompts, save_hf_model
+from tests.models.family_cases_deepseek import MLA
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (the test extra has it)")
+
+RUNNER = Path(__file__).parent / "cuda_interpreted.py"
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+ENGINE = dict(dtype="float32", num_blocks=96, block_size=8, max_num_batched_tokens=16)
+MAX_TOKENS = 8
+# Kernels every case runs: norms, rotary, the KV write and both attention kernels.
+COMMON = {"rms_norm", "write_kv", "paged_decode_attention", "paged_prefill_attention"}
+
+# name: (architecture, config overrides, kernels that must have run besides COMMON)
+CASES = {
+    "llama-gqa": ("LlamaForCausalLM", {}, {"rotary_neox", "silu_and_mul"}),
+    "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 16}, {"rotary_neox", "silu_and_mul"}),
+    "gemma2-softcap-window": ("Gemma2ForCausalLM", {
+        "num_hidden_layers": 2, "head_dim": 16, "sliding_window": 12, "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0}, {"rotary_neox", "gelu_and_mul"}),
+    "mixtral-window": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                              "sliding_window": 16}, {"rotary_neox", "silu_and_mul"}),
+    "deepseek-v2-lite-mla": ("DeepseekV2ForCausalLM", {
+        **MLA, "num_hidden_layers": 2, "q_lora_rank": None, "n_routed_experts": 6, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "topk_method": "greedy", "first_k_dense_replace": 1, "moe_intermediate_size": 24},
+        {"rotary_interleaved", "silu_and_mul"}),
+}
+
+
+def run_engine(tmp_path: Path, model: Path, prompt_groups: list[list[list[int]]], backend: str = "cuda",
+               **engine: object) -> dict:
+    spec = tmp_path / f"spec-{backend}.json"
+    spec.write_text(json.dumps({"model": str(model), "backend": backend, "engine": {**ENGINE, **engine},
+                                "prompt_groups": prompt_groups, "max_tokens": MAX_TOKENS}))
+    env = dict(os.environ, TRITON_INTERPRET="1", PLUGINFER_CUDA_ON_CPU="1", PYTHONPATH=str(Path.cwd()))
+    done = subprocess.run([sys.executable, str(RUNNER), str(spec)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def prompt_groups(vocab: int) -> list[list[list[int]]]:
+    shared = random_prompts(vocab, [24], seed=2)[0]
+    first = [shared, *random_prompts(vocab, [3, 11], seed=1)]
+    second = [shared + tail for tail in random_prompts(vocab, [5, 1], seed=3)]
+    return [first, second]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_on_interpreted_cuda_backend_equals_transformers(name: str, tmp_path: Path,
+                                                                tiny_tokenizer_dir: Path) -> None:
+    arch, overrides, kernels = CASES[name]
+    model = save_hf_model(arch, {**BASE, **overrides}, tmp_path / name, tiny_tokenizer_dir)
+    groups = prompt_groups(model.config.vocab_size)
+    expected = [[hf_greedy(model, prompt, MAX_TOKENS) for prompt in group] for group in groups]
+    report = run_engine(tmp_path, tmp_path / name, groups)
+    assert (report["backend"], report["device"]) == ("cuda", "cpu")
+    assert report["tokens"] == expected, name
+    assert all(count >= 16 for count in report["cached_tokens"][1]), report["cached_tokens"]  # prefix hits
+    missing = (COMMON | kernels) - set(report["kernel_calls"])
+    assert not missing, f"{name}: Triton kernels that never ran: {sorted(missing)}"
+
+
+def test_marlin_through_the_backend_op_table(tmp_path: Path) -> None:
+    """A GPTQModel checkpoint repacked to Marlin tiles: the Triton kernel (reached through
+    ``DeviceBackend.op("marlin_matmul")``, no device test in the quant method) equals the cpu backend's torch path."""
+    fixture = Path(__file__).parents[1] / "quant" / "fixtures" / "gptq_awq" / "gptq_b4_g128_sym"
+    if not fixture.is_dir():
+        pytest.skip(f"GPTQModel fixture {fixture} is missing (tests/quant/fixtures/make_gptq_awq.py)")
+    vocab = json.loads((fixture / "config.json").read_text())["vocab_size"]
+    groups = [random_prompts(vocab, [5, 18], seed=4)]
+    on_cuda = run_engine(tmp_path, fixture, groups, quant="marlin")
+    on_cpu = run_engine(tmp_path, fixture, groups, backend="cpu", quant="marlin")
+    assert on_cuda["tokens"] == on_cpu["tokens"]
+    assert on_cuda["kernel_calls"].get("marlin_matmul", 0) > 0
+    assert "marlin_matmul" not in on_cpu["kernel_calls"]
