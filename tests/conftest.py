@@ -43,3 +43,48 @@ def unknown_architecture_checkpoint(tiny_llama_checkpoint: tuple[Path, object], 
     config.update(architectures=["FooForCausalLM"], model_type="foo")
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+# -- Skips that would hide code, and which native kernels ran (tests/native_usage.py) ---------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests import native_usage
+
+    native_usage.install()
+
+
+def _hidden_by_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """A skip this machine has no excuse for (a missing hard dependency, native kernels that did not load on a
+    CPU and compiler that support them, oneDNN that torch has) becomes a failure saying so."""
+    from tests import native_usage
+
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return
+    reason = str(report.longrepr[2])
+    why = native_usage.required(reason)
+    if why is not None:
+        report.outcome = "failed"
+        report.longrepr = f"skipped ({reason}), but {why}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    _hidden_by_skip(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
+    report = yield
+    _hidden_by_skip(report)  # module-level importorskip of a hard dependency
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
+    from tests import native_usage
+
+    terminalreporter.section("native kernel families exercised")
+    for line in native_usage.summary_lines():
+        terminalreporter.write_line(line)

@@ -14,11 +14,9 @@ import json
 import threading
 
 import pytest
+from aiohttp import web
 
-aiohttp = pytest.importorskip("aiohttp")
-from aiohttp import web  # noqa: E402
-
-from pluginfer.cli import main  # noqa: E402
+from pluginfer.cli import main
 
 DELAY = 0.01  # seconds before each streamed token
 VOCAB = 50  # what /v1/models reports; prompts must stay below it

@@ -11,16 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-pytest.importorskip("gguf.quants")
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
-
-from pluginfer import LLM  # noqa: E402
-from pluginfer.backends import native  # noqa: E402
-from pluginfer.quant import ggml_blocks, ggml_quantize  # noqa: E402
-from pluginfer.quant.tiled import TILE_ROWS  # noqa: E402
-from tests.checkpoints import prefill_logits, random_prompts, save_hf_model  # noqa: E402
-from tests.quant.test_ggml_blocks import FP16_FIELDS, raw_blocks  # noqa: E402
+from pluginfer import LLM
+from pluginfer.backends import native
+from pluginfer.quant import ggml_blocks, ggml_quantize
+from pluginfer.quant.tiled import TILE_ROWS
+from tests.checkpoints import prefill_logits, random_prompts, save_hf_model
+from tests.quant.test_ggml_blocks import FP16_FIELDS, raw_blocks
 
 T = GGMLQuantizationType
 HANDLED = list(FP16_FIELDS)  # Q4_0 ... Q8_0, Q2_K ... Q6_K

@@ -5,16 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-
-from pluginfer import LLM  # noqa: E402
-from pluginfer.cli.convert import convert_to_gguf, write_gguf  # noqa: E402
-from pluginfer.core.gguf_checkpoint import GGMLTensor, GGUFCheckpoint  # noqa: E402
-from pluginfer.core.loader import ModelNotFoundError, iter_weights, read_hf_config, resolve_model_path  # noqa: E402
-from pluginfer.core.tokenizer import load_tokenizer  # noqa: E402
+from pluginfer import LLM
+from pluginfer.cli.convert import convert_to_gguf, write_gguf
+from pluginfer.core.gguf_checkpoint import GGMLTensor, GGUFCheckpoint
+from pluginfer.core.loader import ModelNotFoundError, iter_weights, read_hf_config, resolve_model_path
+from pluginfer.core.tokenizer import load_tokenizer
 
 
 def load(path: Path) -> LLM:

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
-gguf_quants = pytest.importorskip("gguf.quants")
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
-
-from pluginfer.quant import ggml_blocks, ggml_quantize  # noqa: E402
-from pluginfer.quant.tiled import TILE_ROWS  # noqa: E402
+from pluginfer.quant import ggml_blocks, ggml_quantize
+from pluginfer.quant.tiled import TILE_ROWS
 
 T = GGMLQuantizationType
 FIXTURES = Path(__file__).parent / "fixtures" / "kquant_fixtures.npz"

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
-gguf_quants = pytest.importorskip("gguf.quants")
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
-
-from pluginfer import LLM  # noqa: E402
-from pluginfer.quant import ggml_insitu, ggml_quantize  # noqa: E402
-from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model  # noqa: E402
-from tests.quant.helpers import build_layer, load_and_quantize  # noqa: E402
+from pluginfer import LLM
+from pluginfer.quant import ggml_insitu, ggml_quantize
+from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model
+from tests.quant.helpers import build_layer, load_and_quantize
 
 QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
           "q4_1": GGMLQuantizationType.Q4_1, "q5_0": GGMLQuantizationType.Q5_0,

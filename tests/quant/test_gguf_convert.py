@@ -6,14 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-
-from pluginfer import LLM  # noqa: E402
-from pluginfer.cli import build_parser, main  # noqa: E402
-from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model  # noqa: E402
+from pluginfer import LLM
+from pluginfer.cli import build_parser, main
+from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model
 
 
 def load(path: Path, **kwargs: object) -> LLM:

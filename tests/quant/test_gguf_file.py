@@ -9,18 +9,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-
-from pluginfer import LLM  # noqa: E402
-from pluginfer.cli.convert import convert_to_gguf, write_gguf  # noqa: E402
-from pluginfer.core.gguf_checkpoint import GGMLTensor  # noqa: E402
-from pluginfer.core.loader import iter_weights, read_hf_config  # noqa: E402
-from pluginfer.core.tokenizer import load_tokenizer  # noqa: E402
-from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts, save_hf_model  # noqa: E402
-from tests.quant.gguf_helpers import transformers_from_gguf  # noqa: E402
+from pluginfer import LLM
+from pluginfer.cli.convert import convert_to_gguf, write_gguf
+from pluginfer.core.gguf_checkpoint import GGMLTensor
+from pluginfer.core.loader import iter_weights, read_hf_config
+from pluginfer.core.tokenizer import load_tokenizer
+from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts, save_hf_model
+from tests.quant.gguf_helpers import transformers_from_gguf
 
 # Types ggml_blocks quantizes (as gguf-py / llama.cpp do); K-quants need rows of 256 (a wider model below).
 BLOCK_TYPES = ["f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]

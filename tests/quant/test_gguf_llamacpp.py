@@ -8,16 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
-
-from pluginfer import LLM  # noqa: E402
-from pluginfer.core.gguf_checkpoint import GGMLTensor  # noqa: E402
-from pluginfer.core.loader import iter_weights, read_hf_config  # noqa: E402
-from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts  # noqa: E402
-from tests.quant.gguf_helpers import transformers_from_gguf  # noqa: E402
+from pluginfer import LLM
+from pluginfer.core.gguf_checkpoint import GGMLTensor
+from pluginfer.core.loader import iter_weights, read_hf_config
+from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts
+from tests.quant.gguf_helpers import transformers_from_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FILES = {  # file -> (architecture, the type of its linear weights)

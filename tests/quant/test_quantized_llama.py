@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
@@ -12,8 +13,6 @@ from pluginfer import LLM
 from pluginfer.core.registry import PluginError
 from pluginfer.quant.int8 import dequantize_int8, quantize_int8
 from tests.checkpoints import greedy, prefill_logits, random_prompts
-
-gguf = pytest.importorskip("gguf")
 
 METHODS = ["int8", "q8_0"]
 
