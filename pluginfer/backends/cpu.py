@@ -95,15 +95,16 @@ class CpuBackend:
     device = torch.device("cpu")
     default_collective = "gloo"
 
-    def __init__(self, config: object = None, rank: RankInfo | None = None) -> None:
+    def __init__(self, config: object = None, rank: RankInfo | None = None, native_kernels: bool = True) -> None:
+        """``native_kernels`` False: the torch path only, nothing compiled or probed (the metal backend's use)."""
         threads = os.environ.get("PLUGINFER_CPU_THREADS")
         if threads:
             torch.set_num_threads(int(threads))
         elif rank is not None and rank.local_world_size > 1:  # ranks on one machine share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world_size))
-        reason = native.available()
+        reason = native.available() if native_kernels else "not asked for"
         self.native_kernels = reason is None
-        if reason is not None:
+        if reason is not None and native_kernels:
             _report_unavailable(reason)
 
     def op(self, name: str) -> Callable | None:

@@ -11,4 +11,7 @@ def pluginfer_backends() -> list[PluginSpec]:
         PluginSpec(kind="backend", name="cuda", factory="pluginfer.backends.cuda:build",
                    check="pluginfer.backends.cuda:why_not_usable", priority=20,
                    description="NVIDIA GPUs (cuda:local_rank): Triton kernels, KV cache in device memory"),
+        PluginSpec(kind="backend", name="metal", aliases=("mps",), factory="pluginfer.backends.metal:build",
+                   check="pluginfer.backends.metal:why_not_usable", priority=10,
+                   description="Apple GPUs through torch's mps device: torch attention over gathered pages"),
     ]
