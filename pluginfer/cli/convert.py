@@ -69,7 +69,8 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
     """
     import gguf
 
-    from pluginfer.core.gguf_checkpoint import GGMLTensor, permute_rows
+    from pluginfer.core.gguf_checkpoint import GGMLTensor
+    from pluginfer.models.gguf_llama import permute_rows
 
     names = [a for a in config.get("architectures") or [] if a in ARCHITECTURES]
     if not names:
@@ -159,7 +160,7 @@ def _write_hparams(writer: object, config: dict, file_type: object) -> None:
         writer.add_rope_scaling_factor(float(scaling["factor"]))
         writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
     elif scaling["rope_type"] == "llama3":  # as llama.cpp: per-frequency divisors in a rope_freqs tensor
-        from pluginfer.core.gguf_checkpoint import llama3_rope_factors
+        from pluginfer.models.gguf_llama import llama3_rope_factors
 
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(theta, head_dim, scaling).numpy())
     elif scaling["rope_type"] != "default":
