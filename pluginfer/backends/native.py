@@ -33,7 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.c", "panel_linear.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("cpu_kernels.c", "panel_linear.c", "quant_dot.c"))
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
 OPENMP_FLAG = "-fopenmp"
 BUILD_TIMEOUT_ENV = "PLUGINFER_NATIVE_BUILD_TIMEOUT"
@@ -278,6 +279,10 @@ def load() -> ctypes.CDLL:
         "panel_padded_outputs": (i64, [i64]),
         "pack_panels": (None, [pointer, pointer, i64, i64]),
         "panel_linear": (ctypes.c_int, [pointer] * 4 + [i64] * 3),
+        "quant_dot_supported": (ctypes.c_int, []),
+        "quant_dot_max_threads": (ctypes.c_int, []),
+        "quant_matmul": (ctypes.c_int, [ctypes.c_int, pointer, i64, i64, pointer, i64, i64, pointer]),
+        "quant_dot_quantize": (ctypes.c_int, [pointer, i64, i64, pointer, pointer]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(library, name)
@@ -484,13 +489,110 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return out
 
 
+# gguf.GGMLQuantizationType values quant_matmul handles (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
+QUANT_MATMUL_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+QUANT_ACTIVATIONS_ENV = "PLUGINFER_QUANT_ACTIVATIONS"
+
+
+def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor | None:
+    """``x @ W^T`` for float ``x [..., cols]`` and ``W`` the raw GGML blocks uint8 ``[rows, row_bytes]``,
+    without a float copy of ``W`` (``csrc/quant_dot.c``): each row of ``x`` is quantized per block of
+    32 to int8 with a float32 scale, as llama.cpp's Q8_0, and multiplied with the weights' levels in
+    integers. The result has ``x``'s dtype (float16/bfloat16 ``x`` is converted to float32 and back).
+    None: a type, dtype, device or layout it does not handle; use the dequantizing path."""
+    qtype = int(qtype)
+    if (qtype not in QUANT_MATMUL_TYPES or raw.dtype != torch.uint8 or raw.dim() != 2 or not raw.is_contiguous()
+            or raw.device.type != "cpu" or x.device.type != "cpu" or not x.dtype.is_floating_point
+            or x.shape[-1] != cols):
+        return None
+    rows = x.numel() // cols if cols else 0
+    flat = x.reshape(rows, cols).to(torch.float32).contiguous()
+    out = torch.empty(*x.shape[:-1], raw.shape[0], dtype=torch.float32)
+    status = load().quant_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1],
+                                 out.data_ptr())
+    if status == -3:
+        raise MemoryError("quant_matmul could not allocate its activation buffer")
+    if status != 0:  # -2: the columns are not whole blocks filling each row; -4: no kernel on this CPU
+        raise ValueError(f"quant_matmul: status {status} for GGML type {qtype}, {cols} columns, rows of "
+                         f"{raw.shape[1]} bytes")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation quantization of :func:`ggml_quant_matmul` alone (for tests): float32 ``[rows, cols]``
+    to int8 levels ``[rows, cols]`` and float32 scales ``[rows, cols / 32]``."""
+    x = x.to(torch.float32).contiguous()
+    rows, cols = x.shape
+    levels = torch.empty(rows, cols, dtype=torch.int8)
+    scales = torch.empty(rows, cols // 32, dtype=torch.float32)
+    status = load().quant_dot_quantize(x.data_ptr(), rows, cols, levels.data_ptr(), scales.data_ptr())
+    if status != 0:
+        raise ValueError(f"quantize_activations: status {status} for shape {tuple(x.shape)}")
+    return levels, scales
+
+
+class GGMLDequantize:
+    """The ``ggml_dequantize`` op where the fused matmul runs too: calls :func:`ggml_dequantize`, and
+    ``quant_matmul`` is the fused int8-activation matmul for the same blocks (``op("ggml_quant_matmul")``).
+    Layers built with the one op reach the other, and ``ggml_blocks.ggml_linear`` picks between them by
+    row count. Where the fused kernel is off (no AVX-512 VNNI, ``PLUGINFER_QUANT_ACTIVATIONS=float``)
+    the op is plain :func:`ggml_dequantize`."""
+
+    def __init__(self, dequantize: Callable, quant_matmul: Callable) -> None:
+        self.dequantize, self.quant_matmul = dequantize, quant_matmul
+
+    def __call__(self, raw: torch.Tensor, qtype: int, cols: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.dequantize(raw, qtype, cols, out)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, message)
+
+
+def quant_dot_supported() -> bool:
+    """Whether this CPU runs the fused quantized matmul (AVX-512 VNNI; ``csrc/quant_dot.c``)."""
+    return bool(load().quant_dot_supported())
+
+
+def quant_matmul_op() -> Callable | None:
+    """:func:`ggml_quant_matmul` where this CPU runs it (AVX-512 VNNI) and ``PLUGINFER_QUANT_ACTIVATIONS``
+    is not ``float``; else None. Says which, once per process."""
+    mode = os.environ.get(QUANT_ACTIVATIONS_ENV, "int8").lower()
+    if mode not in ("int8", "float"):
+        raise ValueError(f"{QUANT_ACTIVATIONS_ENV}={mode!r}: expected 'int8' (the default) or 'float'")
+    if mode == "float":
+        _log_once(logging.INFO, f"quantized linears: {QUANT_ACTIVATIONS_ENV}=float, float32 activations "
+                                "against dequantized tiles")
+        return None
+    if not quant_dot_supported():
+        _log_once(logging.WARNING, "quantized linears: no fused int8-activation kernel for this CPU (it needs "
+                                   "AVX-512 VNNI); tiles are dequantized into float32 for a float GEMM")
+        return None
+    _log_once(logging.INFO, "quantized linears: fused int8-activation kernel (AVX-512 VNNI) for Q4_0, Q4_1, "
+                            "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K")
+    return ggml_quant_matmul
+
+
 def op(name: str) -> Callable | None:
-    """The kernel for a layer op, or None; the panel ops need a CPU with AVX-512."""
+    """The kernel for a layer op, or None; the panel ops need a CPU with AVX-512, the fused quantized
+    matmul AVX-512 VNNI."""
     if name in ("pack_panels", "panel_linear") and not load().panel_linear_supported():
         return None
-    return OPS.get(name)
+    kernel = OPS.get(name)
+    if kernel is None or name not in ("ggml_quant_matmul", "ggml_dequantize"):
+        return kernel
+    quant_matmul = quant_matmul_op()
+    if name == "ggml_quant_matmul":
+        return quant_matmul
+    return kernel if quant_matmul is None else GGMLDequantize(kernel, quant_matmul)
 
 
 OPS = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_neox": rotary_neox,
        "ggml_dequantize": ggml_dequantize, "grouped_dequantize": grouped_dequantize,
-       "int4_dequantize": int4_dequantize, "pack_panels": pack_panels, "panel_linear": panel_linear}
+       "int4_dequantize": int4_dequantize, "pack_panels": pack_panels, "panel_linear": panel_linear,
+       "ggml_quant_matmul": ggml_quant_matmul}

@@ -12,7 +12,9 @@ The contract other modules (the GGUF loader, the in-situ quant methods) code aga
   ``ggml_quantize.py``, which also says how it matches gguf-py and llama.cpp);
 - ``ggml_linear(x, raw, qtype, cols, bias, dequantize_rows=None)``: ``x @ W.T + bias``, dequantizing
   a tile of rows at a time (``tiled.tiled_linear``), never the whole weight; ``dequantize_rows`` is
-  a backend's native tile dequantization (the cpu backend's ``ggml_dequantize`` op), if any.
+  a backend's native tile dequantization (the cpu backend's ``ggml_dequantize`` op), if any; where
+  that op carries a fused int8-activation matmul (``quant_matmul``), up to ``QUANT_MATMUL_MAX_ROWS``
+  rows run through it instead (``quantize_activations`` is its rounding of ``x``, in torch).
 
 Dequantization is bit-exact with ``gguf.quants.dequantize`` for every type in ``DEQUANTIZABLE``
 (a NaN, which only a NaN scale field or F16 weight produces, stays a NaN, its payload not kept).
@@ -212,17 +214,51 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType | int, cols: int,
 DequantizeKernel = Callable[[torch.Tensor, int, int, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused matmul's rounding of the activations (``native.ggml_quant_matmul``), in torch.
+
+    Float ``[..., cols]`` (``cols`` a multiple of 32) to int8 levels ``[..., cols]`` and float32 scales
+    ``[..., cols / 32]``, per block of 32 as llama.cpp's ``quantize_row_q8_0``: ``d = max|x| / 127``,
+    ``levels = round_half_even(x * (127 / max|x|))`` in float32 (the scale stays float32, not fp16).
+    A block of zeros, or one whose ``max|x|`` is below ~3.7e-37 (``127 / max|x|`` overflows), is all zero
+    with scale 0; a block holding a NaN or an infinity has zero levels and a NaN scale, so every output
+    of its row is NaN. The kernel multiplies the weights with exactly ``levels * scales``."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(dim=-1)
+    finite = torch.isfinite(blocks).all(dim=-1)
+    inverse = torch.where(amax != 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    usable = finite & torch.isfinite(inverse)
+    inverse = torch.where(usable, inverse, torch.zeros_like(inverse))
+    levels = torch.where(usable[..., None], torch.round(blocks * inverse[..., None]), torch.zeros_like(blocks))
+    scales = torch.where(usable, amax / 127, torch.zeros_like(amax))
+    scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
+    return levels.to(torch.int8).reshape(x.shape), scales
+
+
+# Up to this many rows (tokens) of ``x`` a linear runs the backend's fused int8-activation matmul when it
+# has one; more rows dequantize tiles for the float GEMM, faster at prefill sizes (docs/performance.md).
+QUANT_MATMUL_MAX_ROWS = 64
+
+
 def ggml_linear(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType | int, cols: int,
                 bias: torch.Tensor | None, dequantize_rows: DequantizeKernel | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``W = dequantize(raw, qtype, cols)``, one tile of output rows at a time.
 
     With ``dequantize_rows`` (a native kernel) each tile is dequantized by it, for float32 ``x``
     into one reused buffer (a tile is consumed by its matmul before the next is written); the
-    torch ``dequantize`` remains the path for the types the kernel declines (it returns None)."""
+    torch ``dequantize`` remains the path for the types the kernel declines (it returns None).
+    When the kernel carries a ``quant_matmul`` (the cpu backend's fused int8-activation matmul,
+    ``native.GGMLDequantize``), up to ``QUANT_MATMUL_MAX_ROWS`` rows of ``x`` go through it instead,
+    for the types it handles: ``x`` quantized per block of 32 to int8, no float copy of ``W``."""
     qtype = as_qtype(qtype)
     if dequantize_rows is None or raw.device.type != "cpu":
         return tiled_linear(x, raw.shape[0], lambda start, stop: dequantize(raw[start:stop], qtype, cols, x.dtype),
                             bias)
+    quant_matmul = getattr(dequantize_rows, "quant_matmul", None)
+    if quant_matmul is not None and x.numel() <= QUANT_MATMUL_MAX_ROWS * cols:
+        out = quant_matmul(x, raw, int(qtype), cols)
+        if out is not None:
+            return out if bias is None else out.add_(bias)
     into_buffer = x.dtype == torch.float32
 
     def tile(start: int, stop: int) -> torch.Tensor:
