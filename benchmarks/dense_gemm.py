@@ -30,7 +30,7 @@ def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head
             (2 * intermediate, hidden), (hidden, intermediate)]
 
 
-def median_seconds(fn, runs: int) -> float:  # noqa: ANN001
+def median_seconds(fn, runs: int) -> float:
     fn()
     samples = []
     for _ in range(runs):

@@ -60,7 +60,7 @@ def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
         LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(out, safe_serialization=True)
 
 
-def timed(fn, *args) -> float:  # noqa: ANN001
+def timed(fn, *args) -> float:
     start = time.perf_counter()
     fn(*args)
     return time.perf_counter() - start

@@ -43,7 +43,7 @@ class Meter:
             original = getattr(collective, name)
             setattr(collective, name, functools.partial(self._timed, name, original))
 
-    def _timed(self, name: str, original, *args, **kwargs):  # noqa: ANN001, ANN202 - any collective call
+    def _timed(self, name: str, original, *args, **kwargs):  # any collective call
         start = time.perf_counter()
         result = original(*args, **kwargs)
         self.seconds += time.perf_counter() - start

@@ -74,7 +74,7 @@ def write_packed(checkpoint: Path, out: Path, method: str) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def linear_bytes_per_parameter(llm) -> float:  # noqa: ANN001
+def linear_bytes_per_parameter(llm) -> float:
     total_bytes = total_params = 0
     for module in llm.engine.executor.pipeline.modules():
         if hasattr(module, "quant_method"):
@@ -84,7 +84,7 @@ def linear_bytes_per_parameter(llm) -> float:  # noqa: ANN001
     return total_bytes / total_params
 
 
-def timed(llm, prompts: list[list[int]], new_tokens: int) -> float:  # noqa: ANN001
+def timed(llm, prompts: list[list[int]], new_tokens: int) -> float:
     from pluginfer import SamplingParams
 
     start = time.perf_counter()

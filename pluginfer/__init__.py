@@ -19,7 +19,7 @@ __version__ = _version()
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "PLUGIN_API_VERSION", "__version__"]
 
 
-def __getattr__(name: str):  # noqa: ANN202 - LLM pulls in the engine; keep `import pluginfer` cheap
+def __getattr__(name: str) -> type:  # LLM pulls in the engine; keep `import pluginfer` cheap
     if name == "LLM":
         from pluginfer.llm import LLM
 

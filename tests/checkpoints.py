@@ -57,13 +57,13 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[i
     return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
 
 
-def greedy(max_tokens: int = 32):  # noqa: ANN201 - SamplingParams
+def greedy(max_tokens: int = 32):  # SamplingParams
     from pluginfer import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:  # noqa: ANN001 - pluginfer.LLM
+def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:  # pluginfer.LLM
     """Logits at every prompt position through our runner (the public API only exposes the last)."""
     from pluginfer.core.scheduler import ScheduledSequence
     from pluginfer.core.sequence import Sequence

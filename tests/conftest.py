@@ -82,7 +82,7 @@ def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectRep
     return report
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     from tests import native_usage
 
     terminalreporter.section("native kernel families exercised")

@@ -62,7 +62,7 @@ def install() -> None:
     counted_names = [name for functions, _ in FAMILIES.values() for name in functions]
 
     @functools.lru_cache(maxsize=1)
-    def load():  # noqa: ANN202 - the ctypes.CDLL native.load returns
+    def load():  # the ctypes.CDLL native.load returns
         library = unwrapped()
         for name in counted_names:
             if hasattr(library, name):  # a kernel another branch adds may be absent from this build

@@ -121,7 +121,7 @@ def test_n_choices_differ_and_a_seed_reproduces_them(llm, tiny_llama_checkpoint)
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
 
 
-def _full_greedy(llm: LLM, max_tokens: int = 20):  # noqa: ANN202 - CompletionOutput
+def _full_greedy(llm: LLM, max_tokens: int = 20):  # CompletionOutput
     return llm.generate(PROMPTS[1], _greedy(max_tokens))[0].outputs[0]
 
 

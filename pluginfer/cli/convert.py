@@ -13,9 +13,13 @@ import argparse
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 # HF architecture -> GGUF general.architecture.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
@@ -43,7 +47,7 @@ def run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _qtype(name: str):  # noqa: ANN202 - gguf.GGMLQuantizationType
+def _qtype(name: str) -> GGMLQuantizationType:
     from gguf import GGMLQuantizationType
 
     return GGMLQuantizationType[name.upper()]

@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from pluginfer.cli.chat_loop import chat_loop
+
+if TYPE_CHECKING:
+    from pluginfer.core.config import EngineConfig
+    from pluginfer.core.engine import LLMEngine
+    from pluginfer.core.sequence import SamplingParams
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +45,7 @@ def register(commands: argparse._SubParsersAction, add_engine_arguments: Callabl
     chat.set_defaults(run=run_chat)
 
 
-def _params(args: argparse.Namespace, config):  # noqa: ANN001, ANN202
+def _params(args: argparse.Namespace, config: EngineConfig) -> SamplingParams:
     from pluginfer.core.sequence import SamplingParams
 
     defaults = config.sampling
@@ -53,7 +59,7 @@ def _params(args: argparse.Namespace, config):  # noqa: ANN001, ANN202
     )
 
 
-def _engine(args: argparse.Namespace):  # noqa: ANN202
+def _engine(args: argparse.Namespace) -> tuple[LLMEngine, EngineConfig]:
     from pluginfer.cli import engine_config
     from pluginfer.core.engine import LLMEngine
 

@@ -38,7 +38,3 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1

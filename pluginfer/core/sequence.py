@@ -133,7 +133,6 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # tokens found through prefix caching
     generator: object | None = None  # torch.Generator when params.seed is set
     grammar: object | None = None  # llguidance matcher when params.structured_outputs is set
-    output_text: str = ""  # filled by the detokenizer
 
     @property
     def token_ids(self) -> list[int]:

@@ -23,6 +23,8 @@ scales from the first order to the second after loading.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -117,7 +119,7 @@ class MarlinLinear:
         layer.register_parameter("s", scales)
 
     @staticmethod
-    def _tile_loader(layer: nn.Module):  # noqa: ANN205 - the weight_loader callable
+    def _tile_loader(layer: nn.Module) -> Callable[..., None]:
         """Load ``B`` through the layer's own loader, seen as ``[in / 16, out, 2]``: two words per output.
 
         Marlin's permutation stays within runs of 64 outputs, so a slice of outputs (a tensor-parallel

@@ -23,7 +23,7 @@ TOLERANCE = {"float32": dict(atol=2e-5, rtol=2e-5), "bfloat16": dict(atol=3e-2, 
              "float16": dict(atol=5e-3, rtol=5e-3), "exact": dict(atol=0, rtol=0)}
 
 
-def _tensors(seed: int):  # noqa: ANN202 - a seeded random-tensor maker
+def _tensors(seed: int):  # a seeded random-tensor maker
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -96,7 +96,7 @@ def case_rotary(dtype: str, neox: bool, rotary_dim: int) -> dict:
 
 # -- paged attention ---------------------------------------------------------------------------------
 def _paged(seq_lens: list[int], query_lens: list[int], heads: int, kv_heads: int, head_dim: int, v_dim: int,
-           block_size: int, dtype: torch.dtype, seed: int, latent: bool = False):  # noqa: ANN202
+           block_size: int, dtype: torch.dtype, seed: int, latent: bool = False):
     randn, generator = _tensors(seed)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     order = torch.randperm(num_blocks, generator=generator)

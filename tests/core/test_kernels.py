@@ -98,7 +98,7 @@ BLOCK_SIZE, NUM_BLOCKS, HEADS, KV_HEADS, HEAD_DIM = 4, 32, 4, 2, 16
 
 
 def _attention_case(seq_lens: list[int], query_lens: list[int], v_dim: int, kv_heads: int, dtype: torch.dtype,
-                    seed: int = 0):  # noqa: ANN202 - a tuple of test tensors
+                    seed: int = 0):  # a tuple of test tensors
     generator = torch.Generator().manual_seed(seed)
     blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
     tables, used = [], 0
@@ -115,7 +115,7 @@ def _attention_case(seq_lens: list[int], query_lens: list[int], v_dim: int, kv_h
     return tables, key_cache, value_cache, query, key, value
 
 
-def _reference_attention(batch, query, key, value, key_cache, value_cache, scale, window, cap):  # noqa: ANN001, ANN202
+def _reference_attention(batch, query, key, value, key_cache, value_cache, scale, window, cap):
     """Through the table with nothing registered: every op is its reference."""
     batch.attention = kernels.paged_attention_metadata(batch)
     return kernels.paged_attention(KernelTable("reference"), query, key, value, (key_cache, value_cache), batch,

@@ -48,7 +48,7 @@ def hf_rotate(rope_scaling: dict, query: torch.Tensor, key: torch.Tensor,
 
 
 @pytest.fixture
-def context(cpu_backend) -> BuildContext:  # noqa: ANN001
+def context(cpu_backend) -> BuildContext:
     return make_context(cpu_backend, max_model_len=MAX_POSITIONS)
 
 

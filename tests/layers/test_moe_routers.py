@@ -88,7 +88,7 @@ def test_correction_bias_chooses_but_does_not_weigh() -> None:
     assert torch.allclose(chosen, logits[:, 5].sigmoid())
 
 
-def _hf_config(arch: str, **fields):  # noqa: ANN202 - a transformers config
+def _hf_config(arch: str, **fields):  # a transformers config
     import transformers
 
     return getattr(transformers, arch).config_class(

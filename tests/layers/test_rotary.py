@@ -24,7 +24,7 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 
 
 @pytest.fixture
-def context(cpu_backend) -> BuildContext:  # noqa: ANN001
+def context(cpu_backend) -> BuildContext:
     return make_context(cpu_backend, max_model_len=256)
 
 

@@ -67,7 +67,7 @@ def test_unsupported_field_fails_at_build_naming_it(name: str) -> None:
                                         "sliding_window_pattern": 2}),
     (phi.build, "Phi3ForCausalLM", {"rope_scaling": {**LONGROPE, "type": "su"}, "original_max_position_embeddings": 32}),
 ], ids=["gemma2-hub-defaults", "gemma3-hub-rope-fields", "phi3-su"])
-def test_hub_style_configs_build(build, architecture: str, overrides: dict) -> None:  # noqa: ANN001
+def test_hub_style_configs_build(build, architecture: str, overrides: dict) -> None:
     """The fields hub checkpoints carry (before transformers 5 rewrote them) are read, not rejected."""
     ctx = make_context(cpu.build(), max_model_len=64)
     with building(ctx):

@@ -40,7 +40,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_hub_spelled_config_matches_transformers(name: str, tmp_path, tiny_tokenizer_dir) -> None:  # noqa: ANN001
+def test_hub_spelled_config_matches_transformers(name: str, tmp_path, tiny_tokenizer_dir) -> None:
     arch, overrides, dropped, added = CASES[name]
     model = save_hf_model(arch, {**BASE, **overrides}, tmp_path, tiny_tokenizer_dir)
     config = json.loads((tmp_path / "config.json").read_text())

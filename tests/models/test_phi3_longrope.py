@@ -21,12 +21,12 @@ CONFIG = {**BASE, "original_max_position_embeddings": ORIGINAL, "partial_rotary_
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_tokenizer_dir):  # noqa: ANN001, ANN201
+def checkpoint(tmp_path_factory, tiny_tokenizer_dir):
     out = tmp_path_factory.mktemp("phi3-longrope")
     return out, save_hf_model("Phi3ForCausalLM", CONFIG, out, tiny_tokenizer_dir)
 
 
-def test_sequences_past_the_original_length_match_transformers(checkpoint) -> None:  # noqa: ANN001
+def test_sequences_past_the_original_length_match_transformers(checkpoint) -> None:
     path, model = checkpoint
     llm = LLM(model=str(path), dtype="float32", num_blocks=64, block_size=8)  # max_model_len 256 > 48
     assert llm.engine.executor.pipeline.model.layers[0].self_attn.rotary_emb.use_long_factors
@@ -38,7 +38,7 @@ def test_sequences_past_the_original_length_match_transformers(checkpoint) -> No
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 16) for p in prompts]
 
 
-def test_a_run_within_the_original_length_uses_the_short_factors(checkpoint) -> None:  # noqa: ANN001
+def test_a_run_within_the_original_length_uses_the_short_factors(checkpoint) -> None:
     path, model = checkpoint
     llm = LLM(model=str(path), dtype="float32", num_blocks=64, block_size=8, max_model_len=ORIGINAL)
     prompts = random_prompts(model.config.vocab_size, [20, 31], seed=2)
