@@ -1,4 +1,5 @@
-"""Pieces shared by the multi-process collectives: traffic counters, partition checks, gather layout."""
+"""Pieces every multi-process ``Collective`` shares (built-in and plugins): traffic counters, partition checks,
+gather layout."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""``Collective`` over ``torch.distributed``: the ``gloo`` (CPU tensors) and ``nccl`` (CUDA tensors) plugins.
+"""``Collective`` over a ``torch.distributed`` process group, for any library registered with torch.distributed.
+
+The built-in ``gloo`` and ``nccl`` plugins (``pluginfer/collectives/torch_distributed.py``) and out-of-tree
+ones (the gcu plugin's ``eccl``) build on it: ``join(library, config, rank, device)`` makes the world,
+``new_group`` the subgroups. It lives in the core because plugins import the core, never each other.
 
 Rendezvous. With ``rank.launcher == "torchrun"`` the store comes from ``env://`` (torchrun sets
 ``MASTER_ADDR``/``MASTER_PORT``; under its elastic agent every rank is a client of the agent's store).
@@ -27,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pluginfer.collectives._common import Stats, check_partition, concat_gathered, count
+from pluginfer.core.collective_common import Stats, check_partition, concat_gathered, count
 
 if TYPE_CHECKING:
     from pluginfer.core.config import EngineConfig
@@ -42,8 +46,12 @@ class TorchDistributedCollective:
     """One process group of ``torch.distributed`` (the world, or a group made by ``new_group``)."""
 
     def __init__(self, backend: str, device: torch.device, timeout: timedelta,
-                 group: Any = None, ranks: list[int] | None = None, store: Any = None) -> None:
+                 group: Any = None, ranks: list[int] | None = None, store: Any = None,
+                 gather_into_tensor: bool = False, bind_device: bool = False) -> None:
+        """``gather_into_tensor``: the library has ``all_gather_into_tensor`` (NCCL-like device libraries);
+        ``bind_device``: it takes the device at init and in ``barrier`` (NCCL)."""
         self.backend, self.device, self._timeout = backend, device, timeout
+        self.gather_into_tensor, self.bind_device = gather_into_tensor, bind_device
         self._group = group  # None: the default (world) group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -81,7 +89,7 @@ class TorchDistributedCollective:
         tensor = tensor.contiguous()
         count(self.stats, "all_gather", tensor.nbytes)
         stacked = tensor.new_empty((self.world_size, *tensor.shape))
-        if self.backend == "nccl":
+        if self.gather_into_tensor:
             dist.all_gather_into_tensor(stacked, tensor, group=self._group)
         else:  # the slices of ``stacked`` are contiguous: gloo writes straight into it
             dist.all_gather(list(stacked.unbind(0)), tensor, group=self._group)
@@ -142,7 +150,7 @@ class TorchDistributedCollective:
     # -- control -----------------------------------------------------------------------------------
     def barrier(self) -> None:
         count(self.stats, "barrier", 0)
-        if self.backend == "nccl":
+        if self.bind_device:
             dist.barrier(group=self._group, device_ids=[self.device.index or 0])
         else:
             dist.barrier(group=self._group)
@@ -156,7 +164,8 @@ class TorchDistributedCollective:
             if self.rank in group:
                 mine = (made, members)
         assert mine is not None  # check_partition: every rank is in one group
-        return TorchDistributedCollective(self.backend, self.device, self._timeout, *mine)
+        return TorchDistributedCollective(self.backend, self.device, self._timeout, *mine,
+                                          gather_into_tensor=self.gather_into_tensor, bind_device=self.bind_device)
 
     def close(self) -> None:
         if self._closed:
@@ -190,8 +199,11 @@ def _unpickle(payload: torch.Tensor) -> Any:
     return pickle.loads(payload.cpu().numpy().tobytes())
 
 
-# -- rendezvous and factories ---------------------------------------------------------------------
-def _join(backend: str, config: EngineConfig, rank: RankInfo, device: torch.device) -> TorchDistributedCollective:
+# -- rendezvous ----------------------------------------------------------------------------------------
+def join(backend: str, config: EngineConfig, rank: RankInfo, device: torch.device,
+         gather_into_tensor: bool = False, bind_device: bool = False) -> TorchDistributedCollective:
+    """Join the world of ``rank.world_size`` processes over the torch.distributed ``backend`` (a library name
+    such as "gloo", "nccl", "eccl"), tensors on ``device``; bounded by ``config.parallel.timeout_s``."""
     if dist.is_initialized():
         raise RuntimeError(f"collective {backend}: this process already has a torch.distributed world "
                            "(close the previous collective first)")
@@ -221,10 +233,11 @@ def _join(backend: str, config: EngineConfig, rank: RankInfo, device: torch.devi
                                f"{where} within {seconds:g} s: {_first_line(exc)}") from exc
         key = "arrived"
     _wait_for_everyone(dist.PrefixStore("pluginfer", store), key, backend, rank, where, seconds)
-    extra = {"device_id": device} if backend == "nccl" else {}
+    extra = {"device_id": device} if bind_device else {}
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank.rank,
                             world_size=rank.world_size, timeout=timeout, **extra)
-    return TorchDistributedCollective(backend, device, timeout, store=store)
+    return TorchDistributedCollective(backend, device, timeout, store=store, gather_into_tensor=gather_into_tensor,
+                                      bind_device=bind_device)
 
 
 def _wait_for_everyone(store: Any, key: str, backend: str, rank: RankInfo, where: str, seconds: float) -> None:
@@ -241,36 +254,3 @@ def _wait_for_everyone(store: Any, key: str, backend: str, rank: RankInfo, where
         cause = "" if isinstance(exc, TimeoutError) else f" (rendezvous lost: {_first_line(exc)})"
         raise RuntimeError(f"collective {backend}: {arrived} of {rank.world_size} ranks arrived at the "
                            f"rendezvous {where} within {seconds:g} s{cause}") from exc
-
-
-def build_gloo(config: EngineConfig, rank: RankInfo) -> TorchDistributedCollective:
-    """The ``gloo`` plugin: CPU tensors, any number of ranks on one or several machines."""
-    return _join("gloo", config, rank, torch.device("cpu"))
-
-
-def build_nccl(config: EngineConfig, rank: RankInfo) -> TorchDistributedCollective:
-    """The ``nccl`` plugin: tensors on ``cuda:{rank.local_rank}``, which becomes this process's device."""
-    reason = nccl_unavailable()
-    if reason is not None:
-        raise RuntimeError(f"collective nccl cannot run here: {reason}")
-    device = torch.device("cuda", rank.local_rank)
-    torch.cuda.set_device(device)
-    return _join("nccl", config, rank, device)
-
-
-def gloo_unavailable() -> str | None:
-    """Availability check of ``gloo``: None when usable, else why not."""
-    if not dist.is_available():
-        return "torch was built without torch.distributed"
-    if not dist.is_gloo_available():
-        return "torch was built without the gloo backend"
-    return None
-
-
-def nccl_unavailable() -> str | None:
-    """Availability check of ``nccl``: None when usable, else why not."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    if not dist.is_available() or not dist.is_nccl_available():
-        return "torch was built without NCCL"
-    return None

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pluginfer.collectives import mpi as mpi_plugin
-from pluginfer.collectives._common import check_partition, concat_gathered
+from pluginfer.core.collective_common import check_partition, concat_gathered
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.protocols import Collective, RankInfo
 from pluginfer.core.registry import get_registry
