@@ -89,8 +89,9 @@ class TorchDistributedCollective:
         tensor = tensor.contiguous()
         count(self.stats, "all_gather", tensor.nbytes)
         stacked = tensor.new_empty((self.world_size, *tensor.shape))
-        if self.gather_into_tensor:
-            dist.all_gather_into_tensor(stacked, tensor, group=self._group)
+        if self.gather_into_tensor:  # into the ranks' tensors concatenated along dim 0: the form every library takes
+            output = stacked.view(-1, *tensor.shape[1:]) if tensor.dim() else stacked
+            dist.all_gather_into_tensor(output, tensor, group=self._group)
         else:  # the slices of ``stacked`` are contiguous: gloo writes straight into it
             dist.all_gather(list(stacked.unbind(0)), tensor, group=self._group)
         return concat_gathered(stacked, dim)

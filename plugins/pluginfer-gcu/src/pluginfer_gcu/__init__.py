@@ -1,0 +1,1 @@
+"""pluginfer device plugin for Enflame GCUs (``torch_gcu``): the ``gcu`` backend and the ``eccl`` collective."""
