@@ -200,7 +200,9 @@ def test_plugins_command_lists_them():
     result = subprocess.run([sys.executable, "-m", "pluginfer", "plugins"], capture_output=True, text=True,
                             timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr
-    lines = {line.split(" - ")[0].strip(): line for line in result.stdout.splitlines() if " - " in line}
+    # "  collective gloo: description - usable": keyed by "collective gloo"
+    lines = {line.split(" - ")[0].split(":")[0].strip(): line for line in result.stdout.splitlines()
+             if " - " in line}
     assert lines["collective gloo"].endswith("- usable"), result.stdout
     assert lines["collective mpi"].endswith("- usable"), result.stdout
     if not torch.cuda.is_available():
