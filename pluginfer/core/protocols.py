@@ -292,10 +292,12 @@ class DeviceBackend(Protocol):
         """Wait for queued device work (timings and host reads)."""
 
     def op(self, name: str) -> Any:
-        """Optional: a faster kernel for a layer op ("rms_norm", "silu_and_mul", "rotary_neox"), or None.
+        """Optional: a faster kernel for a layer or quant op ("rms_norm", "rotary_neox", "marlin_matmul", ...), or None.
 
         Layers look it up once when built and fall back to their torch reference when the
-        kernel returns None (or False) for inputs it does not handle. Signatures are those of
+        kernel returns None (or False) for inputs it does not handle. Ops and their signatures are
+        those of ``pluginfer.core.kernels`` (a backend keeps a ``KernelTable``); the cpu backend also
+        answers its own weight-layout ops (``pack_panels``, ``ggml_dequantize``, ...) from
         ``pluginfer.backends.native``.
         """
 
