@@ -142,11 +142,12 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Ten
     rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
     if not rows:
         return logits
-    allowed = fill_token_bitmask([seqs[i].grammar for i in rows], logits.shape[1]).to(logits.device)
+    forbidden = fill_token_bitmask([seqs[i].grammar for i in rows], logits.shape[1], forbidden=True)
+    forbidden = forbidden.to(logits.device)
     if len(rows) == len(seqs):
-        return logits.masked_fill(~allowed, float("-inf"))
+        return logits.masked_fill(forbidden, float("-inf"))
     index = torch.tensor(rows, device=logits.device)
-    return logits.index_copy(0, index, logits[index].masked_fill(~allowed, float("-inf")))
+    return logits.index_copy(0, index, logits[index].masked_fill(forbidden, float("-inf")))
 
 
 class Sampler:

@@ -157,8 +157,8 @@ def accept_token(matcher: Any, token_id: int) -> bool:
 _executor: Any = None
 
 
-def fill_token_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor:
-    """[len(matchers), vocab_size] bool: the tokens each matcher allows next."""
+def fill_token_bitmask(matchers: list[Any], vocab_size: int, forbidden: bool = False) -> torch.Tensor:
+    """[len(matchers), vocab_size] bool: the tokens each matcher allows next (``forbidden``: the others)."""
     global _executor
     import numpy as np
     import torch
@@ -172,6 +172,8 @@ def fill_token_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     # import torch.compile, seconds at start-up, for this one call).
     _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data,
                                       words * 4, len(matchers))
+    if forbidden:
+        np.invert(bitmask, out=bitmask)  # on the words: 32 times fewer elements than on the unpacked mask
     # Little-endian int32 words: bit j of word w is token 32 * w + j.
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
-    return torch.from_numpy(allowed.view(np.bool_))
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
