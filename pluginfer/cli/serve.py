@@ -23,10 +23,13 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
     """--config, then the engine and server flags on top; an unknown reasoning parser fails here."""
     from pluginfer.cli import engine_config
     from pluginfer.server.reasoning import get_reasoning_parser
+    from pluginfer.server.tool_parsers import get_tool_parser
 
     config = engine_config(args)
     if config.server.reasoning_parser:
         get_reasoning_parser(config.server.reasoning_parser)  # before the model loads, not after
+    if config.server.tool_call_parser:
+        get_tool_parser(config.server.tool_call_parser)
     return config
 
 

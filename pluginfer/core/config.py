@@ -65,6 +65,9 @@ class ServerConfig(_Section):
     max_logprobs: int = Field(20, ge=0, le=20, description="Most top logprobs a request may ask for.")
     reasoning_parser: str | None = Field(
         None, description="deepseek_r1 or qwen3: <think> text to reasoning_content.")
+    tool_call_parser: str | None = Field(
+        None, description="hermes (qwen), llama3_json, mistral or deepseek_v3 (deepseek_v31): reads the tool "
+                          "calls of tool_choice auto.")
 
 
 class SamplingDefaults(_Section):

@@ -38,9 +38,10 @@ def eos_token_ids(tokenizer: Any, model_path: Path, hf_config: dict) -> set[int]
 
 
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
-                **template_kwargs: Any) -> str:
-    """The prompt text for a conversation, from the checkpoint's chat template."""
+                tools: list[dict] | None = None, **template_kwargs: Any) -> str:
+    """The prompt text for a conversation (and the tools it may call, OpenAI's format), from the
+    checkpoint's chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat_template; use completions with a plain prompt")
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         tokenize=False, **template_kwargs)
+                                         tokenize=False, tools=tools, **template_kwargs)

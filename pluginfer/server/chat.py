@@ -6,19 +6,23 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
+from pluginfer.core.sequence import SamplingParams
+from pluginfer.core.structured import StructuredOutputsParams
 from pluginfer.core.tokenizer import render_chat
 from pluginfer.server.errors import bad_request
 from pluginfer.server.grammar import compile_grammar
 from pluginfer.server.logprobs import TokenText, chat_logprobs
 from pluginfer.server.protocol import ChatCompletionRequest
-from pluginfer.server.reasoning import ReasoningStream
+from pluginfer.server.reasoning import ReasoningParser, ReasoningStream
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import run_requests, stream_response, usage
+from pluginfer.server.tools import ToolCalling, ToolCallOutput, template_renders_tools
 
 
 def render_prompt(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool,
@@ -34,9 +38,13 @@ def render_prompt(state: ServerState, messages: list[dict[str, Any]], add_genera
     return state.tokenizer.encode(text, add_special_tokens=False)
 
 
-def template_kwargs(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any]:
-    """``chat_template_kwargs``, and ``reasoning_effort`` for a template that reads it (else a 400)."""
+def template_kwargs(state: ServerState, body: ChatCompletionRequest, tools: ToolCalling | None) -> dict[str, Any]:
+    """``chat_template_kwargs``, the tools, and ``reasoning_effort`` for a template that reads it (else a 400)."""
     kwargs = dict(body.chat_template_kwargs or {})
+    if tools is not None:
+        if not template_renders_tools(getattr(state.tokenizer, "chat_template", None)):
+            raise bad_request("tools: this model's chat template does not render tools", "tools")
+        kwargs["tools"] = tools.template_tools()
     if body.reasoning_effort is not None:
         if "reasoning_effort" not in str(getattr(state.tokenizer, "chat_template", None) or ""):
             raise bad_request("reasoning_effort: this model's chat template does not read it",
@@ -49,15 +57,19 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request, ChatCompletionRequest)
     state.check_model(body.model)
+    tools = ToolCalling.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                     state.config.server.tool_call_parser)
     params = body.sampling_params(state.config.sampling, state.config.server.max_logprobs)
-    grammar = body.grammar()
-    if grammar is not None:
-        await compile_grammar(state, *grammar)
+    params, grammars = _with_tools(state, params, body.grammar(), tools)
+    for grammar, field in grammars:
+        await compile_grammar(state, grammar, field)
     prompt = render_prompt(state, [m.for_template() for m in body.messages], body.add_generation_prompt,
-                           template_kwargs(state, body))
+                           template_kwargs(state, body, tools))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     outputs = run_requests(state, [prompt], params, request_id, "messages")
-    answer = _ChatAnswer(state, body, request_id)
+    # A grammar holds from the first token: there is no <think> section to split off.
+    reasoning = state.reasoning_parser if params.structured_outputs is None else None
+    answer = _ChatAnswer(state, body, request_id, reasoning, tools)
     if body.stream:
         return await stream_response(request, answer.chunks(outputs))
     final: RequestOutput | None = None
@@ -68,11 +80,80 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     return web.json_response(answer.completion(final))
 
 
+def _with_tools(state: ServerState, params: SamplingParams, grammar: tuple[StructuredOutputsParams, str] | None,
+                tools: ToolCalling | None) -> tuple[SamplingParams, list[tuple[StructuredOutputsParams, str]]]:
+    """The request's parameters with the grammar tool_choice needs, and the grammars to compile (each
+    with the request field a failure names)."""
+    grammars = [grammar] if grammar else []
+    if tools is None:
+        return params, grammars
+    tool_grammar = tools.grammar()
+    if tool_grammar is not None:
+        if grammar is not None:
+            raise bad_request(f"tool_choice {tools.mode} constrains the output itself; it cannot be combined "
+                              f"with {grammar[1]}", "tool_choice")
+        params = replace(params, structured_outputs=tool_grammar)
+        grammars.append((tool_grammar, "tools"))
+    if tools.parser is not None and tools.parser.needs_special_tokens:  # e.g. Mistral's [TOOL_CALLS]
+        params = replace(params, skip_special_tokens=False)
+        tools.special_tokens = list(getattr(state.tokenizer, "all_special_tokens", []))
+    return params, tools.parameter_grammars() + grammars
+
+
+class _ChoiceText:
+    """One choice's output text as reasoning, content and tool calls: whole, or as stream deltas."""
+
+    def __init__(self, reasoning: type[ReasoningParser] | None, tools: ToolCalling | None) -> None:
+        self.reasoning = ReasoningStream(reasoning()) if reasoning else None
+        self.tools: ToolCallOutput | None = tools.new_output() if tools else None
+        self.sent = 0
+
+    @property
+    def called(self) -> bool:
+        return bool(self.tools and self.tools.sent_calls)
+
+    def message(self, text: str) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant"}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.parser.split(text, final=True)
+            message["reasoning_content"] = reasoning or None
+        if self.tools is None:
+            message["content"] = text
+            return message
+        message["content"], calls = self.tools.message(text)
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+    def delta(self, text: str, final: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if self.reasoning is not None:
+            reasoning, _ = self.reasoning.delta(text, final)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            text = self.reasoning.content
+        if self.tools is not None:
+            content, calls = self.tools.delta(text, final)
+            if calls:
+                delta["tool_calls"] = calls
+        else:
+            content, self.sent = text[self.sent:], len(text)
+        if content:
+            delta["content"] = content
+        return delta
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 class _ChatAnswer:
     """Builds the response body, or the chunks of the stream, from the engine's outputs."""
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str) -> None:
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str,
+                 reasoning: type[ReasoningParser] | None, tools: ToolCalling | None) -> None:
         self.state, self.body, self.id = state, body, request_id
+        self.reasoning, self.tools = reasoning, tools
         self.created = int(time.time())
         self.text_of = TokenText(state.tokenizer)
         self.top_count = body.top_logprobs or 0
@@ -85,12 +166,9 @@ class _ChatAnswer:
     def completion(self, output: RequestOutput) -> dict[str, Any]:
         choices = []
         for choice in output.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
-            if self.state.reasoning_parser is not None:
-                reasoning, content = self.state.reasoning_parser().split(choice.text, final=True)
-                message.update(content=content, reasoning_content=reasoning or None)
+            message = _ChoiceText(self.reasoning, self.tools).message(choice.text)
             choices.append({"index": choice.index, "message": message, "logprobs": self._logprobs(choice),
-                            "finish_reason": choice.finish_reason})
+                            "finish_reason": _finish_reason(choice.finish_reason, "tool_calls" in message)})
         generated = sum(len(choice.token_ids) for choice in output.outputs)
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.state.model_name, "choices": choices,
@@ -108,9 +186,7 @@ class _ChatAnswer:
         """The role first, then text deltas; each choice's last chunk alone carries its finish_reason."""
         n = self.body.n
         sent_tokens, started, finished = [0] * n, [False] * n, [False] * n
-        parser = self.state.reasoning_parser
-        splitters = [ReasoningStream(parser()) for _ in range(n)] if parser else None
-        sent_text = [0] * n
+        texts = [_ChoiceText(self.reasoning, self.tools) for _ in range(n)]
         last: RequestOutput | None = None
         async with aclosing(outputs) as stream:
             async for _, output in stream:
@@ -123,14 +199,7 @@ class _ChatAnswer:
                         started[i] = True
                         yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}], output)
-                    if splitters is not None:
-                        reasoning, content = splitters[i].delta(choice.text, final=done)
-                        delta = {key: value for key, value in
-                                 (("reasoning_content", reasoning), ("content", content)) if value}
-                    else:
-                        text = choice.text[sent_text[i]:]
-                        sent_text[i] = len(choice.text)
-                        delta = {"content": text} if text else {}
+                    delta = texts[i].delta(choice.text, final=done)
                     new_tokens = len(choice.token_ids) > sent_tokens[i]
                     if not (delta or done or (new_tokens and choice.logprobs is not None)):
                         continue
@@ -138,7 +207,8 @@ class _ChatAnswer:
                     sent_tokens[i] = len(choice.token_ids)
                     finished[i] = done
                     yield self._chunk([{"index": i, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": choice.finish_reason}], output)
+                                        "finish_reason": _finish_reason(choice.finish_reason, texts[i].called)}],
+                                      output)
         if self.body.include_usage and last is not None:
             generated = sum(len(choice.token_ids) for choice in last.outputs)
             yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,

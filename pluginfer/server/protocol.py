@@ -7,6 +7,7 @@ cannot do, is a 400 naming it (``unsupported.py``). Nested objects a client echo
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -16,6 +17,7 @@ from pluginfer.core.sequence import SamplingParams
 from pluginfer.core.structured import StructuredOutputsParams
 from pluginfer.server.errors import APIError, bad_request, from_sampling_error
 from pluginfer.server.grammar import ResponseFormat, StructuredOutputsRequest, requested_grammar
+from pluginfer.server.tools import Tool, ToolChoice
 from pluginfer.server.unsupported import CHAT, COMPLETION, Unsupported, check_fields
 
 Prompt = str | list[int]
@@ -61,10 +63,25 @@ class ChatMessage(_Body):
             content = "\n".join(part.text or "" for part in content)
         role = "system" if self.role == "developer" else self.role  # OpenAI's newer name; templates know "system"
         message: dict[str, Any] = {"role": role, "content": content or ""}
-        for key in ("name", "tool_call_id", "tool_calls"):
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            message["tool_calls"] = [_call_for_template(call) for call in self.tool_calls]
         return message
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI sends a call's arguments as JSON text; chat templates (Qwen, Llama, Mistral) expect the object."""
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            return call
+        if isinstance(arguments, dict):
+            return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 def _normalize_stop(value: Any) -> Any:
@@ -190,6 +207,8 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     reasoning_effort: str | None = None  # passed to chat templates that read it; else a 400
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # Informational: OpenAI's account-side identifiers and tags; they change nothing in the answer.
     safety_identifier: str | None = Field(None, max_length=64)
@@ -198,6 +217,16 @@ class ChatCompletionRequest(SamplingRequest):
 
     LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = CHAT
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_tool_choice(cls, choice: Any) -> Any:
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise ValueError(f"must be none, auto, required or a named function, got {choice!r}")
+        if isinstance(choice, dict) and choice.get("type") != "function":
+            raise ValueError(f"only {{type: function, function: {{name}}}} names a tool, got type "
+                             f"{choice.get('type')!r}")
+        return choice
 
     @field_validator("metadata")
     @classmethod

@@ -48,8 +48,6 @@ CHAT: dict[str, Unsupported] = {
     "service_tier": Unsupported("this server has one service tier", (None, "auto", "default")),
     "prompt_cache_retention": Unsupported("the prefix cache lives in memory only", (None, "in_memory")),
     "prompt_cache_options": Unsupported("the prefix cache is automatic and has no options", (None, {})),
-    "tools": Unsupported("tool calling is not implemented yet", (None, [])),
-    "tool_choice": Unsupported("tool calling is not implemented yet", (None, "none", "auto")),
 }
 
 COMPLETION: dict[str, Unsupported] = {

@@ -11,12 +11,14 @@ def test_flags_override_the_config_file(tmp_path):
     deploy.write_text("model: some/model\nserver:\n  port: 9000\n  max_waiting: 7\n  api_keys: [from-file]\n")
     args = build_parser().parse_args([
         "serve", "--config", str(deploy), "--host", "0.0.0.0", "--served-model-name", "m",
-        "--api-key", "a", "--api-key", "b", "--reasoning-parser", "qwen3", "--max-num-seqs", "4"])
+        "--api-key", "a", "--api-key", "b", "--reasoning-parser", "qwen3", "--max-num-seqs", "4",
+        "--tool-call-parser", "hermes"])
     config = serve_config(args)
     server = config.server
     assert (server.host, server.port, server.max_waiting) == ("0.0.0.0", 9000, 7)
     assert server.api_keys == ["a", "b"] and server.served_model_name == "m"
     assert server.reasoning_parser == "qwen3" and config.scheduler.max_num_seqs == 4
+    assert server.tool_call_parser == "hermes"
     defaults = serve_config(build_parser().parse_args(["serve", "--model", "x"])).server
     assert (defaults.host, defaults.port, defaults.api_keys) == ("127.0.0.1", 8000, [])
 
@@ -24,5 +26,7 @@ def test_flags_override_the_config_file(tmp_path):
 def test_bad_flags_fail_before_the_model_loads(capsys):
     assert main(["serve", "--model", "/no/such/model", "--reasoning-parser", "nope"]) == 2
     assert "deepseek_r1" in capsys.readouterr().err
+    assert main(["serve", "--model", "/no/such/model", "--tool-call-parser", "nope"]) == 2
+    assert "llama3_json" in capsys.readouterr().err
     assert main(["serve", "--model", "/no/such/model", "--port", "70000"]) == 2
     assert "server.port" in capsys.readouterr().err

@@ -49,7 +49,9 @@ HONOURED = {
     "best_of": "tests/server/test_request_fields.py::test_best_of_equal_to_n_is_served",
     "reasoning_effort": "tests/server/test_request_fields.py::test_reasoning_effort_goes_to_templates_that_read_it",
     "response_format": "tests/server/test_structured_output.py::test_json_schema_output_validates",
-    "parallel_tool_calls": "tests/server/test_request_fields.py::test_every_spec_field_is_honoured_or_refused",
+    "tools": "tests/server/test_tools.py::test_named_function_is_called_with_valid_arguments",
+    "tool_choice": "tests/server/test_tools.py::test_required_calls_validate_against_their_tools",
+    "parallel_tool_calls": "tests/server/test_tools.py::test_required_calls_validate_against_their_tools",
 }
 
 # A value OpenAI's spec allows that this server refuses, for each field it cannot (fully) honour.
@@ -66,8 +68,7 @@ REFUSED_EXAMPLES: dict[str, Any] = {
     "service_tier": "flex",
     "prompt_cache_retention": "24h",
     "prompt_cache_options": {"ttl": "30m"},
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "required",
+    "tool_choice": "required",  # without tools
     "suffix": "and then",
     "best_of": 2,
 }

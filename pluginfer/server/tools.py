@@ -1,0 +1,233 @@
+"""Tool calling on /v1/chat/completions: ``tools`` and ``tool_choice`` to a prompt, a grammar and a parser,
+and the model's output back to ``message.tool_calls`` / streamed ``delta.tool_calls``.
+
+- ``none``: the tools are rendered by the chat template; the output is plain content.
+- ``auto`` (the default with tools): the model writes calls in its own format, which the server's
+  ``--tool-call-parser`` reads (``tool_parsers.py``).
+- ``required`` / a named function: constrained decoding makes the call valid, as vLLM does. A named
+  function's output is its arguments (the grammar is the function's ``parameters``); ``required``'s
+  output is a JSON array of ``{"name", "parameters"}`` (``anyOf`` over the tools). Both are read
+  here, whatever the model's own format.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pluginfer.core.structured import StructuredOutputsParams
+from pluginfer.server.errors import bad_request
+from pluginfer.server.tool_parsers import MarkedToolParser, get_tool_parser
+
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # required / named: enforced either way; auto: the parser reads what comes
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+@dataclass
+class ToolCalling:
+    """What one request asks of tool calling."""
+
+    tools: list[Tool]
+    mode: Literal["none", "auto", "required", "named"]
+    name: str | None = None  # the named function
+    parallel: bool = True
+    parser: MarkedToolParser | None = None
+    special_tokens: list[str] = field(default_factory=list)  # stripped from content when kept for the parser
+
+    @classmethod
+    def from_request(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None,
+                     parser_name: str | None) -> ToolCalling | None:
+        """None when the request has no tools; a 400 naming the field for what cannot be served."""
+        if not tools:
+            if choice is not None and choice != "none" and choice != "auto":
+                raise bad_request("tool_choice: a tool can only be chosen from tools, and none were given",
+                                  "tool_choice")
+            return None
+        names = [tool.function.name for tool in tools]
+        if len(set(names)) != len(names):
+            raise bad_request(f"tools: function names must be unique, got {names}", "tools")
+        for i, tool in enumerate(tools):
+            parameters = tool.function.parameters
+            if parameters is not None and parameters.get("type", "object") != "object":
+                raise bad_request(f"tools.{i}.function.parameters: must be a JSON schema of type object",
+                                  f"tools.{i}.function.parameters")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise bad_request(f"tool_choice: no tool named {choice.function.name!r}; tools: {names}",
+                                  "tool_choice")
+            return cls(tools, "named", choice.function.name, parallel is not False)
+        mode = choice or "auto"
+        parser = None
+        if mode == "auto":
+            if parser_name is None:
+                raise bad_request("tool_choice: auto (the default with tools) needs the server started with "
+                                  "--tool-call-parser; required and a named function work without one",
+                                  "tool_choice")
+            parser = get_tool_parser(parser_name)
+        return cls(tools, mode, None, parallel is not False, parser)
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def parameters(self, name: str) -> dict[str, Any]:
+        tool = next(tool for tool in self.tools if tool.function.name == name)
+        return tool.function.parameters or _EMPTY_PARAMETERS
+
+    def parameter_grammars(self) -> list[tuple[StructuredOutputsParams, str]]:
+        """Each tool's parameters as a grammar, to compile (a schema that does not is a 400)."""
+        return [(_compact(tool.function.parameters), f"tools.{i}.function.parameters")
+                for i, tool in enumerate(self.tools) if tool.function.parameters is not None]
+
+    def grammar(self) -> StructuredOutputsParams | None:
+        """The grammar that makes the call valid: required and named only."""
+        if self.mode == "named":
+            return _compact(self.parameters(self.name))  # type: ignore[arg-type]
+        if self.mode != "required":
+            return None
+        definitions: dict[str, Any] = {}
+        options = []
+        for i, tool in enumerate(self.tools):
+            definitions.update(_hoisted(tool.function.parameters or _EMPTY_PARAMETERS, f"tool{i}"))
+            options.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                            "properties": {"name": {"const": tool.function.name},
+                                           "parameters": {"$ref": f"#/$defs/tool{i}"}}})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": options}, "$defs": definitions}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return _compact(schema)
+
+    def new_output(self) -> ToolCallOutput:
+        return ToolCallOutput(self)
+
+
+def _compact(schema: dict[str, Any]) -> StructuredOutputsParams:
+    """Calls are read by programs: no whitespace between JSON tokens, so none can run on."""
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
+def _hoisted(schema: dict[str, Any], name: str) -> dict[str, Any]:
+    """``schema`` as ``$defs[name]`` of an enclosing schema: its own ``$defs`` beside it as ``name__X``
+    and its local references rewritten to match."""
+    schema = copy.deepcopy(schema)
+    own = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                match = re.fullmatch(r"#/(?:\$defs|definitions)/([^/]+)(.*)", ref)
+                node = {**node, "$ref": f"#/$defs/{name}__{match.group(1)}{match.group(2)}" if match
+                        else f"#/$defs/{name}{ref[1:]}"}
+            return {key: rewrite(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [rewrite(value) for value in node]
+        return node
+
+    hoisted = {name: rewrite(schema)}
+    hoisted.update({f"{name}__{key}": rewrite(value) for key, value in own.items()})
+    return hoisted
+
+
+class ToolCallOutput:
+    """One choice's output text as content and tool calls: whole (``message``) or as stream deltas."""
+
+    def __init__(self, calling: ToolCalling) -> None:
+        self.calling = calling
+        self.ids: list[str] = []
+        self.sent_content = 0
+        self.sent_calls = 0
+        self.sent_arguments = 0
+
+    def _id(self, index: int) -> str:
+        while len(self.ids) <= index:
+            parser = self.calling.parser
+            self.ids.append(parser.new_id() if parser else f"call_{secrets.token_hex(12)}")
+        return self.ids[index]
+
+    def _split(self, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
+        """(content, [(name, arguments)]) of the text so far."""
+        calling = self.calling
+        if calling.mode == "named":
+            return "", [(calling.name, text)]  # type: ignore[list-item]
+        if calling.mode == "required":
+            if not final:
+                return "", []
+            try:
+                calls = json.loads(text)
+                return "", [(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
+            except (ValueError, TypeError, KeyError):
+                return text, []  # cut short (finish_reason "length"): what came is content
+        if calling.mode == "none" or calling.parser is None:
+            return text, []
+        parsed = calling.parser.parse(text, final)
+        calls = [(call.name, call.arguments) for call in parsed.calls]
+        content = parsed.content
+        for token in calling.special_tokens:
+            content = content.replace(token, "")
+        return content, calls if calling.parallel else calls[:1]
+
+    def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool_calls) of a finished choice; content None when there are only calls."""
+        content, calls = self._split(text, final=True)
+        tool_calls = [{"id": self._id(i), "type": "function", "function": {"name": name, "arguments": arguments}}
+                      for i, (name, arguments) in enumerate(calls)]
+        return (content or None) if tool_calls else content, tool_calls
+
+    def delta(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content delta, delta.tool_calls entries) since the last call."""
+        content, calls = self._split(text, final)
+        content_delta = content[self.sent_content:]
+        self.sent_content = len(content)
+        deltas = []
+        if self.calling.mode == "named":
+            if self.sent_calls == 0:
+                self.sent_calls = 1
+                deltas.append({"index": 0, "id": self._id(0), "type": "function",
+                               "function": {"name": self.calling.name, "arguments": ""}})
+            if len(text) > self.sent_arguments:
+                deltas.append({"index": 0, "function": {"arguments": text[self.sent_arguments:]}})
+                self.sent_arguments = len(text)
+            return content_delta, deltas
+        for i in range(self.sent_calls, len(calls)):
+            name, arguments = calls[i]
+            deltas.append({"index": i, "id": self._id(i), "type": "function",
+                           "function": {"name": name, "arguments": arguments}})
+        self.sent_calls = max(self.sent_calls, len(calls))
+        return content_delta, deltas
+
+
+def template_renders_tools(template: Any) -> bool:
+    return bool(re.search(r"\btools\b", str(template or "")))

@@ -1,0 +1,211 @@
+"""Tool calling through the official openai client (strict validation), sync, async and streamed.
+
+The tiny llama's own template renders no tools, so these tests give its tokenizer a ChatML template
+that does (Qwen2.5's layout, shortened to fit the 256-token context) for the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+
+from tests.server.conftest import MODEL_NAME, http, make_async_client, make_client
+
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>{{ message.content }}</tool_response>"
+    "<|im_end|>\n"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- for call in message.tool_calls %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"enum": ["utc", "cet"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather now", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME, "strict": True}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+HERMES_TEXT = 'I check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tool_template(async_engine):
+    tokenizer = async_engine.engine.tokenizer
+    plain, tokenizer.chat_template = tokenizer.chat_template, TOOL_TEMPLATE
+    yield
+    tokenizer.chat_template = plain
+
+
+@pytest.fixture(scope="module")
+def hermes_server(make_server):
+    return make_server(**{"server.tool_call_parser": "hermes"})
+
+
+def _check_calls(tool_calls, names=None) -> list[tuple[str, dict]]:
+    calls = []
+    for call in tool_calls:
+        assert call.type == "function" and call.id.startswith("call_") and len(call.id) > 10
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        calls.append((call.function.name, arguments))
+    assert len({call.id for call in tool_calls}) == len(tool_calls)
+    if names is not None:
+        assert [name for name, _ in calls] == names
+    return calls
+
+
+def _streamed_calls(chunks) -> tuple[str, dict[int, dict], list[str]]:
+    """(content, {index: {id, name, arguments}}, finish reasons) from delta.tool_calls pieces."""
+    content, calls, reasons = "", {}, []
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for piece in choice.delta.tool_calls or []:
+            entry = calls.setdefault(piece.index, {"id": None, "name": "", "arguments": ""})
+            if piece.id is not None:
+                assert entry["id"] is None and piece.type == "function"  # id and type come once, first
+                entry["id"] = piece.id
+            if piece.function is not None:
+                entry["name"] += piece.function.name or ""
+                entry["arguments"] += piece.function.arguments or ""
+        if choice.finish_reason:
+            reasons.append(choice.finish_reason)
+    return content, calls, reasons
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_named_function_is_called_with_valid_arguments(client, temperature):
+    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED,
+                                              max_tokens=100, temperature=temperature, seed=3, n=2)
+    for choice in response.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        _check_calls(choice.message.tool_calls, ["get_weather"])
+
+
+def test_named_function_streams_its_arguments(client):
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED,
+                                           max_tokens=100, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS,
+                                                 tool_choice=NAMED, max_tokens=100, temperature=0, stream=True))
+    content, calls, reasons = _streamed_calls(chunks)
+    [call] = whole.choices[0].message.tool_calls
+    assert content == "" and reasons == ["tool_calls"] and list(calls) == [0]
+    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
+    assert sum(1 for chunk in chunks if chunk.choices and chunk.choices[0].delta.tool_calls) > 2  # piece by piece
+
+
+# Parallel calls are an unbounded array: sampled random weights may go on adding calls, greedy ones stop.
+@pytest.mark.parametrize(("parallel", "temperature", "n"), [(True, 0.0, 1), (False, 1.0, 3)])
+def test_required_calls_validate_against_their_tools(client, parallel, temperature, n):
+    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS,
+                                              tool_choice="required", parallel_tool_calls=parallel, max_tokens=150,
+                                              temperature=temperature, seed=1, n=n)
+    for choice in response.choices:
+        assert choice.finish_reason == "tool_calls"
+        calls = _check_calls(choice.message.tool_calls)
+        assert 1 <= len(calls) <= (8 if parallel else 1)
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=parallel, max_tokens=150, temperature=temperature,
+                                            seed=1, stream=True)
+    _, calls, reasons = _streamed_calls(stream)
+    first = response.choices[0].message.tool_calls
+    assert reasons == ["tool_calls"] and [c["name"] for c in calls.values()] == [c.function.name for c in first]
+    assert [json.loads(c["arguments"]) for c in calls.values()] == [json.loads(c.function.arguments) for c in first]
+
+
+def test_auto_reads_the_models_own_format(hermes_server):
+    """The text a Qwen model writes, forced by a grammar since random weights never write it."""
+    request = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=100, temperature=0,
+                   extra_body={"structured_outputs": {"choice": [HERMES_TEXT]}})
+    with make_client(hermes_server) as client:
+        response = client.chat.completions.create(**request)
+        [choice] = response.choices
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "I check."
+        assert _check_calls(choice.message.tool_calls) == [("get_weather", {"city": "Paris", "unit": "c"})]
+        content, calls, reasons = _streamed_calls(client.chat.completions.create(**request, stream=True))
+        assert content == "I check." and reasons == ["tool_calls"]
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+            ("get_weather", {"city": "Paris", "unit": "c"})]
+
+    async def plain_text() -> tuple[str | None, object, str]:
+        async with make_async_client(hermes_server) as client:
+            response = await client.chat.completions.create(
+                model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=30, temperature=0,
+                extra_body={"structured_outputs": {"choice": ["It is sunny."]}})
+            choice = response.choices[0]
+            return choice.message.content, choice.message.tool_calls, choice.finish_reason
+
+    assert asyncio.run(plain_text()) == ("It is sunny.", None, "stop")
+
+
+def test_tool_results_go_back_into_the_prompt(server, client):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "unit": "c"}'}}
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    response = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, tool_choice="none",
+                                              max_tokens=4, temperature=0)
+    assert response.choices[0].message.tool_calls is None and response.choices[0].finish_reason in ("stop", "length")
+    tokens = json.loads(http(server, "POST", "/tokenize", {"messages": history})[2])["tokens"]
+    prompt = json.loads(http(server, "POST", "/detokenize", {"tokens": tokens})[2])["prompt"]
+    # The arguments reach the template as an object, not as a JSON string inside JSON.
+    assert '"arguments": {"city": "Paris", "unit": "c"}' in prompt and "<tool_response>18 C, sunny" in prompt
+
+
+def test_tool_choice_none_renders_the_tools_and_parses_nothing(client):
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=3, temperature=0)
+    with_tools = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                                max_tokens=3, temperature=0)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens  # the tools are in the prompt
+    assert with_tools.choices[0].message.tool_calls is None and with_tools.choices[0].message.content
+
+
+BAD_PARAMETERS = {"type": "object", "properties": {"city": {"type": "strng"}}}
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_PARAMETERS}}],
+      "tool_choice": "required"}, "tools.0.function.parameters", "strng"),
+    ({"tools": TOOLS + [{"type": "function", "function": {"name": "g", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools.2.function.parameters", "type object"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tool_choice": "required"}, "tool_choice", "none were given"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {}}}, "tool_choice", "allowed_tools"),
+    ({"tools": TOOLS}, "tool_choice", "--tool-call-parser"),  # auto, and this server has no parser
+    ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools", "unique"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0.type", "function"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "required"},
+     "tools.0.function.name", "pattern"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "response_format"),
+])
+def test_tools_that_cannot_be_served_are_400(server, fields, param, says):
+    status, _, raw = http(server, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, **fields})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == param and says in error["message"], error
+
+
+def test_a_template_without_tools_is_400(server, async_engine):
+    tokenizer = async_engine.engine.tokenizer
+    tokenizer.chat_template, kept = "{% for m in messages %}{{ m.content }}{% endfor %}", tokenizer.chat_template
+    try:
+        status, _, raw = http(server, "POST", "/v1/chat/completions",
+                              {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"})
+    finally:
+        tokenizer.chat_template = kept
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "tools" and "does not render tools" in error["message"]
