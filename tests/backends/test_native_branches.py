@@ -280,7 +280,8 @@ def test_decode_attention_propagates_nan_like_torch(path: str, special: str, req
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])  # 4-panel tiles (up to 4 rows), 2-panel tiles of 14 rows
-def test_panel_linear_propagates_nan_and_inf_like_torch(rows: int) -> None:
+@pytest.mark.parametrize("threads", [1, 2], indirect=True, ids=lambda n: f"{n}-thread")
+def test_panel_linear_propagates_nan_and_inf_like_torch(rows: int, threads: int) -> None:
     """70 outputs (a masked last panel), 300 inputs (a 256-input block and a 44-input one). Expected: the
     IEEE sum of products (float64 reference): a NaN input makes its row NaN; +inf times w gives +-inf by
     w's sign, NaN where w is 0; a NaN weight makes its output NaN in every row, a NaN bias its output;
@@ -309,7 +310,8 @@ def test_panel_linear_propagates_nan_and_inf_like_torch(rows: int) -> None:
 
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
-def test_rms_norm_propagates_nan_and_inf_like_torch(residual: bool, offset: float) -> None:
+@pytest.mark.parametrize("threads", [1, 2], indirect=True, ids=lambda n: f"{n}-thread")
+def test_rms_norm_propagates_nan_and_inf_like_torch(residual: bool, offset: float, threads: int) -> None:
     """Expected (torch's ``x * rsqrt(mean(x^2) + eps) * (w + offset)``): a NaN makes its row NaN; an inf
     makes mean(x^2) inf, so the inf element is inf * 0 = NaN and the rest of its row is 0; finite rows are
     untouched. With the fused residual add the sum (residual updated in place) carries the same values."""
@@ -330,7 +332,8 @@ def test_rms_norm_propagates_nan_and_inf_like_torch(residual: bool, offset: floa
 
 
 @pytest.mark.parametrize("n", [64, 37])  # whole 16-lane vectors; 2 vectors and a 5-element scalar tail
-def test_silu_and_mul_propagates_nan_and_inf_like_torch(n: int) -> None:
+@pytest.mark.parametrize("threads", [1, 2], indirect=True, ids=lambda n: f"{n}-thread")
+def test_silu_and_mul_propagates_nan_and_inf_like_torch(n: int, threads: int) -> None:
     """Expected (torch's ``silu(gate) * up``): NaN gate -> NaN; +inf gate -> inf * up; -inf gate ->
     -inf * sigmoid(-inf) = -inf * 0 = NaN; gate 0 with up inf -> 0 * inf = NaN; NaN up -> NaN. Specials sit
     in the vector part (column 3) and in the scalar tail (column n - 1)."""
@@ -349,7 +352,8 @@ def test_silu_and_mul_propagates_nan_and_inf_like_torch(n: int) -> None:
     torch.testing.assert_close(out, expected, equal_nan=True)
 
 
-def test_rotary_neox_keeps_nan_inside_its_pair() -> None:
+@pytest.mark.parametrize("threads", [1, 2], indirect=True, ids=lambda n: f"{n}-thread")
+def test_rotary_neox_keeps_nan_inside_its_pair(threads: int) -> None:
     """A NaN feature of one head reaches only the two features rotated together (i and i + half) of that
     head and token; an inf gives inf * cos + x * sin (NaN where cos or sin is 0, as torch computes it)."""
     generator = torch.Generator().manual_seed(4)
