@@ -6,7 +6,7 @@ from pluginfer.core.hookspecs import PluginSpec, hookimpl
 @hookimpl
 def pluginfer_collectives() -> list[PluginSpec]:
     return [
-        PluginSpec(kind="collective", name="single", aliases=("none",),
+        PluginSpec(kind="collective", name="single", aliases=("none",), launchers=("inprocess",),
                    factory="pluginfer.collectives.single:build",
                    description="one rank, no communication"),
         PluginSpec(kind="collective", name="gloo", factory="pluginfer.collectives.torch_distributed:build_gloo",
@@ -15,7 +15,7 @@ def pluginfer_collectives() -> list[PluginSpec]:
         PluginSpec(kind="collective", name="nccl", factory="pluginfer.collectives.torch_distributed:build_nccl",
                    check="pluginfer.collectives.torch_distributed:nccl_unavailable",
                    description="torch.distributed NCCL: CUDA tensors, one GPU per rank (cuda:local_rank)"),
-        PluginSpec(kind="collective", name="mpi", factory="pluginfer.collectives.mpi:build",
+        PluginSpec(kind="collective", name="mpi", factory="pluginfer.collectives.mpi:build", launchers=("mpi",),
                    check="pluginfer.collectives.mpi:unavailable",
                    description="MPI through mpi4py: ranks started by mpiexec, CPU tensors via numpy"),
     ]

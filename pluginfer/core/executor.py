@@ -56,7 +56,7 @@ def start_rank(config: EngineConfig, rank: RankInfo, registry: Registry) -> Star
     world = _build_collective(config, rank, registry, backend)
     try:
         model_name = _model_spec(hf_config, path, registry).name
-        quant_name = _quant_name(config.quant, hf_config)
+        quant_name = _quant_name(config.quant, hf_config, registry)
         _check_agreement(world, config, registry, rank, [("backend", backend.name), ("model", model_name),
                                                          ("quant", quant_name)])
         max_model_len = _max_model_len(config, hf_config)
@@ -214,13 +214,9 @@ def _backend_name(name: str, registry: Registry) -> str:
 
 def _build_collective(config: EngineConfig, rank: RankInfo, registry: Registry, backend: Any) -> Collective:
     name = config.parallel.collective
-    if name == "auto":
-        if rank.world_size == 1:
-            name = "single"
-        elif rank.launcher == "mpi":
-            name = "mpi"
-        else:
-            name = backend.default_collective
+    if name == "auto":  # a collective made for this launcher, else the backend's choice
+        spec = registry.for_launcher("collective", rank.launcher)
+        name = spec.name if spec is not None else backend.default_collective
     return build_plugin(registry, "collective", name, config, rank)
 
 
@@ -256,13 +252,17 @@ def _short(value: object) -> str:
     return text if len(text) < 200 else hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _quant_name(name: str, hf_config: dict) -> str:
+def _quant_name(name: str, hf_config: dict, registry: Registry) -> str:
     if name != "auto":
         return name
     quant_config = hf_config.get("quantization_config") or {}
-    if quant_config.get("checkpoint_format") == "marlin" or quant_config.get("is_marlin_format"):
-        return "marlin"  # GPTQ tensors already in Marlin tiles
-    return quant_config.get("quant_method", "none")
+    claimed = registry.claiming("quant", quant_config)  # e.g. Marlin-format GPTQ; plain weights
+    if claimed is not None:
+        return claimed.name
+    if "quant_method" not in quant_config:
+        raise ValueError("quant auto: no quant plugin serves this checkpoint's weights (quantization_config: "
+                         f"{quant_config or 'none'}); name one with --quant")
+    return quant_config["quant_method"]
 
 
 def _model_spec(hf_config: dict, path: Path, registry: Registry):  # noqa: ANN202 - PluginSpec

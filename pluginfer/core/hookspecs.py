@@ -34,6 +34,11 @@ class PluginSpec:
     the highest (an accelerator over the cpu). A model spec reads GGUF files whose
     ``general.architecture`` is in ``gguf_architectures``: ``gguf_converter(checkpoint: GGUFCheckpoint)
     -> GGUFModel`` (``pluginfer.core.gguf_checkpoint``) gives their HF config and tensor names.
+    ``claims`` (quant specs): ``claims(quantization_config: dict) -> bool``, whether ``quant: auto``
+    should pick this method for a checkpoint with that ``quantization_config`` (before the
+    ``quant_method`` the config names; the highest priority wins). ``launchers`` (collective specs):
+    ``parallel.collective: auto`` picks this collective for ranks started by these launchers
+    (``inprocess``, ``spawn``, ``torchrun``, ``mpi``) before the backend's ``default_collective``.
     """
 
     kind: str
@@ -49,11 +54,13 @@ class PluginSpec:
     details: str | None = None
     gguf_architectures: tuple[str, ...] = ()
     gguf_converter: str | None = None
+    claims: str | None = None
+    launchers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"PluginSpec.kind must be one of {KINDS}, got {self.kind!r}")
-        for field in ("factory", "check", "details", "gguf_converter"):
+        for field in ("factory", "check", "details", "gguf_converter", "claims"):
             ref = getattr(self, field)
             if ref is not None and ":" not in ref:
                 raise ValueError(f"PluginSpec.{field} must be 'module:attr', got {ref!r}")

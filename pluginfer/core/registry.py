@@ -244,6 +244,17 @@ class Registry:
         except Exception as exc:  # a crashing report is shown, not raised
             return f"details failed: {type(exc).__name__}: {exc}"
 
+    def claiming(self, kind: str, argument: object) -> PluginSpec | None:
+        """The highest-priority usable spec of ``kind`` whose ``claims(argument)`` is true, or None."""
+        claimed = [spec for spec in self.specs(kind) if spec.claims is not None
+                   and self._import(spec, spec.claims, "claims")(argument) and self.usable(spec)[0]]
+        return max(claimed, key=lambda spec: spec.priority, default=None)
+
+    def for_launcher(self, kind: str, launcher: str) -> PluginSpec | None:
+        """The highest-priority usable spec of ``kind`` that names ``launcher`` in its ``launchers``."""
+        named = [spec for spec in self.specs(kind) if launcher in spec.launchers and self.usable(spec)[0]]
+        return max(named, key=lambda spec: spec.priority, default=None)
+
     def gguf_converter(self, architecture: str) -> Callable:
         """The converter of the model plugin that reads GGUF files of ``general.architecture`` ``architecture``."""
         specs = [spec for spec in self.specs("model") if architecture in spec.gguf_architectures]

@@ -200,3 +200,8 @@ def matmul_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     weight = dequantize(packed, scales, size_k, size_n, group_size, zeros)
     out = (x.float() @ weight).to(x.dtype)
     return out if bias is None else out + bias
+
+
+def is_marlin_checkpoint(quantization_config: dict) -> bool:
+    """GPTQ tensors already in Marlin tiles (``checkpoint_format: marlin``, or AutoGPTQ's ``is_marlin_format``)."""
+    return quantization_config.get("checkpoint_format") == "marlin" or bool(quantization_config.get("is_marlin_format"))

@@ -18,7 +18,7 @@ _GGML_INSITU = {
 def pluginfer_quant_methods() -> list[PluginSpec]:
     specs = [
         PluginSpec(kind="quant", name="none", aliases=("unquantized", "fp"),
-                   factory="pluginfer.quant.unquantized:build",
+                   factory="pluginfer.quant.unquantized:build", claims="pluginfer.quant.unquantized:is_unquantized",
                    description="dense weights in the model dtype"),
         PluginSpec(kind="quant", name="int8", aliases=("w8a16",),
                    factory="pluginfer.quant.int8:build",
@@ -36,7 +36,7 @@ def pluginfer_quant_methods() -> list[PluginSpec]:
                    factory="pluginfer.quant.awq:build",
                    description="AWQ GEMM checkpoints (4-bit, zero point)"),
         PluginSpec(kind="quant", name="marlin",
-                   factory="pluginfer.quant.marlin:build",
+                   factory="pluginfer.quant.marlin:build", claims="pluginfer.quant.marlin_layout:is_marlin_checkpoint",
                    description="4-bit GPTQ/AWQ repacked into Marlin tiles (Triton kernel; generic on CPU)"),
     ]
     specs += [PluginSpec(kind="quant", name=name, factory=f"pluginfer.quant.ggml_insitu:build_{name}",

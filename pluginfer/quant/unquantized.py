@@ -44,3 +44,8 @@ def build(quant_config: dict | None = None) -> UnquantizedLinear:
     if quant_config:
         raise ValueError(f"quant method 'none' takes no quantization_config, got {quant_config}")
     return UnquantizedLinear()
+
+
+def is_unquantized(quantization_config: dict) -> bool:
+    """A checkpoint without a ``quant_method`` holds plain weights."""
+    return "quant_method" not in quantization_config
