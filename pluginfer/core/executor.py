@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pluginfer.core.config import EngineConfig
+from pluginfer.core.hookspecs import PluginSpec
 from pluginfer.core.launch import LocalWorkers, detect_launcher, rank_info
 from pluginfer.core.loader import read_hf_config, resolve_model_path
 from pluginfer.core.protocols import Collective, RankInfo
@@ -265,7 +266,7 @@ def _quant_name(name: str, hf_config: dict, registry: Registry) -> str:
     return quant_config["quant_method"]
 
 
-def _model_spec(hf_config: dict, path: Path, registry: Registry):  # noqa: ANN202 - PluginSpec
+def _model_spec(hf_config: dict, path: Path, registry: Registry) -> PluginSpec:
     names = list(hf_config.get("architectures") or [])
     if hf_config.get("model_type"):
         names.append(hf_config["model_type"])
