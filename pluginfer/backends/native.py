@@ -300,8 +300,8 @@ def report() -> str:
         return f"native kernels: not loaded ({reason}); torch path"
     library, info = load(), _loaded["info"]
     isa = "AVX-512" if library.panel_linear_supported() else info.machine
-    vnni = hasattr(library, "quant_dot_supported") and library.quant_dot_supported()
-    fused = "int8 GGML matmul (AVX-512 VNNI)" if vnni else "no fused int8 GGML matmul"
+    fused_isa = QUANT_DOT_ISAS.get(library.quant_dot_supported())
+    fused = f"int8 GGML matmul ({fused_isa})" if fused_isa else "no fused int8 GGML matmul"
     threads = "OpenMP" if info.openmp else "single-threaded (no OpenMP)"
     return (f"native kernels: loaded for {info.machine} {isa} (attention, norms, rotary, dequantization"
             f"{', panel GEMM' if isa == 'AVX-512' else ''}; {fused}), {threads}, from {_loaded['path']}")
@@ -554,14 +554,24 @@ def _log_once(level: int, message: str) -> None:
         logger.log(level, message)
 
 
+# What quant_dot_supported() returns in C: the instruction set the fused matmul was built for.
+QUANT_DOT_ISAS = {1: "AVX-512 VNNI", 2: "AVX2 + AVX-VNNI", 3: "AVX2"}
+
+
+def quant_dot_isa() -> str | None:
+    """The instruction set the fused quantized matmul runs with here (``csrc/quant_dot.c``), or None
+    where the library was built for a CPU without AVX2."""
+    return QUANT_DOT_ISAS.get(load().quant_dot_supported())
+
+
 def quant_dot_supported() -> bool:
-    """Whether this CPU runs the fused quantized matmul (AVX-512 VNNI; ``csrc/quant_dot.c``)."""
-    return bool(load().quant_dot_supported())
+    """Whether this CPU runs the fused quantized matmul (AVX-512 VNNI, or AVX2)."""
+    return quant_dot_isa() is not None
 
 
 def quant_matmul_op() -> Callable | None:
-    """:func:`ggml_quant_matmul` where this CPU runs it (AVX-512 VNNI) and ``PLUGINFER_QUANT_ACTIVATIONS``
-    is not ``float``; else None. Says which, once per process."""
+    """:func:`ggml_quant_matmul` where this CPU runs it and ``PLUGINFER_QUANT_ACTIVATIONS`` is not
+    ``float``; else None. Says which, once per process."""
     mode = os.environ.get(QUANT_ACTIVATIONS_ENV, "int8").lower()
     if mode not in ("int8", "float"):
         raise ValueError(f"{QUANT_ACTIVATIONS_ENV}={mode!r}: expected 'int8' (the default) or 'float'")
@@ -571,16 +581,16 @@ def quant_matmul_op() -> Callable | None:
         return None
     if not quant_dot_supported():
         _log_once(logging.WARNING, "quantized linears: no fused int8-activation kernel for this CPU (it needs "
-                                   "AVX-512 VNNI); tiles are dequantized into float32 for a float GEMM")
+                                   "AVX2); tiles are dequantized into float32 for a float GEMM")
         return None
-    _log_once(logging.INFO, "quantized linears: fused int8-activation kernel (AVX-512 VNNI) for Q4_0, Q4_1, "
-                            "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K")
+    _log_once(logging.INFO, f"quantized linears: fused int8-activation kernel ({quant_dot_isa()}) for Q4_0, "
+                            "Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K")
     return ggml_quant_matmul
 
 
 def op(name: str) -> Callable | None:
     """The kernel for a layer op, or None; the panel ops need a CPU with AVX-512, the fused quantized
-    matmul AVX-512 VNNI."""
+    matmul AVX2 (fastest with AVX-512 VNNI)."""
     if name in ("pack_panels", "panel_linear") and not load().panel_linear_supported():
         return None
     kernel = OPS.get(name)

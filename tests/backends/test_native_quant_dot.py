@@ -13,6 +13,7 @@ quantized llama's logits.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,8 +42,8 @@ def fused_kernel() -> None:
     reason = native.available()
     if reason is not None:
         pytest.skip(f"native kernels unavailable: {reason}")
-    if not native.load().quant_dot_supported():
-        pytest.skip("the fused kernel needs AVX-512 VNNI (the dequantizing path runs instead)")
+    if not native.quant_dot_supported():
+        pytest.skip("the fused kernel needs AVX2 (the dequantizing path runs instead)")
 
 
 @pytest.fixture
@@ -158,6 +159,59 @@ def test_a_row_does_not_depend_on_the_rows_beside_it_or_the_threads(qtype: GGMLQ
         torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="module", params=[("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni")],
+                ids=["avx2-vnni", "avx2"])
+def avx2_library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """quant_dot.c built without AVX-512 (and without AVX-VNNI): the AVX2 kernels a CPU without
+    AVX-512 VNNI runs, tried here on this one (which has AVX2)."""
+    if "avx2" not in native.cpu_features():
+        pytest.skip("this CPU has no AVX2")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PLUGINFER_CACHE", str(tmp_path_factory.mktemp("avx2")))
+        patch.setattr(native, "FLAGS", [*native.FLAGS, *request.param])
+        try:
+            library, _, _ = native.build_library("quant_dot_avx2", (native.SOURCES[0].with_name("quant_dot.c"),))
+        except native.NativeKernelsUnavailable as exc:
+            pytest.skip(f"cannot build the AVX2 variant here: {exc}")
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.quant_matmul.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, i64, pointer]
+    library.quant_dot_quantize.argtypes = [pointer, i64, i64, pointer, pointer]
+    assert library.quant_dot_supported() == (3 if "-mno-avxvnni" in request.param else 2)
+    return library
+
+
+def avx2_matmul(library: ctypes.CDLL, x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType,
+                cols: int) -> torch.Tensor:
+    out = torch.empty(x.shape[0], raw.shape[0])
+    x = x.contiguous()
+    assert library.quant_matmul(int(qtype), x.data_ptr(), x.shape[0], cols, raw.data_ptr(), raw.shape[0],
+                                raw.shape[1], out.data_ptr()) == 0
+    return out
+
+
+@pytest.mark.parametrize("qtype", FUSED, ids=lambda t: t.name)
+def test_avx2_kernels_equal_the_int8_reference(avx2_library: ctypes.CDLL, qtype: GGMLQuantizationType) -> None:
+    """The same oracle, rows 1..17 (tiles of up to 8 rows, and one of 1 row x 2 outputs), batch
+    invariance; Q8_0 with levels of -128 (without VNNI it takes the sign trick)."""
+    cols = cols_for(qtype, 2 if GGML_QUANT_SIZES[qtype][0] == 256 else 3)
+    raw = weight_bytes(qtype, 37, cols, seed=int(qtype) + 1)
+    if qtype == T.Q8_0:
+        raw.view(37, -1, 34)[2:, :, 2] = 0x80
+    weights = ggml_blocks.dequantize(raw, qtype, cols).double()
+    x = torch.randn(17, cols, generator=torch.Generator().manual_seed(int(qtype)))
+    alone = torch.cat([avx2_matmul(avx2_library, row[None], raw, qtype, cols) for row in x])
+    for rows in range(1, 18):
+        out = avx2_matmul(avx2_library, x[:rows], raw, qtype, cols)
+        assert_exact_oracle(out, x[:rows], weights)
+        assert torch.equal(out, alone[:rows])
+    levels = torch.empty(17, cols, dtype=torch.int8)
+    scales = torch.empty(17, cols // 32)
+    x[3, 5] = float("nan")
+    assert avx2_library.quant_dot_quantize(x.data_ptr(), 17, cols, levels.data_ptr(), scales.data_ptr()) == 0
+    expected_levels, expected_scales = ggml_blocks.quantize_activations(x)
+    assert torch.equal(levels, expected_levels) and torch.equal(scales.nan_to_num(-1), expected_scales.nan_to_num(-1))
+
+
 def test_activation_quantization_is_the_torch_reference_bit_for_bit() -> None:
     """Scales and levels, with ties (x * 127 / max exactly k + 0.5), zeros, subnormal and huge
     blocks, NaN and infinities."""
@@ -261,13 +315,13 @@ def test_float_activations_by_environment_and_the_fallback_log_line(
     with pytest.raises(ValueError, match="PLUGINFER_QUANT_ACTIVATIONS='int4'"):
         native.op("ggml_dequantize")
 
-    # A CPU without AVX-512 VNNI: the dequantizing path, said once as a warning.
+    # A CPU without AVX2: the dequantizing path, said once as a warning.
     caplog.clear()
     monkeypatch.setenv(ENV, "int8")
     monkeypatch.setattr(native, "quant_dot_supported", lambda: False)
     assert native.op("ggml_dequantize") is native.ggml_dequantize and native.op("ggml_quant_matmul") is None
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("WARNING", "quantized linears: no fused int8-activation kernel for this CPU (it needs AVX-512 VNNI); "
+        ("WARNING", "quantized linears: no fused int8-activation kernel for this CPU (it needs AVX2); "
                     "tiles are dequantized into float32 for a float GEMM")]
 
 

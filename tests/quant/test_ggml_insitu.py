@@ -69,7 +69,7 @@ def test_layer_keeps_ggml_bytes_and_matches_the_dequantized_matmul(method: str, 
     x = torch.randn(3, 5, 256, generator=generator).to(dtype)
     out = layer(x)
     assert out.dtype == dtype and out.shape == (3, 5, rows)
-    # With the cpu backend's fused kernel (AVX-512 VNNI) these 15 rows multiply int8 activations:
+    # With the cpu backend's fused kernel (AVX2 / AVX-512 VNNI) these 15 rows multiply int8 activations:
     # the oracle multiplies the same rounded activations (ggml_blocks.quantize_activations).
     inputs = x.float()
     if getattr(layer.ggml_dequantize, "quant_matmul", None) is not None:
@@ -155,7 +155,7 @@ def test_llama_quantized_at_load_computes_with_its_dequantized_weights(
         method: str, k_llama: Path, prompt_and_fp32_logits: tuple[list[int], torch.Tensor], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Float32 activations against dequantized tiles: the claim is that the drift is the weights' rounding
-    # alone (1e-4). The cpu backend's fused int8-activation matmul (AVX-512 VNNI CPUs, up to
+    # alone (1e-4). The cpu backend's fused int8-activation matmul (x86 CPUs with AVX2, up to
     # ggml_blocks.QUANT_MATMUL_MAX_ROWS tokens) adds the activations' rounding, ~0.5 % per linear;
     # tests/backends/test_native_quant_dot.py holds it to this path.
     monkeypatch.setenv("PLUGINFER_QUANT_ACTIVATIONS", "float")

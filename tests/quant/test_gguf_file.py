@@ -34,7 +34,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 def float_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     """Float32 activations against dequantized tiles, as transformers multiplies them: these tests hold
     our logits to transformers' within 1e-4, which proves the file reading. The cpu backend's fused
-    kernel (int8 activations, on AVX-512 VNNI CPUs) moves these tiny random models' logits by up to
+    kernel (int8 activations, on x86 CPUs with AVX2) moves these tiny random models' logits by up to
     ~0.25 (each linear's relative error is ~0.5 %, and random weights amplify it) and can flip a
     greedy near-tie; tests/backends/test_native_quant_dot.py holds it to this path."""
     monkeypatch.setenv("PLUGINFER_QUANT_ACTIVATIONS", "float")

@@ -82,7 +82,7 @@ def test_drift_is_the_rounding_of_the_weights_alone(quant: str, tiny_llama_check
                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In-situ quantization computes what a dense model of the dequantized weights computes."""
     # Float32 activations against dequantized tiles: the claim is that the drift is the weights' rounding
-    # alone (1e-4). The cpu backend's fused int8-activation matmul (AVX-512 VNNI CPUs, up to
+    # alone (1e-4). The cpu backend's fused int8-activation matmul (x86 CPUs with AVX2, up to
     # ggml_blocks.QUANT_MATMUL_MAX_ROWS tokens) adds the activations' rounding, ~0.5 % per linear;
     # tests/backends/test_native_quant_dot.py holds it to this path.
     monkeypatch.setenv("PLUGINFER_QUANT_ACTIVATIONS", "float")

@@ -15,19 +15,26 @@
  * needs no sign trick: the offset times the activations' sum is subtracted by starting the dpbusd
  * accumulator at -offset * (sum of the lane's 4 activations), computed once per activation row. Then
  *     acc += (float(lanes) * dx) * dw            (dx, dw: the blocks' activation and weight scales)
- *     acc += m * (dx * sum of the block's int8)  (types with a min: Q4_1, Q5_1, Q4_K, Q5_K)
+ *     acc += m * (dx * sum of the block's int8)  (types with a min: Q4_1, Q5_1 per block; Q4_K, Q5_K
+ *                                                 once per super-block, their 8 sub-blocks in 8 lanes)
  * and each output is the sum of acc's 16 lanes. Every output of every row takes exactly these
  * operations in this order, whatever the number of rows, tile or thread: a row's result never
  * depends on the rows batched with it.
  *
- * Rows: up to QD_TILE_ROWS rows of x share each decoded weight vector (kept in registers while it is
- * multiplied into every row's accumulator); more rows take several passes. Threads (OpenMP) split
- * the outputs into contiguous ranges, so each reads its own stretch of the weight once per pass.
+ * AVX2 (CPUs without AVX-512 VNNI): the same records and arithmetic in 256-bit halves (8 lanes, one
+ * block of 32 each), with _mm256_dpbusd_avx_epi32 (AVX-VNNI) or vpmaddubsw + vpmaddwd; there Q8_0
+ * multiplies |w| by x with w's sign instead (the offset form would saturate vpmaddubsw's 16-bit sums).
  *
- * Activation quantization, as the torch reference in tests/backends/test_native_quant_dot.py does:
- * a block whose max|x| is 0, or so small that 127 / max|x| overflows float32 (below ~3.7e-37), is all
- * zeros with scale 0; a block holding a NaN or an infinity gets a NaN scale (and zero levels), so
- * every output of its row is NaN.
+ * Rows: up to QD_TILE_MAX rows of x (16 with AVX-512, 8 with AVX2) share each decoded weight vector
+ * (kept in registers while it is multiplied into every row's accumulator), and a tile of 1-4 rows
+ * takes 2 or 4 outputs at once (more weight streams in flight); more rows take several passes.
+ * Threads (OpenMP, torch's thread count) split the outputs into contiguous ranges, so each reads its
+ * own stretch of the weight once per pass.
+ *
+ * Activation quantization, as the torch reference pluginfer.quant.ggml_blocks.quantize_activations
+ * does, bit for bit: a block whose max|x| is 0, or so small that 127 / max|x| overflows float32
+ * (below ~3.7e-37), is all zeros with scale 0; a block holding a NaN or an infinity gets a NaN scale
+ * (and zero levels), so every output of its row is NaN.
  */
 #include <float.h>
 #include <math.h>
@@ -38,7 +45,23 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
     defined(__F16C__)
 #define QD_AVX512 1
+#define QD_TILE_MAX 16 /* rows per tile: 32 zmm registers */
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QD_AVX2 1
+#define QD_TILE_MAX 8 /* 16 ymm registers */
+#include <immintrin.h>
+#endif
+
+/* Q8_0's int8 levels xor 0x80 are levels + 128 (unsigned) for dpbusd; without VNNI, the pairwise
+ * 16-bit sums of vpmaddubsw would saturate at 255 * 127 * 2, so AVX2 without AVX-VNNI multiplies
+ * |w| by x with w's sign (llama.cpp's mul_sum_i8_pairs), offset 0. */
+#if defined(QD_AVX2) && !defined(__AVXVNNI__)
+#define QD_Q8_OFFSET 0
+#define QD_Q8_SIGNED 1
+#else
+#define QD_Q8_OFFSET 128
+#define QD_Q8_SIGNED 0
 #endif
 
 enum { QD_Q4_0 = 2, QD_Q4_1 = 3, QD_Q5_0 = 6, QD_Q5_1 = 7, QD_Q8_0 = 8, QD_Q4_K = 12, QD_Q5_K = 13, QD_Q6_K = 14 };
@@ -65,7 +88,7 @@ static int qd_offset(int type) {
     switch (type) {
     case QD_Q4_0: return 8;
     case QD_Q5_0: return 16;
-    case QD_Q8_0: return 128;
+    case QD_Q8_0: return QD_Q8_OFFSET;
     case QD_Q6_K: return 32;
     default: return 0;
     }
@@ -79,9 +102,6 @@ static int qd_has_min(int type) {
 
 int quant_dot_max_threads(void) { return omp_get_max_threads(); }
 
-#if defined(QD_AVX512)
-int quant_dot_supported(void) { return 1; }
-
 /* The quantized activations, in records of 64 activations: for vector v (activations 64v .. 64v + 63)
  * of a row, QD_RECORD(offset, has_min) bytes:
  *   x     int8 [64]     the levels (zeros past k)
@@ -92,8 +112,27 @@ int quant_dot_supported(void) { return 1; }
  *                       the record of the super-block's first vector, lanes 0-7 (its 8 blocks), 8-15 0
  * Rows come in groups of up to QD_TILE_ROWS: a group holds vector 0 of each of its rows, then vector
  * 1 of each, ..., so the rows a tile multiplies at one step are adjacent (one pointer, constant
- * offsets). */
+ * offsets). AVX2 reads each record as two halves of 32 activations, one block each. */
 #define QD_RECORD(offset, has_min) (64 * (2 + ((offset) != 0) + ((has_min) != 0)))
+
+#if defined(QD_AVX512) || defined(QD_AVX2)
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline uint32_t u32_at(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#endif
+
+#if defined(QD_AVX512)
+/* 1: AVX-512 VNNI, 2: AVX2 with AVX-VNNI, 3: AVX2 (vpmaddubsw), 0: no kernel (the caller dequantizes). */
+int quant_dot_supported(void) { return 1; }
 
 /* Row x [k] into its records, vector v's at base + v * vstride. */
 static void quantize_row(const float *x, int64_t k, uint8_t *base, int64_t vstride, int offset, int has_min) {
@@ -152,18 +191,6 @@ static void quantize_row(const float *x, int64_t k, uint8_t *base, int64_t vstri
             _mm512_store_si512(record + 128, _mm512_sub_epi32(_mm512_setzero_si512(), lanes));
         }
     }
-}
-
-static inline float h2f(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-static inline uint32_t u32_at(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
 }
 
 static inline __m512 pair_ps(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
@@ -532,6 +559,426 @@ static const qd_tile_table *qd_tiles(int type) {
     }
 }
 
+#elif defined(QD_AVX2)
+/* AVX2 (no AVX-512): the same records, algorithm and order of operations per 32 activations; a
+ * 64-weight vector is two 256-bit halves, one block of 32 each. The integer dot products use AVX-VNNI
+ * (_mm256_dpbusd_avx_epi32) where the compiler has it, else vpmaddubsw + vpmaddwd (every level below
+ * 64, so the pairwise 16-bit sums never saturate; Q8_0 takes the sign trick). */
+int quant_dot_supported(void) {
+#if defined(__AVXVNNI__)
+    return 2;
+#else
+    return 3;
+#endif
+}
+
+static inline __m256i qd_dot(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* The sum of 8 lanes, one fixed tree for every output. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Row x [k] into its records (the layout above), vector v's at base + v * vstride. */
+static void quantize_row(const float *x, int64_t k, uint8_t *base, int64_t vstride, int offset, int has_min) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(FLT_MAX);
+    const int64_t nb = k / 32, nv = (k + 63) / 64;
+    const int cs_at = offset ? 192 : 128;
+    for (int64_t b = 0; b < 2 * nv; b++) {
+        uint8_t *record = base + (b / 2) * vstride;
+        const int half = (int)(b % 2);
+        float *dxv = (float *)(record + 64) + 8 * half, *cs = (float *)(record + cs_at) + 8 * half;
+        if (b >= nb) { /* padding: contributes exact zeros */
+            memset(record + 32 * half, 0, 32);
+            _mm256_storeu_ps(dxv, _mm256_setzero_ps());
+            if (has_min == 1) _mm256_storeu_ps(cs, _mm256_setzero_ps());
+            continue;
+        }
+        __m256 v[4], amax = _mm256_setzero_ps();
+        int bad = 0;
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+            const __m256 a = _mm256_andnot_ps(sign, v[i]);
+            bad |= _mm256_movemask_ps(_mm256_cmp_ps(a, largest, _CMP_NLE_UQ)); /* an infinity or a NaN */
+            amax = _mm256_max_ps(amax, a);
+        }
+        const float top = hmax8(amax);
+        float d = top / 127.0f, id = top != 0.0f ? 127.0f / top : 0.0f;
+        if (bad) {
+            d = NAN;
+            id = 0.0f;
+        } else if (!(id <= FLT_MAX)) { /* max|x| below ~3.7e-37: the block counts as zeros */
+            d = 0.0f;
+            id = 0.0f;
+        }
+        __m256i q[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            if (bad) q[i] = _mm256_setzero_si256();
+            sum = _mm256_add_epi32(sum, q[i]);
+        }
+        /* int32 -> int8 in order: packs work within 128-bit lanes, the permute puts them back */
+        const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(record + 32 * half), p8);
+        _mm256_storeu_ps(dxv, _mm256_set1_ps(d));
+        const float block_sum = d * (float)hsum8_epi32(sum);
+        if (has_min == 1) {
+            _mm256_storeu_ps(cs, _mm256_setzero_ps());
+            cs[0] = block_sum;
+        } else if (has_min == 2) {
+            float *unit = (float *)(base + (b / 8) * 4 * vstride + cs_at);
+            if (b % 8 == 0) {
+                _mm256_storeu_ps(unit, _mm256_setzero_ps());
+                _mm256_storeu_ps(unit + 8, _mm256_setzero_ps());
+            }
+            unit[b % 8] = block_sum;
+        }
+    }
+    if (offset) {
+        const __m256i off = _mm256_set1_epi8((char)offset);
+        for (int64_t v = 0; v < nv; v++) {
+            uint8_t *record = base + v * vstride;
+            for (int half = 0; half < 2; half++) {
+                const __m256i lanes = qd_dot(_mm256_setzero_si256(), off, _mm256_load_si256((const __m256i *)(record + 32 * half)));
+                _mm256_store_si256((__m256i *)(record + 128 + 32 * half), _mm256_sub_epi32(_mm256_setzero_si256(), lanes));
+            }
+        }
+    }
+}
+
+/* Decoders: a unit's vector j as two halves h (32 weights each): levels w[h], weight scales sv[h] and
+ * mins mv[h] (8 lanes of 4 weights). */
+typedef struct {
+    __m256i w[2];
+    __m256 sv[2], mv[2];
+} unit32;
+
+static inline __m256i nibbles32(const uint8_t *qs) { /* 16 bytes: low nibbles then high nibbles */
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+static inline __m256i fifth_bits32(const uint8_t *qh) { /* bit i of the 32-bit mask -> 0x10 in byte i */
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                          _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+#define LEGACY_PREP(NAME, SIZE, BODY)                                                                         \
+    static inline void NAME##_prep(unit32 *U, const uint8_t *row, int64_t u, int64_t nb) {                     \
+        for (int h = 0; h < 2; h++) {                                                                          \
+            const uint8_t *b = row + (2 * u + h) * (SIZE);                                                     \
+            if (2 * u + h >= nb) { /* the absent second block of an odd row */                                 \
+                U->w[h] = _mm256_setzero_si256();                                                              \
+                U->sv[h] = U->mv[h] = _mm256_setzero_ps();                                                     \
+                continue;                                                                                      \
+            }                                                                                                  \
+            BODY                                                                                               \
+        }                                                                                                      \
+    }                                                                                                          \
+    static inline void NAME##_decode(const unit32 *U, int j, __m256i *w, __m256 *sv, __m256 *mv) {            \
+        (void)j;                                                                                               \
+        for (int h = 0; h < 2; h++) {                                                                          \
+            w[h] = U->w[h];                                                                                    \
+            sv[h] = U->sv[h];                                                                                  \
+            mv[h] = U->mv[h];                                                                                  \
+        }                                                                                                      \
+    }
+
+LEGACY_PREP(q4_0, 18, {
+    U->w[h] = nibbles32(b + 2);
+    U->sv[h] = _mm256_set1_ps(h2f(b));
+    U->mv[h] = _mm256_setzero_ps();
+})
+
+LEGACY_PREP(q4_1, 20, {
+    U->w[h] = nibbles32(b + 4);
+    U->sv[h] = _mm256_set1_ps(h2f(b));
+    U->mv[h] = _mm256_set1_ps(h2f(b + 2));
+})
+
+LEGACY_PREP(q5_0, 22, {
+    U->w[h] = _mm256_or_si256(nibbles32(b + 6), fifth_bits32(b + 2));
+    U->sv[h] = _mm256_set1_ps(h2f(b));
+    U->mv[h] = _mm256_setzero_ps();
+})
+
+LEGACY_PREP(q5_1, 24, {
+    U->w[h] = _mm256_or_si256(nibbles32(b + 8), fifth_bits32(b + 4));
+    U->sv[h] = _mm256_set1_ps(h2f(b));
+    U->mv[h] = _mm256_set1_ps(h2f(b + 2));
+})
+
+LEGACY_PREP(q8_0, 34, {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2));
+    U->w[h] = QD_Q8_SIGNED ? q : _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+    U->sv[h] = _mm256_set1_ps(h2f(b));
+    U->mv[h] = _mm256_setzero_ps();
+})
+
+/* Q4_K / Q5_K: sub-blocks 2j + h; scales d * sc (8 lanes), mins -(dmin * m) applied per super-block. */
+typedef struct {
+    const uint8_t *qs, *qh;
+    __m256 scales, mins;
+} unit_k4;
+
+static inline void k4_scales(unit_k4 *U, const uint8_t *b) {
+    uint32_t q[4];
+    memcpy(q, b + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    q[3] = ((q[2] >> 4) & low4) | (((q[1] >> 6) & low2) << 4);
+    const uint32_t mins = q[1] & low6;
+    q[1] = (q[2] & low4) | (((q[0] >> 6) & low2) << 4);
+    q[2] = mins;
+    q[0] &= low6;
+    const __m128i fields = _mm_loadu_si128((const __m128i *)q);
+    U->scales = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields)), _mm256_set1_ps(h2f(b)));
+    U->mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8))),
+                            _mm256_set1_ps(-h2f(b + 2)));
+}
+
+static inline void q4_k_prep(unit_k4 *U, const uint8_t *row, int64_t u, int64_t nb) {
+    (void)nb;
+    const uint8_t *b = row + u * 144;
+    k4_scales(U, b);
+    U->qs = b + 16;
+    U->qh = 0;
+}
+
+static inline void q5_k_prep(unit_k4 *U, const uint8_t *row, int64_t u, int64_t nb) {
+    (void)nb;
+    const uint8_t *b = row + u * 176;
+    k4_scales(U, b);
+    U->qh = b + 16;
+    U->qs = b + 48;
+}
+
+static inline void k4_decode(const unit_k4 *U, int j, int fifth, __m256i *w, __m256 *sv, __m256 *mv) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(U->qs + 32 * j)), low = _mm256_set1_epi8(0x0F);
+    w[0] = _mm256_and_si256(q, low);
+    w[1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+    if (fifth) { /* weight i of sub-block s: bit s of qh[i] */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)U->qh);
+        for (int half = 0; half < 2; half++) {
+            const __m256i bit = _mm256_set1_epi8((char)(1 << (2 * j + half)));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+            w[half] = _mm256_or_si256(w[half], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        }
+    }
+    for (int half = 0; half < 2; half++) {
+        sv[half] = _mm256_permutevar8x32_ps(U->scales, _mm256_set1_epi32(2 * j + half));
+        mv[half] = _mm256_setzero_ps();
+    }
+}
+
+static inline void q4_k_decode(const unit_k4 *U, int j, __m256i *w, __m256 *sv, __m256 *mv) { k4_decode(U, j, 0, w, sv, mv); }
+static inline void q5_k_decode(const unit_k4 *U, int j, __m256i *w, __m256 *sv, __m256 *mv) { k4_decode(U, j, 1, w, sv, mv); }
+static inline __m256 k4_mins(const unit_k4 *U) { return U->mins; }
+
+/* Q6_K: as the AVX-512 decoder, by halves; scales d * sc, 16 of them, 4 lanes (16 weights) each. */
+typedef struct {
+    const uint8_t *ql, *qh;
+    __m256 scales[2];
+} unit_k6;
+
+static inline void q6_k_prep(unit_k6 *U, const uint8_t *row, int64_t u, int64_t nb) {
+    (void)nb;
+    const uint8_t *b = row + u * 210;
+    const __m256 d = _mm256_set1_ps(h2f(b + 208));
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+    U->scales[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    U->scales[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    U->ql = b;
+    U->qh = b + 128;
+}
+
+static inline void q6_k_decode(const unit_k6 *U, int j, __m256i *w, __m256 *sv, __m256 *mv) {
+    const int part = j / 2, p = j % 2;
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(U->qh + 32 * part)), low = _mm256_set1_epi8(0x0F);
+    for (int half = 0; half < 2; half++) {
+        __m256i l = _mm256_loadu_si256((const __m256i *)(U->ql + 64 * part + 32 * half));
+        if (p) l = _mm256_srli_epi16(l, 4);
+        const __m256i hh = _mm256_srli_epi16(q, 4 * p + 2 * half); /* bit pair 2 (2p + half) of qh */
+        w[half] = _mm256_or_si256(_mm256_and_si256(l, low),
+                                  _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(3)), 4));
+        const int first = 4 * j + 2 * half; /* its two sub-blocks of 16: scales first, first + 1 */
+        sv[half] = _mm256_permutevar8x32_ps(U->scales[first / 8],
+                                            _mm256_setr_epi32(first % 8, first % 8, first % 8, first % 8,
+                                                              first % 8 + 1, first % 8 + 1, first % 8 + 1, first % 8 + 1));
+        mv[half] = _mm256_setzero_ps();
+    }
+}
+
+static inline __m256 no_mins(const void *U) {
+    (void)U;
+    return _mm256_setzero_ps();
+}
+#define q4_0_mins no_mins
+#define q4_1_mins no_mins
+#define q5_0_mins no_mins
+#define q5_1_mins no_mins
+#define q8_0_mins no_mins
+#define q6_k_mins no_mins
+#define q4_k_mins k4_mins
+#define q5_k_mins k4_mins
+#define q4_0_VPU 1
+#define q4_1_VPU 1
+#define q5_0_VPU 1
+#define q5_1_VPU 1
+#define q8_0_VPU 1
+#define q4_k_VPU 4
+#define q5_k_VPU 4
+#define q6_k_VPU 4
+#define q4_0_UNIT unit32
+#define q4_1_UNIT unit32
+#define q5_0_UNIT unit32
+#define q5_1_UNIT unit32
+#define q8_0_UNIT unit32
+#define q4_k_UNIT unit_k4
+#define q5_k_UNIT unit_k4
+#define q6_k_UNIT unit_k6
+
+typedef void (*qd_tile)(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb, const uint8_t *act,
+                        int64_t vstride, float *out, int64_t ldo);
+
+#define QD_OUTS(R) ((R) == 1 ? 2 : 1)
+
+/* As the AVX-512 tile, by halves: acc[r][o] += (float(dot) * dx) * sv (+ mv * cs). SIGNED (Q8_0
+ * without VNNI): |w| times x with w's sign. */
+#define QD_TILE(T, OFFSET, MIN, SIGNED, R, O)                                                                \
+    static void T##_tile_##R##x##O(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb,         \
+                                   const uint8_t *act, int64_t vstride, float *out, int64_t ldo) {         \
+        enum { REC = QD_RECORD(OFFSET, MIN), CS_AT = (OFFSET) ? 192 : 128 };                                \
+        __m256 acc[R][O];                                                                                   \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                 \
+            _Pragma("GCC unroll 2") for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_ps();            \
+        for (int64_t u = 0; u < units; u++) {                                                               \
+            T##_UNIT U[O];                                                                                  \
+            _Pragma("GCC unroll 2") for (int o = 0; o < O; o++) T##_prep(&U[o], row + o * row_bytes, u, nb); \
+            _Pragma("GCC unroll 4") for (int j = 0; j < T##_VPU; j++) {                                     \
+                const int64_t v = u * T##_VPU + j;                                                          \
+                __m256i w[O][2];                                                                            \
+                __m256 sv[O][2], mv[O][2];                                                                  \
+                _Pragma("GCC unroll 2") for (int o = 0; o < O; o++) T##_decode(&U[o], j, w[o], sv[o], mv[o]); \
+                const uint8_t *record = act + v * vstride;                                                  \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+                    const uint8_t *a = record + r * REC;                                                    \
+                    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                   \
+                        const __m256i x = _mm256_load_si256((const __m256i *)(a + 32 * h));                 \
+                        const __m256 dx = _mm256_load_ps((const float *)(a + 64 + 32 * h));                 \
+                        const __m256i c = (OFFSET) ? _mm256_load_si256((const __m256i *)(a + 128 + 32 * h)) \
+                                                   : _mm256_setzero_si256();                                \
+                        const __m256 cs = (MIN) == 1 ? _mm256_load_ps((const float *)(a + CS_AT + 32 * h))  \
+                                                     : _mm256_setzero_ps();                                 \
+                        _Pragma("GCC unroll 2") for (int o = 0; o < O; o++) {                               \
+                            const __m256i s = (SIGNED) ? qd_dot(c, _mm256_sign_epi8(w[o][h], w[o][h]),     \
+                                                                _mm256_sign_epi8(x, w[o][h]))               \
+                                                       : qd_dot(c, w[o][h], x);                             \
+                            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), dx);                      \
+                            acc[r][o] = _mm256_fmadd_ps(t, sv[o][h], acc[r][o]);                            \
+                            if ((MIN) == 1) acc[r][o] = _mm256_fmadd_ps(mv[o][h], cs, acc[r][o]);           \
+                        }                                                                                   \
+                    }                                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+            if ((MIN) == 2) {                                                                               \
+                const uint8_t *record = act + u * T##_VPU * vstride;                                        \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+                    const __m256 cs = _mm256_load_ps((const float *)(record + r * REC + CS_AT));            \
+                    _Pragma("GCC unroll 2") for (int o = 0; o < O; o++)                                     \
+                        acc[r][o] = _mm256_fmadd_ps(T##_mins(&U[o]), cs, acc[r][o]);                        \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                 \
+            _Pragma("GCC unroll 2") for (int o = 0; o < O; o++) out[r * ldo + o] = hsum8(acc[r][o]);        \
+    }
+
+#define QD_TILES(T, OFFSET, MIN, SIGNED)                                                                     \
+    QD_TILE(T, OFFSET, MIN, SIGNED, 1, 2)                                                                    \
+    QD_TILE(T, OFFSET, MIN, SIGNED, 1, 1) QD_TILE(T, OFFSET, MIN, SIGNED, 2, 1)                              \
+    QD_TILE(T, OFFSET, MIN, SIGNED, 3, 1) QD_TILE(T, OFFSET, MIN, SIGNED, 4, 1)                              \
+    QD_TILE(T, OFFSET, MIN, SIGNED, 5, 1) QD_TILE(T, OFFSET, MIN, SIGNED, 6, 1)                              \
+    QD_TILE(T, OFFSET, MIN, SIGNED, 7, 1) QD_TILE(T, OFFSET, MIN, SIGNED, 8, 1)                              \
+    static const qd_tile T##_tiles[2][QD_TILE_ROWS + 1] = {                                                  \
+        {0, T##_tile_1x1, T##_tile_2x1, T##_tile_3x1, T##_tile_4x1, T##_tile_5x1, T##_tile_6x1, T##_tile_7x1, \
+         T##_tile_8x1},                                                                                      \
+        {0, T##_tile_1x2, T##_tile_2x1, T##_tile_3x1, T##_tile_4x1, T##_tile_5x1, T##_tile_6x1, T##_tile_7x1, \
+         T##_tile_8x1}};
+
+QD_TILES(q4_0, 1, 0, 0)
+QD_TILES(q4_1, 0, 1, 0)
+QD_TILES(q5_0, 1, 0, 0)
+QD_TILES(q5_1, 0, 1, 0)
+QD_TILES(q8_0, QD_Q8_OFFSET, 0, QD_Q8_SIGNED)
+QD_TILES(q4_k, 0, 2, 0)
+QD_TILES(q5_k, 0, 2, 0)
+QD_TILES(q6_k, 1, 0, 0)
+
+typedef const qd_tile qd_tile_table[QD_TILE_ROWS + 1];
+
+static const qd_tile_table *qd_tiles(int type) {
+    switch (type) {
+    case QD_Q4_0: return q4_0_tiles;
+    case QD_Q4_1: return q4_1_tiles;
+    case QD_Q5_0: return q5_0_tiles;
+    case QD_Q5_1: return q5_1_tiles;
+    case QD_Q8_0: return q8_0_tiles;
+    case QD_Q4_K: return q4_k_tiles;
+    case QD_Q5_K: return q5_k_tiles;
+    case QD_Q6_K: return q6_k_tiles;
+    default: return 0;
+    }
+}
+#else
+int quant_dot_supported(void) { return 0; }
+
+int quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                 float *out) {
+    (void)type, (void)x, (void)m, (void)k, (void)w, (void)n, (void)row_bytes, (void)out;
+    (void)qd_block, (void)qd_offset, (void)qd_has_min;
+    return -4;
+}
+
+int quant_dot_quantize(const float *x, int64_t m, int64_t k, int8_t *q, float *d) {
+    (void)x, (void)m, (void)k, (void)q, (void)d;
+    return -4;
+}
+#endif
+
+#if defined(QD_AVX512) || defined(QD_AVX2)
 /* The quantized activations, one buffer per calling thread, grown as needed (64-byte aligned). */
 static _Thread_local uint8_t *qd_buffer;
 static _Thread_local size_t qd_capacity;
@@ -573,14 +1020,21 @@ int quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *
         }
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t lo = n * id / threads, hi = n * (id + 1) / threads;
-        for (int64_t r0 = 0; r0 < m; r0 += QD_TILE_ROWS) {
-            const int64_t rows = m - r0 < QD_TILE_ROWS ? m - r0 : QD_TILE_ROWS, outs = QD_OUTS(rows);
-            const uint8_t *group = act + (r0 / QD_TILE_ROWS) * group_bytes;
-            int64_t o = lo;
-            for (; o + outs <= hi; o += outs)
-                tiles[1][rows](w + o * row_bytes, row_bytes, loop_units, loop_nb, group, rows * record, out + r0 * n + o, n);
-            for (; o < hi; o++)
-                tiles[0][rows](w + o * row_bytes, row_bytes, loop_units, loop_nb, group, rows * record, out + r0 * n + o, n);
+        for (int64_t g0 = 0; g0 < m; g0 += QD_TILE_ROWS) { /* a group of rows; tiles of up to QD_TILE_MAX */
+            const int64_t group_rows = m - g0 < QD_TILE_ROWS ? m - g0 : QD_TILE_ROWS;
+            const uint8_t *group = act + (g0 / QD_TILE_ROWS) * group_bytes;
+            for (int64_t t0 = 0; t0 < group_rows; t0 += QD_TILE_MAX) {
+                const int64_t rows = group_rows - t0 < QD_TILE_MAX ? group_rows - t0 : QD_TILE_MAX;
+                const int64_t outs = QD_OUTS(rows), r0 = g0 + t0;
+                const uint8_t *first = group + t0 * record;
+                int64_t o = lo;
+                for (; o + outs <= hi; o += outs)
+                    tiles[1][rows](w + o * row_bytes, row_bytes, loop_units, loop_nb, first, group_rows * record,
+                                   out + r0 * n + o, n);
+                for (; o < hi; o++)
+                    tiles[0][rows](w + o * row_bytes, row_bytes, loop_units, loop_nb, first, group_rows * record,
+                                   out + r0 * n + o, n);
+            }
         }
     }
     return 0;
@@ -602,19 +1056,5 @@ int quant_dot_quantize(const float *x, int64_t m, int64_t k, int8_t *q, float *d
     }
     free(row);
     return 0;
-}
-#else
-int quant_dot_supported(void) { return 0; }
-
-int quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
-                 float *out) {
-    (void)type, (void)x, (void)m, (void)k, (void)w, (void)n, (void)row_bytes, (void)out;
-    (void)qd_block, (void)qd_offset, (void)qd_has_min;
-    return -4;
-}
-
-int quant_dot_quantize(const float *x, int64_t m, int64_t k, int8_t *q, float *d) {
-    (void)x, (void)m, (void)k, (void)q, (void)d;
-    return -4;
 }
 #endif
