@@ -10,6 +10,8 @@ import asyncio
 import json
 
 import jsonschema
+import openai
+import pydantic
 import pytest
 
 from tests.server.conftest import MODEL_NAME, http, make_async_client, make_client
@@ -124,6 +126,29 @@ def test_required_calls_validate_against_their_tools(client, parallel, temperatu
     first = response.choices[0].message.tool_calls
     assert reasons == ["tool_calls"] and [c["name"] for c in calls.values()] == [c.function.name for c in first]
     assert [json.loads(c["arguments"]) for c in calls.values()] == [json.loads(c.function.arguments) for c in first]
+
+
+class Item(pydantic.BaseModel):
+    sku: str = pydantic.Field(max_length=4)
+    count: int = pydantic.Field(ge=1, le=9)
+
+
+class PlaceOrder(pydantic.BaseModel):
+    """Place an order."""
+
+    items: list[Item] = pydantic.Field(max_length=2)
+    express: bool
+
+
+def test_required_call_of_a_pydantic_tool_parses(client):
+    """The SDK's strict tool from a pydantic model (nested models as $defs), read back by ``parse``."""
+    tool = openai.pydantic_function_tool(PlaceOrder)
+    assert "$defs" in tool["function"]["parameters"]
+    completion = client.chat.completions.parse(model=MODEL_NAME, messages=MESSAGES, tools=[tool],
+                                               tool_choice="required", parallel_tool_calls=False, max_tokens=150,
+                                               temperature=0)
+    [call] = completion.choices[0].message.tool_calls
+    assert call.function.name == "PlaceOrder" and isinstance(call.function.parsed_arguments, PlaceOrder)
 
 
 def test_auto_reads_the_models_own_format(hermes_server):
