@@ -1,0 +1,197 @@
+"""pluginfer against llama.cpp on the same GGUF files, side by side in one run, same threads.
+
+    pip install llama-cpp-python            # the `bench` extra; builds llama.cpp from source (~15 min, 2 cores)
+    python benchmarks/vs_llamacpp.py                                   # 0.5B-shaped llama, F16 Q8_0 Q4_K_M Q4_0
+    python benchmarks/vs_llamacpp.py --layers 2 --formats q4_0 --runs 1  # quick smoke run
+
+On CPUs with AMX, llama.cpp 0.3.36's AMX repacking crashed in this sandbox (SIGSEGV on Q8_0/Q4_0
+files; F16 ran): build it without AMX, keeping AVX-512, for the comparison (docs/performance.md has
+the command). A random llama (our offline tokenizer, padded vocabulary) is built locally and written as GGUF files
+by `pluginfer convert` (F16, Q8_0, Q4_0; embedding and head Q8_0 for Q8_0, F16 otherwise), and
+Q4_K_M by llama.cpp's own quantizer from the F16 file. Each engine reads the very same file.
+
+Measured per file, runs interleaved between the engines, medians reported with the ratio ours / theirs:
+- batch-1 decode tokens/s: prompt 128, then 128 greedy tokens (prefill time excluded);
+- batch-16 decode tokens/s: 16 sequences of the same shape decoded together (llama.cpp through its
+  batch API, one `llama_decode` per step for all 16 sequences);
+- prefill tokens/s: one 512-token prompt.
+Also the file's weight bytes (what a batch-1 token reads) and the memory-bandwidth bound they imply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offline_throughput import build_checkpoint, memory_bandwidth  # noqa: E402
+
+FORMATS = {"f16": "f16", "q8_0": "q8_0", "q4_k_m": None, "q4_0": "q4_0"}
+
+
+def write_files(model_dir: Path, out: Path, formats: list[str]) -> dict[str, Path]:
+    files = {}
+    for name in formats:
+        convert = FORMATS[name] or "f16"
+        path = out / f"model-{convert}.gguf"
+        if not path.exists():
+            embedding = "q8_0" if convert == "q8_0" else "f16"
+            subprocess.run([sys.executable, "-m", "pluginfer", "convert", "--model", str(model_dir), "--quant", convert,
+                            "--embedding-type", embedding, "--output", str(path)], check=True)
+        files[name] = path
+    if "q4_k_m" in formats:
+        import llama_cpp
+
+        target = out / "model-q4_k_m.gguf"
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        if llama_cpp.llama_model_quantize(str(files["q4_k_m"]).encode(), str(target).encode(), ctypes.byref(params)):
+            raise RuntimeError("llama.cpp could not quantize to Q4_K_M")
+        files["q4_k_m"] = target
+    return files
+
+
+class Ours:
+    name = "pluginfer"
+
+    def __init__(self, path: Path, args: argparse.Namespace) -> None:
+        from pluginfer import LLM
+
+        self.llm = LLM(model=str(path), max_model_len=1024, max_num_seqs=16, enable_prefix_caching=False,
+                       max_num_batched_tokens=2048)
+
+    def decode_rate(self, prompts: list[list[int]], new_tokens: int) -> float:
+        from pluginfer import SamplingParams
+
+        def run(tokens: int) -> float:
+            params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+            start = time.perf_counter()
+            self.llm.generate(prompts, params)
+            return time.perf_counter() - start
+
+        first = run(1)
+        return len(prompts) * (new_tokens - 1) / (run(new_tokens) - first)
+
+    def prefill_rate(self, prompt: list[int]) -> float:
+        from pluginfer import SamplingParams
+
+        start = time.perf_counter()
+        self.llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        return len(prompt) / (time.perf_counter() - start)
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python's C API: one context, one batch per step, greedy argmax."""
+
+    name = "llama.cpp"
+
+    def __init__(self, path: Path, args: argparse.Namespace) -> None:
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)  # kept alive with self
+        llama_cpp.llama_log_set(self._quiet, None)
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 16 * 512, 512, 512, 16
+        params.n_threads = params.n_threads_batch = args.threads
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.batch = llama_cpp.llama_batch_init(512, 0, 16)
+
+    def _clear(self) -> None:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """(token, position, sequence, wants logits) rows in one llama_decode."""
+        batch = self.batch
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        batch.n_tokens = len(entries)
+        if self.lib.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _argmax(self, row: int) -> int:
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, row), shape=(self.vocab,))
+        return int(logits.argmax())
+
+    def decode_rate(self, prompts: list[list[int]], new_tokens: int) -> float:
+        self._clear()
+        for seq, prompt in enumerate(prompts):  # prefill each prompt (not timed)
+            self._decode([(t, p, seq, p == len(prompt) - 1) for p, t in enumerate(prompt)])
+        last = [self._argmax(-1)] * len(prompts)
+        positions = [len(p) for p in prompts]
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            self._decode([(last[s], positions[s], s, True) for s in range(len(prompts))])
+            last = [self._argmax(s) for s in range(len(prompts))]
+            positions = [p + 1 for p in positions]
+        return len(prompts) * (new_tokens - 1) / (time.perf_counter() - start)
+
+    def prefill_rate(self, prompt: list[int]) -> float:
+        self._clear()
+        start = time.perf_counter()
+        self._decode([(t, p, 0, p == len(prompt) - 1) for p, t in enumerate(prompt)])
+        self._argmax(-1)
+        return len(prompt) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the model and files here between runs")
+    args = parser.parse_args()
+    args.arch, args.experts, args.top_k = "llama", 0, 0
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.work_dir or Path(tmp)
+        model_dir = root / "hf"
+        if not (model_dir / "config.json").exists():
+            build_checkpoint(model_dir, args)
+        files = write_files(model_dir, root, args.formats)
+        rng = np.random.default_rng(0)
+        prompts16 = [rng.integers(10, args.vocab - 10, 128).tolist() for _ in range(16)]
+        long_prompt = rng.integers(10, args.vocab - 10, 512).tolist()
+        bandwidth = memory_bandwidth()
+        print(f"llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.threads} threads; "
+              f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+        print("format   file MB  bound b1 | batch-1 tok/s ours/llama.cpp | batch-16 tok/s | prefill-512 tok/s")
+        for name, path in files.items():
+            engines = [Ours(path, args), LlamaCpp(path, args)]
+            results = {engine.name: {"b1": [], "b16": [], "prefill": []} for engine in engines}
+            for _ in range(args.runs):
+                for engine in engines:  # interleaved
+                    results[engine.name]["b1"].append(engine.decode_rate(prompts16[:1], 128))
+                    results[engine.name]["b16"].append(engine.decode_rate(prompts16, 32))
+                    results[engine.name]["prefill"].append(engine.prefill_rate(long_prompt))
+            size = path.stat().st_size
+            cells = []
+            for measure in ("b1", "b16", "prefill"):
+                ours, theirs = (statistics.median(results[e][measure]) for e in ("pluginfer", "llama.cpp"))
+                cells.append(f"{ours:7.1f} / {theirs:7.1f} ({ours / theirs:4.2f}x)")
+            print(f"{name:7s} {size / 1e6:8.1f} {bandwidth / size:7.1f}  | " + " | ".join(cells), flush=True)
+            del engines
+
+
+if __name__ == "__main__":
+    main()
