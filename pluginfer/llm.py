@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
+from pluginfer.core.beam_search import Beam, BeamSearchParams
 from pluginfer.core.config import build_config
 from pluginfer.core.engine import LLMEngine
 from pluginfer.core.options import dotted_keywords
@@ -56,6 +57,18 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids)
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[list[Beam]]:
+        """The ``beam_width`` best continuations of each prompt, best first, found as transformers'
+        ``generate(num_beams=...)`` finds them (``pluginfer/core/beam_search.py``)."""
+        from pluginfer.core.beam_search import run_beam_search
+
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        tokenizer = self.engine.tokenizer
+        token_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+        return run_beam_search(self.generate, token_ids, params, self.engine.eos_token_ids, self.engine.max_model_len,
+                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None,

@@ -11,10 +11,12 @@ from typing import Any
 
 from aiohttp import web
 
+from pluginfer.core.beam_search import BeamSearchParams
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
 from pluginfer.core.sequence import SamplingParams
 from pluginfer.core.structured import StructuredOutputsParams
 from pluginfer.core.tokenizer import render_chat
+from pluginfer.server.beam import beam_params, finish_reason, search
 from pluginfer.server.errors import bad_request
 from pluginfer.server.grammar import compile_grammar
 from pluginfer.server.logprobs import TokenText, chat_logprobs
@@ -66,6 +68,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     prompt = render_prompt(state, [m.for_template() for m in body.messages], body.add_generation_prompt,
                            template_kwargs(state, body, tools))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    beam = beam_params(body, params.max_tokens)
+    if beam is not None:
+        return web.json_response(await _beam_chat(state, body, prompt, beam, request_id))
     outputs = run_requests(state, [prompt], params, request_id, "messages")
     # A grammar holds from the first token: there is no <think> section to split off.
     reasoning = state.reasoning_parser if params.structured_outputs is None else None
@@ -78,6 +83,18 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             final = output
     assert final is not None
     return web.json_response(answer.completion(final))
+
+
+async def _beam_chat(state: ServerState, body: ChatCompletionRequest, prompt: list[int], beam: BeamSearchParams,
+                     request_id: str) -> dict[str, Any]:
+    if body.stream:
+        raise bad_request("stream: beam search answers once the search ends; use stream: false", "stream")
+    [beams] = await search(state, [prompt], beam, request_id, "messages")
+    eos = state.engine.eos_token_ids
+    choices = [{"index": i, "message": {"role": "assistant", "content": b.text}, "logprobs": None,
+                "finish_reason": finish_reason(b, eos)} for i, b in enumerate(beams)]
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+            "choices": choices, "usage": usage(len(prompt), sum(len(b.token_ids) for b in beams))}
 
 
 def _with_tools(state: ServerState, params: SamplingParams, grammar: tuple[StructuredOutputsParams, str] | None,

@@ -10,7 +10,10 @@ from typing import Any
 
 from aiohttp import web
 
+from pluginfer.core.beam_search import BeamSearchParams
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
+from pluginfer.server.beam import beam_params, finish_reason, search
+from pluginfer.server.errors import bad_request
 from pluginfer.server.grammar import compile_grammar
 from pluginfer.server.logprobs import TokenText, completion_logprobs
 from pluginfer.server.protocol import CompletionRequest
@@ -29,6 +32,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         await compile_grammar(state, *grammar)
     prompts = [state.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompt]
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    beam = beam_params(body, params.max_tokens)
+    if beam is not None:
+        return web.json_response(await _beam_completion(state, body, prompts, beam, request_id))
     outputs = run_requests(state, prompts, params, request_id, "prompt")
     answer = _CompletionAnswer(state, body, request_id, prompts)
     if body.stream:
@@ -39,6 +45,19 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             if output.finished:
                 finals[index] = output
     return web.json_response(answer.completion([finals[i] for i in range(len(prompts))]))
+
+
+async def _beam_completion(state: ServerState, body: CompletionRequest, prompts: list[list[int]],
+                           beam: BeamSearchParams, request_id: str) -> dict[str, Any]:
+    if body.stream:
+        raise bad_request("stream: beam search answers once the search ends; use stream: false", "stream")
+    results = await search(state, prompts, beam, request_id, "prompt")
+    eos = state.engine.eos_token_ids
+    choices = [{"index": i * body.n + j, "text": b.text, "logprobs": None, "finish_reason": finish_reason(b, eos)}
+               for i, beams in enumerate(results) for j, b in enumerate(beams)]
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name, "choices": choices,
+            "usage": usage(sum(map(len, prompts)), sum(len(b.token_ids) for beams in results for b in beams))}
 
 
 class _CompletionAnswer:

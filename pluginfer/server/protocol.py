@@ -123,6 +123,9 @@ class SamplingRequest(_Body):
     user: str | None = None  # informational: identifies the end user to OpenAI; no effect here
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    use_beam_search: bool = False  # vLLM's: the n best beams are the choices (server/beam.py)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     LOGPROBS_FIELD: ClassVar[str] = "logprobs"  # the request field a SamplingParams.logprobs error names
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {}

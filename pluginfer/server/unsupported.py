@@ -28,7 +28,6 @@ class Unsupported:
 INFORMATIONAL = frozenset({"user", "safety_identifier", "prompt_cache_key", "metadata"})
 
 _SHARED: dict[str, Unsupported] = {
-    "use_beam_search": Unsupported("beam search is not implemented", (None, False)),
     **{f"guided_{kind}": Unsupported(f"removed in vLLM 0.12: use structured_outputs: {{{kind}: ...}}")
        for kind in ("json", "regex", "choice", "grammar", "whitespace_pattern")},
     "guided_decoding_backend": Unsupported("removed in vLLM 0.12; llguidance serves structured_outputs"),
