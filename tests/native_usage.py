@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 # family -> (the C functions that are the family, the /proc/cpuinfo flags its fast path needs).
-# The C guards: panel_linear.c needs __AVX512F__; quant_dot.c needs AVX512F/BW/VL/VNNI and F16C.
+# The C guards: panel_linear.c needs __AVX512F__; quant_dot.c AVX-512 VNNI (with BW, VL, F16C) or, at least,
+# AVX2 with FMA and F16C (its AVX2 kernels).
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "decode attention": (("paged_decode_attention",), ()),
     "RMSNorm": (("rms_norm",), ()),
@@ -31,10 +32,9 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "GGML dequantize": (("ggml_dequantize_rows",), ()),
     "GPTQ/AWQ dequantize": (("grouped_dequantize",), ()),
     "int4 dequantize": (("int4_dequantize_rows",), ()),
-    "fused int8 GGML matmul (AVX-512 VNNI)": (("quant_matmul",),
-                                              ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")),
+    "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)": (("quant_matmul",), ("avx2", "fma", "f16c")),
 }
-PANELS, VNNI = "panel GEMM (AVX-512)", "fused int8 GGML matmul (AVX-512 VNNI)"
+PANELS, FUSED = "panel GEMM (AVX-512)", "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)"
 ONEDNN = "oneDNN prepacked GEMM (torch)"
 
 calls: Counter[str] = Counter()  # C function or ONEDNN -> calls in this process
@@ -165,6 +165,10 @@ def _normal(name: str) -> str:
 _IMPORT = re.compile(r"could not import '([\w.]+)'")
 
 
+# Skip reasons of the native tests -> the kernel family they need (None: the library alone).
+NATIVE_SKIPS = {"native kernels unavailable": None, "needs the native library": PANELS, "fused kernel needs": FUSED}
+
+
 def required(reason: str) -> str | None:
     """For a skip reason: why this machine should have run the test (the skip becomes a failure), or None."""
     imported = _IMPORT.search(reason)
@@ -174,15 +178,12 @@ def required(reason: str) -> str | None:
         if distribution is not None:
             return f"{distribution} is a dependency of pluginfer (pyproject.toml); install it"
         return None
-    lowered = reason.lower()
-    if "onednn" in lowered:
+    if "no oneDNN" in reason:
         return "torch reports oneDNN (torch.backends.mkldnn) available" if onednn_available() else None
-    if "native" not in lowered and "avx-512" not in lowered and "avx512" not in lowered:
+    matched = [family for phrase, family in NATIVE_SKIPS.items() if phrase in reason]
+    if not matched or native_excused() is not None:
         return None
-    excuse = native_excused()
-    if excuse is not None:
-        return None
-    family = VNNI if "vnni" in lowered else PANELS if "avx" in lowered else None
+    family = matched[0]
     if family is not None and missing_flags(family):
         return None
     needs = f" and the CPU features {family} needs ({', '.join(FAMILIES[family][1])})" if family else ""

@@ -74,7 +74,7 @@ def test_the_native_library_loads_where_this_machine_can_build_it() -> None:
     if "avx512f" in flags:
         assert avx512() and native.op("panel_linear") is not None and native.op("pack_panels") is not None
     library = native.load()
-    if hasattr(library, "quant_dot_supported") and not native_usage.missing_flags(native_usage.VNNI):
+    if hasattr(library, "quant_dot_supported") and not native_usage.missing_flags(native_usage.FUSED):
         assert library.quant_dot_supported()
     for name in ("rms_norm", "silu_and_mul", "rotary_neox", "ggml_dequantize", "grouped_dequantize",
                  "int4_dequantize"):
