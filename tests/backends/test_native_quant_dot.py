@@ -22,15 +22,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-pytest.importorskip("gguf.quants")
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
-
-from pluginfer import LLM  # noqa: E402
-from pluginfer.backends import native  # noqa: E402
-from pluginfer.quant import ggml_blocks, ggml_quantize  # noqa: E402
-from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model  # noqa: E402
-from tests.quant.test_ggml_blocks import FP16_FIELDS  # noqa: E402
+from pluginfer import LLM
+from pluginfer.backends import native
+from pluginfer.quant import ggml_blocks, ggml_quantize
+from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model
+from tests.quant.test_ggml_blocks import FP16_FIELDS
 
 T = GGMLQuantizationType
 FUSED = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
