@@ -8,6 +8,8 @@ gather indices are built once per step in ``prepare`` and shared by every layer.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +23,9 @@ from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
 
 logger = logging.getLogger(__name__)
+
+# The KV cache's size when cache.kv_cache_memory is not given (vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE=4).
+DEFAULT_KV_CACHE_BYTES = 4 * 2**30
 
 
 @cache
@@ -112,22 +117,27 @@ class CpuBackend:
         return native.op(name) if self.native_kernels else None
 
     def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
+        """``requested``, else a fixed default (as vLLM's CPU backend: 4 GiB), never more than ``fraction``
+        of the memory available now. The worker then caps it at what ``max_num_seqs`` sequences of
+        ``max_model_len`` tokens can use, so a small model's cache is sized for the job."""
         if requested is not None:
             return requested
-        return int(_available_memory() * fraction)
+        return min(DEFAULT_KV_CACHE_BYTES, int(_available_memory() * fraction))
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
                           dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if spec.value_in_key is not None:  # the value is the key's first features: no storage of its own
-            keys = [torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype)
-                    for _ in range(spec.num_layers)]
-            return [(key, key[..., :spec.value_in_key]) for key in keys]
+        """Every layer's keys and values in one anonymous memory map: zeros that cost nothing up front
+        (the OS hands out zeroed pages when first written), where ``torch.zeros`` would write every page
+        before the first request. Slots a step has not written read as zeros, as before."""
         v_dim = spec.v_head_dim or spec.head_dim
-        return [
-            (torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype),
-             torch.zeros(num_blocks, block_size, spec.num_kv_heads, v_dim, dtype=dtype))
-            for _ in range(spec.num_layers)
-        ]
+        key_shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        value_shape = None if spec.value_in_key is not None else (num_blocks, block_size, spec.num_kv_heads, v_dim)
+        shapes = [shape for _ in range(spec.num_layers) for shape in (key_shape, value_shape) if shape is not None]
+        tensors = iter(_lazy_zeros(shapes, dtype))
+        if spec.value_in_key is not None:  # the value is the key's first features: no storage of its own
+            keys = [next(tensors) for _ in range(spec.num_layers)]
+            return [(key, key[..., :spec.value_in_key]) for key in keys]
+        return [(next(tensors), next(tensors)) for _ in range(spec.num_layers)]
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                     copies: list[tuple[int, int]]) -> None:
@@ -230,6 +240,23 @@ def _soft_capped_attention(queries: torch.Tensor, keys: torch.Tensor, values: to
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1).to(values.dtype), values)
+
+
+def _lazy_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zero tensors of these shapes, views of one anonymous map (64-byte aligned each), pages untouched.
+
+    Under another default device (the metal backend allocates through this class) they are plain zeros."""
+    if torch.get_default_device().type != "cpu":
+        return [torch.zeros(shape, dtype=dtype) for shape in shapes]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [math.prod(shape) * itemsize for shape in shapes]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // 64) * 64
+    buffer = torch.frombuffer(mmap.mmap(-1, max(total, 1)), dtype=torch.uint8)  # keeps the map alive
+    return [buffer[offset:offset + size].view(dtype).view(shape)
+            for offset, size, shape in zip(offsets, sizes, shapes)]
 
 
 def _available_memory() -> int:

@@ -9,6 +9,9 @@ last stage returns float32 logits (handed to the driver when the driver sits in 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,33 @@ def build_plugin(registry: Registry, kind: str, name: str, *arguments: object) -
     return registry.load(kind, spec.name)(*arguments)
 
 
+@contextmanager
+def _timed(owner: Any, method: str) -> Iterator[list[float]]:
+    """Seconds spent in ``owner.method`` while the block runs (the one-element list is filled in place)."""
+    spent = [0.0]
+    original = getattr(owner, method, None)
+    own = method in getattr(owner, "__dict__", {})
+    if original is None or not hasattr(owner, "__dict__"):
+        yield spent
+        return
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - started
+
+    setattr(owner, method, timed)
+    try:
+        yield spent
+    finally:
+        if own:
+            setattr(owner, method, original)
+        else:
+            delattr(owner, method)  # the class's method again
+
+
 class Worker:
     """One rank of the model: built from the config, the rank and the world collective."""
 
@@ -52,6 +82,9 @@ class Worker:
                            num_experts_offload_per_rank=config.cache.num_experts_offload_per_rank,
                            max_num_seqs=config.scheduler.max_num_seqs, rank=rank)
         factory = registry.load("model", model_name)
+        # Start-up phases in seconds (build, load, repack, cache), logged and read by the server's start-up line.
+        self.startup_times: dict[str, float] = {}
+        started = time.perf_counter()
         with building(ctx), torch.device(self.backend.device):
             self.pipeline = factory(hf_config, ctx)
         self.pipeline.eval()
@@ -60,7 +93,12 @@ class Worker:
         if offload and not self.expert_memory.offloaded_experts:
             raise ValueError(f"cache.num_experts_offload_per_rank: {offload}, but {model_name} built no "
                              "mixture-of-experts layer to offload from")
-        self.pipeline.load_weights(iter_weights(model_path))
+        self.startup_times["build"] = time.perf_counter() - started
+        started = time.perf_counter()
+        with _timed(self.quant, "process_weights_after_loading") as repack:  # a layer's repack runs as it loads
+            self.pipeline.load_weights(iter_weights(model_path))
+        self.startup_times["repack"] = repack[0]
+        self.startup_times["load"] = time.perf_counter() - started - repack[0]
         if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:
             logger.info("rank %d experts: %d bytes resident on %s, %d bytes in the host store (%d experts), "
                         "%d bytes staging", rank.rank, self.expert_memory.resident_bytes, self.backend.name,
@@ -79,11 +117,22 @@ class Worker:
         per_block = self.pipeline.kv_cache_spec().bytes_per_token(self.kv_dtype) * cache.block_size
         budget = self.backend.kv_cache_budget_bytes(cache.kv_cache_memory, cache.kv_cache_fraction)
         blocks_per_seq = -(-max_model_len // cache.block_size)
-        useful = blocks_per_seq * self.config.scheduler.max_num_seqs  # more could never be used at once
-        num_blocks = min(budget // per_block, useful)
-        if num_blocks < 1:
-            raise ValueError(f"cache.kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes each)")
-        return int(num_blocks)
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        useful = blocks_per_seq * max_num_seqs  # more could never be used at once
+        num_blocks = int(min(budget // per_block, useful))
+        given = "cache.kv_cache_memory (--kv-cache-memory)" if cache.kv_cache_memory is not None else \
+            f"the {self.backend.name} backend's default KV cache size (set --kv-cache-memory)"
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"{given}: {budget} bytes hold {num_blocks * cache.block_size} tokens of KV cache "
+                f"({per_block // cache.block_size} bytes per token), but one sequence of max_model_len "
+                f"{max_model_len} needs {blocks_per_seq * cache.block_size} tokens ({blocks_per_seq * per_block} "
+                "bytes): raise --kv-cache-memory or lower --max-model-len")
+        why = (f"max_num_seqs {max_num_seqs} x max_model_len {max_model_len}, all the scheduler can use at once"
+               if num_blocks == useful else f"what {budget} bytes from {given} hold")
+        logger.info("rank %d KV cache: %d tokens (%d blocks of %d, %.1f MiB): %s", self.rank.rank,
+                    num_blocks * cache.block_size, num_blocks, cache.block_size, num_blocks * per_block / 2**20, why)
+        return num_blocks
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -91,9 +140,13 @@ class Worker:
         return self.dtype if kind == "auto" else resolve_dtype(kind, {})
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        started = time.perf_counter()
         self.kv_caches = self.backend.allocate_kv_cache(self.pipeline.kv_cache_spec(), num_blocks,
                                                         self.config.cache.block_size, self.kv_dtype)
         self.pipeline.bind_kv_caches(self.kv_caches)
+        self.startup_times["cache"] = time.perf_counter() - started
+        logger.info("rank %d start-up: %s", self.rank.rank,
+                    ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_times.items()))
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
