@@ -233,11 +233,6 @@ def nonfinite(name: str) -> float:
 # (what is set, its value) -> what the IEEE reference gives: see each kernel's test.
 ATTENTION_SPECIALS = ["query-nan", "query-inf", "key-nan", "key-inf", "key--inf", "value-nan", "value-inf",
                       "key-nan-outside-window"]
-# The AVX-512 path (head and value dims multiples of 16, no soft cap) swallows a NaN or +inf score: its max
-# (_mm512_max_ps) returns its second operand when one is NaN, and exp512 clamps with max(x, -87.3), which
-# turns exp(NaN) into exp(-87.3). The output is then finite where torch's is NaN. The fix belongs in
-# csrc/cpu_kernels.c (put the NaN-carrying operand second, or test the scores for NaN).
-AVX512_SWALLOWS = {"query-nan", "query-inf", "key-nan", "key-inf"}
 
 
 @pytest.mark.parametrize("path", ["avx512", "portable", "soft-cap"])
@@ -248,9 +243,6 @@ def test_decode_attention_propagates_nan_like_torch(path: str, special: str, req
     inputs: a NaN query head or key makes its heads' outputs NaN; a key of +inf (query feature positive)
     makes the score +inf and the softmax NaN; -inf makes it -inf, weight 0, finite output; a non-finite
     value reaches its feature of the outputs; a NaN key outside the sliding window is never read."""
-    if path == "avx512" and special in AVX512_SWALLOWS and avx512():
-        request.applymarker(pytest.mark.xfail(strict=True, reason="the AVX-512 softmax swallows NaN/+inf scores "
-                                                                  "(see AVX512_SWALLOWS)"))
     head_dim = 40 if path == "portable" else 64
     soft_cap = 5.0 if path == "soft-cap" else None
     window = 24 if special.endswith("outside-window") else None

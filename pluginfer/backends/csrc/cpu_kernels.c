@@ -43,9 +43,11 @@ static inline __m512 sum16(__m512 a[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
 }
 
-/* expf (Cephes' polynomial, ~1 ulp); below -87.3 the result flushes towards 0, above ~88.7 it is inf. */
+/* expf (Cephes' polynomial, ~1 ulp); below -87.3 the result flushes towards 0, above ~88.7 it is inf.
+ * NaN stays NaN: vmaxps returns its second operand when either is NaN, so x goes second (a NaN or +inf
+ * score then makes its softmax row NaN, as in torch). */
 static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
