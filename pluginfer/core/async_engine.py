@@ -1,7 +1,8 @@
 """AsyncEngine: LLMEngine's step loop in its own thread, one asyncio queue per request.
 
 The engine is touched only by the loop thread. Coroutines hand it commands (add, abort)
-through a thread-safe queue and receive RequestOutputs through ``loop.call_soon_threadsafe``.
+through a thread-safe queue and receive RequestOutputs through ``loop.call_soon_threadsafe``, once per
+step for all the requests of one event loop.
 Leaving ``generate`` early (a client that disconnects cancels its handler) aborts the request,
 whose KV blocks are freed before the next step.
 """
@@ -37,6 +38,11 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # that event loop is closed: nobody is listening any more
             pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream_queue, output in batch:
+        stream_queue.put_nowait(output)
 
 
 class AsyncEngine:
@@ -128,10 +134,7 @@ class AsyncEngine:
                 self._wakeup.clear()  # before draining, so a command queued meanwhile is not slept through
                 self._drain_commands()
                 if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        stream = self._streams.get(output.request_id)
-                        if stream is not None:
-                            stream.put(output)
+                    self._deliver(self.engine.step())
                 else:
                     if self.engine.failure:  # a rank was lost while idle: fail now, not at the next request
                         raise RuntimeError(self.engine.failure)
@@ -144,6 +147,19 @@ class AsyncEngine:
             reason = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
         for stream in list(self._streams.values()):
             stream.put(reason)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs reach each event loop in one callback (one wake-up per step, not per request)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                pass
 
     def _drain_commands(self) -> None:
         while True:
