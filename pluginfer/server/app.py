@@ -31,6 +31,8 @@ def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Applicatio
     app = web.Application(middlewares=[_metrics_middleware, error_middleware, _auth_middleware(server.api_keys)],
                           client_max_size=server.max_request_bytes)
     app[STATE] = ServerState.create(async_engine, config)
+    if hasattr(async_engine, "attach"):  # an EngineClient reads its engine process's frames on this loop
+        app.on_startup.append(_attach_engine)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_get("/v1/models", list_models)
@@ -41,6 +43,10 @@ def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Applicatio
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     return app
+
+
+async def _attach_engine(app: web.Application) -> None:
+    app[STATE].async_engine.attach()
 
 
 @web.middleware

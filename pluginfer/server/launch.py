@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import threading
@@ -18,7 +19,9 @@ from aiohttp import web
 from pluginfer.core.async_engine import AsyncEngine
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.engine import LLMEngine
+from pluginfer.core.launch import detect_launcher
 from pluginfer.server.app import build_app
+from pluginfer.server.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +78,26 @@ async def _watch_engine(async_engine: AsyncEngine, stop: asyncio.Event, grace_s:
 
 def run_server(config: EngineConfig) -> int:
     """Load the model, serve until SIGINT or SIGTERM (0) or until the engine dies (1)."""
-    async_engine = AsyncEngine(LLMEngine(config)).start()
+    async_engine = start_engine(config)
     try:
         return asyncio.run(_serve(async_engine, config))
     finally:
         async_engine.shutdown()
+
+
+def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
+    """The engine core in a process of its own (``EngineClient``) when it runs on one rank; else, and with
+    ``PLUGINFER_ENGINE_PROCESS=0``, the step loop in a thread of this process (``AsyncEngine``).
+
+    Several ranks stay in this process: the driver (rank 0) is this process, its workers its children."""
+    if os.environ.get("PLUGINFER_ENGINE_PROCESS", "1") == "0" or detect_launcher(config) != "inprocess":
+        return AsyncEngine(LLMEngine(config)).start()
+    client = EngineClient(config).start()
+    times = client.startup_times
+    phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in times.items() if name != "total")
+    print(f"pluginfer: engine process {client.process.pid} ready in {times['total']:.1f} s ({phases}); "
+          f"KV cache for {client.kv_tokens} tokens", file=sys.stderr, flush=True)
+    return client
 
 
 class BackgroundServer:

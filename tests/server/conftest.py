@@ -16,6 +16,7 @@ import pytest
 from pluginfer.core.async_engine import AsyncEngine
 from pluginfer.core.config import EngineConfig, build_config
 from pluginfer.core.engine import LLMEngine
+from pluginfer.server.engine_client import EngineClient
 from pluginfer.server.launch import BackgroundServer
 
 NUM_BLOCKS = 256
@@ -45,12 +46,16 @@ def wait_until_idle(async_engine: AsyncEngine, timeout: float = 5.0) -> None:
     assert not async_engine.engine.has_unfinished_requests()
 
 
-@pytest.fixture(scope="package", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(scope="package", params=[1, 2, "core"], ids=["tp1", "tp2", "core"])
 def async_engine(request, tiny_llama_checkpoint) -> Iterator[AsyncEngine]:
-    """The shared engine: every server test runs on one rank and again on two tensor-parallel ranks
-    (spawned processes over gloo), so the whole API is checked through the distributed engine."""
-    engine = start_engine(server_config(tiny_llama_checkpoint[0],
-                                        **{"parallel.tensor_parallel_size": request.param}))
+    """The shared engine: every server test runs on one rank, again on two tensor-parallel ranks
+    (spawned processes over gloo), so the whole API is checked through the distributed engine, and
+    again through the engine core process ``pluginfer serve`` runs (``EngineClient``, one rank)."""
+    if request.param == "core":
+        engine = EngineClient(server_config(tiny_llama_checkpoint[0])).start()
+    else:
+        engine = start_engine(server_config(tiny_llama_checkpoint[0],
+                                            **{"parallel.tensor_parallel_size": request.param}))
     yield engine
     engine.shutdown()
 

@@ -1,0 +1,295 @@
+"""The engine core in a process of its own: LLMEngine's step loop, fed and drained over one socket.
+
+``pluginfer serve`` runs its HTTP server in one process and this loop in another, as vLLM V1 splits
+its API server from its engine core: the event loop's work (HTTP parsing, JSON, SSE writes, the
+tokenizer on prompts) and the step never take turns at one interpreter lock, and the step loop owns
+its interpreter, its OpenMP threads and its memory. ``pluginfer.server.engine_client.EngineClient`` is
+the other end; ``LLM`` keeps its engine in the caller's process.
+
+``python -m pluginfer.core.engine_core FD LOG_LEVEL`` with the config's JSON on stdin; ``FD`` is this
+end of a socket pair. Each message is a frame: a 4-byte big-endian length, then a pickle. The server
+sends ``("add", request_id, prompt, params)``, ``("abort", request_id)``, ``("compile", call_id,
+grammar)`` and ``("stop",)``. The core answers ``("ready", info)`` once loaded (or ``("failed",
+error type, message)``), then after every step one ``("out", deltas, stats)`` with what each request
+gained since the last one (new token ids, text, logprobs; the prompt's fields the first time), and
+``("reject", request_id, error type, message)`` for a request ``add_request`` refused,
+``("compiled", call_id, error or None)``, ``("dead", reason)`` when the loop fails. One frame per step
+whatever the number of requests: the server wakes once per step, not once per token.
+
+A reader thread takes the server's frames off the socket as they come (so neither side can block the
+other on a full buffer) and compiles grammars there, off the step loop. The core exits when told to
+stop, when the server's end closes (the server died), or when its loop fails; on Linux it also gets
+SIGTERM when the server's process goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger("pluginfer.core.engine_core")  # also when run as __main__
+
+_LENGTH = struct.Struct(">I")
+_IDLE_CHECK_S = 0.25  # how often an idle core looks at engine.failure (a lost rank) while it waits
+
+
+# -- framing (both ends) ------------------------------------------------------------------------
+
+
+def encode(message: Any) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+class FrameReader:
+    """Bytes in, whole messages out (a frame may arrive in pieces)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        self._buffer += data
+        messages = []
+        while len(self._buffer) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer)
+            end = _LENGTH.size + length
+            if len(self._buffer) < end:
+                break
+            messages.append(pickle.loads(memoryview(self._buffer)[_LENGTH.size:end]))
+            del self._buffer[:end]
+        return messages
+
+
+def error_name(exc: BaseException) -> str:
+    return type(exc).__name__
+
+
+def _log_timings(timings: list[tuple[float, float, float]]) -> None:
+    """DEBUG: where a run of steps spent its time (step, sending its frame, between steps)."""
+    steps = sorted(b - a for a, b, _ in timings)
+    sends = sorted(c - b for _, b, c in timings)
+    gaps = sorted(timings[i + 1][0] - timings[i][2] for i in range(len(timings) - 1))
+    logger.debug("last %d steps: median step %.2f ms, frame %.3f ms, between steps %.3f ms (max %.1f)",
+                 len(timings), steps[len(steps) // 2] * 1e3, sends[len(sends) // 2] * 1e3,
+                 gaps[len(gaps) // 2] * 1e3, gaps[-1] * 1e3)
+
+
+# -- the core -----------------------------------------------------------------------------------
+
+
+class EngineCore:
+    """Runs in the core process: the engine, the reader thread, the step loop."""
+
+    def __init__(self, config: Any, sock: socket.socket) -> None:
+        self.config = config
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sent: dict[str, list[list[int]]] = {}  # request id -> per choice [tokens, chars, logprobs] sent
+        self.engine: Any = None
+
+    def send(self, message: Any) -> None:
+        data = encode(message)
+        with self._send_lock:
+            self.sock.sendall(data)
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    def load(self) -> dict[str, Any]:
+        """Build the engine and run one short request through it; what the server needs to know."""
+        from pluginfer.core.engine import LLMEngine
+        from pluginfer.core.sequence import SamplingParams
+
+        started = time.perf_counter()
+        self.engine = engine = LLMEngine(self.config)
+        total = time.perf_counter() - started
+        times = dict(getattr(engine.executor.worker, "startup_times", {}))
+        times["other"] = max(0.0, total - sum(times.values()))  # config, tokenizer, imports of plugins
+        started = time.perf_counter()
+        # Warm-up: the first step pays for first touches (weight pages, kernel tables, allocator pools).
+        vocab = engine.executor.vocab_size
+        engine.add_request([i % vocab for i in range(1, 9)], SamplingParams(temperature=0.0, max_tokens=2,
+                                                                            ignore_eos=True),
+                           request_id="pluginfer-warmup")
+        while engine.has_unfinished_requests():
+            engine.step()
+        times["warm-up"] = time.perf_counter() - started
+        logger.info("engine core start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
+        manager = engine.block_manager
+        try:  # the server takes the tokenizer from here: unpickling it is ~0.1 s, loading it again seconds
+            tokenizer = pickle.dumps(engine.tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - the server loads its own
+            logger.info("the tokenizer does not pickle (%s); the server loads its own", exc)
+            tokenizer = None
+        return {"pid": os.getpid(), "tokenizer": tokenizer, "model_path": str(engine.executor.model_path),
+                "max_model_len": engine.max_model_len, "vocab_size": engine.executor.vocab_size,
+                "eos_token_ids": sorted(engine.eos_token_ids), "num_blocks": manager.num_blocks,
+                "block_size": self.config.cache.block_size, "startup_times": times,
+                "kv_tokens": manager.num_blocks * self.config.cache.block_size}
+
+    # -- the reader thread ----------------------------------------------------------------------
+
+    def _read(self) -> None:
+        reader = FrameReader()
+        try:
+            while True:
+                data = self.sock.recv(1 << 20)
+                if not data:
+                    break
+                for message in reader.feed(data):
+                    if message[0] == "compile":
+                        self._compile(*message[1:])
+                    else:
+                        self._commands.put(message)
+        except OSError:
+            pass
+        self._commands.put(("eof",))
+
+    def _compile(self, call_id: int, grammar: Any) -> None:
+        try:
+            self.engine.grammars.compile(grammar)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the server turns it into a 400
+            error = (error_name(exc), str(exc))
+        try:
+            self.send(("compiled", call_id, error))
+        except OSError:
+            pass
+
+    # -- the step loop --------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until told to stop (0), the server goes away (0) or the loop fails (1)."""
+        threading.Thread(target=self._read, name="pluginfer-core-reader", daemon=True).start()
+        engine = self.engine
+        idle_reported = True
+        timings: list[tuple[float, float, float]] | None = [] if logger.isEnabledFor(logging.DEBUG) else None
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                if not busy and engine.failure:  # a rank was lost while idle: fail now, not at the next request
+                    raise RuntimeError(engine.failure)
+                if self._drain(block=not busy):
+                    return 0
+                if engine.has_unfinished_requests():
+                    started = time.perf_counter()
+                    outputs = engine.step()
+                    stepped = time.perf_counter()
+                    self._send_outputs(outputs)
+                    if timings is not None:
+                        timings.append((started, stepped, time.perf_counter()))
+                        if len(timings) == 256:
+                            _log_timings(timings)
+                            timings.clear()
+                    idle_reported = False
+                elif not idle_reported:  # the gauges go back to zero
+                    self.send(("out", [], self._stats()))
+                    idle_reported = True
+        except BaseException as exc:
+            logger.exception("engine loop died")
+            try:
+                self.send(("dead", f"{error_name(exc)}: {exc}"))
+            except OSError:
+                pass
+            return 1
+
+    def _drain(self, block: bool) -> bool:
+        """Apply the server's commands; wait for one when ``block``. True when the core should exit."""
+        while True:
+            try:
+                command = self._commands.get(timeout=_IDLE_CHECK_S) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return False
+            block = False
+            kind = command[0]
+            if kind == "add":
+                _, request_id, prompt, params = command
+                try:
+                    self.engine.add_request(prompt, params, request_id=request_id)
+                except Exception as exc:  # bad input for this request only
+                    self.send(("reject", request_id, error_name(exc), str(exc)))
+            elif kind == "abort":
+                self.engine.abort_request(command[1])
+                self._sent.pop(command[1], None)
+            elif kind in ("stop", "eof"):
+                if kind == "eof":
+                    logger.warning("the server closed its end of the channel; the engine core stops")
+                return True
+
+    def _send_outputs(self, outputs: list[Any]) -> None:
+        deltas = []
+        for output in outputs:
+            sent = self._sent.get(output.request_id)
+            first = sent is None
+            if first:
+                sent = self._sent[output.request_id] = [[0, 0, 0] for _ in output.outputs]
+            choices = []
+            for choice, counts in zip(output.outputs, sent):
+                tokens, chars, logprobs = counts
+                new_logprobs = None
+                if choice.logprobs is not None:
+                    new_logprobs = choice.logprobs[logprobs:]
+                    counts[2] = len(choice.logprobs)
+                choices.append((choice.index, choice.token_ids[tokens:], choice.text[chars:], new_logprobs,
+                                choice.finish_reason))
+                counts[0], counts[1] = len(choice.token_ids), len(choice.text)
+            head = (output.prompt, output.prompt_token_ids, output.prompt_logprobs) if first else None
+            deltas.append((output.request_id, head, choices, output.finished, output.error,
+                           output.num_cached_tokens))
+            if output.finished:
+                del self._sent[output.request_id]
+        self.send(("out", deltas, self._stats()))
+
+    def _stats(self) -> tuple[int, int, float, int]:
+        engine = self.engine
+        manager = engine.block_manager
+        return (engine.scheduler.num_running, engine.scheduler.num_waiting, manager.usage,
+                manager.num_free_blocks)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            try:
+                self.engine.shutdown()
+            except Exception as exc:  # noqa: BLE001 - leaving anyway
+                logger.warning("engine shutdown: %s: %s", error_name(exc), exc)
+        self.sock.close()
+
+
+def main(argv: list[str]) -> int:
+    fd, level = int(argv[0]), argv[1] if len(argv) > 1 else "WARNING"
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s (engine core): %(message)s")
+    from pluginfer.core.config import EngineConfig
+
+    sock = socket.socket(fileno=fd)
+    core = EngineCore(EngineConfig.model_validate_json(sys.stdin.read()), sock)
+    try:
+        try:
+            info = core.load()
+        except Exception as exc:  # the server re-raises it: the CLI prints pluginfer's own errors in one line
+            from pluginfer.core.registry import PluginError
+
+            ours = isinstance(exc, (ValueError, KeyError, FileNotFoundError, PluginError))
+            if not ours:
+                logger.exception("the engine could not start")
+            message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+            core.send(("failed", "ValueError" if ours else error_name(exc), message))
+            return 2
+        core.send(("ready", info))
+        return core.run()
+    except OSError as exc:  # the server is gone
+        logger.warning("the engine core lost its server: %s", exc)
+        return 0
+    finally:
+        core.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

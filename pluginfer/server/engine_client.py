@@ -1,0 +1,489 @@
+"""EngineClient: the server's side of the engine core process (``pluginfer.core.engine_core``).
+
+It offers what the handlers use of ``AsyncEngine`` (``generate``, ``abort``, ``is_alive``, ``error``,
+``num_requests``, ``num_waiting``, ``shutdown``, and ``engine``: the tokenizer, ``max_model_len``, the
+gauges and grammar compilation, read from an ``EngineView``), with the engine in another process.
+
+The core's frames are read on the server's event loop (``loop.add_reader``: no thread, no
+``call_soon_threadsafe`` per token); one frame per engine step carries every request's new tokens and
+text, which are appended to the request's output in this process. A request's consumer that falls
+behind gets one output with everything new since it last looked, not a queue of stale ones.
+
+When the core process dies (killed, out of memory, a crash) its end of the socket closes: every open
+request fails with ``EngineDeadError`` at once (a stream ends with an error event), ``is_alive`` turns
+False (``/health`` answers 503) and one log line says which process died and how.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from pluginfer.core.async_engine import EngineDeadError
+from pluginfer.core.config import EngineConfig
+from pluginfer.core.engine_core import FrameReader, encode
+from pluginfer.core.outputs import CompletionOutput, RequestOutput
+from pluginfer.core.sequence import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class _Scheduler:
+    """The gauges' view of the core's scheduler, updated with every step's frame."""
+
+    num_running = 0
+    num_waiting = 0
+
+
+class _BlockManager:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.num_free_blocks = num_blocks
+        self.usage = 0.0
+
+
+class _Grammars:
+    """``engine.grammars.compile`` for the handlers: compiled (and cached) in the core, off its step loop."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self._client = client
+
+    def compile(self, grammar: Any) -> None:
+        """Blocks until the core compiled it; raises StructuredOutputError with the core's reason.
+        Call it off the event loop (the handlers use ``asyncio.to_thread``)."""
+        from pluginfer.core.structured import StructuredOutputError
+
+        error = self._client.call("compile", grammar).result()
+        if error is not None:
+            kind, message = error
+            raise StructuredOutputError(message) if kind == "StructuredOutputError" else RuntimeError(message)
+
+
+class EngineView:
+    """What the handlers and the metrics read of the engine, in the server's process."""
+
+    def __init__(self, client: EngineClient, config: EngineConfig, info: dict[str, Any], tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len: int = info["max_model_len"]
+        self.eos_token_ids = set(info["eos_token_ids"])
+        self.model_path = Path(info["model_path"])
+        self.scheduler = _Scheduler()
+        self.block_manager = _BlockManager(info["num_blocks"])
+        self.grammars = _Grammars(client)
+
+    def has_unfinished_requests(self) -> bool:
+        """As the core's last frame saw it (waiting or running sequences)."""
+        return bool(self.scheduler.num_running or self.scheduler.num_waiting)
+
+
+class _Request:
+    """One request's output so far, grown by the core's deltas; the consumer takes snapshots."""
+
+    __slots__ = ("loop", "waiter", "prompt", "prompt_token_ids", "prompt_logprobs", "choices", "finished",
+                 "error", "num_cached_tokens", "fresh", "failure")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: str | list[int], n: int) -> None:
+        self.loop = loop
+        self.waiter: asyncio.Future | None = None
+        self.prompt = prompt if isinstance(prompt, str) else None
+        self.prompt_token_ids: list[int] = [] if isinstance(prompt, str) else list(prompt)
+        self.prompt_logprobs: list | None = None
+        # per choice: [token ids, text, logprobs or None, finish reason]
+        self.choices: list[list[Any]] = [[[], "", None, None] for _ in range(n)]
+        self.finished = False
+        self.error: str | None = None
+        self.num_cached_tokens = 0
+        self.fresh = False  # something arrived that the consumer has not taken yet
+        self.failure: BaseException | None = None
+
+    def apply(self, head: tuple | None, choices: list[tuple], finished: bool, error: str | None,
+              num_cached_tokens: int) -> None:
+        if head is not None:
+            self.prompt, self.prompt_token_ids, self.prompt_logprobs = head
+        for index, tokens, text, logprobs, finish_reason in choices:
+            choice = self.choices[index]
+            choice[0] += tokens
+            if text:
+                choice[1] += text
+            if logprobs is not None:
+                choice[2] = (choice[2] or []) + logprobs
+            choice[3] = finish_reason
+        self.finished, self.error, self.num_cached_tokens = finished, error, num_cached_tokens
+        self.fresh = True
+        self.wake()
+
+    def fail(self, failure: BaseException) -> None:
+        if self.failure is None:
+            self.failure = failure
+        self.wake()
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def snapshot(self, request_id: str) -> RequestOutput:
+        self.fresh = False
+        completions = [CompletionOutput(index=index, text=text, token_ids=list(tokens),
+                                        logprobs=list(logprobs) if logprobs is not None else None,
+                                        finish_reason=reason)
+                       for index, (tokens, text, logprobs, reason) in enumerate(self.choices)]
+        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, completions, finished=self.finished,
+                             error=self.error, num_cached_tokens=self.num_cached_tokens,
+                             prompt_logprobs=self.prompt_logprobs)
+
+
+class EngineClient:
+    """Start the engine core process; serve coroutines' requests through it (AsyncEngine's interface)."""
+
+    def __init__(self, config: EngineConfig, log_level: str | None = None) -> None:
+        self.config = config
+        self.engine: EngineView | None = None
+        self.startup_times: dict[str, float] = {}
+        self._requests: dict[str, _Request] = {}
+        self._not_started: set[str] = set()
+        self._ids = itertools.count()
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._send_lock = threading.Lock()
+        self._reader = FrameReader()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._closed = False
+        self._sock, child = socket.socketpair()
+        level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pluginfer.core.engine_core", str(child.fileno()), str(level)],
+            stdin=subprocess.PIPE, pass_fds=(child.fileno(),), env=_core_environment(),
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        child.close()
+        self.process.stdin.write(config.model_dump_json().encode())
+        self.process.stdin.close()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, timeout: float | None = None) -> EngineClient:
+        """Wait until the core has loaded the model; take its tokenizer.
+
+        Raises what the core raised when it could not start (ValueError for pluginfer's own errors)."""
+        from pluginfer.core.tokenizer import load_tokenizer
+
+        started = time.perf_counter()
+        try:
+            info = self._wait_ready(timeout)
+            if info["tokenizer"] is not None:
+                tokenizer = pickle.loads(info["tokenizer"])
+            else:
+                tokenizer = load_tokenizer(self.config.tokenizer or info["model_path"])
+        except BaseException:
+            self._kill()
+            raise
+        self.engine = EngineView(self, self.config, info, tokenizer)
+        self.startup_times = dict(info["startup_times"])
+        self.startup_times["total"] = time.perf_counter() - started
+        self.kv_tokens = info["kv_tokens"]
+        return self
+
+    def _wait_ready(self, timeout: float | None) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._sock.settimeout(remaining)
+            try:
+                data = self._sock.recv(1 << 20)
+            except TimeoutError:
+                raise RuntimeError(f"the engine process did not start within {timeout} s") from None
+            finally:
+                self._sock.settimeout(None)
+            if not data:
+                code = self._exit_code(10.0)
+                raise RuntimeError(f"the engine process (pid {self.process.pid}) exited {_how(code)} while "
+                                   "loading the model (its log is above)")
+            for message in self._reader.feed(data):
+                if message[0] == "ready":
+                    return message[1]
+                if message[0] == "failed":
+                    _, kind, text = message
+                    self._exit_code(10.0)
+                    raise ValueError(text) if kind == "ValueError" else RuntimeError(f"{kind}: {text}")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core (requests still running are aborted there, and end here with EngineDeadError);
+        wait for it to exit, kill it past ``timeout``. Safe from any thread, idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except OSError:
+            pass
+        code = self._exit_code(timeout)
+        if code is None:
+            logger.warning("the engine process (pid %d) did not stop within %.0f s; killing it",
+                           self.process.pid, timeout)
+            self._kill()
+        self._on_loop(self._fail_all, EngineDeadError("the engine was shut down"))
+        self._on_loop(self._close)
+
+    def _kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def _exit_code(self, timeout: float) -> int | None:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    @property
+    def is_alive(self) -> bool:
+        return (self._error is None and not self._stopping and self.engine is not None
+                and self.process.poll() is None)
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine cannot serve (None while it runs or after a clean shutdown)."""
+        if self._error is None and not self._stopping and self.process.poll() is not None:
+            self._error = RuntimeError(f"the engine process (pid {self.process.pid}) exited "
+                                       f"{_how(self.process.returncode)}")
+        return self._error
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._not_started)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output as it grows; the last one is finished."""
+        if not self.is_alive:
+            error = self.error
+            why = f"it died: {error}" if error else "it was shut down"
+            raise EngineDeadError(f"the engine is not running ({why})")
+        loop = asyncio.get_running_loop()
+        self._attach(loop)
+        request_id = request_id or f"client-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = _Request(loop, prompt, params.n)
+        self._requests[request_id] = request
+        self._not_started.add(request_id)
+        finished = False
+        try:
+            self._send(("add", request_id, prompt, params))
+            while True:
+                if not request.fresh and request.failure is None:
+                    request.waiter = loop.create_future()
+                    await request.waiter
+                    request.waiter = None
+                if request.failure is not None:
+                    finished = True  # the core never ran it, or has dropped it: nothing to abort
+                    raise request.failure
+                self._not_started.discard(request_id)
+                output = request.snapshot(request_id)
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        except OSError as exc:  # the channel broke while sending
+            finished = True
+            raise EngineDeadError(f"the engine is not running: {exc}") from None
+        finally:
+            self._requests.pop(request_id, None)
+            self._not_started.discard(request_id)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except OSError:
+            pass  # the core is gone: so is the request
+
+    def call(self, kind: str, *arguments: Any) -> Future:
+        """Ask the core something answered off its step loop (``compile``); a Future of the answer."""
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        if not self.is_alive:
+            future.set_exception(EngineDeadError("the engine is not running"))
+            return future
+        try:
+            self._send((kind, call_id, *arguments))
+        except OSError as exc:
+            self._calls.pop(call_id, None)
+            future.set_exception(EngineDeadError(f"the engine is not running: {exc}"))
+        return future
+
+    # -- the channel --------------------------------------------------------------------------
+
+    def _send(self, message: Any) -> None:
+        data = encode(message)
+        with self._send_lock:  # the core's reader thread always drains its end: this does not block long
+            self._sock.sendall(data)
+
+    def attach(self) -> None:
+        """Read the core's frames on the running event loop from now on (the server calls it as it starts;
+        else the first request does): a core that dies while idle is then noticed at once."""
+        self._attach(asyncio.get_running_loop())
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the core's frames on the first event loop that serves a request (the socket stays
+        blocking for sends; reads ask for what is there with MSG_DONTWAIT)."""
+        if self._loop is None and not self._closed:
+            self._loop = loop
+            loop.add_reader(self._sock.fileno(), self._on_readable)
+
+    def _on_loop(self, callback: Any, *arguments: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            callback(*arguments)
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            callback(*arguments)
+        else:
+            try:
+                loop.call_soon_threadsafe(callback, *arguments)
+            except RuntimeError:  # closed meanwhile
+                callback(*arguments)
+
+    def _on_readable(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(1 << 20, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._lost(f"its channel failed: {exc}")
+                return
+            if not data:
+                self._lost(None)
+                return
+            for message in self._reader.feed(data):
+                self._dispatch(message)
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "out":
+            _, deltas, stats = message
+            for request_id, head, choices, finished, error, cached in deltas:
+                request = self._requests.get(request_id)
+                if request is None:
+                    continue  # its consumer left; the abort is on its way
+                if request.loop is self._loop:
+                    request.apply(head, choices, finished, error, cached)
+                else:  # a request from another event loop (several servers over one client)
+                    request.loop.call_soon_threadsafe(request.apply, head, choices, finished, error, cached)
+            self._update_stats(stats)
+        elif kind == "reject":
+            _, request_id, error_kind, text = message
+            request = self._requests.get(request_id)
+            if request is not None:
+                failure = ValueError(text) if error_kind in ("ValueError", "StructuredOutputError") else \
+                    RuntimeError(f"{error_kind}: {text}")
+                self._deliver_failure(request, failure)
+        elif kind == "compiled":
+            _, call_id, error = message
+            future = self._calls.pop(call_id, None)
+            if future is not None and not future.done():
+                future.set_result(error)
+        elif kind == "dead":
+            self._error = RuntimeError(message[1])
+            logger.error("pluginfer: the engine loop died in its process (pid %d): %s", self.process.pid, message[1])
+            self._fail_all(EngineDeadError(f"the engine loop died: {message[1]}"))
+
+    def _update_stats(self, stats: tuple[int, int, float, int]) -> None:
+        if self.engine is None:
+            return
+        running, waiting, usage, free = stats
+        self.engine.scheduler.num_running, self.engine.scheduler.num_waiting = running, waiting
+        self.engine.block_manager.usage, self.engine.block_manager.num_free_blocks = usage, free
+
+    def _deliver_failure(self, request: _Request, failure: BaseException) -> None:
+        if request.loop is self._loop or request.loop.is_closed():
+            request.fail(failure)
+        else:
+            request.loop.call_soon_threadsafe(request.fail, failure)
+
+    def _lost(self, why: str | None) -> None:
+        """The core's end closed: it exited, or is about to."""
+        self._close()
+        if self._stopping:
+            return
+        code = self._exit_code(2.0)
+        if why is None:
+            why = f"exited {_how(code)}" if code is not None else "closed its channel"
+        if self._error is None:
+            self._error = RuntimeError(f"the engine process (pid {self.process.pid}) {why}")
+            logger.error("pluginfer: the engine process (pid %d) %s; no request can be served", self.process.pid,
+                         why)
+        self._fail_all(EngineDeadError(f"the engine is not running: {self._error}"))
+
+    def _fail_all(self, failure: BaseException) -> None:
+        for request in list(self._requests.values()):
+            self._deliver_failure(request, failure)
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(failure)
+        self._calls.clear()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.remove_reader(self._sock.fileno())
+            except (ValueError, RuntimeError):
+                pass
+        self._sock.close()
+
+
+def _how(code: int | None) -> str:
+    if code is None:
+        return "(still running)"
+    if code < 0:
+        try:
+            return f"on signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"on signal {-code}"
+    return f"with code {code}"
+
+
+def _core_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    # Idle OpenMP threads of the core sleep instead of spinning: the server and its clients need the cores
+    # between and during steps (an explicit setting wins).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the core does not outlive the server
