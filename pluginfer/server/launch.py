@@ -117,7 +117,7 @@ class BackgroundServer:
                                                                   config.server.port))
         self.url = f"http://{config.server.host}:{self.port}"
 
-    def _call(self, coroutine):  # noqa: ANN001, ANN202 - any coroutine, its result
+    def _call(self, coroutine):
         future: Future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
         return future.result(timeout=60)
 

@@ -22,7 +22,7 @@ def engine(tiny_llama_checkpoint):
     engine.shutdown()
 
 
-async def _collect(engine: AsyncEngine, prompt, params: SamplingParams, request_id: str | None = None):  # noqa: ANN001, ANN202
+async def _collect(engine: AsyncEngine, prompt, params: SamplingParams, request_id: str | None = None):
     return [output async for output in engine.generate(prompt, params, request_id)]
 
 
@@ -38,7 +38,7 @@ def test_outputs_grow_until_the_last_is_finished(engine):
 def test_concurrent_requests_match_sequential_ones(engine):
     prompts = [f"prompt {i}" for i in range(8)]
 
-    async def together():  # noqa: ANN202
+    async def together():
         return await asyncio.gather(*(_collect(engine, p, _greedy(6)) for p in prompts))
 
     alone = [asyncio.run(_collect(engine, p, _greedy(6)))[-1].outputs[0].token_ids for p in prompts]

@@ -24,7 +24,7 @@ def hf_beams(model, prompt: list[int], params: BeamSearchParams, eos: int | None
     return out.sequences[:, len(prompt):].tolist(), out.sequences_scores.tolist()
 
 
-def hf_scorer(model, candidates: int):  # noqa: ANN001, ANN201
+def hf_scorer(model, candidates: int):
     """A ``generate`` stand-in: the top next-token logprobs of each sequence, from transformers' own forward."""
     def generate(prompts: list[list[int]], _params: object) -> list[object]:
         outputs = []

@@ -84,7 +84,7 @@ def test_a_dead_engine_loop_is_503_and_ends_open_streams(tiny_llama_checkpoint, 
     engine = start_engine(server_config(tiny_llama_checkpoint[0]))
     step, steps = engine.engine.step, []
 
-    def failing_step():  # noqa: ANN202
+    def failing_step():
         steps.append(None)
         if len(steps) > 3:
             raise RuntimeError("device lost")

@@ -167,7 +167,7 @@ def test_too_many_waiting_is_429(tiny_llama_checkpoint, make_server):
         engine.shutdown()
 
 
-def _wait_for(condition, timeout: float = 5.0) -> None:  # noqa: ANN001
+def _wait_for(condition, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline
