@@ -32,6 +32,9 @@ from pluginfer.quant import ggml_blocks, ggml_quantize
 T = GGMLQuantizationType
 
 
+CLOCK = time.perf_counter
+
+
 def interleaved_medians(cases: dict, runs: int) -> dict[str, float]:
     """Median seconds of each case, the cases timed in turn within every run (drift hits them alike)."""
     samples: dict[str, list[float]] = {name: [] for name in cases}
@@ -39,9 +42,9 @@ def interleaved_medians(cases: dict, runs: int) -> dict[str, float]:
         fn()
     for _ in range(runs):
         for name, fn in cases.items():
-            start = time.perf_counter()
+            start = CLOCK()
             fn()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(CLOCK() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -75,7 +78,14 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
     parser.add_argument("--no-f32", action="store_true", help="skip the float32 panel weights")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread, timed by its CPU time (time.thread_time): on a shared machine, immune to "
+                             "other processes' time slices (not to their memory traffic); GB/s are per core")
     args = parser.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time
+        torch.set_num_threads(1)
     if native.available() is not None:
         print(f"native kernels unavailable: {native.available()}")
         return 1
@@ -84,8 +94,9 @@ def main() -> int:
         return 1
     panels = native.op("panel_linear") is not None
     bandwidth = read_bandwidth(args.bandwidth_bytes, args.runs)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; read bandwidth (sum of "
-          f"{args.bandwidth_bytes / 2**20:.0f} MiB) {bandwidth:.1f} GB/s; ms per linear, medians of {args.runs}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{' (CPU time)' if args.cpu_time else ''}; "
+          f"read bandwidth (sum of {args.bandwidth_bytes / 2**20:.0f} MiB) {bandwidth:.1f} GB/s; ms per linear, "
+          f"medians of {args.runs}")
     print(f"{'shape':>10} {'format':>6} {'rows':>5} {'fused':>8} {'dequant':>8} {'f32':>8}  {'fused/deq':>9} "
           f"{'fused/f32':>9}  {'fused GB/s':>10} {'% of read':>9}")
     generator = torch.Generator().manual_seed(0)

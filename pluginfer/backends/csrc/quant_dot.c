@@ -67,6 +67,17 @@
 enum { QD_Q4_0 = 2, QD_Q4_1 = 3, QD_Q5_0 = 6, QD_Q5_1 = 7, QD_Q8_0 = 8, QD_Q4_K = 12, QD_Q5_K = 13, QD_Q6_K = 14 };
 
 #define QD_TILE_ROWS 16
+#ifndef QD_PREFETCH
+#define QD_PREFETCH 8192 /* bytes ahead of each weight row's current unit: memory parallelism for one core */
+#endif
+#define q4_0_UNIT_BYTES 36 /* bytes of weight a unit of the tile loop reads: two blocks, or a super-block */
+#define q4_1_UNIT_BYTES 40
+#define q5_0_UNIT_BYTES 44
+#define q5_1_UNIT_BYTES 48
+#define q8_0_UNIT_BYTES 68
+#define q4_k_UNIT_BYTES 144
+#define q5_k_UNIT_BYTES 176
+#define q6_k_UNIT_BYTES 210
 
 /* Weights per block and bytes per block of the types handled; 0 for any other type. */
 static int qd_block(int type, int64_t *weights, int64_t *bytes) {
@@ -483,7 +494,12 @@ typedef void (*qd_tile)(const uint8_t *row, int64_t row_bytes, int64_t units, in
             _Pragma("GCC unroll 4") for (int o = 0; o < O; o++) acc[r][o] = _mm512_setzero_ps();            \
         for (int64_t u = 0; u < units; u++) {                                                               \
             T##_UNIT U[O];                                                                                  \
-            _Pragma("GCC unroll 4") for (int o = 0; o < O; o++) T##_prep(&U[o], row + o * row_bytes, u, nb); \
+            _Pragma("GCC unroll 4") for (int o = 0; o < O; o++) {                                           \
+                for (int line = 0; line < T##_UNIT_BYTES; line += 64)                                        \
+                    _mm_prefetch((const char *)(row + o * row_bytes + u * T##_UNIT_BYTES) + QD_PREFETCH + line, \
+                                 _MM_HINT_T0);                                                              \
+                T##_prep(&U[o], row + o * row_bytes, u, nb);                                                \
+            }                                                                                               \
             _Pragma("GCC unroll 4") for (int j = 0; j < T##_VPU; j++) {                                     \
                 const int64_t v = u * T##_VPU + j;                                                          \
                 __m512i w[O];                                                                               \
@@ -886,7 +902,12 @@ typedef void (*qd_tile)(const uint8_t *row, int64_t row_bytes, int64_t units, in
             _Pragma("GCC unroll 2") for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_ps();            \
         for (int64_t u = 0; u < units; u++) {                                                               \
             T##_UNIT U[O];                                                                                  \
-            _Pragma("GCC unroll 2") for (int o = 0; o < O; o++) T##_prep(&U[o], row + o * row_bytes, u, nb); \
+            _Pragma("GCC unroll 2") for (int o = 0; o < O; o++) {                                           \
+                for (int line = 0; line < T##_UNIT_BYTES; line += 64)                                        \
+                    _mm_prefetch((const char *)(row + o * row_bytes + u * T##_UNIT_BYTES) + QD_PREFETCH + line, \
+                                 _MM_HINT_T0);                                                              \
+                T##_prep(&U[o], row + o * row_bytes, u, nb);                                                \
+            }                                                                                               \
             _Pragma("GCC unroll 4") for (int j = 0; j < T##_VPU; j++) {                                     \
                 const int64_t v = u * T##_VPU + j;                                                          \
                 __m256i w[O][2];                                                                            \
