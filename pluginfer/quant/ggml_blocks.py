@@ -236,8 +236,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Up to this many rows (tokens) of ``x`` a linear runs the backend's fused int8-activation matmul when it
-# has one; more rows dequantize tiles for the float GEMM, faster at prefill sizes (docs/performance.md).
-QUANT_MATMUL_MAX_ROWS = 64
+# has one; more rows dequantize tiles for the float GEMM, which is as fast from ~128 rows and faster
+# beyond (one core, 5632 x 1024: 3-8 % slower than fused at 128 rows, 4-7 % faster at 256;
+# docs/performance.md).
+QUANT_MATMUL_MAX_ROWS = 128
 
 
 def ggml_linear(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType | int, cols: int,
