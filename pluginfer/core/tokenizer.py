@@ -1,10 +1,24 @@
-"""Tokenizer and chat template, through transformers' AutoTokenizer."""
+"""Tokenizer and chat template, through transformers' AutoTokenizer.
+
+A GGUF file's tokenizer is built by transformers from the file's ``tokenizer.ggml.*`` metadata, which
+takes seconds for a large vocabulary (gguf-py parses the metadata element by element, then transformers
+converts it); the result is pickled into ``$PLUGINFER_CACHE/tokenizers`` (default
+``~/.cache/pluginfer``) and unpickled on the next load (~0.1 s). An entry is keyed by the file (path,
+size, modification time), the transformers, tokenizers and Python versions and this module's source.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import pickle
+import sys
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -12,11 +26,47 @@ def load_tokenizer(path: str | Path) -> Any:
 
     path = Path(path)
     try:
-        if path.suffix.lower() == ".gguf" and path.is_file():  # built from the file's tokenizer.ggml.* metadata
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if path.suffix.lower() == ".gguf" and path.is_file():
+            return _gguf_tokenizer(path)
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
         raise ValueError(f"cannot load a tokenizer from {path}: {type(exc).__name__}: {exc}") from None
+
+
+def gguf_tokenizer_cache_path(path: str | Path) -> Path:
+    """Where the tokenizer built from the GGUF file ``path`` is cached."""
+    import tokenizers
+    import transformers
+
+    path = Path(path).resolve()
+    stat = path.stat()
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # how it is built is part of the key
+    identity = (f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{tokenizers.__version__}|"
+                f"{sys.version_info[:2]}|{source}")
+    root = Path(os.environ.get("PLUGINFER_CACHE", Path.home() / ".cache" / "pluginfer"))
+    return root / "tokenizers" / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.pickle"
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    cached = gguf_tokenizer_cache_path(path)
+    if cached.is_file():
+        try:
+            return pickle.loads(cached.read_bytes())
+        except Exception as exc:  # a broken entry: build the tokenizer again, and replace it
+            logger.info("tokenizer cache %s unreadable (%s: %s); building the tokenizer", cached,
+                        type(exc).__name__, exc)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        data = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.partial")
+        partial.write_bytes(data)
+        os.replace(partial, cached)  # a reader never sees half an entry
+    except Exception as exc:  # no cache entry; the tokenizer is built, nothing else changes
+        logger.info("cannot cache the tokenizer of %s in %s: %s: %s", path, cached, type(exc).__name__, exc)
+    return tokenizer
 
 
 def eos_token_ids(tokenizer: Any, model_path: Path, hf_config: dict) -> set[int]:

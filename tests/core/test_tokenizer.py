@@ -1,0 +1,63 @@
+"""core/tokenizer.py: a GGUF file's tokenizer is built once and then read from $PLUGINFER_CACHE."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from pluginfer.cli.convert import convert_to_gguf
+from pluginfer.core.tokenizer import gguf_tokenizer_cache_path, load_tokenizer
+
+TEXT = "The engine reads a file.\n\n  Twice, <|im_start|>user 42 times é"
+
+
+@pytest.fixture
+def gguf_file(tiny_llama_checkpoint: tuple[Path, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PLUGINFER_CACHE", str(tmp_path / "cache"))
+    return convert_to_gguf(tiny_llama_checkpoint[0], tmp_path / "tiny.gguf", "q8_0", "f32")
+
+
+def test_the_first_load_caches_the_tokenizer_the_next_reads_it(gguf_file: Path, tiny_tokenizer_dir: Path) -> None:
+    entry = gguf_tokenizer_cache_path(gguf_file)
+    assert entry.parent.parent == Path(os.environ["PLUGINFER_CACHE"]) and not entry.exists()
+    built = load_tokenizer(gguf_file)
+    assert entry.is_file()
+    cached = load_tokenizer(gguf_file)
+    assert cached.encode(TEXT) == built.encode(TEXT) == load_tokenizer(tiny_tokenizer_dir).encode(TEXT)
+    assert cached.chat_template == built.chat_template and cached.eos_token_id == built.eos_token_id
+    # What is read is the entry: one holding another tokenizer is what the next load returns.
+    other = load_tokenizer(tiny_tokenizer_dir)
+    other.add_tokens(["<a_token_only_the_entry_has>"])
+    entry.write_bytes(pickle.dumps(other))
+    assert "<a_token_only_the_entry_has>" in load_tokenizer(gguf_file).get_vocab()
+    assert "<a_token_only_the_entry_has>" not in built.get_vocab()
+
+
+def test_a_broken_entry_is_rebuilt_and_replaced(gguf_file: Path) -> None:
+    built = load_tokenizer(gguf_file)
+    entry = gguf_tokenizer_cache_path(gguf_file)
+    entry.write_bytes(b"not a pickle")
+    assert load_tokenizer(gguf_file).encode(TEXT) == built.encode(TEXT)
+    assert pickle.loads(entry.read_bytes()).encode(TEXT) == built.encode(TEXT)
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no partial file left behind
+
+
+def test_a_rewritten_file_has_another_entry(gguf_file: Path) -> None:
+    entry = gguf_tokenizer_cache_path(gguf_file)
+    stat = gguf_file.stat()
+    os.utime(gguf_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert gguf_tokenizer_cache_path(gguf_file) != entry
+    assert gguf_tokenizer_cache_path(gguf_file.parent / ".." / gguf_file.parent.name / gguf_file.name) == \
+        gguf_tokenizer_cache_path(gguf_file)  # the same file by another path
+
+
+def test_an_unwritable_cache_still_gives_the_tokenizer(gguf_file: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("PLUGINFER_CACHE", str(blocker))  # a file where the cache directory should be
+    assert load_tokenizer(gguf_file).encode(TEXT)
+    assert not gguf_tokenizer_cache_path(gguf_file).exists()
