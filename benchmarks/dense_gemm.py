@@ -4,7 +4,7 @@
     python benchmarks/dense_gemm.py --rows 1 16 --copies 8
 
 Each layer's four linears (qkv, o, gate_up, down) are timed as the engine calls them
-(``layers/dense.py``): ``panels`` (``pack_panels`` + ``panel_linear``), ``onednn``
+(``backends/cpu_dense.py``): ``panels`` (``pack_panels`` + ``panel_linear``), ``onednn``
 (``torch.ops.mkldnn`` prepacked) and ``mkl`` (``x @ W`` on ``[in, out]``, MKL's GEMV/GEMM).
 ``--copies`` distinct weights of each shape are cycled so they come from memory, as in a decode
 step, not from cache. Milliseconds per layer, medians of ``--runs`` timings, and each layout's
@@ -20,8 +20,7 @@ import time
 
 import torch
 
-from pluginfer.backends import native
-from pluginfer.layers import onednn
+from pluginfer.backends import native, onednn
 
 
 def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> list[tuple[int, int]]:

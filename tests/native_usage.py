@@ -55,8 +55,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    from pluginfer.backends import native
-    from pluginfer.layers import onednn
+    from pluginfer.backends import native, onednn
 
     unwrapped = native.load.__wrapped__
     counted_names = [name for functions, _ in FAMILIES.values() for name in functions]
@@ -113,7 +112,7 @@ def missing_flags(family: str) -> list[str]:
 
 
 def onednn_available() -> bool:
-    from pluginfer.layers import onednn
+    from pluginfer.backends import onednn
 
     return onednn.available()
 

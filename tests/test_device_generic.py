@@ -19,13 +19,6 @@ DEVICE_NAME = re.compile(r"""["'](cuda|mps|cpu|gcu|xpu|npu|hpu)(:\d+)?["']|\bis_
 
 # (file under pluginfer/, text on the line): why it stays.
 ALLOWED = {
-    ("layers/dense.py", 'if weight.device.type != "cpu" or weight.dtype != torch.float32:'):
-        "the CPU weight-layout policy (native panels, oneDNN prepacking) still lives in the shared layers; "
-        "issue 13 moves it into the cpu backend (not done yet: it waits on the CPU kernel work)",
-    ("layers/dense.py", 'if weight.device.type != "cpu":'):
-        "the same CPU layout policy (MKL's transposed GEMV layout)",
-    ("layers/onednn.py", 'weight.device.type == "cpu"'):
-        "the same CPU layout policy (oneDNN's prepacked weights, CPU only)",
     ("layers/moe.py", 'pin = device.type == "cuda"'):
         "page-locked host memory for asynchronous expert copies is a CUDA allocator feature; torch has no "
         "device-generic way to ask whether pinning helps a device",
@@ -59,6 +52,32 @@ def test_every_allowed_exception_still_exists() -> None:
     stale = [entry for entry in ALLOWED
              if not any(path == entry[0] and entry[1] in line for path, line in occurrences)]
     assert not stale, f"ALLOWED entries that match nothing any more (remove them): {stale}"
+
+
+# A device library's private ops (oneDNN's packed layouts) or a backend's own modules.
+DEVICE_LIBRARY = re.compile(r"\bmkldnn\b|\bonednn\b|\bpluginfer\.backends\b|\bfrom pluginfer import backends\b")
+
+
+def test_only_the_backends_reach_device_libraries() -> None:
+    """oneDNN's packed weights (``torch.ops.mkldnn``) and the backends' modules are the cpu backend's business
+    (``backends/cpu_dense.py`` through the kernel table): the rest of the package never names them, comments
+    and docstrings included."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.split("/")[0] in ("backends", "builtin_plugins.py"):
+            continue
+        found += [f"pluginfer/{relative}: {line.strip()}" for line in path.read_text().splitlines()
+                  if DEVICE_LIBRARY.search(line)]
+    assert not found, "device libraries named outside pluginfer/backends:\n" + "\n".join(found)
+
+
+def test_the_device_library_pattern_catches_what_it_should() -> None:
+    for text in ("torch.ops.mkldnn._linear_pointwise(x, w)", "from pluginfer.layers import onednn",
+                 "torch.backends.mkldnn.is_available()", "from pluginfer.backends import native"):
+        assert DEVICE_LIBRARY.search(text), text
+    for text in ("ctx.backend.op('dense_linear')", "backend_op(backend, 'dense_pack')", "self.backends"):
+        assert not DEVICE_LIBRARY.search(text), text
 
 
 def test_the_pattern_catches_what_it_should() -> None:

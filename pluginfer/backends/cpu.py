@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer.backends import native
+from pluginfer.backends.cpu_dense import CpuDenseLayouts
 from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.kernels import KernelTable
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
 
 logger = logging.getLogger(__name__)
@@ -111,9 +113,18 @@ class CpuBackend:
         self.native_kernels = reason is None
         if reason is not None and native_kernels:
             _report_unavailable(reason)
+        # The weight-layout policy (native panels, oneDNN, MKL's transposed GEMV) enters through the table.
+        self.kernels = KernelTable(self.name)
+        layouts = CpuDenseLayouts(self)
+        for name in ("dense_layout", "dense_pack", "dense_linear"):
+            self.kernels.register(name, getattr(layouts, name))
 
     def op(self, name: str) -> Callable | None:
-        """A fused float32 kernel for a layer op, or None (the layer keeps its torch reference)."""
+        """The table's cpu kernel for ``name`` (the dense layouts), else a native float32 kernel for a layer
+        or format op, or None (the layer keeps its torch reference)."""
+        kernel = self.kernels.implementation(name)
+        if kernel is not None:
+            return kernel
         return native.op(name) if self.native_kernels else None
 
     def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:

@@ -164,6 +164,35 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     return out
 
 
+# -- dense weights: the layout a loaded weight is kept in, and the matmul that reads it ----------------
+def dense_layout(weight: torch.Tensor, batched: bool, packed_only: bool) -> str:
+    """The name of the layout the backend keeps a loaded ``[out, in]`` weight in.
+
+    ``batched``: the engine runs several sequences per step (a backend may pack for that row count).
+    ``packed_only``: the caller keeps the checkpoint's layout unless the backend packs (stacked MoE
+    experts). ``"checkpoint"`` (the reference's only answer) keeps ``[out, in]`` for ``F.linear``; every
+    other name is the backend's own and means something only to its :func:`dense_pack` and
+    :func:`dense_linear`.
+    """
+    return "checkpoint"
+
+
+def dense_pack(weight: torch.Tensor, layout: str) -> torch.Tensor:
+    """``weight`` ``[out, in]`` in ``layout`` (a name :func:`dense_layout` gave); it replaces the weight."""
+    if layout != "checkpoint":
+        raise ValueError(f"dense_pack: no layout named {layout!r} here (only 'checkpoint')")
+    return weight
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str,
+                 out_features: int) -> torch.Tensor:
+    """``x @ W^T + bias`` over any leading dims of ``x``, for a weight :func:`dense_pack` put in ``layout``;
+    ``out_features`` is W's row count (a packed weight may be padded)."""
+    if layout != "checkpoint":
+        raise ValueError(f"dense_linear: no layout named {layout!r} here (only 'checkpoint')")
+    return F.linear(x, weight, bias)
+
+
 # -- per-format matmuls -----------------------------------------------------------------------------
 def marlin_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
                   zeros: torch.Tensor | None, bias: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
@@ -220,7 +249,7 @@ class KernelOp:
 
 OPS: dict[str, KernelOp] = {fn.__name__: KernelOp(fn.__name__, fn) for fn in (
     rms_norm, silu_and_mul, gelu_and_mul, rotary_neox, rotary_interleaved, write_kv,
-    paged_decode_attention, paged_prefill_attention, marlin_matmul,
+    paged_decode_attention, paged_prefill_attention, dense_layout, dense_pack, dense_linear, marlin_matmul,
 )}
 
 

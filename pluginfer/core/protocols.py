@@ -296,9 +296,9 @@ class DeviceBackend(Protocol):
 
         Layers look it up once when built and fall back to their torch reference when the
         kernel returns None (or False) for inputs it does not handle. Ops and their signatures are
-        those of ``pluginfer.core.kernels`` (a backend keeps a ``KernelTable``); the cpu backend also
-        answers its own weight-layout ops (``pack_panels``, ``ggml_dequantize``, ...) from
-        ``pluginfer.backends.native``.
+        those of ``pluginfer.core.kernels`` (a backend keeps a ``KernelTable``: the dense weight layouts,
+        ``dense_layout`` / ``dense_pack`` / ``dense_linear``, are table ops too); the cpu backend also
+        answers its native format ops (``ggml_dequantize``, ``grouped_dequantize``, ...).
         """
 
 

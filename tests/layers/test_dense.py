@@ -1,4 +1,5 @@
-"""The dense weight layouts (layers/dense.py): which one a weight gets, and that each computes x W^T + b."""
+"""The dense weight layouts (the cpu backend's policy, backends/cpu_dense.py, reached by layers/dense.py through
+the kernel table): which one a weight gets, and that each computes x W^T + b."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.layers import dense, onednn
+from pluginfer.backends import onednn
+from pluginfer.layers import dense
 from tests.layers.conftest import PANELS_AVAILABLE, backend_with
 
 
@@ -40,11 +42,25 @@ def test_half_precision_is_never_packed() -> None:
         assert matmul.packed_layout(weight) is None
 
 
-def test_without_a_backend_op_there_are_no_panels() -> None:
-    class Plain:  # a backend that offers no kernels
+def test_without_backend_dense_ops_the_checkpoint_layout_stays() -> None:
+    class Plain:  # a backend that offers no kernels: the table's references decide
         def op(self, name: str) -> None:
             return None
 
-    matmul = dense.DenseMatmul(Plain(), False)
-    assert not matmul.panels
-    assert matmul.relayout(torch.randn(8, 8))[0] == "transposed"
+    matmul = dense.DenseMatmul(Plain(), True)
+    weight, bias, x = torch.randn(8, 6), torch.randn(8), torch.randn(3, 6)
+    layout, placed = matmul.relayout(weight)
+    assert (layout, matmul.packed_layout(weight)) == ("checkpoint", None) and placed is weight
+    torch.testing.assert_close(matmul.linear(layout, x, placed, bias, 8), F.linear(x, weight, bias))
+
+
+def test_the_cpu_backend_answers_the_dense_ops_from_its_kernel_table() -> None:
+    backend = backend_with(False)
+    assert {"dense_layout", "dense_pack", "dense_linear"} <= set(backend.kernels.names())
+    assert backend.op("dense_linear") == backend.kernels.implementation("dense_linear")
+
+
+def test_a_layout_the_cpu_backend_does_not_know_is_an_error() -> None:
+    matmul = dense.DenseMatmul(backend_with(False), False)
+    with pytest.raises(ValueError, match="no dense layout named 'tiles'"):
+        matmul.pack("tiles", torch.randn(4, 4))

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked float32 linears (layers/onednn.py) and the LM head's packed layouts (layers/dense.py)."""
+"""oneDNN-prepacked float32 linears (backends/onednn.py) and the LM head's packed layouts (layers/dense.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pluginfer.backends import onednn
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
-from pluginfer.layers import onednn
 from pluginfer.layers.context import building
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.quant import unquantized

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pluginfer.backends import onednn
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
-from pluginfer.layers import onednn
 from pluginfer.layers.context import building
 from pluginfer.layers.linear import ReplicatedLinear
 from pluginfer.quant import unquantized

@@ -1,0 +1,67 @@
+"""The cpu backend's dense-weight layouts: ops ``dense_layout``, ``dense_pack`` and ``dense_linear``.
+
+On the CPU the checkpoint's ``[out, in]`` layout is replaced, once, by the one the fastest available
+kernel reads (docs/performance.md has the measurements: 0.5B-shaped llama, float32, 2 cores):
+
+- ``panels``: the native ``panel_linear`` kernel (``backends/csrc/panel_linear.c``), float32 on an
+  AVX-512 CPU, whatever the batch: ~1.3x oneDNN's prepacked GEMM at 1-32 rows, faster than MKL's
+  GEMV at one, ~0.9x oneDNN at prefill sizes.
+- ``onednn``: oneDNN's prepacked layout (``backends/onednn.py``) where that kernel is unavailable and
+  the engine batches several sequences (~1.3x MKL at 16 rows, ~10% slower at one).
+- ``transposed``: ``[in, out]``, which MKL's GEMV reads fastest, otherwise (and for half precision).
+- ``checkpoint``: weights off the CPU (a composing backend's device) keep ``[out, in]`` for ``F.linear``.
+
+Every layout replaces the checkpoint's: the weight is held once. Layers reach these through the
+backend's kernel table (``layers/dense.py``); nothing outside this backend knows the layouts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pluginfer.backends import native, onednn
+
+
+class CpuDenseLayouts:
+    """The three ops for one cpu backend; whether the native panels are used is read from the backend
+    at each choice (tests switch its ``native_kernels`` off after building it)."""
+
+    def __init__(self, backend: object) -> None:
+        self.backend = backend
+
+    def _panels(self) -> bool:
+        return bool(self.backend.native_kernels) and native.op("panel_linear") is not None
+
+    def dense_layout(self, weight: torch.Tensor, batched: bool, packed_only: bool) -> str:
+        if weight.device.type != "cpu":
+            return "checkpoint"
+        if weight.dtype == torch.float32:
+            if self._panels():
+                return "panels"
+            if onednn.worth_packing(weight, batched):
+                return "onednn"
+        return "checkpoint" if packed_only else "transposed"
+
+    def dense_pack(self, weight: torch.Tensor, layout: str) -> torch.Tensor:
+        if layout == "panels":
+            return native.pack_panels(weight)
+        if layout == "onednn":
+            return onednn.pack(weight)
+        if layout == "transposed":
+            return weight.t().contiguous()
+        if layout == "checkpoint":
+            return weight
+        raise ValueError(f"cpu backend: no dense layout named {layout!r}")
+
+    def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str,
+                     out_features: int) -> torch.Tensor:
+        if layout == "panels":
+            return native.panel_linear(x, weight, out_features, bias)
+        if layout == "onednn":
+            return onednn.linear(x, weight, bias)
+        if layout == "checkpoint":
+            return F.linear(x, weight, bias)
+        if bias is None:
+            return torch.matmul(x, weight)
+        return torch.addmm(bias, x, weight) if x.dim() == 2 else torch.matmul(x, weight) + bias
