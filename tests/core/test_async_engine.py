@@ -55,7 +55,8 @@ def test_leaving_early_or_being_cancelled_aborts(engine):
 
     async def cancel_soon() -> None:
         task = asyncio.create_task(_collect(engine, "hello", _greedy(200)))
-        await asyncio.sleep(0.05)
+        while not engine.num_requests or engine.num_waiting:  # until its first output: it is running
+            await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

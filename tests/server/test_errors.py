@@ -140,18 +140,20 @@ def test_api_keys(make_server):
 
 
 def test_too_many_waiting_is_429(tiny_llama_checkpoint, make_server):
-    """One sequence runs at a time and one may wait: a third request is refused until they are done."""
+    """One sequence runs at a time and one may wait: a third request is refused until they are done.
+
+    The engine holds after each step until the test lets it go, so the running request cannot finish
+    (and the waiting one cannot start) before the third is refused, however slow or fast the machine."""
     engine = start_engine(server_config(tiny_llama_checkpoint[0], **{"scheduler.max_num_seqs": 1}))
-    step = engine.engine.step
-    engine.engine.step = lambda: (time.sleep(0.01), step())[1]  # this engine only: 100 steps take 1 s
+    step, go_on = engine.engine.step, threading.Event()
+    engine.engine.step = lambda: (step(), go_on.wait(60))[0]  # this engine only
     busy = make_server(engine, **{"server.max_waiting": 1})
-    long = {"prompt": "hello", "max_tokens": 100, "ignore_eos": True}
+    long = {"prompt": "hello", "max_tokens": 5, "ignore_eos": True}
     short = {"prompt": "hello", "max_tokens": 1}
     runner = threading.Thread(target=http, args=(busy, "POST", "/v1/completions", long))
     waiter = threading.Thread(target=http, args=(busy, "POST", "/v1/completions", short))
     try:
         with make_client(busy) as client:
-            client.models.list()  # the client is ready before the clock starts
             runner.start()
             _wait_for(lambda: engine.engine.scheduler.num_running)
             waiter.start()
@@ -159,15 +161,17 @@ def test_too_many_waiting_is_429(tiny_llama_checkpoint, make_server):
             with pytest.raises(openai.RateLimitError) as caught:
                 client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1)
             assert caught.value.code == "rate_limit_exceeded"
+            go_on.set()
             runner.join()
             waiter.join()
             assert client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1).choices
         wait_until_idle(engine)
     finally:
+        go_on.set()
         engine.shutdown()
 
 
-def _wait_for(condition, timeout: float = 5.0) -> None:
+def _wait_for(condition, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline
