@@ -82,7 +82,8 @@ def _auth_middleware(api_keys: list[str]) -> Any:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pluginfer",
-            "root": state.config.model, "max_model_len": state.engine.max_model_len}
+            "root": state.config.model, "max_model_len": state.engine.max_model_len,
+            "vocab_size": len(state.tokenizer)}  # token ids below it are valid prompts (`pluginfer bench serve`)
 
 
 async def list_models(request: web.Request) -> web.Response:
