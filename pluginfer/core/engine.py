@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +40,10 @@ class LLMEngine:
         self.config = config
         serve_if_worker(config)  # ranks other than 0 (torchrun, mpiexec) serve the driver and exit here
         self.executor = Executor(config)
+        started = time.perf_counter()
         self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_path)
+        # Start-up phases in seconds: the executor's (config, build, load, repack, cache) and the tokenizer.
+        self.startup_times = {**self.executor.startup_times, "tokenizer": time.perf_counter() - started}
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.executor.model_path, self.executor.hf_config)
         self.max_model_len = self.executor.max_model_len
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size,

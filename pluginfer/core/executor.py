@@ -24,7 +24,7 @@ import torch
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.hookspecs import PluginSpec
 from pluginfer.core.launch import LocalWorkers, detect_launcher, rank_info
-from pluginfer.core.loader import read_hf_config, resolve_model_path
+from pluginfer.core.loader import open_checkpoint, read_hf_config, resolve_model_path
 from pluginfer.core.protocols import Collective, RankInfo
 from pluginfer.core.registry import Registry, get_registry
 from pluginfer.core.step import build_step
@@ -47,12 +47,16 @@ class StartedRank:
     hf_config: dict
     max_model_len: int
     num_blocks: int
+    startup_times: dict[str, float]  # seconds: config (finding the checkpoint, its metadata), the worker's phases
 
 
 def start_rank(config: EngineConfig, rank: RankInfo, registry: Registry) -> StartedRank:
     """Build this rank: backend, world collective, agreement with the other ranks, worker, KV cache."""
+    started = time.perf_counter()
     path = model_path(config)
-    hf_config = read_hf_config(path)
+    checkpoint = open_checkpoint(path)  # a GGUF file's metadata parsed once, for the config and the weights
+    hf_config = read_hf_config(checkpoint)
+    config_time = time.perf_counter() - started
     backend = build_plugin(registry, "backend", _backend_name(config.backend, registry), config, rank)
     world = _build_collective(config, rank, registry, backend)
     try:
@@ -61,7 +65,7 @@ def start_rank(config: EngineConfig, rank: RankInfo, registry: Registry) -> Star
         _check_agreement(world, config, registry, rank, [("backend", backend.name), ("model", model_name),
                                                          ("quant", quant_name)])
         max_model_len = _max_model_len(config, hf_config)
-        worker = Worker(config, rank, world, backend, registry, path, hf_config, model_name, quant_name,
+        worker = Worker(config, rank, world, backend, registry, checkpoint, hf_config, model_name, quant_name,
                         max_model_len)
         num_blocks = min(world.all_gather_object(worker.max_num_blocks(max_model_len)))
         worker.allocate_kv_cache(num_blocks)
@@ -71,7 +75,8 @@ def start_rank(config: EngineConfig, rank: RankInfo, registry: Registry) -> Star
     logger.info("rank %d/%d (tp %d/%d, pp %d/%d) loaded %s (%s) on %s: %d KV blocks of %d tokens", rank.rank,
                 rank.world_size, rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, path, model_name,
                 backend.name, num_blocks, config.cache.block_size)
-    return StartedRank(worker, path, hf_config, max_model_len, num_blocks)
+    return StartedRank(worker, path, hf_config, max_model_len, num_blocks,
+                       {"config": config_time, **worker.startup_times})
 
 
 class Executor:
@@ -97,6 +102,7 @@ class Executor:
         self.worker = started.worker
         self.model_path, self.hf_config = started.model_path, started.hf_config
         self.max_model_len, self.num_blocks = started.max_model_len, started.num_blocks
+        self.startup_times = started.startup_times
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.expert_memory = self.worker.expert_memory
         self.world: Collective = self.worker.world

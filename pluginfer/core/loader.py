@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pluginfer.core.gguf_checkpoint import is_gguf_file, iter_gguf_weights, read_gguf_config
+from pluginfer.core.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, iter_gguf_weights, read_gguf_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
@@ -61,7 +61,15 @@ def _download(repo_id: str, revision: str | None) -> Path:
     return Path(snapshot)
 
 
-def read_hf_config(path: Path) -> dict:
+def open_checkpoint(path: Path) -> Path | GGUFCheckpoint:
+    """What ``read_hf_config`` and ``iter_weights`` read: a ``.gguf`` file opened once (its metadata, which
+    holds the whole vocabulary, is parsed once for both: seconds for a large vocabulary), else the path."""
+    return GGUFCheckpoint(path) if is_gguf_file(path) else path
+
+
+def read_hf_config(path: Path | GGUFCheckpoint) -> dict:
+    if isinstance(path, GGUFCheckpoint):
+        return path.hf_config()
     if is_gguf_file(path):
         return read_gguf_config(path)
     with open(path / "config.json") as config_file:
@@ -97,8 +105,11 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_weights(path: Path, progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: Path | GGUFCheckpoint, progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every shard, memory-mapped; a progress bar on a terminal (``progress=None``)."""
+    if isinstance(path, GGUFCheckpoint):
+        yield from path.iter_weights(progress)
+        return
     if is_gguf_file(path):
         yield from iter_gguf_weights(path, progress)
         return

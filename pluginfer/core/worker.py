@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from pluginfer.core.config import EngineConfig
+from pluginfer.core.gguf_checkpoint import GGUFCheckpoint
 from pluginfer.core.loader import iter_weights, resolve_dtype
 from pluginfer.core.protocols import BuildContext, Collective, IntermediateTensors, RankInfo
 from pluginfer.core.registry import Registry
@@ -26,6 +26,7 @@ from pluginfer.layers.context import building
 from pluginfer.layers.moe import expert_memory
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # dtypes an intermediate tensor may have, by their code in the header sent before it
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
@@ -40,39 +41,27 @@ def build_plugin(registry: Registry, kind: str, name: str, *arguments: object) -
     return registry.load(kind, spec.name)(*arguments)
 
 
-@contextmanager
-def _timed(owner: Any, method: str) -> Iterator[list[float]]:
-    """Seconds spent in ``owner.method`` while the block runs (the one-element list is filled in place)."""
-    spent = [0.0]
-    original = getattr(owner, method, None)
-    own = method in getattr(owner, "__dict__", {})
-    if original is None or not hasattr(owner, "__dict__"):
-        yield spent
-        return
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
+def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], float] = time.perf_counter) -> Iterator[T]:
+    """``items``, adding the seconds spent producing each one to ``spent[0]`` (its consumer's own time
+    is not counted): how long a lazily read checkpoint took to read, apart from what was done with it."""
+    iterator = iter(items)
+    while True:
+        started = clock()
         try:
-            return original(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - started
-
-    setattr(owner, method, timed)
-    try:
-        yield spent
-    finally:
-        if own:
-            setattr(owner, method, original)
-        else:
-            delattr(owner, method)  # the class's method again
+            item = next(iterator)
+        except StopIteration:
+            spent[0] += clock() - started
+            return
+        spent[0] += clock() - started
+        yield item
 
 
 class Worker:
     """One rank of the model: built from the config, the rank and the world collective."""
 
     def __init__(self, config: EngineConfig, rank: RankInfo, world: Collective, backend: Any,
-                 registry: Registry, model_path: Path, hf_config: dict, model_name: str, quant_name: str,
-                 max_model_len: int) -> None:
+                 registry: Registry, checkpoint: Path | GGUFCheckpoint, hf_config: dict, model_name: str,
+                 quant_name: str, max_model_len: int) -> None:
         self.config, self.rank, self.world, self.backend = config, rank, world, backend
         # Every rank creates every group (collective semantics), then keeps its own.
         self.tp_group = world.new_group(rank.tp_groups()) if rank.world_size > 1 else world
@@ -82,7 +71,8 @@ class Worker:
                            num_experts_offload_per_rank=config.cache.num_experts_offload_per_rank,
                            max_num_seqs=config.scheduler.max_num_seqs, rank=rank)
         factory = registry.load("model", model_name)
-        # Start-up phases in seconds (build, load, repack, cache), logged and read by the server's start-up line.
+        # Start-up phases in seconds, logged and read by the server's start-up line: build (the modules), load
+        # (reading the checkpoint), repack (copying into the layers, the quant methods' re-layout), cache.
         self.startup_times: dict[str, float] = {}
         started = time.perf_counter()
         with building(ctx), torch.device(self.backend.device):
@@ -95,10 +85,10 @@ class Worker:
                              "mixture-of-experts layer to offload from")
         self.startup_times["build"] = time.perf_counter() - started
         started = time.perf_counter()
-        with _timed(self.quant, "process_weights_after_loading") as repack:  # a layer's repack runs as it loads
-            self.pipeline.load_weights(iter_weights(model_path))
-        self.startup_times["repack"] = repack[0]
-        self.startup_times["load"] = time.perf_counter() - started - repack[0]
+        reading = [0.0]  # the checkpoint is read lazily: a layer is repacked as soon as its tensors arrived
+        self.pipeline.load_weights(timed_items(iter_weights(checkpoint), reading))
+        self.startup_times["load"] = reading[0]
+        self.startup_times["repack"] = time.perf_counter() - started - reading[0]
         if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:
             logger.info("rank %d experts: %d bytes resident on %s, %d bytes in the host store (%d experts), "
                         "%d bytes staging", rank.rank, self.expert_memory.resident_bytes, self.backend.name,

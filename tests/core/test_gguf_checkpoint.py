@@ -159,3 +159,25 @@ def test_a_file_that_is_not_gguf_is_still_refused(tmp_path: Path) -> None:
     (tmp_path / "broken.gguf").write_bytes(b"\0" * 16)
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         load(tmp_path / "broken.gguf")
+
+
+def test_an_engine_parses_the_file_once_and_times_its_start_up(llama_gguf: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config and the weights come from one reading of the file's metadata (the tokenizer, cached by
+    core/tokenizer.py, needs none); each start-up phase is timed."""
+    monkeypatch.setenv("PLUGINFER_CACHE", str(tmp_path / "cache"))
+    load_tokenizer(llama_gguf)  # cached from here on
+    opened = []
+    reader = gguf.GGUFReader
+
+    def counting_reader(path: Path, *args: object, **kwargs: object) -> object:
+        opened.append(Path(path))
+        return reader(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    llm = load(llama_gguf)
+    assert opened == [llama_gguf]
+    assert llm.generate("The engine", None)[0].outputs[0].token_ids
+    times = llm.engine.startup_times
+    assert set(times) == {"config", "build", "load", "repack", "cache", "tokenizer"}
+    assert all(seconds >= 0 for seconds in times.values())
