@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,16 +35,25 @@ _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8
 
 def register(commands: argparse._SubParsersAction, add_engine_arguments: Callable) -> None:
     convert = commands.add_parser("convert", help="write a Hugging Face checkpoint as a quantized .gguf file")
-    convert.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    convert.add_argument("--model", required=True, help="Hugging Face checkpoint directory, or demo")
     convert.add_argument("--quant", required=True, choices=TYPES, help="type of the linear layers' weights")
     convert.add_argument("--output", required=True, help="the .gguf file to write")
     convert.add_argument("--embedding-type", default="f16", choices=TYPES,
                          help="type of the embedding table and LM head (default f16)")
+    convert.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                         help="a line per tensor on stderr (default: when stderr is a terminal)")
     convert.set_defaults(run=run_convert)
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    path = convert_to_gguf(Path(args.model), Path(args.output), args.quant, args.embedding_type)
+    model_dir = Path(args.model)
+    if args.model == "demo":  # as every other command: the built demo checkpoint
+        from pluginfer.demo.model import ensure_demo_model
+
+        model_dir = ensure_demo_model()
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    path = convert_to_gguf(model_dir, Path(args.output), args.quant, args.embedding_type,
+                           progress=print_progress if show else None)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
 
@@ -53,7 +64,20 @@ def _qtype(name: str) -> GGMLQuantizationType:
     return GGMLQuantizationType[name.upper()]
 
 
-def convert_to_gguf(model_dir: Path, output: Path, quant: str, embedding_type: str = "f16") -> Path:
+# Called after each tensor is written: (index from 1, tensor count or None, GGUF name, type name, shape, seconds).
+Progress = Callable[[int, int | None, str, str, tuple[int, ...], float], None]
+
+
+def print_progress(index: int, total: int | None, name: str, qtype: str, shape: tuple[int, ...],
+                   seconds: float) -> None:
+    """``[ 3/22] blk.0.attn_q.weight  Q4_K  256x256  0.41 s`` on stderr."""
+    count = "?" if total is None else str(total)
+    print(f"[{index:>{len(count)}}/{count}] {name}  {qtype}  {'x'.join(map(str, shape))}  {seconds:.2f} s",
+          file=sys.stderr, flush=True)
+
+
+def convert_to_gguf(model_dir: Path, output: Path, quant: str, embedding_type: str = "f16",
+                    progress: Progress | None = None) -> Path:
     from pluginfer.core.loader import iter_weights, read_hf_config
     from pluginfer.core.tokenizer import load_tokenizer
 
@@ -61,15 +85,36 @@ def convert_to_gguf(model_dir: Path, output: Path, quant: str, embedding_type: s
     if config.get("quantization_config"):
         raise ValueError(f"{model_dir} is already quantized ({config['quantization_config'].get('quant_method')}); "
                          f"convert reads floating-point checkpoints")
+    total = sum(not _skipped(name, config) for name in tensor_names(model_dir))
     return write_gguf(output, config, load_tokenizer(model_dir), iter_weights(model_dir, progress=False),
-                      quant, embedding_type)
+                      quant, embedding_type, progress=progress, total=total)
+
+
+def tensor_names(model_dir: Path) -> list[str]:
+    """Every tensor name of the checkpoint's safetensors files (their headers only)."""
+    from safetensors import safe_open
+
+    from pluginfer.core.loader import safetensors_files
+
+    names = []
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as handle:
+            names.extend(handle.keys())
+    return names
+
+
+def _skipped(hf_name: str, config: dict) -> bool:
+    """Tensors the file does not carry: rope tables, and the LM head when tied to the embedding."""
+    return "rotary_emb.inv_freq" in hf_name or (bool(config.get("tie_word_embeddings")) and hf_name == "lm_head.weight")
 
 
 def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[tuple[str, object]],
-               quant: str, embedding_type: str = "f16", types: dict[str, str] | None = None) -> Path:
+               quant: str, embedding_type: str = "f16", types: dict[str, str] | None = None,
+               progress: Progress | None = None, total: int | None = None) -> Path:
     """Write (HF name, tensor) pairs as llama.cpp would; ``types``: a type per HF name, overriding ``quant``.
 
-    A ``GGMLTensor`` (already in blocks) is written as it is, after the q/k row permutation.
+    A ``GGMLTensor`` (already in blocks) is written as it is, after the q/k row permutation. ``progress`` is
+    called after each tensor written, with ``total`` (the count of tensors written, if known).
     """
     import gguf
 
@@ -88,11 +133,11 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
                                         int(config["num_hidden_layers"]))
     heads = {"q_proj": config["num_attention_heads"],
              "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"]}
+    index = 0
     for hf_name, tensor in weights:
-        if "rotary_emb.inv_freq" in hf_name:
+        if _skipped(hf_name, config):
             continue
-        if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
-            continue
+        index, started = index + 1, time.perf_counter()
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise KeyError(f"tensor {hf_name!r} has no GGUF name for {arch}")
@@ -102,12 +147,16 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
             if arch == "llama" and projection in heads:
                 raw = permute_rows(raw, heads[projection])
             writer.add_tensor(gguf_name, raw.numpy(), raw_shape=tuple(raw.shape), raw_dtype=tensor.qtype)
-            continue
-        tensor = tensor.float()
-        if arch == "llama" and projection in heads:
-            tensor = permute_rows(tensor, heads[projection])
-        wanted = embedding_type if hf_name in ("model.embed_tokens.weight", "lm_head.weight") else quant
-        _add_tensor(writer, gguf_name, tensor, _qtype((types or {}).get(hf_name, wanted)))
+            written, shape = tensor.qtype, tuple(tensor.shape)
+        else:
+            tensor = tensor.float()
+            if arch == "llama" and projection in heads:
+                tensor = permute_rows(tensor, heads[projection])
+            wanted = embedding_type if hf_name in ("model.embed_tokens.weight", "lm_head.weight") else quant
+            written = _add_tensor(writer, gguf_name, tensor, _qtype((types or {}).get(hf_name, wanted)))
+            shape = tuple(tensor.shape)
+        if progress is not None:
+            progress(index, total, gguf_name, written.name, shape, time.perf_counter() - started)
     output.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -116,22 +165,24 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
     return output
 
 
-def _add_tensor(writer: object, name: str, tensor: torch.Tensor, qtype: object) -> None:
+def _add_tensor(writer: object, name: str, tensor: torch.Tensor, qtype: GGMLQuantizationType) -> GGMLQuantizationType:
+    """Add one tensor; returns the type it was written in."""
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as T
 
     if tensor.dim() == 1 or qtype == T.F32:  # norms and biases stay F32, as llama.cpp writes them
         writer.add_tensor(name, tensor.numpy().astype(np.float32))
-        return
+        return T.F32
     if tensor.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
         qtype = T.F16  # llama.cpp's fallback for rows that do not divide into blocks
     if qtype == T.F16:
         writer.add_tensor(name, tensor.numpy().astype(np.float16))
-        return
+        return T.F16
     from pluginfer.quant.ggml_quantize import quantize
 
     blocks = quantize(tensor, qtype, name=name).numpy()
     writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+    return qtype
 
 
 def _write_hparams(writer: object, config: dict, file_type: object) -> None:

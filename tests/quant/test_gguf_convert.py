@@ -67,3 +67,47 @@ def test_convert_refuses_what_it_cannot_write(tiny_llama_checkpoint: tuple[Path,
     (source / "config.json").write_text(json.dumps(config))
     assert main(["convert", "--model", str(source), "--quant", "q8_0", "--output", str(tmp_path / "x.gguf")]) == 2
     assert "cannot be converted (supported: LlamaForCausalLM" in capsys.readouterr().err
+
+
+def test_convert_builds_and_reads_the_demo_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """``--model demo`` is the built demo checkpoint, as for every other command (it was read as ./demo)."""
+    monkeypatch.setenv("PLUGINFER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # no ./demo here
+    out = tmp_path / "demo-q8_0.gguf"
+    assert main(["convert", "--model", "demo", "--quant", "q8_0", "--output", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    reader = gguf.GGUFReader(out)
+    assert reader.get_field("general.architecture").contents() == "llama"
+    assert {t.tensor_type.name for t in reader.tensors if t.name.endswith("attn_q.weight")} == {"Q8_0"}
+    assert (tmp_path / "cache" / "demo-v1" / "config.json").is_file()
+
+
+def test_convert_prints_a_line_per_tensor_with_progress(wide_llama: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "model-q4_k.gguf"
+    assert main(["convert", "--model", str(wide_llama), "--quant", "q4_k", "--output", str(out), "--progress"]) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("[")]  # (transformers may warn too)
+    reader = gguf.GGUFReader(out)
+    written = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert len(lines) == len(written) == 2 * 9 + 3  # 9 per layer, the embedding, the final norm, the LM head
+    for index, line in enumerate(lines, 1):
+        assert line.startswith(f"[{index:>2}/{len(written)}] ")
+        name, qtype, shape, seconds, unit = line.partition("] ")[2].split()
+        assert written[name] == qtype and unit == "s" and float(seconds) >= 0
+    by_name = {fields[0]: fields[1:3] for fields in (line.partition("] ")[2].split() for line in lines)}
+    assert by_name["blk.0.attn_q.weight"] == ["Q4_K", "256x256"]
+    assert by_name["blk.1.ffn_down.weight"] == ["Q4_K", "256x512"]  # Hugging Face's [out, in]
+    assert by_name["token_embd.weight"][0] == "F16" and by_name["output_norm.weight"] == ["F32", "256"]
+    assert "wrote" in captured.out and "wrote" not in captured.err
+
+
+@pytest.mark.parametrize("flag", [["--no-progress"], []], ids=["no-progress", "not-a-terminal"])
+def test_convert_is_quiet_without_progress(flag: list[str], tiny_llama_checkpoint: tuple[Path, object],
+                                           tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Quiet with --no-progress, and by default when stderr is not a terminal (here: pytest's capture)."""
+    out = tmp_path / "model.gguf"
+    assert main(["convert", "--model", str(tiny_llama_checkpoint[0]), "--quant", "q8_0", "--output", str(out),
+                 *flag]) == 0
+    assert capsys.readouterr().err == ""
