@@ -34,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("cpu_kernels.c", "panel_linear.c", "quant_dot.c"))
+                for name in ("cpu_kernels.c", "panel_linear.c", "quant_dot.c", "half_linear.c"))
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
 OPENMP_FLAG = "-fopenmp"
 BUILD_TIMEOUT_ENV = "PLUGINFER_NATIVE_BUILD_TIMEOUT"
@@ -283,6 +283,8 @@ def load() -> ctypes.CDLL:
         "quant_dot_max_threads": (ctypes.c_int, []),
         "quant_matmul": (ctypes.c_int, [ctypes.c_int, pointer, i64, i64, pointer, i64, i64, pointer]),
         "quant_dot_quantize": (ctypes.c_int, [pointer, i64, i64, pointer, pointer]),
+        "half_linear_supported": (ctypes.c_int, []),
+        "half_linear": (ctypes.c_int, [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(library, name)
@@ -302,6 +304,8 @@ def report() -> str:
     isa = "AVX-512" if library.panel_linear_supported() else info.machine
     fused_isa = QUANT_DOT_ISAS.get(library.quant_dot_supported())
     fused = f"int8 GGML matmul ({fused_isa})" if fused_isa else "no fused int8 GGML matmul"
+    half_isa = HALF_LINEAR_ISAS.get(library.half_linear_supported())
+    fused += f"; 16-bit GEMV ({half_isa})" if half_isa else "; no 16-bit GEMV"
     threads = "OpenMP" if info.openmp else "single-threaded (no OpenMP)"
     return (f"native kernels: loaded for {info.machine} {isa} (attention, norms, rotary, dequantization"
             f"{', panel GEMM' if isa == 'AVX-512' else ''}; {fused}), {threads}, from {_loaded['path']}")
@@ -588,11 +592,71 @@ def quant_matmul_op() -> Callable | None:
     return ggml_quant_matmul
 
 
+# What half_linear_supported() returns in C: the instruction set of the 16-bit GEMV.
+HALF_LINEAR_ISAS = {1: "AVX512-BF16", 2: "AVX-512", 3: "AVX2 + F16C"}
+HALF_LINEAR_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+# Rows above which half_linear hands the matmul back to torch (prefill): its tiles reread the weight
+# once per 48 rows, torch's GEMM (oneDNN, AMX where the CPU has it) is faster from there
+# (docs/performance.md, benchmarks/half_gemv.py).
+HALF_LINEAR_MAX_ROWS = 64
+
+
+def half_linear_isa() -> str | None:
+    """The instruction set the 16-bit GEMV runs with here (``csrc/half_linear.c``), or None where the
+    library was built for a CPU without AVX2 + F16C."""
+    return HALF_LINEAR_ISAS.get(load().half_linear_supported())
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """``x @ W^T + bias`` for a bfloat16/float16 CPU weight ``[out, in]`` (the checkpoint's layout) and
+    ``x [..., in]`` of its dtype (``csrc/half_linear.c``): products exact in float32, summed in float32,
+    rounded once to ``x``'s dtype (``out_dtype=torch.float32``: not rounded). None: more rows than
+    :data:`HALF_LINEAR_MAX_ROWS`, or dtypes, devices or layouts it does not handle; use ``F.linear``."""
+    dtype = weight.dtype
+    if (dtype not in HALF_LINEAR_DTYPES or x.dtype != dtype or weight.dim() != 2 or x.dim() == 0
+            or weight.device.type != "cpu" or x.device.type != "cpu" or not weight.is_contiguous()
+            or x.shape[-1] != weight.shape[1] or out_dtype not in (None, dtype, torch.float32)
+            or (bias is not None and (bias.dtype != dtype or bias.shape != (weight.shape[0],)
+                                      or bias.device.type != "cpu"))):
+        return None
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows > HALF_LINEAR_MAX_ROWS or rows == 0 or weight.shape[1] == 0:
+        return None
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    out_float = out_dtype == torch.float32
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32 if out_float else dtype)
+    if bias is not None:
+        bias = bias.contiguous()
+    status = load().half_linear(HALF_LINEAR_DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1], weight.data_ptr(),
+                                weight.shape[0], bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                                int(out_float))
+    if status == -3:
+        raise MemoryError("half_linear could not allocate its activation buffer")
+    if status != 0:  # -4: no kernel on this CPU (op() does not hand it out there)
+        raise ValueError(f"half_linear: status {status} for {dtype} weights {tuple(weight.shape)}")
+    return out
+
+
+def half_linear_op() -> Callable | None:
+    """:func:`half_linear` where this CPU runs it, else None; says which, once per process."""
+    isa = half_linear_isa()
+    if isa is None:
+        _log_once(logging.WARNING, "16-bit linears: no bfloat16/float16 GEMV for this CPU (it needs AVX2 + F16C); "
+                                   "torch's matmul")
+        return None
+    _log_once(logging.INFO, f"16-bit linears: native bfloat16/float16 GEMV ({isa}) up to "
+                            f"{HALF_LINEAR_MAX_ROWS} rows, torch's matmul above")
+    return half_linear
+
+
 def op(name: str) -> Callable | None:
     """The kernel for a layer op, or None; the panel ops need a CPU with AVX-512, the fused quantized
     matmul AVX2 (fastest with AVX-512 VNNI)."""
     if name in ("pack_panels", "panel_linear") and not load().panel_linear_supported():
         return None
+    if name == "half_linear":
+        return half_linear_op()
     kernel = OPS.get(name)
     if kernel is None or name not in ("ggml_quant_matmul", "ggml_dequantize"):
         return kernel
@@ -605,4 +669,4 @@ def op(name: str) -> Callable | None:
 OPS = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_neox": rotary_neox,
        "ggml_dequantize": ggml_dequantize, "grouped_dequantize": grouped_dequantize,
        "int4_dequantize": int4_dequantize, "pack_panels": pack_panels, "panel_linear": panel_linear,
-       "ggml_quant_matmul": ggml_quant_matmul}
+       "ggml_quant_matmul": ggml_quant_matmul, "half_linear": half_linear}
