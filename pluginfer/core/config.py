@@ -63,6 +63,16 @@ class ServerConfig(_Section):
     max_waiting: int = Field(1024, ge=1, description="Queued requests before 429/503.")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body (413 beyond).")
     max_logprobs: int = Field(20, ge=0, le=20, description="Most top logprobs a request may ask for.")
+    max_n: int = Field(128, ge=1, description="Most choices (n) one request may ask for.")
+    max_prompts: int = Field(256, ge=1, description="Most prompts in one completions request.")
+    max_stop: int = Field(64, ge=0, description="Most stop strings, and most stop token ids, in one request.")
+    max_stop_chars: int = Field(1024, ge=1, description="Longest stop string, in characters.")
+    allowed_origins: list[str] = Field(
+        default_factory=list, description="Origins browsers may call the API from (CORS); '*' for any; "
+        "none by default (no CORS headers).")
+    shutdown_timeout: float = Field(
+        0.0, ge=0, description="On SIGTERM, seconds to let requests in flight finish (new ones get a 503) "
+        "before the rest are ended; 0: end them at once.")
     reasoning_parser: str | None = Field(
         None, description="deepseek_r1 or qwen3: <think> text to reasoning_content.")
     tool_call_parser: str | None = Field(
@@ -75,6 +85,12 @@ class SamplingDefaults(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Top-p of requests that set none.")
     top_k: int = Field(0, ge=-1, description="Top-k of requests that set none (0 or -1: off).")
     max_tokens: int = Field(256, ge=1, description="Tokens to generate for requests that set no limit.")
+
+
+class TestingConfig(_Section):
+    fail_step_on_token_id: int | None = Field(
+        None, ge=0, description="Fault injection for tests: a step that computes this token id raises, which fails "
+        "the requests of that step (a 500) while the engine goes on. Never set it in a deployment.")
 
 
 class EngineConfig(_Section):
@@ -92,6 +108,7 @@ class EngineConfig(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    testing: TestingConfig = Field(default_factory=TestingConfig)
 
 
 def _format_error(error: ValidationError) -> str:

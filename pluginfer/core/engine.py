@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,11 +16,13 @@ from pluginfer.core.kv_cache import BlockManager
 from pluginfer.core.launch import serve_if_worker
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
 from pluginfer.core.sampler import Sampler
-from pluginfer.core.scheduler import Scheduler
+from pluginfer.core.scheduler import Scheduler, SchedulerOutput
 from pluginfer.core.sequence import FinishReason, SamplingParams, Sequence
 from pluginfer.core.stopping import check_stop
 from pluginfer.core.structured import GrammarCompiler, accept_token
 from pluginfer.core.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,6 +57,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.step_count = 0
+        self._fail_on_token = config.testing.fail_step_on_token_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -66,6 +70,8 @@ class LLMEngine:
         vocab = self.executor.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"SamplingParams.logit_bias: token ids must be below the vocabulary size {vocab}")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise ValueError(f"SamplingParams.stop_token_ids: token ids must be below the vocabulary size {vocab}")
         seqs = [Sequence(request_id, token_ids, params, index=i, arrival_step=self.step_count)
                 for i in range(params.n)]
         if params.structured_outputs is not None:  # a copy of the cached matcher (the server compiles it first)
@@ -117,16 +123,12 @@ class LLMEngine:
                 request.error = seq.error
                 touched[seq.request_id] = request
         if scheduled.scheduled:
-            logits, seqs, prompt_logits = self.executor.execute(scheduled)
-            for seq, first, rows in prompt_logits:
-                record_prompt_logprobs(seq, first, rows)
-                touched[seq.request_id] = self._requests[seq.request_id]
-            if seqs:
-                sampled = self.sampler(logits, seqs)
-                for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
-                    request = self._requests[seq.request_id]
-                    touched[seq.request_id] = request
-                    self._append(request, seq, token_id, logprobs)
+            try:
+                self._run(scheduled, touched)
+            except Exception as exc:
+                if self.executor.failure:  # a rank was lost: nothing can run any more
+                    raise
+                self._fail_step(scheduled, exc, touched)
         for seq in self.scheduler.update(scheduled):
             if seq.request_id in self._requests:
                 touched[seq.request_id] = self._requests[seq.request_id]
@@ -137,6 +139,41 @@ class LLMEngine:
                 del self._requests[request.request_id]
             outputs.append(output)
         return outputs
+
+    def _run(self, scheduled: SchedulerOutput, touched: dict[str, _Request]) -> None:
+        """Forward the scheduled rows, sample, and append each sampled token."""
+        if self._fail_on_token is not None and any(
+                self._fail_on_token in row.seq.token_ids[row.seq.num_computed_tokens:][:row.num_new_tokens]
+                for row in scheduled.scheduled):
+            raise RuntimeError(f"injected fault: the step computes token {self._fail_on_token} "
+                               "(testing.fail_step_on_token_id)")
+        logits, seqs, prompt_logits = self.executor.execute(scheduled)
+        for seq, first, rows in prompt_logits:
+            record_prompt_logprobs(seq, first, rows)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        if seqs:
+            sampled = self.sampler(logits, seqs)
+            for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
+                request = self._requests[seq.request_id]
+                touched[seq.request_id] = request
+                self._append(request, seq, token_id, logprobs)
+
+    def _fail_step(self, scheduled: SchedulerOutput, exc: Exception, touched: dict[str, _Request]) -> None:
+        """A step raised: fail the requests it ran (their blocks are freed), log it once, and go on."""
+        failed = {row.seq.request_id for row in scheduled.scheduled}
+        logger.error("an engine step failed (%s: %s); failing its %d request(s) and going on",
+                     type(exc).__name__, exc, len(failed), exc_info=exc)
+        message = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
+        for request_id in failed:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            self.scheduler.abort(request_id, FinishReason.FAILED, message)
+            for seq in request.seqs:
+                if seq.is_finished and seq.finish_reason is not FinishReason.FAILED:
+                    seq.finish(FinishReason.FAILED, message)  # one that stopped in the step that failed
+            request.error = message
+            touched[request_id] = request
 
     def _append(self, request: _Request, seq: Sequence, token_id: int, logprobs: dict | None) -> None:
         seq.output_token_ids.append(token_id)

@@ -27,7 +27,7 @@ FLAG_NAMES = {
 # Sections whose flags take a prefix: sampling defaults would clash with a request's --temperature.
 FLAG_PREFIXES = {"sampling": "default-"}
 # Sections every engine command takes; ``serve`` adds ``server``.
-ENGINE_SECTIONS = ("", "parallel", "cache", "scheduler", "sampling")
+ENGINE_SECTIONS = ("", "parallel", "cache", "scheduler", "sampling", "testing")
 
 
 @dataclass(frozen=True)

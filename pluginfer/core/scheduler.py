@@ -100,8 +100,9 @@ class Scheduler:
         self.waiting.append(parent)
         self._num_waiting += 1
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Finish all the request's sequences with ABORT and free their blocks now."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+              error: str | None = None) -> list[Sequence]:
+        """Finish all the request's sequences (ABORT, or FAILED when its step raised) and free their blocks now."""
         seqs = self._requests.pop(request_id, None)
         if seqs is None:
             return []
@@ -111,7 +112,7 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING and not any(seq is child for child in pending):
                 self._num_waiting -= 1  # stays in the deque until it reaches the front
             self.block_manager.free(seq)
-            seq.finish(FinishReason.ABORT)
+            seq.finish(reason, error)
         ids = {seq.seq_id for seq in aborted}
         self.running = [seq for seq in self.running if seq.seq_id not in ids]
         self._finished.extend(aborted)
@@ -150,7 +151,7 @@ class Scheduler:
         """Account for a finished forward; return the sequences finished since the last call."""
         for row in output.scheduled:
             seq = row.seq
-            if seq.finish_reason is FinishReason.ABORT:
+            if seq.finish_reason in (FinishReason.ABORT, FinishReason.FAILED):
                 continue  # abort() already freed it
             seq.num_computed_tokens += row.num_new_tokens
             self.block_manager.commit_full_blocks(seq)
@@ -289,7 +290,7 @@ class Scheduler:
         self._children.pop(parent.seq_id, None)
         for child in children:
             if child.is_finished:
-                if child.finish_reason is not FinishReason.ABORT:
+                if child.finish_reason not in (FinishReason.ABORT, FinishReason.FAILED):
                     self._retire(child)
             elif self.block_manager.can_fork(parent):
                 self._block_copies.extend(self.block_manager.fork(parent, child))

@@ -104,6 +104,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # the client went away or the engine shut down
     ERROR = "error"  # this request could not run (e.g. prompt longer than the context)
+    FAILED = "failed"  # the step that ran it raised: the server's fault, not the request's
 
 
 _sequence_ids = itertools.count()

@@ -19,6 +19,7 @@ from pluginfer.core.tokenizer import render_chat
 from pluginfer.server.beam import beam_params, finish_reason, search
 from pluginfer.server.errors import bad_request
 from pluginfer.server.grammar import compile_grammar
+from pluginfer.server.limits import check_limits
 from pluginfer.server.logprobs import TokenText, chat_logprobs
 from pluginfer.server.protocol import ChatCompletionRequest
 from pluginfer.server.reasoning import ReasoningParser, ReasoningStream
@@ -59,6 +60,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request, ChatCompletionRequest)
     state.check_model(body.model)
+    check_limits(body, state.config.server, state.engine.max_model_len)
     tools = ToolCalling.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,
                                      state.config.server.tool_call_parser)
     params = body.sampling_params(state.config.sampling, state.config.server.max_logprobs)

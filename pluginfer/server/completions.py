@@ -15,6 +15,7 @@ from pluginfer.core.outputs import CompletionOutput, RequestOutput
 from pluginfer.server.beam import beam_params, finish_reason, search
 from pluginfer.server.errors import bad_request
 from pluginfer.server.grammar import compile_grammar
+from pluginfer.server.limits import check_limits
 from pluginfer.server.logprobs import TokenText, completion_logprobs
 from pluginfer.server.protocol import CompletionRequest
 from pluginfer.server.state import STATE, ServerState, read_body
@@ -25,6 +26,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request, CompletionRequest)
     state.check_model(body.model)
+    check_limits(body, state.config.server, state.engine.max_model_len, len(body.prompt))
     body.check_supported()
     params = body.sampling_params(state.config.sampling, state.config.server.max_logprobs)
     grammar = body.grammar()

@@ -114,7 +114,7 @@ class SamplingRequest(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # at most server.max_n (server/limits.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True

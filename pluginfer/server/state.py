@@ -69,11 +69,17 @@ async def read_body(request: web.Request, model: type[Body]) -> Body:
     """The JSON body validated as ``model``: 400 for a wrong content type, bad JSON or bad fields."""
     if request.content_type != "application/json":
         raise bad_request(f"the body must be JSON (Content-Type: application/json), got {request.content_type!r}")
-    raw = await request.read()  # aiohttp answers 413 beyond the app's client_max_size
+    limit = request.app[STATE].config.server.max_request_bytes
+    if request.content_length is not None and request.content_length > limit:  # refused before it is read
+        raise APIError(413, f"request body too large: {request.content_length} bytes, at most {limit} "
+                       "(server.max_request_bytes)", code="request_too_large")
+    raw = await request.read()  # aiohttp answers 413 beyond the app's client_max_size (a chunked body)
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("the body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, got {type(data).__name__}")
     try:

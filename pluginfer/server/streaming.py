@@ -20,7 +20,7 @@ from aiohttp import web
 from pluginfer.core.async_engine import EngineDeadError
 from pluginfer.core.outputs import RequestOutput
 from pluginfer.core.sequence import SamplingParams
-from pluginfer.server.errors import APIError, bad_request, sse_error
+from pluginfer.server.errors import APIError, bad_request, from_sampling_error, sse_error
 from pluginfer.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -97,8 +97,9 @@ async def run_requests(state: ServerState, prompts: list[list[int]], params: Sam
             yield index, output
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_unavailable") from None
-    except ValueError as exc:  # the engine refused the prompt (e.g. a token id outside the vocabulary)
-        raise bad_request(str(exc), prompt_field) from None
+    except ValueError as exc:  # the engine refused the request: a sampling field it names, else the prompt
+        error = from_sampling_error(exc)
+        raise (error if error.param else bad_request(str(exc), prompt_field)) from None
     finally:
         for timer in timers:
             timer.close()
@@ -106,6 +107,8 @@ async def run_requests(state: ServerState, prompts: list[list[int]], params: Sam
 
 def _check_finished(output: RequestOutput, prompt_field: str) -> None:
     reasons = {choice.finish_reason for choice in output.outputs}
+    if "failed" in reasons:  # the engine step running it raised (logged there); the engine goes on
+        raise APIError(500, output.error or "the engine step running this request failed", code="engine_step_failed")
     if "error" in reasons or output.error:  # e.g. a prompt longer than the context: the message says by how much
         raise bad_request(output.error or "the request could not run", prompt_field)
     if "abort" in reasons:
