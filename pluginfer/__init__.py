@@ -1,6 +1,7 @@
 """pluginfer: an LLM inference and serving engine built as a small core and plugins."""
 
 from pluginfer.core.hookspecs import PLUGIN_API_VERSION
+from pluginfer.core.pooling import PoolingParams
 from pluginfer.core.sequence import SamplingParams
 from pluginfer.core.structured import StructuredOutputsParams
 
@@ -16,7 +17,7 @@ def _version() -> str:
 
 
 __version__ = _version()
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "PLUGIN_API_VERSION", "__version__"]
+__all__ = ["LLM", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "PLUGIN_API_VERSION", "__version__"]
 
 
 def __getattr__(name: str) -> type:  # LLM pulls in the engine; keep `import pluginfer` cheap

@@ -10,6 +10,7 @@ from pluginfer.core.config import build_config
 from pluginfer.core.engine import LLMEngine
 from pluginfer.core.options import dotted_keywords
 from pluginfer.core.outputs import RequestOutput
+from pluginfer.core.pooling import PoolingParams
 from pluginfer.core.sequence import SamplingParams
 from pluginfer.core.tokenizer import render_chat
 
@@ -57,6 +58,27 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids)
+
+    def embed(self, prompts: Prompt | list[Prompt], params: PoolingParams | None = None) -> list[RequestOutput]:
+        """One embedding per prompt (``output.embedding``, a list of floats), in prompt order, pooled as the
+        checkpoint's sentence-transformers files say; the prompts run batched through the engine like any
+        other. A prompt that cannot run (e.g. longer than the context) raises ValueError."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = params or PoolingParams()
+        ids: list[str] = []
+        try:
+            for prompt in prompts:
+                ids.append(self.engine.add_request(prompt, params))
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        outputs = self._run(ids)
+        for index, output in enumerate(outputs):
+            if output.error or output.embedding is None:
+                raise ValueError(f"prompt {index}: {output.error or 'no embedding was produced'}")
+        return outputs
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[list[Beam]]:
         """The ``beam_width`` best continuations of each prompt, best first, found as transformers'

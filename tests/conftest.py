@@ -31,6 +31,14 @@ def tiny_llama_checkpoint(tmp_path_factory: pytest.TempPathFactory,
     return out, model
 
 
+@pytest.fixture(scope="session")
+def embedding_checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> dict[str, Path]:
+    """Tiny random embedding checkpoints with sentence-transformers files (tests/embedding_models.py)."""
+    from tests.embedding_models import save_embedding_checkpoints
+
+    return save_embedding_checkpoints(tmp_path_factory.mktemp("embedding_models"), tiny_tokenizer_dir)
+
+
 @pytest.fixture
 def unknown_architecture_checkpoint(tiny_llama_checkpoint: tuple[Path, object], tmp_path: Path) -> Path:
     """The tiny llama with config.json claiming an architecture no plugin serves (FooForCausalLM, foo)."""

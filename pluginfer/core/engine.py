@@ -15,6 +15,7 @@ from pluginfer.core.executor import Executor
 from pluginfer.core.kv_cache import BlockManager
 from pluginfer.core.launch import serve_if_worker
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
+from pluginfer.core.pooling import PoolingParams, PoolingState, is_backbone_only, read_pooler_config
 from pluginfer.core.sampler import Sampler
 from pluginfer.core.scheduler import Scheduler, SchedulerOutput
 from pluginfer.core.sequence import FinishReason, SamplingParams, Sequence
@@ -54,18 +55,27 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.sampler = Sampler(self.executor.vocab_size, self.eos_token_ids, seed=config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.executor.vocab_size, self.eos_token_ids)
+        self.pooler = read_pooler_config(self.executor.model_path, self.executor.hf_config)
+        self.can_generate = not is_backbone_only(self.executor.hf_config)
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.step_count = 0
         self._fail_on_token = config.testing.fail_step_on_token_id
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a prompt (text or token ids); returns its request id."""
+        """Queue a prompt (text or token ids) to generate from, or to embed with ``PoolingParams``;
+        returns its request id."""
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            return self._add_embedding(prompt, params, request_id)
+        if not self.can_generate:
+            names = self.executor.hf_config.get("architectures")
+            raise ValueError(f"this checkpoint is a bare decoder without an LM head (architectures {names}): "
+                             "it serves embeddings only")
         text, token_ids = self._tokenize(prompt)
         vocab = self.executor.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
@@ -80,6 +90,17 @@ class LLMEngine:
         detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in seqs]
         self._requests[request_id] = _Request(request_id, text, token_ids, seqs, detokenizers)
         self.scheduler.add_request(seqs)
+        return request_id
+
+    def _add_embedding(self, prompt: str | list[int], params: PoolingParams, request_id: str) -> str:
+        """An embedding request: its prompt is prefilled like any other, pooled, and nothing is sampled."""
+        self.pooler.check(params)
+        text, token_ids = self._tokenize(prompt)
+        seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), arrival_step=self.step_count)
+        seq.pooling = PoolingState(self.pooler.method, self.pooler.normalize, params.dimensions)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq.params)
+        self._requests[request_id] = _Request(request_id, text, token_ids, [seq], [detokenizer])
+        self.scheduler.add_request([seq])
         return request_id
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -147,10 +168,18 @@ class LLMEngine:
                 for row in scheduled.scheduled):
             raise RuntimeError(f"injected fault: the step computes token {self._fail_on_token} "
                                "(testing.fail_step_on_token_id)")
-        logits, seqs, prompt_logits = self.executor.execute(scheduled)
+        logits, seqs, prompt_logits, pooled = self.executor.execute(scheduled)
         for seq, first, rows in prompt_logits:
             record_prompt_logprobs(seq, first, rows)
             touched[seq.request_id] = self._requests[seq.request_id]
+        for seq, first, hidden in pooled:
+            seq.pooling.add(first, hidden)
+        for item in scheduled.scheduled:
+            seq = item.seq
+            if seq.pooling is not None and seq.num_computed_tokens + item.num_new_tokens == len(seq):
+                seq.pooling.finish()  # the whole prompt is read: the embedding is done
+                seq.finish(FinishReason.STOP)
+                touched[seq.request_id] = self._requests[seq.request_id]
         if seqs:
             sampled = self.sampler(logits, seqs)
             for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
@@ -207,7 +236,8 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              finished=finished, error=error, num_cached_tokens=first.num_cached_prompt_tokens,
                              prompt_logprobs=list(first.prompt_logprobs)
-                             if first.params.prompt_logprobs is not None else None)
+                             if first.params.prompt_logprobs is not None else None,
+                             embedding=first.pooling.embedding if first.pooling is not None else None)
 
     def abort_all(self) -> None:
         for request_id in list(self._requests):

@@ -27,7 +27,7 @@ from pluginfer.core.launch import LocalWorkers, detect_launcher, rank_info
 from pluginfer.core.loader import open_checkpoint, read_hf_config, resolve_model_path
 from pluginfer.core.protocols import Collective, RankInfo
 from pluginfer.core.registry import Registry, get_registry
-from pluginfer.core.step import build_step
+from pluginfer.core.step import StepInput, StepResult, build_step
 from pluginfer.core.worker import Worker, build_plugin
 from pluginfer.layers.rotary import rope_parameters
 
@@ -155,6 +155,10 @@ class Executor:
 
     def run_step(self, step: Any) -> torch.Tensor:
         """Send ``step`` to every rank and run it here; the last stage's float32 logits."""
+        return self.run(step).logits
+
+    def run(self, step: StepInput) -> StepResult:
+        """Send ``step`` to every rank and run it here; the last stage's logits and pooled hidden states."""
         with self._lock:
             if self.failure:
                 raise RuntimeError(f"tensor-parallel ranks lost: {self.failure}")
@@ -171,11 +175,18 @@ class Executor:
                     raise RuntimeError(f"tensor-parallel ranks lost: {self.failure}") from exc
                 raise
 
-    def execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence], list[tuple]]:
+    def execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence], list[tuple], list[tuple]]:
         """Run one step: float32 logits, one row per sequence that samples, and those sequences;
-        then (sequence, first position, logits rows) for prompt chunks whose logprobs were asked for."""
+        then (sequence, first position, logits rows) for prompt chunks whose logprobs were asked for;
+        then (sequence, first position, hidden rows) for the chunks of embedding requests."""
         plan = build_step(scheduled.scheduled, self.config.cache.block_size, scheduled.block_copies)
-        logits = self.run_step(plan.step)
+        result = self.run(plan.step)
+        logits = result.logits
+        hidden = result.hidden if result.hidden is not None else torch.empty(0, self.worker.hidden_size)
+        pooled, at = [], 0
+        for seq, first, count in plan.pooling_rows:
+            pooled.append((seq, first, hidden[at:at + count]))
+            at += count
         rows: list[int] = []
         seqs: list[Sequence] = []
         row = 0
@@ -191,7 +202,7 @@ class Executor:
         logits = logits[:row]
         if len(rows) != logits.shape[0]:  # n > 1: children sample from their parent's row
             logits = logits[torch.tensor(rows, dtype=torch.long)]
-        return logits, seqs, prompt_logits
+        return logits, seqs, prompt_logits, pooled
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the other ranks and leave the collective (idempotent)."""

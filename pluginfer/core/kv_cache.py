@@ -96,7 +96,9 @@ class BlockManager:
         if seq.block_table or seq.num_computed_tokens:
             return False
         # Prompt logprobs need logits at every prompt position, so such a prompt computes them all.
-        use_cache = self.enable_prefix_caching and seq.params.prompt_logprobs is None
+        # So does mean or CLS pooling (embeddings), which reads the hidden state of every/the first position.
+        use_cache = self.enable_prefix_caching and seq.params.prompt_logprobs is None and \
+            (seq.pooling is None or not seq.pooling.uses_every_position)
         matched = self._match_prefix(seq.token_ids) if use_cache else []
         for block in matched:
             if self._ref_counts[block] == 0:

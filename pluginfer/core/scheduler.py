@@ -176,7 +176,8 @@ class Scheduler:
             if seq.num_uncomputed_tokens < 1:
                 raise RuntimeError(f"sequence {seq.seq_id} has no token to compute: the engine must "
                                    "append a sampled token to every sequence in sample_for")
-            if seq.is_prefill or seq.seq_id in self._children:  # the children fork at the prompt's end
+            # the children fork at the prompt's end; an embedding's last token is a prefill chunk, never a decode
+            if seq.is_prefill or seq.seq_id in self._children or seq.pooling is not None:
                 unfinished_prefills.append(seq)
             elif self._context_is_full(seq):
                 self.running.pop(index)
@@ -243,7 +244,7 @@ class Scheduler:
         if not manager.ensure_slots(seq, chunk):
             raise RuntimeError("scheduler bug: blocks were checked but are missing")
         sample_for: list[Sequence] = []
-        if seq.num_computed_tokens + chunk == len(seq):
+        if seq.num_computed_tokens + chunk == len(seq) and seq.pooling is None:  # an embedding samples nothing
             children = self._children.get(seq.seq_id, [])
             sample_for = [seq, *children]
             if children and len(seq) % manager.block_size:

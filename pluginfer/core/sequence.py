@@ -6,6 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from pluginfer.core.pooling import PoolingState
 from pluginfer.core.structured import StructuredOutputsParams
 
 _INT64_MAX = 2**63 - 1
@@ -134,6 +135,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # tokens found through prefix caching
     generator: object | None = None  # torch.Generator when params.seed is set
     grammar: object | None = None  # llguidance matcher when params.structured_outputs is set
+    pooling: PoolingState | None = None  # an embedding request: its prompt is pooled, nothing is sampled
 
     @property
     def token_ids(self) -> list[int]:

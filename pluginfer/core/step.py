@@ -33,6 +33,9 @@ class StepInput:
     logits_indices: np.ndarray
     block_size: int
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The last ``num_hidden_rows`` rows of ``logits_indices`` are pooled (embeddings): their final hidden
+    # states come back instead of logits.
+    num_hidden_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -63,11 +66,21 @@ class StepInput:
 
 
 @dataclass
+class StepResult:
+    """What a step returns to the driver: float32 logits ``[num_logits - num_hidden_rows, vocab]`` and the
+    pooled rows' final hidden states ``[num_hidden_rows, hidden]`` (float32)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
 class StepPlan:
     """The driver's side of a step: the StepInput and what its logits rows mean."""
 
     step: StepInput
     prompt_logprob_rows: list[tuple[Sequence, int, int]]  # (sequence, first position, logits rows)
+    pooling_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (sequence, first position, rows)
 
 
 def build_step(scheduled: list[ScheduledSequence], block_size: int,
@@ -97,13 +110,30 @@ def build_step(scheduled: list[ScheduledSequence], block_size: int,
     sampling = [row for row, s in enumerate(scheduled) if s.sample_for]
     logits_rows = query_start_loc[1:][sampling] - 1
     prompt_rows = _prompt_logprob_rows(scheduled, starts, query_lens, query_start_loc)
-    if prompt_rows:
-        logits_rows = np.concatenate([logits_rows] + [np.arange(r, r + n) for _, _, r, n in prompt_rows])
+    pooling_rows = _pooling_rows(scheduled, starts, query_lens, query_start_loc)
+    extra = [(r, n) for _, _, r, n in prompt_rows] + [(r, n) for _, _, r, n in pooling_rows]
+    if extra:
+        logits_rows = np.concatenate([logits_rows] + [np.arange(r, r + n) for r, n in extra])
     step = StepInput(input_ids=input_ids, positions=np.ascontiguousarray(positions), slot_mapping=slot_mapping,
                      query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=tables,
                      logits_indices=np.ascontiguousarray(logits_rows, dtype=np.int64), block_size=block_size,
-                     block_copies=list(block_copies or []))
-    return StepPlan(step, [(seq, first, n) for seq, first, _, n in prompt_rows])
+                     block_copies=list(block_copies or []), num_hidden_rows=sum(n for _, _, _, n in pooling_rows))
+    return StepPlan(step, [(seq, first, n) for seq, first, _, n in prompt_rows],
+                    [(seq, first, n) for seq, first, _, n in pooling_rows])
+
+
+def _pooling_rows(scheduled: list[ScheduledSequence], starts: np.ndarray, query_lens: np.ndarray,
+                  query_start_loc: np.ndarray) -> list[tuple]:
+    """(seq, first position, flat row, count) of the hidden states each embedding's chunk must return."""
+    rows = []
+    for index, item in enumerate(scheduled):
+        pooling = item.seq.pooling
+        if pooling is None:
+            continue
+        first, count = int(starts[index]), int(query_lens[index])
+        offset, wanted = pooling.rows(first, count, item.seq.num_prompt_tokens)
+        rows.append((item.seq, first, int(query_start_loc[index]) + offset, wanted))
+    return rows
 
 
 def _prompt_logprob_rows(scheduled: list[ScheduledSequence], starts: np.ndarray, query_lens: np.ndarray,

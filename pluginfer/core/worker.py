@@ -21,7 +21,7 @@ from pluginfer.core.gguf_checkpoint import GGUFCheckpoint
 from pluginfer.core.loader import iter_weights, resolve_dtype
 from pluginfer.core.protocols import BuildContext, Collective, IntermediateTensors, RankInfo
 from pluginfer.core.registry import Registry
-from pluginfer.core.step import StepInput
+from pluginfer.core.step import StepInput, StepResult
 from pluginfer.layers.context import building
 from pluginfer.layers.moe import expert_memory
 
@@ -98,6 +98,7 @@ class Worker:
         self.is_first_stage = rank.pp_rank == 0
         self.is_last_stage = rank.pp_rank == rank.pp_size - 1
         self.vocab_size = int(hf_config["vocab_size"])
+        self.hidden_size = int(hf_config.get("hidden_size") or 0)
 
     def max_num_blocks(self, max_model_len: int) -> int:
         """KV blocks this rank's memory budget holds (the driver takes the smallest over ranks)."""
@@ -139,9 +140,9 @@ class Worker:
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_times.items()))
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor | None:
-        """Run this rank's part of the step; float32 logits ``[step.num_logits, vocab]`` on the ranks of
-        the last stage (and on the driver), None elsewhere."""
+    def execute(self, step: StepInput) -> StepResult | None:
+        """Run this rank's part of the step; on the ranks of the last stage (and on the driver) float32
+        logits of the sampled rows and the final hidden states of the pooled ones, None elsewhere."""
         if step.block_copies:
             self.backend.copy_blocks(self.kv_caches, step.block_copies)
         batch = step.to_batch(self.backend.device)
@@ -152,21 +153,30 @@ class Worker:
         out = self.pipeline.forward(batch, intermediate)
         if not self.is_last_stage:
             self._send_intermediate(out, self.rank.stage_rank(self.rank.pp_rank + 1))
-            if self.rank.is_driver:  # the driver samples: the last stage's first rank sends it the logits
-                return self._recv_logits(step.num_logits)
+            if self.rank.is_driver:  # the driver samples: the last stage's first rank sends it the results
+                logits = self._recv_rows(step.num_logits - step.num_hidden_rows, self.vocab_size)
+                hidden = self._recv_rows(step.num_hidden_rows, self.hidden_size) if step.num_hidden_rows else None
+                return StepResult(logits, hidden)
             return None
+        hidden = None
+        if step.num_hidden_rows:  # the pooled rows come last; they need no LM head
+            split = out.shape[0] - step.num_hidden_rows
+            out, hidden = out[:split], out[split:].float()
         if out.shape[0] == 0:
             logits = out.new_empty(0, self.vocab_size, dtype=torch.float32)
         else:
             logits = self.pipeline.compute_logits(out)
         if self.rank.pp_size > 1 and self.rank.tp_rank == 0 and not self.rank.is_driver:
-            self.world.send(logits.contiguous(), 0)
-        return logits
+            if logits.shape[0]:
+                self.world.send(logits.contiguous(), 0)
+            if hidden is not None:
+                self.world.send(hidden.contiguous(), 0)
+        return StepResult(logits, hidden)
 
-    def _recv_logits(self, rows: int) -> torch.Tensor:
+    def _recv_rows(self, rows: int, width: int) -> torch.Tensor:
         if rows == 0:
-            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.backend.device)
-        buffer = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.backend.device)
+            return torch.empty(0, width, dtype=torch.float32, device=self.backend.device)
+        buffer = torch.empty(rows, width, dtype=torch.float32, device=self.backend.device)
         return self.world.recv(buffer, (self.rank.pp_size - 1) * self.rank.tp_size)  # last stage, TP rank 0
 
     def _send_intermediate(self, intermediate: IntermediateTensors, dst: int) -> None:

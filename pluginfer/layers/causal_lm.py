@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.pooling import is_backbone_only
 from pluginfer.core.protocols import IntermediateTensors, KVCacheSpec, stage_layers
 from pluginfer.layers.attention import bind_kv_caches
 from pluginfer.layers.context import current_context, has_context
@@ -118,17 +119,23 @@ def held_by_stage(name: str, stack: DecoderStack, head: str = "lm_head.") -> boo
 
 
 class CausalLM(nn.Module):
-    """A ModelPipeline: ``model`` (a DecoderStack) and ``lm_head``, named as in HF checkpoints."""
+    """A ModelPipeline: ``model`` (a DecoderStack) and ``lm_head``, named as in HF checkpoints.
+
+    A bare decoder checkpoint (``Qwen3Model``, as sentence-transformers saves an embedding model) has
+    no ``model.`` prefix in its tensor names and no LM head: it is built without one and only embeds.
+    """
 
     def __init__(self, config: dict, model: DecoderStack, tied_by_default: bool = False) -> None:
         super().__init__()
         self.config = config
         self.model = model
-        self.tied = bool(config.get("tie_word_embeddings", tied_by_default))
-        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"]) if model.is_last else None
-        if model.is_last and self.tied:
+        self.backbone_only = is_backbone_only(config)
+        self.tied = bool(config.get("tie_word_embeddings", tied_by_default)) and not self.backbone_only
+        has_head = model.is_last and not self.backbone_only
+        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"]) if has_head else None
+        if has_head and self.tied:
             self.lm_head.tie(self.model.embed_tokens)
-        if not model.is_first and not (model.is_last and self.tied):
+        if not model.is_first and not (has_head and self.tied):
             self.model.embed_tokens = None  # a middle or untied last stage never embeds
 
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -144,6 +151,8 @@ class CausalLM(nn.Module):
         return self.model(batch, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise RuntimeError("this checkpoint is a bare decoder without an LM head: it can only embed")
         return self.lm_head(hidden).float()
 
     def weight_routes(self) -> tuple:
@@ -151,6 +160,8 @@ class CausalLM(nn.Module):
         return LLAMA_STACKED
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.backbone_only:  # names as the bare decoder's: "layers.0...", "embed_tokens.weight", "norm.weight"
+            weights = ((name if name.startswith("model.") else f"model.{name}", tensor) for name, tensor in weights)
         if self.tied:  # a tied head has no weight of its own; some checkpoints store a copy anyway
             weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
         weights = ((name, tensor) for name, tensor in weights if held_by_stage(name, self.model))

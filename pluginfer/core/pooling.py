@@ -1,0 +1,197 @@
+"""Embeddings: how a checkpoint pools its hidden states, and one request's pooling as its prompt is read.
+
+The pooling (last token, mean, CLS) and the normalization come from the checkpoint's
+sentence-transformers files: ``modules.json`` lists the modules (``Transformer``, ``Pooling``,
+``Normalize``), the Pooling module's folder holds ``config.json`` with its ``pooling_mode_*`` flags.
+A checkpoint without them has no pooling config: asking it for embeddings is an error that says
+what is missing (no silent default). ``dimensions`` (Matryoshka truncation) is allowed only where
+config.json says the model was trained for it (``is_matryoshka`` or ``matryoshka_dimensions``).
+
+An embedding request runs through the engine like a prompt that samples nothing: its prefill
+chunks are scheduled and batched with everything else, and each chunk returns the final hidden
+states of the rows its pooling needs (``PoolingState.rows``), which ``PoolingState.add`` folds in.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a state pools: importing the params stays cheap
+    import torch
+
+POOLING_METHODS = ("last", "mean", "cls")
+# sentence-transformers' pooling modes -> ours: the flags of its Pooling config.json before v6 and the
+# ``pooling_mode`` names of v6; the other modes (max, mean_sqrt_len_tokens, weightedmean) are refused by name.
+_ST_FLAGS = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+             "pooling_mode_max_tokens": None, "pooling_mode_mean_sqrt_len_tokens": None,
+             "pooling_mode_weightedmean_tokens": None}
+_ST_MODES = {"lasttoken": "last", "mean": "mean", "mean_tokens": "mean", "cls": "cls", "cls_token": "cls"}
+# Module types by their class name (modules.json spells the module path differently across versions).
+_TRANSFORMER, _POOLING, _NORMALIZE = "Transformer", "Pooling", "Normalize"
+
+
+@dataclass
+class PoolingParams:
+    """What one embedding request asks for (``LLM.embed``, ``/v1/embeddings``)."""
+
+    dimensions: int | None = None  # keep the first ``dimensions`` values, renormalized (Matryoshka models only)
+
+    n: int = field(default=1, init=False)  # one result per prompt (the engine's clients read ``params.n``)
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
+                                            or self.dimensions < 1):
+            raise ValueError(f"PoolingParams.dimensions: must be an integer >= 1, got {self.dimensions!r}")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How this checkpoint turns hidden states into one embedding."""
+
+    method: str  # "last", "mean" or "cls"
+    normalize: bool  # L2-normalize the pooled vector
+    hidden_size: int
+    matryoshka_dimensions: tuple[int, ...] | None = None  # None: any size up to hidden_size (if matryoshka)
+    matryoshka: bool = False
+    problem: str | None = None  # why this checkpoint cannot embed (then the fields above are placeholders)
+
+    def check(self, params: PoolingParams) -> None:
+        """Raise ValueError naming what is wrong for this model (no pooling config, a bad ``dimensions``)."""
+        if self.problem is not None:
+            raise ValueError(self.problem)
+        dims = params.dimensions
+        if dims is None:
+            return
+        if not self.matryoshka:
+            raise ValueError("dimensions: this model does not support Matryoshka truncation (its config.json "
+                             "sets neither is_matryoshka nor matryoshka_dimensions); leave dimensions out")
+        if self.matryoshka_dimensions is not None and dims not in self.matryoshka_dimensions:
+            raise ValueError(f"dimensions: must be one of {list(self.matryoshka_dimensions)}, got {dims}")
+        if dims > self.hidden_size:
+            raise ValueError(f"dimensions: must be at most the embedding size {self.hidden_size}, got {dims}")
+
+
+def read_pooler_config(model_path: Path, hf_config: dict) -> PoolerConfig:
+    """The pooling of the checkpoint at ``model_path``, from its sentence-transformers files."""
+    hidden = int(hf_config.get("hidden_size") or 0)
+    matryoshka_dims = hf_config.get("matryoshka_dimensions")
+    matryoshka = bool(hf_config.get("is_matryoshka")) or bool(matryoshka_dims)
+    dims = tuple(int(d) for d in matryoshka_dims) if matryoshka_dims else None
+
+    def refuse(problem: str) -> PoolerConfig:
+        return PoolerConfig("last", False, hidden, dims, matryoshka, problem=problem)
+
+    if model_path.suffix == ".gguf" or not model_path.is_dir():
+        return refuse(f"this model ({model_path.name}) has no sentence-transformers pooling config: embeddings "
+                      "need a checkpoint directory with modules.json and a Pooling module's config.json")
+    modules_file = model_path / "modules.json"
+    if not modules_file.is_file():
+        return refuse(f"this model has no pooling config: {modules_file} is missing (sentence-transformers' "
+                      "module list, naming a Pooling module whose config.json says last-token, mean or CLS "
+                      "pooling); embeddings are served only for checkpoints that say how to pool")
+    try:
+        modules = json.loads(modules_file.read_text())
+        types = [(str(m.get("type", "")), str(m.get("path", ""))) for m in modules]
+    except (ValueError, AttributeError, TypeError) as exc:
+        return refuse(f"{modules_file}: not a sentence-transformers module list: {exc}")
+    kinds = [kind.rpartition(".")[2] for kind, _ in types]
+    if kinds[:2] != [_TRANSFORMER, _POOLING] or kinds[2:] not in ([], [_NORMALIZE]):
+        return refuse(f"{modules_file}: modules {', '.join(kinds)} are not supported (supported: "
+                      f"{_TRANSFORMER}, {_POOLING}, then optionally {_NORMALIZE})")
+    pooling_file = model_path / types[1][1] / "config.json"
+    try:
+        pooling = json.loads(pooling_file.read_text())
+    except (OSError, ValueError) as exc:
+        return refuse(f"{pooling_file}: cannot read the Pooling module's config: {exc}")
+    if pooling.get("include_prompt") is False:
+        return refuse(f"{pooling_file}: include_prompt false (pooling that leaves out the instruction) is not "
+                      "supported")
+    method, problem = _pooling_method(pooling)
+    if problem is not None:
+        return refuse(f"{pooling_file}: {problem}")
+    dimension = pooling.get("embedding_dimension", pooling.get("word_embedding_dimension"))
+    if dimension is not None and hidden and int(dimension) != hidden:
+        return refuse(f"{pooling_file}: embedding dimension {dimension} is not the model's hidden_size {hidden}")
+    return PoolerConfig(method, kinds[2:] == [_NORMALIZE], hidden, dims, matryoshka)
+
+
+def _pooling_method(pooling: dict) -> tuple[str, str | None]:
+    """(our method, None) from a Pooling config.json, or ("", why it is not supported)."""
+    supported = "lasttoken, mean or cls"
+    if "pooling_mode" in pooling:
+        mode = pooling["pooling_mode"]
+        modes = mode if isinstance(mode, list) else [mode]
+        if len(modes) != 1 or modes[0] not in _ST_MODES:
+            return "", f"pooling_mode {mode!r} is not supported (supported: {supported})"
+        return _ST_MODES[modes[0]], None
+    chosen = [flag for flag in _ST_FLAGS if pooling.get(flag)]
+    if len(chosen) != 1:
+        return "", f"exactly one pooling_mode_* flag must be true, got {chosen or 'none'}"
+    method = _ST_FLAGS[chosen[0]]
+    if method is None:
+        return "", f"{chosen[0]} is not supported (supported: {supported})"
+    return method, None
+
+
+@dataclass(eq=False)
+class PoolingState:
+    """One embedding request's pooling while its prompt is read (chunk by chunk, perhaps recomputed)."""
+
+    method: str
+    normalize: bool
+    dimensions: int | None = None
+    total: torch.Tensor | None = None
+    count: int = 0
+    embedding: list[float] | None = None
+
+    @property
+    def uses_every_position(self) -> bool:
+        """Mean and CLS pooling need hidden states of prompt positions a prefix-cache hit would skip."""
+        return self.method != "last"
+
+    def rows(self, first: int, count: int, prompt_len: int) -> tuple[int, int]:
+        """(offset in the chunk, rows) whose hidden states this chunk of positions ``first..`` must return."""
+        if self.method == "mean":
+            return 0, count
+        if self.method == "cls":
+            return (0, 1) if first == 0 else (0, 0)
+        return (count - 1, 1) if first + count == prompt_len else (0, 0)
+
+    def add(self, first: int, hidden: torch.Tensor) -> None:
+        """Fold in the rows ``rows`` chose for the chunk starting at ``first`` (a recompute starts over)."""
+        if first == 0 or self.total is None:
+            self.total, self.count = None, 0
+        if hidden.shape[0] == 0:
+            return
+        rows = hidden.float()
+        if self.method == "mean":
+            part = rows.sum(dim=0)
+            self.total = part if self.total is None else self.total + part
+            self.count += rows.shape[0]
+        else:
+            self.total, self.count = rows[-1].clone(), 1
+
+    def finish(self) -> list[float]:
+        """The embedding: pooled, truncated to ``dimensions``, then L2-normalized if the model normalizes."""
+        if self.total is None:
+            raise RuntimeError("pooling finished without any hidden state")
+        vector = self.total / self.count if self.method == "mean" else self.total
+        if self.dimensions is not None:
+            vector = vector[: self.dimensions]
+        if self.normalize:
+            from torch.nn.functional import normalize
+
+            vector = normalize(vector, p=2, dim=0)
+        self.embedding = vector.tolist()
+        self.total = None
+        return self.embedding
+
+
+def is_backbone_only(hf_config: dict) -> bool:
+    """A checkpoint of the bare decoder (``Qwen3Model``, ``LlamaModel``, as sentence-transformers saves
+    one): no LM head, so it embeds and cannot generate."""
+    names = hf_config.get("architectures") or []
+    return bool(names) and all(str(name).endswith("Model") for name in names)
