@@ -108,7 +108,7 @@ class Registry:
             else:
                 try:
                     plugin = ep.load()
-                except Exception as exc:  # any import failure is this plugin's, never the engine's
+                except (Exception, SystemExit) as exc:  # any import failure is this plugin's, never the engine's
                     info.error = f"cannot import {ep.value!r}: {type(exc).__name__}: {exc}"
                 else:
                     registry._add(plugin, info)
@@ -196,7 +196,7 @@ class Registry:
             return True, ""
         try:
             reason = self._import(spec, spec.check, "check")()
-        except Exception as exc:  # a crashing check means "not usable", not a crashed listing
+        except (Exception, SystemExit) as exc:  # a crashing check means "not usable", not a crashed listing
             return False, f"check failed: {type(exc).__name__}: {exc}"
         return (True, "") if reason is None else (False, str(reason))
 
@@ -247,8 +247,17 @@ class Registry:
     def claiming(self, kind: str, argument: object) -> PluginSpec | None:
         """The highest-priority usable spec of ``kind`` whose ``claims(argument)`` is true, or None."""
         claimed = [spec for spec in self.specs(kind) if spec.claims is not None
-                   and self._import(spec, spec.claims, "claims")(argument) and self.usable(spec)[0]]
+                   and self._claims(spec, argument) and self.usable(spec)[0]]
         return max(claimed, key=lambda spec: spec.priority, default=None)
+
+    def _claims(self, spec: PluginSpec, argument: object) -> bool:
+        """``spec.claims(argument)``; a claims that cannot be imported or raises claims nothing (logged):
+        one broken plugin never stops the others from being chosen."""
+        try:
+            return bool(self._import(spec, spec.claims, "claims")(argument))
+        except Exception as exc:
+            logger.warning("%s: claims %r failed, so it claims nothing: %s", self._owner(spec), spec.claims, exc)
+            return False
 
     def for_launcher(self, kind: str, launcher: str) -> PluginSpec | None:
         """The highest-priority usable spec of ``kind`` that names ``launcher`` in its ``launchers``."""
@@ -302,7 +311,7 @@ class Registry:
                 continue
             try:
                 results = caller()
-            except Exception as exc:  # the hook's own bug; recorded so the other plugins still load
+            except (Exception, SystemExit) as exc:  # the hook's own bug; recorded so the other plugins still load
                 errors.append(f"hook {hook_name} raised {type(exc).__name__}: {exc}")
                 continue
             for result in results:
@@ -386,7 +395,7 @@ class Registry:
         module_name, _, attr = ref.partition(":")
         try:
             return functools.reduce(getattr, attr.split("."), importlib.import_module(module_name))
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a module that exits at import is broken, not a reason to stop
             raise BrokenPluginError(
                 f"{self._owner(spec)}: cannot import {what} {ref!r} of {spec.kind} {spec.name!r}: "
                 f"{type(exc).__name__}: {exc}. Fix or reinstall the plugin, or choose another {spec.kind}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 from typing import Any
 
@@ -13,12 +14,13 @@ from pluginfer.core.async_engine import AsyncEngine
 from pluginfer.core.config import EngineConfig
 from pluginfer.server.chat import create_chat_completion, render_prompt
 from pluginfer.server.completions import create_completion
+from pluginfer.server.cors import cors_middleware
 from pluginfer.server.errors import APIError, bad_request, error_middleware
 from pluginfer.server.metrics import CONTENT_TYPE
 from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from pluginfer.server.state import STATE, ServerState, read_body
 
-_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # answered without an API key
+_OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers' probes)
 
 
 def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Application:
@@ -28,7 +30,8 @@ def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Applicatio
     cancels its handler, which aborts its engine requests.
     """
     server = config.server
-    app = web.Application(middlewares=[_metrics_middleware, error_middleware, _auth_middleware(server.api_keys)],
+    app = web.Application(middlewares=[cors_middleware(server.allowed_origins), _metrics_middleware,
+                                       error_middleware, _auth_middleware(server.api_keys)],
                           client_max_size=server.max_request_bytes)
     app[STATE] = ServerState.create(async_engine, config)
     if hasattr(async_engine, "attach"):  # an EngineClient reads its engine process's frames on this loop
@@ -64,14 +67,16 @@ async def _metrics_middleware(request: web.Request, handler: Any) -> web.StreamR
 
 
 def _auth_middleware(api_keys: list[str]) -> Any:
-    keys = [key.encode() for key in api_keys]
+    # Compared as SHA-256 digests, every key every time: the time taken says nothing of the keys or their lengths.
+    keys = [hashlib.sha256(key.encode()).digest() for key in api_keys]
 
     @web.middleware
     async def check_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
         if keys and request.path not in _OPEN_PATHS:
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            valid = scheme.lower() == "bearer" and any(hmac.compare_digest(given.strip().encode(), key)
-                                                       for key in keys)
+            digest = hashlib.sha256(given.strip().encode()).digest()
+            matches = [hmac.compare_digest(digest, key) for key in keys]
+            valid = scheme.lower() == "bearer" and any(matches)
             if not valid:
                 raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
                                code="invalid_api_key")

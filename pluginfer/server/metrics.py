@@ -40,6 +40,10 @@ class ServerMetrics:
               registry=registry).set_function(lambda: engine.scheduler.num_waiting)
         Gauge("pluginfer_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1)",
               registry=registry).set_function(lambda: engine.block_manager.usage)
+        Gauge("pluginfer_kv_cache_free_blocks", "KV-cache blocks no sequence holds (prefix-cached ones included)",
+              registry=registry).set_function(lambda: engine.block_manager.num_free_blocks)
+        Gauge("pluginfer_kv_cache_blocks", "KV-cache blocks in all",
+              registry=registry).set_function(lambda: engine.block_manager.num_blocks)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -135,8 +135,13 @@ def test_api_keys(make_server):
         assert [m.id for m in client.models.list().data] == [MODEL_NAME]
         reply = client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=2)
         assert reply.choices[0].finish_reason in ("stop", "length")
-    for path in ("/health", "/metrics", "/version"):
-        assert http(keyed, "GET", path)[0] == 200
+    assert http(keyed, "GET", "/health")[0] == 200  # the only route open without a key
+    for path in ("/metrics", "/version", "/v1/models/tiny-llama", "/no-such-route"):
+        status, _, raw = http(keyed, "GET", path)
+        assert status == 401 and _error(401, raw)["code"] == "invalid_api_key", path
+        assert http(keyed, "GET", path, headers={"Authorization": f"Bearer {API_KEY}"})[0] in (200, 404)
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
+        assert http(keyed, "POST", path, {})[0] == 401, path
 
 
 def test_too_many_waiting_is_429(tiny_llama_checkpoint, make_server):
