@@ -32,3 +32,12 @@ def test_a_skip_for_a_missing_dependency_becomes_a_failure() -> None:
     assert native_usage.required("could not import 'gguf': No module named 'gguf'") is not None
     assert "aiohttp" in native_usage.required("could not import 'aiohttp.web': No module named 'aiohttp'")
     assert native_usage.required("could not import 'not_a_dependency': No module named 'not_a_dependency'") is None
+
+
+def test_a_skip_for_a_missing_browser_fails_under_ci_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/server/test_web_chat.py skips without Chromium: a developer may lack it, CI installs it (.ci/run)."""
+    reason = f"{native_usage.NO_BROWSER}: install Debian's chromium"
+    monkeypatch.delenv("CI", raising=False)
+    assert native_usage.required(reason) is None
+    monkeypatch.setenv("CI", "true")
+    assert "chromium" in native_usage.required(reason)

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = Path("plugins") / "pluginfer-example-granite"
 C_SOURCES = sorted(p.name for p in (ROOT / "pluginfer" / "backends" / "csrc").iterdir() if p.suffix in (".c", ".h"))
+WEB_FILES = sorted(p.name for p in (ROOT / "pluginfer" / "server" / "web").iterdir())  # the chat page at /
 # What a build must not see of the working tree: the same as .gitignore.
 UNTRACKED = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".venv", ".pytest_cache",
                                    ".ruff_cache", "logs", "*.so")
@@ -158,6 +159,10 @@ def test_the_wheel_and_the_sdist_carry_the_c_sources(built: tuple[Path, Path]) -
         assert f"pluginfer/backends/csrc/{name}" in in_wheel
         assert any(n.endswith(f"/pluginfer/backends/csrc/{name}") for n in in_sdist), name
     assert "pluginfer/demo/corpus.txt" in in_wheel
+    assert {"index.html", "chat.js", "chat.css", "markdown.js"} <= set(WEB_FILES), WEB_FILES
+    for name in WEB_FILES:
+        assert f"pluginfer/server/web/{name}" in in_wheel, name
+        assert any(n.endswith(f"/pluginfer/server/web/{name}") for n in in_sdist), name
 
 
 @pytest.mark.parametrize("kind", ["wheel", "sdist"])

@@ -106,6 +106,7 @@ class EngineCore:
     def load(self) -> dict[str, Any]:
         """Build the engine and run one short request through it; what the server needs to know."""
         from pluginfer.core.engine import LLMEngine
+        from pluginfer.core.pooling import PoolingParams
         from pluginfer.core.sequence import SamplingParams
 
         started = time.perf_counter()
@@ -116,9 +117,10 @@ class EngineCore:
         started = time.perf_counter()
         # Warm-up: the first step pays for first touches (weight pages, kernel tables, allocator pools).
         vocab = engine.executor.vocab_size
-        engine.add_request([i % vocab for i in range(1, 9)], SamplingParams(temperature=0.0, max_tokens=2,
-                                                                            ignore_eos=True),
-                           request_id="pluginfer-warmup")
+        warmup = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True) if engine.can_generate else \
+            PoolingParams()  # a bare decoder (an embedding checkpoint) only embeds
+        if engine.can_generate or engine.pooler.problem is None:
+            engine.add_request([i % vocab for i in range(1, 9)], warmup, request_id="pluginfer-warmup")
         while engine.has_unfinished_requests():
             engine.step()
         times["warm-up"] = time.perf_counter() - started
@@ -243,7 +245,7 @@ class EngineCore:
                 counts[0], counts[1] = len(choice.token_ids), len(choice.text)
             head = (output.prompt, output.prompt_token_ids, output.prompt_logprobs) if first else None
             deltas.append((output.request_id, head, choices, output.finished, output.error,
-                           output.num_cached_tokens))
+                           output.num_cached_tokens, output.embedding))
             if output.finished:
                 del self._sent[output.request_id]
         self.send(("out", deltas, self._stats()))

@@ -13,6 +13,7 @@ from pluginfer import __version__
 from pluginfer.core.async_engine import AsyncEngine
 from pluginfer.core.config import EngineConfig
 from pluginfer.server.chat import create_chat_completion, render_prompt
+from pluginfer.server.chat_page import add_chat_page, is_public
 from pluginfer.server.completions import create_completion
 from pluginfer.server.cors import cors_middleware
 from pluginfer.server.errors import APIError, bad_request, error_middleware
@@ -45,6 +46,7 @@ def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Applicatio
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
+    add_chat_page(app.router)
     return app
 
 
@@ -72,7 +74,7 @@ def _auth_middleware(api_keys: list[str]) -> Any:
 
     @web.middleware
     async def check_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
-        if keys and request.path not in _OPEN_PATHS:
+        if keys and request.path not in _OPEN_PATHS and not is_public(request.path):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             digest = hashlib.sha256(given.strip().encode()).digest()
             matches = [hmac.compare_digest(digest, key) for key in keys]

@@ -94,7 +94,7 @@ class _Request:
     """One request's output so far, grown by the core's deltas; the consumer takes snapshots."""
 
     __slots__ = ("loop", "waiter", "prompt", "prompt_token_ids", "prompt_logprobs", "choices", "finished",
-                 "error", "num_cached_tokens", "fresh", "failure")
+                 "error", "num_cached_tokens", "fresh", "failure", "embedding")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: str | list[int], n: int) -> None:
         self.loop = loop
@@ -109,9 +109,10 @@ class _Request:
         self.num_cached_tokens = 0
         self.fresh = False  # something arrived that the consumer has not taken yet
         self.failure: BaseException | None = None
+        self.embedding: list[float] | None = None
 
     def apply(self, head: tuple | None, choices: list[tuple], finished: bool, error: str | None,
-              num_cached_tokens: int) -> None:
+              num_cached_tokens: int, embedding: list[float] | None = None) -> None:
         if head is not None:
             self.prompt, self.prompt_token_ids, self.prompt_logprobs = head
         for index, tokens, text, logprobs, finish_reason in choices:
@@ -123,6 +124,8 @@ class _Request:
                 choice[2] = (choice[2] or []) + logprobs
             choice[3] = finish_reason
         self.finished, self.error, self.num_cached_tokens = finished, error, num_cached_tokens
+        if embedding is not None:
+            self.embedding = embedding
         self.fresh = True
         self.wake()
 
@@ -144,7 +147,7 @@ class _Request:
                        for index, (tokens, text, logprobs, reason) in enumerate(self.choices)]
         return RequestOutput(request_id, self.prompt, self.prompt_token_ids, completions, finished=self.finished,
                              error=self.error, num_cached_tokens=self.num_cached_tokens,
-                             prompt_logprobs=self.prompt_logprobs)
+                             prompt_logprobs=self.prompt_logprobs, embedding=self.embedding)
 
 
 class EngineClient:
@@ -391,14 +394,15 @@ class EngineClient:
         kind = message[0]
         if kind == "out":
             _, deltas, stats = message
-            for request_id, head, choices, finished, error, cached in deltas:
+            for request_id, head, choices, finished, error, cached, embedding in deltas:
                 request = self._requests.get(request_id)
                 if request is None:
                     continue  # its consumer left; the abort is on its way
                 if request.loop is self._loop:
-                    request.apply(head, choices, finished, error, cached)
+                    request.apply(head, choices, finished, error, cached, embedding)
                 else:  # a request from another event loop (several servers over one client)
-                    request.loop.call_soon_threadsafe(request.apply, head, choices, finished, error, cached)
+                    request.loop.call_soon_threadsafe(request.apply, head, choices, finished, error, cached,
+                                                      embedding)
             self._update_stats(stats)
         elif kind == "reject":
             _, request_id, error_kind, text = message

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from pluginfer.core.async_engine import AsyncEngine
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.engine import LLMEngine
+from pluginfer.core.pooling import PoolerConfig
 from pluginfer.server.errors import APIError, bad_request, from_validation_error
 from pluginfer.server.metrics import ServerMetrics
 from pluginfer.server.reasoning import ReasoningParser, get_reasoning_parser
@@ -30,6 +31,7 @@ class ServerState:
     metrics: ServerMetrics
     reasoning_parser: type[ReasoningParser] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    pooler: PoolerConfig | None = None  # the checkpoint's pooling, read at the first /v1/embeddings request
 
     @classmethod
     def create(cls, async_engine: AsyncEngine, config: EngineConfig) -> ServerState:

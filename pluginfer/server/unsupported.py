@@ -55,6 +55,9 @@ COMPLETION: dict[str, Unsupported] = {
 }
 
 
+EMBEDDING: dict[str, Unsupported] = {}  # every field of CreateEmbeddingRequest is honoured
+
+
 def check_fields(data: Any, declared: set[str], unsupported: dict[str, Unsupported]) -> Any:
     """Raise a 400 for the first field of ``data`` that is unknown or asks for what is not supported;
     return ``data`` without the unsupported fields that asked for nothing."""

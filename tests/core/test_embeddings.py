@@ -174,11 +174,15 @@ def test_bare_decoder_checkpoint_refuses_generation(embedding_checkpoints):
             llm.generate("hi")
 
 
-def test_tensor_parallel_two_ranks_equal_one(embedding_checkpoints):
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_two_ranks_equal_one(embedding_checkpoints, parallel):
+    """Under tensor parallelism every rank computes the hidden states; under pipeline parallelism the last
+    stage sends the pooled rows to the driver (which sits in the first stage)."""
     for name in ("qwen3", "llama"):
         path = embedding_checkpoints[name]
         one = embed(path, TEXTS)
-        two = embed(path, TEXTS, tensor_parallel_size=2)
+        two = embed(path, TEXTS, **parallel)
         torch.testing.assert_close(two, one, atol=ATOL, rtol=0)
 
 

@@ -1,0 +1,262 @@
+// The chat page: streams /v1/chat/completions (server-sent events) into the conversation.
+"use strict";
+
+const KEY_STORAGE = "pluginfer.apiKey";
+const $ = (id) => document.getElementById(id);
+const state = { history: [], controller: null, model: null };
+
+function requestHeaders() {
+  const headers = { "Content-Type": "application/json" };
+  const key = $("api-key").value.trim();
+  if (key) headers.Authorization = `Bearer ${key}`;
+  return headers;
+}
+
+async function errorText(response) {
+  try {
+    const body = await response.json();
+    return (body.error && body.error.message) || JSON.stringify(body);
+  } catch (_) {
+    return response.statusText;
+  }
+}
+
+function showError(text, status) {
+  $("error").textContent = status ? `${status}: ${text}` : text;
+  $("error").hidden = false;
+  if (status === 401) askForKey();
+}
+
+function clearError() {
+  $("error").hidden = true;
+  $("error").textContent = "";
+}
+
+function showSettings(show) {
+  $("settings").hidden = !show;
+  $("toggle-settings").setAttribute("aria-expanded", String(show));
+}
+
+function askForKey() {
+  showSettings(true);
+  $("api-key-box").classList.add("needed");
+  $("api-key").focus();
+}
+
+function saveKeyChoice() {
+  if ($("remember-key").checked && $("api-key").value.trim()) {
+    localStorage.setItem(KEY_STORAGE, $("api-key").value.trim());
+  } else {
+    localStorage.removeItem(KEY_STORAGE);
+  }
+}
+
+async function loadModel() {
+  try {
+    const response = await fetch("v1/models", { headers: requestHeaders() });
+    if (!response.ok) {
+      $("model").textContent = "";
+      showError(await errorText(response), response.status);
+      return;
+    }
+    const models = (await response.json()).data || [];
+    if (models.length) {
+      state.model = models[0].id;
+      $("model").textContent = `${models[0].id} · context ${models[0].max_model_len ?? "?"} tokens`;
+    }
+    $("api-key-box").classList.remove("needed");
+    clearError();
+  } catch (error) {
+    showError(`cannot reach the server: ${error.message}`);
+  }
+}
+
+// One message in the conversation; an assistant's has a collapsed reasoning section and a status line.
+function addMessage(role, text) {
+  const root = document.createElement("div");
+  root.className = `message ${role}`;
+  const label = document.createElement("div");
+  label.className = "role";
+  label.textContent = role;
+  root.append(label);
+  const reasoning = document.createElement("details");
+  reasoning.className = "reasoning";
+  reasoning.hidden = true;
+  const summary = document.createElement("summary");
+  summary.textContent = "Reasoning";
+  const reasoningText = document.createElement("div");
+  reasoningText.className = "reasoning-text";
+  reasoning.append(summary, reasoningText);
+  const content = document.createElement("div");
+  content.className = "content";
+  const status = document.createElement("div");
+  status.className = "status";
+  if (role === "assistant") root.append(reasoning);
+  root.append(content);
+  if (role === "assistant") root.append(status);
+  if (role === "user") content.textContent = text;  // what the user typed is shown as typed
+  $("messages").append(root);
+  root.scrollIntoView({ block: "end" });
+  return { root, content, reasoning, summary, reasoningText, status };
+}
+
+function render(view, content, reasoning, streaming) {
+  if (reasoning) {
+    view.reasoning.hidden = false;
+    view.summary.textContent = streaming && !content ? "Reasoning…" : `Reasoning (${reasoning.length} characters)`;
+    view.reasoningText.textContent = reasoning;
+  }
+  view.content.innerHTML = renderMarkdown(content);  // renderMarkdown escapes the text first
+  const list = $("messages");
+  if (list.scrollHeight - list.scrollTop - list.clientHeight < 80) list.scrollTop = list.scrollHeight;
+}
+
+function finish(view, kind, text) {
+  view.root.dataset.state = kind;
+  view.status.className = `status ${kind}`;
+  view.status.textContent = text;
+}
+
+function numberField(id) {
+  const value = $(id).value.trim();
+  return value === "" ? undefined : Number(value);
+}
+
+function requestBody() {
+  const messages = [];
+  const system = $("system-prompt").value.trim();
+  if (system) messages.push({ role: "system", content: system });
+  const body = { messages: messages.concat(state.history), stream: true };
+  if (state.model) body.model = state.model;
+  for (const [field, id] of [["temperature", "temperature"], ["top_p", "top-p"], ["max_tokens", "max-tokens"]]) {
+    const value = numberField(id);
+    if (value !== undefined) body[field] = value;
+  }
+  return body;
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+// Reads the event stream; calls onEvent with each decoded ``data:`` payload but "[DONE]".
+async function readEvents(response, onEvent) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      for (const line of block.split("\n")) {
+        if (line.startsWith("data: ") && line !== "data: [DONE]") onEvent(JSON.parse(line.slice(6)));
+      }
+    }
+  }
+}
+
+async function send(text) {
+  clearError();
+  state.history.push({ role: "user", content: text });
+  const userView = addMessage("user", text);
+  const view = addMessage("assistant", "");
+  view.root.dataset.state = "streaming";
+  const controller = new AbortController();
+  state.controller = controller;
+  setBusy(true);
+  let content = "";
+  let reasoning = "";
+  let finishReason = null;
+  let frame = 0;  // one render per animation frame while the stream arrives
+  const schedule = () => {
+    if (!frame) frame = requestAnimationFrame(() => { frame = 0; render(view, content, reasoning, true); });
+  };
+  const renderFinal = () => {
+    cancelAnimationFrame(frame);
+    frame = 0;
+    render(view, content, reasoning, false);
+  };
+  try {
+    const response = await fetch("v1/chat/completions", {
+      method: "POST", headers: requestHeaders(), body: JSON.stringify(requestBody()), signal: controller.signal,
+    });
+    if (!response.ok) {
+      const message = await errorText(response);
+      state.history.pop();  // not answered: the text goes back to the box to send again
+      userView.root.remove();
+      view.root.remove();
+      $("prompt").value = text;
+      showError(message, response.status);
+      return;
+    }
+    await readEvents(response, (event) => {
+      if (event.error) throw new Error(event.error.message || "the server reported an error");
+      const choice = (event.choices || [])[0];
+      if (!choice) return;
+      const delta = choice.delta || {};
+      if (delta.reasoning_content) reasoning += delta.reasoning_content;
+      if (delta.content) content += delta.content;
+      if (choice.finish_reason) finishReason = choice.finish_reason;
+      schedule();
+    });
+    renderFinal();
+    finish(view, "done", finishReason === "length" ? "stopped at the token limit" : "");
+  } catch (error) {
+    renderFinal();
+    if (error.name === "AbortError") {
+      finish(view, "stopped", "stopped");
+    } else {
+      finish(view, "failed", `failed: ${error.message}`);
+      showError(error.message);
+    }
+  } finally {
+    if (view.root.isConnected && (content || reasoning)) {
+      state.history.push({ role: "assistant", content });
+    } else if (view.root.isConnected) {
+      state.history.pop();  // nothing came back: the question is not part of the conversation
+    }
+    state.controller = null;
+    setBusy(false);
+  }
+}
+
+function newChat() {
+  if (state.controller) state.controller.abort();
+  state.history = [];
+  $("messages").replaceChildren();
+  clearError();
+}
+
+function start() {
+  const saved = localStorage.getItem(KEY_STORAGE);
+  if (saved) {
+    $("api-key").value = saved;
+    $("remember-key").checked = true;
+  }
+  $("api-key").addEventListener("change", () => { saveKeyChoice(); loadModel(); });
+  $("remember-key").addEventListener("change", saveKeyChoice);
+  $("toggle-settings").addEventListener("click", () => showSettings($("settings").hidden));
+  $("new-chat").addEventListener("click", newChat);
+  $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
+  $("composer").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = $("prompt").value.trim();
+    if (!text || state.controller) return;
+    $("prompt").value = "";
+    send(text);
+  });
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+  loadModel();
+}
+
+document.addEventListener("DOMContentLoaded", start);

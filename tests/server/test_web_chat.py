@@ -1,0 +1,315 @@
+"""The web chat page at ``/`` (pluginfer/server/web/), driven in headless Chromium by playwright.
+
+A real server over a tiny random llama answers: the test types a prompt, reads the streamed answer, stops a
+long one, signs in with an API key, and reads a reasoning model's answer folded away. The markdown renderer
+is checked in the page on hostile text, and through the page on a canned stream.
+
+The browser: $PLUGINFER_CHROMIUM, else Debian's ``chromium`` on PATH, else playwright's own (``playwright
+install chromium``). Without any the tests skip, which tests/native_usage.py turns into a failure under CI
+(.ci/run installs Debian's chromium).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from pluginfer.core.async_engine import AsyncEngine
+from pluginfer.server.launch import BackgroundServer
+from tests.checkpoints import save_hf_model
+from tests.conftest import TINY_LLAMA
+from tests.native_usage import NO_BROWSER  # a skip the conftest fails under CI
+from tests.server.conftest import API_KEY, MODEL_NAME, http, server_config, start_engine, wait_until_idle
+
+sync_api = pytest.importorskip("playwright.sync_api")
+
+MAX_TOKENS = 3000  # the stop test's answer: long enough to be stopped half way
+
+
+def chromium_executable(playwright: object) -> str | None:
+    """A Chromium to drive: $PLUGINFER_CHROMIUM, Debian's, or the one ``playwright install`` fetched."""
+    named = os.environ.get("PLUGINFER_CHROMIUM")
+    if named:
+        return named
+    for name in ("chromium", "chromium-browser"):
+        if shutil.which(name):
+            return shutil.which(name)
+    own = playwright.chromium.executable_path
+    return own if own and Path(own).is_file() else None
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with sync_api.sync_playwright() as playwright:
+        executable = chromium_executable(playwright)
+        if executable is None:
+            pytest.skip(f"{NO_BROWSER}: install Debian's chromium (apt-get install chromium) or run "
+                        f"`playwright install chromium`, or set PLUGINFER_CHROMIUM")
+        browser = playwright.chromium.launch(executable_path=executable, headless=True)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def endless_llama(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """The tiny llama with a 4096-token context whose LM head never picks a special token (EOS included):
+    their rows are zero (logit 0) and the others' are scaled up, so every answer runs to max_tokens."""
+    out = tmp_path_factory.mktemp("endless_llama")
+    save_hf_model("LlamaForCausalLM", {**TINY_LLAMA, "max_position_embeddings": 4096}, out, tiny_tokenizer_dir)
+    from transformers import AutoTokenizer
+
+    special = AutoTokenizer.from_pretrained(str(out)).all_special_ids
+    weights = load_file(out / "model.safetensors")
+    head = weights["lm_head.weight"] * 40
+    head[special] = 0
+    weights["lm_head.weight"] = head.contiguous()
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(endless_llama: Path) -> Iterator[AsyncEngine]:
+    engine = start_engine(server_config(endless_llama, **{"cache.num_blocks": 1024}))
+    yield engine
+    engine.shutdown()
+
+
+def serve(engine: AsyncEngine, endless_llama: Path, **overrides: object) -> BackgroundServer:
+    return BackgroundServer(engine, server_config(endless_llama, **{"cache.num_blocks": 1024, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def open_server(engine: AsyncEngine, endless_llama: Path) -> Iterator[BackgroundServer]:
+    server = serve(engine, endless_llama)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def page(browser: object, engine: AsyncEngine) -> Iterator[object]:
+    context = browser.new_context(viewport={"width": 1100, "height": 760})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+    page.errors = errors
+    yield page
+    context.close()
+    wait_until_idle(engine)
+
+
+def assistant_messages(page: object) -> object:
+    return page.locator(".message.assistant")
+
+
+def send(page: object, text: str) -> None:
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+
+
+def finished(page: object, index: int = 0, state: str = "done") -> object:
+    message = assistant_messages(page).nth(index)
+    sync_api.expect(message).to_have_attribute("data-state", state, timeout=30_000)
+    return message
+
+
+# -- The page and its files ---------------------------------------------------------------------------------------
+
+
+def test_page_and_files_are_served_with_a_strict_content_security_policy(open_server: BackgroundServer) -> None:
+    status, headers, body = http(open_server, "GET", "/")
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert "default-src 'none'" in headers["Content-Security-Policy"]
+    assert "connect-src 'self'" in headers["Content-Security-Policy"]
+    html = body.decode()
+    assert "<title>pluginfer chat</title>" in html
+    for name in ("chat.js", "markdown.js", "chat.css"):
+        assert f'"static/{name}"' in html
+        status, headers, body = http(open_server, "GET", f"/static/{name}")
+        assert status == 200 and body, name
+    # Nothing is fetched from outside the server: no absolute URL in the page or its files.
+    web = Path(__file__).resolve().parents[2] / "pluginfer" / "server" / "web"
+    for path in web.iterdir():
+        assert not re.search(r"(src|href)=\"(https?:)?//", path.read_text()), path.name
+        assert not re.search(r"fetch\(\s*[\"'`]https?:", path.read_text()), path.name
+    assert http(open_server, "GET", "/static/nothing.js")[0] == 404
+    assert http(open_server, "GET", "/static/../app.py")[0] in (403, 404)
+
+
+def test_a_typed_prompt_streams_an_answer(page: object, open_server: BackgroundServer) -> None:
+    page.goto(open_server.url + "/")
+    sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+    page.click("#toggle-settings")
+    page.fill("#system-prompt", "You are terse.")
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "12")
+    with page.expect_response("**/v1/chat/completions") as response_info:
+        send(page, "Hello, who are you?")
+    request = json.loads(response_info.value.request.post_data)
+    assert request["stream"] is True and request["model"] == MODEL_NAME
+    assert request["temperature"] == 0 and request["max_tokens"] == 12 and "top_p" not in request
+    assert request["messages"] == [{"role": "system", "content": "You are terse."},
+                                   {"role": "user", "content": "Hello, who are you?"}]
+    message = finished(page)
+    assert page.locator(".message.user .content").inner_text() == "Hello, who are you?"
+    answer = message.locator(".content").inner_text().strip()
+    assert answer, "the streamed answer is empty"
+    assert "token limit" in message.locator(".status").inner_text()  # 12 tokens, never EOS
+
+    # The same answer as the API gives for the same request (greedy): the page showed what was streamed.
+    status, _, body = http(open_server, "POST", "/v1/chat/completions", body={**request, "stream": False})
+    expected = json.loads(body)["choices"][0]["message"]["content"]
+    assert status == 200 and " ".join(answer.split()) == " ".join(expected.split())
+
+    # A second turn carries the first answer in its history.
+    with page.expect_response("**/v1/chat/completions") as response_info:
+        send(page, "And then?")
+    history = json.loads(response_info.value.request.post_data)["messages"]
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "user"]
+    assert " ".join(history[2]["content"].split()) == " ".join(expected.split())
+    finished(page, 1)
+    assert not page.errors, page.errors
+
+
+def test_stop_aborts_the_stream_and_the_request(page: object, open_server: BackgroundServer,
+                                               engine: AsyncEngine) -> None:
+    page.goto(open_server.url + "/")
+    page.click("#toggle-settings")
+    page.fill("#max-tokens", str(MAX_TOKENS))
+    send(page, "Tell me a long story.")
+    message = assistant_messages(page).first
+    sync_api.expect(page.locator("#stop")).to_be_enabled()
+    sync_api.expect(message.locator(".content")).not_to_be_empty(timeout=30_000)
+    page.click("#stop")
+    finished(page, state="stopped")
+    assert message.locator(".status").inner_text() == "stopped"
+    sync_api.expect(page.locator("#stop")).to_be_disabled()
+    sync_api.expect(page.locator("#send")).to_be_enabled()
+    wait_until_idle(engine)  # the server aborted the request: no sequence left, every KV block free
+    shown = message.locator(".content").inner_text()
+    page.wait_for_timeout(300)
+    assert message.locator(".content").inner_text() == shown  # nothing arrives after the stop
+    _, _, metrics = http(open_server, "GET", "/metrics")
+    generated = re.search(r"^pluginfer_generation_tokens_total (\S+)$", metrics.decode(), re.M)
+    assert float(generated.group(1)) < MAX_TOKENS  # it did not run to its end
+    assert re.search(r'pluginfer_requests_total\{route="/v1/chat/completions",status="499"\} [1-9]',
+                     metrics.decode()), "the server did not see the client leave"
+    assert not page.errors, page.errors
+
+
+def test_api_key_is_asked_for_and_remembered_only_on_request(page: object, engine: AsyncEngine,
+                                                            endless_llama: Path) -> None:
+    server = serve(engine, endless_llama, **{"server.api_keys": [API_KEY]})
+    try:
+        page.goto(server.url + "/")  # the page itself needs no key
+        error = page.locator("#error")
+        sync_api.expect(error).to_contain_text("401: missing or invalid API key")
+        sync_api.expect(page.locator("#api-key-box")).to_have_class(re.compile(r"\bneeded\b"))
+        sync_api.expect(page.locator("#settings")).to_be_visible()
+
+        send(page, "Hello")
+        sync_api.expect(error).to_contain_text("401")
+        sync_api.expect(page.locator("#prompt")).to_have_value("Hello")  # given back to send again
+        assert assistant_messages(page).count() == 0
+
+        page.fill("#api-key", "sk-wrong")
+        page.press("#api-key", "Tab")  # a change event: the page tries the key
+        sync_api.expect(error).to_contain_text("401")
+        page.fill("#api-key", API_KEY)
+        page.press("#api-key", "Tab")
+        sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+        sync_api.expect(error).to_be_hidden()
+        assert page.evaluate("localStorage.getItem('pluginfer.apiKey')") is None  # not asked to remember
+        page.fill("#max-tokens", "8")
+        send(page, "Hello")
+        finished(page)
+        assert assistant_messages(page).first.locator(".content").inner_text().strip()
+
+        page.check("#remember-key")
+        assert page.evaluate("localStorage.getItem('pluginfer.apiKey')") == API_KEY
+        page.reload()
+        sync_api.expect(page.locator("#api-key")).to_have_value(API_KEY)
+        sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+        page.click("#toggle-settings")
+        page.uncheck("#remember-key")
+        assert page.evaluate("localStorage.getItem('pluginfer.apiKey')") is None
+    finally:
+        server.stop()
+
+
+def test_reasoning_is_shown_collapsed(page: object, engine: AsyncEngine, endless_llama: Path) -> None:
+    """deepseek_r1's parser: with no </think>, the whole answer is reasoning_content."""
+    server = serve(engine, endless_llama, **{"server.reasoning_parser": "deepseek_r1"})
+    try:
+        page.goto(server.url + "/")
+        page.click("#toggle-settings")
+        page.fill("#max-tokens", "10")
+        send(page, "Think about it.")
+        message = finished(page)
+        details = message.locator("details.reasoning")
+        sync_api.expect(details).to_be_visible()
+        assert details.get_attribute("open") is None  # collapsed
+        sync_api.expect(message.locator(".reasoning-text")).to_be_hidden()
+        assert re.fullmatch(r"Reasoning \(\d+ characters\)", details.locator("summary").inner_text())
+        details.locator("summary").click()
+        sync_api.expect(message.locator(".reasoning-text")).to_be_visible()
+        assert message.locator(".reasoning-text").inner_text().strip()
+    finally:
+        server.stop()
+
+
+# -- Markdown ------------------------------------------------------------------------------------------------------
+
+HOSTILE = ("**bold** and *italic* and `<b>code</b>`\n"
+           "<img src=x onerror=\"window.owned=1\"> <script>window.owned=2</script>\n"
+           "[good](https://example.org/?a=1&b=2) [bad](javascript:window.owned=3) [data](data:text/html,x)\n"
+           "- one\n- **two**\n\n1. first\n2. second\n\n"
+           "```python\nprint(\"<script>\")\n```")
+
+
+def test_markdown_is_rendered_from_escaped_text(page: object, open_server: BackgroundServer) -> None:
+    page.goto(open_server.url + "/")
+    html = page.evaluate("text => renderMarkdown(text)", HOSTILE)
+    assert "<strong>bold</strong>" in html and "<em>italic</em>" in html
+    assert "<code>&lt;b&gt;code&lt;/b&gt;</code>" in html
+    assert "&lt;img src=x onerror=&quot;window.owned=1&quot;&gt;" in html and "<img" not in html
+    assert "&lt;script&gt;" in html and "<script" not in html
+    assert '<a href="https://example.org/?a=1&amp;b=2" target="_blank" rel="noopener noreferrer">good</a>' in html
+    assert "javascript:" not in re.sub(r"\[bad\]\(javascript:[^)]*\)", "", html)  # left as text, not a link
+    assert html.count("<a ") == 1
+    assert "<ul><li>one</li><li><strong>two</strong></li></ul>" in html
+    assert "<ol><li>first</li><li>second</li></ol>" in html
+    assert '<pre><code class="language-python">print(&quot;&lt;script&gt;&quot;)</code></pre>' in html
+    assert page.evaluate("renderMarkdown('```\\nstill streaming <x>')") == "<pre><code>still streaming &lt;x&gt;</code></pre>"
+
+
+def test_markdown_of_a_streamed_answer_through_the_page(page: object, open_server: BackgroundServer) -> None:
+    """A canned stream in the server's shape (the tiny model writes no markdown): the page parses the events,
+    folds the reasoning away, renders the content's markdown and runs none of its HTML."""
+    pieces = [{"role": "assistant", "content": ""}, {"reasoning_content": "Let me think <b>hard</b>."},
+              *({"content": piece} for piece in re.findall(r".{1,7}", HOSTILE, re.S))]
+    events = [{"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL_NAME,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": None}]} for delta in pieces]
+    events[-1]["choices"][0]["finish_reason"] = "stop"
+    body = "".join(f"data: {json.dumps(event)}\n\n" for event in events) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    page.goto(open_server.url + "/")
+    send(page, "Show me markdown")
+    message = finished(page)
+    content = message.locator(".content")
+    sync_api.expect(content.locator("strong").first).to_have_text("bold")
+    sync_api.expect(content.locator("pre code")).to_have_text('print("<script>")')
+    assert content.locator("img, script").count() == 0
+    assert content.locator("a").count() == 1 and content.locator("a").get_attribute("href").startswith("https://")
+    assert "<img src=x" in content.inner_text()
+    assert message.locator(".reasoning-text").text_content() == "Let me think <b>hard</b>."
+    assert message.locator(".reasoning-text b").count() == 0
+    assert page.evaluate("window.owned") is None
