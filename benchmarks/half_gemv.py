@@ -30,6 +30,9 @@ from pluginfer.backends import native
 SHAPES = ["2048x1024", "1024x1024", "5632x1024", "1024x2816", "32000x1024"]
 
 
+CLOCK = time.perf_counter
+
+
 def interleaved_medians(cases: dict, runs: int) -> dict[str, float]:
     """Median seconds of each case, the cases timed in turn within every run (drift hits them alike)."""
     samples: dict[str, list[float]] = {name: [] for name in cases}
@@ -37,9 +40,9 @@ def interleaved_medians(cases: dict, runs: int) -> dict[str, float]:
         fn()
     for _ in range(runs):
         for name, fn in cases.items():
-            start = time.perf_counter()
+            start = CLOCK()
             fn()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(CLOCK() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -59,20 +62,27 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
     parser.add_argument("--no-f32", action="store_true", help="skip the float32 panel weights")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread, timed by its CPU time (time.thread_time): on a shared machine, immune to "
+                             "other processes' time slices (not to their memory traffic); GB/s are per core")
     args = parser.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time
+        torch.set_num_threads(1)
     if native.available() is not None or native.half_linear_isa() is None:
         print(f"no native 16-bit GEMV here: {native.available() or 'this CPU lacks AVX2 + F16C'}")
         return 1
     panels = native.op("panel_linear") is not None and not args.no_f32
     bandwidth = read_bandwidth(args.bandwidth_bytes, args.runs)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, native GEMV {native.half_linear_isa()}; "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{' (CPU time)' if args.cpu_time else ''}, native GEMV {native.half_linear_isa()}; "
           f"read bandwidth (sum of {args.bandwidth_bytes / 2**20:.0f} MiB) {bandwidth:.1f} GB/s; "
           f"ms per linear, medians of {args.runs}, interleaved")
     print(f"{'shape':>10} {'dtype':>8} {'rows':>5} {'native':>8} {'torch':>8} {'torch_t':>8} {'f32':>8}  "
           f"{'torch/nat':>9} {'tor_t/nat':>9} {'f32/nat':>8}  {'GB/s':>6} {'% read':>6}")
     generator = torch.Generator().manual_seed(0)
     saved = native.HALF_LINEAR_MAX_ROWS
-    native.HALF_LINEAR_MAX_ROWS = max(args.rows)  # time the kernel at every row count asked for
+    native.HALF_LINEAR_MAX_ROWS = {dtype: max(args.rows) for dtype in saved}  # the kernel at every row count asked
     try:
         for shape in args.shapes:
             out_features, in_features = map(int, shape.split("x"))

@@ -8,7 +8,11 @@ kernel reads (docs/performance.md has the measurements: 0.5B-shaped llama, float
   GEMV at one, ~0.9x oneDNN at prefill sizes.
 - ``onednn``: oneDNN's prepacked layout (``backends/onednn.py``) where that kernel is unavailable and
   the engine batches several sequences (~1.3x MKL at 16 rows, ~10% slower at one).
-- ``transposed``: ``[in, out]``, which MKL's GEMV reads fastest, otherwise (and for half precision).
+- ``half``: bfloat16/float16 weights keep ``[out, in]`` for the native 16-bit GEMV
+  (``backends/csrc/half_linear.c``, AVX512-BF16 / AVX-512 / AVX2 + F16C) up to
+  ``native.HALF_LINEAR_MAX_ROWS`` rows, and for ``F.linear`` (torch's GEMM) above.
+- ``transposed``: ``[in, out]``, which MKL's GEMV reads fastest, otherwise (and for half precision
+  where the 16-bit GEMV is unavailable).
 - ``checkpoint``: weights off the CPU (a composing backend's device) keep ``[out, in]`` for ``F.linear``.
 
 Every layout replaces the checkpoint's: the weight is held once. Layers reach these through the
@@ -33,6 +37,10 @@ class CpuDenseLayouts:
     def _panels(self) -> bool:
         return bool(self.backend.native_kernels) and native.op("panel_linear") is not None
 
+    def _half_linear(self) -> bool:
+        """Whether 16-bit weights take the native GEMV (says which path once, when first asked)."""
+        return bool(self.backend.native_kernels) and native.op("half_linear") is not None
+
     def dense_layout(self, weight: torch.Tensor, batched: bool, packed_only: bool) -> str:
         if weight.device.type != "cpu":
             return "checkpoint"
@@ -41,6 +49,8 @@ class CpuDenseLayouts:
                 return "panels"
             if onednn.worth_packing(weight, batched):
                 return "onednn"
+        if weight.dtype in native.HALF_LINEAR_DTYPES and not packed_only and self._half_linear():
+            return "half"
         return "checkpoint" if packed_only else "transposed"
 
     def dense_pack(self, weight: torch.Tensor, layout: str) -> torch.Tensor:
@@ -50,6 +60,8 @@ class CpuDenseLayouts:
             return onednn.pack(weight)
         if layout == "transposed":
             return weight.t().contiguous()
+        if layout == "half":
+            return weight.contiguous()
         if layout == "checkpoint":
             return weight
         raise ValueError(f"cpu backend: no dense layout named {layout!r}")
@@ -60,6 +72,9 @@ class CpuDenseLayouts:
             return native.panel_linear(x, weight, out_features, bias)
         if layout == "onednn":
             return onednn.linear(x, weight, bias)
+        if layout == "half":
+            out = native.half_linear(x, weight, bias)
+            return F.linear(x, weight, bias) if out is None else out
         if layout == "checkpoint":
             return F.linear(x, weight, bias)
         if bias is None:

@@ -324,10 +324,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
     """float32 decode attention over the paged cache; query ``[seqs, heads, dim]``."""
-    query = query.to(torch.float32).contiguous()
-    block_tables = block_tables.to(torch.int64).contiguous()
-    seq_lens = seq_lens.to(torch.int64).contiguous()
-    if not _fits(key_cache, value_cache):
+    query, block_tables, seq_lens = _as(query, torch.float32), _as(block_tables, torch.int64), _as(seq_lens, torch.int64)
+    if not (_fits(key_cache) and _fits(value_cache)):
         raise ValueError("paged_decode_attention needs contiguous float32 key and value caches")
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, v_dim = value_cache.shape
@@ -343,13 +341,24 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
 
 def _fits(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    """Every tensor float32 and contiguous (a plain loop: these checks run several times per layer and step)."""
+    for tensor in tensors:
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            return False
+    return True
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype`` and contiguous, the tensor itself when it is already (no call otherwise)."""
+    if tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
              offset: float) -> torch.Tensor | None:
     """Fused (residual add +) RMSNorm; updates ``residual`` in place. None: use the torch path."""
-    if not _fits(x, weight) or (residual is not None and not _fits(residual)):
+    if not (_fits(x) and _fits(weight)) or (residual is not None and not _fits(residual)):
         return None
     out = torch.empty_like(x)
     load().rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
@@ -370,7 +379,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
 def rotary_neox(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary_dim: int) -> bool:
     """Rotate q ``[tokens, heads, dim]`` and k in place (rows may be strided). False: use the torch path."""
-    if not (query.dtype == key.dtype == torch.float32 and _fits(cos, sin)
+    if not (query.dtype == key.dtype == torch.float32 and _fits(cos) and _fits(sin)
             and query.stride()[1:] == (query.shape[2], 1) and key.stride()[1:] == (key.shape[2], 1)):
         return False
     load().rotary_neox(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.shape[0],
@@ -505,13 +514,18 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
     integers. The result has ``x``'s dtype (float16/bfloat16 ``x`` is converted to float32 and back).
     None: a type, dtype, device or layout it does not handle; use the dequantizing path."""
     qtype = int(qtype)
+    # (is_cpu, not device.type: this runs for every linear of every decode step, where each check shows)
     if (qtype not in QUANT_MATMUL_TYPES or raw.dtype != torch.uint8 or raw.dim() != 2 or not raw.is_contiguous()
-            or raw.device.type != "cpu" or x.device.type != "cpu" or not x.dtype.is_floating_point
-            or x.shape[-1] != cols):
+            or not raw.is_cpu or not x.is_cpu or not x.dtype.is_floating_point or x.shape[-1] != cols):
         return None
-    rows = x.numel() // cols if cols else 0
-    flat = x.reshape(rows, cols).to(torch.float32).contiguous()
-    out = torch.empty(*x.shape[:-1], raw.shape[0], dtype=torch.float32)
+    if x.dim() == 2:  # the engine's flat [tokens, features]
+        rows = x.shape[0]
+        flat = _as(x, torch.float32)
+        out = torch.empty((rows, raw.shape[0]), dtype=torch.float32)
+    else:
+        rows = x.numel() // cols if cols else 0
+        flat = _as(x.reshape(rows, cols), torch.float32)
+        out = torch.empty(*x.shape[:-1], raw.shape[0], dtype=torch.float32)
     status = load().quant_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1],
                                  out.data_ptr())
     if status == -3:
@@ -595,10 +609,11 @@ def quant_matmul_op() -> Callable | None:
 # What half_linear_supported() returns in C: the instruction set of the 16-bit GEMV.
 HALF_LINEAR_ISAS = {1: "AVX512-BF16", 2: "AVX-512", 3: "AVX2 + F16C"}
 HALF_LINEAR_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-# Rows above which half_linear hands the matmul back to torch (prefill): its tiles reread the weight
-# once per 48 rows, torch's GEMM (oneDNN, AMX where the CPU has it) is faster from there
-# (docs/performance.md, benchmarks/half_gemv.py).
-HALF_LINEAR_MAX_ROWS = 64
+# Rows above which half_linear hands the matmul back to torch's GEMM: measured on this project's
+# machine (docs/performance.md, benchmarks/half_gemv.py --cpu-time), the kernel reads a bfloat16 weight
+# 1.2-1.4x faster than torch at one row, and from 4 rows torch's oneDNN GEMM (AMX here; ties without
+# it) is as fast or faster; float16, where torch has no such GEMM, crosses over past 8 rows.
+HALF_LINEAR_MAX_ROWS = {torch.bfloat16: 3, torch.float16: 8}
 
 
 def half_linear_isa() -> str | None:
@@ -612,7 +627,8 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``x @ W^T + bias`` for a bfloat16/float16 CPU weight ``[out, in]`` (the checkpoint's layout) and
     ``x [..., in]`` of its dtype (``csrc/half_linear.c``): products exact in float32, summed in float32,
     rounded once to ``x``'s dtype (``out_dtype=torch.float32``: not rounded). None: more rows than
-    :data:`HALF_LINEAR_MAX_ROWS`, or dtypes, devices or layouts it does not handle; use ``F.linear``."""
+    :data:`HALF_LINEAR_MAX_ROWS` gives for the dtype, or dtypes, devices or layouts it does not handle;
+    use ``F.linear``."""
     dtype = weight.dtype
     if (dtype not in HALF_LINEAR_DTYPES or x.dtype != dtype or weight.dim() != 2 or x.dim() == 0
             or weight.device.type != "cpu" or x.device.type != "cpu" or not weight.is_contiguous()
@@ -621,7 +637,7 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                       or bias.device.type != "cpu"))):
         return None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows > HALF_LINEAR_MAX_ROWS or rows == 0 or weight.shape[1] == 0:
+    if rows > HALF_LINEAR_MAX_ROWS[dtype] or rows == 0 or weight.shape[1] == 0:
         return None
     flat = x.reshape(rows, x.shape[-1]).contiguous()
     out_float = out_dtype == torch.float32
@@ -645,8 +661,9 @@ def half_linear_op() -> Callable | None:
         _log_once(logging.WARNING, "16-bit linears: no bfloat16/float16 GEMV for this CPU (it needs AVX2 + F16C); "
                                    "torch's matmul")
         return None
-    _log_once(logging.INFO, f"16-bit linears: native bfloat16/float16 GEMV ({isa}) up to "
-                            f"{HALF_LINEAR_MAX_ROWS} rows, torch's matmul above")
+    limits = HALF_LINEAR_MAX_ROWS
+    _log_once(logging.INFO, f"16-bit linears: native GEMV ({isa}) up to {limits[torch.bfloat16]} rows of bfloat16 "
+                            f"and {limits[torch.float16]} of float16, torch's matmul above")
     return half_linear
 
 

@@ -57,6 +57,12 @@ def inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, s
     return x, weight, bias
 
 
+@pytest.fixture(autouse=True)
+def any_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel at every row count here (the engine hands rows past the crossover to torch's GEMM)."""
+    monkeypatch.setattr(native, "HALF_LINEAR_MAX_ROWS", dict.fromkeys(DTYPES, 64))
+
+
 @pytest.fixture
 def threads() -> object:
     previous = torch.get_num_threads()
@@ -98,7 +104,7 @@ def test_leading_dimensions_and_the_lm_head_shape(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_rows_result_does_not_depend_on_its_batch(dtype: torch.dtype, threads) -> None:
     """Every row count up to the crossover (tiles of 1, 2 and 3 rows, blocks of 48), shuffled, 1 and 2 threads."""
-    rows = native.HALF_LINEAR_MAX_ROWS
+    rows = 64
     x, weight, bias = inputs(rows, 77, 1000, dtype, 5, True)
     for count in (1, 2):
         threads(count)
@@ -128,27 +134,30 @@ def test_nan_and_infinity_propagate_as_in_ieee_arithmetic(dtype: torch.dtype) ->
     torch.testing.assert_close(out[0], native.half_linear(x[:1], weight, bias)[0], rtol=0, atol=0, equal_nan=True)
 
 
-def test_inputs_it_does_not_take_go_back_to_torch() -> None:
+def test_inputs_it_does_not_take_go_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()  # the crossover as shipped
     x, weight, bias = inputs(4, 16, 32, torch.bfloat16, 0, True)
     assert native.half_linear(x.float(), weight, bias) is None  # dtypes differ
     assert native.half_linear(x, weight.float(), None) is None  # a float32 weight: the panel kernel's
     assert native.half_linear(x.half(), weight.half(), bias) is None  # bias of another dtype
     assert native.half_linear(x, weight.t().contiguous().t(), bias) is None  # not [out, in] contiguous
     assert native.half_linear(x[:, :16], weight, bias) is None  # feature counts differ
-    many = torch.zeros(native.HALF_LINEAR_MAX_ROWS + 1, 32, dtype=torch.bfloat16)
-    assert native.half_linear(many, weight, bias) is None  # prefill: torch's GEMM
-    assert native.half_linear(many[:native.HALF_LINEAR_MAX_ROWS], weight, bias) is not None
+    limit = native.HALF_LINEAR_MAX_ROWS[torch.bfloat16]
+    many = torch.zeros(limit + 1, 32, dtype=torch.bfloat16)
+    assert native.half_linear(many, weight, bias) is None  # past the crossover: torch's GEMM
+    assert native.half_linear(many[:limit], weight, bias) is not None
     assert native.half_linear(x[:0], weight, bias) is None
 
 
 def test_op_and_the_log_line_saying_which_path(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.undo()  # the crossover as shipped
     monkeypatch.setattr(native, "_logged", set())
     caplog.set_level(logging.INFO, logger=native.__name__)
     assert native.op("half_linear") is native.half_linear
     native.op("half_linear")
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("INFO", f"16-bit linears: native bfloat16/float16 GEMV ({native.half_linear_isa()}) up to "
-                 f"{native.HALF_LINEAR_MAX_ROWS} rows, torch's matmul above")]
+        ("INFO", f"16-bit linears: native GEMV ({native.half_linear_isa()}) up to 3 rows of bfloat16 and 8 of "
+                 "float16, torch's matmul above")]
     caplog.clear()
     monkeypatch.setattr(native, "half_linear_isa", lambda: None)  # a CPU without AVX2 + F16C
     assert native.op("half_linear") is None and native.op("half_linear") is None

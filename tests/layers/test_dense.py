@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import onednn
+from pluginfer.backends import native, onednn
 from pluginfer.layers import dense
 from tests.layers.conftest import PANELS_AVAILABLE, backend_with
 
@@ -33,13 +33,28 @@ def test_layout_choice_and_result(native_kernels: bool, batched: bool, expected:
                                        atol=1e-5, rtol=1e-5)
 
 
-def test_half_precision_is_never_packed() -> None:
-    weight = torch.randn(32, 16).bfloat16()
+HALF_AVAILABLE = native.available() is None and native.op("half_linear") is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_keeps_out_in_for_the_native_gemv_and_is_never_packed(dtype: torch.dtype) -> None:
+    """The native 16-bit GEMV reads the checkpoint's [out, in] (``half``) up to its row limit, F.linear the
+    same tensor above it; without the native kernels the weight is transposed for MKL as before."""
+    weight, bias = torch.randn(32, 16).to(dtype), torch.randn(32).to(dtype)
     for native_kernels in (True, False):
         matmul = dense.DenseMatmul(backend_with(native_kernels), True)
         layout, placed = matmul.relayout(weight)
-        assert layout == "transposed" and placed.shape == (16, 32)
         assert matmul.packed_layout(weight) is None
+        if native_kernels and HALF_AVAILABLE:
+            assert layout == "half" and torch.equal(placed, weight)
+            limit = native.HALF_LINEAR_MAX_ROWS[dtype]
+            for rows in (1, limit):
+                x = torch.randn(rows, 16).to(dtype)
+                assert torch.equal(matmul.linear(layout, x, placed, bias, 32), native.half_linear(x, weight, bias))
+            x = torch.randn(limit + 1, 16).to(dtype)
+            assert torch.equal(matmul.linear(layout, x, placed, bias, 32), F.linear(x, weight, bias))
+        else:
+            assert layout == "transposed" and placed.shape == (16, 32)
 
 
 def test_without_backend_dense_ops_the_checkpoint_layout_stays() -> None:
