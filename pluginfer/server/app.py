@@ -135,6 +135,8 @@ async def health(request: web.Request) -> web.Response:
         error = state.async_engine.error
         why = f": {type(error).__name__}: {error}" if error else ""
         raise APIError(503, f"the engine loop is not running{why}", code="engine_unavailable")
+    if state.draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
     return web.Response(status=200)
 
 

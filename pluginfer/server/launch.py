@@ -47,18 +47,44 @@ async def _serve(async_engine: AsyncEngine, config: EngineConfig) -> int:
     app = build_app(async_engine, config)
     runner, site, port = await start_site(app, config.server.host, config.server.port)
     stop = asyncio.Event()
+    terminated: list[int] = []  # SIGTERM (an orchestrator's stop) drains; SIGINT (Ctrl-C) stops at once
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, lambda: (terminated.append(signal.SIGTERM), stop.set()))
     print(f"pluginfer: serving {config.server.served_model_name or config.model} "
           f"on http://{config.server.host}:{port}", flush=True)
     watcher = asyncio.create_task(_watch_engine(async_engine, stop))
     await stop.wait()
     died = watcher.done() and watcher.result()
     watcher.cancel()
+    if terminated and not died and config.server.shutdown_timeout > 0:
+        await _drain(app, async_engine, config.server.shutdown_timeout)
     print("pluginfer: shutting down", file=sys.stderr, flush=True)
     await stop_site(runner, site, async_engine)
     return 1 if died else 0
+
+
+async def _drain(app: web.Application, async_engine: AsyncEngine | EngineClient, timeout: float) -> None:
+    """Let the requests in flight finish, for at most ``timeout`` seconds or until a second signal; meanwhile
+    new generation requests and /health get a 503 (a load balancer stops sending work here)."""
+    from pluginfer.server.state import STATE
+
+    app[STATE].draining = True
+    loop = asyncio.get_running_loop()
+    force = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, force.set)
+    print(f"pluginfer: draining {async_engine.num_requests} request(s) in flight for at most {timeout:g} s "
+          "(a second signal stops at once)", file=sys.stderr, flush=True)
+    deadline = loop.time() + timeout
+    while async_engine.num_requests and async_engine.is_alive and not force.is_set() and loop.time() < deadline:
+        try:
+            await asyncio.wait_for(force.wait(), 0.05)
+        except TimeoutError:
+            pass
+    if async_engine.num_requests:
+        print(f"pluginfer: {async_engine.num_requests} request(s) still in flight are ended", file=sys.stderr,
+              flush=True)
 
 
 async def _watch_engine(async_engine: AsyncEngine, stop: asyncio.Event, grace_s: float = 1.0) -> bool:

@@ -31,6 +31,7 @@ class ServerState:
     metrics: ServerMetrics
     reasoning_parser: type[ReasoningParser] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # SIGTERM with server.shutdown_timeout: requests in flight finish, new ones get a 503
     pooler: PoolerConfig | None = None  # the checkpoint's pooling, read at the first /v1/embeddings request
 
     @classmethod
@@ -58,6 +59,8 @@ class ServerState:
         """Refuse work the engine cannot take: 503 once its loop died, 429 while too many wait."""
         if not self.async_engine.is_alive:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
         limit = self.config.server.max_waiting
         if self.async_engine.num_waiting >= limit:
             raise APIError(429, f"too many requests waiting ({self.async_engine.num_waiting}, at most {limit}); "
