@@ -95,6 +95,8 @@ class LLMEngine:
     def _add_embedding(self, prompt: str | list[int], params: PoolingParams, request_id: str) -> str:
         """An embedding request: its prompt is prefilled like any other, pooled, and nothing is sampled."""
         self.pooler.check(params)
+        if isinstance(prompt, str):
+            prompt = self.pooler.default_prompt + prompt
         text, token_ids = self._tokenize(prompt)
         seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), arrival_step=self.step_count)
         seq.pooling = PoolingState(self.pooler.method, self.pooler.normalize, params.dimensions)

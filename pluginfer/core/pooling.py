@@ -6,6 +6,8 @@ sentence-transformers files: ``modules.json`` lists the modules (``Transformer``
 A checkpoint without them has no pooling config: asking it for embeddings is an error that says
 what is missing (no silent default). ``dimensions`` (Matryoshka truncation) is allowed only where
 config.json says the model was trained for it (``is_matryoshka`` or ``matryoshka_dimensions``).
+``config_sentence_transformers.json``'s ``default_prompt_name``, where set, names a prompt put before
+every text input (as sentence-transformers' ``encode`` does); token-id inputs are taken as they are.
 
 An embedding request runs through the engine like a prompt that samples nothing: its prefill
 chunks are scheduled and batched with everything else, and each chunk returns the final hidden
@@ -57,6 +59,7 @@ class PoolerConfig:
     matryoshka_dimensions: tuple[int, ...] | None = None  # None: any size up to hidden_size (if matryoshka)
     matryoshka: bool = False
     problem: str | None = None  # why this checkpoint cannot embed (then the fields above are placeholders)
+    default_prompt: str = ""  # config_sentence_transformers.json's default prompt, put before every text input
 
     def check(self, params: PoolingParams) -> None:
         """Raise ValueError naming what is wrong for this model (no pooling config, a bad ``dimensions``)."""
@@ -115,7 +118,27 @@ def read_pooler_config(model_path: Path, hf_config: dict) -> PoolerConfig:
     dimension = pooling.get("embedding_dimension", pooling.get("word_embedding_dimension"))
     if dimension is not None and hidden and int(dimension) != hidden:
         return refuse(f"{pooling_file}: embedding dimension {dimension} is not the model's hidden_size {hidden}")
-    return PoolerConfig(method, kinds[2:] == [_NORMALIZE], hidden, dims, matryoshka)
+    default_prompt, problem = _default_prompt(model_path / "config_sentence_transformers.json")
+    if problem is not None:
+        return refuse(problem)
+    return PoolerConfig(method, kinds[2:] == [_NORMALIZE], hidden, dims, matryoshka, default_prompt=default_prompt)
+
+
+def _default_prompt(path: Path) -> tuple[str, str | None]:
+    """The prompt sentence-transformers puts before every text when no other is named (``default_prompt_name``
+    among ``prompts``; usually none: Qwen3-Embedding's instructions are the caller's to add)."""
+    if not path.is_file():
+        return "", None
+    try:
+        settings = json.loads(path.read_text())
+        name, prompts = settings.get("default_prompt_name"), settings.get("prompts") or {}
+    except (OSError, ValueError, AttributeError) as exc:
+        return "", f"{path}: cannot read it: {exc}"
+    if name is None:
+        return "", None
+    if not isinstance(prompts, dict) or not isinstance(prompts.get(name), str):
+        return "", f"{path}: default_prompt_name {name!r} names no prompt in prompts"
+    return prompts[name], None
 
 
 def _pooling_method(pooling: dict) -> tuple[str, str | None]:

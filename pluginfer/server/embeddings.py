@@ -82,7 +82,9 @@ async def create_embedding(request: web.Request) -> web.Response:
     body = await read_body(request, EmbeddingRequest)
     state.check_model(body.model)
     params = _pooling_params(pooler_of(state), body.dimensions)
-    prompts = [_tokens(state, given, index) for index, given in enumerate(body.input)]
+    prefix = pooler_of(state).default_prompt
+    prompts = [_tokens(state, prefix + given if isinstance(given, str) else given, index)
+               for index, given in enumerate(body.input)]
     request_id = f"embd-{uuid.uuid4().hex}"
     finals: dict[int, RequestOutput] = {}
     async with aclosing(run_requests(state, prompts, params, request_id, "input")) as stream:

@@ -233,3 +233,22 @@ def test_pooling_state_folds_chunks_and_starts_over_on_recompute():
     cls.add(0, hidden[:1])
     cls.add(4, hidden[4:4])
     assert cls.finish() == hidden[0].tolist()
+
+
+def test_default_prompt_of_config_sentence_transformers_is_put_before_text(embedding_checkpoints, tmp_path):
+    """sentence-transformers' encode puts ``prompts[default_prompt_name]`` before each text; so do we
+    (token-id inputs are embedded as given)."""
+    path = _copy(embedding_checkpoints["llama_cls"], tmp_path / "prompted")
+    (path / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: ", "document": ""}, "default_prompt_name": "query"}))
+    reference = st_encode(path, TEXTS)
+    with LLM(str(path), dtype="float32", num_blocks=64, block_size=8) as llm:
+        ours = torch.tensor([o.embedding for o in llm.embed(TEXTS)])
+        prompted_ids = llm.get_tokenizer().encode("query: " + TEXTS[0])
+        by_ids = llm.embed(prompted_ids)[0].embedding
+    torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.tensor(by_ids), reference[0], atol=ATOL, rtol=0)
+    assert not torch.allclose(ours, st_encode(embedding_checkpoints["llama_cls"], TEXTS), atol=1e-3)
+    (path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {}, "default_prompt_name": "x"}))
+    pooler = read_pooler_config(path, json.loads((path / "config.json").read_text()))
+    assert "default_prompt_name 'x' names no prompt in prompts" in pooler.problem
