@@ -4,12 +4,14 @@ What an architecture's metadata and tensors mean is the model plugin's: the spec
 ``gguf_architectures`` holds the file's ``general.architecture`` names a ``gguf_converter`` that turns
 this checkpoint into a ``GGUFModel`` (the ``config.json`` its pipeline accepts, the HF modules whose
 GGUF names gguf-py's name map gives, and any fix-up of tensors). Quantized tensors stay in their raw
-GGML blocks (``GGMLTensor``, memory-mapped from the file) for the ``gguf`` quant method; the tensors
-the model names dense (the embedding table, the LM head) are dequantized at load (docs/quantization.md).
+GGML blocks (``GGMLTensor``, memory-mapped from the file) for the ``gguf`` quant method, the embedding
+table and the LM head included (``layers.embedding`` keeps them quantized); only the tensors a model names
+in ``dense_tensors`` are dequantized at load (docs/quantization.md).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -64,7 +66,7 @@ class GGUFModel:
     hf_config: dict
     hf_modules: tuple[str, ...]
     ignored_tensors: tuple[str, ...] = ()
-    dense_tensors: tuple[str, ...] = ("model.embed_tokens.weight", "lm_head.weight")
+    dense_tensors: tuple[str, ...] = ()
     fix: Callable[[str, Any], Any] | None = field(default=None, repr=False)
 
 
@@ -72,14 +74,17 @@ class GGUFCheckpoint:
     """One ``.gguf`` file: metadata, tensor names, and through its model plugin the HF config and weights."""
 
     def __init__(self, path: str | Path, registry: Any = None) -> None:
-        from gguf import GGUFReader
+        import gguf
 
         from pluginfer.core.registry import UnknownPluginError, get_registry
 
         self.path = Path(path)
         try:
-            self.reader = GGUFReader(self.path, "c")  # copy-on-write map: torch can wrap it without a copy
+            self.reader = gguf.GGUFReader(self.path, "c")  # copy-on-write map: torch wraps it, no copy
         except Exception as exc:
+            problem = malformed_tensor(self.path)
+            if problem is not None:
+                raise ValueError(f"{self.path}: {problem}") from None
             raise ValueError(f"{self.path} is not a readable GGUF file: {type(exc).__name__}: {exc}") from None
         self.arch = str(self.field("general.architecture", ""))
         try:
@@ -166,6 +171,64 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF tensor {tensor.name!r}: {tensor.tensor_type.name} tensor of shape "
                              f"{tuple(shape)}; only 2-D tensors may be block-quantized")
         return GGMLTensor(torch.from_numpy(data).reshape(shape[0], -1), tensor.tensor_type, shape, tensor.name)
+
+
+class MalformedTensorError(ValueError):
+    """A tensor's entry in a GGUF file's header that no data can satisfy (named in the message)."""
+
+
+def check_tensor_info(name: str, dims: list[int], raw_type: int, data_offset: int, file_size: int) -> None:
+    """Refuse a tensor whose type is unknown, whose shape is not whole blocks, or whose data (``data_offset``,
+    absolute) does not lie inside the file: before anything maps it, so no kernel reads past its bytes."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        qtype = GGMLQuantizationType(raw_type)
+    except ValueError:
+        known = ", ".join(t.name for t in GGMLQuantizationType)
+        raise MalformedTensorError(f"GGUF tensor {name!r} has an unknown GGML type {raw_type} (known: {known})") \
+            from None
+    if not dims or any(d <= 0 for d in dims):
+        raise MalformedTensorError(f"GGUF tensor {name!r} has the shape {dims}; every dimension must be positive")
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if dims[0] % block:
+        raise MalformedTensorError(f"GGUF tensor {name!r}: rows of {dims[0]} weights are not whole {qtype.name} "
+                                   f"blocks of {block}")
+    n_bytes = int(np.prod(dims, dtype=object)) // block * type_size
+    if data_offset + n_bytes > file_size:
+        raise MalformedTensorError(
+            f"GGUF tensor {name!r}: its {qtype.name} data of GGML shape {dims} takes {n_bytes} bytes from offset "
+            f"{data_offset}, past the end of the file ({file_size} bytes): the file is truncated or the "
+            "tensor's offset is wrong")
+
+
+def malformed_tensor(path: str | Path) -> str | None:
+    """What is wrong with the first bad tensor entry of a file gguf-py could not read (None: not a tensor).
+
+    gguf-py refuses such files too, but with numpy's reshape error or an enum's, naming no tensor."""
+    try:
+        _checked_reader_class()(path, "r")
+    except MalformedTensorError as exc:
+        return str(exc)
+    except Exception:
+        return None
+    return None
+
+
+@functools.cache
+def _checked_reader_class() -> type:
+    """gguf-py's ``GGUFReader`` that checks each tensor's header entry before it maps the tensor's data."""
+    from gguf.gguf_reader import GGUFReader
+
+    class CheckedGGUFReader(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            for info in fields:
+                _, name, _, dims, raw_type, offset = info.parts
+                check_tensor_info(bytes(name).decode("utf-8", "replace"), [int(d) for d in dims], int(raw_type[0]),
+                                  int(start_offs + int(offset[0])), len(self.data))
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedGGUFReader
 
 
 def read_gguf_config(path: str | Path) -> dict:

@@ -234,6 +234,26 @@ class QuantMethod(Protocol):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` for this format."""
 
+    # Optional (looked up with getattr; a method without it keeps vocabulary tables dense):
+    #   vocab_table(loaded, start, rows, dtype, backend) -> VocabTable
+    # called by ``layers.embedding`` when a checkpoint hands the embedding or the LM head a tensor that
+    # is not a dense ``torch.Tensor`` (a GGUF file's quantized blocks): it keeps rows ``start:start +
+    # rows`` of that ``[vocab, hidden]`` table in the format's own layout (raise ``ValueError`` naming
+    # what it cannot hold).
+
+
+class VocabTable(Protocol):
+    """Rows of a ``[vocab, hidden]`` table held in a quant method's own format (``QuantMethod.vocab_table``):
+    one table serves a tied embedding and LM head."""
+
+    rows: int  # the rows held
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n]`` row indices (``0 <= id < rows``) to ``[n, hidden]`` in the model dtype: those rows only."""
+
+    def logits(self, hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``hidden @ table.T + bias``: ``[..., hidden]`` to ``[..., rows]``."""
+
 
 @runtime_checkable
 class DeviceBackend(Protocol):

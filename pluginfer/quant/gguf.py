@@ -6,8 +6,9 @@ Adjacent shards of one type are concatenated once after loading; the matmul runs
 ``ggml_blocks.ggml_linear`` per group (a tile of rows dequantized at a time) and concatenates the
 outputs. Float shards (F32/F16/BF16 files) are plain dense weights in the model dtype.
 
-The checkpoint side is ``pluginfer.core.gguf_checkpoint`` (it yields ``GGMLTensor``s); the
-embedding and the LM head arrive already dequantized (docs/quantization.md).
+The checkpoint side is ``pluginfer.core.gguf_checkpoint`` (it yields ``GGMLTensor``s). The embedding and
+the LM head stay quantized too: ``vocab_table`` gives ``layers.embedding`` a ``GGMLVocabTable`` of its
+rows (docs/quantization.md).
 
 Tensor parallelism: ``create_weights`` keeps the layer's ``ShardSpec`` as ``layer.shard`` and each
 checkpoint tensor arrives whole. A column-parallel rank keeps its rows of blocks (of each fused
@@ -29,7 +30,14 @@ from torch import nn
 from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context
 from pluginfer.layers.linear import projection_rows
-from pluginfer.quant.ggml_blocks import DEQUANTIZABLE, DequantizeKernel, block_size, ggml_linear, row_bytes
+from pluginfer.quant.ggml_blocks import (
+    DEQUANTIZABLE,
+    DequantizeKernel,
+    block_size,
+    dequantize,
+    ggml_linear,
+    row_bytes,
+)
 from pluginfer.quant.sharding import UNSPLIT, column_split, row_split, split_error
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -110,6 +118,22 @@ class GGUFLinear:
         layer.gguf_shards = {}
         del layer.weight  # the placeholder; the groups hold the weights
 
+    def vocab_table(self, loaded: object, start: int, rows: int, dtype: torch.dtype,
+                    backend: object | None) -> GGMLVocabTable:
+        """Rows ``start:start + rows`` of a quantized embedding or LM head (``QuantMethod.vocab_table``)."""
+        qtype, name = getattr(loaded, "qtype", None), getattr(loaded, "name", "vocabulary table")
+        if qtype is None or qtype not in DEQUANTIZABLE:
+            supported = ", ".join(sorted(t.name for t in DEQUANTIZABLE))
+            raise ValueError(f"{name}: GGML type {getattr(qtype, 'name', qtype)} is not supported "
+                             f"(supported: {supported})")
+        cols = loaded.shape[1]
+        expected = row_bytes(qtype, cols)
+        if tuple(loaded.raw.shape) != (loaded.shape[0], expected):
+            raise ValueError(f"{name}: {qtype.name} blocks of shape {tuple(loaded.raw.shape)}, expected "
+                             f"{(loaded.shape[0], expected)}")
+        kernel = backend_op(backend, "ggml_dequantize") if backend is not None else None
+        return GGMLVocabTable(loaded.raw[start:start + rows], qtype, cols, dtype, kernel)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         groups, kernel = layer.gguf_groups, getattr(layer, "ggml_dequantize", None)
         if len(groups) == 1:
@@ -117,6 +141,29 @@ class GGUFLinear:
         out = torch.cat([_group_linear(x, qtype, weight, layer.input_size, None, kernel) for qtype, weight in groups],
                         dim=-1)
         return out if bias is None else out + bias
+
+
+class GGMLVocabTable:
+    """Rows of a GGUF embedding or LM head kept in their GGML blocks (a view of the file's mapped bytes).
+
+    ``embed`` dequantizes only the rows it gathers; ``logits`` is ``ggml_linear``, the matmul of the other
+    linears (the fused int8-activation kernel for short steps where the backend has it). A tied model
+    passes one table to its embedding and its head."""
+
+    def __init__(self, raw: torch.Tensor, qtype: object, cols: int, dtype: torch.dtype,
+                 kernel: DequantizeKernel | None) -> None:
+        self.raw, self.qtype, self.cols, self.dtype, self.kernel = raw, qtype, cols, dtype, kernel
+        self.rows = raw.shape[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        picked = self.raw.index_select(0, ids.reshape(-1))
+        dense = self.kernel(picked, int(self.qtype), self.cols, None) if self.kernel is not None else None
+        if dense is None:
+            dense = dequantize(picked, self.qtype, self.cols, self.dtype)
+        return dense.to(self.dtype).reshape(*ids.shape, self.cols)
+
+    def logits(self, hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return ggml_linear(hidden, self.raw, self.qtype, self.cols, bias, self.kernel)
 
 
 def _rows(loaded: object, start: int, rows: int) -> object:

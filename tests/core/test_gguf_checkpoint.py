@@ -181,3 +181,44 @@ def test_an_engine_parses_the_file_once_and_times_its_start_up(llama_gguf: Path,
     times = llm.engine.startup_times
     assert set(times) == {"config", "build", "load", "repack", "cache", "tokenizer"}
     assert all(seconds >= 0 for seconds in times.values())
+
+
+def edited_header(source: Path, out: Path, tensor: str, part: int, value: int) -> Path:
+    """A copy of ``source`` with one field of ``tensor``'s header entry overwritten in place (parts: name
+    length, name, dimension count, dimensions, type, offset)."""
+    out.write_bytes(source.read_bytes())
+    reader = gguf.GGUFReader(out, "r+")
+    entry = next(t for t in reader.tensors if t.name == tensor).field
+    entry.parts[part][0] = value
+    reader.data.flush()
+    del reader
+    return out
+
+
+@pytest.mark.parametrize("case", ["truncated", "offset", "type", "blocks"])
+def test_a_malformed_tensor_entry_is_named_before_anything_reads_it(case: str, llama_gguf: Path,
+                                                                    tmp_path: Path) -> None:
+    """A header that no data can satisfy: a ValueError naming the tensor and what is wrong, at load (gguf-py's
+    own reader stops on these with numpy's reshape error, naming nothing); no kernel ever sees the bytes."""
+    last = max(gguf.GGUFReader(llama_gguf).tensors, key=lambda t: t.data_offset)
+    path = tmp_path / f"{case}.gguf"
+    if case == "truncated":
+        path.write_bytes(llama_gguf.read_bytes()[:-100])
+        name, problem = last.name, r"takes \d+ bytes from offset \d+, past the end of the file \(\d+ bytes\)"
+    elif case == "offset":
+        edited_header(llama_gguf, path, "blk.0.attn_q.weight", 5, 1 << 40)
+        name, problem = "blk.0.attn_q.weight", r"Q8_0 data of GGML shape \[64, 64\] takes 4352 bytes from offset"
+    elif case == "type":
+        edited_header(llama_gguf, path, "blk.1.ffn_up.weight", 4, 99)
+        name, problem = "blk.1.ffn_up.weight", "has an unknown GGML type 99 \\(known: F32, F16, Q4_0"
+    else:
+        edited_header(llama_gguf, path, "blk.0.ffn_down.weight", 3, 100)
+        name, problem = "blk.0.ffn_down.weight", "rows of 100 weights are not whole Q8_0 blocks of 32"
+    with pytest.raises(ValueError) as gguf_py:
+        gguf.GGUFReader(path)
+    assert name not in str(gguf_py.value)
+    pattern = rf"{path.name}: GGUF tensor '{name}'.*{problem}"
+    with pytest.raises(ValueError, match=pattern):
+        GGUFCheckpoint(path)
+    with pytest.raises(ValueError, match=pattern):
+        load(path)
