@@ -1,4 +1,5 @@
-"""Rotary position embeddings: default, linear, dynamic (NTK) and llama3 scaling.
+"""Rotary position embeddings: default, linear, dynamic (NTK) and llama3 scaling; per-frequency divisors
+(``rope_scaling.frequency_factors``, a GGUF file's ``rope_freqs``) on top of default, linear or llama3.
 
 Frequencies follow Hugging Face ``modeling_rope_utils`` so logits match transformers.
 cos/sin are looked up once per step and shared by every layer using the same module.
@@ -44,6 +45,16 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def frequency_factors(factors: object, rotary_dim: int) -> torch.Tensor:
+    """``rope_scaling.frequency_factors``: one divisor per frequency, as given (a GGUF file's ``rope_freqs``
+    tensor; llama.cpp divides each frequency by it, whatever scaling produced it)."""
+    divisors = torch.as_tensor(factors, dtype=torch.float32).reshape(-1)
+    if divisors.numel() != rotary_dim // 2 or not bool(torch.isfinite(divisors).all() and (divisors > 0).all()):
+        raise ValueError(f"rope_scaling.frequency_factors: expected {rotary_dim // 2} positive finite divisors "
+                         f"(one per rotary frequency), got {divisors.numel()} values")
+    return divisors
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rope to the first ``rotary_dim`` features of q and k.
 
@@ -67,6 +78,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / self.factor
         elif self.rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        if scaling.get("frequency_factors") is not None:
+            if self.rope_type == "dynamic":
+                raise ValueError("rope_scaling.frequency_factors: not supported with rope_type 'dynamic'")
+            inv_freq = inv_freq / frequency_factors(scaling["frequency_factors"], rotary_dim)
         self.inv_freq = inv_freq
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]

@@ -90,8 +90,9 @@ def hf_config(checkpoint: GGUFCheckpoint) -> dict:
     end_of_turn = checkpoint.field("tokenizer.ggml.eot_token_id")  # chat models end a turn with it (<|im_end|>)
     if end_of_turn is not None and int(end_of_turn) != config.get("eos_token_id"):
         config["eos_token_id"] = [i for i in (config.get("eos_token_id"), int(end_of_turn)) if i is not None]
-    scaling = _llama3_scaling(checkpoint, config["rope_theta"], head_dim) if _ROPE_FREQS in checkpoint.tensors \
-        else _rope_scaling(checkpoint)
+    scaling = _rope_scaling(checkpoint)
+    if _ROPE_FREQS in checkpoint.tensors:
+        scaling = _with_rope_freqs(checkpoint, scaling, head_dim)
     if scaling:
         config["rope_scaling"] = scaling
     return config
@@ -113,21 +114,22 @@ def _rope_scaling(checkpoint: GGUFCheckpoint) -> dict | None:
     raise ValueError(f"{checkpoint.path}: rope scaling type {kind!r} is not supported (supported: linear, yarn)")
 
 
-def _llama3_scaling(checkpoint: GGUFCheckpoint, theta: float, head_dim: int) -> dict:
-    """llama3 rope scaling from the ``rope_freqs`` factors llama.cpp's converter computed from it.
-
-    The factor is the largest one; low/high frequency factors 1 and 4 and an original context of
-    8192 (or the file's) are Llama 3.1's, and the factors must come out the same, else it is an error.
-    """
-    factors = torch.from_numpy(np.array(checkpoint.tensors[_ROPE_FREQS].data, dtype=np.float32)).reshape(-1)
-    original = int(checkpoint.field("{arch}.rope.scaling.original_context_length") or 8192)
-    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": original}
-    if factors.numel() != head_dim // 2 or not torch.allclose(llama3_rope_factors(theta, head_dim, scaling),
-                                                              factors, rtol=1e-5, atol=0):
-        raise ValueError(f"{checkpoint.path}: tensor {_ROPE_FREQS!r} holds rope factors that match no llama3 rope "
-                         f"scaling (low/high frequency factors 1 and 4, original context {original})")
-    return scaling
+def _with_rope_freqs(checkpoint: GGUFCheckpoint, scaling: dict | None, head_dim: int) -> dict:
+    """The file's ``rope_freqs`` divisors as ``rope_scaling.frequency_factors``, applied as given (llama.cpp
+    divides each rope frequency by its factor, whatever rope scaling computed them: llama3's with any
+    factor, frequency factors and original context), on top of the file's linear scaling if it has one."""
+    tensor = checkpoint.tensors[_ROPE_FREQS]
+    if tensor.tensor_type.name != "F32":
+        raise ValueError(f"{checkpoint.path}: tensor {_ROPE_FREQS!r} is {tensor.tensor_type.name}; llama.cpp "
+                         "reads it as F32")
+    factors = np.array(tensor.data, dtype=np.float32).reshape(-1)
+    if factors.size != head_dim // 2 or not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise ValueError(f"{checkpoint.path}: tensor {_ROPE_FREQS!r} holds {factors.size} values; expected "
+                         f"{head_dim // 2} positive finite rope frequency divisors (head_dim {head_dim} / 2)")
+    if scaling is not None and scaling["rope_type"] != "linear":
+        raise ValueError(f"{checkpoint.path}: tensor {_ROPE_FREQS!r} with rope scaling type "
+                         f"{scaling['rope_type']!r} is not supported (rope_freqs applies with no scaling type or linear)")
+    return {**(scaling or {"rope_type": "default"}), "frequency_factors": factors.tolist()}
 
 
 def _unpermute_rows(loaded: torch.Tensor | GGMLTensor, num_heads: int) -> torch.Tensor | GGMLTensor:

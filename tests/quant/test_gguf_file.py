@@ -18,6 +18,7 @@ from pluginfer.cli.convert import convert_to_gguf, write_gguf
 from pluginfer.core.gguf_checkpoint import GGMLTensor
 from pluginfer.core.loader import iter_weights, read_hf_config
 from pluginfer.core.tokenizer import load_tokenizer
+from pluginfer.models.gguf_llama import llama3_rope_factors
 from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts, save_hf_model
 from tests.quant.gguf_helpers import transformers_from_gguf
 
@@ -81,8 +82,13 @@ def test_block_types_match_transformers_on_the_dequantized_weights(
     assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors} == {"F32", quant.upper()}
     llm = assert_matches_transformers(path, random_prompts(200, [20], seed=2)[0])
     if quant not in ("f16", "bf16"):  # the linear layers hold the file's blocks, not dense weights
-        qkv = llm.engine.executor.pipeline.model.layers[0].self_attn.qkv_proj
+        pipeline = llm.engine.executor.pipeline
+        qkv = pipeline.model.layers[0].self_attn.qkv_proj
         assert [(q.name, w.dtype) for q, w in qkv.gguf_groups] == [(quant.upper(), torch.uint8)]
+        # so do the embedding and the LM head: no dense table of the vocabulary
+        for table in (pipeline.model.embed_tokens.table, pipeline.lm_head.table):
+            assert table.qtype.name == quant.upper() and table.raw.dtype == torch.uint8
+        assert pipeline.model.embed_tokens.weight.numel() == pipeline.lm_head.weight.numel() == 0
 
 
 def test_mixed_types_in_one_fused_layer(tiny_llama_checkpoint: tuple[Path, object], tmp_path: Path) -> None:
@@ -168,7 +174,8 @@ def test_llama3_rope_scaling_travels_as_rope_freqs(family_checkpoints: dict[str,
     directory = family_checkpoints["llama3_rope"]
     path = convert_to_gguf(directory, tmp_path / "llama3.gguf", "f32", "f32")
     assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
-    assert read_hf_config(path)["rope_scaling"] == LLAMA3_ROPE
+    factors = llama3_rope_factors(10000.0, 16, LLAMA3_ROPE).tolist()  # the file's divisors, applied as given
+    assert read_hf_config(path)["rope_scaling"] == {"rope_type": "default", "frequency_factors": factors}
     model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     prompt = random_prompts(200, [20], seed=10)[0]
     llm = load(path, max_model_len=256)

@@ -15,6 +15,7 @@ import torch
 from pluginfer import LLM
 from pluginfer.core.gguf_checkpoint import GGMLTensor
 from pluginfer.core.loader import iter_weights, read_hf_config
+from pluginfer.models.gguf_llama import llama3_rope_factors
 from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts
 from tests.quant.gguf_helpers import transformers_from_gguf
 
@@ -46,17 +47,22 @@ def test_llama_cpp_file_generates_like_transformers_reading_it(name: str) -> Non
     types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == linear_type
     weights = dict(iter_weights(path))
-    if linear_type != "F16":
+    if linear_type != "F16":  # the embedding (and an untied head) stay in their blocks, as the linears
         assert isinstance(weights["model.layers.0.self_attn.q_proj.weight"], GGMLTensor)
-    assert not isinstance(weights["model.embed_tokens.weight"], GGMLTensor)  # dequantized at load
+        assert isinstance(weights["model.embed_tokens.weight"], GGMLTensor)
 
     rope = None
     if "llama3" in name:  # make_gguf_fixtures.py's LLAMA3_ROPE, which llama.cpp wrote as rope_freqs factors
         rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
-        assert config["rope_scaling"] == rope
+        factors = llama3_rope_factors(config["rope_theta"], config["head_dim"], rope).tolist()  # applied as given
+        assert config["rope_scaling"] == {"rope_type": "default", "frequency_factors": pytest.approx(factors)}
     oracle = transformers_from_gguf(path, rope)
     llm = LLM(model=str(path), num_blocks=64, block_size=8)
+    pipeline = llm.engine.executor.pipeline
+    table = pipeline.model.embed_tokens.table
+    assert (table is not None) == (linear_type != "F16")
+    assert pipeline.lm_head.table is (table if config.get("tie_word_embeddings") else pipeline.lm_head.table)
     prompt = random_prompts(900, [24], seed=9)[0]
     torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(oracle, prompt), atol=1e-4, rtol=1e-4)
     assert llm.generate([prompt], greedy(16))[0].outputs[0].token_ids == hf_greedy(oracle, prompt, 16)
