@@ -185,6 +185,11 @@ def _add_tensor(writer: object, name: str, tensor: torch.Tensor, qtype: GGMLQuan
     return qtype
 
 
+# YaRN parameters a GGUF file does not carry, with the values that leave them out (transformers' defaults).
+_YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "attention_factor": None, "mscale": None, "mscale_all_dim": None,
+                  "truncate": True}
+
+
 def _write_hparams(writer: object, config: dict, file_type: object) -> None:
     import gguf
 
@@ -211,9 +216,18 @@ def _write_hparams(writer: object, config: dict, file_type: object) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
     elif scaling["rope_type"] == "yarn":
+        from pluginfer.layers.rotary import yarn_factor, yarn_scaling
+
+        scaling = yarn_scaling(config)
+        changed = [f"{key}={scaling[key]!r}" for key, default in _YARN_DEFAULTS.items()
+                   if scaling.get(key) is not None and scaling[key] != default]
+        if changed:  # GGUF readers (ours, llama.cpp) take factor and original context only
+            raise ValueError(f"rope_scaling: yarn with {', '.join(changed)} cannot be written to GGUF here "
+                             f"(only factor and original_max_position_embeddings are carried)")
+        factor, original = yarn_factor(scaling, int(config.get("max_position_embeddings") or 2048))
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(float(scaling["factor"]))
-        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        writer.add_rope_scaling_factor(factor)
+        writer.add_rope_scaling_orig_ctx_len(original)
     elif scaling["rope_type"] == "llama3":  # as llama.cpp: per-frequency divisors in a rope_freqs tensor
         from pluginfer.models.gguf_llama import llama3_rope_factors
 

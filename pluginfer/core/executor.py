@@ -297,6 +297,9 @@ def _max_model_len(config: EngineConfig, hf_config: dict) -> int:
     _, scaling = rope_parameters(hf_config)
     if scaling["rope_type"] in ("linear", "dynamic"):  # as vLLM: these stretch the native context
         native = int(native * float(scaling.get("factor", 1.0)))
+    elif scaling["rope_type"] == "yarn" and scaling.get("factor"):  # as vLLM: the original context times factor
+        original = hf_config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        native = max(native, int(int(original or native) * float(scaling["factor"])))
     if config.max_model_len is None:
         return native
     if config.max_model_len > native:

@@ -139,10 +139,17 @@ class RotaryEmbedding(nn.Module):
 
 
 def get_rope(hf_config: dict, head_dim: int, rotary_dim: int | None = None,
-             max_position: int | None = None, is_neox_style: bool = True) -> RotaryEmbedding:
-    """Build the rotary embedding an HF config asks for; unknown scaling types are an error."""
+             max_position: int | None = None, is_neox_style: bool = True, yarn: bool = False) -> RotaryEmbedding:
+    """Build the rotary embedding an HF config asks for; unknown scaling types are an error.
+
+    ``yarn``: the family accepts ``rope_type: yarn``, as transformers' model of it applies
+    ``_compute_yarn_parameters`` (compared for llama, mistral, qwen2 and qwen3; the others still refuse it).
+    """
     theta, scaling = rope_parameters(hf_config)
     config_max = hf_config.get("max_position_embeddings", 4096)
+    if yarn and scaling["rope_type"] == "yarn":
+        return YarnRotaryEmbedding(head_dim, rotary_dim or head_dim, max(max_position or 0, config_max), theta,
+                                   yarn_scaling(hf_config), config_max, is_neox_style=is_neox_style)
     return RotaryEmbedding(head_dim, rotary_dim or head_dim, max(max_position or 0, config_max), theta, scaling,
                            original_max_position=config_max, is_neox_style=is_neox_style)
 
@@ -196,6 +203,15 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def yarn_scaling(hf_config: dict) -> dict:
+    """The yarn parameters of a config; a top-level ``original_max_position_embeddings`` wins over the one in
+    rope_scaling, as transformers' ``standardize_rope_params`` has it."""
+    _, scaling = rope_parameters(hf_config)
+    if hf_config.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = hf_config["original_max_position_embeddings"]
+    return scaling
+
+
 def yarn_factor(scaling: dict, max_position_embeddings: int) -> tuple[float, int]:
     """(factor, original_max_position_embeddings) as transformers reads them: a missing factor is the ratio."""
     original = int(scaling.get("original_max_position_embeddings") or max_position_embeddings)
@@ -208,8 +224,8 @@ class YarnRotaryEmbedding(RotaryEmbedding):
     interpolated and extrapolated by a ramp over ``beta_fast``/``beta_slow`` rotations, cos/sin multiplied by
     ``attention_factor`` (default from ``factor``, ``mscale`` and ``mscale_all_dim``).
 
-    Families opt in by building it (DeepSeek); ``get_rope`` still rejects yarn for the others, whose
-    transformers implementation has not been compared.
+    Families opt in: DeepSeek builds it, llama and qwen pass ``yarn=True`` to ``get_rope``; the others still
+    reject yarn, their transformers implementation not compared.
     """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float, scaling: dict,

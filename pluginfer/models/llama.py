@@ -1,6 +1,6 @@
 """Llama-family pipeline: LlamaForCausalLM and MistralForCausalLM (also llama3, Yi, Mistral).
 
-GQA, explicit ``head_dim``, rope scaling (linear, dynamic, llama3), tied embeddings,
+GQA, explicit ``head_dim``, rope scaling (linear, dynamic, llama3, yarn), tied embeddings,
 attention/MLP bias, and Mistral's sliding window.
 """
 
@@ -43,7 +43,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: dict, ctx: BuildContext) -> None:
         validate_config(config)
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        rope = get_rope(config, head_dim, max_position=ctx.max_model_len)
+        rope = get_rope(config, head_dim, max_position=ctx.max_model_len, yarn=True)
         super().__init__(config, DecoderStack(config, lambda _: LlamaDecoderLayer(config, rope)))
 
 

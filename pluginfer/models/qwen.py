@@ -52,7 +52,7 @@ class QwenDecoderLayer(PreNormDecoderLayer):
 class QwenForCausalLM(CausalLM):
     def __init__(self, config: dict, ctx: BuildContext) -> None:
         validate_config(config)
-        rope = get_rope(config, head_dim_of(config), max_position=ctx.max_model_len)
+        rope = get_rope(config, head_dim_of(config), max_position=ctx.max_model_len, yarn=True)
         windows = layer_sliding_windows(config)
         super().__init__(config, DecoderStack(config, lambda i: QwenDecoderLayer(config, rope, windows[i])))
 

@@ -18,9 +18,9 @@ ARCHITECTURES = {"qwen2": ("Qwen2ForCausalLM", {}), "qwen3": ("Qwen3ForCausalLM"
 
 # (family, config.json changes, error pattern naming the field and its value)
 CASES = {
-    "qwen2-yarn-rope": ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                                   "original_max_position_embeddings": 64}},
-                        r"rope_scaling\.rope_type.*'yarn'"),
+    "qwen2-longrope": ("qwen2", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0,
+                                                  "original_max_position_embeddings": 64}},
+                       r"rope_scaling\.rope_type.*'longrope'"),  # (yarn is supported: tests/models/test_yarn_rope.py)
     "qwen2-sliding-window-without-size": ("qwen2", {"use_sliding_window": True, "sliding_window": None},
                                           r"sliding_window.*None"),
     "qwen3-unknown-layer-type": ("qwen3", {"layer_types": ["full_attention", "chunked_attention"]},
