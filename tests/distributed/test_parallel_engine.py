@@ -79,9 +79,12 @@ def test_gptq_act_order_under_tensor_parallelism(tmp_path: Path) -> None:
     _compare(path, {"tensor_parallel_size": 2}, random_prompts(512, [7, 13]))
 
 
-def test_gguf_file_under_tensor_parallelism(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fixture", ["llamacpp-llama-q8_0.gguf", "llamacpp-qwen2-q8_0.gguf"], ids=["untied", "tied"])
+def test_gguf_file_under_tensor_parallelism(fixture: str, tmp_path: Path) -> None:
+    """Q8_0 linears, embedding and LM head (each rank holds its rows of the quantized vocabulary table;
+    the qwen2 file's head is its embedding)."""
     path = tmp_path / "model.gguf"
-    shutil.copy(FIXTURES / "llamacpp-llama-q8_0.gguf", path)
+    shutil.copy(FIXTURES / fixture, path)
     _compare(path, {"tensor_parallel_size": 2}, random_prompts(1000, [7, 13]))
 
 
