@@ -93,6 +93,9 @@ class CpuAttentionMetadata:
     decode: _Part | None  # None when there are no decode rows or the native kernel serves them
     prefill: _Part | None
     num_native_decodes: int = 0  # leading decode rows for the native kernel
+    # Their block tables and key counts, int64 and contiguous, sliced once per step for every layer.
+    decode_block_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
 
 
 class CpuBackend:
@@ -165,7 +168,10 @@ class CpuBackend:
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
         prefill = _part(batch, slice(num_decodes, len(query_lens)), batch.block_size)
         if self.native_kernels and num_decodes:
-            return CpuAttentionMetadata(None, prefill, num_native_decodes=num_decodes)
+            tables = batch.block_tables[:num_decodes].to(torch.int64).contiguous()
+            seq_lens = batch.seq_lens[:num_decodes].to(torch.int64).contiguous()
+            return CpuAttentionMetadata(None, prefill, num_native_decodes=num_decodes, decode_block_tables=tables,
+                                        decode_seq_lens=seq_lens)
         return CpuAttentionMetadata(_part(batch, slice(0, num_decodes), batch.block_size), prefill)
 
     def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
@@ -175,17 +181,23 @@ class CpuBackend:
         key_cache, value_cache = kv_cache
         flat_keys = key_cache.view(-1, *key_cache.shape[2:])
         flat_values = value_cache.view(-1, *value_cache.shape[2:])
-        flat_keys.index_copy_(0, batch.slot_mapping, key.to(flat_keys.dtype))
+        flat_keys.index_copy_(0, batch.slot_mapping, key if key.dtype == flat_keys.dtype else key.to(flat_keys.dtype))
         if value is not None:
-            flat_values.index_copy_(0, batch.slot_mapping, value.to(flat_values.dtype))
+            flat_values.index_copy_(0, batch.slot_mapping,
+                                    value if value.dtype == flat_values.dtype else value.to(flat_values.dtype))
         meta: CpuAttentionMetadata = batch.attention
-        out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
         decodes = meta.num_native_decodes
         # The C kernel reads contiguous value rows; a value inside the key takes the torch path.
-        if decodes and key_cache.dtype == torch.float32 and value_cache.is_contiguous():
+        native_decodes = decodes and key_cache.dtype == torch.float32 and value_cache.is_contiguous()
+        if native_decodes and decodes == query.shape[0] and query.dtype == torch.float32:
+            # Every row decodes (the steady state): the kernel's output is the result, no copy.
+            return native.paged_decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
+                                                 meta.decode_seq_lens, scale, sliding_window, logit_soft_cap)
+        out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
+        if native_decodes:
             out[:decodes] = native.paged_decode_attention(
-                query[:decodes].float(), key_cache, value_cache, batch.block_tables[:decodes],
-                batch.seq_lens[:decodes], scale, sliding_window, logit_soft_cap).to(out.dtype)
+                query[:decodes].float(), key_cache, value_cache, meta.decode_block_tables,
+                meta.decode_seq_lens, scale, sliding_window, logit_soft_cap).to(out.dtype)
         elif decodes:  # the kernel is float32 only; other cache dtypes take the torch path
             _attend(_decode_part(batch, meta), query, flat_keys, flat_values, out, scale, sliding_window,
                     logit_soft_cap)

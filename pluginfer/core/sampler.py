@@ -162,6 +162,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample a token for each ``seqs[i]`` from ``logits[i]``."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
+        if all(map(_plain_greedy, seqs)):  # the common decode step: nothing but an argmax to do
+            token_ids = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+            return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))
         logits = logits[:, : self.vocab_size].float()  # models may pad the vocabulary
         params = [seq.params for seq in seqs]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -253,6 +256,16 @@ class Sampler:
                 for alternative, value in zip(top_ids[j][:count], top_values[j][:count], strict=True):
                     entry.setdefault(alternative, value)
             out[i] = entry
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether the sequence's next token is the argmax of its raw logits: greedy, no logprobs, and no
+    penalty, bias, min_tokens mask or grammar that would change a logit."""
+    params = seq.params
+    return (params.temperature == 0 and params.logprobs is None and not params.logit_bias
+            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0 and seq.grammar is None
+            and len(seq.output_token_ids) >= params.min_tokens)
 
 
 def _padded_ids(token_lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

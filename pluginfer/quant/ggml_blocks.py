@@ -252,15 +252,16 @@ def ggml_linear(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType 
     When the kernel carries a ``quant_matmul`` (the cpu backend's fused int8-activation matmul,
     ``native.GGMLDequantize``), up to ``QUANT_MATMUL_MAX_ROWS`` rows of ``x`` go through it instead,
     for the types it handles: ``x`` quantized per block of 32 to int8, no float copy of ``W``."""
-    qtype = as_qtype(qtype)
-    if dequantize_rows is None or raw.device.type != "cpu":
-        return tiled_linear(x, raw.shape[0], lambda start, stop: dequantize(raw[start:stop], qtype, cols, x.dtype),
-                            bias)
-    quant_matmul = getattr(dequantize_rows, "quant_matmul", None)
-    if quant_matmul is not None and x.numel() <= QUANT_MATMUL_MAX_ROWS * cols:
+    on_cpu = dequantize_rows is not None and raw.device.type == "cpu"
+    quant_matmul = getattr(dequantize_rows, "quant_matmul", None) if on_cpu else None
+    if quant_matmul is not None and x.numel() <= QUANT_MATMUL_MAX_ROWS * cols:  # first: every decode step
         out = quant_matmul(x, raw, int(qtype), cols)
         if out is not None:
             return out if bias is None else out.add_(bias)
+    qtype = as_qtype(qtype)
+    if not on_cpu:
+        return tiled_linear(x, raw.shape[0], lambda start, stop: dequantize(raw[start:stop], qtype, cols, x.dtype),
+                            bias)
     into_buffer = x.dtype == torch.float32
 
     def tile(start: int, stop: int) -> torch.Tensor:

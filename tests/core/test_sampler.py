@@ -105,6 +105,31 @@ def test_padded_vocab_columns_are_never_sampled():
     assert max(out) < 5
 
 
+def test_all_greedy_batch_is_the_argmax_of_the_real_vocabulary():
+    # The sampler's shortcut for a batch of plain greedy rows: the argmax, padding columns excluded.
+    torch.manual_seed(2)
+    logits = torch.randn(5, 40)
+    logits[:, 32:] = 100.0  # columns past the real vocabulary of 32
+    out = Sampler(32, {EOS})(logits, [seq(temperature=0.0) for _ in range(5)])
+    assert out.token_ids == logits[:, :32].argmax(-1).tolist()
+    assert out.logprobs == [None] * 5
+
+
+@pytest.mark.parametrize("params", [dict(logit_bias={4: 100.0}), dict(min_tokens=3, stop_token_ids=[7]),
+                                    dict(repetition_penalty=100.0), dict(logprobs=0)])
+def test_one_row_with_more_than_greedy_is_not_a_plain_argmax(params):
+    # Rows that ask for a bias, a min_tokens mask, a penalty or logprobs keep their effect beside plain rows.
+    logits = torch.zeros(2, 10)
+    logits[:, 7], logits[:, 4] = 5.0, 4.0
+    seqs = [seq(prompt=(7,), temperature=0.0), seq(prompt=(7,), temperature=0.0, **params)]
+    out = Sampler(10, {EOS})(logits, seqs)
+    assert out.token_ids[0] == 7
+    if "logprobs" in params:
+        assert out.token_ids[1] == 7 and out.logprobs[1][7] == pytest.approx(torch.log_softmax(logits[1], -1)[7].item())
+    else:
+        assert out.token_ids[1] == 4  # 4 raised by the bias, or 7 banned by min_tokens or penalised as a prompt token
+
+
 def run_steps(sampler: Sampler, seqs: list[Sequence], logits: torch.Tensor, steps: int, row: int = 0) -> list[int]:
     """Sample ``steps`` tokens for ``seqs[row]`` (appending each, as the engine does)."""
     tokens = []
