@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pluginfer.core.sequence import SamplingParams, Sequence
@@ -163,7 +164,7 @@ class Sampler:
         """Sample a token for each ``seqs[i]`` from ``logits[i]``."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         if all(map(_plain_greedy, seqs)):  # the common decode step: nothing but an argmax to do
-            token_ids = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+            token_ids = greedy_argmax(logits[:, : self.vocab_size]).tolist()
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))
         logits = logits[:, : self.vocab_size].float()  # models may pad the vocabulary
         params = [seq.params for seq in seqs]
@@ -177,12 +178,12 @@ class Sampler:
 
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = greedy_argmax(logits)
         else:
             sampled = self._sample(logits, seqs, params)
             if any(greedy):
                 greedy_mask = torch.tensor(greedy, device=logits.device)
-                sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(greedy_mask, greedy_argmax(logits), sampled)
             token_ids = sampled
 
         token_list = token_ids.tolist()
@@ -256,6 +257,17 @@ class Sampler:
                 for alternative, value in zip(top_ids[j][:count], top_values[j][:count], strict=True):
                     entry.setdefault(alternative, value)
             out[i] = entry
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (int64; the first index of a row's maximum, a NaN counting as the maximum).
+
+    On the CPU numpy's vectorised argmax gives the same indices 10-20x faster than torch's (one
+    thread: 1.7 vs 31 us for a row of 20480 float32, 37 vs 690 us for 16 rows of 32000).
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
 
 
 def _plain_greedy(seq: Sequence) -> bool:

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pluginfer.core.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
+from pluginfer.core.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, greedy_argmax
 from pluginfer.core.sequence import SamplingParams, Sequence
 
 EOS = 0
@@ -113,6 +113,19 @@ def test_all_greedy_batch_is_the_argmax_of_the_real_vocabulary():
     out = Sampler(32, {EOS})(logits, [seq(temperature=0.0) for _ in range(5)])
     assert out.token_ids == logits[:, :32].argmax(-1).tolist()
     assert out.logprobs == [None] * 5
+
+
+def test_greedy_argmax_equals_torch_argmax_with_ties_nan_and_padding():
+    torch.manual_seed(3)
+    logits = torch.randn(6, 50)
+    logits[1, 7] = logits[1, 30] = 50.0  # a tie: the first index
+    logits[2, 9] = logits[2, 20] = float("nan")  # NaN counts as the maximum, the first one
+    logits[3] = float("-inf")
+    logits[4, 3] = float("inf")
+    view = logits[:, :40]  # a strided view, as the sampler's cut of a padded vocabulary
+    for rows in (logits, view, logits[:0]):
+        assert torch.equal(greedy_argmax(rows), rows.argmax(dim=-1))
+    assert greedy_argmax(view).tolist()[1:5] == [7, 9, 0, 3]
 
 
 @pytest.mark.parametrize("params", [dict(logit_bias={4: 100.0}), dict(min_tokens=3, stop_token_ids=[7]),
