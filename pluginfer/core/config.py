@@ -103,6 +103,9 @@ class EngineConfig(_Section):
     quant: str = Field("auto", description="Quant method plugin; auto reads the checkpoint.")
     max_model_len: int | None = Field(None, ge=1, description="Context length; default the model's.")
     seed: int = Field(0, description="Engine seed.")
+    allow_pickle: bool = Field(
+        False, description="Read a checkpoint that has only pickle weights (.bin, .pt) with "
+        "torch.load(weights_only=True); refused otherwise, since a pickle can run code.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

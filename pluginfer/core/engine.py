@@ -14,6 +14,7 @@ from pluginfer.core.detokenizer import IncrementalDetokenizer
 from pluginfer.core.executor import Executor
 from pluginfer.core.kv_cache import BlockManager
 from pluginfer.core.launch import serve_if_worker
+from pluginfer.core.loader import check_tokenizer_files
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
 from pluginfer.core.pooling import PoolingParams, PoolingState, is_backbone_only, read_pooler_config
 from pluginfer.core.sampler import Sampler
@@ -43,6 +44,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         serve_if_worker(config)  # ranks other than 0 (torchrun, mpiexec) serve the driver and exit here
+        check_tokenizer_files(config.tokenizer or config.model)  # before the weights load and the cache is taken
         self.executor = Executor(config)
         started = time.perf_counter()
         self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_path)

@@ -28,9 +28,10 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         if path.suffix.lower() == ".gguf" and path.is_file():
             return _gguf_tokenizer(path)
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:
-        raise ValueError(f"cannot load a tokenizer from {path}: {type(exc).__name__}: {exc}") from None
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)  # never a model's own code
+    except Exception as exc:  # one line: transformers' messages span several
+        raise ValueError(f"cannot load a tokenizer from {path}: {type(exc).__name__}: {' '.join(str(exc).split())}"
+                         ) from None
 
 
 def gguf_tokenizer_cache_path(path: str | Path) -> Path:

@@ -86,7 +86,7 @@ class Worker:
         self.startup_times["build"] = time.perf_counter() - started
         started = time.perf_counter()
         reading = [0.0]  # the checkpoint is read lazily: a layer is repacked as soon as its tensors arrived
-        self.pipeline.load_weights(timed_items(iter_weights(checkpoint), reading))
+        self.pipeline.load_weights(timed_items(iter_weights(checkpoint, allow_pickle=config.allow_pickle), reading))
         self.startup_times["load"] = reading[0]
         self.startup_times["repack"] = time.perf_counter() - started - reading[0]
         if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:
