@@ -18,14 +18,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pluginfer.core.engine import LLMEngine
+from pluginfer.core.engine_core import EngineDeadError
 from pluginfer.core.outputs import RequestOutput
 from pluginfer.core.sequence import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The step loop stopped on an error; no request can be served any more."""
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 @dataclass

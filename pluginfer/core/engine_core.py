@@ -28,6 +28,7 @@ import logging
 import os
 import pickle
 import queue
+import signal
 import socket
 import struct
 import sys
@@ -39,6 +40,13 @@ logger = logging.getLogger("pluginfer.core.engine_core")  # also when run as __m
 
 _LENGTH = struct.Struct(">I")
 _IDLE_CHECK_S = 0.25  # how often an idle core looks at engine.failure (a lost rank) while it waits
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an error (or the engine was shut down); no request can be served any more.
+
+    Defined here, with nothing heavy imported, so that the server can start the engine core process
+    before it imports torch; ``pluginfer.core.async_engine`` exports the same class."""
 
 
 # -- framing (both ends) ------------------------------------------------------------------------
@@ -105,15 +113,17 @@ class EngineCore:
 
     def load(self) -> dict[str, Any]:
         """Build the engine and run one short request through it; what the server needs to know."""
+        started = time.perf_counter()
         from pluginfer.core.engine import LLMEngine
         from pluginfer.core.pooling import PoolingParams
         from pluginfer.core.sequence import SamplingParams
 
+        times = {"imports": time.perf_counter() - started}
         started = time.perf_counter()
         self.engine = engine = LLMEngine(self.config)
-        total = time.perf_counter() - started
-        times = dict(getattr(engine.executor.worker, "startup_times", {}))
-        times["other"] = max(0.0, total - sum(times.values()))  # config, tokenizer, imports of plugins
+        built = time.perf_counter() - started
+        times.update(engine.startup_times)  # config, build, load, repack, cache, tokenizer
+        times["other"] = max(0.0, built - sum(engine.startup_times.values()))  # plugins, backend, scheduler
         started = time.perf_counter()
         # Warm-up: the first step pays for first touches (weight pages, kernel tables, allocator pools).
         vocab = engine.executor.vocab_size
@@ -267,6 +277,9 @@ class EngineCore:
 
 def main(argv: list[str]) -> int:
     fd, level = int(argv[0]), argv[1] if len(argv) > 1 else "WARNING"
+    os.dup2(2, 1)  # whatever prints goes to the log: the server's stdout is its own (its first line says where)
+    # Ctrl-C in a terminal reaches the whole process group: the server stops the core in order (stop message).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s (engine core): %(message)s")
     from pluginfer.core.config import EngineConfig
 
@@ -293,5 +306,15 @@ def main(argv: list[str]) -> int:
         core.close()
 
 
+def _exit(code: int) -> None:
+    """Leave without the interpreter's finalization: the engine is shut down already, and native libraries'
+    exit-time destructors racing their own threads occasionally aborted the process ("terminate called
+    without an active exception", status -6) and made it take a second or more to go."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    _exit(main(sys.argv[1:]))

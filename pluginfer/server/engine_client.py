@@ -32,9 +32,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from pluginfer.core.async_engine import EngineDeadError
 from pluginfer.core.config import EngineConfig
-from pluginfer.core.engine_core import FrameReader, encode
+from pluginfer.core.engine_core import EngineDeadError, FrameReader, encode
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
 from pluginfer.core.sequence import SamplingParams
 

@@ -13,15 +13,15 @@ import signal
 import sys
 import threading
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from pluginfer.core.async_engine import AsyncEngine
 from pluginfer.core.config import EngineConfig
-from pluginfer.core.engine import LLMEngine
-from pluginfer.core.launch import detect_launcher
-from pluginfer.server.app import build_app
 from pluginfer.server.engine_client import EngineClient
+
+if TYPE_CHECKING:  # imported where used: `pluginfer serve` starts the engine process before torch loads here
+    from pluginfer.core.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     return runner, site, runner.addresses[0][1]
 
 
-async def stop_site(runner: web.AppRunner, site: web.TCPSite, async_engine: AsyncEngine | None) -> None:
+async def stop_site(runner: web.AppRunner, site: web.TCPSite,
+                    async_engine: AsyncEngine | EngineClient | None) -> None:
     """Stop listening; stop the engine (if given), which ends in-flight requests; close the rest."""
     await site.stop()
     if async_engine is not None:
@@ -44,6 +45,8 @@ async def stop_site(runner: web.AppRunner, site: web.TCPSite, async_engine: Asyn
 
 
 async def _serve(async_engine: AsyncEngine, config: EngineConfig) -> int:
+    from pluginfer.server.app import build_app
+
     app = build_app(async_engine, config)
     runner, site, port = await start_site(app, config.server.host, config.server.port)
     stop = asyncio.Event()
@@ -115,10 +118,25 @@ def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
     """The engine core in a process of its own (``EngineClient``) when it runs on one rank; else, and with
     ``PLUGINFER_ENGINE_PROCESS=0``, the step loop in a thread of this process (``AsyncEngine``).
 
-    Several ranks stay in this process: the driver (rank 0) is this process, its workers its children."""
-    if os.environ.get("PLUGINFER_ENGINE_PROCESS", "1") == "0" or detect_launcher(config) != "inprocess":
+    Several ranks stay in this process: the driver (rank 0) is this process, its workers its children.
+    The core process starts first and loads the model while this process imports the server."""
+    parallel = config.parallel
+    client = None
+    if (os.environ.get("PLUGINFER_ENGINE_PROCESS", "1") != "0" and parallel.launcher in ("auto", "inprocess")
+            and parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1):
+        client = EngineClient(config)
+    from pluginfer.core.launch import detect_launcher
+    from pluginfer.server import app  # noqa: F401 - the server's own imports, while the core loads
+
+    if client is not None and detect_launcher(config) != "inprocess":  # one rank under torchrun or mpiexec
+        client.shutdown()
+        client = None
+    if client is None:
+        from pluginfer.core.async_engine import AsyncEngine
+        from pluginfer.core.engine import LLMEngine
+
         return AsyncEngine(LLMEngine(config)).start()
-    client = EngineClient(config).start()
+    client.start()
     times = client.startup_times
     phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in times.items() if name != "total")
     print(f"pluginfer: engine process {client.process.pid} ready in {times['total']:.1f} s ({phases}); "
@@ -135,6 +153,8 @@ class BackgroundServer:
     def __init__(self, async_engine: AsyncEngine, config: EngineConfig) -> None:
         self.async_engine = async_engine
         self.config = config
+        from pluginfer.server.app import build_app
+
         self.loop = asyncio.new_event_loop()
         self.app = build_app(async_engine, config)
         self._thread = threading.Thread(target=self.loop.run_forever, name="pluginfer-server", daemon=True)

@@ -257,3 +257,35 @@ def test_pluginfer_serve_stopped_by_sigterm_takes_its_engine_process_along(tiny_
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_a_gguf_core_reports_its_start_up_phases_and_serves_from_the_cached_tokenizer(
+        tiny_llama_checkpoint, tmp_path, monkeypatch):
+    """A core on a GGUF file reports each start-up phase; the tokenizer transformers built from the file
+    is cached (under $PLUGINFER_CACHE) by the first start, and the second start serves the same text."""
+    import asyncio
+
+    from pluginfer.cli.convert import convert_to_gguf
+    from pluginfer.core.sequence import SamplingParams
+    from pluginfer.core.tokenizer import gguf_tokenizer_cache_path
+
+    path = convert_to_gguf(tiny_llama_checkpoint[0], tmp_path / "tiny.gguf", "q8_0", "f32")
+    monkeypatch.setenv("PLUGINFER_CACHE", str(tmp_path / "cache"))
+    config = build_config(model=str(path), dtype="float32", **{"cache.num_blocks": 32, "cache.block_size": 8})
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def text(client: EngineClient) -> str:
+        return [o async for o in client.generate("hello world", params)][-1].outputs[0].text
+
+    texts = []
+    for _ in range(2):
+        client = EngineClient(config).start(timeout=300)
+        try:
+            assert set(client.startup_times) == {"imports", "config", "build", "load", "repack", "cache",
+                                                 "tokenizer", "other", "warm-up", "total"}
+            assert all(seconds >= 0 for seconds in client.startup_times.values())
+            assert gguf_tokenizer_cache_path(path).is_file()
+            texts.append(asyncio.run(text(client)))
+        finally:
+            client.shutdown()
+    assert texts[0] == texts[1] and texts[0]
