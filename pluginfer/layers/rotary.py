@@ -143,7 +143,8 @@ def get_rope(hf_config: dict, head_dim: int, rotary_dim: int | None = None,
     """Build the rotary embedding an HF config asks for; unknown scaling types are an error.
 
     ``yarn``: the family accepts ``rope_type: yarn``, as transformers' model of it applies
-    ``_compute_yarn_parameters`` (compared for llama, mistral, qwen2 and qwen3; the others still refuse it).
+    ``_compute_yarn_parameters`` (compared for llama, mistral, qwen2, qwen3 and qwen3-moe; the others still refuse
+    it).
     """
     theta, scaling = rope_parameters(hf_config)
     config_max = hf_config.get("max_position_embeddings", 4096)
@@ -224,8 +225,8 @@ class YarnRotaryEmbedding(RotaryEmbedding):
     interpolated and extrapolated by a ramp over ``beta_fast``/``beta_slow`` rotations, cos/sin multiplied by
     ``attention_factor`` (default from ``factor``, ``mscale`` and ``mscale_all_dim``).
 
-    Families opt in: DeepSeek builds it, llama and qwen pass ``yarn=True`` to ``get_rope``; the others still
-    reject yarn, their transformers implementation not compared.
+    Families opt in: DeepSeek builds it, llama, qwen and qwen3-moe pass ``yarn=True`` to ``get_rope``; the others
+    still reject yarn, their transformers implementation not compared.
     """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float, scaling: dict,

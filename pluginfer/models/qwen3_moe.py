@@ -65,7 +65,7 @@ class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, config: dict, ctx: BuildContext) -> None:
         validate_config(config)
-        rope = get_rope(config, head_dim_of(config), max_position=ctx.max_model_len)
+        rope = get_rope(config, head_dim_of(config), max_position=ctx.max_model_len, yarn=True)
         sparse = sparse_layers(config)
         super().__init__(config, DecoderStack(config, lambda i: Qwen3MoeDecoderLayer(config, rope, sparse[i])))
 

@@ -1,4 +1,4 @@
-"""YaRN rope scaling (``rope_type: yarn``) for llama, mistral, qwen2 and qwen3: our logits and greedy tokens equal
+"""YaRN rope scaling (``rope_type: yarn``) for llama, mistral, qwen2, qwen3 and qwen3-moe: our logits and greedy tokens equal
 transformers' for the same config.json, past the original context; the GGUF file ``pluginfer convert`` writes
 carries it; what GGUF cannot carry is refused.
 
@@ -23,7 +23,9 @@ from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, rand
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, initializer_range=0.2, rms_norm_eps=1e-5)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", {}), "mistral": ("MistralForCausalLM", {}),
-                 "qwen2": ("Qwen2ForCausalLM", {}), "qwen3": ("Qwen3ForCausalLM", {"head_dim": 16})}
+                 "qwen2": ("Qwen2ForCausalLM", {}), "qwen3": ("Qwen3ForCausalLM", {"head_dim": 16}),
+                 "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2,
+                                                       "moe_intermediate_size": 64, "head_dim": 16})}
 ORIGINAL = 64  # the "pretraining" context; prompts run past it
 STYLES = {
     # Qwen2.5-7B-Instruct's README config, scaled down: max_position_embeddings is the original context.
