@@ -314,3 +314,21 @@ def test_markdown_of_a_streamed_answer_through_the_page(page: object, open_serve
     assert message.locator(".reasoning-text").text_content() == "Let me think <b>hard</b>."
     assert message.locator(".reasoning-text b").count() == 0
     assert page.evaluate("window.owned") is None
+
+
+def test_an_error_event_mid_stream_is_shown(page: object, open_server: BackgroundServer) -> None:
+    """The server's error event after a stream began (e.g. the engine died): the partial answer stays, marked."""
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL_NAME,
+             "choices": [{"index": 0, "delta": {"content": "Partial **answer**"}, "finish_reason": None}]}
+    error = {"error": {"message": "the engine process 42 died (SIGKILL)", "type": "server_error", "param": None,
+                       "code": "engine_unavailable"}}
+    body = f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    page.goto(open_server.url + "/")
+    send(page, "Hello")
+    message = finished(page, state="failed")
+    assert message.locator(".content").inner_html() == "<p>Partial <strong>answer</strong></p>"
+    assert message.locator(".status").inner_text() == "failed: the engine process 42 died (SIGKILL)"
+    sync_api.expect(page.locator("#error")).to_have_text("the engine process 42 died (SIGKILL)")
+    sync_api.expect(page.locator("#send")).to_be_enabled()
