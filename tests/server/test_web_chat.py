@@ -149,12 +149,13 @@ def test_a_typed_prompt_streams_an_answer(page: object, open_server: BackgroundS
     page.click("#toggle-settings")
     page.fill("#system-prompt", "You are terse.")
     page.fill("#temperature", "0")
+    page.fill("#top-p", "0.9")
     page.fill("#max-tokens", "12")
     with page.expect_response("**/v1/chat/completions") as response_info:
         send(page, "Hello, who are you?")
     request = json.loads(response_info.value.request.post_data)
     assert request["stream"] is True and request["model"] == MODEL_NAME
-    assert request["temperature"] == 0 and request["max_tokens"] == 12 and "top_p" not in request
+    assert request["temperature"] == 0 and request["top_p"] == 0.9 and request["max_tokens"] == 12
     assert request["messages"] == [{"role": "system", "content": "You are terse."},
                                    {"role": "user", "content": "Hello, who are you?"}]
     message = finished(page)
@@ -177,6 +178,24 @@ def test_a_typed_prompt_streams_an_answer(page: object, open_server: BackgroundS
     assert history[2] == {"role": "assistant", "content": expected}
     finished(page, 1)
     assert not page.errors, page.errors
+
+
+def test_a_setting_the_server_refuses_shows_its_400(page: object, open_server: BackgroundServer) -> None:
+    page.goto(open_server.url + "/")
+    page.click("#toggle-settings")
+    page.fill("#temperature", "-1")
+    send(page, "Hello")
+    sync_api.expect(page.locator("#error")).to_contain_text("400: ")
+    sync_api.expect(page.locator("#error")).to_contain_text("temperature")
+    sync_api.expect(page.locator("#prompt")).to_have_value("Hello")
+    assert assistant_messages(page).count() == 0
+    page.fill("#temperature", "")  # left empty: not sent, the server's default applies
+    page.fill("#max-tokens", "4")
+    with page.expect_response("**/v1/chat/completions") as response_info:
+        send(page, "Hello")
+    assert "temperature" not in json.loads(response_info.value.request.post_data)
+    finished(page)
+    sync_api.expect(page.locator("#error")).to_be_hidden()
 
 
 def test_stop_aborts_the_stream_and_the_request(page: object, open_server: BackgroundServer,
