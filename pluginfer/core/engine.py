@@ -58,7 +58,9 @@ class LLMEngine:
         self.sampler = Sampler(self.executor.vocab_size, self.eos_token_ids, seed=config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.executor.vocab_size, self.eos_token_ids)
         self.pooler = read_pooler_config(self.executor.model_path, self.executor.hf_config)
-        self.can_generate = not is_backbone_only(self.executor.hf_config)
+        # A checkpoint without an LM head (an embedding model's bare decoder) only embeds.
+        self.can_generate = not is_backbone_only(self.executor.hf_config) and \
+            bool(getattr(self.executor.pipeline, "can_generate", True))
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.step_count = 0

@@ -123,7 +123,12 @@ class CausalLM(nn.Module):
 
     A bare decoder checkpoint (``Qwen3Model``, as sentence-transformers saves an embedding model) has
     no ``model.`` prefix in its tensor names and no LM head: it is built without one and only embeds.
+    Qwen3-Embedding's hub checkpoints say ``Qwen3ForCausalLM`` but are laid out the same way: names
+    without the prefix are read as the decoder's, and when such a checkpoint brings no untied head,
+    ``can_generate`` is False (the engine then only embeds with it).
     """
+
+    can_generate = True  # ModelPipeline's optional attribute: False once loaded without an LM head
 
     def __init__(self, config: dict, model: DecoderStack, tied_by_default: bool = False) -> None:
         super().__init__()
@@ -160,13 +165,32 @@ class CausalLM(nn.Module):
         return LLAMA_STACKED
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.backbone_only:  # names as the bare decoder's: "layers.0...", "embed_tokens.weight", "norm.weight"
-            weights = ((name if name.startswith("model.") else f"model.{name}", tensor) for name, tensor in weights)
+        seen = {"bare": False, "head": False}
+
+        def as_decoder_names(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+            """"layers.0...", "embed_tokens.weight", "norm.weight" (a bare decoder's names) are the model's."""
+            for name, tensor in pairs:
+                if name.startswith("lm_head."):
+                    seen["head"] = True
+                elif not name.startswith("model."):
+                    seen["bare"] = True
+                    name = f"model.{name}"
+                yield name, tensor
+
+        weights = as_decoder_names(weights)
         if self.tied:  # a tied head has no weight of its own; some checkpoints store a copy anyway
             weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
         weights = ((name, tensor) for name, tensor in weights if held_by_stage(name, self.model))
-        load_named_weights(self, weights, stacked=self.weight_routes(),
-                           optional=("lm_head.",) if self.tied else ())
+        head_optional = self.tied or self.lm_head is None or not self.model.is_last
+        load_named_weights(self, weights, stacked=self.weight_routes(), optional=("lm_head.",))
+        if self.tied or seen["head"] or self.backbone_only:
+            self.can_generate = not self.backbone_only
+        elif seen["bare"]:  # an embedding checkpoint's decoder (Qwen3-Embedding-8B): no head to generate with
+            self.can_generate, self.lm_head = False, None
+        elif not head_optional:
+            raise KeyError("checkpoint is missing 1 tensor(s): lm_head.weight")
+        else:  # a stage without the head: the checkpoint has none either
+            self.can_generate = False
 
 
 DECODER_SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")

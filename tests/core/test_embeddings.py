@@ -252,3 +252,31 @@ def test_default_prompt_of_config_sentence_transformers_is_put_before_text(embed
     (path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {}, "default_prompt_name": "x"}))
     pooler = read_pooler_config(path, json.loads((path / "config.json").read_text()))
     assert "default_prompt_name 'x' names no prompt in prompts" in pooler.problem
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied-no-head", "tied"])
+def test_qwen3_embedding_hub_layout(embedding_checkpoints, tmp_path, tied):
+    """Qwen3-Embedding's hub checkpoints say Qwen3ForCausalLM but store the bare decoder (no ``model.``
+    prefix, no lm_head): the 8B's untied head is absent, so it only embeds; the 0.6B's is tied, so it
+    generates too."""
+    path = _copy(embedding_checkpoints["qwen3"], tmp_path / "hub")
+    config = json.loads((path / "config.json").read_text())
+    config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=tied)
+    (path / "config.json").write_text(json.dumps(config))
+    reference = st_encode(path, TEXTS)
+    with LLM(str(path), dtype="float32", num_blocks=64, block_size=8) as llm:
+        ours = torch.tensor([o.embedding for o in llm.embed(TEXTS)])
+        assert llm.engine.can_generate is tied
+        if tied:
+            from transformers import AutoModelForCausalLM
+
+            from tests.checkpoints import hf_greedy
+
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+            prompt = llm.get_tokenizer().encode(TEXTS[1])
+            out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            assert out[0].outputs[0].token_ids == hf_greedy(model, prompt, 6)
+        else:
+            with pytest.raises(ValueError, match="without an LM head .*it serves embeddings only"):
+                llm.generate("hi")
+    torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
