@@ -175,3 +175,9 @@ def test_a_model_without_pooling_config_is_400_saying_what_is_missing(tiny_llama
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_generation_on_an_embedding_only_checkpoint_is_400(embedding_server):
+    status, _, raw = http(embedding_server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    error = json.loads(raw)["error"]
+    assert status == 400 and "without an LM head" in error["message"] and "serves embeddings only" in error["message"]
