@@ -49,6 +49,9 @@ class CudaBackend:
     """One GPU (``cuda:{local_rank}``); ``device`` overrides it (a CPU device only under Triton's interpreter)."""
 
     name = "cuda"
+    # Quantized weights run only through this backend's kernels: a format without one is a build-time error
+    # (layers.context.quant_kernel), never the torch dequantize path's silent slowness.
+    quant_kernels_required = True
 
     def __init__(self, config: object = None, rank: RankInfo | None = None,
                  device: torch.device | None = None) -> None:
@@ -81,8 +84,12 @@ class CudaBackend:
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
                           dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One block more than asked for: block ``num_blocks`` is the scratch block that the padding rows of a
+        CUDA-graph decode step read and write (the scheduler never hands it out)."""
+        self.scratch_block = num_blocks
+
         def zeros(dim: int) -> torch.Tensor:
-            return torch.zeros(num_blocks, block_size, spec.num_kv_heads, dim, dtype=dtype, device=self.device)
+            return torch.zeros(num_blocks + 1, block_size, spec.num_kv_heads, dim, dtype=dtype, device=self.device)
 
         if spec.value_in_key is not None:  # the value is the key's first features: no storage of its own
             keys = [zeros(spec.head_dim) for _ in range(spec.num_layers)]
@@ -108,6 +115,20 @@ class CudaBackend:
                         sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
         return kernels.paged_attention(self.kernels, query, key, value, kv_cache, batch, scale, sliding_window,
                                        logit_soft_cap)
+
+    def capture_decode(self, forward: Callable[[ForwardBatch], torch.Tensor], max_num_seqs: int,
+                       max_blocks_per_seq: int, block_size: int) -> Callable[[ForwardBatch], torch.Tensor | None] | None:
+        """CUDA graphs of ``forward`` for decode steps at bucketed batch sizes (``backends/cuda_graphs.py``;
+        never run on a GPU). None on CPU tensors (Triton's interpreter): there is nothing to capture."""
+        if self.device.type != "cuda":
+            return None
+        from pluginfer.backends.cuda_graphs import CudaGraph, DecodeGraphs
+
+        pool = torch.cuda.graph_pool_handle()
+        graphs = DecodeGraphs(forward, self.device, max_num_seqs, max_blocks_per_seq, block_size, self.scratch_block,
+                              lambda: CudaGraph(pool))
+        graphs.capture()
+        return graphs
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

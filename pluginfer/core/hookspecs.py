@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pluggy
 
 PROJECT_NAME = "pluginfer"
-PLUGIN_API_VERSION = 2
+PLUGIN_API_VERSION = 3
 """Bump when a protocol changes incompatibly; a spec lists the versions it was written for."""
 
 KINDS = ("model", "quant", "backend", "collective")

@@ -164,6 +164,35 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     return out
 
 
+# -- mixture of experts -----------------------------------------------------------------------------
+def _gated(x: torch.Tensor, activation: str) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
+
+
+def fused_moe(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str) -> torch.Tensor | None:
+    """Each token's router-weighted sum over its ``top_k`` experts' gated MLPs (``layers.moe.FusedExperts``).
+
+    ``hidden`` ``[tokens, hidden]``; ``gate_up_proj`` ``[experts, 2 * inter, hidden]`` (gate rows first) and
+    ``down_proj`` ``[experts, hidden, inter]`` in ``hidden``'s dtype; ``topk_weights`` float32 and
+    ``topk_ids`` ``[tokens, top_k]``; ``activation`` ``"silu"``, ``"gelu"`` or ``"gelu_tanh"``. Rounding
+    follows the layer: both projections and the activation in the model dtype, the weighting and the sum
+    over ``top_k`` in float32, the result rounded to the model dtype.
+    """
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.flatten()
+    outputs = torch.empty(flat_ids.shape[0], hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+    for expert in flat_ids.unique().tolist():
+        pairs = (flat_ids == expert).nonzero().flatten()
+        gate_up = F.linear(hidden[pairs // top_k], gate_up_proj[expert])
+        outputs[pairs] = F.linear(_gated(gate_up, activation), down_proj[expert])
+    weighted = outputs.float() * topk_weights.flatten()[:, None].float()
+    return weighted.view(-1, top_k, hidden.shape[-1]).sum(dim=1).to(hidden.dtype)
+
+
 # -- dense weights: the layout a loaded weight is kept in, and the matmul that reads it ----------------
 def dense_layout(weight: torch.Tensor, batched: bool, packed_only: bool) -> str:
     """The name of the layout the backend keeps a loaded ``[out, in]`` weight in.
@@ -230,6 +259,62 @@ def marlin_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, g
     return out.reshape(*x.shape[:-1], size_n)
 
 
+
+def grouped_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   g_idx: torch.Tensor | None, bits: int, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for GPTQ's packing (AWQ repacked into it): ``x`` ``[..., k]``, ``bits`` 4 or 8.
+
+    ``qweight`` int32 ``[k * bits / 32, n]`` (packed along the inputs, lowest bits first); ``qzeros`` int32
+    ``[groups, n * bits / 32]`` (the real zero points, packed along the outputs); ``scales`` ``[groups, n]``;
+    ``g_idx`` int32 ``[k]``: each input's group (act-order), None for ``k // group_size``.
+    ``W[o, i] = (q[i, o] - zero[g, o]) * scale[g, o]`` in float32, rounded to ``x``'s dtype, products
+    summed in float32.
+    """
+    mask = (1 << bits) - 1
+    shifts = torch.arange(0, 32, bits, device=x.device, dtype=torch.int32)
+    codes = ((qweight[:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, qweight.shape[1])  # [k, n]
+    zeros = ((qzeros[:, :, None] >> shifts[None, None, :]) & mask).reshape(qzeros.shape[0], -1)[:, :scales.shape[1]]
+    groups = g_idx.long() if g_idx is not None else torch.arange(codes.shape[0], device=x.device) // group_size
+    weight = ((codes - zeros[groups]).float() * scales.float()[groups]).to(x.dtype)  # [k, n]
+    out = (x.reshape(-1, codes.shape[0]).float() @ weight.float()).to(x.dtype)
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for per-output-row int8 (W8A16, ``quant/int8.py``): ``qweight`` int8 ``[n, k]``,
+    ``weight_scale`` float32 ``[n]``. The int8 products are summed in float32 and rounded to ``x``'s dtype,
+    then scaled (in float32) and rounded again, as the layer's torch path."""
+    out = (x.float() @ qweight.float().t()).to(x.dtype)
+    out = (out * weight_scale).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def _ggml_matmul(x: torch.Tensor, blocks: torch.Tensor, levels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``blocks`` uint8 ``[n, blocks, bytes]`` (an fp16 scale first), ``levels`` float32 ``[n, blocks, 32]``."""
+    scale = blocks[..., :2].contiguous().view(torch.float16).float()  # [n, blocks, 1]
+    weight = (levels * scale).reshape(blocks.shape[0], -1).to(x.dtype)
+    out = (x.float() @ weight.float().t()).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def ggml_q8_0_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for W in llama.cpp's Q8_0 blocks: ``raw`` uint8 ``[n, cols / 32 * 34]``, each block
+    an fp16 scale then 32 int8 levels. Weights dequantized in float32, rounded to ``x``'s dtype, products
+    summed in float32."""
+    blocks = raw.reshape(raw.shape[0], cols // 32, 34)
+    return _ggml_matmul(x, blocks, blocks[..., 2:].contiguous().view(torch.int8).float(), bias)
+
+
+def ggml_q4_0_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """As :func:`ggml_q8_0_matmul` for Q4_0 blocks (``[n, cols / 32 * 18]``: an fp16 scale, then 16 bytes
+    whose low nibbles are weights 0-15 and high nibbles 16-31, each ``(nibble - 8) * scale``)."""
+    blocks = raw.reshape(raw.shape[0], cols // 32, 18)
+    nibbles = torch.cat([blocks[..., 2:] & 0x0F, blocks[..., 2:] >> 4], dim=-1)
+    return _ggml_matmul(x, blocks, nibbles.float() - 8, bias)
+
 # -- the table --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KernelOp:
@@ -249,7 +334,8 @@ class KernelOp:
 
 OPS: dict[str, KernelOp] = {fn.__name__: KernelOp(fn.__name__, fn) for fn in (
     rms_norm, silu_and_mul, gelu_and_mul, rotary_neox, rotary_interleaved, write_kv,
-    paged_decode_attention, paged_prefill_attention, dense_layout, dense_pack, dense_linear, marlin_matmul,
+    paged_decode_attention, paged_prefill_attention, fused_moe, dense_layout, dense_pack, dense_linear, marlin_matmul,
+    grouped_matmul, int8_matmul, ggml_q8_0_matmul, ggml_q4_0_matmul,
 )}
 
 

@@ -321,6 +321,16 @@ class DeviceBackend(Protocol):
         answers its native format ops (``ggml_dequantize``, ``grouped_dequantize``, ...).
         """
 
+    # Optional (looked up with getattr; API 3):
+    #   quant_kernels_required: bool -- True: quantized weights run only through this backend's kernels, and a
+    #     quant format whose matmul op it lacks is a build-time error naming both (``layers.context.quant_kernel``)
+    #     instead of the quant method's torch dequantize path.
+    #   capture_decode(forward, max_num_seqs, max_blocks_per_seq, block_size) -> callable | None -- called once
+    #     after the KV cache is allocated unless ``enforce_eager`` (and only without pipeline parallelism);
+    #     ``forward(batch)`` is the model's forward. The callable it returns takes each step's batch and gives
+    #     the hidden states of its sampled rows from a replay (CUDA graphs of decode steps), or None: the worker
+    #     then runs the step eagerly. The block tables it is given may be narrower than ``max_blocks_per_seq``.
+
 
 @runtime_checkable
 class Collective(Protocol):

@@ -63,6 +63,8 @@ class Worker:
                  registry: Registry, checkpoint: Path | GGUFCheckpoint, hf_config: dict, model_name: str,
                  quant_name: str, max_model_len: int) -> None:
         self.config, self.rank, self.world, self.backend = config, rank, world, backend
+        self.max_model_len = max_model_len
+        self.decode_graphs = None  # set once the KV cache exists, where the backend captures decode steps
         # Every rank creates every group (collective semantics), then keeps its own.
         self.tp_group = world.new_group(rank.tp_groups()) if rank.world_size > 1 else world
         self.quant = build_plugin(registry, "quant", quant_name, hf_config.get("quantization_config"))
@@ -136,6 +138,15 @@ class Worker:
                                                         self.config.cache.block_size, self.kv_dtype)
         self.pipeline.bind_kv_caches(self.kv_caches)
         self.startup_times["cache"] = time.perf_counter() - started
+        capture = getattr(self.backend, "capture_decode", None)
+        if capture is not None and not self.config.enforce_eager and self.rank.pp_size == 1:
+            started = time.perf_counter()
+            max_blocks = -(-self.max_model_len // self.config.cache.block_size)
+            with torch.inference_mode():
+                self.decode_graphs = capture(self.pipeline.forward, self.config.scheduler.max_num_seqs, max_blocks,
+                                             self.config.cache.block_size)
+            if self.decode_graphs is not None:
+                self.startup_times["graphs"] = time.perf_counter() - started
         logger.info("rank %d start-up: %s", self.rank.rank,
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_times.items()))
 
@@ -150,7 +161,12 @@ class Worker:
         intermediate = None
         if not self.is_first_stage:
             intermediate = self._recv_intermediate(self.rank.stage_rank(self.rank.pp_rank - 1))
-        out = self.pipeline.forward(batch, intermediate)
+        out = None
+        if self.decode_graphs is not None and not step.num_hidden_rows and batch.logits_indices.shape[0] == \
+                batch.num_seqs:
+            out = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
+        if out is None:
+            out = self.pipeline.forward(batch, intermediate)
         if not self.is_last_stage:
             self._send_intermediate(out, self.rank.stage_rank(self.rank.pp_rank + 1))
             if self.rank.is_driver:  # the driver samples: the last stage's first rank sends it the results

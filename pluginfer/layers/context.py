@@ -26,6 +26,23 @@ def backend_op(backend: object, name: str) -> Callable | None:
     return backend.op(name)
 
 
+def quant_kernel(op_name: str, quant_format: str) -> Callable | None:
+    """The current backend's kernel for a quant format's matmul (an op of ``core/kernels.py``), or None.
+
+    A backend whose quantized weights run only through its own kernels (``quant_kernels_required``: the cuda
+    backend) and that has none for this format makes that a build-time error naming both, instead of a
+    silently slow torch dequantize path. Outside a build context there is no backend: None.
+    """
+    if not has_context():
+        return None
+    backend = current_context().backend
+    kernel = backend.op(op_name)
+    if kernel is None and getattr(backend, "quant_kernels_required", False):
+        raise ValueError(f"backend {backend.name!r} has no kernel for quant format {quant_format!r} (op {op_name}); "
+                         "choose another --quant, or another --backend")
+    return kernel
+
+
 def has_context() -> bool:
     return _current is not None
 

@@ -167,6 +167,11 @@ def select_experts(router_logits: torch.Tensor, spec: RouterSpec,
     return weights, ids
 
 
+# hidden_act -> the activation name of op ``fused_moe`` (``core/kernels.py``); as ``layers.activation``.
+_ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                     "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+
+
 class _StagingPool:
     """Device buffers an offloaded expert is copied into; one per (shape, dtype), shared by a model's layers."""
 
@@ -241,7 +246,8 @@ class FusedExperts(nn.Module):
             self.staging.buffer(gate_up_shape, ctx.dtype), self.staging.buffer(down_shape, ctx.dtype)
         self.transfers, self.transferred_bytes = 0, 0
         self.act_fn = gated_activation(hidden_act)
-        self.kernel = backend_op(ctx.backend, "fused_moe") if num_offloaded == 0 else None
+        self.activation = _ACTIVATION_NAMES.get(hidden_act)  # the name op fused_moe takes
+        self.kernel = backend_op(ctx.backend, "fused_moe") if num_offloaded == 0 and self.activation else None
         self.dense = dense.DenseMatmul.for_context(ctx)
         self.layout = "checkpoint"  # a packed layout of layers/dense.py once the experts are packed
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # packed copies of resident experts
@@ -365,7 +371,7 @@ class FusedExperts(nn.Module):
     def partial(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output (the whole output on one rank): its slice of every expert."""
         if self.kernel is not None:
-            out = self.kernel(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+            out = self.kernel(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation)
             if out is not None:
                 return out
         # Sort the (token, expert) pairs by expert so each active expert runs one matmul over its tokens.

@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from pluginfer.core.protocols import ShardSpec
-from pluginfer.layers.context import backend_op, current_context, has_context
+from pluginfer.layers.context import backend_op, current_context, has_context, quant_kernel
 from pluginfer.quant import ggml_blocks, ggml_quantize
 from pluginfer.quant.sharding import UNSPLIT, check_input_split
 from pluginfer.quant.tiled import InSituQuantMethod, replace_weight
@@ -39,6 +39,8 @@ class GGMLInSituLinear(InSituQuantMethod):
         super().create_weights(layer, input_size, output_size, dtype, shard)
         # The backend's native tile dequantization, if it has one (None: the torch path).
         layer.ggml_dequantize = backend_op(current_context().backend, "ggml_dequantize") if has_context() else None
+        # A device kernel reading the blocks (the cuda backend's Q8_0 and Q4_0), if the backend has one.
+        layer.ggml_matmul = quant_kernel(f"ggml_{self.name}_matmul", self.name)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if "weight" not in layer._parameters:
@@ -54,6 +56,8 @@ class GGMLInSituLinear(InSituQuantMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raw = layer.qweight
         cols = raw.shape[1] // self.type_size * self.block_size
+        if getattr(layer, "ggml_matmul", None) is not None:
+            return layer.ggml_matmul(x, raw, cols, bias)
         return ggml_blocks.ggml_linear(x, raw, self.qtype, cols, bias, getattr(layer, "ggml_dequantize", None))
 
 

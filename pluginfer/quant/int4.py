@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pluginfer.core.protocols import ShardSpec
-from pluginfer.layers.context import backend_op, current_context, has_context
+from pluginfer.layers.context import backend_op, current_context, has_context, quant_kernel
 from pluginfer.quant.sharding import UNSPLIT, check_input_split
 from pluginfer.quant.tiled import InSituQuantMethod, replace_weight, tile_buffer, tiled_linear
 
@@ -63,6 +63,7 @@ class Int4Linear(InSituQuantMethod):
         super().create_weights(layer, input_size, output_size, dtype, shard)
         # The backend's native tile dequantization, if it has one (None: the torch path).
         layer.int4_dequantize = backend_op(current_context().backend, "int4_dequantize") if has_context() else None
+        quant_kernel("int4_matmul", self.name)  # no device kernel exists: a backend that needs one refuses int4
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if "weight" not in layer._parameters:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pluginfer.core.protocols import ShardSpec
+from pluginfer.layers.context import quant_kernel
 from pluginfer.quant.sharding import UNSPLIT, row_split
 from pluginfer.quant.tiled import InSituQuantMethod, replace_weight, tiled_linear
 
@@ -54,6 +55,7 @@ class Int8Linear(InSituQuantMethod):
         super().create_weights(layer, input_size, output_size, dtype, shard)
         if row_split(shard):
             layer.weight.weight_loader = partial(_load_row_split, layer)
+        layer.int8_matmul = quant_kernel("int8_matmul", self.name)  # a device kernel, if the backend has one
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if "weight" not in layer._parameters:
@@ -65,6 +67,9 @@ class Int8Linear(InSituQuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q = layer.qweight
+        matmul = getattr(layer, "int8_matmul", None)
+        if matmul is not None:
+            return matmul(x, q, layer.weight_scale, bias)
         # Integers up to 127 are exact in every float dtype; the scale is applied once to the output.
         out = tiled_linear(x, q.shape[0], lambda start, stop: q[start:stop].to(x.dtype), None)
         out = (out * layer.weight_scale).to(x.dtype)

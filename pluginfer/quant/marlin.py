@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pluginfer.core.protocols import ShardSpec
-from pluginfer.layers.context import backend_op, current_context, has_context
+from pluginfer.layers.context import quant_kernel
 from pluginfer.layers.linear import projection_rows
 from pluginfer.quant import marlin_layout as layout
 from pluginfer.quant.sharding import UNSPLIT, check_input_split, column_split, row_split
@@ -94,7 +94,7 @@ class MarlinLinear:
             raise ValueError(f"parallel.tensor_parallel_size {shard.size} gives each rank {output_size} outputs of a "
                              f"layer of {sum(shard.output_sizes) or output_size * shard.size}, not a multiple of "
                              f"Marlin's runs of {layout.CHUNK_COLUMNS} outputs")
-        layer.marlin_matmul = backend_op(current_context().backend, "marlin_matmul") if has_context() else None
+        layer.marlin_matmul = quant_kernel("marlin_matmul", self.name)
         if self.source is not None:
             self.source.create_weights(layer, input_size, output_size, dtype, shard)
             return

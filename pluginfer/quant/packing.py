@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pluginfer.core.protocols import ShardSpec
-from pluginfer.layers.context import backend_op, current_context, has_context
+from pluginfer.layers.context import backend_op, current_context, has_context, quant_kernel
 from pluginfer.quant.sharding import column_split, row_split, split_error
 from pluginfer.quant.tiled import tile_buffer, tiled_linear
 
@@ -108,6 +108,7 @@ class GroupQuantLinear:
         """The backend's native tile dequantization, if it has one (None: the torch path)."""
         layer.grouped_dequantize = (backend_op(current_context().backend, "grouped_dequantize")
                                     if has_context() else None)
+        layer.grouped_matmul = quant_kernel("grouped_matmul", "GPTQ/AWQ packing")  # a device kernel, if any
 
     def _check_sizes(self, layer: nn.Module, input_size: int, output_size: int, shard: ShardSpec,
                      whole_groups: bool = True) -> None:
@@ -164,6 +165,10 @@ class GroupQuantLinear:
         return (dense if dtype == torch.float32 else dense.to(dtype)).t()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        matmul = getattr(layer, "grouped_matmul", None)
+        if matmul is not None:
+            return matmul(x, layer.qweight, layer.qzeros, layer.scales, getattr(layer, "g_idx", None), self.bits,
+                          layer.quant_group_size, bias)
         kernel = getattr(layer, "grouped_dequantize", None)
         if kernel is None:
             return tiled_linear(x, layer.qweight.shape[1],

@@ -69,3 +69,48 @@ def test_backend_on_cpu_tensors_names_its_device_and_collective() -> None:
     assert backend.op("rms_norm").__module__ == "pluginfer.backends.triton_kernels.rms_norm"
     assert backend.kv_cache_budget_bytes(12345, 0.5) == 12345
     assert backend.kv_cache_budget_bytes(None, 0.5) > 0
+
+
+def _build_linear(backend: object, quant_name: str, quant_config: dict | None = None) -> torch.nn.Module:
+    from pluginfer.collectives import single
+    from pluginfer.core.protocols import BuildContext
+    from pluginfer.layers.context import building
+    from pluginfer.layers.linear import ReplicatedLinear
+    from pluginfer.quant import plugin as quant_plugin
+
+    registry = Registry()
+    registry.register(quant_plugin, name="builtin-quant")
+    quant = registry.load("quant", quant_name)(quant_config)
+    with building(BuildContext(backend=backend, quant=quant, collective=single.build(), dtype=torch.float32,
+                               max_model_len=64)):
+        return ReplicatedLinear(256, 128)
+
+
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+
+
+@pytest.mark.parametrize(("quant_name", "config", "kernel"), [
+    ("int8", None, "int8_matmul"), ("q8_0", None, "ggml_matmul"), ("q4_0", None, "ggml_matmul"),
+    ("gptq", GPTQ_CONFIG, "grouped_matmul"), ("marlin", GPTQ_CONFIG, "marlin_matmul")])
+def test_quantized_linears_reach_the_cuda_kernels_through_the_table(quant_name: str, config: dict | None,
+                                                                    kernel: str) -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    layer = _build_linear(cuda.CudaBackend(device=torch.device("cpu")), quant_name, config)
+    assert getattr(layer, kernel).__module__.startswith("pluginfer.backends.triton_kernels.")
+
+
+@pytest.mark.parametrize("quant_name", ["int4", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k"])
+def test_a_quant_format_without_a_cuda_kernel_fails_at_build_naming_both(quant_name: str) -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    with pytest.raises(ValueError, match=f"backend 'cuda' has no kernel for quant format '{quant_name}'"):
+        _build_linear(cuda.CudaBackend(device=torch.device("cpu")), quant_name)
+
+
+def test_the_cpu_backend_keeps_its_torch_paths_for_the_same_formats() -> None:
+    from pluginfer.backends import cpu
+
+    for quant_name in ("int4", "q4_k", "int8"):
+        layer = _build_linear(cpu.CpuBackend(native_kernels=False), quant_name)
+        assert getattr(layer, "int8_matmul", None) is None and getattr(layer, "ggml_matmul", None) is None

@@ -45,11 +45,11 @@ CASES = {
         "num_hidden_layers": 2, "head_dim": 16, "sliding_window": 12, "query_pre_attn_scalar": 24,
         "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0}, {"rotary_neox", "gelu_and_mul"}),
     "mixtral-window": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
-                                              "sliding_window": 16}, {"rotary_neox", "silu_and_mul"}),
+                                              "sliding_window": 16}, {"rotary_neox", "fused_moe"}),
     "deepseek-v2-lite-mla": ("DeepseekV2ForCausalLM", {
         **MLA, "num_hidden_layers": 2, "q_lora_rank": None, "n_routed_experts": 6, "num_experts_per_tok": 2,
         "n_shared_experts": 1, "topk_method": "greedy", "first_k_dense_replace": 1, "moe_intermediate_size": 24},
-        {"rotary_interleaved", "silu_and_mul"}),
+        {"rotary_interleaved", "silu_and_mul", "fused_moe"}),
 }
 
 
@@ -100,3 +100,30 @@ def test_marlin_through_the_backend_op_table(tmp_path: Path) -> None:
     assert on_cuda["tokens"] == on_cpu["tokens"]
     assert on_cuda["kernel_calls"].get("marlin_matmul", 0) > 0
     assert "marlin_matmul" not in on_cpu["kernel_calls"]
+
+
+@pytest.mark.parametrize("quant", ["int8", "q4_0"])
+def test_in_situ_quantized_formats_through_the_backend_op_table(quant: str, tmp_path: Path,
+                                                               tiny_tokenizer_dir: Path) -> None:
+    """A float checkpoint quantized at load (int8 W8A16, GGUF Q4_0 blocks): the cuda backend's kernels
+    (``int8_matmul``, ``ggml_q4_0_matmul``, reached through the table) give the cpu backend's greedy tokens."""
+    model = save_hf_model("LlamaForCausalLM", BASE, tmp_path / "llama", tiny_tokenizer_dir)
+    groups = [random_prompts(model.config.vocab_size, [5, 18], seed=4)]
+    on_cuda = run_engine(tmp_path, tmp_path / "llama", groups, quant=quant)
+    on_cpu = run_engine(tmp_path, tmp_path / "llama", groups, backend="cpu", quant=quant)
+    assert on_cuda["tokens"] == on_cpu["tokens"]
+    kernel = {"int8": "int8_matmul", "q4_0": "ggml_q4_0_matmul"}[quant]
+    assert on_cuda["kernel_calls"].get(kernel, 0) > 0
+
+
+def test_gptq_through_the_backend_op_table(tmp_path: Path) -> None:
+    """A GPTQModel checkpoint on ``--quant gptq``: the Triton ``grouped_matmul`` equals the cpu backend's path."""
+    fixture = Path(__file__).parents[1] / "quant" / "fixtures" / "gptq_awq" / "gptq_b4_g128_sym"
+    if not fixture.is_dir():
+        pytest.skip(f"GPTQModel fixture {fixture} is missing (tests/quant/fixtures/make_gptq_awq.py)")
+    vocab = json.loads((fixture / "config.json").read_text())["vocab_size"]
+    groups = [random_prompts(vocab, [5, 18], seed=4)]
+    on_cuda = run_engine(tmp_path, fixture, groups, quant="gptq")
+    on_cpu = run_engine(tmp_path, fixture, groups, backend="cpu", quant="gptq")
+    assert on_cuda["tokens"] == on_cpu["tokens"]
+    assert on_cuda["kernel_calls"].get("grouped_matmul", 0) > 0

@@ -23,7 +23,11 @@ def register(table: KernelTable) -> None:
     """Fill ``table`` with every Triton kernel."""
     from pluginfer.backends.triton_kernels import (
         decode_attention,
+        fused_moe,
         gated_activation,
+        ggml_matmul,
+        grouped_matmul,
+        int8_matmul,
         marlin_matmul,
         prefill_attention,
         rms_norm,
@@ -39,4 +43,9 @@ def register(table: KernelTable) -> None:
     table.register("write_kv", write_kv.write_kv)
     table.register("paged_decode_attention", decode_attention.paged_decode_attention)
     table.register("paged_prefill_attention", prefill_attention.paged_prefill_attention)
+    table.register("fused_moe", fused_moe.fused_moe)
     table.register("marlin_matmul", marlin_matmul.marlin_matmul)
+    table.register("grouped_matmul", grouped_matmul.grouped_matmul)
+    table.register("int8_matmul", int8_matmul.int8_matmul)
+    table.register("ggml_q8_0_matmul", ggml_matmul.ggml_q8_0_matmul)
+    table.register("ggml_q4_0_matmul", ggml_matmul.ggml_q4_0_matmul)

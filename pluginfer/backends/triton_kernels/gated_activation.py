@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 _SILU, _GELU, _GELU_TANH = 0, 1, 2
+ACTIVATIONS = {"silu": _SILU, "gelu": _GELU, "gelu_tanh": _GELU_TANH}  # op fused_moe's names
 
 
 @triton.jit
@@ -32,7 +33,7 @@ def _gated_kernel(x_ptr, out_ptr, stride_x, stride_o, n, ACTIVATION: tl.constexp
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _gated(x: torch.Tensor, activation: int) -> torch.Tensor | None:
+def gated(x: torch.Tensor, activation: int) -> torch.Tensor | None:
     if x.stride(-1) != 1 or x.shape[-1] % 2:
         return None
     n = x.shape[-1] // 2
@@ -45,8 +46,8 @@ def _gated(x: torch.Tensor, activation: int) -> torch.Tensor | None:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-    return _gated(x, _SILU)
+    return gated(x, _SILU)
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor | None:
-    return _gated(x, _GELU_TANH if approximate == "tanh" else _GELU)
+    return gated(x, _GELU_TANH if approximate == "tanh" else _GELU)

@@ -7,6 +7,6 @@ from pluginfer.core.hookspecs import PluginSpec, hookimpl
 def pluginfer_models() -> list[PluginSpec]:
     return [
         PluginSpec(kind="model", name="granite", architectures=("GraniteForCausalLM",),
-                   factory="pluginfer_granite.model:build", api_versions=(2,),
+                   factory="pluginfer_granite.model:build", api_versions=(2, 3),
                    description="IBM Granite 3.x (example out-of-tree plugin)"),
     ]

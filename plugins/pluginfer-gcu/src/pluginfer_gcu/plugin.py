@@ -7,7 +7,7 @@ from pluginfer.core.hookspecs import PluginSpec, hookimpl
 def pluginfer_backends() -> list[PluginSpec]:
     return [
         PluginSpec(kind="backend", name="gcu", factory="pluginfer_gcu.backend:build",
-                   check="pluginfer_gcu.device:why_not_usable", priority=15, api_versions=(2,),
+                   check="pluginfer_gcu.device:why_not_usable", priority=15, api_versions=(2, 3),
                    description="Enflame GCUs through torch_gcu (gcu:local_rank), torch attention"),
     ]
 
@@ -16,6 +16,6 @@ def pluginfer_backends() -> list[PluginSpec]:
 def pluginfer_collectives() -> list[PluginSpec]:
     return [
         PluginSpec(kind="collective", name="eccl", factory="pluginfer_gcu.collective:build",
-                   check="pluginfer_gcu.collective:why_not_usable", api_versions=(2,),
+                   check="pluginfer_gcu.collective:why_not_usable", api_versions=(2, 3),
                    description="Enflame ECCL through torch.distributed (the process group torch_gcu registers)"),
     ]
