@@ -609,11 +609,11 @@ def quant_matmul_op() -> Callable | None:
 # What half_linear_supported() returns in C: the instruction set of the 16-bit GEMV.
 HALF_LINEAR_ISAS = {1: "AVX512-BF16", 2: "AVX-512", 3: "AVX2 + F16C"}
 HALF_LINEAR_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-# Rows above which half_linear hands the matmul back to torch's GEMM: measured on this project's
-# machine (docs/performance.md, benchmarks/half_gemv.py --cpu-time), the kernel reads a bfloat16 weight
-# 1.2-1.4x faster than torch at one row, and from 4 rows torch's oneDNN GEMM (AMX here; ties without
-# it) is as fast or faster; float16, where torch has no such GEMM, crosses over past 8 rows.
-HALF_LINEAR_MAX_ROWS = {torch.bfloat16: 3, torch.float16: 8}
+# Rows above which half_linear hands the matmul back to torch's GEMM. Measured on this project's machine
+# (docs/performance.md, benchmarks/half_gemv.py --cpu-time, the 0.5B llama's shapes): the kernel runs
+# bfloat16 1.3-1.6x faster than torch's F.linear at 1-4 rows, 1.15-1.3x at 6, and ties torch's oneDNN
+# GEMM (AMX on this CPU) from 7-8 rows; float16, where torch's GEMM is slower, ties at 16.
+HALF_LINEAR_MAX_ROWS = {torch.bfloat16: 6, torch.float16: 16}
 
 
 def half_linear_isa() -> str | None:

@@ -156,7 +156,7 @@ def test_op_and_the_log_line_saying_which_path(monkeypatch: pytest.MonkeyPatch, 
     assert native.op("half_linear") is native.half_linear
     native.op("half_linear")
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("INFO", f"16-bit linears: native GEMV ({native.half_linear_isa()}) up to 3 rows of bfloat16 and 8 of "
+        ("INFO", f"16-bit linears: native GEMV ({native.half_linear_isa()}) up to 6 rows of bfloat16 and 16 of "
                  "float16, torch's matmul above")]
     caplog.clear()
     monkeypatch.setattr(native, "half_linear_isa", lambda: None)  # a CPU without AVX2 + F16C

@@ -23,8 +23,11 @@
  *
  * Threads (OpenMP) split the output tiles into contiguous ranges. Rows go in blocks of HL_ROW_BLOCK
  * whose activations stay in cache while the tiles pass over them, so the weight is read from memory
- * once per block (once per call in decode). At the first row group of a block the weight rows are
- * prefetched HL_PREFETCH bytes ahead: more reads in flight than the hardware prefetcher starts.
+ * once per block (once per call in decode). At the first row group of a block each weight row's
+ * reads are followed by a prefetch of the same columns of the row HL_NO rows on, which the thread's
+ * next tile reads: one tile of reads in flight ahead of the loads (one core then reads a bfloat16
+ * weight at the machine's read bandwidth, 12-15 GB/s, where a prefetch 2 KiB ahead in the row, i.e.
+ * into the tile's own next row for 1024 inputs, got 8-11; benchmarks/half_gemv.py --cpu-time).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -50,9 +53,6 @@
 enum { HL_BF16 = 0, HL_F16 = 1 };
 
 #define HL_ROW_BLOCK 48
-#ifndef HL_PREFETCH
-#define HL_PREFETCH 2048
-#endif
 
 /* 1: AVX512-BF16 (vdpbf16ps for bfloat16, vcvtph2ps for float16); 2: AVX-512 without BF16; 3: AVX2 + F16C;
  * 0: no kernel (the caller uses torch). */
@@ -149,7 +149,7 @@ static inline __attribute__((always_inline)) void tile_float(const int dtype, co
         const int fetch = prefetch && (i & 31) == 0; /* one prefetch per 64-byte line */
 #pragma GCC unroll 8
         for (int o = 0; o < HL_NO; o++) {
-            if (fetch) _mm_prefetch((const char *)(w[o] + i) + HL_PREFETCH, _MM_HINT_T0);
+            if (fetch) _mm_prefetch((const char *)(w[o] + i + HL_NO * k), _MM_HINT_T0);
             const hl_vec wv = hl_load_w(dtype, w[o] + i);
 #pragma GCC unroll 8
             for (int r = 0; r < mr; r++) acc[r][o] = hl_fma(xv[r], wv, acc[r][o]);
@@ -189,7 +189,7 @@ static inline __attribute__((always_inline)) void tile_dpbf16(const int mr, cons
         for (int r = 0; r < mr; r++) xv[r] = (__m512bh)_mm512_loadu_si512(x + r * ldx + i);
 #pragma GCC unroll 8
         for (int o = 0; o < HL_NO; o++) {
-            if (prefetch) _mm_prefetch((const char *)(w[o] + i) + HL_PREFETCH, _MM_HINT_T0);
+            if (prefetch) _mm_prefetch((const char *)(w[o] + i + HL_NO * k), _MM_HINT_T0);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w[o] + i);
 #pragma GCC unroll 8
             for (int r = 0; r < mr; r++) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv[r], wv);
