@@ -11,7 +11,6 @@ in ``dense_tensors`` are dequantized at load (docs/quantization.md).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -74,17 +73,15 @@ class GGUFCheckpoint:
     """One ``.gguf`` file: metadata, tensor names, and through its model plugin the HF config and weights."""
 
     def __init__(self, path: str | Path, registry: Any = None) -> None:
-        import gguf
-
+        from pluginfer.core.gguf_reader import GGUFFile
         from pluginfer.core.registry import UnknownPluginError, get_registry
 
         self.path = Path(path)
         try:
-            self.reader = gguf.GGUFReader(self.path, "c")  # copy-on-write map: torch wraps it, no copy
+            self.reader = GGUFFile(self.path)  # mapped copy-on-write: torch wraps its tensors, no copy
+        except MalformedTensorError as exc:
+            raise ValueError(f"{self.path}: {exc}") from None
         except Exception as exc:
-            problem = malformed_tensor(self.path)
-            if problem is not None:
-                raise ValueError(f"{self.path}: {problem}") from None
             raise ValueError(f"{self.path} is not a readable GGUF file: {type(exc).__name__}: {exc}") from None
         self.arch = str(self.field("general.architecture", ""))
         try:
@@ -104,8 +101,7 @@ class GGUFCheckpoint:
 
     def field(self, key: str, default: Any = None) -> Any:
         """A metadata value; ``{arch}`` in ``key`` is this file's architecture."""
-        field = self.reader.get_field(key.format(arch=getattr(self, "arch", "")))
-        return default if field is None else field.contents()
+        return self.reader.get(key.format(arch=getattr(self, "arch", "")), default)
 
     def require(self, key: str) -> Any:
         value = self.field(key)
@@ -161,7 +157,7 @@ class GGUFCheckpoint:
     def _tensor(self, tensor: Any) -> torch.Tensor | GGMLTensor:
         from gguf import GGMLQuantizationType as T
 
-        shape = torch.Size(int(d) for d in reversed(tensor.shape.tolist()))  # GGML lists the fastest axis first
+        shape = torch.Size(int(d) for d in reversed(tensor.shape))  # GGML lists the fastest axis first
         data = tensor.data
         if tensor.tensor_type in (T.F32, T.F16):
             return torch.from_numpy(data).reshape(shape)
@@ -200,35 +196,6 @@ def check_tensor_info(name: str, dims: list[int], raw_type: int, data_offset: in
             f"GGUF tensor {name!r}: its {qtype.name} data of GGML shape {dims} takes {n_bytes} bytes from offset "
             f"{data_offset}, past the end of the file ({file_size} bytes): the file is truncated or the "
             "tensor's offset is wrong")
-
-
-def malformed_tensor(path: str | Path) -> str | None:
-    """What is wrong with the first bad tensor entry of a file gguf-py could not read (None: not a tensor).
-
-    gguf-py refuses such files too, but with numpy's reshape error or an enum's, naming no tensor."""
-    try:
-        _checked_reader_class()(path, "r")
-    except MalformedTensorError as exc:
-        return str(exc)
-    except Exception:
-        return None
-    return None
-
-
-@functools.cache
-def _checked_reader_class() -> type:
-    """gguf-py's ``GGUFReader`` that checks each tensor's header entry before it maps the tensor's data."""
-    from gguf.gguf_reader import GGUFReader
-
-    class CheckedGGUFReader(GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list) -> None:
-            for info in fields:
-                _, name, _, dims, raw_type, offset = info.parts
-                check_tensor_info(bytes(name).decode("utf-8", "replace"), [int(d) for d in dims], int(raw_type[0]),
-                                  int(start_offs + int(offset[0])), len(self.data))
-            super()._build_tensors(start_offs, fields)
-
-    return CheckedGGUFReader
 
 
 def read_gguf_config(path: str | Path) -> dict:
