@@ -15,6 +15,10 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -283,6 +287,53 @@ def test_reasoning_is_shown_collapsed(page: object, engine: AsyncEngine, endless
         assert message.locator(".reasoning-text").inner_text().strip()
     finally:
         server.stop()
+
+
+@pytest.mark.slow  # a pluginfer serve process: the engine core's start-up
+def test_the_page_through_pluginfer_serve(browser: object, endless_llama: Path, tmp_path: Path) -> None:
+    """As a user runs it: ``pluginfer serve`` (the engine in its own process) answers the page, and Stop reaches
+    the engine process (no request left running)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+           "PLUGINFER_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    env.pop("PLUGINFER_PLUGINS", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pluginfer", "serve", "--model", str(endless_llama), "--dtype", "float32",
+         "--num-blocks", "1024", "--block-size", "8", "--port", "0", "--served-model-name", MODEL_NAME],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        line = process.stdout.readline()
+        match = re.search(r"on (http://\S+)", line)
+        assert match, f"no startup line: {line!r}; stderr: {process.stderr.read() if process.poll() is not None else ''}"
+        url = match.group(1)
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(url + "/")
+        sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+        page.click("#toggle-settings")
+        page.fill("#max-tokens", "8")
+        send(page, "Hello")
+        assert finished(page).locator(".content").inner_text().strip()
+        page.fill("#max-tokens", str(MAX_TOKENS))
+        send(page, "A long one")
+        message = assistant_messages(page).nth(1)
+        sync_api.expect(message.locator(".content")).not_to_be_empty(timeout=30_000)
+        page.click("#stop")
+        finished(page, 1, state="stopped")
+        context.close()
+        deadline = time.monotonic() + 10
+        while True:  # the engine process aborted it: nothing runs, the tokens stop short of MAX_TOKENS
+            metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+            running = float(re.search(r"^pluginfer_num_requests_running (\S+)$", metrics, re.M).group(1))
+            if running == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert running == 0, metrics
+        generated = float(re.search(r"^pluginfer_generation_tokens_total (\S+)$", metrics, re.M).group(1))
+        assert generated < 8 + MAX_TOKENS
+    finally:
+        process.terminate()
+        process.communicate(timeout=60)
 
 
 # -- Markdown ------------------------------------------------------------------------------------------------------
