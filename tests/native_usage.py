@@ -22,7 +22,7 @@ from pathlib import Path
 
 # family -> (the C functions that are the family, the /proc/cpuinfo flags its fast path needs).
 # The C guards: panel_linear.c needs __AVX512F__; quant_dot.c AVX-512 VNNI (with BW, VL, F16C) or, at least,
-# AVX2 with FMA and F16C (its AVX2 kernels).
+# AVX2 with FMA and F16C (its AVX2 kernels); half_linear.c AVX2 with FMA and F16C at least.
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "decode attention": (("paged_decode_attention",), ()),
     "RMSNorm": (("rms_norm",), ()),
@@ -33,8 +33,10 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "GPTQ/AWQ dequantize": (("grouped_dequantize",), ()),
     "int4 dequantize": (("int4_dequantize_rows",), ()),
     "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)": (("quant_matmul",), ("avx2", "fma", "f16c")),
+    "16-bit GEMV (AVX2 / AVX512-BF16)": (("half_linear",), ("avx2", "fma", "f16c")),
 }
 PANELS, FUSED = "panel GEMM (AVX-512)", "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)"
+HALF = "16-bit GEMV (AVX2 / AVX512-BF16)"
 ONEDNN = "oneDNN prepacked GEMM (torch)"
 
 calls: Counter[str] = Counter()  # C function or ONEDNN -> calls in this process
@@ -165,7 +167,8 @@ _IMPORT = re.compile(r"could not import '([\w.]+)'")
 
 
 # Skip reasons of the native tests -> the kernel family they need (None: the library alone).
-NATIVE_SKIPS = {"native kernels unavailable": None, "needs the native library": PANELS, "fused kernel needs": FUSED}
+NATIVE_SKIPS = {"native kernels unavailable": None, "needs the native library": PANELS, "fused kernel needs": FUSED,
+                "16-bit GEMV needs": HALF}
 
 
 # tests/server/test_web_chat.py's skip when no Chromium is found; CI installs Debian's (.ci/run).

@@ -21,7 +21,7 @@ from pluginfer.backends import native
 from tests.checkpoints import greedy, hf_logits, prefill_logits, random_prompts, save_hf_model
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native.half_linear_isa() is None,
-                                reason="the native 16-bit GEMV needs the native library on a CPU with AVX2 + F16C")
+                                reason="the 16-bit GEMV needs AVX2 + FMA + F16C (and the native library)")
 
 LLAMA = dict(hidden_size=96, intermediate_size=200, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=128, initializer_range=0.05, rms_norm_eps=1e-5, tie_word_embeddings=False)

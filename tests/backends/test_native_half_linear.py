@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from pluginfer.backends import native
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native.half_linear_isa() is None,
-                                reason="the native 16-bit GEMV needs the native library on a CPU with AVX2 + F16C")
+                                reason="the 16-bit GEMV needs AVX2 + FMA + F16C (and the native library)")
 
 DTYPES = [torch.bfloat16, torch.float16]
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
