@@ -15,12 +15,12 @@ from pluginfer.core.config import EngineConfig
 from pluginfer.server.chat import create_chat_completion, render_prompt
 from pluginfer.server.chat_page import add_chat_page, is_public
 from pluginfer.server.completions import create_completion
-from pluginfer.server.embeddings import create_embedding
 from pluginfer.server.cors import cors_middleware
 from pluginfer.server.errors import APIError, bad_request, error_middleware
 from pluginfer.server.metrics import CONTENT_TYPE
 from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from pluginfer.server.state import STATE, ServerState, read_body
+from pluginfer.server.streaming import CLIENT_LEFT
 
 _OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers' probes)
 
@@ -40,7 +40,6 @@ def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Applicatio
         app.on_startup.append(_attach_engine)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/completions", create_completion)
-    app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_post("/tokenize", tokenize)
@@ -66,7 +65,7 @@ async def _metrics_middleware(request: web.Request, handler: Any) -> web.StreamR
     except (asyncio.CancelledError, ConnectionError):
         counter.labels(route, "499").inc()  # the client closed the connection first (nginx's code)
         raise
-    counter.labels(route, str(response.status)).inc()
+    counter.labels(route, "499" if request.get(CLIENT_LEFT) else str(response.status)).inc()
     return response
 
 

@@ -25,6 +25,7 @@ from pluginfer.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 _END = object()
+CLIENT_LEFT = "pluginfer_client_left"  # set on a request whose client closed the connection mid-stream
 
 
 class EventStream:
@@ -59,23 +60,28 @@ async def stream_response(request: web.Request, chunks: AsyncIterator[dict[str, 
     (so e.g. a prompt longer than the context is a 400); after it, an error event, then [DONE]."""
     events = EventStream(request)
     try:
-        async with aclosing(chunks) as stream:
-            async for chunk in stream:
-                await events.open()
-                await events.send(chunk)
-    except APIError as exc:
-        if not events.opened:
+        try:
+            async with aclosing(chunks) as stream:
+                async for chunk in stream:
+                    await events.open()
+                    await events.send(chunk)
+        except APIError as exc:
+            if not events.opened:
+                raise
+            await events.fail(exc)
+        except ConnectionError:
             raise
-        await events.fail(exc)
-    except ConnectionError:  # the client went away; closing the chunks aborted its requests
-        raise
-    except Exception as exc:
-        if not events.opened:
-            raise
-        logger.exception("error while streaming %s", request.path)
-        await events.fail(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
-    await events.open()
-    return await events.close()
+        except Exception as exc:
+            if not events.opened:
+                raise
+            logger.exception("error while streaming %s", request.path)
+            await events.fail(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
+        await events.open()
+        return await events.close()
+    except ConnectionError:  # the client left mid-stream (closing the chunks aborted its requests): not an error
+        request[CLIENT_LEFT] = True  # counted as a 499 in the metrics
+        logger.debug("the client of %s left mid-stream", request.path)
+        return events.response
 
 
 async def run_requests(state: ServerState, prompts: list[list[int]], params: SamplingParams,

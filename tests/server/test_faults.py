@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
+import socket
 
 import openai
 import pytest
@@ -138,3 +141,29 @@ def test_the_openai_client_sees_a_500_as_an_internal_server_error(small_server):
 
     asyncio.run(main())
     wait_until_idle(engine)
+
+
+def test_clients_leaving_mid_stream_are_499s_not_logged_errors(small_server, caplog):
+    """Whether the server notices the closed connection by its handler being cancelled or by a write that
+    fails, the request is aborted, counted as a 499, and nothing is logged as an error."""
+    engine, server = small_server
+    before = _count_499(server)
+    body = json.dumps({"model": MODEL_NAME, "prompt": [30, 31], "max_tokens": 60, "stream": True, "n": 2,
+                       "ignore_eos": True, "logit_bias": {str(FAULT): -100}}).encode()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(10):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                received = b""
+                while received.count(b"data: ") < 2:
+                    received += sock.recv(4096)
+        wait_until_idle(engine)
+        assert _count_499(server) == before + 10
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def _count_499(server: BackgroundServer) -> float:
+    text = http(server, "GET", "/metrics")[2].decode()
+    found = re.search(r'^pluginfer_requests_total\{route="/v1/completions",status="499"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
