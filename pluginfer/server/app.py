@@ -16,6 +16,7 @@ from pluginfer.server.chat import create_chat_completion, render_prompt
 from pluginfer.server.chat_page import add_chat_page, is_public
 from pluginfer.server.completions import create_completion
 from pluginfer.server.cors import cors_middleware
+from pluginfer.server.embeddings import create_embedding
 from pluginfer.server.errors import APIError, bad_request, error_middleware
 from pluginfer.server.metrics import CONTENT_TYPE
 from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -40,6 +41,7 @@ def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Applicatio
         app.on_startup.append(_attach_engine)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_post("/tokenize", tokenize)
