@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where a conversion runs: `pluginfer serve` starts its engine before torch loads
+    import torch
     from gguf import GGMLQuantizationType
 
 # HF architecture -> GGUF general.architecture.

@@ -289,3 +289,18 @@ def test_a_gguf_core_reports_its_start_up_phases_and_serves_from_the_cached_toke
         finally:
             client.shutdown()
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_pluginfer_serve_can_start_its_engine_process_before_torch_is_imported(tmp_path):
+    """Everything `pluginfer serve` runs before start_engine spawns the core (the CLI's parser, the config,
+    server/launch.py itself) imports no torch, so the server's own imports overlap the core's start-up."""
+    code = ("import sys\n"
+            "from pluginfer.cli import build_parser\n"
+            "from pluginfer.cli.serve import serve_config\n"
+            f"serve_config(build_parser().parse_args(['serve', '--model', {str(tmp_path)!r}]))\n"
+            "import pluginfer.server.launch\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
