@@ -78,3 +78,52 @@ def test_logits_equal_llama_cpp_reading_the_same_file(tmp_path: Path) -> None:
     ours = LLM(model=str(FIXTURE), num_blocks=64, block_size=8, max_model_len=256)  # no cached prefix
     # Both in float32, summed in other orders: measured at most 1e-5 apart (logits spread ~14).
     torch.testing.assert_close(prefill_logits(ours, PROMPT), theirs, atol=1e-4, rtol=1e-4)
+
+
+def rewritten(out: Path, rope_freqs: np.ndarray, fields: dict[str, object] = {}) -> Path:  # noqa: B006
+    """The fixture with its ``rope_freqs.weight`` replaced and string metadata ``fields`` added."""
+    reader = gguf.GGUFReader(FIXTURE)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", "general.architecture")):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for key, value in fields.items():
+        writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)
+    for tensor in reader.tensors:
+        data = rope_freqs if tensor.name == "rope_freqs.weight" else tensor.data
+        writer.add_tensor(tensor.name, data, raw_shape=None if tensor.name == "rope_freqs.weight"
+                          else tuple(tensor.data.shape), raw_dtype=None if tensor.name == "rope_freqs.weight"
+                          else tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_linear_scaling_and_rope_freqs_both_apply(tmp_path: Path) -> None:
+    path = rewritten(tmp_path / "linear.gguf", np.array(file_factors(), dtype=np.float32),
+                     {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})
+    assert read_hf_config(path)["rope_scaling"] == {"rope_type": "linear", "factor": 2.0,
+                                                    "frequency_factors": file_factors()}
+
+
+@pytest.mark.parametrize("case", ["length", "zero", "f16", "yarn"])
+def test_rope_freqs_that_cannot_apply_are_named(case: str, tmp_path: Path) -> None:
+    factors = np.array(file_factors(), dtype=np.float32)
+    fields: dict[str, object] = {}
+    if case == "length":
+        factors, problem = factors[:-1], r"holds 7 values; expected 8 positive finite rope frequency divisors"
+    elif case == "zero":
+        factors[3], problem = 0.0, r"holds 8 values; expected 8 positive finite"
+    elif case == "f16":
+        factors, problem = factors.astype(np.float16), "is F16; llama.cpp reads it as F32"
+    else:
+        fields = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}
+        problem = "with rope scaling type 'yarn' is not supported"
+    path = rewritten(tmp_path / f"{case}.gguf", factors, fields)
+    with pytest.raises(ValueError, match=rf"{case}\.gguf: tensor 'rope_freqs\.weight' {problem}"):
+        read_hf_config(path)
