@@ -3,6 +3,7 @@
     pip install llama-cpp-python            # the `bench` extra; builds llama.cpp from source (~15 min, 2 cores)
     python benchmarks/vs_llamacpp.py                                   # 0.5B-shaped llama, F16 Q8_0 Q4_K_M Q4_0
     python benchmarks/vs_llamacpp.py --layers 2 --formats q4_0 --runs 1  # quick smoke run
+    python benchmarks/vs_llamacpp.py --cpu-time                         # a shared machine: one thread, CPU time
 
 On CPUs with AMX, llama.cpp 0.3.36's AMX repacking crashed in this sandbox (SIGSEGV on Q8_0/Q4_0
 files; F16 ran): build it without AMX, keeping AVX-512, for the comparison (docs/performance.md has
@@ -16,6 +17,10 @@ Measured per file, runs interleaved between the engines, medians reported with t
   batch API, one `llama_decode` per step for all 16 sequences);
 - prefill tokens/s: one 512-token prompt.
 Also the file's weight bytes (what a batch-1 token reads) and the memory-bandwidth bound they imply.
+
+``--cpu-time`` runs both engines on one thread and times each phase by the process's CPU time instead of
+the wall clock: on a machine shared with other work, a thread that waits for a core inflates wall-clock
+time (and a second thread waits at every barrier), while the CPU time of one thread is the work done.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import build_checkpoint, memory_bandwidth  # noqa: E402
 
 FORMATS = {"f16": "f16", "q8_0": "q8_0", "q4_k_m": None, "q4_0": "q4_0"}
+clock = time.perf_counter  # time.process_time under --cpu-time
 
 
 def write_files(model_dir: Path, out: Path, formats: list[str]) -> dict[str, Path]:
@@ -74,9 +80,9 @@ class Ours:
 
         def run(tokens: int) -> float:
             params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-            start = time.perf_counter()
+            start = clock()
             self.llm.generate(prompts, params)
-            return time.perf_counter() - start
+            return clock() - start
 
         first = run(1)
         return len(prompts) * (new_tokens - 1) / (run(new_tokens) - first)
@@ -84,9 +90,9 @@ class Ours:
     def prefill_rate(self, prompt: list[int]) -> float:
         from pluginfer import SamplingParams
 
-        start = time.perf_counter()
+        start = clock()
         self.llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-        return len(prompt) / (time.perf_counter() - start)
+        return len(prompt) / (clock() - start)
 
 
 class LlamaCpp:
@@ -132,19 +138,19 @@ class LlamaCpp:
             self._decode([(t, p, seq, p == len(prompt) - 1) for p, t in enumerate(prompt)])
         last = [self._argmax(-1)] * len(prompts)
         positions = [len(p) for p in prompts]
-        start = time.perf_counter()
+        start = clock()
         for _ in range(new_tokens - 1):
             self._decode([(last[s], positions[s], s, True) for s in range(len(prompts))])
             last = [self._argmax(s) for s in range(len(prompts))]
             positions = [p + 1 for p in positions]
-        return len(prompts) * (new_tokens - 1) / (time.perf_counter() - start)
+        return len(prompts) * (new_tokens - 1) / (clock() - start)
 
     def prefill_rate(self, prompt: list[int]) -> float:
         self._clear()
-        start = time.perf_counter()
+        start = clock()
         self._decode([(t, p, 0, p == len(prompt) - 1) for p, t in enumerate(prompt)])
         self._argmax(-1)
-        return len(prompt) / (time.perf_counter() - start)
+        return len(prompt) / (clock() - start)
 
 
 def main() -> None:
@@ -159,7 +165,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the model and files here between runs")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread for both engines, each phase timed by the process's CPU time")
     args = parser.parse_args()
+    if args.cpu_time:
+        global clock
+        clock, args.threads = time.process_time, 1
     args.arch, args.experts, args.top_k = "llama", 0, 0
     torch.set_num_threads(args.threads)
 
@@ -174,7 +185,7 @@ def main() -> None:
         long_prompt = rng.integers(10, args.vocab - 10, 512).tolist()
         bandwidth = memory_bandwidth()
         print(f"llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.threads} threads; "
-              f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+              f"read bandwidth {bandwidth / 1e9:.1f} GB/s; timed by {'CPU time' if args.cpu_time else 'wall clock'}")
         print("format   file MB  bound b1 | batch-1 tok/s ours/llama.cpp | batch-16 tok/s | prefill-512 tok/s")
         for name, path in files.items():
             engines = [Ours(path, args), LlamaCpp(path, args)]
