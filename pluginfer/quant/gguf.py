@@ -132,7 +132,9 @@ class GGUFLinear:
             raise ValueError(f"{name}: {qtype.name} blocks of shape {tuple(loaded.raw.shape)}, expected "
                              f"{(loaded.shape[0], expected)}")
         kernel = backend_op(backend, "ggml_dequantize") if backend is not None else None
-        return GGMLVocabTable(loaded.raw[start:start + rows], qtype, cols, dtype, kernel)
+        raw = loaded.raw[start:start + rows]  # a view of the mapped file on the CPU: no copy
+        device = getattr(backend, "device", None)
+        return GGMLVocabTable(raw if device is None else raw.to(device), qtype, cols, dtype, kernel)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         groups, kernel = layer.gguf_groups, getattr(layer, "ggml_dequantize", None)
