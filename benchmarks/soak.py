@@ -8,9 +8,11 @@ Each client loops until the time is up, drawing a request: chat or completions, 
 connection after a few events, ``--cancel`` (5 %) give up before their first token, ``--multi`` (15 %) ask
 for n = 2..4 choices with stop strings. Reported: requests completed, failed (an HTTP error, an error event,
 or a stream without [DONE] that the client did not leave), disconnected and cancelled; every KV block free
-at the end (/metrics); the server's RSS (with its engine process) at the start, the end and its peak; p50 and
-p99 time to first token and inter-token latency as the clients saw them. Exit status 1 if a request failed
-or a block was left held. ``--json`` writes the report. Linux only (RSS from /proc).
+at the end (/metrics); the server's RSS (with its engine process) at the start, the end, its peak and once a
+minute (the KV cache's pages count from when they are first written, so the RSS climbs by up to the cache's
+size before it levels off; a leak keeps climbing); p50 and p99 time to first token and inter-token latency
+as the clients saw them. Exit status 1 if a request failed or a block was left held. ``--json`` writes the
+report. Linux only (RSS from /proc).
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ async def soak(url: str, args: argparse.Namespace, server_pid: int | None = None
         if server_pid:
             rss.append(rss_mib(server_pid))
             report.rss_mib = {"start": round(rss[0], 1), "end": round(rss[-1], 1), "peak": round(max(rss), 1),
-                              "growth": round(rss[-1] - rss[0], 1)}
+                              "growth": round(rss[-1] - rss[0], 1),
+                              "by_minute": [round(value, 1) for value in rss[::60]]}  # a leak keeps climbing
     return report
 
 

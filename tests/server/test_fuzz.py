@@ -100,3 +100,45 @@ def test_tokenize_and_detokenize_answer_2xx_or_4xx(server, body, path):
     if status >= 400:
         error = json.loads(raw)["error"]
         assert set(error) == {"message", "type", "param", "code"}
+
+
+numbers = st.integers() | st.floats(allow_nan=True, allow_infinity=True) | st.none() | st.text(max_size=3)
+sampling_fields = {name: numbers | json_values for name in (
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "n", "min_tokens", "logprobs", "top_logprobs")}
+sampling_fields.update(
+    stop=st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=4) | json_values,
+    stop_token_ids=st.lists(st.integers(), max_size=4) | json_values,
+    logit_bias=st.dictionaries(st.integers().map(str) | st.text(max_size=3), numbers, max_size=3) | json_values,
+    stream=st.booleans() | json_values, stream_options=json_values, response_format=json_values,
+    structured_outputs=json_values, ignore_eos=st.booleans() | json_values, echo=st.booleans() | json_values)
+
+
+@settings(max_examples=int(os.environ.get("PLUGINFER_FUZZ_EXAMPLES", "25")) * 20, deadline=None)
+@given(fields=st.fixed_dictionaries({}, optional=sampling_fields),
+       chat=st.booleans(), prompt=st.text(max_size=8) | st.lists(st.integers(0, 100), min_size=1, max_size=4))
+def test_request_models_raise_only_validation_errors(fields, chat, prompt):
+    """Any JSON values in the sampling fields end in a request's SamplingParams, a pydantic ValidationError or
+    an APIError (a 4xx) from the request models and the limits; never another exception (a 500)."""
+    from pydantic import ValidationError
+
+    from pluginfer.core.config import SamplingDefaults, ServerConfig
+    from pluginfer.server.errors import APIError
+    from pluginfer.server.limits import check_limits
+    from pluginfer.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    if chat:
+        fields = {key: value for key, value in fields.items() if key not in ("logprobs", "echo")}
+        body, model = {"messages": [{"role": "user", "content": "hi"}], **fields}, ChatCompletionRequest
+    else:
+        fields = {key: value for key, value in fields.items() if key not in ("max_completion_tokens", "top_logprobs")}
+        body, model = {"prompt": prompt, **fields}, CompletionRequest
+    try:
+        request = model.model_validate(body)
+        check_limits(request, ServerConfig(), 256, len(getattr(request, "prompt", [None])))
+        params = request.sampling_params(SamplingDefaults(), 20)
+    except (ValidationError, APIError) as exc:
+        if isinstance(exc, APIError):
+            assert 400 <= exc.status < 500
+        return
+    assert params.n == request.n >= 1 and params.max_tokens >= 1
