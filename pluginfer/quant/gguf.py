@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,9 @@ class GGUFLinear:
         layer.gguf_groups = []
         # The backend's native tile dequantization, if it has one (None: the torch path).
         layer.ggml_dequantize = backend_op(current_context().backend, "ggml_dequantize") if has_context() else None
+        # Per GGML type, the backend's kernel reading its blocks (op ggml_<type>_matmul), found as shards load.
+        layer.gguf_backend = current_context().backend if has_context() else None
+        layer.gguf_matmuls = {}
 
     def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: object, shard_id: object = None) -> None:
         """Keep this rank's part of one whole checkpoint tensor (``GGMLTensor`` or dense) as shard ``shard_id``."""
@@ -89,6 +93,7 @@ class GGUFLinear:
             if tuple(loaded.raw.shape) != (full_rows, expected):
                 raise ValueError(f"{name}: {qtype.name} blocks of shape {tuple(loaded.raw.shape)}, expected "
                                  f"{(full_rows, expected)}")
+            self._find_matmul(layer, qtype, name)
         if column_split(shard):  # (index None here: a layer of one projection)
             start, rows, _ = projection_rows(shard, index or 0)
             loaded = _rows(loaded, start, rows)
@@ -98,6 +103,20 @@ class GGUFLinear:
             layer.gguf_shards[index or 0] = (None, loaded.to(device=param.device, dtype=layer.gguf_dtype))
         else:
             layer.gguf_shards[index or 0] = (qtype, loaded.raw.to(param.device))
+
+    @staticmethod
+    def _find_matmul(layer: nn.Module, qtype: object, name: str) -> None:
+        """The backend's kernel for this GGML type's blocks; where the backend runs quantized weights only
+        through its kernels (``quant_kernels_required``) and has none, loading stops naming both."""
+        backend = getattr(layer, "gguf_backend", None)
+        if backend is None or qtype in layer.gguf_matmuls:
+            return
+        op_name = f"ggml_{qtype.name.lower()}_matmul"
+        kernel = backend.op(op_name)
+        if kernel is None and getattr(backend, "quant_kernels_required", False):
+            raise ValueError(f"{name}: backend {backend.name!r} has no kernel for quant format 'gguf' {qtype.name} "
+                             f"(op {op_name}); choose another --backend, or a file of other types")
+        layer.gguf_matmuls[qtype] = kernel
 
     @staticmethod
     def _check_shape(name: str, loaded: object, rows: int, cols: int) -> None:
@@ -138,10 +157,11 @@ class GGUFLinear:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         groups, kernel = layer.gguf_groups, getattr(layer, "ggml_dequantize", None)
+        matmuls = getattr(layer, "gguf_matmuls", {})
         if len(groups) == 1:
-            return _group_linear(x, *groups[0], layer.input_size, bias, kernel)
-        out = torch.cat([_group_linear(x, qtype, weight, layer.input_size, None, kernel) for qtype, weight in groups],
-                        dim=-1)
+            return _group_linear(x, *groups[0], layer.input_size, bias, kernel, matmuls.get(groups[0][0]))
+        out = torch.cat([_group_linear(x, qtype, weight, layer.input_size, None, kernel, matmuls.get(qtype))
+                         for qtype, weight in groups], dim=-1)
         return out if bias is None else out + bias
 
 
@@ -188,9 +208,11 @@ def _columns(loaded: object, start: int, cols: int) -> object:
 
 
 def _group_linear(x: torch.Tensor, qtype: object, weight: torch.Tensor, cols: int, bias: torch.Tensor | None,
-                  kernel: DequantizeKernel | None) -> torch.Tensor:
+                  kernel: DequantizeKernel | None, matmul: Callable | None = None) -> torch.Tensor:
     if qtype is None:
         return F.linear(x, weight, bias)
+    if matmul is not None:  # a device kernel reading the blocks (the cuda backend's Q8_0 / Q4_0)
+        return matmul(x, weight, cols, bias)
     return ggml_linear(x, weight, qtype, cols, bias, kernel)
 
 

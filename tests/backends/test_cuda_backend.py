@@ -114,3 +114,26 @@ def test_the_cpu_backend_keeps_its_torch_paths_for_the_same_formats() -> None:
     for quant_name in ("int4", "q4_k", "int8"):
         layer = _build_linear(cpu.CpuBackend(native_kernels=False), quant_name)
         assert getattr(layer, "int8_matmul", None) is None and getattr(layer, "ggml_matmul", None) is None
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+def test_gguf_file_tensors_find_their_block_kernel_or_fail_naming_both(type_name: str) -> None:
+    """A GGUF file's tensor of a type the cuda backend reads in-kernel gets that kernel; another type stops the
+    load naming the tensor, the backend and the type."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from gguf import GGMLQuantizationType
+
+    from pluginfer.core.gguf_checkpoint import GGMLTensor
+    from pluginfer.quant import ggml_quantize
+
+    qtype = GGMLQuantizationType[type_name]
+    layer = _build_linear(cuda.CudaBackend(device=torch.device("cpu")), "gguf")
+    raw = ggml_quantize.quantize(torch.randn(128, 256), qtype)
+    tensor = GGMLTensor(raw, qtype, torch.Size((128, 256)), "blk.0.ffn_up.weight")
+    if type_name in ("Q8_0", "Q4_0"):
+        layer.weight.weight_loader(layer.weight, tensor)
+        assert layer.gguf_matmuls[qtype].__module__ == "pluginfer.backends.triton_kernels.ggml_matmul"
+        return
+    with pytest.raises(ValueError, match=f"backend 'cuda' has no kernel for quant format 'gguf' {type_name}"):
+        layer.weight.weight_loader(layer.weight, tensor)

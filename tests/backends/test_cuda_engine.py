@@ -58,7 +58,10 @@ def run_engine(tmp_path: Path, model: Path, prompt_groups: list[list[list[int]]]
     spec = tmp_path / f"spec-{backend}.json"
     spec.write_text(json.dumps({"model": str(model), "backend": backend, "engine": {**ENGINE, **engine},
                                 "prompt_groups": prompt_groups, "max_tokens": MAX_TOKENS}))
-    env = dict(os.environ, TRITON_INTERPRET="1", PLUGINFER_CUDA_ON_CPU="1", PYTHONPATH=str(Path.cwd()))
+    # Float activations for GGML blocks on the cpu backend too (its default for short steps quantizes them to
+    # int8, which the cuda kernels do not): both backends then compute the same products.
+    env = dict(os.environ, TRITON_INTERPRET="1", PLUGINFER_CUDA_ON_CPU="1", PYTHONPATH=str(Path.cwd()),
+               PLUGINFER_QUANT_ACTIVATIONS="float")
     done = subprocess.run([sys.executable, str(RUNNER), str(spec)], env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -127,3 +130,17 @@ def test_gptq_through_the_backend_op_table(tmp_path: Path) -> None:
     on_cpu = run_engine(tmp_path, fixture, groups, backend="cpu", quant="gptq")
     assert on_cuda["tokens"] == on_cpu["tokens"]
     assert on_cuda["kernel_calls"].get("grouped_matmul", 0) > 0
+
+
+def test_gguf_file_blocks_through_the_backend_op_table(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """A GGUF file of Q4_0 linears (F32 embedding and head): the cuda backend's ``ggml_q4_0_matmul`` gives the
+    cpu backend's greedy tokens."""
+    from pluginfer.cli.convert import convert_to_gguf
+
+    model = save_hf_model("LlamaForCausalLM", BASE, tmp_path / "llama", tiny_tokenizer_dir)
+    path = convert_to_gguf(tmp_path / "llama", tmp_path / "llama-q4_0.gguf", "q4_0", "f32")
+    groups = [random_prompts(model.config.vocab_size, [5, 18], seed=4)]
+    on_cuda = run_engine(tmp_path, path, groups)
+    on_cpu = run_engine(tmp_path, path, groups, backend="cpu")
+    assert on_cuda["tokens"] == on_cpu["tokens"]
+    assert on_cuda["kernel_calls"].get("ggml_q4_0_matmul", 0) > 0
