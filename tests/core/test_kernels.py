@@ -213,3 +213,45 @@ def test_every_op_documents_its_contract() -> None:
     for op in kernels.OPS.values():
         assert op.doc, op.name
         assert op.parameters, op.name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh"])
+def test_fused_moe_reference_equals_the_experts_layer(dtype: torch.dtype, hidden_act: str) -> None:
+    """``FusedExperts``' own torch path (the cpu backend without native kernels keeps the checkpoint layout in
+    half precision; float32 packs for its matmul, the same products)."""
+    from pluginfer.layers.moe import FusedExperts, route
+
+    generator = torch.Generator().manual_seed(7)
+    with building(make_context(backend_with(False), dtype)):
+        experts = FusedExperts(6, 32, 24, hidden_act)
+    assert experts.kernel is None
+    gate_up = (torch.randn(6, 48, 32, generator=generator) * 0.3).to(dtype)
+    down = (torch.randn(6, 32, 24, generator=generator) * 0.3).to(dtype)
+    experts.gate_up_proj.data.copy_(gate_up)
+    experts.down_proj.data.copy_(down)
+    experts.process_weights_after_loading()
+    hidden = torch.randn(9, 32, generator=generator).to(dtype)
+    weights, ids = route(torch.randn(9, 6, generator=generator), 2, True)
+    activation = "silu" if hidden_act == "silu" else "gelu_tanh"
+    expected = experts(hidden, weights, ids)
+    torch.testing.assert_close(kernels.fused_moe(hidden, gate_up, down, weights, ids, activation), expected,
+                               **_exact_or_half(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_matmul_reference_equals_the_int8_method(dtype: torch.dtype) -> None:
+    from pluginfer.layers.linear import ReplicatedLinear
+    from pluginfer.quant import int8
+
+    generator = torch.Generator().manual_seed(8)
+    context = make_context(backend_with(False), dtype)
+    context.quant = int8.build()
+    with building(context):
+        layer = ReplicatedLinear(64, 40, bias=True)
+    layer.weight.weight_loader(layer.weight, torch.randn(40, 64, generator=generator).to(dtype))
+    layer.bias.data.copy_(torch.randn(40, generator=generator).to(dtype))
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(2, 5, 64, generator=generator).to(dtype)
+    torch.testing.assert_close(kernels.int8_matmul(x, layer.qweight, layer.weight_scale, layer.bias), layer(x),
+                               **_exact_or_half(dtype))
