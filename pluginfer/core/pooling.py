@@ -2,7 +2,8 @@
 
 The pooling (last token, mean, CLS) and the normalization come from the checkpoint's
 sentence-transformers files: ``modules.json`` lists the modules (``Transformer``, ``Pooling``,
-``Normalize``), the Pooling module's folder holds ``config.json`` with its ``pooling_mode_*`` flags.
+``Normalize``), the Pooling module's folder holds ``config.json`` with its ``pooling_mode`` (v6) or
+``pooling_mode_*`` flags (before v6).
 A checkpoint without them has no pooling config: asking it for embeddings is an error that says
 what is missing (no silent default). ``dimensions`` (Matryoshka truncation) is allowed only where
 config.json says the model was trained for it (``is_matryoshka`` or ``matryoshka_dimensions``).
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where a state pools: importing the params stays cheap
     import torch
 
-POOLING_METHODS = ("last", "mean", "cls")
+POOLING_METHODS = ("last", "mean", "cls")  # what PoolerConfig.method and PoolingState.method may be
 # sentence-transformers' pooling modes -> ours: the flags of its Pooling config.json before v6 and the
 # ``pooling_mode`` names of v6; the other modes (max, mean_sqrt_len_tokens, weightedmean) are refused by name.
 _ST_FLAGS = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
