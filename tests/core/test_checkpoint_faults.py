@@ -197,3 +197,24 @@ def test_allow_pickle_reads_tensors_only(tiny_llama_checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"pytorch_model.bin: not loaded as weights only \(UnpicklingError"):
         LLMEngine(server_config(pickled, allow_pickle=True))
     assert not marker.exists()
+
+
+def test_code_in_a_model_directory_is_never_run(tiny_llama_checkpoint, tmp_path):
+    """config.json and tokenizer_config.json may point at Python files in the directory (``auto_map``, for
+    transformers' trust_remote_code): pluginfer never imports them, whatever they claim."""
+    path = _copy(tiny_llama_checkpoint, tmp_path)
+    marker = tmp_path / "ran"
+    (path / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Evil: pass\n")
+    config = json.loads((path / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.Evil", "AutoModelForCausalLM": "evil.Evil"}
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": ["evil.Evil", "evil.Evil"]}
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    try:
+        engine = LLMEngine(server_config(path))
+    except ValueError as exc:  # transformers refuses a tokenizer that wants its code run: one line, no code run
+        assert "\n" not in str(exc) and "trust_remote_code" in str(exc)
+    else:
+        engine.shutdown()
+    assert not marker.exists()
