@@ -24,8 +24,15 @@ ALLOWED = {
         "device-generic way to ask whether pinning helps a device",
     ("layers/moe.py", 'dtype=ctx.dtype, device="cpu", pin_memory=pin)'):
         "the offloaded experts' store is host memory by design, whatever the compute device",
-    ("quant/ggml_blocks.py", 'raw.device.type != "cpu"'):
-        "the native GGML dequantizer reads host memory; it moves behind the op table with the CPU layout policy",
+    ("quant/ggml_blocks.py", 'raw.device.type == "cpu"'):
+        "the cpu backend's native GGML dequantizer reads host memory: blocks elsewhere take the torch path "
+        "(on the cuda backend the table's block kernels run before it is reached)",
+    ("core/loader.py", 'torch.load(file, map_location="cpu"'):
+        "a pickle checkpoint is read into host memory (memory-mapped), like safetensors, before the layers' "
+        "loaders copy it to the backend's device",
+    ("core/sampler.py", 'if logits.device.type == "cpu" and logits.dtype == torch.float32'):
+        "the greedy shortcut hands host float32 logits to numpy's argmax; numpy reads host memory only, any "
+        "other device keeps torch.argmax",
 }
 
 
