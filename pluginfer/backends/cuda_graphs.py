@@ -129,12 +129,16 @@ class DecodeGraphs:
         return size
 
     def capture(self) -> None:
-        """One warm-up run and one capture per bucket, largest first (the pool's biggest allocations first)."""
+        """One warm-up run and one capture per bucket, largest first (the pool's biggest allocations first).
+
+        Each run gets a fresh batch over the same static buffers: layers cache per-step tensors in
+        ``batch.extras`` (rotary's cos/sin of the positions), which must be computed inside the capture from
+        the static positions, not carried over from the warm-up (a replay would reuse the warm-up's values).
+        """
         for size in reversed(self.sizes):
-            batch = self.static_batch(size)
-            self.forward(batch)  # warm-up: Triton compiles, allocators settle outside the capture
+            self.forward(self.static_batch(size))  # warm-up: Triton compiles, allocators settle outside the capture
             graph = self.graph_factory()
-            self.outputs[size] = graph.capture(lambda batch=batch: self.forward(batch))
+            self.outputs[size] = graph.capture(lambda size=size: self.forward(self.static_batch(size)))
             self.graphs[size] = graph
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:

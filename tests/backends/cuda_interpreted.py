@@ -42,6 +42,7 @@ def main(spec_path: str) -> None:
 
     llm = LLM(model=spec["model"], backend=spec["backend"], **spec["engine"])
     backend = llm.engine.executor.backend
+    graphs = _stand_in_decode_graphs(llm) if spec.get("decode_graphs") else None
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     groups, cached = [], []
     for prompts in spec["prompt_groups"]:
@@ -49,7 +50,28 @@ def main(spec_path: str) -> None:
         groups.append([output.outputs[0].token_ids for output in outputs])
         cached.append([output.num_cached_tokens for output in outputs])
     print(json.dumps({"backend": backend.name, "device": str(backend.device), "tokens": groups,
-                      "cached_tokens": cached, "kernel_calls": dict(CALLS)}))
+                      "cached_tokens": cached, "kernel_calls": dict(CALLS),
+                      "graph_replays": graphs.replays if graphs is not None else None}))
+
+
+def _stand_in_decode_graphs(llm: object) -> object:
+    """The worker's decode steps through ``DecodeGraphs`` (static buffers, buckets, padding rows in the scratch
+    KV block) with a stand-in graph that re-runs the forward on replay: on CPU tensors the cuda backend
+    captures nothing, so this is how the engine runs the graph path's bookkeeping through the real kernels."""
+    import torch
+
+    from pluginfer.backends.cuda_graphs import DecodeGraphs
+    from tests.backends.test_cuda_graphs import EagerGraph
+
+    worker = llm.engine.executor.worker
+    config = worker.config
+    graphs = DecodeGraphs(worker.pipeline.forward, worker.backend.device, config.scheduler.max_num_seqs,
+                          -(-worker.max_model_len // config.cache.block_size), config.cache.block_size,
+                          worker.backend.scratch_block, EagerGraph)
+    with torch.inference_mode():
+        graphs.capture()
+    worker.decode_graphs = graphs
+    return graphs
 
 
 if __name__ == "__main__":

@@ -97,6 +97,21 @@ def test_replay_gives_each_real_row_its_own_result_and_pads_with_the_scratch_blo
     assert graphs.input_ids[5:8].tolist() == [0, 0, 0] and graphs.slot_mapping[5:8].tolist() == [160] * 3
 
 
+def test_per_step_values_cached_in_the_batch_are_computed_in_each_capture() -> None:
+    """A layer that caches a per-step tensor in ``batch.extras`` (as rotary caches cos/sin of the positions) must
+    see fresh extras in the capture: one carried over from the warm-up would be replayed with stale positions."""
+    def forward(batch: ForwardBatch) -> torch.Tensor:
+        if "doubled" not in batch.extras:
+            batch.extras["doubled"] = batch.positions.float() * 2.0
+        return batch.extras["doubled"][batch.logits_indices, None]
+
+    graphs = DecodeGraphs(forward, torch.device("cpu"), max_num_seqs=2, max_blocks_per_seq=1, block_size=4,
+                          scratch_block=5, graph_factory=EagerGraph)
+    graphs.capture()
+    batch = decode_batch([7, 8], [3, 4], [[0], [1]], 4)
+    assert graphs(batch).flatten().tolist() == [4.0, 6.0]
+
+
 def test_steps_the_graphs_do_not_cover_run_eagerly() -> None:
     graphs = DecodeGraphs(toy_forward([]), torch.device("cpu"), max_num_seqs=4, max_blocks_per_seq=2,
                           block_size=4, scratch_block=9, graph_factory=EagerGraph)
