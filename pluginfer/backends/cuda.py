@@ -2,9 +2,11 @@
 
 Every kernel is an op of ``pluginfer.core.kernels`` and is registered into this backend's
 ``KernelTable`` (``backends/triton_kernels/``, one module per op); layers and quant methods get them
-through ``op(name)``. What has no Triton kernel runs in torch on the GPU: the dense and quantized
-linears other than Marlin (cuBLAS, or the quant method's torch dequantize path), MoE routing and
-experts, sampling.
+through ``op(name)``. The quantized linears run only through their kernels (Marlin, GPTQ/AWQ, int8,
+GGUF Q8_0/Q4_0): a format without one is a build-time error (``quant_kernels_required``). What has no
+Triton kernel runs in torch on the GPU: dense linears (cuBLAS), MoE routing, sampling, a GGUF file's
+quantized vocabulary table. Decode steps replay CUDA graphs (``capture_decode``, ``cuda_graphs.py``)
+unless ``--enforce-eager``.
 
 Device: ``cuda:{rank.local_rank}``. With ``PLUGINFER_CUDA_ON_CPU=1`` and ``TRITON_INTERPRET=1`` the
 backend keeps its tensors on the CPU and still runs every Triton kernel, through Triton's
