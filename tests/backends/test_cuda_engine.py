@@ -46,6 +46,8 @@ CASES = {
         "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0}, {"rotary_neox", "gelu_and_mul"}),
     "mixtral-window": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
                                               "sliding_window": 16}, {"rotary_neox", "fused_moe"}),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                          "head_dim": 16, "norm_topk_prob": True}, {"rotary_neox", "fused_moe"}),
     "deepseek-v2-lite-mla": ("DeepseekV2ForCausalLM", {
         **MLA, "num_hidden_layers": 2, "q_lora_rank": None, "n_routed_experts": 6, "num_experts_per_tok": 2,
         "n_shared_experts": 1, "topk_method": "greedy", "first_k_dense_replace": 1, "moe_intermediate_size": 24},
