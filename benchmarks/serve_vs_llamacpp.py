@@ -1,0 +1,366 @@
+"""Serving at the engine's speed: `pluginfer serve` (and llama.cpp's server) against the offline engine.
+
+    python benchmarks/serve_vs_llamacpp.py                       # 135M-shaped llama, Q4_1 GGUF, c = 1, 4, 16
+    python benchmarks/serve_vs_llamacpp.py --shape small13m      # a ~13M llama: a step of a few ms
+    python benchmarks/serve_vs_llamacpp.py --variants process inprocess:PYTHONPATH=/tmp/old-checkout
+
+A random llama of SmolLM2-135M's shape (30 layers, hidden 576, intermediate 1536, 9 heads / 3 KV heads,
+vocabulary 49152, tied embeddings; our offline tokenizer padded to the vocabulary) is built locally and
+written by `pluginfer convert --quant q4_1` (kept in --work-dir, reused). Tokens that are a lone byte of
+a multi-byte character get zero embedding rows, so that every generated token is text a server streams
+at once (with random weights they would otherwise be picked, and held back until the character ends).
+
+Servers, each on the same file, started once and timed to their first ready answer (`/health` 200;
+llama_cpp.server has no /health: `/v1/models` 200; `--startups N` only times N interleaved starts):
+- `process`: `pluginfer serve` as shipped (the engine core in its own process);
+- `inprocess`: `pluginfer serve` with PLUGINFER_ENGINE_PROCESS=0 (the step loop in a thread of the server);
+- `llamacpp`: `python -m llama_cpp.server` when `llama_cpp` imports (else a note says it was skipped), with
+  `--interrupt_requests False` (by default each new request cuts the running stream short); it serves one
+  request at a time, so at concurrency > 1 the others queue;
+each optionally with environment variables (`process:OMP_WAIT_POLICY=ACTIVE`, or `inprocess:PYTHONPATH=DIR`
+to run an older checkout).
+
+One client for all: the official `openai` package (AsyncOpenAI), streaming `/v1/completions` with
+128 generated tokens at temperature 0 (`ignore_eos`), at concurrency 1, 4 and 16, in its own process.
+Per run: median time to first token, median inter-token latency (gaps between a stream's chunks),
+output tokens/s (tokens from the usage chunk over the wall time).
+
+Beside them, the offline engine on the same file (`LLM`'s engine stepped directly in a child process,
+same `max_num_seqs`; one per `--offline-env` entry, by default as is and with OMP_WAIT_POLICY=PASSIVE),
+measured at batch = concurrency just before the servers in every round: its median decode step and its
+decode tokens/s. The servers' ratios are to the round's fastest offline engine: ITL to its step (the
+issue's goal: <= 1.1x at concurrency 1), tokens/s to its tokens/s (>= 0.9x at 16).
+
+The machine is shared: the client, the server and anything else running compete for the same cores.
+Rounds interleave engines and concurrencies; read the medians of the ratios, not one figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+SHAPES = {  # SmolLM2-135M's shape, and a ~13M llama whose step is a few ms (where per-token overheads show)
+    "smol135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                     tie_word_embeddings=True),
+    "small13m": dict(vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=6,
+                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                     tie_word_embeddings=True),
+}
+PROMPT = "The quick brown fox jumps over the lazy dog; then it runs into the forest, where"
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+
+def build_gguf(work: Path, quant: str, shape_name: str) -> Path:
+    out = work / f"{shape_name}-{quant}.gguf"
+    if out.exists():
+        return out
+    shape = SHAPES[shape_name]
+    checkpoint = work / shape_name
+    if not (checkpoint / "config.json").exists():
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        from pluginfer.demo.tokenizer import train_tokenizer
+
+        train_tokenizer(checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+        tokenizer.add_tokens([f"<pad_{i}>" for i in range(shape["vocab_size"] - len(tokenizer))])
+        tokenizer.save_pretrained(checkpoint)
+        torch.manual_seed(0)
+        config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        model = LlamaForCausalLM(config)
+        # Random weights pick tokens at random; a lone byte of a multi-byte character is no text yet, and a
+        # server streams nothing until the character completes. Zero rows (zero logits, never the argmax)
+        # for such tokens so that every generated token is text, as with a trained model.
+        partial = [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])]
+        with torch.no_grad():
+            model.model.embed_tokens.weight[partial] = 0.0
+        model.save_pretrained(checkpoint, safe_serialization=True)
+    subprocess.run([sys.executable, "-m", "pluginfer", "convert", "--model", str(checkpoint), "--quant", quant,
+                    "--output", str(out)], check=True)
+    return out
+
+
+# -- the offline engine (a child process: `--offline GGUF`, one measurement per line asked on stdin) ---
+
+
+def offline(gguf: str, max_num_seqs: int, gen: int) -> None:
+    """Answer each batch size read from stdin with {"step_ms": median decode step, "tok_s": decode
+    tokens/s} of that many sequences generating ``gen`` tokens (prefill steps excluded)."""
+    from pluginfer import LLM, SamplingParams
+
+    llm = LLM(model=gguf, max_num_seqs=max_num_seqs)
+    engine = llm.engine
+    prompt = llm.get_tokenizer().encode(PROMPT)
+
+    def decode(batch: int) -> dict[str, float]:
+        for i in range(batch):
+            engine.add_request([prompt[0] + i] + prompt[1:], SamplingParams(temperature=0.0, max_tokens=gen,
+                                                                            ignore_eos=True))
+        steps = []
+        while engine.has_unfinished_requests():
+            started = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - started)
+        decode_steps = steps[1:]  # the first step reads the prompts
+        return {"step_ms": statistics.median(decode_steps) * 1e3,
+                "tok_s": batch * len(decode_steps) / sum(decode_steps)}
+
+    decode(1)  # warm-up
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(json.dumps(decode(int(line))), flush=True)
+
+
+class Offline:
+    def __init__(self, spec: str, gguf: Path, args: argparse.Namespace) -> None:
+        self.name = "offline" + (f":{spec}" if spec else "")
+        env = dict(os.environ, **dict(item.split("=", 1) for item in spec.split(",") if item))
+        self.process = subprocess.Popen([sys.executable, __file__, "--offline", str(gguf), "--max-num-seqs",
+                                         str(args.max_num_seqs), "--gen", str(args.gen)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        while self.process.stdout.readline().strip() != "ready":
+            if self.process.poll() is not None:
+                raise RuntimeError("the offline engine did not start")
+
+    def measure(self, batch: int) -> dict[str, float]:
+        self.process.stdin.write(f"{batch}\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def stop(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(30)
+
+
+# -- servers --------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log: Path,
+                 ready_path: str = "/health") -> None:
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log.open("w")
+        started = time.perf_counter()
+        # Not in the checkout: `python -m` puts the working directory first on sys.path, before PYTHONPATH.
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=log.parent)
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.process.returncode}; see {log}")
+            try:
+                with urllib.request.urlopen(self.url + ready_path, timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.startup_s = time.perf_counter() - started
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def start_servers(args: argparse.Namespace, gguf: Path) -> Iterator[Server]:
+    env = dict(os.environ)
+    for spec in args.variants:
+        variant, _, extra = spec.partition(":")  # e.g. process:OMP_WAIT_POLICY=ACTIVE,OTHER=1
+        extra_env = dict(item.split("=", 1) for item in extra.split(",") if item)
+        port = free_port()
+        if variant == "llamacpp":
+            try:
+                import llama_cpp.server  # noqa: F401
+            except ImportError as exc:
+                print(f"note: llama_cpp.server is not importable ({exc}); its half is skipped "
+                      "(pip install 'llama-cpp-python[server]' builds llama.cpp: ~15 min on 2 cores)", flush=True)
+                continue
+            # interrupt_requests off: by default a new request cuts the stream in progress short. It serves one
+            # request at a time (a lock around the model), so concurrency queues there. It has no /health.
+            command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "m",
+                       "--port", str(port), "--n_ctx", "2048", "--n_threads", str(os.cpu_count() or 1),
+                       "--n_batch", "512", "--interrupt_requests", "False"]
+            variant_env = dict(os.environ)
+            ready_path = "/v1/models"
+        else:
+            command = [sys.executable, "-m", "pluginfer", "serve", "--model", str(gguf), "--port", str(port),
+                       "--served-model-name", "m", "--max-num-seqs", str(args.max_num_seqs)]
+            variant_env = dict(env, PLUGINFER_ENGINE_PROCESS="0" if variant == "inprocess" else "1")
+            ready_path = "/health"
+        variant_env.update(extra_env)
+        log = args.work_dir / f"server-{re.sub(r'[^A-Za-z0-9_.]+', '-', spec)}.log"
+        server = Server(spec, command, variant_env, port, log, ready_path)
+        print(f"{spec}: ready ({ready_path} 200) after {server.startup_s:.1f} s", flush=True)
+        yield server
+
+
+def time_startups(args: argparse.Namespace, gguf: Path) -> int:
+    """Start each server, wait for its first ready answer, stop it; ``args.startups`` rounds, interleaved."""
+    times: dict[str, list[float]] = {}
+    for _ in range(args.startups):
+        for server in start_servers(args, gguf):
+            server.stop()
+            times.setdefault(server.name, []).append(server.startup_s)
+    print(f"\nstart-up to the first ready answer, median of {args.startups} (min-max):")
+    for name, values in times.items():
+        print(f"{name:>12}: {statistics.median(values):5.2f} s ({min(values):.2f}-{max(values):.2f})")
+    return 0
+
+
+# -- the client (run in a child process: `--client URL CONCURRENCY`) -------------------------------
+
+
+async def client_run(url: str, concurrency: int, requests: int, gen: int) -> dict[str, float]:
+    import openai
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[float, list[float], int]:
+        started = time.perf_counter()
+        stamps, tokens = [], 0
+        stream = await client.completions.create(
+            model="m", prompt=f"{PROMPT} {i}", max_tokens=gen, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                stamps.append(time.perf_counter())
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return started, stamps, tokens or len(stamps)
+
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        await one(client, -1)  # warm-up
+        started = time.perf_counter()
+        results = []
+        for wave in range(max(1, requests // concurrency)):
+            results += await asyncio.gather(*(one(client, wave * concurrency + i) for i in range(concurrency)))
+        wall = time.perf_counter() - started
+    gaps = [b - a for _, stamps, _ in results for a, b in zip(stamps, stamps[1:])]
+    return {"ttft_ms": statistics.median(stamps[0] - t0 for t0, stamps, _ in results if stamps) * 1e3,
+            "itl_ms": statistics.median(gaps) * 1e3,
+            "tok_s": sum(tokens for _, _, tokens in results) / wall}
+
+
+def run_client(url: str, concurrency: int, requests: int, gen: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--client", url, str(concurrency), str(requests), str(gen)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", type=Path, help="a GGUF file (default: build the 135M-shaped one)")
+    parser.add_argument("--quant", default="q4_1")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smol135m", help="the model to build")
+    parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "pluginfer-serve-bench")
+    parser.add_argument("--variants", nargs="+", default=["process", "inprocess", "llamacpp"],
+                        help="servers: process, inprocess, llamacpp, each optionally with environment variables "
+                             "for it: process:OMP_WAIT_POLICY=ACTIVE")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--gen", type=int, default=128, help="tokens per request")
+    parser.add_argument("--requests", type=int, default=16, help="requests per run (at least the concurrency)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--no-offline", action="store_true")
+    parser.add_argument("--offline-env", nargs="+", default=["", "OMP_WAIT_POLICY=PASSIVE"],
+                        help="one offline engine per entry, with these environment variables ('' = as is)")
+    parser.add_argument("--startups", type=int, default=0, metavar="N",
+                        help="only time start-up: start and stop each server N times, interleaved; medians")
+    parser.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--offline", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.client:
+        url, concurrency, requests, gen = args.client
+        print(json.dumps(asyncio.run(client_run(url, int(concurrency), int(requests), int(gen)))))
+        return 0
+    if args.offline:
+        offline(args.offline, args.max_num_seqs, args.gen)
+        return 0
+
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    gguf = args.gguf or build_gguf(args.work_dir, args.quant, args.shape)
+    print(f"model: {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB); {os.cpu_count()} cores; "
+          f"{args.gen} tokens per request, {args.rounds} rounds", flush=True)
+    if args.startups:
+        return time_startups(args, gguf)
+    offline_engines = [Offline(spec, gguf, args) for spec in args.offline_env] if not args.no_offline else []
+    servers: list[Server] = []
+    samples: dict[tuple[str, int], list[dict[str, float]]] = {}
+    try:
+        servers += start_servers(args, gguf)
+        for round_index in range(args.rounds):
+            for concurrency in args.concurrency:
+                # The offline engine beside each concurrency (batch = concurrency); the servers' ratios are to
+                # the fastest offline figure of the round: ITL to its decode step, tokens/s to its tokens/s.
+                references = []
+                for engine in offline_engines:
+                    reference = engine.measure(concurrency)
+                    references.append(reference)
+                    samples.setdefault((engine.name, concurrency), []).append(
+                        {"ttft_ms": float("nan"), "itl_ms": reference["step_ms"], "tok_s": reference["tok_s"]})
+                    print(f"round {round_index + 1} {engine.name:>10} b={concurrency:<3} step "
+                          f"{reference['step_ms']:7.2f} ms  {reference['tok_s']:7.1f} tok/s", flush=True)
+                best_step = min((r["step_ms"] for r in references), default=None)
+                best_rate = max((r["tok_s"] for r in references), default=None)
+                for server in servers:
+                    result = run_client(server.url, concurrency, max(args.requests, concurrency), args.gen)
+                    if references:
+                        result["itl_ratio"] = result["itl_ms"] / best_step
+                        result["rate_ratio"] = result["tok_s"] / best_rate
+                    samples.setdefault((server.name, concurrency), []).append(result)
+                    print(f"round {round_index + 1} {server.name:>10} c={concurrency:<3} ttft {result['ttft_ms']:8.1f} ms"
+                          f"  itl {result['itl_ms']:7.2f} ms  {result['tok_s']:7.1f} tok/s", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+        for engine in offline_engines:
+            engine.stop()
+
+    print(f"\nmedians of {args.rounds} rounds ({gguf.name}, {args.gen} tokens per request). Offline rows: batch = c, "
+          "ITL column = its decode step. Ratios: to the round's fastest offline engine (ITL to its step, tokens/s "
+          "to its tokens/s at batch = c)")
+    width = max([10] + [len(name) for name, _ in samples])
+    print(f"{'engine':>{width}} {'c':>3} {'TTFT ms':>9} {'ITL ms':>8} {'tok/s':>8} {'ITL/step':>9} {'tok/s ratio':>12}")
+    for concurrency in args.concurrency:
+        for name in [engine.name for engine in offline_engines] + [server.name for server in servers]:
+            runs = samples.get((name, concurrency))
+            if not runs:
+                continue
+            values = [statistics.median(r.get(key, float("nan")) for r in runs)
+                      for key in ("ttft_ms", "itl_ms", "tok_s", "itl_ratio", "rate_ratio")]
+            print(f"{name:>{width}} {concurrency:>3} {values[0]:>9.1f} {values[1]:>8.2f} {values[2]:>8.1f} "
+                  f"{values[3]:>8.2f}x {values[4]:>11.2f}x")
+    for server in servers:
+        print(f"{server.name}: ready after {server.startup_s:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
