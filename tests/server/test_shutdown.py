@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -63,3 +64,22 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_0(tiny_llama_checkpoin
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_the_drain_ends_at_its_deadline_with_requests_still_running(capsys):
+    """A request that would never finish does not hold the shutdown: the drain returns at its deadline."""
+    from aiohttp import web
+
+    from pluginfer.server.launch import _drain
+    from pluginfer.server.state import STATE
+
+    class NeverIdle:
+        num_requests = 1
+        is_alive = True
+
+    app = web.Application()
+    app[STATE] = type("State", (), {"draining": False})()
+    asyncio.run(_drain(app, NeverIdle(), 0.2))
+    assert app[STATE].draining
+    err = capsys.readouterr().err
+    assert "draining 1 request(s) in flight for at most 0.2 s" in err and "1 request(s) still in flight are ended" in err
