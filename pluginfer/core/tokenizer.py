@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
+MAX_CACHED_TOKENIZERS = 16  # the most recently written entries are kept; older ones are removed
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -65,6 +66,7 @@ def _gguf_tokenizer(path: Path) -> Any:
         partial = cached.with_suffix(f".{os.getpid()}.partial")
         partial.write_bytes(data)
         os.replace(partial, cached)  # a reader never sees half an entry
+        _prune(cached.parent)
     except Exception as exc:  # no cache entry; the tokenizer is built, nothing else changes
         logger.info("cannot cache the tokenizer of %s in %s: %s: %s", path, cached, type(exc).__name__, exc)
     return tokenizer
@@ -96,3 +98,17 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
         raise ValueError("this model's tokenizer has no chat_template; use completions with a plain prompt")
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                          tokenize=False, tools=tools, **template_kwargs)
+
+
+def _prune(directory: Path) -> None:
+    """Keep the ``MAX_CACHED_TOKENIZERS`` newest entries (one per file and version: tests and rewritten files
+    would otherwise add entries without end)."""
+    entries = []
+    for entry in directory.glob("*.pickle"):
+        try:
+            entries.append((entry.stat().st_mtime_ns, entry))
+        except FileNotFoundError:  # another process pruned it meanwhile
+            continue
+    entries.sort(reverse=True)
+    for _, stale in entries[MAX_CACHED_TOKENIZERS:]:
+        stale.unlink(missing_ok=True)

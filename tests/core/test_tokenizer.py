@@ -61,3 +61,18 @@ def test_an_unwritable_cache_still_gives_the_tokenizer(gguf_file: Path, tmp_path
     monkeypatch.setenv("PLUGINFER_CACHE", str(blocker))  # a file where the cache directory should be
     assert load_tokenizer(gguf_file).encode(TEXT)
     assert not gguf_tokenizer_cache_path(gguf_file).exists()
+
+
+def test_only_the_newest_entries_are_kept(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pluginfer.core import tokenizer
+
+    monkeypatch.setattr(tokenizer, "MAX_CACHED_TOKENIZERS", 3)
+    directory = gguf_tokenizer_cache_path(gguf_file).parent
+    directory.mkdir(parents=True)
+    for age in range(5):  # older entries of other files
+        old = directory / f"old{age}.pickle"
+        old.write_bytes(b"")
+        os.utime(old, ns=(10**18 - age * 10**12, 10**18 - age * 10**12))
+    load_tokenizer(gguf_file)
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [gguf_tokenizer_cache_path(gguf_file).name, "old0.pickle", "old1.pickle"])
