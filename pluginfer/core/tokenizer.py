@@ -4,7 +4,8 @@ A GGUF file's tokenizer is built by transformers from the file's ``tokenizer.ggm
 takes seconds for a large vocabulary (gguf-py parses the metadata element by element, then transformers
 converts it); the result is pickled into ``$PLUGINFER_CACHE/tokenizers`` (default
 ``~/.cache/pluginfer``) and unpickled on the next load (~0.1 s). An entry is keyed by the file (path,
-size, modification time), the transformers, tokenizers and Python versions and this module's source.
+size, modification time), the transformers, tokenizers and Python versions and this module's source;
+the 16 newest entries are kept.
 """
 
 from __future__ import annotations
