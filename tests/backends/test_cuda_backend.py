@@ -87,11 +87,13 @@ def _build_linear(backend: object, quant_name: str, quant_config: dict | None = 
 
 
 GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 
 
 @pytest.mark.parametrize(("quant_name", "config", "kernel"), [
     ("int8", None, "int8_matmul"), ("q8_0", None, "ggml_matmul"), ("q4_0", None, "ggml_matmul"),
-    ("gptq", GPTQ_CONFIG, "grouped_matmul"), ("marlin", GPTQ_CONFIG, "marlin_matmul")])
+    ("gptq", GPTQ_CONFIG, "grouped_matmul"), ("gptq", {**GPTQ_CONFIG, "bits": 8}, "grouped_matmul"),
+    ("awq", AWQ_CONFIG, "grouped_matmul"), ("marlin", GPTQ_CONFIG, "marlin_matmul")])
 def test_quantized_linears_reach_the_cuda_kernels_through_the_table(quant_name: str, config: dict | None,
                                                                     kernel: str) -> None:
     if importlib.util.find_spec("triton") is None:

@@ -122,15 +122,18 @@ def test_in_situ_quantized_formats_through_the_backend_op_table(quant: str, tmp_
     assert on_cuda["kernel_calls"].get(kernel, 0) > 0
 
 
-def test_gptq_through_the_backend_op_table(tmp_path: Path) -> None:
-    """A GPTQModel checkpoint on ``--quant gptq``: the Triton ``grouped_matmul`` equals the cpu backend's path."""
-    fixture = Path(__file__).parents[1] / "quant" / "fixtures" / "gptq_awq" / "gptq_b4_g128_sym"
+@pytest.mark.parametrize(("name", "quant"), [("gptq_b4_g128_sym", "gptq"), ("gptq_b8_gall_act_sym", "gptq"),
+                                           ("awq_b4_g128", "awq")])
+def test_gptq_and_awq_through_the_backend_op_table(name: str, quant: str, tmp_path: Path) -> None:
+    """GPTQModel checkpoints on ``--quant gptq`` (4-bit; 8-bit with act-order) and ``--quant awq``: the Triton
+    ``grouped_matmul`` gives the cpu backend's greedy tokens."""
+    fixture = Path(__file__).parents[1] / "quant" / "fixtures" / "gptq_awq" / name
     if not fixture.is_dir():
         pytest.skip(f"GPTQModel fixture {fixture} is missing (tests/quant/fixtures/make_gptq_awq.py)")
     vocab = json.loads((fixture / "config.json").read_text())["vocab_size"]
     groups = [random_prompts(vocab, [5, 18], seed=4)]
-    on_cuda = run_engine(tmp_path, fixture, groups, quant="gptq")
-    on_cpu = run_engine(tmp_path, fixture, groups, backend="cpu", quant="gptq")
+    on_cuda = run_engine(tmp_path, fixture, groups, quant=quant)
+    on_cpu = run_engine(tmp_path, fixture, groups, backend="cpu", quant=quant)
     assert on_cuda["tokens"] == on_cpu["tokens"]
     assert on_cuda["kernel_calls"].get("grouped_matmul", 0) > 0
 
