@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import onednn
+from pluginfer.backends import native, onednn
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
 from pluginfer.layers.context import building
@@ -51,12 +51,16 @@ def test_layout_follows_the_kernels_and_the_batch_and_computes_the_same(max_num_
     assert layer.weight_layout == layout
 
 
-def test_half_precision_keeps_the_transposed_layout() -> None:
-    """The packed layouts are float32 only; bf16 weights go ``[in, out]``."""
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_half_precision_keeps_out_in_for_the_native_gemv_else_transposed(native_kernels: bool) -> None:
+    """The packed layouts are float32 only; bf16 weights stay ``[out, in]`` for the native 16-bit GEMV
+    (``half``) where it runs, else go ``[in, out]`` for torch's matmul."""
     torch.manual_seed(0)
     weight, bias = torch.randn(80, 96), torch.randn(80)
-    layer = build(16, dtype=torch.bfloat16)
+    layer = build(16, native_kernels=native_kernels, dtype=torch.bfloat16)
     load(layer, weight.bfloat16(), bias.bfloat16())
-    assert layer.weight_layout == "transposed"
-    x = torch.randn(4, 96, dtype=torch.bfloat16)
-    torch.testing.assert_close(layer(x), F.linear(x, weight.bfloat16(), bias.bfloat16()), atol=0.1, rtol=0.02)
+    half = native_kernels and native.available() is None and native.op("half_linear") is not None
+    assert layer.weight_layout == ("half" if half else "transposed")
+    for rows in (1, 4, 16):  # both sides of the GEMV's row limit
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        torch.testing.assert_close(layer(x), F.linear(x, weight.bfloat16(), bias.bfloat16()), atol=0.1, rtol=0.02)
