@@ -26,7 +26,7 @@
  * once per block (once per call in decode). At the first row group of a block each weight row's
  * reads are followed by a prefetch of the same columns of the row HL_NO rows on, which the thread's
  * next tile reads: one tile of reads in flight ahead of the loads (one core then reads a bfloat16
- * weight at the machine's read bandwidth, 12-15 GB/s, where a prefetch 2 KiB ahead in the row, i.e.
+ * weight at about the machine's read bandwidth, 11-15 GB/s, where a prefetch 2 KiB ahead in the row, i.e.
  * into the tile's own next row for 1024 inputs, got 8-11; benchmarks/half_gemv.py --cpu-time).
  */
 #include <omp.h>
