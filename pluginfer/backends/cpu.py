@@ -104,6 +104,7 @@ class CpuBackend:
     name = "cpu"
     device = torch.device("cpu")
     default_collective = "gloo"
+    quant_kernels_required = False  # formats without a kernel here take their torch path
 
     def __init__(self, config: object = None, rank: RankInfo | None = None, native_kernels: bool = True) -> None:
         """``native_kernels`` False: the torch path only, nothing compiled or probed (the metal backend's use)."""
@@ -121,6 +122,10 @@ class CpuBackend:
         layouts = CpuDenseLayouts(self)
         for name in ("dense_layout", "dense_pack", "dense_linear"):
             self.kernels.register(name, getattr(layouts, name))
+
+    def capture_decode(self, forward: object, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
+        """No replays here (``DeviceBackend.capture_decode``): every step runs eagerly."""
+        return None
 
     def op(self, name: str) -> Callable | None:
         """The table's cpu kernel for ``name`` (the dense layouts), else a native float32 kernel for a layer

@@ -31,11 +31,16 @@ class MetalBackend:
 
     name = "metal"
     default_collective = "gloo"
+    quant_kernels_required = False  # formats without a kernel here take their torch path
 
     def __init__(self, config: object = None, rank: RankInfo | None = None,
                  device: torch.device | None = None) -> None:
         self.device = device or torch.device("mps")
         self._torch_path = CpuBackend(config, rank, native_kernels=False)
+
+    def capture_decode(self, forward: object, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
+        """No replays here (``DeviceBackend.capture_decode``): every step runs eagerly."""
+        return None
 
     def op(self, name: str) -> Callable | None:
         return None  # every layer keeps its torch path

@@ -60,7 +60,7 @@ class LLMEngine:
         self.pooler = read_pooler_config(self.executor.model_path, self.executor.hf_config)
         # A checkpoint without an LM head (an embedding model's bare decoder) only embeds.
         self.can_generate = not is_backbone_only(self.executor.hf_config) and \
-            bool(getattr(self.executor.pipeline, "can_generate", True))
+            self.executor.pipeline.can_generate
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.step_count = 0

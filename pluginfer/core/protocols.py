@@ -174,6 +174,10 @@ class ModelPipeline(Protocol):
     and LM head), or raises ``ValueError`` naming ``parallel.pipeline_parallel_size`` if it cannot.
     """
 
+    # API 3. False when the pipeline was loaded without an LM head (an embedding model's bare decoder): the
+    # engine then only embeds with it, and ``compute_logits`` is never called. Set once loading is done.
+    can_generate: bool
+
     def kv_cache_spec(self) -> KVCacheSpec:
         """Shape of the paged cache this model (this pipeline stage's layers) needs."""
 
@@ -234,12 +238,14 @@ class QuantMethod(Protocol):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` for this format."""
 
-    # Optional (looked up with getattr; a method without it keeps vocabulary tables dense):
-    #   vocab_table(loaded, start, rows, dtype, backend) -> VocabTable
-    # called by ``layers.embedding`` when a checkpoint hands the embedding or the LM head a tensor that
-    # is not a dense ``torch.Tensor`` (a GGUF file's quantized blocks): it keeps rows ``start:start +
-    # rows`` of that ``[vocab, hidden]`` table in the format's own layout (raise ``ValueError`` naming
-    # what it cannot hold).
+    def vocab_table(self, loaded: Any, start: int, rows: int, dtype: torch.dtype, backend: Any) -> Any:
+        """Rows ``start:start + rows`` of a ``[vocab, hidden]`` checkpoint tensor kept in this format (API 3).
+
+        ``layers.embedding`` calls it when a checkpoint hands the embedding or the LM head a tensor that is
+        not a dense ``torch.Tensor`` (a GGUF file's quantized blocks). Return a ``VocabTable`` of those rows
+        in the format's own layout (raise ``ValueError`` naming what it cannot hold), or None: this format
+        keeps no vocabulary tables, and loading stops naming the tensor's type and the method.
+        """
 
 
 class VocabTable(Protocol):
@@ -267,6 +273,10 @@ class DeviceBackend(Protocol):
     device: torch.device
     # The collective plugin ``parallel.collective: auto`` uses with several ranks ("gloo", "nccl", ...).
     default_collective: str
+    # API 3. True: quantized weights run only through this backend's kernels, and a quant format whose matmul
+    # op it lacks is a build-time error naming both (``layers.context.quant_kernel``) instead of the quant
+    # method's torch dequantize path. False (the cpu backend): that torch path is this backend's fallback.
+    quant_kernels_required: bool
 
     def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
         """Bytes the paged cache may take: ``requested`` if given, else a fraction of what is free."""
@@ -321,15 +331,17 @@ class DeviceBackend(Protocol):
         answers its native format ops (``ggml_dequantize``, ``grouped_dequantize``, ...).
         """
 
-    # Optional (looked up with getattr; API 3):
-    #   quant_kernels_required: bool -- True: quantized weights run only through this backend's kernels, and a
-    #     quant format whose matmul op it lacks is a build-time error naming both (``layers.context.quant_kernel``)
-    #     instead of the quant method's torch dequantize path.
-    #   capture_decode(forward, max_num_seqs, max_blocks_per_seq, block_size) -> callable | None -- called once
-    #     after the KV cache is allocated unless ``enforce_eager`` (and only without pipeline parallelism);
-    #     ``forward(batch)`` is the model's forward. The callable it returns takes each step's batch and gives
-    #     the hidden states of its sampled rows from a replay (CUDA graphs of decode steps), or None: the worker
-    #     then runs the step eagerly. The block tables it is given may be narrower than ``max_blocks_per_seq``.
+    def capture_decode(
+        self, forward: Any, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+    ) -> Any:
+        """Replays of decode steps (API 3), or None to run every step eagerly (most backends).
+
+        Called once by each worker after its KV cache is allocated, unless ``enforce_eager`` is set or
+        pipeline parallelism is on; ``forward(batch)`` is the model's forward. The callable returned takes
+        each step's batch and gives the hidden states of its sampled rows from a replay (the cuda backend's
+        CUDA graphs of decode steps at bucketed batch sizes), or None: the worker then runs that step
+        eagerly. The block tables it is given may be narrower than ``max_blocks_per_seq``.
+        """
 
 
 @runtime_checkable

@@ -138,13 +138,12 @@ class Worker:
                                                         self.config.cache.block_size, self.kv_dtype)
         self.pipeline.bind_kv_caches(self.kv_caches)
         self.startup_times["cache"] = time.perf_counter() - started
-        capture = getattr(self.backend, "capture_decode", None)
-        if capture is not None and not self.config.enforce_eager and self.rank.pp_size == 1:
+        if not self.config.enforce_eager and self.rank.pp_size == 1:
             started = time.perf_counter()
             max_blocks = -(-self.max_model_len // self.config.cache.block_size)
             with torch.inference_mode():
-                self.decode_graphs = capture(self.pipeline.forward, self.config.scheduler.max_num_seqs, max_blocks,
-                                             self.config.cache.block_size)
+                self.decode_graphs = self.backend.capture_decode(
+                    self.pipeline.forward, self.config.scheduler.max_num_seqs, max_blocks, self.config.cache.block_size)
             if self.decode_graphs is not None:
                 self.startup_times["graphs"] = time.perf_counter() - started
         logger.info("rank %d start-up: %s", self.rank.rank,

@@ -128,7 +128,7 @@ class CausalLM(nn.Module):
     ``can_generate`` is False (the engine then only embeds with it).
     """
 
-    can_generate = True  # ModelPipeline's optional attribute: False once loaded without an LM head
+    can_generate = True  # ModelPipeline.can_generate (API 3): False once loaded without an LM head
 
     def __init__(self, config: dict, model: DecoderStack, tied_by_default: bool = False) -> None:
         super().__init__()

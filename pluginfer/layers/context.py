@@ -37,7 +37,7 @@ def quant_kernel(op_name: str, quant_format: str) -> Callable | None:
         return None
     backend = current_context().backend
     kernel = backend.op(op_name)
-    if kernel is None and getattr(backend, "quant_kernels_required", False):
+    if kernel is None and backend.quant_kernels_required:
         raise ValueError(f"backend {backend.name!r} has no kernel for quant format {quant_format!r} (op {op_name}); "
                          "choose another --quant, or another --backend")
     return kernel

@@ -48,12 +48,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def _load_table(self, param: nn.Parameter, loaded: object) -> None:
         """Keep this rank's rows of a quantized checkpoint tensor through the quant method; drop the dense weight."""
-        make = getattr(self.table_method, "vocab_table", None)
-        if make is None:
-            raise ValueError(f"embedding: a {type(loaded).__name__} checkpoint tensor, which the quant method "
-                             f"{getattr(self.table_method, 'name', self.table_method)!r} cannot hold")
         held = max(0, min(self.shard_size, self.vocab_size - self.start))
-        self.table = make(loaded, self.start, held, param.dtype, self.backend)
+        self.table = self.table_method.vocab_table(loaded, self.start, held, param.dtype, self.backend)
+        if self.table is None:
+            raise ValueError(f"embedding: a {type(loaded).__name__} checkpoint tensor, which the quant method "
+                             f"{self.table_method.name!r} cannot hold")
         empty = nn.Parameter(torch.empty(0, self.hidden_size, dtype=param.dtype), requires_grad=False)
         empty.weight_loader = self.weight_loader
         self.weight = empty

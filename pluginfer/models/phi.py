@@ -133,6 +133,8 @@ def phi3_model(config: dict, max_model_len: int) -> DecoderStack:
 class PhiForCausalLM(nn.Module):
     """Both generations: ``model`` (the decoder stack) and ``lm_head``, named as in HF checkpoints."""
 
+    can_generate = True  # ModelPipeline.can_generate: it always has its LM head
+
     def __init__(self, config: dict, ctx: BuildContext, phi3: bool) -> None:
         super().__init__()
         validate_config(config, phi3)

@@ -113,7 +113,7 @@ class GGUFLinear:
             return
         op_name = f"ggml_{qtype.name.lower()}_matmul"
         kernel = backend.op(op_name)
-        if kernel is None and getattr(backend, "quant_kernels_required", False):
+        if kernel is None and backend.quant_kernels_required:
             raise ValueError(f"{name}: backend {backend.name!r} has no kernel for quant format 'gguf' {qtype.name} "
                              f"(op {op_name}); choose another --backend, or a file of other types")
         layer.gguf_matmuls[qtype] = kernel

@@ -183,6 +183,10 @@ class MarlinLinear:
                                    layer.B.shape[0] * layout.TILE, stop - start, layer.marlin_group_size, zeros, dtype)
         return weight.t()
 
+    def vocab_table(self, loaded: object, start: int, rows: int, dtype: torch.dtype, backend: object) -> None:
+        """This format keeps no vocabulary tables (``QuantMethod.vocab_table``): embeddings stay dense."""
+        return None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.marlin_matmul is not None:
             return layer.marlin_matmul(x, layer.B, layer.s.to(x.dtype), layer.marlin_group_size,

@@ -164,6 +164,10 @@ class GroupQuantLinear:
             dense = weights.view(groups, -1, rows).sub_(zeros[:, None]).mul_(scales[:, None]).view(-1, rows)
         return (dense if dtype == torch.float32 else dense.to(dtype)).t()
 
+    def vocab_table(self, loaded: object, start: int, rows: int, dtype: torch.dtype, backend: object) -> None:
+        """This format keeps no vocabulary tables (``QuantMethod.vocab_table``): embeddings stay dense."""
+        return None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         matmul = getattr(layer, "grouped_matmul", None)
         if matmul is not None:

@@ -62,6 +62,10 @@ class InSituQuantMethod:
     ``create_weights`` that a row-parallel slice holds whole blocks (``sharding.check_input_split``).
     """
 
+    def vocab_table(self, loaded: object, start: int, rows: int, dtype: torch.dtype, backend: object) -> None:
+        """This format keeps no vocabulary tables (``QuantMethod.vocab_table``): embeddings stay dense."""
+        return None
+
     def create_weights(self, layer: torch.nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
                        shard: ShardSpec = UNSPLIT) -> None:
         weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)

@@ -36,6 +36,10 @@ class UnquantizedLinear:
         if weight is not layer.weight.data:
             layer.weight = nn.Parameter(weight, requires_grad=False)
 
+    def vocab_table(self, loaded: object, start: int, rows: int, dtype: torch.dtype, backend: object) -> None:
+        """This format keeps no vocabulary tables (``QuantMethod.vocab_table``): embeddings stay dense."""
+        return None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return layer.dense.linear(layer.weight_layout, x, layer.weight, bias, layer.output_size)
 

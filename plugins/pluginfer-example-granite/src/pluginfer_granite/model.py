@@ -43,6 +43,8 @@ class GraniteDecoderLayer(nn.Module):
 
 
 class GraniteForCausalLM(nn.Module):
+    can_generate = True  # ModelPipeline.can_generate: it always has its LM head
+
     def __init__(self, config: dict, ctx: BuildContext) -> None:
         super().__init__()
         if ctx.rank.pp_size > 1:  # this example keeps every layer on one stage

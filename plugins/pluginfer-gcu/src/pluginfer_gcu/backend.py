@@ -20,11 +20,16 @@ class GcuBackend:
 
     name = "gcu"
     default_collective = "eccl"
+    quant_kernels_required = False  # formats without a kernel here take their torch path
 
     def __init__(self, config: object = None, rank: RankInfo | None = None,
                  device: torch.device | None = None) -> None:
         self.device = device if device is not None else gcu.rank_device((rank or RankInfo()).local_rank)
         self.kernels = KernelTable(self.name)
+
+    def capture_decode(self, forward: object, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
+        """No replays here (``DeviceBackend.capture_decode``): every step runs eagerly."""
+        return None
 
     def op(self, name: str) -> Callable | None:
         return self.kernels.implementation(name)  # None for now: layers keep their torch path
