@@ -137,6 +137,8 @@ def test_a_chunked_body_over_the_limit_is_413(server):
     ({"prompt": [[1, 2]] * 10_000}, "prompt"),
     ({"prompt": [VOCAB]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [[-7075, -6246515, 39961]], "echo": True}, "prompt"),  # found by benchmarks/fuzz.py: was a 500
+    ({"prompt": [2**40], "echo": True, "logprobs": 1}, "prompt"),
     ({"model": "/etc/passwd"}, "model"),
     ({"model": "../../../../tmp"}, "model"),
     ({"stream": True, "stream_options": {"include_usage": "yes please"}}, "stream_options.include_usage"),
