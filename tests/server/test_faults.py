@@ -78,7 +78,8 @@ def test_a_step_that_raises_is_a_500_and_the_server_goes_on(small_server, stream
 
 
 def test_a_fault_after_a_stream_started_is_an_error_event(small_server):
-    """The faulty token is generated, not in the prompt: the stream has started, so the 500 is its last event."""
+    """The faulty token is generated, not in the prompt: the stream has started, so the 500 is its last event
+    (through the engine core the first token may reach the handler together with the failure: then a 500)."""
     engine, server = small_server
     status, _, raw = http(server, "POST", "/v1/completions", {
         "model": MODEL_NAME, "prompt": [30, 31], "max_tokens": 1, "logit_bias": {str(FAULT): 100},
@@ -90,10 +91,13 @@ def test_a_fault_after_a_stream_started_is_an_error_event(small_server):
     status, _, raw = http(server, "POST", "/v1/completions", {
         "model": MODEL_NAME, "prompt": [30, 31], "max_tokens": 3, "logit_bias": {str(FAULT): 100},
         "stream": True, "ignore_eos": True})
-    assert status == 200
-    *chunks, error, done = sse_events(raw)
-    assert chunks and done == "[DONE]"
-    assert error["error"]["code"] == "engine_step_failed" and error["error"]["type"] == "server_error"
+    if status == 500:  # the engine core's client coalesced the first token with the failure: no event was sent
+        assert isinstance(engine, EngineClient) and _error(raw)["code"] == "engine_step_failed"
+    else:
+        assert status == 200
+        *chunks, error, done = sse_events(raw)
+        assert chunks and done == "[DONE]"
+        assert error["error"]["code"] == "engine_step_failed" and error["error"]["type"] == "server_error"
     assert _completion(server, [30, 31, 32])[0] == 200
     wait_until_idle(engine)
 
