@@ -66,7 +66,7 @@ def test_server_survives_nothing_of_a_killed_worker_mid_stream(tiny_llama_checkp
         assert "serving" in line, (line, "".join(stderr_lines))
         url = line.strip().rsplit(" ", 1)[1]
         assert _get(url + "/health") == 200
-        body = json.dumps({"prompt": "hello", "max_tokens": 4000, "ignore_eos": True, "stream": True}).encode()
+        body = json.dumps({"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}).encode()
         request = urllib.request.Request(url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         events: list[str] = []
