@@ -94,10 +94,14 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; rendered with the model's chat template."""
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; rendered with the model's chat template.
+
+        ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``) are rendered into the prompt by the
+        template (a ``ValueError`` if it does not read them); the answer is plain text, as the model writes a
+        call (the server's ``--tool-call-parser`` turns it into ``tool_calls``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [render_chat(self.engine.tokenizer, conv, **(chat_template_kwargs or {}))
+        prompts = [render_chat(self.engine.tokenizer, conv, tools=tools, **(chat_template_kwargs or {}))
                    for conv in conversations]  # type: ignore[arg-type]
         token_ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_ids, params)

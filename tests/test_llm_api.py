@@ -265,3 +265,27 @@ def test_prompt_logprobs_match_transformers_with_chunks_and_prefix_cache(tiny_ll
             assert entry[token] == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
             top = expected[position - 1].topk(3).indices.tolist()
             assert set(top) <= set(entry)
+
+
+def test_chat_renders_tools_through_the_template(llm):
+    """LLM.chat(tools=...) puts the tools in the prompt the template builds; a template that does not read
+    tools is a ValueError, not a prompt without them."""
+    from pluginfer.core.tokenizer import render_chat
+
+    tokenizer = llm.engine.tokenizer
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    hello = [{"role": "user", "content": "what time is it?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    kept = tokenizer.chat_template
+    tokenizer.chat_template = ("{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+                               "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    try:
+        [answer] = llm.chat(hello, params, tools=tools)
+        expected = tokenizer.encode(render_chat(tokenizer, hello, tools=tools), add_special_tokens=False)
+        assert answer.prompt_token_ids == expected
+        assert "tools: get_time" in tokenizer.decode(answer.prompt_token_ids)
+        tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+        with pytest.raises(ValueError, match="does not render tools"):
+            llm.chat(hello, params, tools=tools)
+    finally:
+        tokenizer.chat_template = kept

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,12 +92,19 @@ def eos_token_ids(tokenizer: Any, model_path: Path, hf_config: dict) -> set[int]
     return ids
 
 
+def template_renders_tools(template: Any) -> bool:
+    """Whether a chat template reads ``tools`` (one that does not would drop them silently)."""
+    return bool(re.search(r"\btools\b", str(template or "")))
+
+
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None, **template_kwargs: Any) -> str:
     """The prompt text for a conversation (and the tools it may call, OpenAI's format), from the
     checkpoint's chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat_template; use completions with a plain prompt")
+    if tools and not template_renders_tools(tokenizer.chat_template):
+        raise ValueError("tools: this model's chat template does not render tools")
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                          tokenize=False, tools=tools, **template_kwargs)
 

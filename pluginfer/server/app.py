@@ -12,7 +12,7 @@ from aiohttp import web
 from pluginfer import __version__
 from pluginfer.core.async_engine import AsyncEngine
 from pluginfer.core.config import EngineConfig
-from pluginfer.server.chat import create_chat_completion, render_prompt
+from pluginfer.server.chat import create_chat_completion, render_prompt, template_kwargs
 from pluginfer.server.chat_page import add_chat_page, is_public
 from pluginfer.server.completions import create_completion
 from pluginfer.server.cors import cors_middleware
@@ -22,6 +22,7 @@ from pluginfer.server.metrics import CONTENT_TYPE
 from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import CLIENT_LEFT
+from pluginfer.server.tools import ToolCalling
 
 _OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers' probes)
 
@@ -110,9 +111,12 @@ async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_body(request, TokenizeRequest)
     state.check_model(body.model)
+    if body.tools and body.messages is None:
+        raise bad_request("tools are rendered with messages; give messages", "tools")
     if body.messages is not None:
+        tools = ToolCalling.from_request(body.tools, "none", None, None)  # validated as chat validates them
         tokens = render_prompt(state, [m.for_template() for m in body.messages], body.add_generation_prompt,
-                               body.chat_template_kwargs)
+                               template_kwargs(state, body, tools))
     elif body.prompt is not None:
         tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:

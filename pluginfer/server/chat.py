@@ -15,17 +15,17 @@ from pluginfer.core.beam_search import BeamSearchParams
 from pluginfer.core.outputs import CompletionOutput, RequestOutput
 from pluginfer.core.sequence import SamplingParams
 from pluginfer.core.structured import StructuredOutputsParams
-from pluginfer.core.tokenizer import render_chat
+from pluginfer.core.tokenizer import render_chat, template_renders_tools
 from pluginfer.server.beam import beam_params, finish_reason, search
 from pluginfer.server.errors import bad_request
 from pluginfer.server.grammar import compile_grammar
 from pluginfer.server.limits import check_limits
 from pluginfer.server.logprobs import TokenText, chat_logprobs
-from pluginfer.server.protocol import ChatCompletionRequest
+from pluginfer.server.protocol import ChatCompletionRequest, TokenizeRequest
 from pluginfer.server.reasoning import ReasoningParser, ReasoningStream
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import run_requests, stream_response, usage
-from pluginfer.server.tools import ToolCalling, ToolCallOutput, template_renders_tools
+from pluginfer.server.tools import ToolCalling, ToolCallOutput
 
 
 def render_prompt(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool,
@@ -41,18 +41,20 @@ def render_prompt(state: ServerState, messages: list[dict[str, Any]], add_genera
     return state.tokenizer.encode(text, add_special_tokens=False)
 
 
-def template_kwargs(state: ServerState, body: ChatCompletionRequest, tools: ToolCalling | None) -> dict[str, Any]:
+def template_kwargs(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
+                    tools: ToolCalling | None) -> dict[str, Any]:
     """``chat_template_kwargs``, the tools, and ``reasoning_effort`` for a template that reads it (else a 400)."""
     kwargs = dict(body.chat_template_kwargs or {})
     if tools is not None:
         if not template_renders_tools(getattr(state.tokenizer, "chat_template", None)):
             raise bad_request("tools: this model's chat template does not render tools", "tools")
         kwargs["tools"] = tools.template_tools()
-    if body.reasoning_effort is not None:
+    effort = body.reasoning_effort if isinstance(body, ChatCompletionRequest) else None  # /tokenize has none
+    if effort is not None:
         if "reasoning_effort" not in str(getattr(state.tokenizer, "chat_template", None) or ""):
             raise bad_request("reasoning_effort: this model's chat template does not read it",
                               "reasoning_effort")
-        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+        kwargs.setdefault("reasoning_effort", effort)
     return kwargs
 
 

@@ -229,5 +229,3 @@ class ToolCallOutput:
         return content_delta, deltas
 
 
-def template_renders_tools(template: Any) -> bool:
-    return bool(re.search(r"\btools\b", str(template or "")))

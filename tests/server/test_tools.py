@@ -234,3 +234,27 @@ def test_a_template_without_tools_is_400(server, async_engine):
         tokenizer.chat_template = kept
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == "tools" and "does not render tools" in error["message"]
+
+
+def test_tokenize_renders_tools_as_chat_does(server, client):
+    """/tokenize with messages and tools counts the prompt /v1/chat/completions builds for them."""
+    status, _, raw = http(server, "POST", "/tokenize", {"messages": MESSAGES, "tools": TOOLS})
+    assert status == 200, raw
+    with_tools = json.loads(raw)["tokens"]
+    plain = json.loads(http(server, "POST", "/tokenize", {"messages": MESSAGES})[2])["tokens"]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                           max_tokens=1, temperature=0)
+    assert reply.usage.prompt_tokens == len(with_tools) > len(plain)
+    status, _, raw = http(server, "POST", "/detokenize", {"tokens": with_tools})
+    assert "tools: get_weather get_time" in json.loads(raw)["prompt"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "tools": TOOLS}, "tools"),  # tools are rendered with messages only
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "array"}}}]}, "tools.0.function.parameters"),
+    ({"messages": MESSAGES, "tools": TOOLS + TOOLS[:1]}, "tools"),  # a name twice
+])
+def test_tokenize_refuses_tools_it_cannot_render(server, body, param):
+    status, _, raw = http(server, "POST", "/tokenize", body)
+    assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
