@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import vs_llamacpp  # noqa: E402
 from offline_throughput import build_checkpoint  # noqa: E402
 from vs_llamacpp import LlamaCpp, write_files  # noqa: E402
 
@@ -69,23 +70,6 @@ class Ours:
             limits.update(saved)
 
 
-class LlamaCppTimed(LlamaCpp):
-    """``vs_llamacpp.LlamaCpp``'s decode loop timed by :data:`CLOCK`."""
-
-    def decode_rate(self, prompts: list[list[int]], new_tokens: int) -> float:
-        self._clear()
-        for seq, prompt in enumerate(prompts):  # prefill each prompt (not timed)
-            self._decode([(t, p, seq, p == len(prompt) - 1) for p, t in enumerate(prompt)])
-        last = [self._argmax(-1)] * len(prompts)
-        positions = [len(p) for p in prompts]
-        start = CLOCK()
-        for _ in range(new_tokens - 1):
-            self._decode([(last[s], positions[s], s, True) for s in range(len(prompts))])
-            last = [self._argmax(s) for s in range(len(prompts))]
-            positions = [p + 1 for p in positions]
-        return len(prompts) * (new_tokens - 1) / (CLOCK() - start)
-
-
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
     """Bytes/s of a float32 sum over ``nbytes`` (every byte read once, all threads), median of 5."""
     buffer = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -121,7 +105,7 @@ def main() -> None:
     args.arch, args.experts, args.top_k = "llama", 0, 0
     if args.cpu_time:
         global CLOCK
-        CLOCK = time.process_time
+        CLOCK = vs_llamacpp.clock = time.process_time  # llama.cpp's decode loop (vs_llamacpp.LlamaCpp) too
         args.threads = 1
     torch.set_num_threads(args.threads)
     engines_asked = [e for e in args.engines if not (args.no_llamacpp and e.startswith("llama.cpp"))]
@@ -146,7 +130,7 @@ def main() -> None:
         for name in engines_asked:
             if name == "llama.cpp-F16":
                 path = write_files(model_dir, root, ["f16"])["f16"]
-                engine = LlamaCppTimed(path, args)
+                engine = LlamaCpp(path, args)
                 engine.name, engine.dtype = name, torch.float16
             else:
                 dtype = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[name.removesuffix("-torch")]

@@ -17,39 +17,21 @@ read bandwidth (``torch.sum`` over ``--bandwidth-bytes``, all threads), measured
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native
+sys.path.insert(0, str(Path(__file__).parent))
+import quant_gemv  # noqa: E402
+from quant_gemv import interleaved_medians, read_bandwidth  # noqa: E402
+
+from pluginfer.backends import native  # noqa: E402
 
 # The linears of the 0.5B-shaped benchmark llama (benchmarks/offline_throughput.py): qkv, o, gate_up, down, lm_head.
 SHAPES = ["2048x1024", "1024x1024", "5632x1024", "1024x2816", "32000x1024"]
-
-
-CLOCK = time.perf_counter
-
-
-def interleaved_medians(cases: dict, runs: int) -> dict[str, float]:
-    """Median seconds of each case, the cases timed in turn within every run (drift hits them alike)."""
-    samples: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():
-        fn()
-    for _ in range(runs):
-        for name, fn in cases.items():
-            start = CLOCK()
-            fn()
-            samples[name].append(CLOCK() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
-
-
-def read_bandwidth(nbytes: int, runs: int) -> float:
-    """GB/s of a float32 sum over ``nbytes`` (every byte read once, from memory)."""
-    buffer = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / interleaved_medians({"sum": buffer.sum}, runs)["sum"] / 1e9
 
 
 def main() -> int:
@@ -67,8 +49,7 @@ def main() -> int:
                              "other processes' time slices (not to their memory traffic); GB/s are per core")
     args = parser.parse_args()
     if args.cpu_time:
-        global CLOCK
-        CLOCK = time.thread_time
+        quant_gemv.CLOCK = time.thread_time  # what interleaved_medians times with
         torch.set_num_threads(1)
     if native.available() is not None or native.half_linear_isa() is None:
         print(f"no native 16-bit GEMV here: {native.available() or 'this CPU lacks AVX2 + F16C'}")
