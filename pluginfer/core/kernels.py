@@ -315,6 +315,51 @@ def ggml_q4_0_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.
     nibbles = torch.cat([blocks[..., 2:] & 0x0F, blocks[..., 2:] >> 4], dim=-1)
     return _ggml_matmul(x, blocks, nibbles.float() - 8, bias)
 
+
+def _f16_at(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """Each super-block's fp16 at bytes ``start:start + 2``, as float32 ``[n, blocks, 1]``."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _ggml_k_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    weight = weight.reshape(weight.shape[0], -1).to(x.dtype)
+    out = (x.float() @ weight.float().t()).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def ggml_q4_k_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """As :func:`ggml_q8_0_matmul` for Q4_K super-blocks (``[n, cols / 256 * 144]``): fp16 ``d`` and ``dmin``,
+    12 bytes packing eight 6-bit scales and mins (llama.cpp's ``get_scale_min_k4``), then 128 bytes whose
+    32-byte chunk ``c`` holds group ``2c`` in its low nibbles and ``2c + 1`` in its high ones; each weight
+    ``q * (d * scale) - dmin * min`` of its group of 32."""
+    blocks = raw.reshape(raw.shape[0], cols // 256, 144)
+    d, dmin, packed = _f16_at(blocks, 0), _f16_at(blocks, 2), blocks[..., 4:16]
+    low_scale, low_min, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([low_scale & 0x3F, (high & 0x0F) | ((low_scale >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([low_min & 0x3F, (high >> 4) | ((low_min >> 2) & 0x30)], dim=-1)
+    chunks = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 1, 32)
+    levels = torch.cat([chunks & 0x0F, chunks >> 4], dim=-2).reshape(*blocks.shape[:2], 8, 32).float()
+    weight = levels * (d * scales.float()).unsqueeze(-1) - (dmin * mins.float()).unsqueeze(-1)
+    return _ggml_k_matmul(x, weight, bias)
+
+
+def ggml_q6_k_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """As :func:`ggml_q8_0_matmul` for Q6_K super-blocks (``[n, cols / 256 * 210]``): 128 bytes of low nibbles,
+    64 of 2-bit high parts, 16 int8 scales (one per 16 weights), fp16 ``d``. Each half of 128 weights takes
+    64 ``ql`` bytes (low nibbles: weights 0-63, high nibbles: 64-127) and 32 ``qh`` bytes (bits ``2r`` for
+    weights ``32r`` to ``32r + 31``); each weight ``(q - 32) * (d * scale)``."""
+    blocks = raw.reshape(raw.shape[0], cols // 256, 210)
+    shape = blocks.shape[:2]
+    ql = blocks[..., :128].reshape(*shape, 2, 1, 64)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=-2).reshape(*shape, 2, 4, 32)
+    qh = blocks[..., 128:192].reshape(*shape, 2, 1, 32)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=raw.device).reshape(4, 1)
+    high = (qh >> shifts) & 0x03  # [.., 2, 4, 32]
+    levels = ((low | (high << 4)).float() - 32).reshape(*shape, 16, 16)
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    weight = levels * (_f16_at(blocks, 208) * scales).unsqueeze(-1)
+    return _ggml_k_matmul(x, weight, bias)
+
 # -- the table --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KernelOp:
@@ -335,7 +380,7 @@ class KernelOp:
 OPS: dict[str, KernelOp] = {fn.__name__: KernelOp(fn.__name__, fn) for fn in (
     rms_norm, silu_and_mul, gelu_and_mul, rotary_neox, rotary_interleaved, write_kv,
     paged_decode_attention, paged_prefill_attention, fused_moe, dense_layout, dense_pack, dense_linear, marlin_matmul,
-    grouped_matmul, int8_matmul, ggml_q8_0_matmul, ggml_q4_0_matmul,
+    grouped_matmul, int8_matmul, ggml_q8_0_matmul, ggml_q4_0_matmul, ggml_q4_k_matmul, ggml_q6_k_matmul,
 )}
 
 

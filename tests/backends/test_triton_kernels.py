@@ -303,24 +303,24 @@ def case_int8(dtype: str) -> dict:
     return _compare_truncated(ours, expected, 1e-2) if dtype == "bfloat16" else _compare(ours, expected, dtype)
 
 
-def case_ggml(dtype: str, qtype_name: str) -> dict:
-    """Q8_0 / Q4_0 bytes from the quant methods' quantizer: the kernel, the table's reference, and
-    ``ggml_blocks.dequantize`` (the GGUF method's torch path) times x."""
+def case_ggml(dtype: str, qtype_name: str, rows: int = 5, outputs: int = 72, cols: int = 128) -> dict:
+    """Q8_0 / Q4_0 / Q4_K / Q6_K bytes from the quant methods' quantizer: the kernel, the table's reference,
+    and ``ggml_blocks.dequantize`` (the GGUF method's torch path) times x."""
     from gguf import GGMLQuantizationType
 
-    from pluginfer.backends.triton_kernels import ggml_matmul
+    from pluginfer.backends.triton_kernels import ggml_k_matmul, ggml_matmul
     from pluginfer.core import kernels
     from pluginfer.quant import ggml_blocks, ggml_quantize
 
     randn, _ = _tensors(12)
     qtype = GGMLQuantizationType[qtype_name.upper()]
-    raw = ggml_quantize.quantize(randn(72, 128), qtype)
-    x = randn(5, 128, dtype=getattr(torch, dtype))
+    raw = ggml_quantize.quantize(randn(outputs, cols), qtype)
+    x = randn(rows, cols, dtype=getattr(torch, dtype))
     name = f"ggml_{qtype_name}_matmul"
-    expected = getattr(kernels, name)(x, raw, 128, None)
-    ours = getattr(ggml_matmul, name)(x, raw, 128, None)
+    expected = getattr(kernels, name)(x, raw, cols, None)
+    ours = getattr(ggml_k_matmul if qtype_name.endswith("_k") else ggml_matmul, name)(x, raw, cols, None)
     report = _compare_truncated(ours, expected, 1e-2) if dtype == "bfloat16" else _compare(ours, expected, dtype)
-    layer_path = (x.float() @ ggml_blocks.dequantize(raw, qtype, 128, x.dtype).float().t()).to(x.dtype)
+    layer_path = (x.float() @ ggml_blocks.dequantize(raw, qtype, cols, x.dtype).float().t()).to(x.dtype)
     if report["error"] is None and not torch.equal(expected, layer_path):
         report["error"] = "the reference differs from ggml_blocks.dequantize"
     return report
@@ -420,6 +420,9 @@ CASES |= {
     "grouped-8bit-float32": (case_grouped, "float32", 8, False),
     "grouped-8bit-act-order-float16": (case_grouped, "float16", 8, True),
 }
+for _qtype in ("q4_k", "q6_k"):  # three super-blocks per row, an odd output count, one row and several
+    CASES |= {f"ggml-{_qtype}-rows-{_rows}-{_dtype}": (case_ggml, _dtype, _qtype, _rows, 67, 768)
+              for _rows in (1, 5) for _dtype in ("float32", "bfloat16")}
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ def register(table: KernelTable) -> None:
         decode_attention,
         fused_moe,
         gated_activation,
+        ggml_k_matmul,
         ggml_matmul,
         grouped_matmul,
         int8_matmul,
@@ -49,3 +50,5 @@ def register(table: KernelTable) -> None:
     table.register("int8_matmul", int8_matmul.int8_matmul)
     table.register("ggml_q8_0_matmul", ggml_matmul.ggml_q8_0_matmul)
     table.register("ggml_q4_0_matmul", ggml_matmul.ggml_q4_0_matmul)
+    table.register("ggml_q4_k_matmul", ggml_k_matmul.ggml_q4_k_matmul)
+    table.register("ggml_q6_k_matmul", ggml_k_matmul.ggml_q6_k_matmul)
