@@ -92,6 +92,7 @@ AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point":
 
 @pytest.mark.parametrize(("quant_name", "config", "kernel"), [
     ("int8", None, "int8_matmul"), ("q8_0", None, "ggml_matmul"), ("q4_0", None, "ggml_matmul"),
+    ("q4_k", None, "ggml_matmul"), ("q6_k", None, "ggml_matmul"),
     ("gptq", GPTQ_CONFIG, "grouped_matmul"), ("gptq", {**GPTQ_CONFIG, "bits": 8}, "grouped_matmul"),
     ("awq", AWQ_CONFIG, "grouped_matmul"), ("marlin", GPTQ_CONFIG, "marlin_matmul")])
 def test_quantized_linears_reach_the_cuda_kernels_through_the_table(quant_name: str, config: dict | None,
@@ -102,7 +103,7 @@ def test_quantized_linears_reach_the_cuda_kernels_through_the_table(quant_name: 
     assert getattr(layer, kernel).__module__.startswith("pluginfer.backends.triton_kernels.")
 
 
-@pytest.mark.parametrize("quant_name", ["int4", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("quant_name", ["int4", "q4_1", "q5_0", "q5_1"])
 def test_a_quant_format_without_a_cuda_kernel_fails_at_build_naming_both(quant_name: str) -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
@@ -118,7 +119,7 @@ def test_the_cpu_backend_keeps_its_torch_paths_for_the_same_formats() -> None:
         assert getattr(layer, "int8_matmul", None) is None and getattr(layer, "ggml_matmul", None) is None
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_0"])
 def test_gguf_file_tensors_find_their_block_kernel_or_fail_naming_both(type_name: str) -> None:
     """A GGUF file's tensor of a type the cuda backend reads in-kernel gets that kernel; another type stops the
     load naming the tensor, the backend and the type."""
@@ -133,9 +134,10 @@ def test_gguf_file_tensors_find_their_block_kernel_or_fail_naming_both(type_name
     layer = _build_linear(cuda.CudaBackend(device=torch.device("cpu")), "gguf")
     raw = ggml_quantize.quantize(torch.randn(128, 256), qtype)
     tensor = GGMLTensor(raw, qtype, torch.Size((128, 256)), "blk.0.ffn_up.weight")
-    if type_name in ("Q8_0", "Q4_0"):
+    if type_name != "Q5_0":
         layer.weight.weight_loader(layer.weight, tensor)
-        assert layer.gguf_matmuls[qtype].__module__ == "pluginfer.backends.triton_kernels.ggml_matmul"
+        module = "ggml_k_matmul" if type_name.endswith("_K") else "ggml_matmul"
+        assert layer.gguf_matmuls[qtype].__module__ == f"pluginfer.backends.triton_kernels.{module}"
         return
     with pytest.raises(ValueError, match=f"backend 'cuda' has no kernel for quant format 'gguf' {type_name}"):
         layer.weight.weight_loader(layer.weight, tensor)

@@ -152,6 +152,29 @@ def test_gguf_file_blocks_through_the_backend_op_table(tmp_path: Path, tiny_toke
     assert on_cuda["kernel_calls"].get("ggml_q4_0_matmul", 0) > 0
 
 
+def test_q4_k_m_gguf_file_through_the_backend_op_table(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """A file of llama.cpp's Q4_K_M mix (Q4_K linears; Q6_K attn_v and ffn_down where its ``use_more_bits``
+    picks them, here layer 1 of 2; F32 embedding and head) of a llama whose rows hold whole 256-weight
+    super-blocks: the cuda backend's ``ggml_q4_k_matmul`` and ``ggml_q6_k_matmul`` (Q4_K and Q6_K groups in
+    one fused qkv layer) give the cpu backend's greedy tokens."""
+    from pluginfer.cli.convert import write_gguf
+    from pluginfer.core.loader import iter_weights, read_hf_config
+    from pluginfer.core.tokenizer import load_tokenizer
+
+    directory = tmp_path / "llama"
+    model = save_hf_model("LlamaForCausalLM", {**BASE, "hidden_size": 256, "intermediate_size": 256}, directory,
+                          tiny_tokenizer_dir)
+    more_bits = {f"model.layers.1.{name}.weight": "q6_k" for name in ("self_attn.v_proj", "mlp.down_proj")}
+    path = write_gguf(tmp_path / "llama-q4_k_m.gguf", read_hf_config(directory), load_tokenizer(directory),
+                      iter_weights(directory), "q4_k", embedding_type="f32", types=more_bits)
+    groups = [random_prompts(model.config.vocab_size, [5, 18], seed=4)]
+    on_cuda = run_engine(tmp_path, path, groups)
+    on_cpu = run_engine(tmp_path, path, groups, backend="cpu")
+    assert on_cuda["tokens"] == on_cpu["tokens"]
+    assert on_cuda["kernel_calls"].get("ggml_q4_k_matmul", 0) > 0
+    assert on_cuda["kernel_calls"].get("ggml_q6_k_matmul", 0) > 0
+
+
 def test_decode_steps_through_the_graph_bookkeeping_equal_transformers(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
     """Decode steps replayed from ``DecodeGraphs``' static buffers (3 sequences padded to the bucket of 4, block
     tables at full width, the padding rows in the scratch KV block) through the real kernels give transformers'
