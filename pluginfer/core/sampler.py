@@ -68,23 +68,33 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, candidates: int = 256
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, candidates: int = 256,
+    sync_free: bool | None = None,
 ) -> torch.Tensor:
     """Set to -inf what top-k (0 = off) and then top-p (1 = off) drop; the top token always stays.
 
     Top-p keeps the smallest prefix of the sorted distribution whose mass reaches p. Only the
     ``candidates`` largest logits are sorted (a full sort of a 32k vocabulary costs ms on a
     CPU), unless a row's top-p set reaches past them; ties with the last kept logit are kept.
+
+    ``sync_free`` (default: the logits are not on the CPU) reads nothing back to the host: the shortcut,
+    whose width depends on the data, gives way to one full sort (cheap on a GPU), so that a device's step
+    waits for the host only to read the sampled ids. Both ways keep the same tokens.
     """
+    if sync_free is None:
+        sync_free = logits.device.type != "cpu"
     if top_k is None and top_p is None:
         return logits
     batch, vocab_size = logits.shape
     k = top_k.clamp(max=vocab_size) if top_k is not None else torch.zeros(batch, dtype=torch.long, device=logits.device)
     k_off = (k == 0).unsqueeze(1)
     if top_p is None:
-        if not bool(k.any()):
+        if sync_free:
+            values = logits.sort(dim=-1, descending=True).values
+        elif not bool(k.any()):
             return logits
-        values = logits.topk(int(k.max()), dim=-1).values
+        else:
+            values = logits.topk(int(k.max()), dim=-1).values
         kth = values.gather(1, (k.clamp(min=1) - 1).unsqueeze(1)).masked_fill(k_off, float("-inf"))
         return logits.masked_fill(logits < kth, float("-inf"))
 
@@ -92,8 +102,11 @@ def apply_top_k_top_p(
     p_off = p >= 1
     probs = logits.softmax(dim=-1)
     # Rows with top-k need only their top k; a top-p row without top-k may need more.
-    needs_candidates = bool((k_off & ~p_off).any())
-    width = min(vocab_size, max(candidates if needs_candidates else 1, int(k.max())))
+    if sync_free:
+        width = vocab_size
+    else:
+        needs_candidates = bool((k_off & ~p_off).any())
+        width = min(vocab_size, max(candidates if needs_candidates else 1, int(k.max())))
     while True:
         values, order = logits.topk(width, dim=-1)  # descending
         kth = values.gather(1, (k.clamp(min=1) - 1).unsqueeze(1)).masked_fill(k_off, float("-inf"))
@@ -159,6 +172,8 @@ class Sampler:
         self.eos_token_ids = set(eos_token_ids)
         self.seed = seed  # for rows without their own seed; None: nondeterministic
         self._generators: dict[torch.device, torch.Generator] = {}
+        # None: decided by the logits' device (no host reads but the sampled ids off the CPU; tests set it)
+        self.sync_free: bool | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample a token for each ``seqs[i]`` from ``logits[i]``."""
@@ -205,7 +220,7 @@ class Sampler:
             top_k = torch.tensor([p.top_k for p in params], device=device)
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], device=device)
-        logits = apply_top_k_top_p(logits, top_k, top_p)
+        logits = apply_top_k_top_p(logits, top_k, top_p, sync_free=self.sync_free)
         if any(p.min_p > 0 for p in params):
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
 

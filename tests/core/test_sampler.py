@@ -265,3 +265,59 @@ def test_out_of_range_sampling_values_are_rejected_or_made_greedy():
                          ("logit_bias", {3: 1000.0})):
         with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
             SamplingParams(**{field: value})
+
+
+class NoHostReads:
+    """Fails any read of a tensor's value back to the host (``bool(t)``, ``int(t)``, ``t.item()``: the
+    device syncs of a GPU step) while it is active; ``tolist`` of the sampled ids stays allowed."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    raise AssertionError("a host read of a tensor value (a device sync)")
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def test_sync_free_top_k_top_p_keeps_the_same_tokens_without_host_reads():
+    """The device path (a full sort, no data-dependent width) equals the CPU shortcut, and reads nothing
+    back; the shortcut itself does read (so the check can see a read)."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, 500) * torch.tensor([0.5, 1, 2, 4, 8, 8, 16, 1]).unsqueeze(1)
+    top_k = torch.tensor([0, 0, 10, 0, 3, 0, 0, 50])
+    top_p = torch.tensor([0.9, 0.5, 0.9, 0.95, 1.0, 1.0, 0.7, 0.99])
+    for k, p in ((top_k, top_p), (top_k, None), (None, top_p), (torch.zeros(8, dtype=torch.long), None)):
+        with NoHostReads():
+            free = apply_top_k_top_p(logits, k, p, candidates=16, sync_free=True)
+        assert kept(free) == kept(apply_top_k_top_p(logits, k, p, candidates=16, sync_free=False))
+    with pytest.raises(AssertionError, match="host read"), NoHostReads():
+        apply_top_k_top_p(logits, top_k, top_p, candidates=16, sync_free=False)
+
+
+def test_a_sync_free_sampler_reads_back_only_the_sampled_ids():
+    """A batch with every processor (temperature, top-k, top-p, min-p, penalties, bias, min_tokens, seeds,
+    greedy rows) samples with no host read but the ids' ``tolist``, as on a GPU, and keeps the tokens the
+    CPU path's seeded draws give."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 300)
+
+    def batch():
+        return [seq(temperature=0.7, top_k=20, seed=1), seq(temperature=1.0, top_p=0.8, seed=2),
+                seq(temperature=0.9, min_p=0.05, seed=3, output=(7, 7, 9), repetition_penalty=1.3),
+                seq(temperature=0.0), seq(temperature=0.5, presence_penalty=0.5, frequency_penalty=0.2, seed=4,
+                                          output=(1, 2)),
+                seq(temperature=1.0, top_k=5, top_p=0.9, seed=5, logit_bias={3: 2.0}, min_tokens=4)]
+
+    device_like = Sampler(300, {EOS}, seed=0)
+    device_like.sync_free = True
+    with NoHostReads():
+        free = device_like(logits.clone(), batch()).token_ids
+    assert free == Sampler(300, {EOS}, seed=0)(logits.clone(), batch()).token_ids
