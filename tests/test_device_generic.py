@@ -33,6 +33,9 @@ ALLOWED = {
     ("core/sampler.py", 'if logits.device.type == "cpu" and logits.dtype == torch.float32'):
         "the greedy shortcut hands host float32 logits to numpy's argmax; numpy reads host memory only, any "
         "other device keeps torch.argmax",
+    ("core/sampler.py", 'sync_free = logits.device.type != "cpu"'):
+        "top-k/top-p's candidate shortcut reads its width back from the logits, free on host memory and a "
+        "device sync anywhere else, where one full sort replaces it",
 }
 
 
