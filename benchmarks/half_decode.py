@@ -37,10 +37,8 @@ from vs_llamacpp import LlamaCpp, write_files  # noqa: E402
 
 from pluginfer.backends import native  # noqa: E402
 
-CLOCK = time.perf_counter
 
-
-class Ours:
+class Ours(vs_llamacpp.Ours):
     """pluginfer on the HF checkpoint in ``dtype``; ``torch_path``: 16-bit linears through F.linear."""
 
     def __init__(self, name: str, path: Path, dtype: str, torch_path: bool = False, llm: object = None) -> None:
@@ -51,21 +49,12 @@ class Ours:
                               enable_prefix_caching=False, max_num_batched_tokens=2048)
 
     def decode_rate(self, prompts: list[list[int]], new_tokens: int) -> float:
-        from pluginfer import SamplingParams
-
-        def run(tokens: int) -> float:
-            params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-            start = CLOCK()
-            self.llm.generate(prompts, params)
-            return CLOCK() - start
-
         limits = native.HALF_LINEAR_MAX_ROWS
         saved = dict(limits)
         if self.torch_path and self.dtype in limits:
             limits[self.dtype] = 0
         try:
-            first = run(1)
-            return len(prompts) * (new_tokens - 1) / (run(new_tokens) - first)
+            return super().decode_rate(prompts, new_tokens)
         finally:
             limits.update(saved)
 
@@ -76,9 +65,9 @@ def read_bandwidth(nbytes: int = 1 << 30) -> float:
     buffer.sum()
     times = []
     for _ in range(5):
-        start = CLOCK()
+        start = vs_llamacpp.clock()
         buffer.sum()
-        times.append(CLOCK() - start)
+        times.append(vs_llamacpp.clock() - start)
     return nbytes / statistics.median(times)
 
 
@@ -104,8 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     args.arch, args.experts, args.top_k = "llama", 0, 0
     if args.cpu_time:
-        global CLOCK
-        CLOCK = vs_llamacpp.clock = time.process_time  # llama.cpp's decode loop (vs_llamacpp.LlamaCpp) too
+        vs_llamacpp.clock = time.process_time  # what both engines' decode loops time with
         args.threads = 1
     torch.set_num_threads(args.threads)
     engines_asked = [e for e in args.engines if not (args.no_llamacpp and e.startswith("llama.cpp"))]
