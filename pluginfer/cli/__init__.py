@@ -64,12 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pluginfer.core.registry import PluginError
+    from pluginfer.core.launcher_env import leave_launched_rank
 
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     run: Callable[[argparse.Namespace], int] = args.run
+    code = _run(run, args)
+    leave_launched_rank(code)  # under torchrun/mpiexec: the engine stopped, leave without finalization
+    return code
+
+
+def _run(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    from pluginfer.core.registry import PluginError
+
     try:
         return run(args)
     except KeyboardInterrupt:

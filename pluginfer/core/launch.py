@@ -27,11 +27,10 @@ import time
 from collections.abc import Callable
 
 from pluginfer.core.config import EngineConfig
+from pluginfer.core.launcher_env import external_launcher, leave_launched_rank
 from pluginfer.core.protocols import RankInfo
 
 logger = logging.getLogger(__name__)
-
-_TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def detect_launcher(config: EngineConfig, environ: dict[str, str] | None = None) -> str:
@@ -39,10 +38,9 @@ def detect_launcher(config: EngineConfig, environ: dict[str, str] | None = None)
     launcher = config.parallel.launcher
     if launcher != "auto":
         return launcher
-    if "TORCHELASTIC_RUN_ID" in env or all(key in env for key in _TORCHRUN_KEYS):
-        return "torchrun"
-    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
-        return "mpi"
+    external = external_launcher(env)
+    if external is not None:
+        return external
     world = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
     return "spawn" if world > 1 else "inprocess"
 
@@ -178,7 +176,10 @@ def serve_if_worker(config: EngineConfig) -> None:
         return
     rank = rank_info(config)
     if not rank.is_driver:
-        raise SystemExit(run_worker(config, rank))
+        code = run_worker(config, rank)
+        leave_launched_rank(code)
+        raise SystemExit(code)
+
 
 
 def run_worker(config: EngineConfig, rank: RankInfo) -> int:
