@@ -4,7 +4,7 @@ Layer ``i`` holds experts when ``n_routed_experts`` is set, ``i >= first_k_dense
 ``i % moe_layer_freq == 0`` (DeepSeek's rule; transformers reads only the first two); the others keep a
 dense MLP of ``intermediate_size``. A sparse layer adds ``n_shared_experts`` always-on experts (one MLP of
 ``n_shared_experts * moe_intermediate_size``). Routers: V2 softmax ``greedy`` or ``group_limited_greedy``,
-V3 sigmoid ``noaux_tc`` with ``e_score_correction_bias`` (see ``pluginfer.layers.moe``).
+V3 sigmoid ``noaux_tc`` with ``e_score_correction_bias`` (see ``pluginfer.layers.router``).
 
 V2 with ``norm_topk_prob`` follows DeepSeek's own modeling code (normalize, then no routed scaling);
 transformers' V2 ignores ``norm_topk_prob``. Every released V2 checkpoint has it off, where both agree.
@@ -28,7 +28,7 @@ from pluginfer.layers.causal_lm import (
 from pluginfer.layers.context import current_context
 from pluginfer.layers.mla import MultiHeadLatentAttention
 from pluginfer.layers.mlp import GatedMLP, check_tp_divisible
-from pluginfer.layers.moe import RouterSpec, SparseMoeBlock, expert_weight_names, validate_router_config
+from pluginfer.layers.moe import SparseMoeBlock, expert_weight_names
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.rotary import (
     RotaryEmbedding,
@@ -37,6 +37,7 @@ from pluginfer.layers.rotary import (
     yarn_factor,
     yarn_mscale,
 )
+from pluginfer.layers.router import RouterSpec, validate_router_config
 
 # transformers' config defaults for fields a DeepSeek config.json may leave out.
 _DEFAULTS = {

@@ -17,9 +17,10 @@ from pluginfer.layers.causal_lm import (
 )
 from pluginfer.layers.context import current_context
 from pluginfer.layers.mlp import GatedMLP
-from pluginfer.layers.moe import SparseMoeBlock, expert_weight_names, validate_router_config
+from pluginfer.layers.moe import SparseMoeBlock, expert_weight_names
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.rotary import RotaryEmbedding, get_rope
+from pluginfer.layers.router import validate_router_config
 from pluginfer.layers.self_attention import SelfAttention
 from pluginfer.layers.weights import LLAMA_STACKED
 

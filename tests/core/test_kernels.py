@@ -220,7 +220,8 @@ def test_every_op_documents_its_contract() -> None:
 def test_fused_moe_reference_equals_the_experts_layer(dtype: torch.dtype, hidden_act: str) -> None:
     """``FusedExperts``' own torch path (the cpu backend without native kernels keeps the checkpoint layout in
     half precision; float32 packs for its matmul, the same products)."""
-    from pluginfer.layers.moe import FusedExperts, route
+    from pluginfer.layers.moe import FusedExperts
+    from pluginfer.layers.router import route
 
     generator = torch.Generator().manual_seed(7)
     with building(make_context(backend_with(False), dtype)):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pluginfer.layers.moe import RouterSpec, select_experts, validate_router_config
+from pluginfer.layers.router import RouterSpec, select_experts, validate_router_config
 
 HIDDEN = 32
 

@@ -24,7 +24,8 @@ from pluginfer.core.protocols import BuildContext, RankInfo
 from pluginfer.core.registry import get_registry
 from pluginfer.layers.context import building
 from pluginfer.layers.mlp import GatedMLP
-from pluginfer.layers.moe import FusedExperts, RouterSpec, SparseMoeBlock, expert_weight_names, route
+from pluginfer.layers.moe import FusedExperts, SparseMoeBlock, expert_weight_names
+from pluginfer.layers.router import RouterSpec, route
 from pluginfer.layers.weights import load_named_weights
 from pluginfer.models import deepseek
 from pluginfer.quant import unquantized
