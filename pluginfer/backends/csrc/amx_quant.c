@@ -1,0 +1,416 @@
+/* amx_quant: y = x W^T for float32 activations x [m][k] and raw llama.cpp blocks W [n][row_bytes] on
+ * AMX int8 tiles (Sapphire Rapids and later), for the 2..128 rows where quant_dot.c's AVX-512 VNNI
+ * kernel is compute-bound. Its own library: a compiler or a CPU without AMX leaves quant_dot untouched.
+ *
+ * The arithmetic is quant_dot's: each row of x is quantized per block of 32 to int8 with a float32
+ * scale dx (llama.cpp's quantize_row_q8_0, the same code as quant_dot.c's quantize_row, tested bit for
+ * bit against it), and the integer dot product of a block's weight levels with the row's 32 int8
+ * values is exact. What differs is where the float sums happen: quant_dot scales 4-product lanes and
+ * sums 16 lanes at the end; here the whole block's int32 dot I comes out of the tile and is scaled once:
+ *     acc += (float(I) * dx) * dw          (+ (dx * sum of the block's int8) * -min, Q4_K)
+ * in block order, one float32 accumulator per (row, output). So the two kernels agree up to float32
+ * rounding of the same terms (tests/backends/test_native_amx_quant.py states the bound), and every
+ * output of every row takes exactly these operations whatever the rows beside it, the tile or the
+ * thread: a row's result never depends on its batch.
+ *
+ * Tiles. The weights are the A operand, read as they lie in the file: tile A is 16 output rows x 32
+ * int8 levels of one block (Q8_0: loaded straight from the blocks with the row stride, the fp16 scale
+ * skipped; Q4_0, Q4_K, Q6_K: unpacked to signed levels in a 512-byte buffer first). The activations
+ * are the B operand, laid out once per call in the VNNI-interleaved form tdpbssd wants (for 16 rows of
+ * x: 8 rows of 64 bytes per block, byte 4m + j of row i = x[m][4i + j]). C = A B is 16 outputs x 16
+ * rows of int32, stored, and each output's 16 row-lanes are scaled into its zmm accumulator. No repack
+ * at load: the weights' bytes are the file's, so memory is unchanged. Q6_K has 16-weight scales, so
+ * its blocks take two K=16 products. Threads (OpenMP) split the 16-output tiles; rows past 16 take
+ * another pass over the tile's weights, from cache.
+ *
+ * Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):
+ * amx_quant_init asks once per process and says whether it was granted.
+ */
+#define _GNU_SOURCE /* syscall() under -std=c11 */
+#include <errno.h>
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__F16C__) && defined(__linux__) && defined(__x86_64__)
+#define AQ_AMX 1
+#include <immintrin.h>
+#endif
+
+enum { AQ_Q4_0 = 2, AQ_Q8_0 = 8, AQ_Q4_K = 12, AQ_Q6_K = 14 };
+
+static int aq_block(int type, int64_t *weights, int64_t *bytes) {
+    switch (type) {
+    case AQ_Q4_0: *weights = 32; *bytes = 18; return 1;
+    case AQ_Q8_0: *weights = 32; *bytes = 34; return 1;
+    case AQ_Q4_K: *weights = 256; *bytes = 144; return 1;
+    case AQ_Q6_K: *weights = 256; *bytes = 210; return 1;
+    default: return 0;
+    }
+}
+
+/* Whether the library holds the AMX kernels (built for a CPU with AMX-TILE and AMX-INT8). */
+int amx_quant_compiled(void) {
+#if defined(AQ_AMX)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static int aq_granted;
+
+/* Asks Linux for the tile data state. 0: granted; otherwise the errno of the refusal, or -1 when the
+ * library has no AMX kernels. */
+int amx_quant_init(void) {
+#if defined(AQ_AMX)
+    if (aq_granted) return 0;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return errno;
+    aq_granted = 1;
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+int amx_quant_type_supported(int type) {
+    int64_t weights, bytes;
+    return aq_block(type, &weights, &bytes);
+}
+
+#if defined(AQ_AMX)
+#define AQ_ROWS 16 /* rows of x per group (the B tile's 16 int32 columns) */
+#define AQ_COLS 16 /* outputs per tile (the A tile's 16 rows) */
+#define AQ_B_BYTES 512 /* one block of 32 activations for 16 rows, VNNI-interleaved */
+
+/* The tile configuration (palette 1): tiles 0 and 4 A (16 x K bytes), 1 and 5 B (K/4 x 64), 2 and 3 C
+ * (16 x 64): two products in flight. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} aq_config;
+
+static void aq_configure(int k_bytes) {
+    aq_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    config.colsb[0] = (uint16_t)k_bytes, config.rows[0] = AQ_COLS;
+    config.colsb[1] = 64, config.rows[1] = (uint8_t)(k_bytes / 4);
+    config.colsb[2] = 64, config.rows[2] = AQ_COLS;
+    config.colsb[3] = 64, config.rows[3] = AQ_COLS;
+    config.colsb[4] = (uint16_t)k_bytes, config.rows[4] = AQ_COLS;
+    config.colsb[5] = 64, config.rows[5] = (uint8_t)(k_bytes / 4);
+    _tile_loadconfig(&config);
+}
+
+/* Row x [k] as quant_dot.c's quantize_row quantizes it (d = max|x| / 127, levels rounded half to even
+ * from x * (127 / max|x|); a block with an infinity or a NaN gets a NaN scale and zero levels; one whose
+ * 127 / max|x| overflows is zeros with scale 0), written as lane `lane` of its group: levels into the
+ * interleaved B blocks, the scale into dx[b][lane], dx * (sum of levels) into cs[b][lane]. */
+static void aq_quantize_row(const float *x, int64_t k, uint8_t *levels, float *dx, float *cs, int lane) {
+    const __m512 sign = _mm512_set1_ps(-0.0f), largest = _mm512_set1_ps(FLT_MAX);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
+        const __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
+        const __mmask16 bad = _mm512_cmp_ps_mask(a0, largest, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, largest, _CMP_NLE_UQ);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        if (bad) {
+            d = NAN;
+            id = 0.0f;
+        } else if (!(id <= FLT_MAX)) {
+            d = 0.0f;
+            id = 0.0f;
+        }
+        const __m512 scale = _mm512_set1_ps(id);
+        const __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m128i q0 = _mm512_cvtsepi32_epi8(i0), q1 = _mm512_cvtsepi32_epi8(i1);
+        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        if (bad) {
+            q0 = q1 = _mm_setzero_si128();
+            sum = 0;
+        }
+        uint32_t words[8];
+        _mm_storeu_si128((__m128i *)words, q0);
+        _mm_storeu_si128((__m128i *)(words + 4), q1);
+        uint8_t *block = levels + b * AQ_B_BYTES;
+        for (int i = 0; i < 8; i++) memcpy(block + 64 * i + 4 * lane, &words[i], 4);
+        dx[AQ_ROWS * b + lane] = d;
+        cs[AQ_ROWS * b + lane] = d * (float)sum;
+    }
+}
+
+/* 16 fp16 values at base + i * stride (i = 0..15) as float32 lanes. */
+static inline __m512 aq_halfs(const uint8_t *base, int64_t stride) {
+    const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32((int)stride));
+    const __m512i words = _mm512_i32gather_epi32(index, base, 1);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+}
+
+/* The weight rows of the next tile of outputs, at the same offset: one tile ahead (16 rows x the row's
+ * bytes) is far enough for memory latency and near enough to stay in cache. */
+static inline void aq_prefetch(const uint8_t *w, int64_t row_bytes, int64_t at, int lines) {
+    const uint8_t *next = w + AQ_COLS * row_bytes + at;
+#pragma GCC unroll 16
+    for (int o = 0; o < AQ_COLS; o++)
+        for (int line = 0; line < lines; line++) _mm_prefetch((const char *)(next + o * row_bytes + 64 * line), _MM_HINT_T0);
+}
+
+/* C as stored (16 outputs x 16 row-lanes of int32) into the accumulators: acc[o] += (float(C[o]) * dxv) * dw[o]. */
+static inline void aq_scale(__m512 acc[AQ_COLS], const int32_t *c, __m512 dxv, const float *dw) {
+#pragma GCC unroll 16
+    for (int o = 0; o < AQ_COLS; o++)
+        acc[o] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * o)), dxv),
+                                 _mm512_set1_ps(dw[o]), acc[o]);
+}
+
+/* The mins of Q4_K: acc[o] += csv * -min[o]. */
+static inline void aq_mins(__m512 acc[AQ_COLS], __m512 csv, const float *minus) {
+#pragma GCC unroll 16
+    for (int o = 0; o < AQ_COLS; o++) acc[o] = _mm512_fmadd_ps(csv, _mm512_set1_ps(minus[o]), acc[o]);
+}
+
+/* Two products in flight: C (tile 2) = A0 (tile 0, rows lda0 apart) x B0 (tile 1), C2 (tile 3) = A1
+ * (tile 4) x B1 (tile 5), both stored; the caller scales them in block order. */
+static inline void aq_products(const void *a0, int64_t lda0, const void *b0, const void *a1, int64_t lda1,
+                               const void *b1, int32_t *c, int32_t *c2) {
+    _tile_loadd(0, a0, lda0);
+    _tile_loadd(1, b0, 64);
+    _tile_zero(2);
+    _tile_loadd(4, a1, lda1);
+    _tile_loadd(5, b1, 64);
+    _tile_zero(3);
+    _tile_dpbssd(2, 0, 1);
+    _tile_dpbssd(3, 4, 5);
+    _tile_stored(2, c, 64);
+    _tile_stored(3, c2, 64);
+}
+
+/* One product: C (tile 2) = A0 x B0, stored. */
+static inline void aq_product(const void *a0, int64_t lda0, const void *b0, int32_t *c) {
+    _tile_loadd(0, a0, lda0);
+    _tile_loadd(1, b0, 64);
+    _tile_zero(2);
+    _tile_dpbssd(2, 0, 1);
+    _tile_stored(2, c, 64);
+}
+
+/* Q4_0's levels of block b for the 16 outputs, minus 8, as 16 rows of 32 bytes at a. */
+static inline void aq_q4_0_levels(const uint8_t *w, int64_t row_bytes, int64_t b, uint8_t *a) {
+    const __m128i low = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+#pragma GCC unroll 16
+    for (int o = 0; o < AQ_COLS; o++) {
+        const __m128i q = _mm_loadu_si128((const __m128i *)(w + o * row_bytes + 18 * b + 2));
+        _mm_store_si128((__m128i *)(a + 32 * o), _mm_sub_epi8(_mm_and_si128(q, low), eight));
+        _mm_store_si128((__m128i *)(a + 32 * o + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low), eight));
+    }
+}
+
+/* 16 outputs (weight rows at w, row_bytes apart) x one group of 16 rows (its B blocks, dx, cs) over k:
+ * acc[o] lane r = output o of row r. Blocks go in pairs through the two products in flight; each
+ * accumulator still takes its blocks in order. */
+static void aq_tile(int type, const uint8_t *w, int64_t row_bytes, int64_t k, const uint8_t *levels,
+                    const float *dx, const float *cs, __m512 acc[AQ_COLS]) {
+    int32_t c[AQ_COLS * 16] __attribute__((aligned(64))), c2[AQ_COLS * 16] __attribute__((aligned(64)));
+    uint8_t a[AQ_COLS * 32] __attribute__((aligned(64))), a2[AQ_COLS * 32] __attribute__((aligned(64)));
+    float dw[AQ_COLS] __attribute__((aligned(64))), dw2[AQ_COLS] __attribute__((aligned(64)));
+    for (int o = 0; o < AQ_COLS; o++) acc[o] = _mm512_setzero_ps();
+    const int64_t nb = k / 32;
+    if (type == AQ_Q8_0 || type == AQ_Q4_0) {
+        const int64_t size = type == AQ_Q8_0 ? 34 : 18;
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2) {
+            aq_prefetch(w, row_bytes, size * b, type == AQ_Q8_0 ? 2 : 1);
+            _mm512_store_ps(dw, aq_halfs(w + size * b, row_bytes));
+            _mm512_store_ps(dw2, aq_halfs(w + size * (b + 1), row_bytes));
+            if (type == AQ_Q8_0) {
+                aq_products(w + 34 * b + 2, row_bytes, levels + b * AQ_B_BYTES, w + 34 * (b + 1) + 2, row_bytes,
+                            levels + (b + 1) * AQ_B_BYTES, c, c2);
+            } else {
+                aq_q4_0_levels(w, row_bytes, b, a);
+                aq_q4_0_levels(w, row_bytes, b + 1, a2);
+                aq_products(a, 32, levels + b * AQ_B_BYTES, a2, 32, levels + (b + 1) * AQ_B_BYTES, c, c2);
+            }
+            aq_scale(acc, c, _mm512_load_ps(dx + AQ_ROWS * b), dw);
+            aq_scale(acc, c2, _mm512_load_ps(dx + AQ_ROWS * (b + 1)), dw2);
+        }
+        if (b < nb) {
+            _mm512_store_ps(dw, aq_halfs(w + size * b, row_bytes));
+            if (type == AQ_Q8_0) {
+                aq_product(w + 34 * b + 2, row_bytes, levels + b * AQ_B_BYTES, c);
+            } else {
+                aq_q4_0_levels(w, row_bytes, b, a);
+                aq_product(a, 32, levels + b * AQ_B_BYTES, c);
+            }
+            aq_scale(acc, c, _mm512_load_ps(dx + AQ_ROWS * b), dw);
+        }
+    } else if (type == AQ_Q4_K) {
+        /* per super-block: d * scale and -(dmin * min) of its 8 sub-blocks for the 16 outputs */
+        float scales[8][AQ_COLS] __attribute__((aligned(64))), minus[8][AQ_COLS] __attribute__((aligned(64)));
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        for (int64_t u = 0; u < k / 256; u++) {
+            aq_prefetch(w, row_bytes, 144 * u, 3);
+            for (int o = 0; o < AQ_COLS; o++) {
+                const uint8_t *s = w + o * row_bytes + 144 * u;
+                uint16_t hd, hm;
+                memcpy(&hd, s, 2);
+                memcpy(&hm, s + 2, 2);
+                const float d = _cvtsh_ss(hd), dmin = _cvtsh_ss(hm);
+                const uint8_t *q = s + 4;
+                for (int j = 0; j < 8; j++) { /* llama.cpp's get_scale_min_k4 */
+                    int sc, m;
+                    if (j < 4) {
+                        sc = q[j] & 63;
+                        m = q[j + 4] & 63;
+                    } else {
+                        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+                        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+                    }
+                    scales[j][o] = d * (float)sc;
+                    minus[j][o] = -(dmin * (float)m);
+                }
+            }
+            for (int j = 0; j < 4; j++) { /* sub-blocks 2j (low nibbles) and 2j + 1 (high) */
+                for (int o = 0; o < AQ_COLS; o++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(w + o * row_bytes + 144 * u + 16 + 32 * j));
+                    _mm256_store_si256((__m256i *)(a + 32 * o), _mm256_and_si256(q, low));
+                    _mm256_store_si256((__m256i *)(a2 + 32 * o), _mm256_and_si256(_mm256_srli_epi16(q, 4), low));
+                }
+                const int64_t b = 8 * u + 2 * j;
+                aq_products(a, 32, levels + b * AQ_B_BYTES, a2, 32, levels + (b + 1) * AQ_B_BYTES, c, c2);
+                aq_scale(acc, c, _mm512_load_ps(dx + AQ_ROWS * b), scales[2 * j]);
+                aq_mins(acc, _mm512_load_ps(cs + AQ_ROWS * b), minus[2 * j]);
+                aq_scale(acc, c2, _mm512_load_ps(dx + AQ_ROWS * (b + 1)), scales[2 * j + 1]);
+                aq_mins(acc, _mm512_load_ps(cs + AQ_ROWS * (b + 1)), minus[2 * j + 1]);
+            }
+        }
+    } else { /* Q6_K: blocks of 32 in two halves of 16 weights with their own scales; K = 16 tiles */
+        const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+        for (int64_t u = 0; u < k / 256; u++) {
+            aq_prefetch(w, row_bytes, 210 * u, 4);
+            int8_t sc[AQ_COLS][16];
+            float d[AQ_COLS];
+            for (int o = 0; o < AQ_COLS; o++) {
+                const uint8_t *s = w + o * row_bytes + 210 * u;
+                memcpy(sc[o], s + 192, 16);
+                uint16_t hd;
+                memcpy(&hd, s + 208, 2);
+                d[o] = _cvtsh_ss(hd);
+            }
+            for (int half = 0; half < 2; half++)
+                for (int p = 0; p < 4; p++) {
+                    const int64_t b = 8 * u + 4 * half + p;
+                    for (int o = 0; o < AQ_COLS; o++) {
+                        const uint8_t *s = w + o * row_bytes + 210 * u;
+                        __m256i l = _mm256_loadu_si256((const __m256i *)(s + 64 * half + 32 * (p % 2)));
+                        if (p >= 2) l = _mm256_srli_epi16(l, 4);
+                        const __m256i hbits = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(s + 128 + 32 * half)), 2 * p);
+                        const __m256i q = _mm256_or_si256(_mm256_and_si256(l, low),
+                                                          _mm256_slli_epi16(_mm256_and_si256(hbits, three), 4));
+                        _mm256_store_si256((__m256i *)(a + 32 * o), _mm256_sub_epi8(q, bias));
+                        dw[o] = d[o] * (float)sc[o][8 * half + 2 * p];
+                        dw2[o] = d[o] * (float)sc[o][8 * half + 2 * p + 1];
+                    }
+                    aq_products(a, 32, levels + b * AQ_B_BYTES, a + 16, 32, levels + b * AQ_B_BYTES + 256, c, c2);
+                    const __m512 dxv = _mm512_load_ps(dx + AQ_ROWS * b);
+                    aq_scale(acc, c, dxv, dw);
+                    aq_scale(acc, c2, dxv, dw2);
+                }
+        }
+    }
+}
+
+/* out [m][n] = x [m][k] W^T on AMX tiles. Returns -1 for a type it does not handle, -2 when k is not
+ * whole blocks filling row_bytes, -3 when a buffer cannot be allocated, -4 when the tile state was
+ * not granted (amx_quant_init). */
+int amx_quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                     float *out) {
+    int64_t weights, bytes;
+    if (!aq_block(type, &weights, &bytes)) return -1;
+    if (k <= 0 || k % weights || k / weights * bytes != row_bytes) return -2;
+    if (!aq_granted) return -4;
+    if (m <= 0 || n <= 0) return 0;
+    const int64_t nb = k / 32, groups = (m + AQ_ROWS - 1) / AQ_ROWS, tiles = (n + AQ_COLS - 1) / AQ_COLS;
+    const size_t levels_bytes = (size_t)(groups * nb * AQ_B_BYTES), scale_bytes = (size_t)(groups * nb * AQ_ROWS * 4);
+    uint8_t *buffer = aligned_alloc(64, levels_bytes + 2 * scale_bytes + (size_t)(AQ_COLS * row_bytes + 64));
+    if (!buffer) return -3;
+    uint8_t *levels = buffer;
+    float *dx = (float *)(buffer + levels_bytes), *cs = (float *)(buffer + levels_bytes + scale_bytes);
+    uint8_t *tail = buffer + levels_bytes + 2 * scale_bytes; /* the last outputs, padded to 16 rows of zeros */
+    memset(levels, 0, levels_bytes + 2 * scale_bytes);
+    if (n % AQ_COLS) {
+        memset(tail, 0, (size_t)(AQ_COLS * row_bytes));
+        memcpy(tail, w + (n - n % AQ_COLS) * row_bytes, (size_t)((n % AQ_COLS) * row_bytes));
+    }
+    const int k_bytes = type == AQ_Q6_K ? 16 : 32;
+#pragma omp parallel if (n * k >= (1 << 15))
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            const int64_t g = r / AQ_ROWS;
+            aq_quantize_row(x + r * k, k, levels + g * nb * AQ_B_BYTES, dx + g * nb * AQ_ROWS, cs + g * nb * AQ_ROWS,
+                            (int)(r % AQ_ROWS));
+        }
+        aq_configure(k_bytes);
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t lo = tiles * id / threads, hi = tiles * (id + 1) / threads;
+        __m512 acc[AQ_COLS];
+        float result[AQ_COLS][AQ_ROWS] __attribute__((aligned(64)));
+        for (int64_t t = lo; t < hi; t++) {
+            const int64_t o0 = t * AQ_COLS, outs = n - o0 < AQ_COLS ? n - o0 : AQ_COLS;
+            const uint8_t *rows = outs < AQ_COLS ? tail : w + o0 * row_bytes;
+            for (int64_t g = 0; g < groups; g++) {
+                aq_tile(type, rows, row_bytes, k, levels + g * nb * AQ_B_BYTES, dx + g * nb * AQ_ROWS,
+                        cs + g * nb * AQ_ROWS, acc);
+                for (int o = 0; o < AQ_COLS; o++) _mm512_store_ps(result[o], acc[o]);
+                const int64_t group_rows = m - g * AQ_ROWS < AQ_ROWS ? m - g * AQ_ROWS : AQ_ROWS;
+                for (int64_t r = 0; r < group_rows; r++)
+                    for (int64_t o = 0; o < outs; o++) out[(g * AQ_ROWS + r) * n + o0 + o] = result[o][r];
+            }
+        }
+        _tile_release();
+    }
+    free(buffer);
+    return 0;
+}
+
+/* The activation quantization alone (for tests), in quant_dot_quantize's layout: q int8 [m][k], d
+ * float [m][k / 32]. */
+int amx_quant_quantize(const float *x, int64_t m, int64_t k, int8_t *q, float *d) {
+    if (k <= 0 || k % 32) return -2;
+    const int64_t nb = k / 32;
+    uint8_t *levels = aligned_alloc(64, (size_t)(nb * AQ_B_BYTES + 2 * nb * AQ_ROWS * 4));
+    if (!levels) return -3;
+    float *dx = (float *)(levels + nb * AQ_B_BYTES), *cs = dx + nb * AQ_ROWS;
+    for (int64_t r = 0; r < m; r++) {
+        aq_quantize_row(x + r * k, k, levels, dx, cs, 0);
+        for (int64_t b = 0; b < nb; b++) {
+            for (int i = 0; i < 8; i++) memcpy(q + r * k + 32 * b + 4 * i, levels + b * AQ_B_BYTES + 64 * i, 4);
+            d[r * nb + b] = dx[AQ_ROWS * b];
+        }
+    }
+    free(levels);
+    return 0;
+}
+#else
+int amx_quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                     float *out) {
+    (void)type, (void)x, (void)m, (void)k, (void)w, (void)n, (void)row_bytes, (void)out, (void)aq_granted;
+    return -4;
+}
+
+int amx_quant_quantize(const float *x, int64_t m, int64_t k, int8_t *q, float *d) {
+    (void)x, (void)m, (void)k, (void)q, (void)d;
+    return -4;
+}
+#endif
