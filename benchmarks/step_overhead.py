@@ -9,7 +9,7 @@ A random llama of 13.6M parameters (4 layers, hidden 256, intermediate 768, 4 he
 Each measurement runs in a fresh process with one torch thread and reads the process's CPU time, so
 that other work on a shared machine inflates it far less than wall-clock time: a prompt of 32 tokens,
 then ``--tokens`` greedy tokens; per step = (t(N + 1 tokens) - t(1 token)) / N. The step is split
-into the model's layers (``pipeline.forward``), the LM head (``compute_logits``) and the rest (the
+into the model's layers (``pipeline.forward``, or the replay of a recorded decode step), the LM head (``compute_logits``) and the rest (the
 scheduler, the step's metadata, the sampler, detokenization and stop checks), by timing those calls.
 With ``--trees`` every run alternates between the trees (each is put first on ``PYTHONPATH``) and
 the medians are reported with the ratio.
@@ -68,6 +68,8 @@ def measure(model: str, tokens: int) -> dict[str, float]:
         setattr(owner, method, call)
 
     timed(worker.pipeline, "forward", "layers")
+    if worker.decode_graphs is not None:  # decode steps replayed (cpu_step_replay) are the layers' time too
+        timed(worker, "decode_graphs", "layers")
     timed(worker.pipeline, "compute_logits", "lm_head")
     prompt = [list(range(100, 132))]
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from pluginfer.backends import native
 from pluginfer.backends.cpu_dense import CpuDenseLayouts
+from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.kernels import KernelTable
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
@@ -113,6 +114,7 @@ class CpuBackend:
             torch.set_num_threads(int(threads))
         elif rank is not None and rank.local_world_size > 1:  # ranks on one machine share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world_size))
+        self.rank = rank or RankInfo()
         reason = native.available() if native_kernels else "not asked for"
         self.native_kernels = reason is None
         if reason is not None and native_kernels:
@@ -123,9 +125,14 @@ class CpuBackend:
         for name in ("dense_layout", "dense_pack", "dense_linear"):
             self.kernels.register(name, getattr(layouts, name))
 
-    def capture_decode(self, forward: object, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
-        """No replays here (``DeviceBackend.capture_decode``): every step runs eagerly."""
-        return None
+    def capture_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int,
+                       block_size: int) -> CpuDecodeReplay | None:
+        """Decode steps recorded once per batch size and replayed in one native call
+        (``DeviceBackend.capture_decode``, ``cpu_step_replay``); None without the native kernels, and under
+        tensor parallelism (a collective's all-reduce is no native call a program could hold)."""
+        if not self.native_kernels or self.rank.tp_size > 1:
+            return None
+        return CpuDecodeReplay(forward, max_num_seqs, max_blocks_per_seq, block_size)
 
     def op(self, name: str) -> Callable | None:
         """The table's cpu kernel for ``name`` (the dense layouts), else a native float32 kernel for a layer

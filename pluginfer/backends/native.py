@@ -21,8 +21,10 @@ import os
 import platform
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -34,7 +36,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("cpu_kernels.c", "panel_linear.c", "quant_dot.c", "half_linear.c"))
+                for name in ("cpu_kernels.c", "panel_linear.c", "quant_dot.c", "half_linear.c", "step_replay.c"))
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
 OPENMP_FLAG = "-fopenmp"
 BUILD_TIMEOUT_ENV = "PLUGINFER_NATIVE_BUILD_TIMEOUT"
@@ -258,6 +260,38 @@ def build_library(name: str, sources: tuple[Path, ...]) -> tuple[ctypes.CDLL, Bu
         if opened is None:
             raise NativeKernelsUnavailable(f"the library just built, {target}, does not load")
     return (*opened, target)
+
+
+_pointer, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# Every C function native.py calls: (restype, argtypes); a recording packs arguments by these.
+SIGNATURES = {
+    "paged_decode_attention": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32]),
+    "rms_norm": (None, [_pointer] * 4 + [_i64, _i64, _f32, _f32]),
+    "silu_and_mul": (None, [_pointer, _pointer, _i64, _i64]),
+    "rotary_neox": (None, [_pointer] * 4 + [_i64] * 7),
+    "ggml_dequantize_rows": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _i64, _pointer]),
+    "grouped_dequantize": (ctypes.c_int, [ctypes.c_int, _pointer, _pointer, _pointer, ctypes.c_int, _pointer]
+                           + [_i64] * 6 + [_pointer]),
+    "int4_dequantize_rows": (ctypes.c_int, [_pointer] * 3 + [_i64] * 3 + [_pointer]),
+    "panel_linear_supported": (ctypes.c_int, []),
+    "panel_padded_outputs": (_i64, [_i64]),
+    "pack_panels": (None, [_pointer, _pointer, _i64, _i64]),
+    "panel_linear": (ctypes.c_int, [_pointer] * 4 + [_i64] * 3),
+    "quant_dot_supported": (ctypes.c_int, []),
+    "quant_dot_max_threads": (ctypes.c_int, []),
+    "quant_matmul": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),
+    "quant_dot_quantize": (ctypes.c_int, [_pointer, _i64, _i64, _pointer, _pointer]),
+    "half_linear_supported": (ctypes.c_int, []),
+    "half_linear": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _pointer, _pointer, ctypes.c_int]),
+    "gather_rows": (ctypes.c_int, [_pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),
+    "scatter_rows": (ctypes.c_int, [_pointer, _i64, _pointer, _pointer, _i64, _i64, _i64]),
+    "add_f32": (None, [_pointer] * 3 + [_i64] * 3),
+    "to_f32": (None, [_pointer, ctypes.c_int, _pointer, _i64]),
+    "copy_rows": (None, [_pointer, _i64, _i64, _i64, _pointer, _i64]),
+    "step_replay": (_i64, [_pointer, _i64, _pointer]),
+}
+
+
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL:
     """The compiled kernel library (built once per source version, compiler and machine)."""
@@ -265,28 +299,7 @@ def load() -> ctypes.CDLL:
         raise NativeKernelsUnavailable("disabled by PLUGINFER_NATIVE=0")
     library, info, path = build_library("cpu_kernels", SOURCES)
     _loaded.update(info=info, path=path)
-    pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    signatures = {
-        "paged_decode_attention": (ctypes.c_int, [pointer] * 6 + [i64] * 7 + [f32, i64, f32]),
-        "rms_norm": (None, [pointer] * 4 + [i64, i64, f32, f32]),
-        "silu_and_mul": (None, [pointer, pointer, i64, i64]),
-        "rotary_neox": (None, [pointer] * 4 + [i64] * 7),
-        "ggml_dequantize_rows": (ctypes.c_int, [ctypes.c_int, pointer, i64, i64, i64, pointer]),
-        "grouped_dequantize": (ctypes.c_int, [ctypes.c_int, pointer, pointer, pointer, ctypes.c_int, pointer]
-                               + [i64] * 6 + [pointer]),
-        "int4_dequantize_rows": (ctypes.c_int, [pointer] * 3 + [i64] * 3 + [pointer]),
-        "panel_linear_supported": (ctypes.c_int, []),
-        "panel_padded_outputs": (i64, [i64]),
-        "pack_panels": (None, [pointer, pointer, i64, i64]),
-        "panel_linear": (ctypes.c_int, [pointer] * 4 + [i64] * 3),
-        "quant_dot_supported": (ctypes.c_int, []),
-        "quant_dot_max_threads": (ctypes.c_int, []),
-        "quant_matmul": (ctypes.c_int, [ctypes.c_int, pointer, i64, i64, pointer, i64, i64, pointer]),
-        "quant_dot_quantize": (ctypes.c_int, [pointer, i64, i64, pointer, pointer]),
-        "half_linear_supported": (ctypes.c_int, []),
-        "half_linear": (ctypes.c_int, [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int]),
-    }
-    for name, (restype, argtypes) in signatures.items():
+    for name, (restype, argtypes) in SIGNATURES.items():
         function = getattr(library, name)
         function.restype, function.argtypes = restype, argtypes
     return library
@@ -320,6 +333,93 @@ def available() -> str | None:
     return None
 
 
+# Kernels a recorded step may call, by their code in csrc/step_replay.c (its enum, in this order).
+REPLAY_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_neox", "ggml_dequantize_rows",
+              "panel_linear", "quant_matmul", "half_linear", "gather_rows", "scatter_rows", "add_f32", "to_f32",
+              "copy_rows")
+_REPLAY_CODES = {name: code for code, name in enumerate(REPLAY_OPS, start=1)}
+
+
+class StepRecording:
+    """The native calls of one eager step, as a program ``step_replay`` runs again in one C call.
+
+    While it is active (:func:`recording`, in this thread) the wrappers of this module reach the library
+    through it: each call runs as usual and is appended to :attr:`program` with its arguments (pointers
+    as addresses: the caller keeps the tensors alive); a call of a kernel ``step_replay`` cannot run
+    refuses the recording, and :attr:`refused` says which. :meth:`append` also takes the copy-like ops
+    of ``csrc/step_replay.c`` that stand in for torch ops (``cpu_step_replay``)."""
+
+    def __init__(self) -> None:
+        self.program: list[int] = []
+        self.names: list[str] = []
+        self.refused: str | None = None
+
+    def refuse(self, reason: str) -> None:
+        if self.refused is None:
+            self.refused = reason
+
+    def append(self, name: str, *args: object) -> None:
+        code = _REPLAY_CODES.get(name)
+        if code is None:
+            self.refuse(f"native {name} has no replay entry")
+            return
+        packed = [struct.unpack("<q", struct.pack("<d", value))[0] if kind is _f32 else int(value or 0)
+                  for value, kind in zip(args, SIGNATURES[name][1], strict=True)]
+        self.program += [code, len(packed), *packed]
+        self.names.append(name)
+
+    def __getattr__(self, name: str) -> Callable:
+        function = getattr(load(), name)
+
+        def call(*args: object) -> object:
+            result = function(*args)
+            self.append(name, *args)
+            return result
+
+        return call
+
+
+_state = threading.local()  # .recording: the StepRecording of this thread, if one is active
+
+
+def _lib() -> ctypes.CDLL | StepRecording:
+    """The library, or this thread's active recording in front of it."""
+    recorder = getattr(_state, "recording", None)
+    return load() if recorder is None else recorder
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[StepRecording]:
+    """Record the native calls made in this thread inside the block (see :class:`StepRecording`)."""
+    if getattr(_state, "recording", None) is not None:
+        raise RuntimeError("native calls are already being recorded in this thread")
+    _state.recording = StepRecording()
+    try:
+        yield _state.recording
+    finally:
+        _state.recording = None
+
+
+class StepProgram:
+    """A finished recording, replayed by one call of ``step_replay`` (no Python between its kernels)."""
+
+    def __init__(self, recorded: StepRecording) -> None:
+        if recorded.refused is not None:
+            raise ValueError(f"a refused recording cannot be replayed: {recorded.refused}")
+        self.program = torch.tensor(recorded.program, dtype=torch.int64)
+        self.names = list(recorded.names)
+        self._status = ctypes.c_int64(0)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def run(self) -> None:
+        failed = load().step_replay(self.program.data_ptr(), self.program.numel(), ctypes.addressof(self._status))
+        if failed:
+            raise RuntimeError(f"step replay: entry {failed - 1} ({self.names[failed - 1]}) failed with status "
+                               f"{self._status.value}")
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
@@ -330,7 +430,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, v_dim = value_cache.shape
     out = torch.empty(num_seqs, num_heads, v_dim, dtype=torch.float32)
-    status = load().paged_decode_attention(
+    status = _lib().paged_decode_attention(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, v_dim, block_size,
         block_tables.shape[1], scale, sliding_window or 0, soft_cap or 0.0,
@@ -361,7 +461,7 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     if not (_fits(x) and _fits(weight)) or (residual is not None and not _fits(residual)):
         return None
     out = torch.empty_like(x)
-    load().rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+    _lib().rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                     out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, offset)
     return out
 
@@ -372,7 +472,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
         return None
     n = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], n)
-    load().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n)
+    _lib().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n)
     return out
 
 
@@ -382,7 +482,7 @@ def rotary_neox(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: 
     if not (query.dtype == key.dtype == torch.float32 and _fits(cos) and _fits(sin)
             and query.stride()[1:] == (query.shape[2], 1) and key.stride()[1:] == (key.shape[2], 1)):
         return False
-    load().rotary_neox(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.shape[0],
+    _lib().rotary_neox(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.shape[0],
                        query.shape[1], key.shape[1], query.shape[2], rotary_dim, query.stride(0), key.stride(0))
     return True
 
@@ -411,7 +511,7 @@ def ggml_dequantize(raw: torch.Tensor, qtype: int, cols: int, out: torch.Tensor 
     if qtype not in GGML_DEQUANTIZABLE or raw.dtype != torch.uint8 or not raw.is_contiguous():
         return None
     out = _output(out, rows, cols, "ggml_dequantize")
-    status = load().ggml_dequantize_rows(qtype, raw.data_ptr(), rows, raw.shape[1], cols, out.data_ptr())
+    status = _lib().ggml_dequantize_rows(qtype, raw.data_ptr(), rows, raw.shape[1], cols, out.data_ptr())
     if status != 0:  # the columns are not whole blocks filling each row
         raise ValueError(f"ggml_dequantize: {cols} columns of GGML type {qtype} do not fit rows of "
                          f"{raw.shape[1]} bytes")
@@ -442,7 +542,7 @@ def grouped_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torc
             or not 0 <= start < stop <= qweight.shape[1] or qzeros.shape[1] * pack < stop):
         return None
     out = _output(out, in_features, rows, "grouped_dequantize")
-    status = load().grouped_dequantize(
+    status = _lib().grouped_dequantize(
         bits, qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), SCALE_TYPES[scales.dtype],
         g_idx.data_ptr() if g_idx is not None else None, in_features, qweight.shape[1], groups, qzeros.shape[1],
         start, stop, out.data_ptr())
@@ -466,7 +566,7 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
             or in_features % scales.shape[1] or (in_features // scales.shape[1]) % 2):
         return None
     out = _output(out, rows, in_features, "int4_dequantize")
-    load().int4_dequantize_rows(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), rows, in_features,
+    _lib().int4_dequantize_rows(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), rows, in_features,
                                 in_features // scales.shape[1], out.data_ptr())
     return out
 
@@ -480,7 +580,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     out_features, in_features = weight.shape
     weight = weight.contiguous()
     packed = torch.empty(load().panel_padded_outputs(out_features) // 16, in_features, 16, dtype=torch.float32)
-    load().pack_panels(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+    _lib().pack_panels(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
     return packed
 
 
@@ -496,7 +596,7 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    if rows and load().panel_linear(flat.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+    if rows and _lib().panel_linear(flat.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
                                     out.data_ptr(), rows, out_features, in_features):
         raise MemoryError("panel_linear could not allocate its row buffer")
     return out
@@ -511,8 +611,7 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
     """``x @ W^T`` for float ``x [..., cols]`` and ``W`` the raw GGML blocks uint8 ``[rows, row_bytes]``,
     without a float copy of ``W`` (``csrc/quant_dot.c``): each row of ``x`` is quantized per block of
     32 to int8 with a float32 scale, as llama.cpp's Q8_0, and multiplied with the weights' levels in
-    integers; from a few rows up, on a CPU with AMX, on int8 tiles (``backends/amx_quant.py``).
-    The result has ``x``'s dtype (float16/bfloat16 ``x`` is converted to float32 and back).
+    integers. The result has ``x``'s dtype (float16/bfloat16 ``x`` is converted to float32 and back).
     None: a type, dtype, device or layout it does not handle; use the dequantizing path."""
     qtype = int(qtype)
     # (is_cpu, not device.type: this runs for every linear of every decode step, where each check shows)
@@ -527,12 +626,7 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
         rows = x.numel() // cols if cols else 0
         flat = _as(x.reshape(rows, cols), torch.float32)
         out = torch.empty(*x.shape[:-1], raw.shape[0], dtype=torch.float32)
-    if rows >= 2:  # AMX int8 tiles from amx_quant.MIN_ROWS rows, where the CPU has them
-        from pluginfer.backends import amx_quant
-        if amx_quant.takes(qtype, rows):
-            amx_quant.call(qtype, flat, rows, cols, raw, out)
-            return out if x.dtype == torch.float32 else out.to(x.dtype)
-    status = load().quant_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1],
+    status = _lib().quant_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1],
                                  out.data_ptr())
     if status == -3:
         raise MemoryError("quant_matmul could not allocate its activation buffer")
@@ -549,7 +643,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     levels = torch.empty(rows, cols, dtype=torch.int8)
     scales = torch.empty(rows, cols // 32, dtype=torch.float32)
-    status = load().quant_dot_quantize(x.data_ptr(), rows, cols, levels.data_ptr(), scales.data_ptr())
+    status = _lib().quant_dot_quantize(x.data_ptr(), rows, cols, levels.data_ptr(), scales.data_ptr())
     if status != 0:
         raise ValueError(f"quantize_activations: status {status} for shape {tuple(x.shape)}")
     return levels, scales
@@ -650,7 +744,7 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32 if out_float else dtype)
     if bias is not None:
         bias = bias.contiguous()
-    status = load().half_linear(HALF_LINEAR_DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1], weight.data_ptr(),
+    status = _lib().half_linear(HALF_LINEAR_DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1], weight.data_ptr(),
                                 weight.shape[0], bias.data_ptr() if bias is not None else None, out.data_ptr(),
                                 int(out_float))
     if status == -3:

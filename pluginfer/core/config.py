@@ -107,8 +107,9 @@ class EngineConfig(_Section):
         False, description="Read a checkpoint that has only pickle weights (.bin, .pt) with "
         "torch.load(weights_only=True); refused otherwise, since a pickle can run code.")
     enforce_eager: bool = Field(
-        False, description="Run every step eagerly: no CUDA graphs of decode steps (the cuda backend captures "
-        "them at bucketed batch sizes otherwise).")
+        False, description="Run every step eagerly: no replays of decode steps (the cuda backend captures CUDA "
+        "graphs of them at bucketed batch sizes, the cpu backend records each batch size's first decode step "
+        "and replays it in one native call, otherwise).")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

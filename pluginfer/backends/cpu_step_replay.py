@@ -1,0 +1,276 @@
+"""Decode steps replayed in one native call: the cpu backend's ``capture_decode``.
+
+A decode step of a tiny model is mostly Python between the kernels (docs/performance.md, "Fixed cost per
+decode step"). The first decode step of ``n`` sequences runs eagerly on static input buffers while
+``native.recording()`` notes every native call (its C function and arguments) and a
+``TorchDispatchMode`` watches every torch op: views and allocations pass, the few copy-like ops a step
+makes between the kernels (the embedding's row gather, the KV cache's ``index_copy_``, residual adds,
+16-bit to float32 conversions) are noted as the equivalent entries of ``csrc/step_replay.c``, and any
+other op refuses the recording: that size then stays eager, with one debug line naming the op. Later
+steps of ``n`` sequences copy their inputs (token ids, positions, slot mapping, sequence lengths, block
+tables) into the static buffers and run the recorded program in one C call, so they compute what the
+eager step computes, bit for bit (same kernels, same arguments, same order). Prefill and mixed steps,
+and every step under ``--enforce-eager``, run eagerly.
+
+The tensors a recording used (its outputs, intermediates, weights and caches) are kept alive by the
+recording: the program holds their addresses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from pluginfer.backends import native
+from pluginfer.core.batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+# Ops that only allocate (what they leave in memory is written by a later entry before it is read).
+_ALLOCATIONS = {aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
+                aten.empty_strided.default, aten.new_empty_strided.default}
+_SIXTEEN_BIT = {torch.bfloat16: 0, torch.float16: 1}
+
+
+def _inner_contiguous(tensor: torch.Tensor) -> bool:
+    """Each index along the first axis is one contiguous run of memory."""
+    expected = 1
+    for size, stride in zip(reversed(tensor.shape[1:]), reversed(tensor.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _row_bytes(tensor: torch.Tensor) -> int:
+    return (tensor.numel() // tensor.shape[0] if tensor.shape[0] else 0) * tensor.element_size()
+
+
+def _index(index: object) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype == torch.int64 and index.dim() == 1 \
+        and index.is_contiguous()
+
+
+def _gather(recorder: native.StepRecording, source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out = source[index]`` along the first axis."""
+    if not (_index(index) and source.dim() >= 1 and _inner_contiguous(source) and out.is_contiguous()
+            and out.dtype == source.dtype and out.shape[0] == index.shape[0]):
+        return False
+    recorder.append("gather_rows", source.data_ptr(), source.shape[0], source.stride(0) * source.element_size(),
+                    index.data_ptr(), index.shape[0], _row_bytes(source), out.data_ptr())
+    return True
+
+
+def _embedding(recorder: native.StepRecording, out: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor,
+               *rest: object) -> bool:
+    return weight.dim() == 2 and _gather(recorder, weight, indices, out)
+
+
+def _index_select(recorder: native.StepRecording, out: torch.Tensor, source: torch.Tensor, dim: int,
+                  index: torch.Tensor) -> bool:
+    return dim == 0 and _gather(recorder, source, index, out)
+
+
+def _index_tensor(recorder: native.StepRecording, out: torch.Tensor, source: torch.Tensor,
+                  indices: list) -> bool:
+    return len(indices) == 1 and _gather(recorder, source, indices[0], out)
+
+
+def _index_copy(recorder: native.StepRecording, out: torch.Tensor, target: torch.Tensor, dim: int,
+                index: torch.Tensor, source: torch.Tensor) -> bool:
+    """``target[index] = source`` along the first axis (the KV cache write)."""
+    if not (dim == 0 and _index(index) and target.is_contiguous() and source.dtype == target.dtype
+            and source.dim() == target.dim() and source.shape[1:] == target.shape[1:]
+            and _inner_contiguous(source) and source.shape[0] == index.shape[0] and out is target):
+        return False
+    recorder.append("scatter_rows", target.data_ptr(), target.shape[0], index.data_ptr(), source.data_ptr(),
+                    source.stride(0) * source.element_size(), index.shape[0], _row_bytes(target))
+    return True
+
+
+def _add(recorder: native.StepRecording, out: torch.Tensor, a: torch.Tensor, b: object, alpha: object = 1) -> bool:
+    """float32 ``a + b``: ``b`` of ``a``'s shape, or one row added to every row of ``a``."""
+    if not (isinstance(b, torch.Tensor) and alpha == 1 and a.dtype == b.dtype == out.dtype == torch.float32
+            and a.is_contiguous() and b.is_contiguous() and out.is_contiguous() and a.shape == out.shape
+            and a.dim() >= 1):
+        return False
+    cols = a.shape[-1]
+    rows = a.numel() // cols if cols else 0
+    if b.shape == a.shape:
+        b_stride = cols
+    elif b.dim() == 1 and b.shape[0] == cols:
+        b_stride = 0
+    else:
+        return False
+    recorder.append("add_f32", a.data_ptr(), b.data_ptr(), out.data_ptr(), rows, cols, b_stride)
+    return True
+
+
+def _to_copy(recorder: native.StepRecording, out: torch.Tensor, source: torch.Tensor, **kwargs: object) -> bool:
+    """A bfloat16/float16 tensor as float32 (exact)."""
+    if not (source.dtype in _SIXTEEN_BIT and out.dtype == torch.float32 and source.is_contiguous()
+            and out.is_contiguous()):
+        return False
+    recorder.append("to_f32", source.data_ptr(), _SIXTEEN_BIT[source.dtype], out.data_ptr(), source.numel())
+    return True
+
+
+def _copy(recorder: native.StepRecording, out: torch.Tensor, source: torch.Tensor, *rest: object,
+          **kwargs: object) -> bool:
+    """``contiguous()`` / ``reshape`` / ``clone`` of a tensor whose rows may be strided: its rows back to back."""
+    if not (isinstance(out, torch.Tensor) and out.is_contiguous() and out.dtype == source.dtype
+            and out.numel() == source.numel() and source.dim() >= 1 and _inner_contiguous(source)):
+        return False
+    recorder.append("copy_rows", source.data_ptr(), source.stride(0) * source.element_size(), source.shape[0],
+                    _row_bytes(source), out.data_ptr(), _row_bytes(source))
+    return True
+
+
+def _cat(recorder: native.StepRecording, out: torch.Tensor, parts: list, dim: int = 0) -> bool:
+    """``torch.cat`` of 2-d tensors with contiguous rows, along either axis (a GGUF projection whose
+    parts have two quant types is two matmuls concatenated)."""
+    if not (out.dim() == 2 and out.is_contiguous() and dim in (0, 1, -1, -2)
+            and all(part.dim() == 2 and part.dtype == out.dtype and _inner_contiguous(part) for part in parts)):
+        return False
+    along_rows, at = dim in (0, -2), out.data_ptr()
+    out_stride = out.stride(0) * out.element_size()
+    for part in parts:
+        row_bytes = part.shape[1] * part.element_size()
+        recorder.append("copy_rows", part.data_ptr(), part.stride(0) * part.element_size(), part.shape[0], row_bytes,
+                        at, out_stride)
+        at += part.shape[0] * out_stride if along_rows else row_bytes
+    return True
+
+
+def _aliases(out: object, source: object) -> bool:
+    """Every tensor ``out`` holds shares ``source``'s memory (the op was a view, not a copy)."""
+    if not isinstance(source, torch.Tensor):
+        return False
+    storage = source.untyped_storage().data_ptr()
+    outputs = out if isinstance(out, (list, tuple)) else [out]
+    return all(isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() == storage
+               for tensor in outputs)
+
+
+# Ops whose schema says they may alias their input but that copy when they must: a copy is noted.
+_MAYBE_COPIES = {aten.contiguous.default: _copy, aten.reshape.default: _copy}
+
+# torch ops a recording turns into step_replay entries: (recorder, the op's output, its arguments) -> noted.
+_TRANSLATED: dict[object, Callable[..., bool]] = {
+    aten.embedding.default: _embedding,
+    aten.index_select.default: _index_select,
+    aten.index.Tensor: _index_tensor,
+    aten.index_copy_.default: _index_copy,
+    aten.add.Tensor: _add,
+    aten.add_.Tensor: _add,
+    aten._to_copy.default: _to_copy,
+    aten.cat.default: _cat,
+    aten.clone.default: _copy,
+}
+
+
+class _WatchTorchOps(TorchDispatchMode):
+    """Runs every torch op and, for the recording, passes views and allocations, notes the copy-like
+    ops as replay entries and refuses the rest; keeps every tensor the ops touched alive."""
+
+    def __init__(self, recorder: native.StepRecording, keep: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.recorder, self.keep = recorder, keep
+
+    def __torch_dispatch__(self, func: object, types: object, args: tuple = (), kwargs: dict | None = None) -> object:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [value for value in tree_flatten((args, kwargs, out))[0] if isinstance(value, torch.Tensor)]
+        self.keep.extend(tensors)
+        if self.recorder.refused is not None or func in _ALLOCATIONS:
+            return out
+        if func.is_view or func is aten._unsafe_view.default:
+            if _aliases(out, args[0] if args else None):
+                return out
+            translate = _MAYBE_COPIES.get(func)
+        else:
+            translate = _TRANSLATED.get(func)
+        if any(tensor.device.type != "cpu" for tensor in tensors) or translate is None \
+                or not translate(self.recorder, out, *args, **kwargs):
+            self.recorder.refuse(f"torch op {func}")
+        return out
+
+
+class CpuDecodeReplay:
+    """``capture_decode``'s callable on the cpu backend: records the first decode step of each batch size,
+    replays the later ones (see the module's docstring). Returns the step's hidden states, or None where
+    the step runs eagerly (not a decode step, larger than the buffers, or a size whose recording was
+    refused)."""
+
+    def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], max_num_seqs: int,
+                 max_blocks_per_seq: int, block_size: int) -> None:
+        self.forward, self.block_size = forward, block_size
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int64)
+
+        self.input_ids, self.positions, self.slot_mapping = zeros(max_num_seqs), zeros(max_num_seqs), zeros(max_num_seqs)
+        self.seq_lens, self.block_tables = zeros(max_num_seqs), zeros(max_num_seqs, max_blocks_per_seq)
+        self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int64)
+        self.programs: dict[int, tuple[native.StepProgram, torch.Tensor, list[torch.Tensor]] | None] = {}
+        self.replays = 0
+
+    def static_batch(self, size: int) -> ForwardBatch:
+        """The first ``size`` rows of the static buffers as a decode batch, with the cpu backend's metadata."""
+        from pluginfer.backends.cpu import CpuAttentionMetadata
+
+        tables, seq_lens = self.block_tables[:size], self.seq_lens[:size]
+        batch = ForwardBatch(
+            input_ids=self.input_ids[:size], positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=seq_lens, block_tables=tables,
+            logits_indices=self.query_start_loc[:size], query_lens=[1] * size, max_query_len=1,
+            max_seq_len=self.block_tables.shape[1] * self.block_size, block_size=self.block_size)
+        batch.attention = CpuAttentionMetadata(None, None, num_native_decodes=size, decode_block_tables=tables,
+                                               decode_seq_lens=seq_lens)
+        return batch
+
+    def _load(self, batch: ForwardBatch) -> bool:
+        """Copy a decode batch into the static buffers; False: not a decode step these buffers hold."""
+        size, width = batch.num_seqs, batch.block_tables.shape[1]
+        if size == 0 or batch.max_query_len != 1 or batch.num_tokens != size or size > self.seq_lens.shape[0] \
+                or width > self.block_tables.shape[1]:
+            return False
+        self.input_ids[:size].copy_(batch.input_ids)
+        self.positions[:size].copy_(batch.positions)
+        self.slot_mapping[:size].copy_(batch.slot_mapping)
+        self.seq_lens[:size].copy_(batch.seq_lens)
+        self.block_tables[:size, :width].copy_(batch.block_tables)
+        return True
+
+    def _record(self, size: int) -> torch.Tensor:
+        """Run the step eagerly on the static buffers, noting it; its output is this step's result."""
+        keep: list[torch.Tensor] = []
+        with native.recording() as recorder, _WatchTorchOps(recorder, keep):
+            out = self.forward(self.static_batch(size))
+        if not isinstance(out, torch.Tensor):
+            recorder.refuse(f"the forward returned {type(out).__name__}, not a tensor")
+        if recorder.refused is not None:
+            logger.debug("cpu decode replay: batches of %d stay eager (%s)", size, recorder.refused)
+            self.programs[size] = None
+        else:
+            self.programs[size] = (native.StepProgram(recorder), out, keep)
+        return out
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """This decode step's hidden states ``[num_seqs, hidden]`` from a replay (or from the recording run
+        on the static buffers), or None: run it eagerly."""
+        size = batch.num_seqs
+        if self.programs.get(size, ...) is None or not self._load(batch):
+            return None
+        recorded = self.programs.get(size)
+        if recorded is None:
+            return self._record(size)
+        program, out, _ = recorded
+        program.run()
+        self.replays += 1
+        return out

@@ -1,0 +1,215 @@
+"""Decode steps recorded once and replayed in one native call (``backends/cpu_step_replay.py``,
+``csrc/step_replay.c``) against the same steps run eagerly.
+
+A replay runs the kernels the eager step ran, with the same arguments, in the same order, and plain copies
+and float32 adds in place of the torch ops between them, so everything is compared for exact equality:
+the greedy tokens and the top-5 logprobs of every step (the logits' values) of tiny llama, qwen2 and
+mistral models, float32 and quantized (in-situ Q4_0: the fused int8 matmul; a llama.cpp Q8_0 file with its
+quantized embedding), against ``enforce_eager``; with sequences finishing and joining between steps,
+preemption and prefix caching. The translated torch ops are checked one by one on a stand-in forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pluginfer import LLM, SamplingParams
+from pluginfer.backends import native
+from pluginfer.backends.cpu import CpuBackend
+from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
+from pluginfer.core.batch import ForwardBatch
+from tests.checkpoints import random_prompts, save_hf_model
+
+pytestmark = pytest.mark.skipif(native.available() is not None, reason="the native kernels did not load")
+
+FIXTURES = Path(__file__).parent.parent / "quant" / "fixtures"
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-5)
+MODELS = {"llama": ("LlamaForCausalLM", {}), "qwen2": ("Qwen2ForCausalLM", {}),  # qwen2: q/k/v biases
+          "mistral": ("MistralForCausalLM", {"sliding_window": 12})}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> dict[str, Path]:
+    paths = {}
+    for name, (arch, extra) in MODELS.items():
+        paths[name] = tmp_path_factory.mktemp(name)
+        save_hf_model(arch, {**SHAPE, **extra}, paths[name], tiny_tokenizer_dir)
+    return paths
+
+
+def run(path: Path, eager: bool, schedule: list[list[tuple[list[int], int]]], **options: object) -> tuple[dict, object]:
+    """Greedy tokens and top-5 logprobs per request; ``schedule[i]`` are the (prompt, max_tokens) added
+    before step ``i`` (later requests join running ones). Also the replay object (None when eager)."""
+    options = {"max_model_len": 128, "max_num_seqs": 8, "enable_prefix_caching": False, **options}
+    if not str(path).endswith(".gguf"):
+        options.setdefault("dtype", "float32")
+    results: dict[str, tuple] = {}
+    with LLM(str(path), enforce_eager=eager, **options) as llm:
+        engine = llm.engine
+        step = 0
+        while step < len(schedule) or engine.has_unfinished_requests():
+            for prompt, max_tokens in schedule[step] if step < len(schedule) else []:
+                engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                                          logprobs=5))
+            for output in engine.step():
+                if output.finished:
+                    completion = output.outputs[0]
+                    results[output.request_id] = (completion.token_ids, completion.logprobs)
+            step += 1
+        replay = engine.executor.worker.decode_graphs
+        preemptions = engine.scheduler.num_preemptions
+    return {"results": results, "preemptions": preemptions}, replay
+
+
+def schedule(vocab: int = 200) -> list[list[tuple[list[int], int]]]:
+    """Three requests that finish at different steps, two that join later: decode batches of 1 to 4."""
+    prompts = random_prompts(vocab, [5, 11, 3, 7, 9], seed=3)
+    return [[(prompts[0], 20), (prompts[1], 6), (prompts[2], 12)], [], [], [], [(prompts[3], 9)], [], [], [],
+            [(prompts[4], 14)]]
+
+
+def assert_replayed_like_eager(path: Path, plan: list, **options: object) -> object:
+    replayed, replay = run(path, False, plan, **options)
+    eager, none = run(path, True, plan, **options)
+    assert none is None  # enforce_eager: no replays on the cpu backend either
+    assert isinstance(replay, CpuDecodeReplay) and replay.replays > 0
+    assert replayed["results"] == eager["results"]  # tokens and logprobs, exactly
+    assert replayed["preemptions"] == eager["preemptions"]
+    return replay, replayed
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_replayed_decode_equals_eager(name: str, checkpoints: dict[str, Path]) -> None:
+    replay, _ = assert_replayed_like_eager(checkpoints[name], schedule())
+    recorded = {size for size, program in replay.programs.items() if program is not None}
+    assert len(recorded) >= 3, replay.programs  # several batch sizes, each recorded once and replayed
+
+
+def test_quantized_decode_equals_eager(checkpoints: dict[str, Path]) -> None:
+    """In-situ Q4_0: every linear through the fused int8-activation matmul (csrc/quant_dot.c) where this CPU
+    has it, the dequantizing path otherwise; a llama.cpp Q8_0 file: its quantized embedding too."""
+    assert_replayed_like_eager(checkpoints["llama"], schedule(), quant="q4_0")
+    gguf = FIXTURES / "llamacpp-llama-q8_0.gguf"
+    assert_replayed_like_eager(gguf, schedule(vocab=250))
+
+
+def test_preemption_and_prefix_caching(checkpoints: dict[str, Path]) -> None:
+    """A cache too small for all requests (the newest are preempted and recomputed), then requests that
+    share a cached prefix: block tables and slots change under the recorded programs."""
+    _, replayed = assert_replayed_like_eager(checkpoints["llama"], schedule(), num_blocks=8, block_size=4,
+                                                   max_model_len=32)
+    assert replayed["preemptions"] > 0
+    prefix = random_prompts(200, [16], seed=5)[0]
+    shared = [[(prefix + [11, 12], 10), (prefix + [13], 8)], [], [], [(prefix + [14, 15, 16], 6)]]
+    assert_replayed_like_eager(checkpoints["qwen2"], shared, enable_prefix_caching=True, block_size=4)
+
+
+# -- The recording itself, on a stand-in forward -------------------------------------------------------------
+
+
+def decode_batch(ids: list[int], positions: list[int], slots: list[int], width: int = 2) -> ForwardBatch:
+    n = len(ids)
+
+    def longs(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    return ForwardBatch(input_ids=longs(ids), positions=longs(positions), slot_mapping=longs(slots),
+                        query_start_loc=torch.arange(n + 1), seq_lens=longs([p + 1 for p in positions]),
+                        block_tables=torch.zeros(n, width, dtype=torch.int64), logits_indices=torch.arange(n),
+                        query_lens=[1] * n, max_query_len=1, max_seq_len=max(positions) + 1, block_size=4)
+
+
+class StandIn:
+    """Every torch op a recording translates, and a native kernel, between a batch's ids and its output."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.table = torch.randn(50, 16, generator=generator)
+        self.half_table = torch.randn(50, 16, generator=generator).to(torch.bfloat16)
+        self.cos = torch.randn(40, 8, generator=generator)
+        self.weight = torch.randn(32, generator=generator)
+        self.bias = torch.randn(32, generator=generator)
+        self.cache = torch.zeros(64, 32)
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        ids = batch.input_ids
+        hidden = F.embedding(ids, self.table)  # embedding
+        half = self.half_table.index_select(0, ids).to(torch.float32)  # index_select, bfloat16 -> float32
+        cos = self.cos[batch.positions]  # index.Tensor
+        both = torch.cat([hidden, half], dim=-1)  # cat along the last axis
+        self.cache.index_copy_(0, batch.slot_mapping, both)  # the KV write
+        strided = torch.cat([both, both], dim=0)[:, 8:24].contiguous()  # cat along rows; strided rows copied
+        normed = native.rms_norm(both + both, None, self.weight, 1e-5, 0.0)  # add; a native kernel
+        summed = normed.add_(self.bias)  # one row added to every row, in place
+        return torch.cat([summed, strided.reshape(-1, 16)[: ids.shape[0]], cos], dim=-1)
+
+
+def test_translated_ops_replay_what_torch_computes() -> None:
+    model, reference = StandIn(), StandIn()
+    replay = CpuDecodeReplay(model, max_num_seqs=4, max_blocks_per_seq=8, block_size=4)
+    steps = [([1, 2, 3], [4, 9, 30], [0, 5, 9]), ([7, 2, 49], [5, 10, 31], [1, 6, 10]),
+             ([0, 0, 8], [6, 11, 32], [2, 7, 11])]
+    for number, (ids, positions, slots) in enumerate(steps):
+        out = replay(decode_batch(ids, positions, slots)).clone()
+        assert torch.equal(out, reference(decode_batch(ids, positions, slots)))
+        assert torch.equal(model.cache, reference.cache)
+        assert replay.replays == number  # the first step of 3 rows was recorded, the others replayed
+    names = replay.programs[3][0].names
+    assert names.count("gather_rows") == 3 and names.count("copy_rows") == 8 and "scatter_rows" in names
+    assert names.count("add_f32") == 2 and "to_f32" in names and "rms_norm" in names
+
+
+def test_other_steps_stay_eager() -> None:
+    replay = CpuDecodeReplay(StandIn(), max_num_seqs=2, max_blocks_per_seq=2, block_size=4)
+    prefill = decode_batch([1, 2], [0, 1], [0, 1])
+    prefill.query_lens, prefill.max_query_len, prefill.query_start_loc = [2], 2, torch.tensor([0, 2])
+    prefill.seq_lens = torch.tensor([2])
+    assert replay(prefill) is None  # not a decode step
+    assert replay(decode_batch([1, 2, 3], [0, 1, 2], [0, 1, 2])) is None  # more rows than max_num_seqs
+    assert replay(decode_batch([1], [0], [0], width=3)) is None  # block tables wider than the buffers
+    assert replay.programs == {}
+
+
+def test_an_untranslated_torch_op_keeps_that_size_eager(caplog: pytest.LogCaptureFixture) -> None:
+    def forward(batch: ForwardBatch) -> torch.Tensor:
+        return torch.sin(batch.positions.float())
+
+    replay = CpuDecodeReplay(forward, max_num_seqs=4, max_blocks_per_seq=2, block_size=4)
+    with caplog.at_level(logging.DEBUG, logger="pluginfer.backends.cpu_step_replay"):
+        first = replay(decode_batch([1, 2], [3, 4], [0, 1]))  # the recording run is the eager step itself
+    assert torch.equal(first, torch.sin(torch.tensor([3.0, 4.0])))
+    assert replay.programs == {2: None}
+    assert "batches of 2 stay eager (torch op aten." in caplog.text
+    assert replay(decode_batch([5, 6], [5, 6], [2, 3])) is None  # from now on, eager
+
+
+def test_a_native_call_without_replay_entry_refuses() -> None:
+    def forward(batch: ForwardBatch) -> torch.Tensor:
+        levels, _ = native.quantize_activations(torch.ones(batch.num_seqs, 32))
+        return levels.float()
+
+    replay = CpuDecodeReplay(forward, max_num_seqs=4, max_blocks_per_seq=2, block_size=4)
+    replay(decode_batch([1], [3], [0]))
+    assert replay.programs == {1: None}
+
+
+def test_a_replayed_index_out_of_range_is_an_error_naming_the_entry() -> None:
+    model = StandIn()
+    replay = CpuDecodeReplay(model, max_num_seqs=4, max_blocks_per_seq=8, block_size=4)
+    replay(decode_batch([1, 2], [4, 9], [0, 5]))
+    with pytest.raises(RuntimeError, match=r"step replay: entry 0 \(gather_rows\) failed with status -1"):
+        replay(decode_batch([1, 50], [5, 10], [1, 6]))  # id 50 of a 50-row table
+
+
+def test_nothing_to_replay_without_native_kernels_or_under_tensor_parallelism() -> None:
+    from pluginfer.core.protocols import RankInfo
+
+    assert CpuBackend(native_kernels=False).capture_decode(lambda batch: None, 4, 2, 4) is None
+    assert CpuBackend(rank=RankInfo(rank=0, world_size=2, tp_size=2)).capture_decode(lambda b: None, 4, 2, 4) is None
+    assert isinstance(CpuBackend().capture_decode(lambda batch: None, 4, 2, 4), CpuDecodeReplay)
