@@ -7,6 +7,10 @@ GGUF names gguf-py's name map gives, and any fix-up of tensors). Quantized tenso
 GGML blocks (``GGMLTensor``, memory-mapped from the file) for the ``gguf`` quant method, the embedding
 table and the LM head included (``layers.embedding`` keeps them quantized); only the tensors a model names
 in ``dense_tensors`` are dequantized at load (docs/quantization.md).
+
+What is copied at load (rows reordered by a model's ``fix``, a dequantized tensor, the quant method's
+fused groups) gives its file pages back (``release_file_pages``): the process keeps resident one copy of
+each weight, the file's pages for what it reads in place, its own memory for what it copied.
 """
 
 from __future__ import annotations
@@ -147,10 +151,13 @@ class GGUFCheckpoint:
                     continue
                 hf_name = names[tensor_name]
                 loaded = self._tensor(tensor)
+                source = _data(loaded)
                 if hf_name in model.dense_tensors and isinstance(loaded, GGMLTensor):
                     loaded = loaded.dequantize(torch.float32)
                 if model.fix is not None:
                     loaded = model.fix(hf_name, loaded)
+                if not shares_memory(_data(loaded), source):  # a copy (dequantized, rows reordered)
+                    release_file_pages(source)
                 yield hf_name, loaded
                 bar.update()
 
@@ -167,6 +174,33 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF tensor {tensor.name!r}: {tensor.tensor_type.name} tensor of shape "
                              f"{tuple(shape)}; only 2-D tensors may be block-quantized")
         return GGMLTensor(torch.from_numpy(data).reshape(shape[0], -1), tensor.tensor_type, shape, tensor.name)
+
+
+def _data(loaded: torch.Tensor | GGMLTensor) -> torch.Tensor:
+    return loaded.raw if isinstance(loaded, GGMLTensor) else loaded
+
+
+def shares_memory(kept: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether ``kept`` is ``source`` or a view of the same memory (not a copy of it)."""
+    return kept.device == source.device and \
+        kept.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+
+
+def release_file_pages(source: torch.Tensor) -> int:
+    """Once a tensor read from an open ``.gguf`` file's mapping has been copied (a fused group, rows
+    reordered, a rank's columns, another dtype or device), drop the file pages it was read from out of this
+    process's resident memory; they stay in the OS's page cache, so they count once, there, not in every
+    process that read them. Only pages wholly inside the tensor's bytes; a tensor that is not a view of an
+    open file's mapping is left alone. The bytes released. Call it only when nothing reads ``source`` again
+    (a read maps the pages back, with the file's bytes)."""
+    from pluginfer.core.gguf_reader import file_holding
+
+    if source.device.type != "cpu" or source.numel() == 0:
+        return 0
+    extent = (sum((size - 1) * stride for size, stride in zip(source.shape, source.stride())) + 1) \
+        * source.element_size()
+    found = file_holding(source.data_ptr(), extent)
+    return 0 if found is None else found[0].release(found[1], extent)
 
 
 class MalformedTensorError(ValueError):

@@ -10,7 +10,9 @@ view is made (``check_tensor_info``). Little-endian files (what llama.cpp writes
 
 from __future__ import annotations
 
+import mmap
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _DEFAULT_ALIGNMENT = 32
+_OPEN_FILES: weakref.WeakSet[GGUFFile] = weakref.WeakSet()  # for file_holding: which mapping holds an address
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,10 @@ class GGUFFile:
         from pluginfer.core.gguf_checkpoint import check_tensor_info
 
         self.path = Path(path)
-        self.data = np.memmap(self.path, dtype=np.uint8, mode="c")
+        with open(self.path, "rb") as file:
+            self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writes never reach the file
+        self.data = np.frombuffer(self._map, dtype=np.uint8)
+        self.address = self.data.ctypes.data  # where the mapping starts in this process
         self._buffer = memoryview(self.data)
         self._arrays: dict[str, tuple[int, int, int]] = {}  # key -> (element type, count, offset), decoded on demand
         self._decoded: dict[str, Any] = {}
@@ -104,6 +110,21 @@ class GGUFFile:
                 dtype, numpy_shape = np.uint8, (*numpy_shape[:-1], numpy_shape[-1] // block * type_size)
             data = self.data[start + relative:start + relative + n_bytes].view(dtype).reshape(numpy_shape)
             self.tensors.append(GGUFTensorInfo(name, qtype, dims, start + relative, n_bytes, data))
+        _OPEN_FILES.add(self)
+
+    def release(self, start: int, length: int) -> int:
+        """Drop the pages wholly inside bytes ``[start, start + length)`` of the file from this process's
+        mapping (``MADV_DONTNEED``); the bytes released (0 where the OS has no such call).
+
+        For what was copied out of the file: the pages leave this process's resident memory and stay in
+        the OS's page cache, and a later read of them maps them again with the file's bytes (the mapping
+        is private and never written, so nothing is lost)."""
+        page = mmap.PAGESIZE
+        first, end = -(-start // page) * page, min(start + length, len(self.data)) // page * page
+        if end <= first or not hasattr(mmap, "MADV_DONTNEED"):
+            return 0
+        self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
+        return end - first
 
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value (str, int, float, bool, or a list of them); ``default`` if the file has none."""
@@ -166,3 +187,12 @@ class GGUFFile:
                 values.append(value)
             return values
         return np.frombuffer(self._buffer, dtype=_NUMPY[element], count=count, offset=offset).tolist()
+
+
+def file_holding(address: int, length: int) -> tuple[GGUFFile, int] | None:
+    """The open file whose mapping holds bytes ``[address, address + length)`` of this process's memory, and
+    the offset of ``address`` in it; None where no open file's mapping does (it is never another memory)."""
+    for file in list(_OPEN_FILES):
+        if file.address <= address and address + length <= file.address + len(file.data):
+            return file, address - file.address
+    return None

@@ -2,7 +2,9 @@
 
 A fused layer (``qkv_proj``, ``gate_up_proj``) is loaded from several checkpoint tensors, and GGUF
 files mix types (e.g. Q4_K q/k with a Q6_K v), so each shard keeps its own (type, raw blocks).
-Adjacent shards of one type are concatenated once after loading; the matmul runs
+Adjacent shards of one type are concatenated once after loading (a copy: the file pages the shards were
+read from then leave the process's resident memory, ``gguf_checkpoint.release_file_pages``, as do those of
+any other tensor copied at load: a rank's columns, another dtype or device); the matmul runs
 ``ggml_blocks.ggml_linear`` per group (a tile of rows dequantized at a time) and concatenates the
 outputs. Float shards (F32/F16/BF16 files) are plain dense weights in the model dtype.
 
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pluginfer.core.gguf_checkpoint import release_file_pages, shares_memory
 from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context
 from pluginfer.layers.linear import projection_rows
@@ -78,6 +81,7 @@ class GGUFLinear:
                 self.load_shard(layer, param, _rows(loaded, start, rows), i)
                 start += rows
             return
+        source = getattr(loaded, "raw", loaded)  # the checkpoint's tensor: a view of the file's mapping
         full_rows = sum(sizes) if index is None else sizes[index]
         inputs = layer.input_size * (shard.size if row_split(shard) else 1)
         self._check_shape(name, loaded, full_rows, inputs)
@@ -100,9 +104,12 @@ class GGUFLinear:
         if row_split(shard):
             loaded = _columns(loaded, shard.rank * layer.input_size, layer.input_size)
         if qtype is None:  # a float tensor: dense, in the model dtype
-            layer.gguf_shards[index or 0] = (None, loaded.to(device=param.device, dtype=layer.gguf_dtype))
+            kept = loaded.to(device=param.device, dtype=layer.gguf_dtype)
         else:
-            layer.gguf_shards[index or 0] = (qtype, loaded.raw.to(param.device))
+            kept = loaded.raw.to(param.device)
+        layer.gguf_shards[index or 0] = (qtype, kept)
+        if not shares_memory(kept, source):  # a rank's columns, another dtype or device: the file's pages can go
+            release_file_pages(source)
 
     @staticmethod
     def _find_matmul(layer: nn.Module, qtype: object, name: str) -> None:
@@ -134,6 +141,9 @@ class GGUFLinear:
             else:
                 groups.append((qtype, [tensor]))
         layer.gguf_groups = [(qtype, parts[0] if len(parts) == 1 else torch.cat(parts)) for qtype, parts in groups]
+        for _, parts in groups:
+            for part in parts if len(parts) > 1 else ():
+                release_file_pages(part)  # concatenated: the group is a copy, the file's pages can go
         layer.gguf_shards = {}
         del layer.weight  # the placeholder; the groups hold the weights
 
@@ -153,7 +163,10 @@ class GGUFLinear:
         kernel = backend_op(backend, "ggml_dequantize") if backend is not None else None
         raw = loaded.raw[start:start + rows]  # a view of the mapped file on the CPU: no copy
         device = getattr(backend, "device", None)
-        return GGMLVocabTable(raw if device is None else raw.to(device), qtype, cols, dtype, kernel)
+        kept = raw if device is None else raw.to(device)
+        if not shares_memory(kept, raw):
+            release_file_pages(raw)
+        return GGMLVocabTable(kept, qtype, cols, dtype, kernel)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         groups, kernel = layer.gguf_groups, getattr(layer, "ggml_dequantize", None)
