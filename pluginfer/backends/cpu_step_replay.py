@@ -182,6 +182,11 @@ class _WatchTorchOps(TorchDispatchMode):
         super().__init__()
         self.recorder, self.keep = recorder, keep
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Nothing here is compiled: without this, the first op imports torch._dynamo (~1 s of CPU)."""
+        return False
+
     def __torch_dispatch__(self, func: object, types: object, args: tuple = (), kwargs: dict | None = None) -> object:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
