@@ -611,7 +611,8 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
     """``x @ W^T`` for float ``x [..., cols]`` and ``W`` the raw GGML blocks uint8 ``[rows, row_bytes]``,
     without a float copy of ``W`` (``csrc/quant_dot.c``): each row of ``x`` is quantized per block of
     32 to int8 with a float32 scale, as llama.cpp's Q8_0, and multiplied with the weights' levels in
-    integers. The result has ``x``'s dtype (float16/bfloat16 ``x`` is converted to float32 and back).
+    integers; from a few rows up, on a CPU with AMX, on int8 tiles (``backends/amx_quant.py``).
+    The result has ``x``'s dtype (float16/bfloat16 ``x`` is converted to float32 and back).
     None: a type, dtype, device or layout it does not handle; use the dequantizing path."""
     qtype = int(qtype)
     # (is_cpu, not device.type: this runs for every linear of every decode step, where each check shows)
@@ -626,6 +627,14 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
         rows = x.numel() // cols if cols else 0
         flat = _as(x.reshape(rows, cols), torch.float32)
         out = torch.empty(*x.shape[:-1], raw.shape[0], dtype=torch.float32)
+    if rows >= 2:  # AMX int8 tiles from amx_quant.MIN_ROWS rows, where the CPU has them
+        from pluginfer.backends import amx_quant
+        if amx_quant.takes(qtype, rows):
+            recorder = getattr(_state, "recording", None)
+            if recorder is not None:  # a recorded step replays quant_dot.c's kernels only
+                recorder.refuse("the AMX int8 matmul (csrc/amx_quant.c) has no replay entry")
+            amx_quant.call(qtype, flat, rows, cols, raw, out)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
     status = _lib().quant_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1],
                                  out.data_ptr())
     if status == -3:
