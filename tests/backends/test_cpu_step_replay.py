@@ -99,6 +99,19 @@ def test_quantized_decode_equals_eager(checkpoints: dict[str, Path]) -> None:
     assert_replayed_like_eager(gguf, schedule(vocab=250))
 
 
+def test_batches_on_amx_tiles_stay_eager(checkpoints: dict[str, Path]) -> None:
+    """From amx_quant.MIN_ROWS rows the fused matmul runs on AMX tiles (its own library, no replay entry):
+    those batch sizes are refused and run eagerly; the smaller ones are still replayed."""
+    from pluginfer.backends import amx_quant
+
+    if not amx_quant.takes(2, 8):
+        pytest.skip("no AMX int8 tiles here (or PLUGINFER_AMX=0)")
+    prompts = random_prompts(200, [4] * 8, seed=7)
+    plan = [[(prompt, 4 + 2 * index) for index, prompt in enumerate(prompts)]]  # batches of 8 down to 1
+    replay, _ = assert_replayed_like_eager(checkpoints["llama"], plan, quant="q4_0")
+    assert all((replay.programs[size] is None) == amx_quant.takes(2, size) for size in range(1, 9))
+
+
 def test_preemption_and_prefix_caching(checkpoints: dict[str, Path]) -> None:
     """A cache too small for all requests (the newest are preempted and recomputed), then requests that
     share a cached prefix: block tables and slots change under the recorded programs."""
