@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # imported where used: the server imports this module, and must not import torch to start
+    import torch
 
 _NEG = -1.0e9  # transformers' "never this one"
 MAX_CANDIDATES = 20  # the engine's logprobs limit
@@ -61,6 +62,8 @@ class BeamSearch:
     _improvable: bool = True
 
     def __post_init__(self) -> None:
+        import torch
+
         width = self.params.beam_width
         eos = set() if self.params.ignore_eos else set(self.eos_token_ids)
         self.eos_token_ids = eos
@@ -81,6 +84,8 @@ class BeamSearch:
 
     def advance(self, logprobs: list[dict[int, float]]) -> None:
         """Take the top ``candidates`` next-token logprobs of each running beam (in ``running()`` order)."""
+        import torch
+
         width, params = self.params.beam_width, self.params
         scores, parents, tokens = [], [], []
         for beam, entry in enumerate(logprobs):

@@ -108,11 +108,8 @@ class GrammarCompiler:
     def _tokenizer(self) -> Any:
         with self._lock:
             if self._ll_tokenizer is None:
-                from llguidance.hf import from_tokenizer
-
                 try:
-                    self._ll_tokenizer = from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                        eos_token=self.eos_token_ids or None)
+                    self._ll_tokenizer = _ll_tokenizer(self.hf_tokenizer, self.vocab_size, self.eos_token_ids)
                 except Exception as exc:  # a slow (Python) tokenizer, or a vocabulary llguidance rejects
                     raise StructuredOutputError(f"structured output needs a fast tokenizer llguidance can "
                                                 f"read: {type(exc).__name__}: {exc}") from None
@@ -177,3 +174,19 @@ def fill_token_bitmask(matchers: list[Any], vocab_size: int, forbidden: bool = F
     # Little-endian int32 words: bit j of word w is token 32 * w + j.
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
     return torch.from_numpy(bits.view(np.bool_))
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
+    """llguidance's view of a fast tokenizer: its Rust tokenizer's JSON, as ``llguidance.hf.from_tokenizer``
+    makes it, without importing transformers (a GGUF file's tokenizer is not a transformers object)."""
+    from copy import copy
+
+    from llguidance import LLTokenizer
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer")
+    backend = copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token_ids or tokenizer.eos_token_id)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from pluginfer import __version__
-from pluginfer.core.async_engine import AsyncEngine
 from pluginfer.core.config import EngineConfig
 from pluginfer.server.chat import create_chat_completion, render_prompt, template_kwargs
 from pluginfer.server.chat_page import add_chat_page, is_public
@@ -23,6 +22,9 @@ from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import CLIENT_LEFT
 from pluginfer.server.tools import ToolCalling
+
+if TYPE_CHECKING:  # the server process imports no torch (tests/server/test_server_imports.py)
+    from pluginfer.core.async_engine import AsyncEngine
 
 _OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers' probes)
 

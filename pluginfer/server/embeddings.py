@@ -16,7 +16,6 @@ from typing import Any, ClassVar, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from pluginfer.core.loader import read_hf_config, resolve_model_path
 from pluginfer.core.outputs import RequestOutput
 from pluginfer.core.pooling import PoolerConfig, PoolingParams, read_pooler_config
 from pluginfer.server.errors import bad_request
@@ -72,6 +71,8 @@ class EmbeddingRequest(BaseModel):
 def pooler_of(state: ServerState) -> PoolerConfig:
     """The served checkpoint's pooling, read once (from the server's side: the engine may run elsewhere)."""
     if state.pooler is None:
+        from pluginfer.core.loader import read_hf_config, resolve_model_path  # torch: once, at the first request
+
         path = resolve_model_path(state.config.model, state.config.revision)
         state.pooler = read_pooler_config(path, read_hf_config(path) if path.is_dir() else {})
     return state.pooler

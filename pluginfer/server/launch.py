@@ -120,17 +120,18 @@ def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
 
     Several ranks stay in this process: the driver (rank 0) is this process, its workers its children.
     The core process starts first and loads the model while this process imports the server."""
+    from pluginfer.core.launcher_env import external_launcher
+
     parallel = config.parallel
     client = None
-    if (os.environ.get("PLUGINFER_ENGINE_PROCESS", "1") != "0" and parallel.launcher in ("auto", "inprocess")
-            and parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1):
+    one_rank = parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1
+    # core/launch.py's detect_launcher, without importing it (it imports torch): not one rank of torchrun or mpiexec
+    in_process = parallel.launcher == "inprocess" or (parallel.launcher == "auto" and
+                                                      external_launcher(os.environ) is None)
+    if os.environ.get("PLUGINFER_ENGINE_PROCESS", "1") != "0" and one_rank and in_process:
         client = EngineClient(config)
-    from pluginfer.core.launch import detect_launcher
-    from pluginfer.server import app  # noqa: F401 - the server's own imports, while the core loads
+    from pluginfer.server import app  # noqa: F401 - the server's own imports (no torch), while the core loads
 
-    if client is not None and detect_launcher(config) != "inprocess":  # one rank under torchrun or mpiexec
-        client.shutdown()
-        client = None
     if client is None:
         from pluginfer.core.async_engine import AsyncEngine
         from pluginfer.core.engine import LLMEngine

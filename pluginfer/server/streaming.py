@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pluginfer.core.async_engine import EngineDeadError
+from pluginfer.core.engine_core import EngineDeadError
 from pluginfer.core.outputs import RequestOutput
 from pluginfer.core.sequence import SamplingParams
 from pluginfer.server.errors import APIError, bad_request, from_sampling_error, sse_error

@@ -1,4 +1,6 @@
-"""core/tokenizer.py: a GGUF file's tokenizer is built once and then read from $PLUGINFER_CACHE."""
+"""core/tokenizer.py: a GGUF file's tokenizer that transformers builds (a kind core/gguf_tokenizer.py does not
+build) is built once and then read from $PLUGINFER_CACHE; the cache works the same whatever the file's kind,
+so these tests build the byte-level tokenizer of a converted checkpoint through transformers."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pluginfer.cli.convert import convert_to_gguf
-from pluginfer.core.tokenizer import gguf_tokenizer_cache_path, load_tokenizer
+from pluginfer.core.gguf_tokenizer import GGUFTokenizer
+from pluginfer.core.tokenizer import gguf_tokenizer_cache_path, load_tokenizer, transformers_gguf_tokenizer
 
 TEXT = "The engine reads a file.\n\n  Twice, <|im_start|>user 42 times é"
 
@@ -23,24 +26,27 @@ def gguf_file(tiny_llama_checkpoint: tuple[Path, object], tmp_path: Path, monkey
 def test_the_first_load_caches_the_tokenizer_the_next_reads_it(gguf_file: Path, tiny_tokenizer_dir: Path) -> None:
     entry = gguf_tokenizer_cache_path(gguf_file)
     assert entry.parent.parent == Path(os.environ["PLUGINFER_CACHE"]) and not entry.exists()
-    built = load_tokenizer(gguf_file)
+    native = load_tokenizer(gguf_file)  # built by core/gguf_tokenizer.py: no cache entry
+    assert isinstance(native, GGUFTokenizer) and not entry.exists()
+    built = transformers_gguf_tokenizer(gguf_file)
     assert entry.is_file()
-    cached = load_tokenizer(gguf_file)
-    assert cached.encode(TEXT) == built.encode(TEXT) == load_tokenizer(tiny_tokenizer_dir).encode(TEXT)
+    cached = transformers_gguf_tokenizer(gguf_file)
+    assert cached.encode(TEXT) == built.encode(TEXT) == load_tokenizer(tiny_tokenizer_dir).encode(TEXT) == \
+        native.encode(TEXT)
     assert cached.chat_template == built.chat_template and cached.eos_token_id == built.eos_token_id
     # What is read is the entry: one holding another tokenizer is what the next load returns.
     other = load_tokenizer(tiny_tokenizer_dir)
     other.add_tokens(["<a_token_only_the_entry_has>"])
     entry.write_bytes(pickle.dumps(other))
-    assert "<a_token_only_the_entry_has>" in load_tokenizer(gguf_file).get_vocab()
+    assert "<a_token_only_the_entry_has>" in transformers_gguf_tokenizer(gguf_file).get_vocab()
     assert "<a_token_only_the_entry_has>" not in built.get_vocab()
 
 
 def test_a_broken_entry_is_rebuilt_and_replaced(gguf_file: Path) -> None:
-    built = load_tokenizer(gguf_file)
+    built = transformers_gguf_tokenizer(gguf_file)
     entry = gguf_tokenizer_cache_path(gguf_file)
     entry.write_bytes(b"not a pickle")
-    assert load_tokenizer(gguf_file).encode(TEXT) == built.encode(TEXT)
+    assert transformers_gguf_tokenizer(gguf_file).encode(TEXT) == built.encode(TEXT)
     assert pickle.loads(entry.read_bytes()).encode(TEXT) == built.encode(TEXT)
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no partial file left behind
 
@@ -59,7 +65,7 @@ def test_an_unwritable_cache_still_gives_the_tokenizer(gguf_file: Path, tmp_path
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     monkeypatch.setenv("PLUGINFER_CACHE", str(blocker))  # a file where the cache directory should be
-    assert load_tokenizer(gguf_file).encode(TEXT)
+    assert transformers_gguf_tokenizer(gguf_file).encode(TEXT)
     assert not gguf_tokenizer_cache_path(gguf_file).exists()
 
 
@@ -73,6 +79,6 @@ def test_only_the_newest_entries_are_kept(gguf_file: Path, monkeypatch: pytest.M
         old = directory / f"old{age}.pickle"
         old.write_bytes(b"")
         os.utime(old, ns=(10**18 - age * 10**12, 10**18 - age * 10**12))
-    load_tokenizer(gguf_file)
+    transformers_gguf_tokenizer(gguf_file)
     assert sorted(p.name for p in directory.iterdir()) == sorted(
         [gguf_tokenizer_cache_path(gguf_file).name, "old0.pickle", "old1.pickle"])
