@@ -23,9 +23,10 @@ from pluginfer.backends import native
 SOURCES = (Path(__file__).with_name("csrc") / "amx_quant.c",)
 ENV = "PLUGINFER_AMX"
 # gguf.GGMLQuantizationType -> the rows from which ggml_quant_matmul takes the tiles (Q4_0, Q8_0, Q4_K,
-# Q6_K). Measured on this project's machine (docs/performance.md, benchmarks/quant_gemv.py --amx
-# --cpu-time): below them the VNNI kernel is as fast or faster.
-MIN_ROWS = {2: 6, 8: 5, 12: 10, 14: 24}
+# Q6_K): the crossovers measured on this project's machine (docs/performance.md, "AMX int8 tiles";
+# benchmarks/amx_gemm.py --cpu-time, the 0.5B llama's 5632x1024 and 1024x2816 linears): below them the
+# VNNI kernel is as fast or faster (the tiles cost the same from 1 to 16 rows).
+MIN_ROWS = {2: 7, 8: 5, 12: 8, 14: 9}
 
 _library: list = []  # []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
 

@@ -159,11 +159,17 @@ static inline __m512 aq_halfs(const uint8_t *base, int64_t stride) {
 
 /* The weight rows of the next tile of outputs, at the same offset: one tile ahead (16 rows x the row's
  * bytes) is far enough for memory latency and near enough to stay in cache. */
+#ifndef AQ_PF_TILES
+#define AQ_PF_TILES 1
+#endif
+#ifndef AQ_PF_HINT
+#define AQ_PF_HINT _MM_HINT_T1 /* L2: L1 holds the tile being multiplied and the activations (16 KiB per 1024 inputs) */
+#endif
 static inline void aq_prefetch(const uint8_t *w, int64_t row_bytes, int64_t at, int lines) {
-    const uint8_t *next = w + AQ_COLS * row_bytes + at;
+    const uint8_t *next = w + AQ_PF_TILES * AQ_COLS * row_bytes + at;
 #pragma GCC unroll 16
     for (int o = 0; o < AQ_COLS; o++)
-        for (int line = 0; line < lines; line++) _mm_prefetch((const char *)(next + o * row_bytes + 64 * line), _MM_HINT_T0);
+        for (int line = 0; line < lines; line++) _mm_prefetch((const char *)(next + o * row_bytes + 64 * line), AQ_PF_HINT);
 }
 
 /* C as stored (16 outputs x 16 row-lanes of int32) into the accumulators: acc[o] += (float(C[o]) * dxv) * dw[o]. */
@@ -216,6 +222,49 @@ static inline void aq_q4_0_levels(const uint8_t *w, int64_t row_bytes, int64_t b
     }
 }
 
+/* The byte offsets of the tile's 16 weight rows, for gathers. */
+static inline __m512i aq_row_offsets(int64_t row_bytes) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm512_set1_epi32((int)row_bytes));
+}
+
+static inline __m512i aq_byte(__m512i v, int i) { return _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), _mm512_set1_epi32(0xFF)); }
+
+/* Q4_K super-block at sb of the 16 rows (offsets rows): scales[j][o] = d * scale_j, minus[j][o] =
+ * -(dmin * min_j) of output o, llama.cpp's get_scale_min_k4 in lanes (the same float products as one
+ * at a time). */
+static inline void aq_k4_scales(const uint8_t *sb, __m512i rows, float scales[8][AQ_COLS], float minus[8][AQ_COLS]) {
+    const __m512i dd = _mm512_i32gather_epi32(rows, sb, 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd)), dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16)));
+    const __m512i q0 = _mm512_i32gather_epi32(rows, sb + 4, 1), q1 = _mm512_i32gather_epi32(rows, sb + 8, 1),
+                  q2 = _mm512_i32gather_epi32(rows, sb + 12, 1);
+    const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15);
+    for (int j = 0; j < 8; j++) {
+        __m512i sc, m;
+        if (j < 4) {
+            sc = _mm512_and_si512(aq_byte(q0, j), six);
+            m = _mm512_and_si512(aq_byte(q1, j), six);
+        } else {
+            const int i = j - 4;
+            sc = _mm512_or_si512(_mm512_and_si512(aq_byte(q2, i), four), _mm512_slli_epi32(_mm512_srli_epi32(aq_byte(q0, i), 6), 4));
+            m = _mm512_or_si512(_mm512_srli_epi32(aq_byte(q2, i), 4), _mm512_slli_epi32(_mm512_srli_epi32(aq_byte(q1, i), 6), 4));
+        }
+        _mm512_store_ps(scales[j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+        _mm512_store_ps(minus[j], _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m))));
+    }
+}
+
+/* Q6_K super-block at sb of the 16 rows: scales[s][o] = d * scale_s of output o (16 int8 scales). The
+ * fp16 d is the block's last two bytes, gathered with the two before them (never past the block). */
+static inline void aq_k6_scales(const uint8_t *sb, __m512i rows, float scales[16][AQ_COLS]) {
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(rows, sb + 206, 1), 16)));
+    for (int i = 0; i < 4; i++) {
+        const __m512i q = _mm512_i32gather_epi32(rows, sb + 192 + 4 * i, 1);
+        for (int t = 0; t < 4; t++)
+            _mm512_store_ps(scales[4 * i + t], _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(q, 24 - 8 * t), 24))));
+    }
+}
+
 /* 16 outputs (weight rows at w, row_bytes apart) x one group of 16 rows (its B blocks, dx, cs) over k:
  * acc[o] lane r = output o of row r. Blocks go in pairs through the two products in flight; each
  * accumulator still takes its blocks in order. */
@@ -258,28 +307,10 @@ static void aq_tile(int type, const uint8_t *w, int64_t row_bytes, int64_t k, co
         /* per super-block: d * scale and -(dmin * min) of its 8 sub-blocks for the 16 outputs */
         float scales[8][AQ_COLS] __attribute__((aligned(64))), minus[8][AQ_COLS] __attribute__((aligned(64)));
         const __m256i low = _mm256_set1_epi8(0x0F);
+        const __m512i rows = aq_row_offsets(row_bytes);
         for (int64_t u = 0; u < k / 256; u++) {
             aq_prefetch(w, row_bytes, 144 * u, 3);
-            for (int o = 0; o < AQ_COLS; o++) {
-                const uint8_t *s = w + o * row_bytes + 144 * u;
-                uint16_t hd, hm;
-                memcpy(&hd, s, 2);
-                memcpy(&hm, s + 2, 2);
-                const float d = _cvtsh_ss(hd), dmin = _cvtsh_ss(hm);
-                const uint8_t *q = s + 4;
-                for (int j = 0; j < 8; j++) { /* llama.cpp's get_scale_min_k4 */
-                    int sc, m;
-                    if (j < 4) {
-                        sc = q[j] & 63;
-                        m = q[j + 4] & 63;
-                    } else {
-                        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-                        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-                    }
-                    scales[j][o] = d * (float)sc;
-                    minus[j][o] = -(dmin * (float)m);
-                }
-            }
+            aq_k4_scales(w + 144 * u, rows, scales, minus);
             for (int j = 0; j < 4; j++) { /* sub-blocks 2j (low nibbles) and 2j + 1 (high) */
                 for (int o = 0; o < AQ_COLS; o++) {
                     const __m256i q = _mm256_loadu_si256((const __m256i *)(w + o * row_bytes + 144 * u + 16 + 32 * j));
@@ -295,37 +326,46 @@ static void aq_tile(int type, const uint8_t *w, int64_t row_bytes, int64_t k, co
             }
         }
     } else { /* Q6_K: blocks of 32 in two halves of 16 weights with their own scales; K = 16 tiles */
-        const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+        const __m512i low = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(32);
+        const __m512i rows = aq_row_offsets(row_bytes);
+        uint8_t a6[4][AQ_COLS * 32] __attribute__((aligned(64)));
+        float scales[16][AQ_COLS] __attribute__((aligned(64)));
         for (int64_t u = 0; u < k / 256; u++) {
             aq_prefetch(w, row_bytes, 210 * u, 4);
-            int8_t sc[AQ_COLS][16];
-            float d[AQ_COLS];
-            for (int o = 0; o < AQ_COLS; o++) {
-                const uint8_t *s = w + o * row_bytes + 210 * u;
-                memcpy(sc[o], s + 192, 16);
-                uint16_t hd;
-                memcpy(&hd, s + 208, 2);
-                d[o] = _cvtsh_ss(hd);
-            }
-            for (int half = 0; half < 2; half++)
+            aq_k6_scales(w + 210 * u, rows, scales);
+            for (int half = 0; half < 2; half++) {
+                /* a column's 128 weights of this half at once: blocks p = 0, 1 from the low nibbles of ql's
+                 * 64 bytes and qh's bit pairs 0, 1; p = 2, 3 from the high nibbles and bit pairs 2, 3 */
+                for (int o = 0; o < AQ_COLS; o++) {
+                    const uint8_t *s = w + o * row_bytes + 210 * u;
+                    const __m512i l = _mm512_loadu_si512(s + 64 * half);
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)(s + 128 + 32 * half));
+                    const __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+                    const __m512i h23 = _mm512_srli_epi16(h01, 4);
+                    const __m512i q01 = _mm512_or_si512(_mm512_and_si512(l, low),
+                                                        _mm512_slli_epi16(_mm512_and_si512(h01, three), 4));
+                    const __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
+                                                        _mm512_slli_epi16(_mm512_and_si512(h23, three), 4));
+                    const __m512i l01 = _mm512_sub_epi8(q01, bias), l23 = _mm512_sub_epi8(q23, bias);
+                    _mm256_store_si256((__m256i *)(a6[0] + 32 * o), _mm512_castsi512_si256(l01));
+                    _mm256_store_si256((__m256i *)(a6[1] + 32 * o), _mm512_extracti64x4_epi64(l01, 1));
+                    _mm256_store_si256((__m256i *)(a6[2] + 32 * o), _mm512_castsi512_si256(l23));
+                    _mm256_store_si256((__m256i *)(a6[3] + 32 * o), _mm512_extracti64x4_epi64(l23, 1));
+                }
                 for (int p = 0; p < 4; p++) {
                     const int64_t b = 8 * u + 4 * half + p;
-                    for (int o = 0; o < AQ_COLS; o++) {
-                        const uint8_t *s = w + o * row_bytes + 210 * u;
-                        __m256i l = _mm256_loadu_si256((const __m256i *)(s + 64 * half + 32 * (p % 2)));
-                        if (p >= 2) l = _mm256_srli_epi16(l, 4);
-                        const __m256i hbits = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(s + 128 + 32 * half)), 2 * p);
-                        const __m256i q = _mm256_or_si256(_mm256_and_si256(l, low),
-                                                          _mm256_slli_epi16(_mm256_and_si256(hbits, three), 4));
-                        _mm256_store_si256((__m256i *)(a + 32 * o), _mm256_sub_epi8(q, bias));
-                        dw[o] = d[o] * (float)sc[o][8 * half + 2 * p];
-                        dw2[o] = d[o] * (float)sc[o][8 * half + 2 * p + 1];
-                    }
+                    const uint8_t *a = a6[p];
                     aq_products(a, 32, levels + b * AQ_B_BYTES, a + 16, 32, levels + b * AQ_B_BYTES + 256, c, c2);
                     const __m512 dxv = _mm512_load_ps(dx + AQ_ROWS * b);
-                    aq_scale(acc, c, dxv, dw);
-                    aq_scale(acc, c2, dxv, dw2);
+                    const float *s0 = scales[8 * half + 2 * p], *s1 = scales[8 * half + 2 * p + 1];
+#pragma GCC unroll 16
+                    for (int o = 0; o < AQ_COLS; o++) { /* acc += dx * (C * s0 + C2 * s1) */
+                        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * o)), _mm512_set1_ps(s0[o]));
+                        acc[o] = _mm512_fmadd_ps(dxv, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c2 + 16 * o)),
+                                                                      _mm512_set1_ps(s1[o]), t), acc[o]);
+                    }
                 }
+            }
         }
     }
 }
