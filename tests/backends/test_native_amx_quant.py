@@ -178,6 +178,22 @@ def test_ggml_quant_matmul_takes_the_tiles_from_their_row_count(qtype: GGMLQuant
     assert torch.equal(out, amx_quant.quant_matmul(x.float(), raw, qtype, 512).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("qtype", AMX_TYPES, ids=lambda t: t.name)
+def test_a_row_alone_and_in_a_batch_of_16_differ_only_by_float32_sums(qtype: GGMLQuantizationType) -> None:
+    """Through ``native.ggml_quant_matmul`` a row alone takes the VNNI kernel and in a batch of 16 the
+    tiles: not the same bits (the kernels group the float32 sums differently), but both within the
+    float32 bound of the same int8 oracle, so within twice it of each other."""
+    cols = 1024
+    raw = ggml_quantize.quantize(torch.randn(40, cols, generator=torch.Generator().manual_seed(6)) * 0.05, qtype)
+    weights = ggml_blocks.dequantize(raw, qtype, cols).double()
+    x = torch.randn(16, cols, generator=torch.Generator().manual_seed(6))
+    batch = native.ggml_quant_matmul(x, raw, qtype, cols)
+    alone = torch.cat([native.ggml_quant_matmul(x[row:row + 1], raw, qtype, cols) for row in range(16)])
+    assert torch.equal(batch, amx_quant.quant_matmul(x, raw, qtype, cols))
+    assert_within_bound(batch, x, weights)
+    assert_within_bound(alone, x, weights)
+
+
 def test_pluginfer_amx_0_keeps_the_vnni_kernel_and_says_so() -> None:
     script = ("import logging, torch; logging.basicConfig(level=logging.INFO)\n"
               "from pluginfer.backends import amx_quant, native\n"
