@@ -115,6 +115,7 @@ class EngineCore:
         """Build the engine and run one short request through it; what the server needs to know."""
         started = time.perf_counter()
         from pluginfer.core.engine import LLMEngine
+        from pluginfer.core.gguf_tokenizer import GGUFTokenizer
         from pluginfer.core.pooling import PoolingParams
         from pluginfer.core.sequence import SamplingParams
 
@@ -136,11 +137,12 @@ class EngineCore:
         times["warm-up"] = time.perf_counter() - started
         logger.info("engine core start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
         manager = engine.block_manager
-        try:  # the server takes the tokenizer from here: unpickling it is ~0.1 s, loading it again seconds
-            tokenizer = pickle.dumps(engine.tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - the server loads its own
-            logger.info("the tokenizer does not pickle (%s); the server loads its own", exc)
-            tokenizer = None
+        tokenizer = None
+        if not isinstance(engine.tokenizer, GGUFTokenizer):  # the server builds that one while the core loads
+            try:  # the server takes the tokenizer from here: unpickling it is ~0.1 s, loading it again seconds
+                tokenizer = pickle.dumps(engine.tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 - the server loads its own
+                logger.info("the tokenizer does not pickle (%s); the server loads its own", exc)
         return {"pid": os.getpid(), "tokenizer": tokenizer, "model_path": str(engine.executor.model_path),
                 "max_model_len": engine.max_model_len, "vocab_size": engine.executor.vocab_size,
                 "eos_token_ids": sorted(engine.eos_token_ids), "num_blocks": manager.num_blocks,

@@ -48,11 +48,9 @@ class GGUFTensorInfo:
 class GGUFFile:
     """``fields`` (metadata key -> value) and ``tensors`` (in the file's order) of one ``.gguf`` file."""
 
-    def __init__(self, path: str | Path) -> None:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        from pluginfer.core.gguf_checkpoint import check_tensor_info
-
+    def __init__(self, path: str | Path, tensors: bool = True) -> None:
+        """``tensors=False``: the metadata alone (``tensors`` stays empty), with nothing imported that imports
+        torch (the API server reads a file's tokenizer this way)."""
         self.path = Path(path)
         with open(self.path, "rb") as file:
             self._map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writes never reach the file
@@ -89,11 +87,17 @@ class GGUFFile:
         except (struct.error, IndexError, UnicodeDecodeError) as exc:
             raise ValueError(f"the header breaks after byte {offset} of {len(self.data)}: "
                                   f"{type(exc).__name__}: {exc}") from None
+        self.tensors: list[GGUFTensorInfo] = []
+        if not tensors:
+            return
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        from pluginfer.core.gguf_checkpoint import check_tensor_info
+
         alignment = int(self.get("general.alignment", _DEFAULT_ALIGNMENT))
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"general.alignment {alignment} is not a positive power of two")
         start = -(-offset // alignment) * alignment
-        self.tensors: list[GGUFTensorInfo] = []
         names: set[str] = set()
         for name, dims, raw_type, relative in entries:
             if name in names:

@@ -53,13 +53,20 @@ def gguf_tokenizer_cache_path(path: str | Path) -> Path:
 
 
 def _gguf_tokenizer(path: Path) -> Any:
+    tokenizer = native_gguf_tokenizer(path)
+    return tokenizer if tokenizer is not None else transformers_gguf_tokenizer(path)
+
+
+def native_gguf_tokenizer(path: str | Path) -> Any:
+    """A ``.gguf`` file's tokenizer built by ``core/gguf_tokenizer.py`` (neither torch nor transformers is
+    imported); None for a path that is not a GGUF file, or a tokenizer kind that transformers must build."""
     from pluginfer.core.gguf_reader import GGUFFile
     from pluginfer.core.gguf_tokenizer import build_gguf_tokenizer
 
-    tokenizer = build_gguf_tokenizer(GGUFFile(path))
-    if tokenizer is not None:
-        return tokenizer
-    return transformers_gguf_tokenizer(path)
+    path = Path(path)
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        return None
+    return build_gguf_tokenizer(GGUFFile(path, tensors=False))
 
 
 def transformers_gguf_tokenizer(path: Path) -> Any:

@@ -183,14 +183,21 @@ class EngineClient:
     def start(self, timeout: float | None = None) -> EngineClient:
         """Wait until the core has loaded the model; take its tokenizer.
 
+        A GGUF file's tokenizer (of a kind ``core/gguf_tokenizer.py`` builds) is built here while the core
+        loads, and the core sends none; any other comes from the core, pickled, once it is ready.
         Raises what the core raised when it could not start (ValueError for pluginfer's own errors)."""
-        from pluginfer.core.tokenizer import load_tokenizer
+        from pluginfer.core.tokenizer import load_tokenizer, native_gguf_tokenizer
 
         try:
+            try:
+                tokenizer = native_gguf_tokenizer(self.config.tokenizer or self.config.model)
+            except Exception as exc:  # noqa: BLE001 - the core reports what is wrong with the file
+                logger.info("no tokenizer built in the server (%s: %s)", type(exc).__name__, exc)
+                tokenizer = None
             info = self._wait_ready(timeout)
-            if info["tokenizer"] is not None:
+            if info["tokenizer"] is not None:  # not one built here (the core sends none of those: same file, code)
                 tokenizer = pickle.loads(info["tokenizer"])
-            else:
+            elif tokenizer is None:
                 tokenizer = load_tokenizer(self.config.tokenizer or info["model_path"])
         except BaseException:
             self._kill()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -97,3 +99,15 @@ def test_a_string_past_the_end_and_an_unknown_value_type_are_named(tmp_path: Pat
     path.write_bytes(header + key + (77).to_bytes(4, "little"))
     with pytest.raises(ValueError, match="'abc' has the unknown value type 77"):
         GGUFFile(path)
+
+
+def test_the_metadata_alone() -> None:
+    """``tensors=False`` reads the same metadata, no tensor table, and imports nothing that imports torch."""
+    path = FIXTURES / "llamacpp-qwen2-q8_0.gguf"
+    full, metadata = GGUFFile(path), GGUFFile(path, tensors=False)
+    assert metadata.tensors == [] and full.tensors
+    assert metadata.fields == full.fields and metadata.get("tokenizer.ggml.tokens") == full.get("tokenizer.ggml.tokens")
+    code = (f"import sys; from pluginfer.core.gguf_reader import GGUFFile; GGUFFile({str(path)!r}, tensors=False); "
+            "print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == \
+        "False"

@@ -261,13 +261,13 @@ def test_kinds_it_does_not_build_are_left_to_transformers(tmp_path: Path) -> Non
         build_gguf_tokenizer(GGUFFile(no_vocabulary))
 
 
-def test_loading_it_imports_no_transformers(gguf_files: dict[str, Path]) -> None:
-    """The point of it: a GGUF model's tokenizer (and unpickling it, as the API server does) without
-    transformers' ~0.5 s import."""
+def test_loading_it_imports_neither_torch_nor_transformers(gguf_files: dict[str, Path]) -> None:
+    """The point of it: a GGUF model's tokenizer without transformers' ~0.5 s import, and without torch (the file's
+    metadata alone is read), so the API server builds it while the engine core loads."""
     code = ("import pickle, sys\n"
             "from pluginfer.core.tokenizer import load_tokenizer\n"
             f"tokenizer = pickle.loads(pickle.dumps(load_tokenizer({str(gguf_files['sentencepiece'])!r})))\n"
             "tokenizer.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
-            "print(sorted(m for m in ('transformers', 'sentencepiece') if m in sys.modules))\n")
+            "print(sorted(m for m in ('torch', 'transformers', 'sentencepiece') if m in sys.modules))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
