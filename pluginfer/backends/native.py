@@ -290,6 +290,11 @@ SIGNATURES = {
     "copy_rows": (None, [_pointer, _i64, _i64, _i64, _pointer, _i64]),
     "step_replay": (_i64, [_pointer, _i64, _pointer]),
 }
+# Entries of step_replay that are no function of this library: quant_matmul's arguments behind the address of
+# another library's kernel of that signature (amx_quant.c's tiles).
+REPLAY_SIGNATURES = {
+    "quant_matmul_at": (ctypes.c_int, [_pointer, ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),
+}
 
 
 @lru_cache(maxsize=1)
@@ -336,7 +341,7 @@ def available() -> str | None:
 # Kernels a recorded step may call, by their code in csrc/step_replay.c (its enum, in this order).
 REPLAY_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_neox", "ggml_dequantize_rows",
               "panel_linear", "quant_matmul", "half_linear", "gather_rows", "scatter_rows", "add_f32", "to_f32",
-              "copy_rows")
+              "copy_rows", "quant_matmul_at")
 _REPLAY_CODES = {name: code for code, name in enumerate(REPLAY_OPS, start=1)}
 
 
@@ -364,7 +369,7 @@ class StepRecording:
             self.refuse(f"native {name} has no replay entry")
             return
         packed = [struct.unpack("<q", struct.pack("<d", value))[0] if kind is _f32 else int(value or 0)
-                  for value, kind in zip(args, SIGNATURES[name][1], strict=True)]
+                  for value, kind in zip(args, (SIGNATURES.get(name) or REPLAY_SIGNATURES[name])[1], strict=True)]
         self.program += [code, len(packed), *packed]
         self.names.append(name)
 
@@ -630,10 +635,11 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
     if rows >= 2:  # AMX int8 tiles from amx_quant.MIN_ROWS rows, where the CPU has them
         from pluginfer.backends import amx_quant
         if amx_quant.takes(qtype, rows):
-            recorder = getattr(_state, "recording", None)
-            if recorder is not None:  # a recorded step replays quant_dot.c's kernels only
-                recorder.refuse("the AMX int8 matmul (csrc/amx_quant.c) has no replay entry")
             amx_quant.call(qtype, flat, rows, cols, raw, out)
+            recorder = getattr(_state, "recording", None)
+            if recorder is not None:  # the tiles' kernel lives in its own library: replayed through its address
+                _record_at(recorder, amx_quant.library().amx_quant_matmul, qtype, flat.data_ptr(), rows, cols,
+                           raw.data_ptr(), raw.shape[0], raw.shape[1], out.data_ptr())
             return out if x.dtype == torch.float32 else out.to(x.dtype)
     status = _lib().quant_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1],
                                  out.data_ptr())
@@ -643,6 +649,17 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
         raise ValueError(f"quant_matmul: status {status} for GGML type {qtype}, {cols} columns, rows of "
                          f"{raw.shape[1]} bytes")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _record_at(recorder: StepRecording, kernel: object, *args: object) -> None:
+    """Note a call of another library's ctypes function of quant_matmul's signature (its address, then
+    its arguments); anything else in its place (not a C function) refuses the recording."""
+    try:
+        address = ctypes.cast(kernel, _pointer).value
+    except (ctypes.ArgumentError, TypeError):
+        recorder.refuse(f"{kernel!r} is not a C function a replay can call")
+        return
+    recorder.append("quant_matmul_at", address, *args)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,9 +99,9 @@ def test_quantized_decode_equals_eager(checkpoints: dict[str, Path]) -> None:
     assert_replayed_like_eager(gguf, schedule(vocab=250))
 
 
-def test_batches_on_amx_tiles_stay_eager(checkpoints: dict[str, Path]) -> None:
-    """From amx_quant.MIN_ROWS rows the fused matmul runs on AMX tiles (its own library, no replay entry):
-    those batch sizes are refused and run eagerly; the smaller ones are still replayed."""
+def test_batches_on_amx_tiles_are_replayed_through_the_kernels_address(checkpoints: dict[str, Path]) -> None:
+    """From amx_quant.MIN_ROWS rows the fused matmul runs on AMX tiles, a kernel of another library: the
+    program calls it through its address (``quant_matmul_at``); batches of 8 down to 1 all replay."""
     from pluginfer.backends import amx_quant
 
     if not amx_quant.takes(2, 8):
@@ -109,7 +109,9 @@ def test_batches_on_amx_tiles_stay_eager(checkpoints: dict[str, Path]) -> None:
     prompts = random_prompts(200, [4] * 8, seed=7)
     plan = [[(prompt, 4 + 2 * index) for index, prompt in enumerate(prompts)]]  # batches of 8 down to 1
     replay, _ = assert_replayed_like_eager(checkpoints["llama"], plan, quant="q4_0")
-    assert all((replay.programs[size] is None) == amx_quant.takes(2, size) for size in range(1, 9))
+    for size in range(1, 9):
+        names = replay.programs[size][0].names
+        assert ("quant_matmul_at" in names) == amx_quant.takes(2, size), (size, names)
 
 
 def test_preemption_and_prefix_caching(checkpoints: dict[str, Path]) -> None:

@@ -46,7 +46,11 @@ enum {
     OP_ADD_F32,
     OP_TO_F32,
     OP_COPY_ROWS,
+    OP_QUANT_MATMUL_AT,
 };
+
+/* quant_matmul's signature: another library's kernel (amx_quant.c's tiles) called through its address. */
+typedef int (*quant_matmul_fn)(int, const float *, int64_t, int64_t, const uint8_t *, int64_t, int64_t, float *);
 
 /* out[i] = src[index[i]] for rows of row_bytes (src rows row_stride bytes apart); -1 for an index outside
  * [0, src_rows), as torch's embedding / index_select refuse one. */
@@ -171,6 +175,9 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
             break;
         case OP_COPY_ROWS:
             copy_rows(P(0), a[1], a[2], a[3], P(4), a[5]);
+            break;
+        case OP_QUANT_MATMUL_AT:
+            result = ((quant_matmul_fn)P(0))((int)a[1], P(2), a[3], a[4], P(5), a[6], a[7], P(8));
             break;
         default:
             result = -100;
