@@ -162,11 +162,13 @@ def build_gguf_tokenizer(gguf: Any) -> GGUFTokenizer | None:
 
     def add(contents: list[str], is_special: bool) -> None:
         fresh = [token for token in contents if token not in added]
+        if not fresh:  # each call rebuilds the added tokens' matcher (~30 ms with 47k of them)
+            return
         added.update(fresh)
         tokens_to_add = [AddedToken(token, normalized=False, special=is_special) for token in fresh]
         if is_special:
             backend.add_special_tokens(tokens_to_add)
-        elif tokens_to_add:
+        else:
             backend.add_tokens(tokens_to_add)
 
     add(inner_special, True)
