@@ -29,7 +29,7 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "SiLU-and-mul": (("silu_and_mul",), ()),
     "rotary (neox)": (("rotary_neox",), ()),
     "panel GEMM (AVX-512)": (("pack_panels", "panel_linear"), ("avx512f",)),
-    "GGML dequantize": (("ggml_dequantize_rows",), ()),
+    "GGML dequantize": (("ggml_dequantize_rows", "ggml_dequantize_rows_bf16"), ()),
     "GPTQ/AWQ dequantize": (("grouped_dequantize",), ()),
     "int4 dequantize": (("int4_dequantize_rows",), ()),
     "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)": (("quant_matmul",), ("avx2", "fma", "f16c")),

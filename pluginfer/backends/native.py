@@ -270,9 +270,10 @@ SIGNATURES = {
     "silu_and_mul": (None, [_pointer, _pointer, _i64, _i64]),
     "rotary_neox": (None, [_pointer] * 4 + [_i64] * 7),
     "ggml_dequantize_rows": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _i64, _pointer]),
+    "ggml_dequantize_rows_bf16": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _i64, _pointer]),
     "grouped_dequantize": (ctypes.c_int, [ctypes.c_int, _pointer, _pointer, _pointer, ctypes.c_int, _pointer]
-                           + [_i64] * 6 + [_pointer]),
-    "int4_dequantize_rows": (ctypes.c_int, [_pointer] * 3 + [_i64] * 3 + [_pointer]),
+                           + [_i64] * 6 + [_pointer, ctypes.c_int]),
+    "int4_dequantize_rows": (ctypes.c_int, [_pointer] * 3 + [_i64] * 3 + [_pointer, ctypes.c_int]),
     "panel_linear_supported": (ctypes.c_int, []),
     "panel_padded_outputs": (_i64, [_i64]),
     "pack_panels": (None, [_pointer, _pointer, _i64, _i64]),
@@ -492,13 +493,22 @@ def rotary_neox(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: 
     return True
 
 
-def _output(out: torch.Tensor | None, rows: int, cols: int, op: str) -> torch.Tensor:
-    """A float32 ``[rows, cols]`` result: new, or a view of the front of a caller's reusable buffer."""
+# The dtypes the dequantization kernels write: float32, or bfloat16 rounded to nearest even from it.
+TILE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _output(out: torch.Tensor | None, rows: int, cols: int, op: str, dtype: torch.dtype | None) -> torch.Tensor:
+    """A float32 or bfloat16 ``[rows, cols]`` result: new (``dtype``, float32 by default), or a view of the
+    front of a caller's reusable buffer, whose dtype is the result's (``dtype``, if given, must agree)."""
     if out is None:
-        return torch.empty(rows, cols, dtype=torch.float32)
-    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < rows * cols:
-        raise ValueError(f"{op} needs a contiguous float32 out of {rows * cols} elements, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+        dtype = torch.float32 if dtype is None else dtype
+        if dtype not in TILE_DTYPES:
+            raise ValueError(f"{op} writes float32 or bfloat16, not {dtype}")
+        return torch.empty(rows, cols, dtype=dtype)
+    if (out.dtype not in TILE_DTYPES or dtype not in (None, out.dtype) or not out.is_contiguous()
+            or out.numel() < rows * cols):
+        raise ValueError(f"{op} needs a contiguous {'float32 or bfloat16' if dtype is None else dtype} out of "
+                         f"{rows * cols} elements, got {out.dtype} {tuple(out.shape)}")
     return out.view(-1)[:rows * cols].view(rows, cols)
 
 
@@ -506,17 +516,20 @@ def _output(out: torch.Tensor | None, rows: int, cols: int, op: str) -> torch.Te
 GGML_DEQUANTIZABLE = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
 
 
-def ggml_dequantize(raw: torch.Tensor, qtype: int, cols: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+def ggml_dequantize(raw: torch.Tensor, qtype: int, cols: int, out: torch.Tensor | None = None,
+                    dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """Raw GGML blocks uint8 ``[rows, row_bytes]`` to float32 ``[rows, cols]`` (into ``out`` when
-    given, a contiguous float32 tensor of at least ``rows * cols`` elements), bit-exact with
-    ``ggml_blocks.dequantize``. None: a type (or a non-contiguous ``raw``) this kernel does not handle;
-    use the torch path."""
+    given, a contiguous tensor of at least ``rows * cols`` elements), bit-exact with
+    ``ggml_blocks.dequantize``. bfloat16 (``dtype``, or ``out``'s dtype): in one pass, each value that
+    float32 value rounded to nearest even, equal to ``ggml_blocks.dequantize(...).to(torch.bfloat16)``
+    bit for bit. None: a type (or a non-contiguous ``raw``) this kernel does not handle; use the torch path."""
     qtype = int(qtype)
     rows = raw.shape[0]
     if qtype not in GGML_DEQUANTIZABLE or raw.dtype != torch.uint8 or not raw.is_contiguous():
         return None
-    out = _output(out, rows, cols, "ggml_dequantize")
-    status = _lib().ggml_dequantize_rows(qtype, raw.data_ptr(), rows, raw.shape[1], cols, out.data_ptr())
+    out = _output(out, rows, cols, "ggml_dequantize", dtype)
+    kernel = _lib().ggml_dequantize_rows if out.dtype == torch.float32 else _lib().ggml_dequantize_rows_bf16
+    status = kernel(qtype, raw.data_ptr(), rows, raw.shape[1], cols, out.data_ptr())
     if status != 0:  # the columns are not whole blocks filling each row
         raise ValueError(f"ggml_dequantize: {cols} columns of GGML type {qtype} do not fit rows of "
                          f"{raw.shape[1]} bytes")
@@ -528,11 +541,13 @@ SCALE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def grouped_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-                       bits: int, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+                       bits: int, start: int, stop: int, out: torch.Tensor | None = None,
+                       dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """Output columns ``start:stop`` of the GPTQ/AWQ layout (``pluginfer.quant.packing``) as float32
-    ``[in, stop - start]`` (into ``out`` when given, a contiguous float32 tensor of at least that many
+    ``[in, stop - start]`` (into ``out`` when given, a contiguous tensor of at least that many
     elements), bit-exact with ``GroupQuantLinear.dequantize_columns`` in float32 (which returns its
-    transpose). ``g_idx`` must name groups of ``scales``, as loading checks. None: bits, dtypes,
+    transpose); bfloat16 (``dtype`` or ``out``'s): those values rounded to nearest even, in one pass.
+    ``g_idx`` must name groups of ``scales``, as loading checks. None: bits, dtypes,
     devices or strides this kernel does not handle; use the torch path."""
     if bits not in (4, 8):
         return None
@@ -546,11 +561,11 @@ def grouped_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torc
             or qzeros.shape[0] != groups or start % pack or stop % pack
             or not 0 <= start < stop <= qweight.shape[1] or qzeros.shape[1] * pack < stop):
         return None
-    out = _output(out, in_features, rows, "grouped_dequantize")
+    out = _output(out, in_features, rows, "grouped_dequantize", dtype)
     status = _lib().grouped_dequantize(
         bits, qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), SCALE_TYPES[scales.dtype],
         g_idx.data_ptr() if g_idx is not None else None, in_features, qweight.shape[1], groups, qzeros.shape[1],
-        start, stop, out.data_ptr())
+        start, stop, out.data_ptr(), int(out.dtype == torch.bfloat16))
     if status == -3:
         raise MemoryError("grouped_dequantize could not allocate its per-group buffers")
     if status != 0:
@@ -559,10 +574,11 @@ def grouped_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torc
 
 
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    out: torch.Tensor | None = None) -> torch.Tensor | None:
+                    out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """Rows of the int4 method's layout (``pluginfer.quant.int4``) as float32 ``[rows, in]`` (into ``out``
-    when given, a contiguous float32 tensor of at least that many elements), bit-exact with
-    ``int4.dequantize_int4``. None: dtypes, devices, strides or shapes this kernel does not handle."""
+    when given, a contiguous tensor of at least that many elements), bit-exact with
+    ``int4.dequantize_int4``; bfloat16 (``dtype`` or ``out``'s): those values rounded to nearest even, in
+    one pass. None: dtypes, devices, strides or shapes this kernel does not handle."""
     rows, in_features = qweight.shape[0], qweight.shape[1] * 2
     tensors = (qweight, scales, zeros)
     if (qweight.dtype != torch.uint8 or scales.dtype != torch.float16 or zeros.dtype != torch.float16
@@ -570,9 +586,9 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
             or scales.shape != zeros.shape or scales.shape[0] != rows or scales.shape[1] == 0
             or in_features % scales.shape[1] or (in_features // scales.shape[1]) % 2):
         return None
-    out = _output(out, rows, in_features, "int4_dequantize")
+    out = _output(out, rows, in_features, "int4_dequantize", dtype)
     _lib().int4_dequantize_rows(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), rows, in_features,
-                                in_features // scales.shape[1], out.data_ptr())
+                                in_features // scales.shape[1], out.data_ptr(), int(out.dtype == torch.bfloat16))
     return out
 
 
@@ -675,15 +691,34 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return levels, scales
 
 
-class GGMLDequantize:
-    """The ``ggml_dequantize`` op where the fused matmul runs too: calls :func:`ggml_dequantize`, and
-    ``quant_matmul`` is the fused int8-activation matmul for the same blocks (``op("ggml_quant_matmul")``).
-    Layers built with the one op reach the other, and ``ggml_blocks.ggml_linear`` picks between them by
-    row count. Where the fused kernel is off (no AVX-512 VNNI, ``PLUGINFER_QUANT_ACTIVATIONS=float``)
-    the op is plain :func:`ggml_dequantize`."""
+class TileDequantize:
+    """A tile dequantization op (``grouped_dequantize``, ``int4_dequantize``) carrying the cpu backend's
+    choice of ``tile_dtype``: the dtype a quantized linear's tiles are dequantized to and multiplied in
+    (``quant.tiled.tiled_linear``; float32 inputs are rounded to it once per call, outputs are float32)."""
 
-    def __init__(self, dequantize: Callable, quant_matmul: Callable) -> None:
-        self.dequantize, self.quant_matmul = dequantize, quant_matmul
+    def __init__(self, dequantize: Callable, tile_dtype: torch.dtype) -> None:
+        self.dequantize, self.tile_dtype = dequantize, tile_dtype
+        # float32 x of fewer rows keeps float32 tiles (bfloat16 ones would round it for no gain in speed)
+        self.tile_dtype_min_rows = TILE_DTYPE_MIN_ROWS.get(tile_dtype, 0)
+
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor | None:
+        return self.dequantize(*args, **kwargs)
+
+
+class GGMLDequantize(TileDequantize):
+    """The ``ggml_dequantize`` op where the fused matmul runs too, or where tiles are bfloat16: calls
+    :func:`ggml_dequantize`, and ``quant_matmul`` is the fused int8-activation matmul for the same blocks
+    (``op("ggml_quant_matmul")``, or None), which ``ggml_blocks.ggml_linear`` takes up to
+    ``quant_matmul_max_rows`` rows of ``x``, and tiles in ``tile_dtype`` above. Where the fused kernel is off
+    (no AVX2, ``PLUGINFER_QUANT_ACTIVATIONS=float``) and the tiles are float32 the op is plain
+    :func:`ggml_dequantize`."""
+
+    def __init__(self, dequantize: Callable, quant_matmul: Callable | None,
+                 tile_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(dequantize, tile_dtype)
+        self.quant_matmul = quant_matmul
+        # GGML type -> rows of x up to which ggml_linear takes quant_matmul
+        self.quant_matmul_max_rows = quant_matmul_max_rows(tile_dtype) if quant_matmul is not None else {}
 
     def __call__(self, raw: torch.Tensor, qtype: int, cols: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.dequantize(raw, qtype, cols, out)
@@ -725,11 +760,65 @@ def quant_matmul_op() -> Callable | None:
         return None
     if not quant_dot_supported():
         _log_once(logging.WARNING, "quantized linears: no fused int8-activation kernel for this CPU (it needs "
-                                   "AVX2); tiles are dequantized into float32 for a float GEMM")
+                                   "AVX2); every step dequantizes tiles for a GEMM")
         return None
     _log_once(logging.INFO, f"quantized linears: fused int8-activation kernel ({quant_dot_isa()}) for Q4_0, "
                             "Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K")
     return ggml_quant_matmul
+
+
+QUANT_TILES_ENV = "PLUGINFER_QUANT_TILES"
+# Rows of x up to which a GGML linear takes the fused int8-activation matmul, by the dtype of the tiles the
+# rows above it dequantize to; measured on one core, benchmarks/quant_tiles.py --cpu-time (docs/performance.md).
+# Against float32 tiles the fused kernel wins up to ~128 rows. Against bfloat16 tiles on the AMX GEMM the
+# AVX-512 VNNI kernel wins up to ~48 (Q4_K, Q8_0, Q4_0: 0.86-1.1x at 48 rows, 1.0-1.4x at 64), and the AMX
+# int8 kernel (amx_quant.py) up to ~128 for Q4_0 and Q4_K (0.92-1.0x at 128, 1.2x at 192) and ~256 for Q8_0
+# (0.94-1.16x at 256, 1.14-1.33x at 384); Q6_K not measured, given Q4_K's.
+QUANT_MATMUL_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 48}
+# With bfloat16 tiles, for the GGML types the AMX int8 kernel takes (Q4_0, Q8_0, Q4_K, Q6_K).
+AMX_INT8_MAX_ROWS = {2: 128, 8: 256, 12: 128, 14: 128}
+
+
+def quant_matmul_max_rows(tile_dtype: torch.dtype) -> dict[int, int]:
+    """GGML type -> the rows of x up to which ``ggml_blocks.ggml_linear`` takes the fused matmul, where the
+    rows above it dequantize tiles to ``tile_dtype``."""
+    limit = QUANT_MATMUL_MAX_ROWS[tile_dtype]
+    if tile_dtype == torch.float32:
+        return dict.fromkeys(QUANT_MATMUL_TYPES, limit)
+    from pluginfer.backends import amx_quant
+
+    return {qtype: AMX_INT8_MAX_ROWS[qtype] if amx_quant.takes(qtype, AMX_INT8_MAX_ROWS.get(qtype, 0)) else limit
+            for qtype in QUANT_MATMUL_TYPES}
+# Rows of float32 x from which tiles take that dtype (benchmarks/quant_tiles.py --cpu-time, float32 tiles
+# against bfloat16: 0.9-1.3x as fast at 16-24 rows, 1.1-1.6x at 32, 1.3-1.7x at 48, 3.4-3.8x at 512).
+TILE_DTYPE_MIN_ROWS = {torch.bfloat16: 32}
+
+
+def bfloat16_gemm_is_fast() -> bool:
+    """Whether torch's bfloat16 GEMM runs on AMX here (AMX-BF16 and oneDNN): several times its float32 GEMM."""
+    return "amx_bf16" in cpu_features() and torch.backends.mkldnn.is_available()
+
+
+def tile_dtype() -> torch.dtype:
+    """The dtype the cpu backend's quantized linears dequantize their tiles to (the steps the fused int8
+    kernel does not take): bfloat16 where :func:`bfloat16_gemm_is_fast`, else float32.
+    ``PLUGINFER_QUANT_TILES`` (``auto``, ``float32``, ``bfloat16``) overrides it, and
+    ``PLUGINFER_QUANT_ACTIVATIONS=float`` keeps float32 (the exact path). Says which, once per process."""
+    mode = os.environ.get(QUANT_TILES_ENV, "auto").lower()
+    if mode not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"{QUANT_TILES_ENV}={mode!r}: expected 'auto' (the default), 'float32' or 'bfloat16'")
+    if os.environ.get(QUANT_ACTIVATIONS_ENV, "int8").lower() == "float":
+        return torch.float32
+    if mode == "float32" or (mode == "auto" and not bfloat16_gemm_is_fast()):
+        why = f"{QUANT_TILES_ENV}=float32" if mode == "float32" else "no AMX-BF16 for torch's bfloat16 GEMM"
+        _log_once(logging.INFO, f"quantized linears: tiles dequantized to float32 for torch's float32 GEMM ({why})")
+        return torch.float32
+    why = f"{QUANT_TILES_ENV}=bfloat16" if mode == "bfloat16" else "AMX-BF16"
+    _log_once(logging.INFO, f"quantized linears: tiles dequantized to bfloat16 for torch's bfloat16 GEMM ({why}), "
+                            f"from {TILE_DTYPE_MIN_ROWS[torch.bfloat16]} rows and past the fused kernel's "
+                            f"{QUANT_MATMUL_MAX_ROWS[torch.bfloat16]} (128-256 on AMX int8 tiles); "
+                            f"{QUANT_TILES_ENV}=float32 keeps float32 tiles")
+    return torch.bfloat16
 
 
 # What half_linear_supported() returns in C: the instruction set of the 16-bit GEMV.
@@ -801,12 +890,16 @@ def op(name: str) -> Callable | None:
     if name == "half_linear":
         return half_linear_op()
     kernel = OPS.get(name)
+    if name in ("grouped_dequantize", "int4_dequantize"):
+        dtype = tile_dtype()
+        return kernel if dtype == torch.float32 else TileDequantize(kernel, dtype)
     if kernel is None or name not in ("ggml_quant_matmul", "ggml_dequantize"):
         return kernel
     quant_matmul = quant_matmul_op()
     if name == "ggml_quant_matmul":
         return quant_matmul
-    return kernel if quant_matmul is None else GGMLDequantize(kernel, quant_matmul)
+    dtype = tile_dtype()
+    return kernel if quant_matmul is None and dtype == torch.float32 else GGMLDequantize(kernel, quant_matmul, dtype)
 
 
 OPS = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_neox": rotary_neox,

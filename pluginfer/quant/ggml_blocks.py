@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pluginfer.quant.tiled import tile_buffer, tiled_linear
+from pluginfer.quant.tiled import tile_buffer, tile_compute_dtype, tiled_linear
 
 T = GGMLQuantizationType
 QK_K = 256
@@ -238,7 +238,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Up to this many rows (tokens) of ``x`` a linear runs the backend's fused int8-activation matmul when it
 # has one; more rows dequantize tiles for the float GEMM, which is as fast from ~128 rows and faster
 # beyond (one core, 5632 x 1024: 3-8 % slower than fused at 128 rows, 4-7 % faster at 256;
-# docs/performance.md).
+# docs/performance.md). A backend's op may set its own (``quant_matmul_max_rows``: the cpu backend's is
+# lower where its tiles are bfloat16 for an AMX GEMM).
 QUANT_MATMUL_MAX_ROWS = 128
 
 
@@ -254,22 +255,25 @@ def ggml_linear(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType 
     for the types it handles: ``x`` quantized per block of 32 to int8, no float copy of ``W``."""
     on_cpu = dequantize_rows is not None and raw.device.type == "cpu"
     quant_matmul = getattr(dequantize_rows, "quant_matmul", None) if on_cpu else None
-    if quant_matmul is not None and x.numel() <= QUANT_MATMUL_MAX_ROWS * cols:  # first: every decode step
-        out = quant_matmul(x, raw, int(qtype), cols)
+    if quant_matmul is not None:  # first: every decode step
+        limits = getattr(dequantize_rows, "quant_matmul_max_rows", None)  # by type, where the op has its own
+        limit = QUANT_MATMUL_MAX_ROWS if limits is None else limits.get(int(qtype), 0)
+        out = quant_matmul(x, raw, int(qtype), cols) if x.numel() <= limit * cols else None
         if out is not None:
             return out if bias is None else out.add_(bias)
     qtype = as_qtype(qtype)
     if not on_cpu:
         return tiled_linear(x, raw.shape[0], lambda start, stop: dequantize(raw[start:stop], qtype, cols, x.dtype),
                             bias)
-    into_buffer = x.dtype == torch.float32
+    dtype = tile_compute_dtype(x, dequantize_rows)
+    into_buffer = dtype == torch.float32 or dtype == getattr(dequantize_rows, "tile_dtype", None)
 
     def tile(start: int, stop: int) -> torch.Tensor:
         rows = raw[start:stop]
-        buffer = tile_buffer((stop - start) * cols) if into_buffer else None
+        buffer = tile_buffer((stop - start) * cols, dtype) if into_buffer else None
         weights = dequantize_rows(rows, int(qtype), cols, buffer)
         if weights is None:
-            return dequantize(rows, qtype, cols, x.dtype)
-        return weights if buffer is not None else weights.to(x.dtype)
+            return dequantize(rows, qtype, cols, dtype)
+        return weights if buffer is not None else weights.to(dtype)
 
-    return tiled_linear(x, raw.shape[0], tile, bias)
+    return tiled_linear(x, raw.shape[0], tile, bias, dtype)

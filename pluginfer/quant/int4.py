@@ -22,7 +22,13 @@ from torch import nn
 from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context, quant_kernel
 from pluginfer.quant.sharding import UNSPLIT, check_input_split
-from pluginfer.quant.tiled import InSituQuantMethod, replace_weight, tile_buffer, tiled_linear
+from pluginfer.quant.tiled import (
+    InSituQuantMethod,
+    replace_weight,
+    tile_buffer,
+    tile_compute_dtype,
+    tiled_linear,
+)
 
 GROUP_SIZE = 128
 
@@ -74,17 +80,19 @@ class Int4Linear(InSituQuantMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
         kernel = getattr(layer, "int4_dequantize", None)
-        into_buffer = x.dtype == torch.float32  # a tile is consumed by its matmul before the next is written
+        dtype = tile_compute_dtype(x, kernel)  # bfloat16 where the backend's kernel asks for it
+        # a tile is consumed by its matmul before the next is written
+        into_buffer = dtype == torch.float32 or dtype == getattr(kernel, "tile_dtype", None)
 
         def tile(start: int, stop: int) -> torch.Tensor:
             if kernel is not None:
-                buffer = tile_buffer((stop - start) * qweight.shape[1] * 2) if into_buffer else None
+                buffer = tile_buffer((stop - start) * qweight.shape[1] * 2, dtype) if into_buffer else None
                 dense = kernel(qweight[start:stop], scales[start:stop], zeros[start:stop], buffer)
                 if dense is not None:
-                    return dense if into_buffer else dense.to(x.dtype)
-            return dequantize_int4(qweight[start:stop], scales[start:stop], zeros[start:stop], x.dtype)
+                    return dense if into_buffer else dense.to(dtype)
+            return dequantize_int4(qweight[start:stop], scales[start:stop], zeros[start:stop], dtype)
 
-        return tiled_linear(x, qweight.shape[0], tile, bias)
+        return tiled_linear(x, qweight.shape[0], tile, bias, dtype)
 
 
 def build(quant_config: dict | None = None) -> Int4Linear:

@@ -19,7 +19,7 @@ from torch import nn
 from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context, quant_kernel
 from pluginfer.quant.sharding import column_split, row_split, split_error
-from pluginfer.quant.tiled import tile_buffer, tiled_linear
+from pluginfer.quant.tiled import tile_buffer, tile_compute_dtype, tiled_linear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -177,14 +177,16 @@ class GroupQuantLinear:
         if kernel is None:
             return tiled_linear(x, layer.qweight.shape[1],
                                 lambda start, stop: self.dequantize_columns(layer, start, stop, x.dtype), bias)
-        into_buffer = x.dtype == torch.float32  # a tile is consumed by its matmul before the next is written
+        dtype = tile_compute_dtype(x, kernel)  # bfloat16 where the backend's kernel asks for it
+        # a tile is consumed by its matmul before the next is written
+        into_buffer = dtype == torch.float32 or dtype == getattr(kernel, "tile_dtype", None)
         g_idx = getattr(layer, "g_idx", None)
 
         def tile(start: int, stop: int) -> torch.Tensor:
-            buffer = tile_buffer((stop - start) * layer.qweight.shape[0] * self.pack) if into_buffer else None
+            buffer = tile_buffer((stop - start) * layer.qweight.shape[0] * self.pack, dtype) if into_buffer else None
             dense = kernel(layer.qweight, layer.qzeros, layer.scales, g_idx, self.bits, start, stop, buffer)
             if dense is None:
-                return self.dequantize_columns(layer, start, stop, x.dtype)
-            return (dense if into_buffer else dense.to(x.dtype)).t()
+                return self.dequantize_columns(layer, start, stop, dtype)
+            return (dense if into_buffer else dense.to(dtype)).t()
 
-        return tiled_linear(x, layer.qweight.shape[1], tile, bias)
+        return tiled_linear(x, layer.qweight.shape[1], tile, bias, dtype)

@@ -16,29 +16,54 @@ from pluginfer.core.protocols import ShardSpec
 from pluginfer.quant.sharding import UNSPLIT
 
 TILE_ROWS = 512
-_scratch = threading.local()  # one float32 tile buffer per thread, grown to the largest tile seen
+_scratch = threading.local()  # one tile buffer per thread and dtype, grown to the largest tile seen
 
 
-def tile_buffer(elements: int) -> torch.Tensor:
-    """A float32 scratch buffer of at least ``elements`` for a native kernel to dequantize a tile into.
+def tile_buffer(elements: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A scratch buffer of at least ``elements`` in ``dtype`` for a native kernel to dequantize a tile into.
 
-    One per thread, shared by every layer: each tile is consumed by its matmul before the next
+    One per thread and dtype, shared by every layer: each tile is consumed by its matmul before the next
     one is written.
     """
-    buffer = getattr(_scratch, "buffer", None)
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < elements:
-        buffer = _scratch.buffer = torch.empty(elements, dtype=torch.float32)
+        buffer = buffers[dtype] = torch.empty(elements, dtype=dtype)
     return buffer
 
 
+def tile_compute_dtype(x: torch.Tensor, kernel: object) -> torch.dtype:
+    """The dtype a tile is dequantized to and multiplied in: ``x``'s, except float32 ``x`` of at least
+    ``kernel.tile_dtype_min_rows`` rows where the backend's tile kernel asks for another (its ``tile_dtype``:
+    bfloat16 on a CPU with AMX-BF16, where fewer rows gain nothing from it)."""
+    dtype = getattr(kernel, "tile_dtype", None)
+    if x.dtype != torch.float32 or dtype is None or dtype == x.dtype:
+        return x.dtype
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return dtype if rows >= kernel.tile_dtype_min_rows else x.dtype
+
+
 def tiled_linear(x: torch.Tensor, output_size: int, dequantize_rows: Callable[[int, int], torch.Tensor],
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` where ``dequantize_rows(start, stop)`` returns ``W[start:stop]`` in ``x.dtype``."""
+                 bias: torch.Tensor | None, tile_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` where ``dequantize_rows(start, stop)`` returns ``W[start:stop]`` in ``tile_dtype``
+    (default ``x.dtype``). A ``tile_dtype`` other than ``x.dtype`` (bfloat16 tiles for float32 ``x``): ``x``
+    is rounded to it once per call, each tile's GEMM runs in it (float32 sums inside torch's kernel) and
+    its result, rounded to ``tile_dtype`` by torch (no CPU matmul writes float32 from bfloat16 inputs),
+    lands in the ``x.dtype`` output; the bias is added in ``x.dtype``."""
     flat = x.reshape(-1, x.shape[-1])
     out = torch.empty(flat.shape[0], output_size, dtype=x.dtype, device=x.device)
-    for start in range(0, output_size, TILE_ROWS):
-        stop = min(start + TILE_ROWS, output_size)
-        torch.matmul(flat, dequantize_rows(start, stop).t(), out=out[:, start:stop])
+    if tile_dtype is None or tile_dtype == x.dtype:
+        for start in range(0, output_size, TILE_ROWS):
+            stop = min(start + TILE_ROWS, output_size)
+            torch.matmul(flat, dequantize_rows(start, stop).t(), out=out[:, start:stop])
+    else:  # one widening of the whole output at the end: faster than one per tile into strided columns
+        low, low_out = flat.to(tile_dtype), torch.empty(flat.shape[0], output_size, dtype=tile_dtype, device=x.device)
+        for start in range(0, output_size, TILE_ROWS):
+            stop = min(start + TILE_ROWS, output_size)
+            torch.matmul(low, dequantize_rows(start, stop).t(), out=low_out[:, start:stop])
+        out.copy_(low_out)
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], output_size)

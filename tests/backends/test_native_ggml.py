@@ -44,6 +44,15 @@ def assert_bit_equal(ours: torch.Tensor, expected: torch.Tensor) -> None:
     assert torch.equal(ours[~nan].view(torch.int32), expected[~nan].view(torch.int32))
 
 
+def assert_bf16_rounding(ours: torch.Tensor, float32: torch.Tensor) -> None:
+    """``ours`` is ``float32.to(torch.bfloat16)`` bit for bit (round to nearest even), NaN where NaN."""
+    expected = float32.to(torch.bfloat16)
+    assert ours.dtype == torch.bfloat16 and ours.shape == expected.shape
+    nan = expected.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    assert torch.equal(ours[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
 def cols_of(qtype: GGMLQuantizationType) -> int:
     return 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
 
@@ -58,8 +67,25 @@ def test_dequantize_is_bit_exact_with_ggml_blocks(qtype: GGMLQuantizationType, r
     assert_bit_equal(native.ggml_dequantize(raw, qtype, cols), ggml_blocks.dequantize(raw, qtype, cols))
 
 
+@pytest.mark.parametrize("rows", [9, 300], ids=["one-thread", "openmp"])
 @pytest.mark.parametrize("qtype", HANDLED, ids=lambda t: t.name)
-def test_every_fp16_edge_value_in_every_scale_field(qtype: GGMLQuantizationType) -> None:
+def test_dequantize_to_bfloat16_rounds_the_float32_values_as_torch_does(qtype: GGMLQuantizationType,
+                                                                        rows: int) -> None:
+    """The bfloat16 output (one pass, for the AMX GEMM) is the float32 dequantization rounded to nearest
+    even, as ``Tensor.to(torch.bfloat16)``; new or into a caller's buffer (its dtype picks the output)."""
+    cols = cols_of(qtype)
+    raw = torch.from_numpy(raw_blocks(qtype, rows=rows, cols=cols, seed=int(qtype) + rows))
+    expected = ggml_blocks.dequantize(raw, qtype, cols)
+    assert_bf16_rounding(native.ggml_dequantize(raw, qtype, cols, dtype=torch.bfloat16), expected)
+    buffer = torch.full((rows * cols + 7,), 7.0, dtype=torch.bfloat16)
+    into = native.ggml_dequantize(raw, qtype, cols, buffer)
+    assert into.data_ptr() == buffer.data_ptr() and (buffer[rows * cols:] == 7.0).all()
+    assert_bf16_rounding(into, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", HANDLED, ids=lambda t: t.name)
+def test_every_fp16_edge_value_in_every_scale_field(qtype: GGMLQuantizationType, dtype: torch.dtype) -> None:
     cols = cols_of(qtype)
     block, type_size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(int(qtype))
@@ -70,7 +96,10 @@ def test_every_fp16_edge_value_in_every_scale_field(qtype: GGMLQuantizationType)
         blocks[:, offset:offset + 2] = edges[pick]
     blocks = np.concatenate([blocks, np.zeros(((-len(blocks)) % (cols // block), type_size), np.uint8)])
     raw = torch.from_numpy(blocks.reshape(-1, cols // block * type_size))
-    assert_bit_equal(native.ggml_dequantize(raw, qtype, cols), ggml_blocks.dequantize(raw, qtype, cols))
+    if dtype == torch.bfloat16:
+        assert_bf16_rounding(native.ggml_dequantize(raw, qtype, cols, dtype=dtype), ggml_blocks.dequantize(raw, qtype, cols))
+    else:
+        assert_bit_equal(native.ggml_dequantize(raw, qtype, cols), ggml_blocks.dequantize(raw, qtype, cols))
 
 
 def test_out_buffer_and_declined_types() -> None:
@@ -87,8 +116,14 @@ def test_out_buffer_and_declined_types() -> None:
     assert native.ggml_dequantize(raw[:, :72], T.Q4_K, 256) is None
     with pytest.raises(ValueError, match="do not fit rows of 144 bytes"):
         native.ggml_dequantize(raw, T.Q4_K, 512)
-    with pytest.raises(ValueError, match="contiguous float32 out"):
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16 out"):
         native.ggml_dequantize(raw, T.Q4_K, 256, torch.empty(5, 256))
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16 out"):
+        native.ggml_dequantize(raw, T.Q4_K, 256, torch.empty(6 * 256, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous torch.bfloat16 out"):
+        native.ggml_dequantize(raw, T.Q4_K, 256, torch.empty(6 * 256), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="writes float32 or bfloat16, not torch.float16"):
+        native.ggml_dequantize(raw, T.Q4_K, 256, dtype=torch.float16)
     assert native.OPS["ggml_dequantize"] is native.ggml_dequantize
 
 

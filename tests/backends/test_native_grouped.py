@@ -72,6 +72,32 @@ def test_tile_is_bit_exact_with_the_torch_path(case: tuple) -> None:
         ours = native.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, g_idx, bits, start, stop)
         assert torch.equal(ours.t(), expected)
         assert torch.equal(ours.t().view(torch.int32), expected.view(torch.int32))  # -0.0 too
+        low = native.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, g_idx, bits, start, stop,
+                                        dtype=torch.bfloat16)  # the AMX GEMM's tiles: rounded to nearest even
+        assert torch.equal(low.t().view(torch.int16), expected.to(torch.bfloat16).view(torch.int16))
+
+
+def test_bfloat16_rounding_of_every_kind_of_float32_value() -> None:
+    """Through the grouped kernel with float32 scales (weight = (q - zero) * scale = scale for q 1, zero 0):
+    ties to even both ways, carries into the exponent and to infinity, subnormals kept (not flushed),
+    infinities, -0 and NaN, as ``Tensor.to(torch.bfloat16)`` rounds them (NaN: any NaN)."""
+    values = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20, 2 - 2**-9, 3.4e38, -3.4e38,
+                           1e-40, -1e-40, 2**-133, 1.5 * 2**-133, float("inf"), float("-inf"), -0.0, 0.0,
+                           float("nan"), 0.1, -12345.678], dtype=torch.float32)
+    values = torch.cat([values, torch.randn(6, generator=torch.Generator().manual_seed(0))])  # 24 outputs
+    out_features, pack = values.numel(), 8
+    layer = nn.Module()
+    method = GroupQuantLinear(4, 32)
+    qweight = torch.full((32 // pack, out_features), 0x11111111, dtype=torch.int32)  # every level 1
+    method._set_layout(layer, qweight, torch.zeros(1, out_features // pack, dtype=torch.int32),
+                       values[None].clone(), None)
+    ours = native.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, None, 4, 0, out_features,
+                                     dtype=torch.bfloat16)
+    expected = values.to(torch.bfloat16).expand(32, -1)
+    nan = expected.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    assert torch.equal(ours[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    assert ours[0, 0] == 1.0 and ours[0, 1] == 1 + 2**-6 and ours[0, 5].isinf() and ours[0, 7] != 0
 
 
 def test_large_tile_on_openmp_threads_and_into_a_buffer() -> None:
@@ -89,7 +115,7 @@ def test_declined_inputs_return_none() -> None:
     assert native.grouped_dequantize(qweight, qzeros, scales.double(), None, 4, 0, 8) is None  # scale dtype
     assert native.grouped_dequantize(qweight, qzeros, scales.t().contiguous().t(), None, 4, 0, 8) is None
     assert native.grouped_dequantize(qweight, qzeros, scales, None, 4, 4, 12) is None  # not whole words
-    with pytest.raises(ValueError, match="contiguous float32 out"):
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16 out"):
         native.grouped_dequantize(qweight, qzeros, scales, None, 4, 0, 8, torch.empty(10))
 
 
@@ -116,6 +142,7 @@ def gptq_logits(name: str, prompt: list[int]) -> tuple[torch.Tensor, set]:
 @pytest.mark.parametrize("name", ["gptq_b4_g32_act_asym", "awq_b4_g128"])
 def test_checkpoint_logits_with_and_without_the_native_dequantization(
         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.QUANT_TILES_ENV, "float32")  # the torch path's tiles (bfloat16: test_bf16_tiles.py)
     prompt = random_prompts(200, [24], seed=5)[0]
     logits, kernels = gptq_logits(name, prompt)
     assert kernels == {native.grouped_dequantize}
@@ -142,6 +169,10 @@ def test_int4_rows_are_bit_exact_with_the_torch_path(rows: int) -> None:
     qweight, scales, zeros = random_int4(rows, 512, seed=rows)
     expected = int4.dequantize_int4(qweight, scales, zeros)
     assert torch.equal(native.int4_dequantize(qweight, scales, zeros).view(torch.int32), expected.view(torch.int32))
+    buffer = torch.empty(rows * 512, dtype=torch.bfloat16)
+    low = native.int4_dequantize(qweight, scales, zeros, buffer)  # the AMX GEMM's tiles: rounded to nearest even
+    assert low.data_ptr() == buffer.data_ptr()
+    assert torch.equal(low.view(torch.int16), expected.to(torch.bfloat16).view(torch.int16))
     assert native.int4_dequantize(qweight, scales.float(), zeros) is None
 
 
@@ -174,6 +205,7 @@ def int4_logits(path: Path, prompt: list[int]) -> tuple[torch.Tensor, set]:
 def test_int4_llama_logits_with_and_without_the_native_dequantization(
         tmp_path: Path, tiny_tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save_hf_model("LlamaForCausalLM", INT4_LLAMA, tmp_path, tiny_tokenizer_dir)
+    monkeypatch.setenv(native.QUANT_TILES_ENV, "float32")  # the torch path's tiles (bfloat16: test_bf16_tiles.py)
     prompt = random_prompts(200, [24], seed=6)[0]
     logits, kernels = int4_logits(tmp_path, prompt)
     assert kernels == {native.int4_dequantize}

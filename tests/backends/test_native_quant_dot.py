@@ -277,10 +277,12 @@ def fresh_logs() -> Iterator[None]:
 def test_ggml_linear_takes_the_fused_kernel_up_to_the_row_threshold(monkeypatch: pytest.MonkeyPatch,
                                                                       fresh_logs: None) -> None:
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(native.QUANT_TILES_ENV, "float32")  # bfloat16 tiles past the threshold: test_bf16_tiles.py
     kernel = native.op("ggml_dequantize")
     assert isinstance(kernel, native.GGMLDequantize) and kernel.quant_matmul is native.ggml_quant_matmul
     assert native.op("ggml_quant_matmul") is native.ggml_quant_matmul
     cols, limit = 256, ggml_blocks.QUANT_MATMUL_MAX_ROWS
+    assert set(kernel.quant_matmul_max_rows.values()) == {limit}
     raw = weight_bytes(T.Q4_K, 600, cols, seed=2)  # two tiles of the dequantizing path
     weights = ggml_blocks.dequantize(raw, T.Q4_K, cols)
     bias = torch.randn(600)
@@ -316,11 +318,12 @@ def test_float_activations_by_environment_and_the_fallback_log_line(
     # A CPU without AVX2: the dequantizing path, said once as a warning.
     caplog.clear()
     monkeypatch.setenv(ENV, "int8")
+    monkeypatch.setenv(native.QUANT_TILES_ENV, "float32")  # else, on AMX, an op carrying bfloat16 tiles
     monkeypatch.setattr(native, "quant_dot_supported", lambda: False)
     assert native.op("ggml_dequantize") is native.ggml_dequantize and native.op("ggml_quant_matmul") is None
-    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.levelname == "WARNING"] == [
         ("WARNING", "quantized linears: no fused int8-activation kernel for this CPU (it needs AVX2); "
-                    "tiles are dequantized into float32 for a float GEMM")]
+                    "every step dequantizes tiles for a GEMM")]
 
 
 # A quantized llama small enough to run both paths: every input size a multiple of 256 (K-quants).
@@ -343,6 +346,8 @@ def test_quantized_llama_logits_with_int8_and_float_activations(
     or were near-ties."""
     short, long = random_prompts(200, [24, ggml_blocks.QUANT_MATMUL_MAX_ROWS + 16], seed=4)
     results = {}
+    # float32 tiles over the threshold, as the float path's (bfloat16 ones there: test_bf16_tiles.py)
+    monkeypatch.setenv(native.QUANT_TILES_ENV, "float32")
     for mode in ("int8", "float"):
         monkeypatch.setenv(ENV, mode)
         llm = LLM(model=str(k_llama), dtype="float32", num_blocks=64, block_size=8, quant=quant)

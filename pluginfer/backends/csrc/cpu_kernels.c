@@ -347,25 +347,46 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
+/* float32 to bfloat16 bits, round to nearest even, as torch's Tensor.to(torch.bfloat16) does on this
+ * CPU (subnormals kept, not flushed as vcvtneps2bf16 would; every NaN becomes 0xFFFF, torch's choice).
+ * Plain integer arithmetic: gcc vectorises the loops that call it. */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0xFFFF : rounded;
+}
+
+/* Each block function writes float32 y or, when y is NULL, bfloat16 bits z (bf16_round of the same
+ * float32 value). Always inlined with one of the two a literal NULL, so the test folds away and each
+ * version vectorises on its own: the bfloat16 tile is written once, with no float32 copy of it. */
+#define STORE(index, value)                                    \
+    do {                                                       \
+        const float stored_ = (value);                         \
+        if (y != NULL) y[index] = stored_;                     \
+        else z[index] = bf16_round(stored_);                   \
+    } while (0)
+#define BLOCK_FUNCTION static inline __attribute__((always_inline)) void
+
 /* The loops below run over the 32 (or 32 of 256) weights with per-lane selects (j < 16 ? ...):
  * gcc 12 vectorises them well, where two loops of 16 or an unpacking loop first run 3-4x slower.
  * Weight j of a 32-weight block with nibbles: low nibble of byte j, or high nibble of byte j - 16. */
 #define NIBBLE(qs, j) ((j) < 16 ? (qs)[j] & 0x0F : (qs)[(j) - 16] >> 4)
 
-static void dequantize_q4_0(const uint8_t *restrict b, float *restrict y) {
+BLOCK_FUNCTION dequantize_q4_0(const uint8_t *restrict b, float *restrict y, uint16_t *restrict z) {
     const float d = half_to_float(b);
     for (int j = 0; j < 32; j++) {
         const int level = NIBBLE(b + 2, j) - 8;
-        y[j] = (float)level * d;
+        STORE(j, (float)level * d);
     }
 }
 
-static void dequantize_q4_1(const uint8_t *restrict b, float *restrict y) {
+BLOCK_FUNCTION dequantize_q4_1(const uint8_t *restrict b, float *restrict y, uint16_t *restrict z) {
     const float d = half_to_float(b), m = half_to_float(b + 2);
     for (int j = 0; j < 32; j++) {
         const int level = NIBBLE(b + 4, j);
         const float t = (float)level * d;
-        y[j] = t + m;
+        STORE(j, t + m);
     }
 }
 
@@ -373,30 +394,30 @@ static inline uint32_t load_u32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-static void dequantize_q5_0(const uint8_t *restrict b, float *restrict y) {
+BLOCK_FUNCTION dequantize_q5_0(const uint8_t *restrict b, float *restrict y, uint16_t *restrict z) {
     const float d = half_to_float(b);
     const uint32_t qh = load_u32(b + 2);
-    for (int j = 0; j < 32; j++) y[j] = (float)((NIBBLE(b + 6, j) | (int)((qh >> j) & 1) << 4) - 16) * d;
+    for (int j = 0; j < 32; j++) STORE(j, (float)((NIBBLE(b + 6, j) | (int)((qh >> j) & 1) << 4) - 16) * d);
 }
 
-static void dequantize_q5_1(const uint8_t *restrict b, float *restrict y) {
+BLOCK_FUNCTION dequantize_q5_1(const uint8_t *restrict b, float *restrict y, uint16_t *restrict z) {
     const float d = half_to_float(b), m = half_to_float(b + 2);
     const uint32_t qh = load_u32(b + 4);
     for (int j = 0; j < 32; j++) {
         const float t = (float)(NIBBLE(b + 8, j) | (int)((qh >> j) & 1) << 4) * d;
-        y[j] = t + m;
+        STORE(j, t + m);
     }
 }
 
-static void dequantize_q8_0(const uint8_t *restrict b, float *restrict y) {
+BLOCK_FUNCTION dequantize_q8_0(const uint8_t *restrict b, float *restrict y, uint16_t *restrict z) {
     const float d = half_to_float(b);
     const int8_t *q = (const int8_t *)(b + 2);
-    for (int j = 0; j < 32; j++) y[j] = (float)q[j] * d;
+    for (int j = 0; j < 32; j++) STORE(j, (float)q[j] * d);
 }
 
 /* 256 weights, 16 sub-blocks of 16: scale nibble low, min nibble high; 2-bit levels in two halves of
  * 32 bytes, four planes each (weight h*128 + p*32 + j is bits 2p of qs[h*32 + j]). */
-static void dequantize_q2_k(const uint8_t *restrict b, float *restrict y) {
+BLOCK_FUNCTION dequantize_q2_k(const uint8_t *restrict b, float *restrict y, uint16_t *restrict z) {
     const uint8_t *scales = b, *qs = b + 16;
     const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
     for (int p = 0; p < 8; p++) { /* 32 weights: sub-blocks 2p and 2p + 1 */
@@ -406,13 +427,13 @@ static void dequantize_q2_k(const uint8_t *restrict b, float *restrict y) {
         const int shift = 2 * (p % 4);
         for (int j = 0; j < 32; j++) {
             const float t = (float)((q[j] >> shift) & 3) * (j < 16 ? dl0 : dl1);
-            y[p * 32 + j] = t - (j < 16 ? ml0 : ml1);
+            STORE(p * 32 + j, t - (j < 16 ? ml0 : ml1));
         }
     }
 }
 
 /* Q3_K: as Q2_K's planes, minus 4 where the weight's bit in hmask (bit e / 32 of byte e % 32) is 0. */
-static void dequantize_q3_k(const uint8_t *restrict b, float *restrict y) {
+BLOCK_FUNCTION dequantize_q3_k(const uint8_t *restrict b, float *restrict y, uint16_t *restrict z) {
     const uint8_t *hmask = b, *qs = b + 32, *packed = b + 96;
     const float d = half_to_float(b + 108);
     float dl[16];
@@ -427,7 +448,7 @@ static void dequantize_q3_k(const uint8_t *restrict b, float *restrict y) {
         const float dl0 = dl[2 * p], dl1 = dl[2 * p + 1];
         for (int j = 0; j < 32; j++) {
             const int level = ((q[j] >> shift) & 3) - (((hmask[j] >> p) & 1) ? 0 : 4);
-            y[p * 32 + j] = (float)level * (j < 16 ? dl0 : dl1);
+            STORE(p * 32 + j, (float)level * (j < 16 ? dl0 : dl1));
         }
     }
 }
@@ -443,7 +464,7 @@ static inline void k_scale_min(const uint8_t *packed, int j, int *scale, int *mi
     }
 }
 
-static void dequantize_q4_k(const uint8_t *restrict b, float *restrict y) {
+BLOCK_FUNCTION dequantize_q4_k(const uint8_t *restrict b, float *restrict y, uint16_t *restrict z) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
     const uint8_t *qs = b + 16;
     for (int s = 0; s < 8; s++) {
@@ -454,12 +475,12 @@ static void dequantize_q4_k(const uint8_t *restrict b, float *restrict y) {
         const int shift = 4 * (s % 2);
         for (int j = 0; j < 32; j++) {
             const float t = (float)((q[j] >> shift) & 0x0F) * dl;
-            y[s * 32 + j] = t - ml;
+            STORE(s * 32 + j, t - ml);
         }
     }
 }
 
-static void dequantize_q5_k(const uint8_t *restrict b, float *restrict y) {
+BLOCK_FUNCTION dequantize_q5_k(const uint8_t *restrict b, float *restrict y, uint16_t *restrict z) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
     const uint8_t *qh = b + 16, *qs = b + 48;
     for (int s = 0; s < 8; s++) {
@@ -471,14 +492,14 @@ static void dequantize_q5_k(const uint8_t *restrict b, float *restrict y) {
         for (int j = 0; j < 32; j++) {
             const int level = ((q[j] >> shift) & 0x0F) | ((qh[j] >> s) & 1) << 4;
             const float t = (float)level * dl;
-            y[s * 32 + j] = t - ml;
+            STORE(s * 32 + j, t - ml);
         }
     }
 }
 
 /* Weight h*128 + e (e < 128): low nibble e / 64 of ql[h*64 + e % 64], two high bits 2 (e / 32) of
  * qh[h*32 + e % 32]; sub-block of 16 weights (h*128 + e) / 16 has an int8 scale. */
-static void dequantize_q6_k(const uint8_t *restrict b, float *restrict y) {
+BLOCK_FUNCTION dequantize_q6_k(const uint8_t *restrict b, float *restrict y, uint16_t *restrict z) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *scales = (const int8_t *)(b + 192);
     const float d = half_to_float(b + 208);
@@ -489,30 +510,36 @@ static void dequantize_q6_k(const uint8_t *restrict b, float *restrict y) {
         const int low_shift = 4 * (e0 / 64), high_shift = 2 * (e0 / 32);
         for (int j = 0; j < 32; j++) {
             const int level = (((low[j] >> low_shift) & 0x0F) | ((high[j] >> high_shift) & 3) << 4) - 32;
-            y[p * 32 + j] = (float)level * (j < 16 ? dl0 : dl1);
+            STORE(p * 32 + j, (float)level * (j < 16 ? dl0 : dl1));
         }
     }
 }
 
 /* One row of blocks; the block function is inlined into the loop (no call per block). */
 #define DEQUANTIZE_ROW(block, weights, type_size)                                                 \
-    for (int64_t i = 0; i < cols / (weights); i++) block(row + i * (type_size), y + i * (weights))
+    for (int64_t i = 0; i < cols / (weights); i++) block(row + i * (type_size), y + i * (weights), NULL)
+#define DEQUANTIZE_ROW_BF16(block, weights, type_size)                                            \
+    for (int64_t i = 0; i < cols / (weights); i++) block(row + i * (type_size), NULL, yb + i * (weights))
+
+static int ggml_block_shape(int type, int64_t *weights, int64_t *type_size) {
+    switch (type) {
+    case GGML_Q4_0: *weights = 32; *type_size = 18; return 0;
+    case GGML_Q4_1: *weights = 32; *type_size = 20; return 0;
+    case GGML_Q5_0: *weights = 32; *type_size = 22; return 0;
+    case GGML_Q5_1: *weights = 32; *type_size = 24; return 0;
+    case GGML_Q8_0: *weights = 32; *type_size = 34; return 0;
+    case GGML_Q2_K: *weights = 256; *type_size = 84; return 0;
+    case GGML_Q3_K: *weights = 256; *type_size = 110; return 0;
+    case GGML_Q4_K: *weights = 256; *type_size = 144; return 0;
+    case GGML_Q5_K: *weights = 256; *type_size = 176; return 0;
+    case GGML_Q6_K: *weights = 256; *type_size = 210; return 0;
+    default: return -1;
+    }
+}
 
 int ggml_dequantize_rows(int type, const uint8_t *raw, int64_t rows, int64_t row_bytes, int64_t cols, float *out) {
     int64_t weights, type_size;
-    switch (type) {
-    case GGML_Q4_0: weights = 32; type_size = 18; break;
-    case GGML_Q4_1: weights = 32; type_size = 20; break;
-    case GGML_Q5_0: weights = 32; type_size = 22; break;
-    case GGML_Q5_1: weights = 32; type_size = 24; break;
-    case GGML_Q8_0: weights = 32; type_size = 34; break;
-    case GGML_Q2_K: weights = 256; type_size = 84; break;
-    case GGML_Q3_K: weights = 256; type_size = 110; break;
-    case GGML_Q4_K: weights = 256; type_size = 144; break;
-    case GGML_Q5_K: weights = 256; type_size = 176; break;
-    case GGML_Q6_K: weights = 256; type_size = 210; break;
-    default: return -1;
-    }
+    if (ggml_block_shape(type, &weights, &type_size)) return -1;
     if (cols % weights || cols / weights * type_size != row_bytes) return -2;
 #pragma omp parallel for if (rows * cols >= (1 << 16))
     for (int64_t r = 0; r < rows; r++) {
@@ -534,12 +561,41 @@ int ggml_dequantize_rows(int type, const uint8_t *raw, int64_t rows, int64_t row
     return 0;
 }
 
+/* ggml_dequantize_rows_bf16: as ggml_dequantize_rows, to bfloat16 bits [rows, cols]: every value is
+ * ggml_dequantize_rows' float32 value rounded to nearest even (bf16_round), so it equals
+ * torch's dequantize(...).to(torch.bfloat16) bit for bit. Same return codes. */
+int ggml_dequantize_rows_bf16(int type, const uint8_t *raw, int64_t rows, int64_t row_bytes, int64_t cols,
+                              uint16_t *out) {
+    int64_t weights, type_size;
+    if (ggml_block_shape(type, &weights, &type_size)) return -1;
+    if (cols % weights || cols / weights * type_size != row_bytes) return -2;
+#pragma omp parallel for if (rows * cols >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = raw + r * row_bytes;
+        uint16_t *yb = out + r * cols;
+        switch (type) {
+        case GGML_Q4_0: DEQUANTIZE_ROW_BF16(dequantize_q4_0, 32, 18); break;
+        case GGML_Q4_1: DEQUANTIZE_ROW_BF16(dequantize_q4_1, 32, 20); break;
+        case GGML_Q5_0: DEQUANTIZE_ROW_BF16(dequantize_q5_0, 32, 22); break;
+        case GGML_Q5_1: DEQUANTIZE_ROW_BF16(dequantize_q5_1, 32, 24); break;
+        case GGML_Q8_0: DEQUANTIZE_ROW_BF16(dequantize_q8_0, 32, 34); break;
+        case GGML_Q2_K: DEQUANTIZE_ROW_BF16(dequantize_q2_k, 256, 84); break;
+        case GGML_Q3_K: DEQUANTIZE_ROW_BF16(dequantize_q3_k, 256, 110); break;
+        case GGML_Q4_K: DEQUANTIZE_ROW_BF16(dequantize_q4_k, 256, 144); break;
+        case GGML_Q5_K: DEQUANTIZE_ROW_BF16(dequantize_q5_k, 256, 176); break;
+        case GGML_Q6_K: DEQUANTIZE_ROW_BF16(dequantize_q6_k, 256, 210); break;
+        }
+    }
+    return 0;
+}
+
 /* grouped_dequantize: output columns [start, stop) of the group-quantized layout GPTQ and AWQ keep
  * (pluginfer.quant.packing): qweight int32 [in / pack, out] packed along the inputs, qzeros int32
  * [groups, zero_words] packed along the outputs, scales [groups, out] (scale_type 0 float32, 1
  * float16, 2 bfloat16), g_idx int32 [in] or NULL (then input i is in group i / (in / groups)).
  * Writes float32 [in, stop - start] (the transposed tile), each value (q - zero) * scale as
  * GroupQuantLinear.dequantize_columns forms it: q - zero is exact, so one rounding, bit-exact.
+ * bf16 nonzero: out is bfloat16 bits, each value that float32 rounded to nearest even (bf16_round).
  * Returns -1 for bits other than 4 or 8, -2 for column bounds that are not whole words, -3 when
  * the per-group buffers cannot be allocated. */
 static inline float scale_to_float(const void *scales, int scale_type, int64_t index) {
@@ -555,7 +611,7 @@ static inline float scale_to_float(const void *scales, int scale_type, int64_t i
 
 int grouped_dequantize(int bits, const int32_t *qweight, const int32_t *qzeros, const void *scales,
                        int scale_type, const int32_t *g_idx, int64_t in, int64_t out_features, int64_t groups,
-                       int64_t zero_words, int64_t start, int64_t stop, float *out) {
+                       int64_t zero_words, int64_t start, int64_t stop, void *out, int bf16) {
     if (bits != 4 && bits != 8) return -1;
     const int64_t pack = 32 / bits, rows = stop - start, group_size = in / groups;
     const uint32_t mask = (1u << bits) - 1;
@@ -583,11 +639,19 @@ int grouped_dequantize(int bits, const int32_t *qweight, const int32_t *qzeros, 
             const int64_t i = p * pack + k;
             const int64_t g = g_idx != NULL ? g_idx[i] : i / group_size;
             const float *restrict z = zero + g * rows, *restrict s = scale + g * rows;
-            float *restrict y = out + i * rows;
             const int shift = (int)(k * bits);
-            for (int64_t c = 0; c < rows; c++) {
-                const float q = (float)((words[c] >> shift) & mask);
-                y[c] = (q - z[c]) * s[c];
+            if (bf16) {
+                uint16_t *restrict y = (uint16_t *)out + i * rows;
+                for (int64_t c = 0; c < rows; c++) {
+                    const float q = (float)((words[c] >> shift) & mask);
+                    y[c] = bf16_round((q - z[c]) * s[c]);
+                }
+            } else {
+                float *restrict y = (float *)out + i * rows;
+                for (int64_t c = 0; c < rows; c++) {
+                    const float q = (float)((words[c] >> shift) & mask);
+                    y[c] = (q - z[c]) * s[c];
+                }
             }
         }
     }
@@ -599,9 +663,10 @@ int grouped_dequantize(int bits, const int32_t *qweight, const int32_t *qzeros, 
 /* int4_dequantize_rows: rows of the int4 method's layout (pluginfer.quant.int4): qweight uint8
  * [rows, in / 2], input 2j in the low nibble of byte j and 2j + 1 in the high one; scales and zeros
  * float16 [rows, in / group]. Writes float32 [rows, in], q * scale + zero with dequantize_int4's
- * two roundings (no FMA: -std=c11). Returns -2 when group is not even or does not divide in. */
+ * two roundings (no FMA: -std=c11); bf16 nonzero: bfloat16 bits, those values rounded to nearest even.
+ * Returns -2 when group is not even or does not divide in. */
 int int4_dequantize_rows(const uint8_t *qweight, const uint8_t *scales, const uint8_t *zeros, int64_t rows,
-                         int64_t in, int64_t group, float *out) {
+                         int64_t in, int64_t group, void *out, int bf16) {
     if (group <= 0 || group % 2 || in % group) return -2;
     const int64_t groups = in / group;
 #pragma omp parallel for if (rows * in >= (1 << 16))
@@ -609,7 +674,16 @@ int int4_dequantize_rows(const uint8_t *qweight, const uint8_t *scales, const ui
         for (int64_t g = 0; g < groups; g++) {
             const float s = half_to_float(scales + 2 * (r * groups + g)), z = half_to_float(zeros + 2 * (r * groups + g));
             const uint8_t *restrict b = qweight + r * (in / 2) + g * (group / 2);
-            float *restrict y = out + r * in + g * group;
+            if (bf16) {
+                uint16_t *restrict y = (uint16_t *)out + r * in + g * group;
+                for (int64_t k = 0; k < group / 2; k++) {
+                    const float low = (float)(b[k] & 0x0F) * s, high = (float)(b[k] >> 4) * s;
+                    y[2 * k] = bf16_round(low + z);
+                    y[2 * k + 1] = bf16_round(high + z);
+                }
+                continue;
+            }
+            float *restrict y = (float *)out + r * in + g * group;
             for (int64_t k = 0; k < group / 2; k++) {  /* pairs: gcc vectorises this with interleaved stores */
                 const float low = (float)(b[k] & 0x0F) * s, high = (float)(b[k] >> 4) * s;
                 y[2 * k] = low + z;
