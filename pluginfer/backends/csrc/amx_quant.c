@@ -90,8 +90,8 @@ int amx_quant_type_supported(int type) {
 #define AQ_COLS 16 /* outputs per tile (the A tile's 16 rows) */
 #define AQ_B_BYTES 512 /* one block of 32 activations for 16 rows, VNNI-interleaved */
 
-/* The tile configuration (palette 1): tiles 0 and 4 A (16 x K bytes), 1 and 5 B (K/4 x 64), 2 and 3 C
- * (16 x 64): two products in flight. */
+/* The tile configuration (palette 1): tiles 0 and 4 A (16 x K bytes), 1 and 5 B (K/4 x 64), 2, 3, 6 and
+ * 7 C (16 x 64): two pairs of products in flight. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -108,6 +108,8 @@ static void aq_configure(int k_bytes) {
     config.colsb[3] = 64, config.rows[3] = AQ_COLS;
     config.colsb[4] = (uint16_t)k_bytes, config.rows[4] = AQ_COLS;
     config.colsb[5] = 64, config.rows[5] = (uint8_t)(k_bytes / 4);
+    config.colsb[6] = 64, config.rows[6] = AQ_COLS;
+    config.colsb[7] = 64, config.rows[7] = AQ_COLS;
     _tile_loadconfig(&config);
 }
 
@@ -186,29 +188,60 @@ static inline void aq_mins(__m512 acc[AQ_COLS], __m512 csv, const float *minus) 
     for (int o = 0; o < AQ_COLS; o++) acc[o] = _mm512_fmadd_ps(csv, _mm512_set1_ps(minus[o]), acc[o]);
 }
 
-/* Two products in flight: C (tile 2) = A0 (tile 0, rows lda0 apart) x B0 (tile 1), C2 (tile 3) = A1
- * (tile 4) x B1 (tile 5), both stored; the caller scales them in block order. */
-static inline void aq_products(const void *a0, int64_t lda0, const void *b0, const void *a1, int64_t lda1,
-                               const void *b1, int32_t *c, int32_t *c2) {
+/* Products in flight: a pair of products is issued into one set of C tiles (set 0: tiles 2 and 3, set 1:
+ * 6 and 7) while the other set's pair, issued before, is stored and scaled; A operands in tiles 0 and
+ * 4, B in 1 and 5. What a pair's results are scaled with: */
+typedef struct {
+    __m512 dx0, dx1, cs0, cs1; /* the activations' scales (lanes: rows), and dx * sum of levels (Q4_K) */
+    const float *dw0, *dw1;    /* the weights' scales (per output) */
+    const float *mn0, *mn1;    /* Q4_K: -(dmin * min) per output; else null */
+    int count;                 /* 2, or 1 for the last block of an odd count (the second product is not read) */
+    int halves;                /* Q6_K: the two products are one block's halves: acc += dx0 * (C dw0 + C2 dw1) */
+} aq_pair;
+
+static inline void aq_issue(int set, const void *a0, int64_t lda0, const void *b0, const void *a1, int64_t lda1,
+                            const void *b1) {
     _tile_loadd(0, a0, lda0);
     _tile_loadd(1, b0, 64);
-    _tile_zero(2);
     _tile_loadd(4, a1, lda1);
     _tile_loadd(5, b1, 64);
-    _tile_zero(3);
-    _tile_dpbssd(2, 0, 1);
-    _tile_dpbssd(3, 4, 5);
-    _tile_stored(2, c, 64);
-    _tile_stored(3, c2, 64);
+    if (set) {
+        _tile_zero(6);
+        _tile_zero(7);
+        _tile_dpbssd(6, 0, 1);
+        _tile_dpbssd(7, 4, 5);
+    } else {
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_dpbssd(2, 0, 1);
+        _tile_dpbssd(3, 4, 5);
+    }
 }
 
-/* One product: C (tile 2) = A0 x B0, stored. */
-static inline void aq_product(const void *a0, int64_t lda0, const void *b0, int32_t *c) {
-    _tile_loadd(0, a0, lda0);
-    _tile_loadd(1, b0, 64);
-    _tile_zero(2);
-    _tile_dpbssd(2, 0, 1);
-    _tile_stored(2, c, 64);
+/* The pair issued into `set`, stored and scaled into the accumulators in block order. */
+static inline void aq_finish(int set, __m512 acc[AQ_COLS], int32_t *c, int32_t *c2, const aq_pair *p) {
+    if (set) {
+        _tile_stored(6, c, 64);
+        _tile_stored(7, c2, 64);
+    } else {
+        _tile_stored(2, c, 64);
+        _tile_stored(3, c2, 64);
+    }
+    if (p->halves) {
+#pragma GCC unroll 16
+        for (int o = 0; o < AQ_COLS; o++) {
+            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * o)), _mm512_set1_ps(p->dw0[o]));
+            acc[o] = _mm512_fmadd_ps(p->dx0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c2 + 16 * o)),
+                                                             _mm512_set1_ps(p->dw1[o]), t), acc[o]);
+        }
+        return;
+    }
+    aq_scale(acc, c, p->dx0, p->dw0);
+    if (p->mn0) aq_mins(acc, p->cs0, p->mn0);
+    if (p->count == 2) {
+        aq_scale(acc, c2, p->dx1, p->dw1);
+        if (p->mn1) aq_mins(acc, p->cs1, p->mn1);
+    }
 }
 
 /* Q4_0's levels of block b for the 16 outputs, minus 8, as 16 rows of 32 bytes at a. */
@@ -266,73 +299,74 @@ static inline void aq_k6_scales(const uint8_t *sb, __m512i rows, float scales[16
 }
 
 /* 16 outputs (weight rows at w, row_bytes apart) x one group of 16 rows (its B blocks, dx, cs) over k:
- * acc[o] lane r = output o of row r. Blocks go in pairs through the two products in flight; each
- * accumulator still takes its blocks in order. */
+ * acc[o] lane r = output o of row r. Blocks go in pairs, one pair's products in flight while the pair
+ * before is scaled; each accumulator still takes its blocks in order. */
 static void aq_tile(int type, const uint8_t *w, int64_t row_bytes, int64_t k, const uint8_t *levels,
                     const float *dx, const float *cs, __m512 acc[AQ_COLS]) {
     int32_t c[AQ_COLS * 16] __attribute__((aligned(64))), c2[AQ_COLS * 16] __attribute__((aligned(64)));
-    uint8_t a[AQ_COLS * 32] __attribute__((aligned(64))), a2[AQ_COLS * 32] __attribute__((aligned(64)));
-    float dw[AQ_COLS] __attribute__((aligned(64))), dw2[AQ_COLS] __attribute__((aligned(64)));
+    uint8_t a[4][AQ_COLS * 32] __attribute__((aligned(64)));
+    float dw[2][2][AQ_COLS] __attribute__((aligned(64)));                   /* Q8_0, Q4_0: per set */
+    float scales[2][16][AQ_COLS] __attribute__((aligned(64)));              /* K types: per super-block parity */
+    float minus[2][8][AQ_COLS] __attribute__((aligned(64)));
+    aq_pair pairs[2];
+    int set = 0, pending = 0;
     for (int o = 0; o < AQ_COLS; o++) acc[o] = _mm512_setzero_ps();
     const int64_t nb = k / 32;
+    const __m512i rows = aq_row_offsets(row_bytes);
+#define AQ_NEXT()                                                                                             \
+    do {                                                                                                      \
+        if (pending) aq_finish(!set, acc, c, c2, &pairs[!set]);                                              \
+        pending = 1;                                                                                          \
+        set = !set;                                                                                           \
+    } while (0)
     if (type == AQ_Q8_0 || type == AQ_Q4_0) {
         const int64_t size = type == AQ_Q8_0 ? 34 : 18;
-        int64_t b = 0;
-        for (; b + 1 < nb; b += 2) {
+        for (int64_t b = 0; b < nb; b += 2) {
+            const int count = b + 1 < nb ? 2 : 1;
+            aq_pair *p = &pairs[set];
             aq_prefetch(w, row_bytes, size * b, type == AQ_Q8_0 ? 2 : 1);
-            _mm512_store_ps(dw, aq_halfs(w + size * b, row_bytes));
-            _mm512_store_ps(dw2, aq_halfs(w + size * (b + 1), row_bytes));
+            _mm512_store_ps(dw[set][0], aq_halfs(w + size * b, row_bytes));
+            if (count == 2) _mm512_store_ps(dw[set][1], aq_halfs(w + size * (b + 1), row_bytes));
+            *p = (aq_pair){.dx0 = _mm512_load_ps(dx + AQ_ROWS * b), .dw0 = dw[set][0], .dw1 = dw[set][1], .count = count};
+            if (count == 2) p->dx1 = _mm512_load_ps(dx + AQ_ROWS * (b + 1));
+            const int64_t b1 = count == 2 ? b + 1 : b; /* an odd count's last pair multiplies its block twice */
             if (type == AQ_Q8_0) {
-                aq_products(w + 34 * b + 2, row_bytes, levels + b * AQ_B_BYTES, w + 34 * (b + 1) + 2, row_bytes,
-                            levels + (b + 1) * AQ_B_BYTES, c, c2);
+                aq_issue(set, w + 34 * b + 2, row_bytes, levels + b * AQ_B_BYTES, w + 34 * b1 + 2, row_bytes,
+                         levels + b1 * AQ_B_BYTES);
             } else {
-                aq_q4_0_levels(w, row_bytes, b, a);
-                aq_q4_0_levels(w, row_bytes, b + 1, a2);
-                aq_products(a, 32, levels + b * AQ_B_BYTES, a2, 32, levels + (b + 1) * AQ_B_BYTES, c, c2);
+                aq_q4_0_levels(w, row_bytes, b, a[0]);
+                aq_q4_0_levels(w, row_bytes, b1, a[1]);
+                aq_issue(set, a[0], 32, levels + b * AQ_B_BYTES, a[1], 32, levels + b1 * AQ_B_BYTES);
             }
-            aq_scale(acc, c, _mm512_load_ps(dx + AQ_ROWS * b), dw);
-            aq_scale(acc, c2, _mm512_load_ps(dx + AQ_ROWS * (b + 1)), dw2);
-        }
-        if (b < nb) {
-            _mm512_store_ps(dw, aq_halfs(w + size * b, row_bytes));
-            if (type == AQ_Q8_0) {
-                aq_product(w + 34 * b + 2, row_bytes, levels + b * AQ_B_BYTES, c);
-            } else {
-                aq_q4_0_levels(w, row_bytes, b, a);
-                aq_product(a, 32, levels + b * AQ_B_BYTES, c);
-            }
-            aq_scale(acc, c, _mm512_load_ps(dx + AQ_ROWS * b), dw);
+            AQ_NEXT();
         }
     } else if (type == AQ_Q4_K) {
-        /* per super-block: d * scale and -(dmin * min) of its 8 sub-blocks for the 16 outputs */
-        float scales[8][AQ_COLS] __attribute__((aligned(64))), minus[8][AQ_COLS] __attribute__((aligned(64)));
         const __m256i low = _mm256_set1_epi8(0x0F);
-        const __m512i rows = aq_row_offsets(row_bytes);
         for (int64_t u = 0; u < k / 256; u++) {
+            float(*sc)[AQ_COLS] = scales[u % 2], (*mn)[AQ_COLS] = minus[u % 2];
             aq_prefetch(w, row_bytes, 144 * u, 3);
-            aq_k4_scales(w + 144 * u, rows, scales, minus);
+            aq_k4_scales(w + 144 * u, rows, sc, mn);
             for (int j = 0; j < 4; j++) { /* sub-blocks 2j (low nibbles) and 2j + 1 (high) */
                 for (int o = 0; o < AQ_COLS; o++) {
                     const __m256i q = _mm256_loadu_si256((const __m256i *)(w + o * row_bytes + 144 * u + 16 + 32 * j));
-                    _mm256_store_si256((__m256i *)(a + 32 * o), _mm256_and_si256(q, low));
-                    _mm256_store_si256((__m256i *)(a2 + 32 * o), _mm256_and_si256(_mm256_srli_epi16(q, 4), low));
+                    _mm256_store_si256((__m256i *)(a[0] + 32 * o), _mm256_and_si256(q, low));
+                    _mm256_store_si256((__m256i *)(a[1] + 32 * o), _mm256_and_si256(_mm256_srli_epi16(q, 4), low));
                 }
                 const int64_t b = 8 * u + 2 * j;
-                aq_products(a, 32, levels + b * AQ_B_BYTES, a2, 32, levels + (b + 1) * AQ_B_BYTES, c, c2);
-                aq_scale(acc, c, _mm512_load_ps(dx + AQ_ROWS * b), scales[2 * j]);
-                aq_mins(acc, _mm512_load_ps(cs + AQ_ROWS * b), minus[2 * j]);
-                aq_scale(acc, c2, _mm512_load_ps(dx + AQ_ROWS * (b + 1)), scales[2 * j + 1]);
-                aq_mins(acc, _mm512_load_ps(cs + AQ_ROWS * (b + 1)), minus[2 * j + 1]);
+                pairs[set] = (aq_pair){.dx0 = _mm512_load_ps(dx + AQ_ROWS * b), .dx1 = _mm512_load_ps(dx + AQ_ROWS * (b + 1)),
+                                       .cs0 = _mm512_load_ps(cs + AQ_ROWS * b), .cs1 = _mm512_load_ps(cs + AQ_ROWS * (b + 1)),
+                                       .dw0 = sc[2 * j], .dw1 = sc[2 * j + 1], .mn0 = mn[2 * j], .mn1 = mn[2 * j + 1],
+                                       .count = 2};
+                aq_issue(set, a[0], 32, levels + b * AQ_B_BYTES, a[1], 32, levels + (b + 1) * AQ_B_BYTES);
+                AQ_NEXT();
             }
         }
     } else { /* Q6_K: blocks of 32 in two halves of 16 weights with their own scales; K = 16 tiles */
         const __m512i low = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(32);
-        const __m512i rows = aq_row_offsets(row_bytes);
-        uint8_t a6[4][AQ_COLS * 32] __attribute__((aligned(64)));
-        float scales[16][AQ_COLS] __attribute__((aligned(64)));
         for (int64_t u = 0; u < k / 256; u++) {
+            float(*sc)[AQ_COLS] = scales[u % 2];
             aq_prefetch(w, row_bytes, 210 * u, 4);
-            aq_k6_scales(w + 210 * u, rows, scales);
+            aq_k6_scales(w + 210 * u, rows, sc);
             for (int half = 0; half < 2; half++) {
                 /* a column's 128 weights of this half at once: blocks p = 0, 1 from the low nibbles of ql's
                  * 64 bytes and qh's bit pairs 0, 1; p = 2, 3 from the high nibbles and bit pairs 2, 3 */
@@ -347,27 +381,23 @@ static void aq_tile(int type, const uint8_t *w, int64_t row_bytes, int64_t k, co
                     const __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
                                                         _mm512_slli_epi16(_mm512_and_si512(h23, three), 4));
                     const __m512i l01 = _mm512_sub_epi8(q01, bias), l23 = _mm512_sub_epi8(q23, bias);
-                    _mm256_store_si256((__m256i *)(a6[0] + 32 * o), _mm512_castsi512_si256(l01));
-                    _mm256_store_si256((__m256i *)(a6[1] + 32 * o), _mm512_extracti64x4_epi64(l01, 1));
-                    _mm256_store_si256((__m256i *)(a6[2] + 32 * o), _mm512_castsi512_si256(l23));
-                    _mm256_store_si256((__m256i *)(a6[3] + 32 * o), _mm512_extracti64x4_epi64(l23, 1));
+                    _mm256_store_si256((__m256i *)(a[0] + 32 * o), _mm512_castsi512_si256(l01));
+                    _mm256_store_si256((__m256i *)(a[1] + 32 * o), _mm512_extracti64x4_epi64(l01, 1));
+                    _mm256_store_si256((__m256i *)(a[2] + 32 * o), _mm512_castsi512_si256(l23));
+                    _mm256_store_si256((__m256i *)(a[3] + 32 * o), _mm512_extracti64x4_epi64(l23, 1));
                 }
                 for (int p = 0; p < 4; p++) {
                     const int64_t b = 8 * u + 4 * half + p;
-                    const uint8_t *a = a6[p];
-                    aq_products(a, 32, levels + b * AQ_B_BYTES, a + 16, 32, levels + b * AQ_B_BYTES + 256, c, c2);
-                    const __m512 dxv = _mm512_load_ps(dx + AQ_ROWS * b);
-                    const float *s0 = scales[8 * half + 2 * p], *s1 = scales[8 * half + 2 * p + 1];
-#pragma GCC unroll 16
-                    for (int o = 0; o < AQ_COLS; o++) { /* acc += dx * (C * s0 + C2 * s1) */
-                        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * o)), _mm512_set1_ps(s0[o]));
-                        acc[o] = _mm512_fmadd_ps(dxv, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c2 + 16 * o)),
-                                                                      _mm512_set1_ps(s1[o]), t), acc[o]);
-                    }
+                    pairs[set] = (aq_pair){.dx0 = _mm512_load_ps(dx + AQ_ROWS * b), .dw0 = sc[8 * half + 2 * p],
+                                           .dw1 = sc[8 * half + 2 * p + 1], .count = 2, .halves = 1};
+                    aq_issue(set, a[p], 32, levels + b * AQ_B_BYTES, a[p] + 16, 32, levels + b * AQ_B_BYTES + 256);
+                    AQ_NEXT();
                 }
             }
         }
     }
+    if (pending) aq_finish(!set, acc, c, c2, &pairs[!set]);
+#undef AQ_NEXT
 }
 
 /* out [m][n] = x [m][k] W^T on AMX tiles. Returns -1 for a type it does not handle, -2 when k is not
