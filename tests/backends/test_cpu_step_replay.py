@@ -3,8 +3,8 @@
 
 A replay runs the kernels the eager step ran, with the same arguments, in the same order, and plain copies
 and float32 adds in place of the torch ops between them, so everything is compared for exact equality:
-the greedy tokens and the top-5 logprobs of every step (the logits' values) of tiny llama, qwen2 and
-mistral models, float32 and quantized (in-situ Q4_0: the fused int8 matmul; a llama.cpp Q8_0 file with its
+the greedy tokens and the top-5 logprobs of every step (the logits' values) of tiny llama, qwen2, qwen3
+and mistral models, float32 and quantized (in-situ Q4_0: the fused int8 matmul; a llama.cpp Q8_0 file with its
 quantized embedding), against ``enforce_eager``; with sequences finishing and joining between steps,
 preemption and prefix caching. The translated torch ops are checked one by one on a stand-in forward.
 """
@@ -31,6 +31,7 @@ FIXTURES = Path(__file__).parent.parent / "quant" / "fixtures"
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-5)
 MODELS = {"llama": ("LlamaForCausalLM", {}), "qwen2": ("Qwen2ForCausalLM", {}),  # qwen2: q/k/v biases
+          "qwen3": ("Qwen3ForCausalLM", {"head_dim": 16}),  # q/k norms over views of the fused qkv output
           "mistral": ("MistralForCausalLM", {"sliding_window": 12})}
 
 
