@@ -340,7 +340,8 @@ class DeviceBackend(Protocol):
         pipeline parallelism is on; ``forward(batch)`` is the model's forward. The callable returned takes
         each step's batch and gives the hidden states of its sampled rows from a replay (the cuda backend's
         CUDA graphs of decode steps at bucketed batch sizes), or None: the worker then runs that step
-        eagerly. The block tables it is given may be narrower than ``max_blocks_per_seq``.
+        eagerly. The block tables it is given may be narrower than ``max_blocks_per_seq``, and the batch has
+        no ``attention`` metadata yet (``prepare`` runs only for the steps that run eagerly).
         """
 
 

@@ -156,7 +156,6 @@ class Worker:
         if step.block_copies:
             self.backend.copy_blocks(self.kv_caches, step.block_copies)
         batch = step.to_batch(self.backend.device)
-        batch.attention = self.backend.prepare(batch)
         intermediate = None
         if not self.is_first_stage:
             intermediate = self._recv_intermediate(self.rank.stage_rank(self.rank.pp_rank - 1))
@@ -165,6 +164,7 @@ class Worker:
                 batch.num_seqs:
             out = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
         if out is None:
+            batch.attention = self.backend.prepare(batch)  # a replay brings its own metadata
             out = self.pipeline.forward(batch, intermediate)
         if not self.is_last_stage:
             self._send_intermediate(out, self.rank.stage_rank(self.rank.pp_rank + 1))
