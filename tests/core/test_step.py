@@ -1,0 +1,78 @@
+"""build_step: the plain-Python decode path gives the general numpy path's arrays exactly, and steps it does
+not cover (prefill chunks, prompt logprobs, n > 1 parents) still take the general path."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from pluginfer.core.sequence import FinishReason, SamplingParams, Sequence
+from pluginfer.core.step import _flatten, _plain_decode_step, build_step
+from tests.core.test_scheduler import BLOCK, make_request, make_scheduler, step
+
+FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices")
+
+
+def assert_same_plan(plain: object, general: object) -> None:
+    for name in FIELDS:
+        a, b = getattr(plain.step, name), getattr(general.step, name)
+        assert a.dtype == b.dtype == np.int64 and a.flags.c_contiguous and np.array_equal(a, b), name
+    assert (plain.step.block_size, plain.step.block_copies, plain.step.num_hidden_rows) == \
+        (general.step.block_size, general.step.block_copies, general.step.num_hidden_rows)
+    assert plain.prompt_logprob_rows == general.prompt_logprob_rows == []
+    assert plain.pooling_rows == general.pooling_rows == []
+
+
+def test_plain_decode_steps_equal_the_general_path() -> None:
+    rng = random.Random(0)
+    scheduler = make_scheduler(num_blocks=200, budget=64, max_seqs=6)
+    plain_steps = 0
+    for index in range(40):
+        if index % 5 == 0:  # requests join while others decode, finish at different lengths
+            prompt = [rng.randrange(10, 500) for _ in range(rng.randrange(1, 12))]
+            scheduler.add_request(make_request(f"r{index}", prompt, max_tokens=rng.randrange(2, 30)))
+        output = scheduler.schedule()
+        plain = _plain_decode_step(output.scheduled, BLOCK, output.block_copies)
+        general = _flatten(output.scheduled, BLOCK, output.block_copies)
+        decoding = all(row.num_new_tokens == 1 and row.sample_for for row in output.scheduled)
+        assert (plain is not None) == (decoding and bool(output.scheduled))
+        if plain is not None:
+            plain_steps += 1
+            assert_same_plan(plain, general)
+        for row in output.scheduled:  # what step() in test_scheduler does, on this output
+            for seq in row.sample_for:
+                seq.output_token_ids.append(1000 + len(seq))
+                if len(seq.output_token_ids) >= seq.params.max_tokens:
+                    seq.finish(FinishReason.LENGTH)
+        scheduler.update(output)
+    assert plain_steps >= 10
+
+
+def advance(scheduler: object, output: object) -> None:
+    """The fake sampling of test_scheduler.step on an output already scheduled, then update()."""
+    for row in output.scheduled:
+        for seq in row.sample_for:
+            seq.output_token_ids.append(1000 + len(seq))
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                seq.finish(FinishReason.LENGTH)
+    scheduler.update(output)
+
+
+def test_steps_the_plain_path_leaves_to_the_general_one() -> None:
+    scheduler = make_scheduler(budget=64)
+    scheduler.add_request(make_request("a", range(10, 20), max_tokens=5))
+    output = scheduler.schedule()  # a prefill of 10 tokens
+    assert _plain_decode_step(output.scheduled, BLOCK, []) is None
+    advance(scheduler, output)
+    output = scheduler.schedule()  # now a decode
+    assert _plain_decode_step(output.scheduled, BLOCK, []) is not None
+    advance(scheduler, output)
+    with_logprobs = Sequence("b", list(range(30, 40)), SamplingParams(max_tokens=3, prompt_logprobs=1))
+    scheduler.add_request([with_logprobs])
+    step(scheduler)
+    output = scheduler.schedule()  # both decode; one asked for prompt logprobs
+    assert [row.num_new_tokens for row in output.scheduled] == [1, 1]
+    assert _plain_decode_step(output.scheduled, BLOCK, []) is None
+    plan, general = build_step(output.scheduled, BLOCK, []), _flatten(output.scheduled, BLOCK, [])
+    assert all(np.array_equal(getattr(plan.step, name), getattr(general.step, name)) for name in FIELDS)
