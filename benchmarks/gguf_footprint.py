@@ -38,13 +38,13 @@ def memory_mb() -> tuple[float, float]:
     return (int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024)
 
 
-def measure_pluginfer(path: str, threads: int) -> dict:
+def measure_pluginfer(path: str, threads: int, eager: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     from pluginfer import LLM, SamplingParams
 
-    llm = LLM(model=path, max_model_len=CONTEXT, max_num_seqs=1, enable_prefix_caching=False)
+    llm = LLM(model=path, max_model_len=CONTEXT, max_num_seqs=1, enable_prefix_caching=False, enforce_eager=eager)
     llm.generate([[10]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     first_token = time.perf_counter() - STARTED
     rss, peak = memory_mb()
@@ -90,11 +90,15 @@ def main() -> None:
     parser.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
                         help="a pluginfer checkout to measure (imported from PATH), interleaved with the others; "
                              "default: the installed pluginfer")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="pluginfer without its recorded decode steps (the engine's --enforce-eager)")
     parser.add_argument("--child", choices=["pluginfer", "llama.cpp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        measure = measure_pluginfer if args.child == "pluginfer" else measure_llama_cpp
-        print(json.dumps(measure(args.files[0], args.threads)))
+        if args.child == "pluginfer":
+            print(json.dumps(measure_pluginfer(args.files[0], args.threads, args.enforce_eager)))
+        else:
+            print(json.dumps(measure_llama_cpp(args.files[0], args.threads)))
         return
     sources = dict(item.split("=", 1) for item in args.source) or {"pluginfer": None}
     engines = [(name, "pluginfer", path) for name, path in sources.items()]
@@ -107,7 +111,8 @@ def main() -> None:
                 if source:
                     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(source).resolve()),
                                                                       env.get("PYTHONPATH")]))
-                out = subprocess.run([sys.executable, __file__, path, "--child", kind, "--threads", str(args.threads)],
+                command = [sys.executable, __file__, path, "--child", kind, "--threads", str(args.threads)]
+                out = subprocess.run(command + (["--enforce-eager"] if args.enforce_eager else []),
                                      env=env, capture_output=True, text=True, check=True, cwd=source or None)
                 results.setdefault((path, name), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.threads} threads, medians of {args.runs} runs (fresh process each)")

@@ -9,8 +9,9 @@ table and the LM head included (``layers.embedding`` keeps them quantized); only
 in ``dense_tensors`` are dequantized at load (docs/quantization.md).
 
 What is copied at load (rows reordered by a model's ``fix``, a dequantized tensor, the quant method's
-fused groups) gives its file pages back (``release_file_pages``): the process keeps resident one copy of
-each weight, the file's pages for what it reads in place, its own memory for what it copied.
+fused groups) gives its file pages back (``release_file_pages``), or is read from the file without the
+mapping (``read_file_bytes``, the fused groups): the process keeps resident one copy of each weight, the
+file's pages for what it reads in place, its own memory for what it copied.
 """
 
 from __future__ import annotations
@@ -201,6 +202,23 @@ def release_file_pages(source: torch.Tensor) -> int:
         * source.element_size()
     found = file_holding(source.data_ptr(), extent)
     return 0 if found is None else found[0].release(found[1], extent)
+
+
+def read_file_bytes(source: torch.Tensor, target: torch.Tensor) -> bool:
+    """Copy ``source``, a contiguous view of an open ``.gguf`` file's mapping, into ``target`` (contiguous, on
+    the CPU, as many bytes) by reading the file (``GGUFFile.read_into``), so the source's pages never enter
+    this process; False where ``source`` is no such view (copy it another way)."""
+    from pluginfer.core.gguf_reader import file_holding
+
+    length = source.numel() * source.element_size()
+    if source.device.type != "cpu" or target.device.type != "cpu" or not source.is_contiguous() \
+            or not target.is_contiguous() or target.numel() * target.element_size() != length or length == 0:
+        return False
+    found = file_holding(source.data_ptr(), length)
+    if found is None:
+        return False
+    found[0].read_into(found[1], memoryview(target.view(-1).view(torch.uint8).numpy()))
+    return True
 
 
 class MalformedTensorError(ValueError):

@@ -11,6 +11,7 @@ view is made (``check_tensor_info``). Little-endian files (what llama.cpp writes
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 import weakref
 from dataclasses import dataclass
@@ -115,6 +116,22 @@ class GGUFFile:
             data = self.data[start + relative:start + relative + n_bytes].view(dtype).reshape(numpy_shape)
             self.tensors.append(GGUFTensorInfo(name, qtype, dims, start + relative, n_bytes, data))
         _OPEN_FILES.add(self)
+        self._descriptor: int | None = None  # for read_into, opened on first use
+
+    def read_into(self, start: int, target: memoryview) -> None:
+        """Read file bytes ``[start, start + len(target))`` into ``target`` with ``pread``, not through the
+        mapping: the file's pages stay in the OS's page cache and never enter this process (and no page
+        fault per 4 KiB, several times faster than copying from the mapping on a busy machine)."""
+        if self._descriptor is None:
+            self._descriptor = os.open(self.path, os.O_RDONLY)
+            weakref.finalize(self, os.close, self._descriptor)
+        done = 0
+        while done < len(target):
+            count = os.preadv(self._descriptor, [target[done:]], start + done)
+            if count <= 0:
+                raise OSError(f"{self.path}: reading {len(target)} bytes at {start} stopped after {done}: the file "
+                              "is shorter than its header says (changed on disk while open?)")
+            done += count
 
     def release(self, start: int, length: int) -> int:
         """Drop the pages wholly inside bytes ``[start, start + length)`` of the file from this process's

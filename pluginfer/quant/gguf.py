@@ -2,9 +2,10 @@
 
 A fused layer (``qkv_proj``, ``gate_up_proj``) is loaded from several checkpoint tensors, and GGUF
 files mix types (e.g. Q4_K q/k with a Q6_K v), so each shard keeps its own (type, raw blocks).
-Adjacent shards of one type are concatenated once after loading (a copy: the file pages the shards were
-read from then leave the process's resident memory, ``gguf_checkpoint.release_file_pages``, as do those of
-any other tensor copied at load: a rank's columns, another dtype or device); the matmul runs
+Adjacent shards of one type are concatenated once after loading, read from the file with ``pread`` into the
+group (``gguf_checkpoint.read_file_bytes``: their pages never enter the process); the pages of any other
+tensor copied at load (a rank's columns, another dtype or device, llama's reordered q/k rows) are released
+after the copy (``gguf_checkpoint.release_file_pages``); the matmul runs
 ``ggml_blocks.ggml_linear`` per group (a tile of rows dequantized at a time) and concatenates the
 outputs. Float shards (F32/F16/BF16 files) are plain dense weights in the model dtype.
 
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pluginfer.core.gguf_checkpoint import release_file_pages, shares_memory
+from pluginfer.core.gguf_checkpoint import read_file_bytes, release_file_pages, shares_memory
 from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context
 from pluginfer.layers.linear import projection_rows
@@ -140,10 +141,7 @@ class GGUFLinear:
                 groups[-1][1].append(tensor)
             else:
                 groups.append((qtype, [tensor]))
-        layer.gguf_groups = [(qtype, parts[0] if len(parts) == 1 else torch.cat(parts)) for qtype, parts in groups]
-        for _, parts in groups:
-            for part in parts if len(parts) > 1 else ():
-                release_file_pages(part)  # concatenated: the group is a copy, the file's pages can go
+        layer.gguf_groups = [(qtype, parts[0] if len(parts) == 1 else _concatenate(parts)) for qtype, parts in groups]
         layer.gguf_shards = {}
         del layer.weight  # the placeholder; the groups hold the weights
 
@@ -199,6 +197,23 @@ class GGMLVocabTable:
 
     def logits(self, hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return ggml_linear(hidden, self.raw, self.qtype, self.cols, bias, self.kernel)
+
+
+def _concatenate(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' rows in one tensor. A part that is a view of the ``.gguf`` file's mapping is read from the
+    file into its rows (``pread``: its pages never enter the process, and it is ~10x faster than faulting
+    them in on a busy machine, benchmarks/gguf_group_copy.py); pages it was read through before (a part
+    copied from the mapping) are released."""
+    group = torch.empty(sum(part.shape[0] for part in parts), *parts[0].shape[1:], dtype=parts[0].dtype,
+                        device=parts[0].device)
+    start = 0
+    for part in parts:
+        rows = group[start:start + part.shape[0]]
+        if not read_file_bytes(part, rows):
+            rows.copy_(part)
+        release_file_pages(part)
+        start += part.shape[0]
+    return group
 
 
 def _rows(loaded: object, start: int, rows: int) -> object:

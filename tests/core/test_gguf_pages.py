@@ -1,8 +1,9 @@
-"""What a GGUF model copies at load gives its file pages back (core/gguf_checkpoint.release_file_pages).
+"""What a GGUF model copies at load keeps none of its file pages (core/gguf_checkpoint.read_file_bytes,
+release_file_pages).
 
-The fused q/k/v and gate/up groups, llama's reordered q/k rows and a tensor-parallel rank's columns are
-copies; the file pages they were read from must not stay resident in the process, or every such weight
-counts twice. The tensors read in place (o_proj, down_proj) stay mapped and resident. Residency is read
+The fused q/k/v and gate/up groups (read from the file with pread), llama's reordered q/k rows and a
+tensor-parallel rank's columns (released after the copy) are copies; the file pages they came from must
+not stay resident in the process, or every such weight counts twice. The tensors read in place (o_proj, down_proj) stay mapped and resident. Residency is read
 per page from Linux's ``/proc/self/pagemap`` (bit 63: the page is mapped in this process).
 """
 
@@ -18,7 +19,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from pluginfer import LLM, SamplingParams
 from pluginfer.cli.convert import convert_to_gguf
-from pluginfer.core.gguf_checkpoint import GGMLTensor, release_file_pages
+from pluginfer.core.gguf_checkpoint import GGMLTensor, read_file_bytes, release_file_pages
 from pluginfer.core.gguf_reader import GGUFFile
 from tests.conftest import TINY_LLAMA
 
@@ -82,6 +83,20 @@ def test_release_drops_the_file_pages_and_a_read_brings_back_the_file_bytes(wide
     assert not any(resident(address, length))
     assert torch.equal(tensor, expected)  # read again: the file's bytes, mapped back
     assert all(resident(address, length))
+
+
+def test_read_file_bytes_copies_without_mapping_the_pages(wide_gguf: Path) -> None:
+    file = GGUFFile(wide_gguf)
+    info = max(file.tensors, key=lambda t: t.n_bytes)
+    source = torch.from_numpy(info.data)
+    address, length = interior(file.address, info.data_offset, info.n_bytes)
+    release_file_pages(source)
+    target = torch.empty_like(source)
+    assert read_file_bytes(source, target)
+    assert not any(resident(address, length))  # read from the file, not through the mapping
+    assert torch.equal(target, source)  # (this comparison maps them)
+    assert not read_file_bytes(target, torch.empty_like(target))  # not a view of a file: copy it another way
+    assert not read_file_bytes(source[:, ::2], torch.empty_like(source[:, ::2]))  # not contiguous
 
 
 def test_release_leaves_memory_that_is_not_a_mapped_file_alone() -> None:
