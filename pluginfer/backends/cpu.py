@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # The KV cache's size when cache.kv_cache_memory is not given (vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE=4).
 DEFAULT_KV_CACHE_BYTES = 4 * 2**30
+# KV cache dtypes the native decode attention reads (the query and its result then in the cache's dtype).
+NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @cache
@@ -200,17 +202,19 @@ class CpuBackend:
         meta: CpuAttentionMetadata = batch.attention
         decodes = meta.num_native_decodes
         # The C kernel reads contiguous value rows; a value inside the key takes the torch path.
-        native_decodes = decodes and key_cache.dtype == torch.float32 and value_cache.is_contiguous()
-        if native_decodes and decodes == query.shape[0] and query.dtype == torch.float32:
+        # A 16-bit cache with a float32 query (kv_cache_dtype) keeps the torch path: the query is not rounded.
+        native_decodes = decodes and key_cache.dtype in NATIVE_CACHE_DTYPES and value_cache.is_contiguous() \
+            and (key_cache.dtype == torch.float32 or query.dtype == key_cache.dtype)
+        if native_decodes and decodes == query.shape[0] and query.dtype == key_cache.dtype:
             # Every row decodes (the steady state): the kernel's output is the result, no copy.
             return native.paged_decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
                                                  meta.decode_seq_lens, scale, sliding_window, logit_soft_cap)
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
         if native_decodes:
             out[:decodes] = native.paged_decode_attention(
-                query[:decodes].float(), key_cache, value_cache, meta.decode_block_tables,
+                query[:decodes].to(key_cache.dtype), key_cache, value_cache, meta.decode_block_tables,
                 meta.decode_seq_lens, scale, sliding_window, logit_soft_cap).to(out.dtype)
-        elif decodes:  # the kernel is float32 only; other cache dtypes take the torch path
+        elif decodes:  # the kernel takes float32, float16, bfloat16 caches; others take the torch path
             _attend(_decode_part(batch, meta), query, flat_keys, flat_values, out, scale, sliding_window,
                     logit_soft_cap)
         for part in (None if decodes else meta.decode, meta.prefill):

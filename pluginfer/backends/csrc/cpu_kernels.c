@@ -693,3 +693,294 @@ int int4_dequantize_rows(const uint8_t *qweight, const uint8_t *scales, const ui
     }
     return 0;
 }
+
+/* ---- 16-bit activations: rms_norm_16, silu_and_mul_16, rotary_neox_16, paged_decode_attention_16 ----
+ *
+ * The same ops on float16 (dtype 1) or bfloat16 (dtype 2) tensors: each value is widened to float32 as it
+ * is loaded (exactly), the arithmetic is float32, and each result is rounded to the 16-bit type (to
+ * nearest even, as torch's .to() does) where torch's 16-bit reference rounds it: rms_norm_16 and
+ * silu_and_mul_16 round where layers/norm.py and layers/activation.py do, rotary_neox_16 rotates in
+ * float32 with float32 cos/sin and rounds once, paged_decode_attention_16 is paged_decode_attention's
+ * arithmetic (the same operations in the same order) on the widened values, rounded once. */
+enum { HALF_F16 = 1, HALF_BF16 = 2 };
+
+static inline float load16(const uint16_t *p, int dtype) {
+    if (dtype == HALF_F16) return half_to_float((const uint8_t *)p);
+    const uint32_t bits = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 to IEEE half bits, round to nearest even (overflow to inf; a NaN stays a quiet NaN). */
+static inline uint16_t half_round(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    const uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00 | ((a >> 13) & 0x3FF));
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00); /* rounds past 65504 */
+    if (a >= 0x38800000u) {                                  /* normal half */
+        const uint32_t rounded = a + 0xFFFu + ((a >> 13) & 1u);
+        return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
+    }
+    if (a < 0x33000000u) return sign; /* below half the smallest subnormal */
+    const uint32_t exponent = a >> 23, mantissa = (a & 0x7FFFFFu) | 0x800000u, shift = 126 - exponent;
+    uint32_t value = mantissa >> shift;
+    const uint32_t rest = mantissa & ((1u << shift) - 1u), halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (value & 1u))) value++;
+    return (uint16_t)(sign | value);
+#endif
+}
+
+/* float32 to bfloat16 bits, round to nearest even, as torch's .to(torch.bfloat16) (every NaN becomes 0xFFFF). */
+static inline uint16_t bfloat_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0xFFFF : rounded;
+}
+
+static inline uint16_t store16(float f, int dtype) { return dtype == HALF_F16 ? half_round(f) : bfloat_round(f); }
+
+/* f rounded to the 16-bit type, as float32 again (a rounding torch's 16-bit reference makes mid-way). */
+static inline float round16(float f, int dtype) {
+    const uint16_t bits = store16(f, dtype);
+    return load16(&bits, dtype);
+}
+
+/* out = round(round(src * rsqrt(mean(src^2) + eps)) * weight) (offset 0), or round(src * rsqrt(..) *
+ * (weight + offset)); src = x, or round(x + residual) written back into residual. */
+void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
+                 int64_t cols, float eps, float offset, int dtype) {
+#pragma omp parallel for if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *in = x + r * cols;
+        uint16_t *o = out + r * cols;
+        float sum = 0.0f;
+        if (residual) {
+            uint16_t *res = residual + r * cols;
+            for (int64_t i = 0; i < cols; i++) {
+                res[i] = store16(load16(in + i, dtype) + load16(res + i, dtype), dtype);
+                const float v = load16(res + i, dtype);
+                sum += v * v;
+            }
+            in = res;
+        } else {
+            for (int64_t i = 0; i < cols; i++) {
+                const float v = load16(in + i, dtype);
+                sum += v * v;
+            }
+        }
+        const float inverse = 1.0f / sqrtf(sum / (float)cols + eps);
+        if (offset != 0.0f) {
+            for (int64_t i = 0; i < cols; i++)
+                o[i] = store16((load16(in + i, dtype) * inverse) * (load16(weight + i, dtype) + offset), dtype);
+        } else {
+            for (int64_t i = 0; i < cols; i++) {
+                o[i] = store16(round16(load16(in + i, dtype) * inverse, dtype) * load16(weight + i, dtype), dtype);
+            }
+        }
+    }
+}
+
+/* out[r, i] = round(round(silu(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.silu(gate) * up). */
+void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
+#pragma omp parallel for if (rows > 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = x + r * 2 * n, *up = gate + n;
+        uint16_t *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float g = load16(gate + i, dtype);
+            o[i] = store16(round16(g / (1.0f + expf(-g)), dtype) * load16(up + i, dtype), dtype);
+        }
+    }
+}
+
+/* rotary_neox on 16-bit q and k rows (strides in elements), float32 cos/sin tables of [tokens, rotary_dim/2]:
+ * x1' = round(x1 c - x2 s), x2' = round(x2 c + x1 s), the products and sums in float32. */
+void rotary_neox_16(uint16_t *q, uint16_t *k, const float *cos_table, const float *sin_table, int64_t tokens,
+                    int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride,
+                    int64_t k_stride, int dtype) {
+    const int64_t half = rotary_dim / 2;
+#pragma omp parallel for if (tokens > 8)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_table + t * half, *s = sin_table + t * half;
+        for (int64_t h = 0; h < q_heads + k_heads; h++) {
+            uint16_t *x = h < q_heads ? q + t * q_stride + h * head_dim : k + t * k_stride + (h - q_heads) * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = load16(x + i, dtype), x2 = load16(x + i + half, dtype);
+                x[i] = store16(x1 * c[i] - x2 * s[i], dtype);
+                x[i + half] = store16(x2 * c[i] + x1 * s[i], dtype);
+            }
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+static inline __m512 load16_ps(const uint16_t *p, int dtype) {
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)p);
+    if (dtype == HALF_F16) return _mm512_cvtph_ps(bits);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* scores_avx512 with 16-bit keys widened as they are loaded (q is float32). */
+static void scores16_avx512(const float *q, const uint16_t *key_cache, const int64_t *table, int64_t start,
+                            int64_t count, int64_t rows, int64_t group, int64_t kv_begin, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, float *scores, int dtype) {
+    const uint16_t *keys[16];
+    for (int64_t i0 = 0; i0 < count; i0 += 16) {
+        const int64_t n = count - i0 < 16 ? count - i0 : 16;
+        for (int64_t j = 0; j < 16; j++) {
+            const int64_t pos = start + i0 + (j < n ? j : 0);
+            const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+            keys[j] = key_cache + (slot * num_kv_heads + kv_begin) * head_dim;
+        }
+        const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+        for (int64_t h = 0; h < rows; h++) {
+            const float *qh = q + h * head_dim;
+            const int64_t offset = (h / group) * head_dim;
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                const __m512 qv = _mm512_loadu_ps(qh + d);
+                for (int j = 0; j < 16; j++)
+                    acc[j] = _mm512_fmadd_ps(qv, load16_ps(keys[j] + offset + d, dtype), acc[j]);
+            }
+            _mm512_mask_storeu_ps(scores + h * count + i0, mask, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+        }
+    }
+}
+
+/* values_avx512 with 16-bit values widened as they are loaded; o is float32. */
+static void values16_avx512(const float *scores, const uint16_t *value_cache, const int64_t *table, int64_t start,
+                            int64_t count, int64_t rows, int64_t group, int64_t kv_begin, int64_t num_kv_heads,
+                            int64_t v_dim, int64_t block_size, float *o, int dtype) {
+    for (int64_t h = 0; h < rows; h++) {
+        const float *p = scores + h * count;
+        const int64_t offset = (h / group) * v_dim;
+        for (int64_t d0 = 0; d0 < v_dim; d0 += 16 * VALUE_CHUNKS) {
+            const int chunks = (int)((v_dim - d0) / 16 < VALUE_CHUNKS ? (v_dim - d0) / 16 : VALUE_CHUNKS);
+            __m512 acc[VALUE_CHUNKS];
+            for (int c = 0; c < VALUE_CHUNKS; c++) acc[c] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < count; i++) {
+                const int64_t pos = start + i;
+                const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+                const uint16_t *v = value_cache + (slot * num_kv_heads + kv_begin) * v_dim + offset + d0;
+                const __m512 weight = _mm512_set1_ps(p[i]);
+                if (chunks == VALUE_CHUNKS) {
+                    for (int c = 0; c < VALUE_CHUNKS; c++)
+                        acc[c] = _mm512_fmadd_ps(weight, load16_ps(v + 16 * c, dtype), acc[c]);
+                } else {
+                    for (int c = 0; c < chunks; c++)
+                        acc[c] = _mm512_fmadd_ps(weight, load16_ps(v + 16 * c, dtype), acc[c]);
+                }
+            }
+            for (int c = 0; c < chunks; c++) _mm512_storeu_ps(o + h * v_dim + d0 + 16 * c, acc[c]);
+        }
+    }
+}
+#endif
+
+/* paged_decode_attention over 16-bit query, caches and output (dtype as above). */
+int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                              const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
+                              int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+                              float soft_cap, int dtype) {
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t max_len = 0, total_len = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+        total_len += seq_lens[s];
+    }
+    const int parallel = total_len * num_heads * (head_dim + v_dim) > (1 << 20);
+    const int64_t threads = parallel ? omp_get_max_threads() : 1;
+    int64_t splits = num_seqs >= threads ? 1 : (threads + num_seqs - 1) / num_seqs;
+    if (splits > num_kv_heads) splits = num_kv_heads;
+    const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
+    int failed = 0;
+#pragma omp parallel if (parallel)
+    {
+        /* scores, then the task's query rows and output rows in float32 */
+        const size_t score_floats = (size_t)(heads_per_task * group * (max_len > 0 ? max_len : 1));
+        float *scores = malloc(sizeof(float) * (score_floats + (size_t)(heads_per_task * group * (head_dim + v_dim))));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            for (int64_t part = 0; part < splits; part++) {
+                const int64_t kv_begin = part * heads_per_task;
+                const int64_t kv_end = kv_begin + heads_per_task < num_kv_heads ? kv_begin + heads_per_task
+                                                                                  : num_kv_heads;
+                if (!scores || kv_begin >= kv_end) continue;
+                const int64_t rows = (kv_end - kv_begin) * group;
+                const int64_t len = seq_lens[s];
+                const int64_t start = (sliding_window > 0 && len > sliding_window) ? len - sliding_window : 0;
+                const int64_t count = len - start;
+                const uint16_t *q16 = query + (s * num_heads + kv_begin * group) * head_dim;
+                float *q = scores + score_floats, *o = q + rows * head_dim;
+                for (int64_t i = 0; i < rows * head_dim; i++) q[i] = load16(q16 + i, dtype);
+                const int64_t *table = block_tables + s * max_blocks;
+                uint16_t *o16 = out + (s * num_heads + kv_begin * group) * v_dim;
+#if defined(__AVX512F__)
+                if (head_dim % 16 == 0 && v_dim % 16 == 0 && soft_cap <= 0.0f && count > 0) {
+                    scores16_avx512(q, key_cache, table, start, count, rows, group, kv_begin, num_kv_heads, head_dim,
+                                    block_size, scale, scores, dtype);
+                    for (int64_t h = 0; h < rows; h++) softmax_avx512(scores + h * count, count);
+                    values16_avx512(scores, value_cache, table, start, count, rows, group, kv_begin, num_kv_heads,
+                                    v_dim, block_size, o, dtype);
+                    for (int64_t i = 0; i < rows * v_dim; i++) o16[i] = store16(o[i], dtype);
+                    continue;
+                }
+#endif
+                for (int64_t i = 0; i < count; i++) {
+                    const int64_t pos = start + i;
+                    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+                    const uint16_t *k = key_cache + (slot * num_kv_heads + kv_begin) * head_dim;
+                    for (int64_t h = 0; h < rows; h++) {
+                        const uint16_t *kh = k + (h / group) * head_dim;
+                        const float *qh = q + h * head_dim;
+                        float acc = 0.0f;
+                        for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * load16(kh + d, dtype);
+                        float score = acc * scale;
+                        if (soft_cap > 0.0f) score = soft_cap * tanhf(score / soft_cap);
+                        scores[h * count + i] = score;
+                    }
+                }
+                for (int64_t h = 0; h < rows; h++) {
+                    float *row = scores + h * count;
+                    float max_score = -INFINITY;
+                    for (int64_t i = 0; i < count; i++) max_score = row[i] > max_score ? row[i] : max_score;
+                    float total = 0.0f;
+                    for (int64_t i = 0; i < count; i++) {
+                        row[i] = expf(row[i] - max_score);
+                        total += row[i];
+                    }
+                    const float inverse = 1.0f / total;
+                    for (int64_t i = 0; i < count; i++) row[i] *= inverse;
+                }
+                memset(o, 0, sizeof(float) * (size_t)(rows * v_dim));
+                for (int64_t i = 0; i < count; i++) {
+                    const int64_t pos = start + i;
+                    const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+                    const uint16_t *v = value_cache + (slot * num_kv_heads + kv_begin) * v_dim;
+                    for (int64_t h = 0; h < rows; h++) {
+                        const float p = scores[h * count + i];
+                        const uint16_t *vh = v + (h / group) * v_dim;
+                        float *oh = o + h * v_dim;
+                        for (int64_t d = 0; d < v_dim; d++) oh[d] += p * load16(vh + d, dtype);
+                    }
+                }
+                for (int64_t i = 0; i < rows * v_dim; i++) o16[i] = store16(o[i], dtype);
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
