@@ -13,7 +13,9 @@ eager step computes, bit for bit (same kernels, same arguments, same order). Pre
 and every step under ``--enforce-eager``, run eagerly.
 
 The tensors a recording used (its outputs, intermediates, weights and caches) are kept alive by the
-recording: the program holds their addresses.
+recording: the program holds their addresses. Each recorded batch size holds its own intermediates (about
+rows x the layers' activations, none shared), so the recordings of a worker hold at most ``MEMORY_BUDGET``
+bytes; a batch size whose recording would pass it stays eager.
 """
 
 from __future__ import annotations
@@ -181,6 +183,8 @@ class _WatchTorchOps(TorchDispatchMode):
     def __init__(self, recorder: native.StepRecording, keep: list[torch.Tensor]) -> None:
         super().__init__()
         self.recorder, self.keep = recorder, keep
+        self.new_bytes = 0  # memory the step's ops allocated, which the recording holds from now on
+        self._storages: set[int] = set()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -192,6 +196,14 @@ class _WatchTorchOps(TorchDispatchMode):
         out = func(*args, **kwargs)
         tensors = [value for value in tree_flatten((args, kwargs, out))[0] if isinstance(value, torch.Tensor)]
         self.keep.extend(tensors)
+        if not func.is_view:  # new memory: outputs in storages no input had (not an in-place op's target)
+            inputs = {tensor.untyped_storage().data_ptr() for tensor in tree_flatten((args, kwargs))[0]
+                      if isinstance(tensor, torch.Tensor)}
+            for tensor in tree_flatten(out)[0]:
+                storage = tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
+                if storage is not None and storage.data_ptr() not in inputs | self._storages:
+                    self._storages.add(storage.data_ptr())
+                    self.new_bytes += storage.nbytes()
         if self.recorder.refused is not None or func in _ALLOCATIONS:
             return out
         if func.is_view or func is aten._unsafe_view.default:
@@ -206,15 +218,21 @@ class _WatchTorchOps(TorchDispatchMode):
         return out
 
 
+# What the recordings of one worker may hold (their intermediates: each recorded batch size keeps its own,
+# about rows x the layers' activations); a recording past it is dropped and its batch size stays eager.
+MEMORY_BUDGET = 256 * 2**20
+
+
 class CpuDecodeReplay:
     """``capture_decode``'s callable on the cpu backend: records the first decode step of each batch size,
     replays the later ones (see the module's docstring). Returns the step's hidden states, or None where
     the step runs eagerly (not a decode step, larger than the buffers, or a size whose recording was
-    refused)."""
+    refused or would take the recordings past ``memory_budget`` bytes)."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], max_num_seqs: int,
-                 max_blocks_per_seq: int, block_size: int) -> None:
-        self.forward, self.block_size = forward, block_size
+                 max_blocks_per_seq: int, block_size: int, memory_budget: int = MEMORY_BUDGET) -> None:
+        self.forward, self.block_size, self.memory_budget = forward, block_size, memory_budget
+        self.held_bytes = 0
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.int64)
@@ -255,15 +273,20 @@ class CpuDecodeReplay:
     def _record(self, size: int) -> torch.Tensor:
         """Run the step eagerly on the static buffers, noting it; its output is this step's result."""
         keep: list[torch.Tensor] = []
-        with native.recording() as recorder, _WatchTorchOps(recorder, keep):
+        with native.recording() as recorder, _WatchTorchOps(recorder, keep) as watch:
             out = self.forward(self.static_batch(size))
         if not isinstance(out, torch.Tensor):
             recorder.refuse(f"the forward returned {type(out).__name__}, not a tensor")
+        if self.held_bytes + watch.new_bytes > self.memory_budget:
+            recorder.refuse(f"its recording would hold {watch.new_bytes / 2**20:.1f} MiB, past the "
+                            f"{self.memory_budget / 2**20:.0f} MiB the recordings may hold ({self.held_bytes / 2**20:.1f} "
+                            "MiB held)")
         if recorder.refused is not None:
             logger.debug("cpu decode replay: batches of %d stay eager (%s)", size, recorder.refused)
             self.programs[size] = None
         else:
             self.programs[size] = (native.StepProgram(recorder), out, keep)
+            self.held_bytes += watch.new_bytes
         return out
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
