@@ -17,8 +17,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 if TYPE_CHECKING:  # torch is imported where a conversion runs: `pluginfer serve` starts its engine before torch loads
     import torch
     from gguf import GGMLQuantizationType
@@ -167,6 +165,7 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
 
 def _add_tensor(writer: object, name: str, tensor: torch.Tensor, qtype: GGMLQuantizationType) -> GGMLQuantizationType:
     """Add one tensor; returns the type it was written in."""
+    import numpy as np
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as T
 
