@@ -26,7 +26,7 @@ ENV = "PLUGINFER_AMX"
 # Q6_K): the crossovers measured on this project's machine (docs/performance.md, "AMX int8 tiles";
 # benchmarks/amx_gemm.py --cpu-time, the 0.5B llama's 5632x1024 and 1024x2816 linears): below them the
 # VNNI kernel is as fast or faster (the tiles cost the same from 1 to 16 rows).
-MIN_ROWS = {2: 7, 8: 5, 12: 8, 14: 9}
+MIN_ROWS = {2: 6, 8: 5, 12: 7, 14: 9}
 
 _library: list = []  # []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
 
