@@ -752,6 +752,23 @@ static inline float round16(float f, int dtype) {
     return load16(&bits, dtype);
 }
 
+#if defined(__AVX512F__)
+static inline __m512 widen16_ps(__m256i bits, int dtype) {
+    if (dtype == HALF_F16) return _mm512_cvtph_ps(bits);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* 16 floats to 16-bit bits, as store16 does each. */
+static inline __m256i narrow16_ps(__m512 v, int dtype) {
+    if (dtype == HALF_F16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+#endif
+
 /* out = round(round(src * rsqrt(mean(src^2) + eps)) * weight) (offset 0), or round(src * rsqrt(..) *
  * (weight + offset)); src = x, or round(x + residual) written back into residual. */
 void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
@@ -761,39 +778,91 @@ void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, 
         const uint16_t *in = x + r * cols;
         uint16_t *o = out + r * cols;
         float sum = 0.0f;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        if (cols >= 16) { /* 16 at a time, the tail below; the sum in another order than torch's (as ever) */
+            const int64_t body = cols / 16 * 16;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t j = 0; j < body; j += 16) {
+                __m256i bits = _mm256_loadu_si256((const __m256i *)(in + j));
+                if (residual) {
+                    uint16_t *res = residual + r * cols + j;
+                    bits = narrow16_ps(_mm512_add_ps(widen16_ps(bits, dtype),
+                                                     widen16_ps(_mm256_loadu_si256((const __m256i *)res), dtype)), dtype);
+                    _mm256_storeu_si256((__m256i *)res, bits);
+                }
+                const __m512 v = widen16_ps(bits, dtype);
+                acc = _mm512_fmadd_ps(v, v, acc);
+            }
+            const uint16_t *src = residual ? residual + r * cols : in;
+            for (int64_t j = body; j < cols; j++) {
+                if (residual) residual[r * cols + j] = store16(load16(in + j, dtype) + load16(residual + r * cols + j, dtype), dtype);
+                const float v = load16(src + j, dtype);
+                sum += v * v;
+            }
+            sum += _mm512_reduce_add_ps(acc);
+            const float inverse = 1.0f / sqrtf(sum / (float)cols + eps);
+            const __m512 vinverse = _mm512_set1_ps(inverse), voffset = _mm512_set1_ps(offset);
+            for (int64_t j = 0; j < body; j += 16) {
+                const __m512 normed = _mm512_mul_ps(widen16_ps(_mm256_loadu_si256((const __m256i *)(src + j)), dtype),
+                                                    vinverse);
+                const __m512 w = widen16_ps(_mm256_loadu_si256((const __m256i *)(weight + j)), dtype);
+                const __m512 y = offset != 0.0f ? _mm512_mul_ps(normed, _mm512_add_ps(w, voffset))
+                                                : _mm512_mul_ps(widen16_ps(narrow16_ps(normed, dtype), dtype), w);
+                _mm256_storeu_si256((__m256i *)(o + j), narrow16_ps(y, dtype));
+            }
+            for (int64_t j = body; j < cols; j++)
+                o[j] = offset != 0.0f ? store16((load16(src + j, dtype) * inverse) * (load16(weight + j, dtype) + offset), dtype)
+                                      : store16(round16(load16(src + j, dtype) * inverse, dtype) * load16(weight + j, dtype), dtype);
+            continue;
+        }
+#endif
         if (residual) {
             uint16_t *res = residual + r * cols;
-            for (int64_t i = 0; i < cols; i++) {
+            for (i = 0; i < cols; i++) {
                 res[i] = store16(load16(in + i, dtype) + load16(res + i, dtype), dtype);
                 const float v = load16(res + i, dtype);
                 sum += v * v;
             }
             in = res;
         } else {
-            for (int64_t i = 0; i < cols; i++) {
+            for (i = 0; i < cols; i++) {
                 const float v = load16(in + i, dtype);
                 sum += v * v;
             }
         }
         const float inverse = 1.0f / sqrtf(sum / (float)cols + eps);
         if (offset != 0.0f) {
-            for (int64_t i = 0; i < cols; i++)
+            for (i = 0; i < cols; i++)
                 o[i] = store16((load16(in + i, dtype) * inverse) * (load16(weight + i, dtype) + offset), dtype);
         } else {
-            for (int64_t i = 0; i < cols; i++) {
+            for (i = 0; i < cols; i++) {
                 o[i] = store16(round16(load16(in + i, dtype) * inverse, dtype) * load16(weight + i, dtype), dtype);
             }
         }
     }
 }
 
-/* out[r, i] = round(round(silu(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.silu(gate) * up). */
+
+/* out[r, i] = round(round(silu(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.silu(gate) * up); the
+ * AVX-512 body takes exp512 for expf, as silu_and_mul does. */
 void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
 #pragma omp parallel for if (rows > 4)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = x + r * 2 * n, *up = gate + n;
         uint16_t *o = out + r * n;
-        for (int64_t i = 0; i < n; i++) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 g = widen16_ps(_mm256_loadu_si256((const __m256i *)(gate + i)), dtype);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m512 silu = widen16_ps(narrow16_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), dtype), dtype);
+            const __m512 u = widen16_ps(_mm256_loadu_si256((const __m256i *)(up + i)), dtype);
+            _mm256_storeu_si256((__m256i *)(o + i), narrow16_ps(_mm512_mul_ps(silu, u), dtype));
+        }
+#endif
+        for (; i < n; i++) {
             const float g = load16(gate + i, dtype);
             o[i] = store16(round16(g / (1.0f + expf(-g)), dtype) * load16(up + i, dtype), dtype);
         }
