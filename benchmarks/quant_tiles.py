@@ -10,7 +10,8 @@ oneDNN on AMX where the CPU has it), ``f32`` (tiles dequantized to float32, torc
 before) and ``fused`` (``native.ggml_quant_matmul``: int8 activations against the blocks, no tile). The
 three are timed in turn within each run (``quant_gemv.interleaved_medians``), milliseconds per linear,
 medians of ``--runs``; ``--set-bytes`` of distinct weights are cycled so they come from memory. The last
-columns are ratios: how many times faster bf16 is than each of the others. The crossover row count the
+columns are ratios: how many times faster bf16 is than each of the others. First, per format, the C
+kernel alone: one tile of 512 rows dequantized to bfloat16 and to float32 (in cache, 20 calls per run). The crossover row count the
 cpu backend uses (``native.QUANT_MATMUL_MAX_ROWS``) is read off these: the fused kernel up to it, tiles above.
 """
 
@@ -55,6 +56,7 @@ def main() -> int:
         return 1
     fused_ok = native.quant_dot_supported()
     bf16_tiles = native.GGMLDequantize(native.ggml_dequantize, None, torch.bfloat16)
+    bf16_tiles.tile_dtype_min_rows = 0  # bfloat16 tiles at every row count here (the engine: from 32 rows)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{' (CPU time)' if args.cpu_time else ''}; "
           f"AMX-BF16 GEMM: {native.bfloat16_gemm_is_fast()}; ms per linear, medians of {args.runs}")
     print(f"{'shape':>10} {'format':>6} {'rows':>5} {'bf16':>8} {'f32':>8} {'fused':>8}  {'f32/bf16':>8} "
@@ -67,6 +69,15 @@ def main() -> int:
             qtype = T[fmt.upper()]
             raw = quant_gemv.quantized(torch.randn(out_features, in_features, generator=generator), qtype, rng)
             weights = [raw.clone() for _ in range(max(2, args.set_bytes // raw.nbytes))]
+            tile = raw[:512]
+            buffers = {dtype: torch.empty(tile.shape[0] * in_features, dtype=dtype)
+                       for dtype in (torch.float32, torch.bfloat16)}
+            dequant = quant_gemv.interleaved_medians({
+                dtype: lambda buffer=buffer, tile=tile, qtype=qtype, cols=in_features: [
+                    native.ggml_dequantize(tile, qtype, cols, buffer) for _ in range(20)]
+                for dtype, buffer in buffers.items()}, args.runs)
+            print(f"{shape:>10} {fmt:>6} dequantize one {tile.shape[0]}-row tile: bfloat16 "
+                  f"{dequant[torch.bfloat16] / 20 * 1e3:.3f} ms, float32 {dequant[torch.float32] / 20 * 1e3:.3f} ms")
             for rows in args.rows:
                 x = torch.randn(rows, in_features, generator=generator)
                 cases = {

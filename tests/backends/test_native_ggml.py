@@ -5,6 +5,7 @@ against its oracle, ``ggml_blocks.dequantize`` (itself bit-exact with gguf-py): 
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,6 +82,32 @@ def test_dequantize_to_bfloat16_rounds_the_float32_values_as_torch_does(qtype: G
     into = native.ggml_dequantize(raw, qtype, cols, buffer)
     assert into.data_ptr() == buffer.data_ptr() and (buffer[rows * cols:] == 7.0).all()
     assert_bf16_rounding(into, expected)
+
+
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """cpu_kernels.c built without AVX-512: the generic bfloat16 dequantization a CPU without it runs (this
+    one takes AVX-512 versions for Q4_0, Q8_0, Q4_K and Q6_K)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PLUGINFER_CACHE", str(tmp_path_factory.mktemp("no_avx512")))
+        patch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512f"])
+        try:
+            library, _, _ = native.build_library("cpu_kernels_no_avx512", (native.SOURCES[0],))
+        except native.NativeKernelsUnavailable as exc:
+            pytest.skip(f"cannot build cpu_kernels.c without AVX-512 here: {exc}")
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.ggml_dequantize_rows_bf16.argtypes = [ctypes.c_int, pointer, i64, i64, i64, pointer]
+    return library
+
+
+@pytest.mark.parametrize("qtype", HANDLED, ids=lambda t: t.name)
+def test_dequantize_to_bfloat16_without_avx512(portable_library: ctypes.CDLL, qtype: GGMLQuantizationType) -> None:
+    cols, rows = cols_of(qtype), 40
+    raw = torch.from_numpy(raw_blocks(qtype, rows=rows, cols=cols, seed=int(qtype) + 7))
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    assert portable_library.ggml_dequantize_rows_bf16(int(qtype), raw.data_ptr(), rows, raw.shape[1], cols,
+                                                      out.data_ptr()) == 0
+    assert_bf16_rounding(out, ggml_blocks.dequantize(raw, qtype, cols))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

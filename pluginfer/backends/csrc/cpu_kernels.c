@@ -561,6 +561,78 @@ int ggml_dequantize_rows(int type, const uint8_t *raw, int64_t rows, int64_t row
     return 0;
 }
 
+#if defined(__AVX512F__)
+/* Q4_0, Q8_0, Q4_K and Q6_K (the Q4_0, Q8_0 and Q4_K_M files' types) to bfloat16 with AVX-512, 16 weights
+ * at a time: the same float32 operations per weight as dequantize_q4_0 ... dequantize_q6_k, each rounded as
+ * bf16_round rounds it (as torch's vectorised conversion does: add 0x7FFF plus the kept lowest bit, shift,
+ * NaN to 0xFFFF). The generic versions ran 1.1-1.8x slower to bfloat16 than to float32 for these types. */
+static inline __m256i bf16_round16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0xFFFF));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static inline __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline void dequantize_q4_0_bf16_avx512(const uint8_t *restrict b, uint16_t *restrict z) {
+    const __m512 d = _mm512_set1_ps(half_to_float(b));
+    const __m512i q = bytes16(b + 2), eight = _mm512_set1_epi32(8);
+    const __m512i low = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), eight);
+    const __m512i high = _mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight);
+    _mm256_storeu_si256((__m256i *)z, bf16_round16(_mm512_mul_ps(_mm512_cvtepi32_ps(low), d)));
+    _mm256_storeu_si256((__m256i *)(z + 16), bf16_round16(_mm512_mul_ps(_mm512_cvtepi32_ps(high), d)));
+}
+
+static inline void dequantize_q8_0_bf16_avx512(const uint8_t *restrict b, uint16_t *restrict z) {
+    const __m512 d = _mm512_set1_ps(half_to_float(b));
+    for (int h = 0; h < 2; h++) {
+        const __m512i level = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h)));
+        _mm256_storeu_si256((__m256i *)(z + 16 * h), bf16_round16(_mm512_mul_ps(_mm512_cvtepi32_ps(level), d)));
+    }
+}
+
+static inline void dequantize_q4_k_bf16_avx512(const uint8_t *restrict b, uint16_t *restrict z) {
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t *qs = b + 16;
+    for (int s = 0; s < 8; s++) {
+        int scale, min;
+        k_scale_min(b + 4, s, &scale, &min);
+        const __m512 dl = _mm512_set1_ps(d * (float)scale), ml = _mm512_set1_ps(dmin * (float)min);
+        const uint8_t *q = qs + (s / 2) * 32;
+        const __m128i shift = _mm_cvtsi32_si128(4 * (s % 2));
+        for (int h = 0; h < 2; h++) {
+            const __m512i level = _mm512_and_si512(_mm512_srl_epi32(bytes16(q + 16 * h), shift), _mm512_set1_epi32(0x0F));
+            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(level), dl);
+            _mm256_storeu_si256((__m256i *)(z + s * 32 + 16 * h), bf16_round16(_mm512_sub_ps(t, ml)));
+        }
+    }
+}
+
+static inline void dequantize_q6_k_bf16_avx512(const uint8_t *restrict b, uint16_t *restrict z) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = half_to_float(b + 208);
+    for (int p = 0; p < 8; p++) {
+        const int h = p / 4, e0 = 32 * (p % 4);
+        const uint8_t *low = ql + h * 64 + e0 % 64, *high = qh + h * 32;
+        const __m128i low_shift = _mm_cvtsi32_si128(4 * (e0 / 64)), high_shift = _mm_cvtsi32_si128(2 * (e0 / 32));
+        for (int half = 0; half < 2; half++) {
+            const __m512 dl = _mm512_set1_ps(d * (float)scales[2 * p + half]);
+            const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(bytes16(low + 16 * half), low_shift),
+                                                _mm512_set1_epi32(0x0F));
+            const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(bytes16(high + 16 * half), high_shift),
+                                                _mm512_set1_epi32(3));
+            const __m512i level = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+            _mm256_storeu_si256((__m256i *)(z + p * 32 + 16 * half),
+                                bf16_round16(_mm512_mul_ps(_mm512_cvtepi32_ps(level), dl)));
+        }
+    }
+}
+#endif
+
 /* ggml_dequantize_rows_bf16: as ggml_dequantize_rows, to bfloat16 bits [rows, cols]: every value is
  * ggml_dequantize_rows' float32 value rounded to nearest even (bf16_round), so it equals
  * torch's dequantize(...).to(torch.bfloat16) bit for bit. Same return codes. */
@@ -574,16 +646,31 @@ int ggml_dequantize_rows_bf16(int type, const uint8_t *raw, int64_t rows, int64_
         const uint8_t *row = raw + r * row_bytes;
         uint16_t *yb = out + r * cols;
         switch (type) {
-        case GGML_Q4_0: DEQUANTIZE_ROW_BF16(dequantize_q4_0, 32, 18); break;
         case GGML_Q4_1: DEQUANTIZE_ROW_BF16(dequantize_q4_1, 32, 20); break;
         case GGML_Q5_0: DEQUANTIZE_ROW_BF16(dequantize_q5_0, 32, 22); break;
         case GGML_Q5_1: DEQUANTIZE_ROW_BF16(dequantize_q5_1, 32, 24); break;
-        case GGML_Q8_0: DEQUANTIZE_ROW_BF16(dequantize_q8_0, 32, 34); break;
         case GGML_Q2_K: DEQUANTIZE_ROW_BF16(dequantize_q2_k, 256, 84); break;
         case GGML_Q3_K: DEQUANTIZE_ROW_BF16(dequantize_q3_k, 256, 110); break;
+#if defined(__AVX512F__)
+        case GGML_Q4_0:
+            for (int64_t i = 0; i < cols / 32; i++) dequantize_q4_0_bf16_avx512(row + i * 18, yb + i * 32);
+            break;
+        case GGML_Q8_0:
+            for (int64_t i = 0; i < cols / 32; i++) dequantize_q8_0_bf16_avx512(row + i * 34, yb + i * 32);
+            break;
+        case GGML_Q4_K:
+            for (int64_t i = 0; i < cols / 256; i++) dequantize_q4_k_bf16_avx512(row + i * 144, yb + i * 256);
+            break;
+        case GGML_Q6_K:
+            for (int64_t i = 0; i < cols / 256; i++) dequantize_q6_k_bf16_avx512(row + i * 210, yb + i * 256);
+            break;
+#else
+        case GGML_Q4_0: DEQUANTIZE_ROW_BF16(dequantize_q4_0, 32, 18); break;
+        case GGML_Q8_0: DEQUANTIZE_ROW_BF16(dequantize_q8_0, 32, 34); break;
         case GGML_Q4_K: DEQUANTIZE_ROW_BF16(dequantize_q4_k, 256, 144); break;
-        case GGML_Q5_K: DEQUANTIZE_ROW_BF16(dequantize_q5_k, 256, 176); break;
         case GGML_Q6_K: DEQUANTIZE_ROW_BF16(dequantize_q6_k, 256, 210); break;
+#endif
+        case GGML_Q5_K: DEQUANTIZE_ROW_BF16(dequantize_q5_k, 256, 176); break;
         }
     }
     return 0;
