@@ -194,6 +194,19 @@ def test_a_row_alone_and_in_a_batch_of_16_differ_only_by_float32_sums(qtype: GGM
     assert_within_bound(alone, x, weights)
 
 
+def test_the_tiles_and_torchs_bfloat16_gemm_take_turns_in_one_thread() -> None:
+    """oneDNN's bfloat16 GEMM runs on AMX tiles too on this CPU (the prefill path past the fused rows): each
+    side loads its own tile configuration per call, so interleaving them changes neither's results."""
+    generator = torch.Generator().manual_seed(8)
+    a, b = torch.randn(256, 512, generator=generator).bfloat16(), torch.randn(384, 512, generator=generator).bfloat16()
+    raw = weight_bytes(T.Q4_K, 40, 512, seed=8)
+    x = torch.randn(16, 512, generator=generator)
+    gemm, tiles = torch.nn.functional.linear(a, b), amx_quant.quant_matmul(x, raw, T.Q4_K, 512)
+    for _ in range(3):
+        assert torch.equal(amx_quant.quant_matmul(x, raw, T.Q4_K, 512), tiles)
+        assert torch.equal(torch.nn.functional.linear(a, b), gemm)
+
+
 def test_pluginfer_amx_0_keeps_the_vnni_kernel_and_says_so() -> None:
     script = ("import logging, torch; logging.basicConfig(level=logging.INFO)\n"
               "from pluginfer.backends import amx_quant, native\n"
