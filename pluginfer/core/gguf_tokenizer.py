@@ -10,8 +10,9 @@ special, user-defined tokens plain, the named special tokens special); tests/cor
 holds it to transformers' tokenizer on the same files. Other kinds (unigram, and the Gemma and Phi-3
 SentencePiece variants) return None: ``core/tokenizer.py`` builds those through transformers.
 
-One difference, on purpose: transformers adds ``<|endoftext|>`` to every byte-level vocabulary that lacks
-it (GPT2Tokenizer's default special token), as a token past the model's vocabulary; it is not added here.
+One difference, on purpose: transformers adds its wrapping class's default special tokens (GPT2Tokenizer's
+``<|endoftext|>``, LlamaTokenizer's ``<s>``, ``</s>``, ``<unk>``) to a vocabulary that lacks them, as ids past
+the model's vocabulary; they are not added here.
 
 ``GGUFTokenizer`` has what the engine and the server use of a transformers tokenizer: ``encode``,
 ``decode``, ``len()``, ``get_vocab``, the special tokens and their ids, ``added_tokens_decoder``,
@@ -141,14 +142,14 @@ def build_gguf_tokenizer(gguf: Any) -> GGUFTokenizer | None:
     architecture = gguf.get("general.architecture")
     merges = gguf.get("tokenizer.ggml.merges")
     if kind == "gpt2" and merges is not None:
-        backend = _byte_level(tokens, merges)
-        inner_special = ["<|endoftext|>"] if "<|endoftext|>" in backend.get_vocab() else []
+        backend, vocab = _byte_level(tokens, merges)
+        defaults = ["<|endoftext|>"]  # GPT2Tokenizer's special tokens
     elif kind == "llama" and architecture not in _NOT_SENTENCEPIECE_BPE:
         scores = gguf.get("tokenizer.ggml.scores")
         if merges is None and scores is None:
             return None
-        backend = _sentencepiece(tokens, merges, scores)
-        inner_special = ["<unk>", "<s>", "</s>"]  # LlamaTokenizer's defaults, added as transformers adds them
+        backend, vocab = _sentencepiece(tokens, merges, scores)
+        defaults = ["<s>", "</s>", "<unk>"]  # LlamaTokenizer's
     else:
         return None
     from tokenizers import AddedToken, Regex, pre_tokenizers
@@ -171,11 +172,12 @@ def build_gguf_tokenizer(gguf: Any) -> GGUFTokenizer | None:
         else:
             backend.add_tokens(tokens_to_add)
 
-    add(inner_special, True)
+    add([token for token in defaults if token in vocab], True)  # (the module docstring: not past the vocabulary)
     spelled = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
     add([token for token, token_type in zip(tokens, token_types)
          if token_type == _CONTROL and (spelled is None or set(token) <= spelled)], True)
-    vocab = backend.get_vocab()
+    # Every token added so far is in ``vocab`` (the model's), so this is transformers' test against the vocabulary
+    # with its added tokens.
     add([token for token, token_type in zip(tokens, token_types) if token_type == _USER_DEFINED and token in vocab],
         False)
     add([token for token in special.values() if token is not None], True)
@@ -191,7 +193,7 @@ def build_gguf_tokenizer(gguf: Any) -> GGUFTokenizer | None:
     return GGUFTokenizer(backend, special, gguf.get("tokenizer.chat_template"))
 
 
-def _byte_level(tokens: list[str], merges: list[str]) -> Any:
+def _byte_level(tokens: list[str], merges: list[str]) -> tuple[Any, dict[str, int]]:
     """Byte-level BPE (GPT2Tokenizer's): tokens not spelled in the byte alphabet are respelled."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
@@ -204,10 +206,11 @@ def _byte_level(tokens: list[str], merges: list[str]) -> Any:
                             continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    return backend
+    return backend, vocab
 
 
-def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[float] | None) -> Any:
+def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[float] | None
+                   ) -> tuple[Any, dict[str, int]]:
     """SentencePiece BPE with byte fallback (LlamaTokenizer's); merges from the file or from the scores."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
@@ -221,7 +224,7 @@ def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[flo
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(content=" ", left=1)])
-    return backend
+    return backend, vocab
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
