@@ -149,6 +149,53 @@ def test_decode_attention_above_the_threading_threshold(case: str, threads: int)
     assert torch.equal(out, single), "a head's output depends on how the heads were split between threads"
 
 
+def regrouped(key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor, seq_lens: list[int],
+              group: int, block_size: int) -> tuple[torch.Tensor, ...]:
+    """The same keys and values as one KV head per query head (each KV head repeated ``group`` times), in
+    blocks of ``block_size`` positions laid out in reverse order."""
+    old_block, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    per_seq = -(-max(seq_lens) // block_size)
+    num_blocks = len(seq_lens) * per_seq
+    new_tables = torch.arange(num_blocks - 1, -1, -1).reshape(len(seq_lens), per_seq)
+    caches = []
+    for cache in (key_cache, value_cache):
+        flat = cache.new_full((num_blocks * block_size, kv_heads * group, cache.shape[-1]), float("nan"))
+        for s, length in enumerate(seq_lens):
+            positions = torch.arange(length)
+            old = tables[s, positions // old_block] * old_block + positions % old_block
+            new = new_tables[s, positions // block_size] * block_size + positions % block_size
+            flat[new] = cache.reshape(-1, kv_heads, cache.shape[-1])[old].repeat_interleave(group, 1)
+        caches.append(flat.reshape(num_blocks, block_size, kv_heads * group, cache.shape[-1]))
+    return caches[0], caches[1], new_tables
+
+
+@pytest.mark.skipif(not avx512(), reason="the blocked AVX-512 path (the portable loop is per head already)")
+@pytest.mark.parametrize(("heads", "kv_heads", "v_dim"), [
+    (16, 8, 64),  # group 2: query heads in pairs for the scores, values 2 heads x 4 registers
+    (12, 2, 48),  # group 6: values 4 + 2 heads, 3 registers
+    (10, 2, 80),  # group 5: values 4 + 1 heads, 4 + 1 registers
+    (9, 3, 16),  # group 3 (odd: scores a head at a time), one register
+    (32, 4, 128),  # group 8: two blocks of 4 heads, two passes of 4 registers
+])
+@pytest.mark.parametrize("window", [None, 21])  # a window starts mid-block: chunks straddle blocks
+def test_decode_attention_blocking_is_bit_invariant(heads: int, kv_heads: int, v_dim: int,
+                                                    window: int | None) -> None:
+    """The AVX-512 kernel processes query heads that share a KV head together (pairs for the scores, up to 4
+    for the values) and walks positions in chunks of 8 or 16 through the block table. Expected: the float64
+    reference within 2e-5, and bit-for-bit the output of the same keys and values given as one KV head per
+    query head (group 1: one head at a time) in blocks of 5 positions, i.e. every output element is the
+    same sum in the same order however heads and positions are blocked."""
+    seq_lens = [1, 7, 8, 9, 16, 17, 40, 150]
+    query, key_cache, value_cache, tables = paged_inputs(seq_lens, heads, kv_heads, 64, v_dim, seed=heads)
+    lens, scale = torch.tensor(seq_lens), 0.125
+    out = native.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, None)
+    expected = attention_reference(query, key_cache, value_cache, tables, seq_lens, scale, window)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    keys, values, per_head_tables = regrouped(key_cache, value_cache, tables, seq_lens, heads // kv_heads, 5)
+    per_head = native.paged_decode_attention(query, keys, values, per_head_tables, lens, scale, window, None)
+    assert torch.equal(out, per_head)
+
+
 WATCH = textwrap.dedent("""
     import json, os, sys, threading, time
     import numpy as np
@@ -189,7 +236,7 @@ WATCH = textwrap.dedent("""
         return {"new_threads": len(tasks() - first_tasks), "shared_calls": shared, "calls": times}
 
     small = case(64)  # 64 * 32 * 256 = 2**19 multiply-adds: below the threshold
-    large = case(16384)  # 2**27: above it, one sequence, two tasks of ~10 ms
+    large = case(65536)  # 2**29: above it, one sequence, two tasks of ~10 ms (128 MB of cache)
     print(json.dumps({"small": run(small, 20), "large": run(large, 8)}))
 """)
 

@@ -23,10 +23,14 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #if defined(__AVX512F__)
 /* AVX-512 path of paged_decode_attention for head and value dims that are multiples of 16.
  *
- * Scores are computed 16 positions at a time: one accumulator register per position, then a
- * transpose-and-add tree turns the 16 registers into one register of 16 scores (no horizontal
- * sum per dot product). The softmax uses exp512 below; the value sum keeps each head's output in
- * registers across the positions. */
+ * The block table is walked once per task into each position's cache row. Scores are computed 16
+ * dot products at a time (16 positions of one query head, or 8 positions of two query heads sharing
+ * a KV head): one accumulator register each, then a transpose-and-add tree turns the 16 registers
+ * into one register of 16 scores (no horizontal sum per dot product). The softmax uses exp512 below;
+ * the value sum holds up to 4 query heads of one KV head x 64 features in registers over 16
+ * positions, each value vector loaded once for them. Every output element is the same sequence of
+ * float32 operations however the heads and positions are blocked (test_native_branches checks it).
+ * On a shared one-core run this path reads the float32 cache near the memory's rate (docs/performance.md). */
 
 /* Sum of each of a[0..15] in lane j of the result. */
 static inline __m512 sum16(__m512 a[16]) {
@@ -62,18 +66,53 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* scores[h * count + i] = q_h . k(position start + i) * scale for the task's query heads. */
-static void scores_avx512(const float *q, const float *key_cache, const int64_t *table, int64_t start, int64_t count,
-                          int64_t rows, int64_t group, int64_t kv_begin, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, float scale, float *scores) {
+/* rows[i]: the cache row (slot * num_kv_heads + kv_begin) of position start + i, the block table
+ * walked once per task (no division per position and head). */
+static void cache_rows(const int64_t *table, int64_t start, int64_t count, int64_t block_size, int64_t num_kv_heads,
+                       int64_t kv_begin, int64_t *rows) {
+    int64_t block = start / block_size, within = start % block_size;
+    for (int64_t i = 0; i < count; i++) {
+        rows[i] = (table[block] * block_size + within) * num_kv_heads + kv_begin;
+        if (++within == block_size) within = 0, block++;
+    }
+}
+
+/* scores[h * count + i] = q_h . k(position start + i) * scale for the task's query heads; cache_rows
+ * gives each position's key row. */
+static void scores_avx512(const float *q, const float *key_cache, const int64_t *cache_row, int64_t count,
+                          int64_t rows, int64_t group, int64_t head_dim, float scale, float *scores) {
     const float *keys[16];
+    if (group % 2 == 0) {
+        /* Two query heads of one KV head x 8 positions: each key vector loaded once for both. sum16 sums
+         * every register's lanes in the same order, so a score is the one of the 16-position path. */
+        for (int64_t i0 = 0; i0 < count; i0 += 8) {
+            const int64_t n = count - i0 < 8 ? count - i0 : 8;
+            for (int64_t j = 0; j < 8; j++) keys[j] = key_cache + cache_row[i0 + (j < n ? j : 0)] * head_dim;
+            const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+            for (int64_t h = 0; h < rows; h += 2) {
+                const float *qa = q + h * head_dim, *qb = qa + head_dim;
+                const int64_t offset = (h / group) * head_dim;
+                __m512 acc[16];
+                for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < head_dim; d += 16) {
+                    const __m512 va = _mm512_loadu_ps(qa + d), vb = _mm512_loadu_ps(qb + d);
+                    for (int j = 0; j < 8; j++) {
+                        const __m512 k = _mm512_loadu_ps(keys[j] + offset + d);
+                        acc[j] = _mm512_fmadd_ps(va, k, acc[j]);
+                        acc[8 + j] = _mm512_fmadd_ps(vb, k, acc[8 + j]);
+                    }
+                }
+                const __m512 both = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + h * count + i0, mask, both);
+                /* lanes 8..15 (masked stores do not touch, nor fault on, the masked-off lanes) */
+                _mm512_mask_storeu_ps(scores + (h + 1) * count + i0 - 8, (__mmask16)(mask << 8), both);
+            }
+        }
+        return;
+    }
     for (int64_t i0 = 0; i0 < count; i0 += 16) {
         const int64_t n = count - i0 < 16 ? count - i0 : 16;
-        for (int64_t j = 0; j < 16; j++) {
-            const int64_t pos = start + i0 + (j < n ? j : 0);
-            const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-            keys[j] = key_cache + (slot * num_kv_heads + kv_begin) * head_dim;
-        }
+        for (int64_t j = 0; j < 16; j++) keys[j] = key_cache + cache_row[i0 + (j < n ? j : 0)] * head_dim;
         const __mmask16 mask = (__mmask16)((1u << n) - 1u);
         for (int64_t h = 0; h < rows; h++) {
             const float *qh = q + h * head_dim;
@@ -111,36 +150,66 @@ static void softmax_avx512(float *row, int64_t count) {
     }
 }
 
-/* o_h = sum_i p[h, i] v(position start + i) for the task's query heads, chunks of CHUNKS x 16 value
- * features at a time, held in registers across the positions. */
-#define VALUE_CHUNKS 4
-static void values_avx512(const float *scores, const float *value_cache, const int64_t *table, int64_t start,
-                          int64_t count, int64_t rows, int64_t group, int64_t kv_begin, int64_t num_kv_heads,
-                          int64_t v_dim, int64_t block_size, float *o) {
-    for (int64_t h = 0; h < rows; h++) {
-        const float *p = scores + h * count;
-        const int64_t offset = (h / group) * v_dim;
-        for (int64_t d0 = 0; d0 < v_dim; d0 += 16 * VALUE_CHUNKS) {
-            const int chunks = (int)((v_dim - d0) / 16 < VALUE_CHUNKS ? (v_dim - d0) / 16 : VALUE_CHUNKS);
-            __m512 acc[VALUE_CHUNKS];
-            for (int c = 0; c < VALUE_CHUNKS; c++) acc[c] = _mm512_setzero_ps();
-            for (int64_t i = 0; i < count; i++) {
-                const int64_t pos = start + i;
-                const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                const float *v = value_cache + (slot * num_kv_heads + kv_begin) * v_dim + offset + d0;
-                const __m512 weight = _mm512_set1_ps(p[i]);
-                if (chunks == VALUE_CHUNKS) {
-                    for (int c = 0; c < VALUE_CHUNKS; c++)
-                        acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16 * c), acc[c]);
-                } else {
-                    for (int c = 0; c < chunks; c++)
-                        acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16 * c), acc[c]);
+/* The value sums of NH query heads sharing one KV head, CHUNKS x 16 value features from v_offset, over
+ * positions [i0, i1): each value vector is loaded once for the NH heads. The running sums start at zero
+ * (first) or are read back from o: every output element is one FMA chain over the positions in order,
+ * however the positions are split. */
+static inline __attribute__((always_inline)) void values_tile(const float *p, int64_t count, const float *value_cache,
+                                                              const int64_t *cache_row, int64_t i0, int64_t i1,
+                                                              int64_t v_dim, int64_t v_offset, float *o, int first,
+                                                              const int NH, const int CHUNKS) {
+    __m512 acc[4][4];
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < CHUNKS; c++)
+            acc[h][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o + h * v_dim + 16 * c);
+    for (int64_t i = i0; i < i1; i++) {
+        const float *v = value_cache + cache_row[i] * v_dim + v_offset;
+        __m512 vv[4];
+        for (int c = 0; c < CHUNKS; c++) vv[c] = _mm512_loadu_ps(v + 16 * c);
+        for (int h = 0; h < NH; h++) {
+            const __m512 weight = _mm512_set1_ps(p[h * count + i]);
+            for (int c = 0; c < CHUNKS; c++) acc[h][c] = _mm512_fmadd_ps(weight, vv[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int c = 0; c < CHUNKS; c++) _mm512_storeu_ps(o + h * v_dim + 16 * c, acc[h][c]);
+}
+
+#define VALUE_TILE(nh, chunks) \
+    case (nh) * 4 + (chunks) - 5: \
+        values_tile(p, count, value_cache, cache_row, i0, i1, v_dim, v_offset, o, first, nh, chunks); \
+        break;
+
+/* o_h = sum_i p[h, i] v(position start + i) for the task's query heads, 16 positions at a time (a
+ * stretch of the cache read in order, for every KV head of the task), up to 4 query heads of one KV head
+ * x 64 value features held in registers across those positions. */
+static void values_avx512(const float *scores, const float *value_cache, const int64_t *cache_row, int64_t count,
+                          int64_t rows, int64_t group, int64_t v_dim, float *out) {
+    for (int64_t i0 = 0; i0 < count; i0 += 16) {
+        const int64_t i1 = count - i0 < 16 ? count : i0 + 16;
+        const int first = i0 == 0;
+        for (int64_t h0 = 0; h0 < rows; h0 += group) {
+            for (int64_t hb = 0; hb < group; hb += 4) {
+                const int nh = (int)(group - hb < 4 ? group - hb : 4);
+                const float *p = scores + (h0 + hb) * count;
+                for (int64_t d0 = 0; d0 < v_dim; d0 += 64) {
+                    const int chunks = (int)((v_dim - d0) / 16 < 4 ? (v_dim - d0) / 16 : 4);
+                    const int64_t v_offset = (h0 / group) * v_dim + d0;
+                    float *o = out + (h0 + hb) * v_dim + d0;
+                    switch (nh * 4 + chunks - 5) {
+                        VALUE_TILE(1, 1) VALUE_TILE(1, 2) VALUE_TILE(1, 3) VALUE_TILE(1, 4)
+                        VALUE_TILE(2, 1) VALUE_TILE(2, 2) VALUE_TILE(2, 3) VALUE_TILE(2, 4)
+                        VALUE_TILE(3, 1) VALUE_TILE(3, 2) VALUE_TILE(3, 3) VALUE_TILE(3, 4)
+                        VALUE_TILE(4, 1) VALUE_TILE(4, 2) VALUE_TILE(4, 3) VALUE_TILE(4, 4)
+                    }
                 }
             }
-            for (int c = 0; c < chunks; c++) _mm512_storeu_ps(o + h * v_dim + d0 + 16 * c, acc[c]);
         }
     }
 }
+#undef VALUE_TILE
+/* values16_avx512's chunks of 16 value features held in registers across the positions. */
+#define VALUE_CHUNKS 4
 #endif
 
 int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim] */
@@ -169,7 +238,9 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
     int failed = 0;
 #pragma omp parallel if (parallel)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(heads_per_task * group * (max_len > 0 ? max_len : 1)));
+        /* scores, then each position's cache row (an even float count keeps the int64s aligned) */
+        const size_t score_floats = (size_t)(heads_per_task * group * (max_len > 0 ? max_len : 1) + 1) & ~(size_t)1;
+        float *scores = malloc(sizeof(float) * score_floats + sizeof(int64_t) * (size_t)(max_len > 0 ? max_len : 1));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -190,11 +261,11 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
                 float *o = out + (s * num_heads + kv_begin * group) * v_dim;
 #if defined(__AVX512F__)
                 if (head_dim % 16 == 0 && v_dim % 16 == 0 && soft_cap <= 0.0f && count > 0) {
-                    scores_avx512(q, key_cache, table, start, count, rows, group, kv_begin, num_kv_heads, head_dim,
-                                  block_size, scale, scores);
+                    int64_t *cache_row = (int64_t *)(scores + score_floats);
+                    cache_rows(table, start, count, block_size, num_kv_heads, kv_begin, cache_row);
+                    scores_avx512(q, key_cache, cache_row, count, rows, group, head_dim, scale, scores);
                     for (int64_t h = 0; h < rows; h++) softmax_avx512(scores + h * count, count);
-                    values_avx512(scores, value_cache, table, start, count, rows, group, kv_begin, num_kv_heads,
-                                  v_dim, block_size, o);
+                    values_avx512(scores, value_cache, cache_row, count, rows, group, v_dim, o);
                     continue;
                 }
 #endif
