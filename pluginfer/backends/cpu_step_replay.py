@@ -95,9 +95,14 @@ def _index_copy(recorder: native.StepRecording, out: torch.Tensor, target: torch
     return True
 
 
+# The adds step_replay.c makes as torch makes them: float32, and bfloat16 (summed in float32, rounded to
+# nearest even); a float16 add keeps its batch size eager.
+_ADDS = {torch.float32: "add_f32", torch.bfloat16: "add_bf16"}
+
+
 def _add(recorder: native.StepRecording, out: torch.Tensor, a: torch.Tensor, b: object, alpha: object = 1) -> bool:
-    """float32 ``a + b``: ``b`` of ``a``'s shape, or one row added to every row of ``a``."""
-    if not (isinstance(b, torch.Tensor) and alpha == 1 and a.dtype == b.dtype == out.dtype == torch.float32
+    """``a + b`` in float32 or bfloat16: ``b`` of ``a``'s shape, or one row added to every row of ``a``."""
+    if not (isinstance(b, torch.Tensor) and alpha == 1 and a.dtype == b.dtype == out.dtype and a.dtype in _ADDS
             and a.is_contiguous() and b.is_contiguous() and out.is_contiguous() and a.shape == out.shape
             and a.dim() >= 1):
         return False
@@ -109,7 +114,7 @@ def _add(recorder: native.StepRecording, out: torch.Tensor, a: torch.Tensor, b: 
         b_stride = 0
     else:
         return False
-    recorder.append("add_f32", a.data_ptr(), b.data_ptr(), out.data_ptr(), rows, cols, b_stride)
+    recorder.append(_ADDS[a.dtype], a.data_ptr(), b.data_ptr(), out.data_ptr(), rows, cols, b_stride)
     return True
 
 

@@ -289,6 +289,7 @@ SIGNATURES = {
     "add_f32": (None, [_pointer] * 3 + [_i64] * 3),
     "to_f32": (None, [_pointer, ctypes.c_int, _pointer, _i64]),
     "copy_rows": (None, [_pointer, _i64, _i64, _i64, _pointer, _i64]),
+    "add_bf16": (None, [_pointer] * 3 + [_i64] * 3),
     "step_replay": (_i64, [_pointer, _i64, _pointer]),
     # 16-bit activations (the last argument: HALF_CODES)
     "paged_decode_attention_16": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),
@@ -349,7 +350,8 @@ def available() -> str | None:
 # Kernels a recorded step may call, by their code in csrc/step_replay.c (its enum, in this order).
 REPLAY_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_neox", "ggml_dequantize_rows",
               "panel_linear", "quant_matmul", "half_linear", "gather_rows", "scatter_rows", "add_f32", "to_f32",
-              "copy_rows", "quant_matmul_at")
+              "copy_rows", "quant_matmul_at", "paged_decode_attention_16", "rms_norm_16", "silu_and_mul_16",
+              "rotary_neox_16", "add_bf16")
 _REPLAY_CODES = {name: code for code, name in enumerate(REPLAY_OPS, start=1)}
 
 

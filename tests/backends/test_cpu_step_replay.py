@@ -92,6 +92,14 @@ def test_replayed_decode_equals_eager(name: str, checkpoints: dict[str, Path]) -
     assert len(recorded) >= 3, replay.programs  # several batch sizes, each recorded once and replayed
 
 
+def test_bfloat16_decode_equals_eager(checkpoints: dict[str, Path]) -> None:
+    """bfloat16: the 16-bit kernels (attention, norms, rotary, SiLU, the GEMV) and the final bfloat16 add,
+    which step_replay.c rounds as torch does."""
+    replay, _ = assert_replayed_like_eager(checkpoints["qwen2"], schedule(), dtype="bfloat16")
+    recorded = {size for size, program in replay.programs.items() if program is not None}
+    assert len(recorded) >= 3, replay.programs  # several batch sizes, each recorded once and replayed
+
+
 def test_quantized_decode_equals_eager(checkpoints: dict[str, Path]) -> None:
     """In-situ Q4_0: every linear through the fused int8-activation matmul (csrc/quant_dot.c) where this CPU
     has it, the dequantizing path otherwise; a llama.cpp Q8_0 file: its quantized embedding too."""
@@ -179,6 +187,27 @@ def test_translated_ops_replay_what_torch_computes() -> None:
     names = replay.programs[3][0].names
     assert names.count("gather_rows") == 3 and names.count("copy_rows") == 8 and "scatter_rows" in names
     assert names.count("add_f32") == 2 and "to_f32" in names and "rms_norm" in names
+
+
+def test_bfloat16_adds_round_as_torch_does() -> None:
+    """Sums that need rounding (magnitudes 2^-20 to 2^20 apart), a row added to every row, and NaN."""
+    generator = torch.Generator().manual_seed(1)
+    scales = 2.0 ** torch.randint(-20, 20, (64, 256), generator=generator)
+    table = (torch.randn(64, 256, generator=generator) * scales).to(torch.bfloat16)
+    table[3, 7] = float("nan")
+    row = torch.randn(256, generator=generator).to(torch.bfloat16)
+
+    def forward(batch: ForwardBatch) -> torch.Tensor:
+        a, b = table.index_select(0, batch.input_ids), table.index_select(0, batch.positions)
+        return torch.cat([a + b, a + row], dim=-1)
+
+    replay = CpuDecodeReplay(forward, max_num_seqs=4, max_blocks_per_seq=2, block_size=4)
+    replay(decode_batch([1, 2, 3, 4], [5, 6, 7, 8], [0, 1, 2, 3]))
+    for ids, positions in (([3, 9, 60, 11], [20, 3, 61, 5]), ([0, 1, 2, 3], [63, 62, 61, 60])):
+        out, expected = replay(decode_batch(ids, positions, [0, 1, 2, 3])), forward(decode_batch(ids, positions, [0, 1, 2, 3]))
+        assert torch.equal(out.isnan(), expected.isnan())  # (a NaN's bits: torch's scalar tail writes others)
+        assert torch.equal(out.nan_to_num().view(torch.int16), expected.nan_to_num().view(torch.int16))
+    assert replay.replays == 2 and "add_bf16" in replay.programs[4][0].names
 
 
 def test_other_steps_stay_eager() -> None:

@@ -30,6 +30,17 @@ int quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *
                  float *out);
 int half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                 const uint16_t *bias, void *out, int out_float);
+int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                              const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
+                              int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+                              float soft_cap, int dtype);
+void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
+                 int64_t cols, float eps, float offset, int dtype);
+void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype);
+void rotary_neox_16(uint16_t *q, uint16_t *k, const float *cos_table, const float *sin_table, int64_t tokens,
+                    int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride,
+                    int64_t k_stride, int dtype);
 
 /* Operation codes; native.py's REPLAY_OPS names them in the same order. */
 enum {
@@ -47,6 +58,11 @@ enum {
     OP_TO_F32,
     OP_COPY_ROWS,
     OP_QUANT_MATMUL_AT,
+    OP_PAGED_DECODE_ATTENTION_16,
+    OP_RMS_NORM_16,
+    OP_SILU_AND_MUL_16,
+    OP_ROTARY_NEOX_16,
+    OP_ADD_BF16,
 };
 
 /* quant_matmul's signature: another library's kernel (amx_quant.c's tiles) called through its address. */
@@ -84,6 +100,22 @@ void add_f32(const float *a, const float *b, float *out, int64_t rows, int64_t c
         const float *x = a + r * cols, *y = b + r * b_stride;
         float *o = out + r * cols;
         for (int64_t c = 0; c < cols; c++) o[c] = x[c] + y[c];
+    }
+}
+
+/* bfloat16 out[r, c] = a[r, c] + b[r * b_stride + c] as torch adds them: in float32, rounded to nearest even.
+ * A NaN is written 0xffff, as torch's vectorised loop writes it (its scalar tail writes 0x7fc0). */
+void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_t rows, int64_t cols, int64_t b_stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < cols; c++) {
+            uint32_t x = (uint32_t)a[r * cols + c] << 16, y = (uint32_t)b[r * b_stride + c] << 16, bits;
+            float fx, fy, sum;
+            memcpy(&fx, &x, sizeof fx);
+            memcpy(&fy, &y, sizeof fy);
+            sum = fx + fy;
+            memcpy(&bits, &sum, sizeof bits);
+            out[r * cols + c] = sum != sum ? 0xffff : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+        }
     }
 }
 
@@ -178,6 +210,22 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
             break;
         case OP_QUANT_MATMUL_AT:
             result = ((quant_matmul_fn)P(0))((int)a[1], P(2), a[3], a[4], P(5), a[6], a[7], P(8));
+            break;
+        case OP_PAGED_DECODE_ATTENTION_16:
+            result = paged_decode_attention_16(P(0), P(1), P(2), P(3), P(4), P(5), a[6], a[7], a[8], a[9], a[10],
+                                               a[11], a[12], as_float(a[13]), a[14], as_float(a[15]), (int)a[16]);
+            break;
+        case OP_RMS_NORM_16:
+            rms_norm_16(P(0), P(1), P(2), P(3), a[4], a[5], as_float(a[6]), as_float(a[7]), (int)a[8]);
+            break;
+        case OP_SILU_AND_MUL_16:
+            silu_and_mul_16(P(0), P(1), a[2], a[3], (int)a[4]);
+            break;
+        case OP_ROTARY_NEOX_16:
+            rotary_neox_16(P(0), P(1), P(2), P(3), a[4], a[5], a[6], a[7], a[8], a[9], a[10], (int)a[11]);
+            break;
+        case OP_ADD_BF16:
+            add_bf16(P(0), P(1), P(2), a[3], a[4], a[5]);
             break;
         default:
             result = -100;
