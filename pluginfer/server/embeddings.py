@@ -71,7 +71,8 @@ class EmbeddingRequest(BaseModel):
 def pooler_of(state: ServerState) -> PoolerConfig:
     """The served checkpoint's pooling, read once (from the server's side: the engine may run elsewhere)."""
     if state.pooler is None:
-        from pluginfer.core.loader import read_hf_config, resolve_model_path  # torch: once, at the first request
+        # imported here: it imports torch, which the server's process does not need to start
+        from pluginfer.core.loader import read_hf_config, resolve_model_path
 
         path = resolve_model_path(state.config.model, state.config.revision)
         state.pooler = read_pooler_config(path, read_hf_config(path) if path.is_dir() else {})
