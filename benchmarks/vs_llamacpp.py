@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import subprocess
 import sys
@@ -45,23 +46,31 @@ clock = time.perf_counter  # time.process_time under --cpu-time
 
 
 def write_files(model_dir: Path, out: Path, formats: list[str]) -> dict[str, Path]:
+    """The GGUF files of ``formats`` in ``out``, each written once (to a temporary name, then renamed: a file
+    another run has mapped is never rewritten, and an interrupted write leaves no file to be reused)."""
     files = {}
     for name in formats:
         convert = FORMATS[name] or "f16"
         path = out / f"model-{convert}.gguf"
         if not path.exists():
             embedding = "q8_0" if convert == "q8_0" else "f16"
+            partial = path.with_name(f"{path.stem}.partial-{os.getpid()}.gguf")
             subprocess.run([sys.executable, "-m", "pluginfer", "convert", "--model", str(model_dir), "--quant", convert,
-                            "--embedding-type", embedding, "--output", str(path)], check=True)
+                            "--embedding-type", embedding, "--output", str(partial)], check=True)
+            partial.replace(path)
         files[name] = path
     if "q4_k_m" in formats:
         import llama_cpp
 
         target = out / "model-q4_k_m.gguf"
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-        if llama_cpp.llama_model_quantize(str(files["q4_k_m"]).encode(), str(target).encode(), ctypes.byref(params)):
-            raise RuntimeError("llama.cpp could not quantize to Q4_K_M")
+        if not target.exists():
+            partial = target.with_name(f"{target.stem}.partial-{os.getpid()}.gguf")
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+            if llama_cpp.llama_model_quantize(str(files["q4_k_m"]).encode(), str(partial).encode(),
+                                              ctypes.byref(params)):
+                raise RuntimeError("llama.cpp could not quantize to Q4_K_M")
+            partial.replace(target)
         files["q4_k_m"] = target
     return files
 
