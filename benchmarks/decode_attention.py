@@ -44,7 +44,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=24, help="distinct caches called in turn")
+    parser.add_argument("--layers", type=int, default=24,
+                        help="distinct caches called in turn (fewer where they would pass --memory-mb)")
+    parser.add_argument("--memory-mb", type=int, default=512, help="at most this much cache in all")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
@@ -58,8 +60,8 @@ def main() -> None:
                      "after": build(SOURCE.read_text(), Path(tmp), "after")}
         print(f"{args.heads} heads / {args.kv_heads} KV heads of {args.head_dim}, blocks of {args.block_size}, "
               f"{args.layers} caches; one thread, CPU time, median of {args.runs}; before = {args.before}")
-        print("| batch | context | before ms / call | after ms / call | before / after | after GFLOP/s |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| batch | context | caches | before ms / call | after ms / call | before / after | after GB/s |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for batch in args.batches:
             for context in args.contexts:
                 row(libraries, batch, context, args)
@@ -70,8 +72,10 @@ def row(libraries: dict[str, ctypes.CDLL], batch: int, context: int, args: argpa
     per_seq = -(-context // args.block_size)
     blocks = batch * per_seq
     shape = (blocks, args.block_size, args.kv_heads, args.head_dim)
+    layer_bytes = 2 * 4 * blocks * args.block_size * args.kv_heads * args.head_dim
+    layers = max(1, min(args.layers, args.memory_mb * 2**20 // layer_bytes))
     caches = [(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
-              for _ in range(args.layers)]
+              for _ in range(layers)]
     tables = torch.randperm(blocks, generator=generator).reshape(batch, per_seq)
     lens = torch.full((batch,), context, dtype=torch.int64)
     query = torch.randn(batch, args.heads, args.head_dim, generator=generator)
@@ -91,10 +95,11 @@ def row(libraries: dict[str, ctypes.CDLL], batch: int, context: int, args: argpa
             for keys, values in caches:
                 call(library, keys, values, outs[name])
             times[name].append((time.thread_time() - start) / len(caches) * 1e3)
-    torch.testing.assert_close(outs["after"], outs["before"], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(outs["after"], outs["before"], atol=2e-5, rtol=2e-5)  # the last cache's
     before, after = (statistics.median(times[name]) for name in ("before", "after"))
-    flop = 2 * batch * args.heads * context * 2 * args.head_dim
-    print(f"| {batch} | {context} | {before:.4f} | {after:.4f} | {before / after:.2f}x | {flop / after / 1e6:.1f} |")
+    read = 2 * 4 * batch * context * args.kv_heads * args.head_dim  # the keys and values attended to
+    print(f"| {batch} | {context} | {layers} | {before:.4f} | {after:.4f} | {before / after:.2f}x | "
+          f"{read / after / 1e6:.1f} |")
 
 
 if __name__ == "__main__":
