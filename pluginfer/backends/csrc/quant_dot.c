@@ -151,8 +151,10 @@ static void quantize_row(const float *x, int64_t k, uint8_t *base, int64_t vstri
     const int64_t nb = k / 32, nv = (k + 63) / 64;
     const int cs_at = offset ? 192 : 128;
     for (int64_t b = 0; b < 2 * nv; b++) {
-        uint8_t *record = base + (b / 2) * vstride;
-        const int half = (int)(b % 2);
+        /* Q4_K / Q5_K (has_min 2): a super-block's vector j holds sub-blocks k4_pair(j) and + 2 (k4_levels) */
+        const int64_t at = has_min == 2 ? (b & ~(int64_t)7) | (b & 4) | ((b & 1) << 1) | ((b >> 1) & 1) : b;
+        uint8_t *record = base + (at / 2) * vstride;
+        const int half = (int)(at % 2);
         float *dxv = (float *)(record + 64) + 8 * half, *cs = (float *)(record + cs_at) + 8 * half;
         if (b >= nb) { /* padding: contributes exact zeros */
             memset(record + 32 * half, 0, 32);
@@ -358,8 +360,8 @@ static inline __m512 no_mins(const void *U) {
 #define q5_1_UNIT unit32
 #define q8_0_UNIT unit32
 
-/* Q4_K / Q5_K: 256 weights, 8 sub-blocks of 32 with 6-bit scales and mins (get_scale_min_k4); vector j
- * holds sub-blocks 2j (low nibbles of qs[32j .. 32j + 31]) and 2j + 1 (their high nibbles). */
+/* Q4_K / Q5_K: 256 weights, 8 sub-blocks of 32 with 6-bit scales and mins (get_scale_min_k4); sub-block
+ * 2i is the low nibbles of qs[32i .. 32i + 31], 2i + 1 their high nibbles; vector j holds k4_pair(j). */
 typedef struct {
     const uint8_t *qs, *qh;
     __m512 sm; /* lanes 0-7: d * scale of sub-block 0-7; lanes 8-15: -(dmin * min) */
@@ -387,17 +389,22 @@ static inline void q4_k_prep(unit_k4 *U, const uint8_t *row, int64_t u, int64_t 
     U->qs = b + 16;
 }
 
+/* Vector j of a super-block holds sub-blocks k4_pair(j) = 4 (j / 2) + j % 2 (lanes 0-7) and k4_pair(j) + 2
+ * (lanes 8-15): one 64-byte load of qs[64 (j / 2) ..] holds sub-blocks 4 (j / 2) and + 2 in its low
+ * nibbles, + 1 and + 3 in its high ones (the activations' records are laid out in this order by
+ * quantize_row), so a vector takes a load, an and, and for odd j a shift. */
+static inline int k4_pair(int j) { return 4 * (j / 2) + j % 2; }
+
 static inline __m512i k4_levels(const uint8_t *qs, int j) {
-    const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j)), low = _mm256_set1_epi8(0x0F);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low)),
-                              _mm256_and_si256(_mm256_srli_epi16(q, 4), low), 1);
+    const __m512i q = _mm512_loadu_si512(qs + 64 * (j / 2));
+    return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(q, 4) : q, _mm512_set1_epi8(0x0F));
 }
 
-/* Lanes of sub-blocks 2j (0-7) and 2j + 1 (8-15): their scales. The mins apply once per super-block
- * (k4_mins: lanes 0-7, against the activation record's per-sub-block sums). */
+/* Lanes of sub-blocks k4_pair(j) (0-7) and k4_pair(j) + 2 (8-15): their scales. The mins apply once per
+ * super-block (k4_mins: lanes 0-7, against the activation record's per-sub-block sums). */
 static inline void k4_lanes(const unit_k4 *U, int j, __m512 *sv, __m512 *mv) {
-    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-                                         _mm512_set1_epi32(2 * j));
+    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                                         _mm512_set1_epi32(k4_pair(j)));
     *sv = _mm512_permutexvar_ps(idx, U->sm);
     *mv = _mm512_setzero_ps();
 }
@@ -425,8 +432,8 @@ static inline void q5_k_prep(unit_k4 *U, const uint8_t *row, int64_t u, int64_t 
 /* Q5_K: weight i of sub-block s has its fifth bit at bit s of qh[i]. */
 static inline void q5_k_decode(const unit_k4 *U, int j, __m512i *w, __m512 *sv, __m512 *mv) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)U->qh);
-    const uint64_t high = (uint64_t)_mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1 << (2 * j)))) |
-                          (uint64_t)_mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1 << (2 * j + 1)))) << 32;
+    const uint64_t high = (uint64_t)_mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1 << k4_pair(j)))) |
+                          (uint64_t)_mm256_test_epi8_mask(h, _mm256_set1_epi8((char)(1 << (k4_pair(j) + 2)))) << 32;
     *w = _mm512_or_si512(k4_levels(U->qs, j), _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)));
     k4_lanes(U, j, sv, mv);
 }
@@ -451,18 +458,14 @@ static inline void q6_k_prep(unit_k6 *U, const uint8_t *row, int64_t u, int64_t 
 static inline void q6_k_decode(const unit_k6 *U, int j, __m512i *w, __m512 *sv, __m512 *mv) {
     const int h = j / 2, p = j % 2;
     const __m512i l = _mm512_loadu_si512(U->ql + 64 * h);
-    const __m256i q = _mm256_loadu_si256((const __m256i *)(U->qh + 32 * h));
-    __m512i low, hh;
-    if (p == 0) {
-        low = l;
-        hh = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 2), 1);
-    } else {
-        low = _mm512_srli_epi16(l, 4);
-        hh = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(q, 4)), _mm256_srli_epi16(q, 6), 1);
-    }
-    low = _mm512_and_si512(low, _mm512_set1_epi8(0x0F));
-    hh = _mm512_slli_epi16(_mm512_and_si512(hh, _mm512_set1_epi8(3)), 4);
-    *w = _mm512_or_si512(low, hh);
+    /* qh's 32 bytes in both halves; bit pair 2p (first half) and 2p + 1 (second) shifted to bits 4-5 of
+     * each byte (a shift of whole 64-bit lanes: the and drops what crosses from the neighbour bytes) */
+    const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(U->qh + 32 * h)));
+    const __m512i hh = p == 0 ? _mm512_sllv_epi64(q, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2))
+                              : _mm512_srlv_epi64(q, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2));
+    /* 0x0F ? low nibbles : hh & 0x30, one ternary logic (0xE4: c ? a : b) */
+    *w = _mm512_ternarylogic_epi32(p == 0 ? l : _mm512_srli_epi16(l, 4), _mm512_and_si512(hh, _mm512_set1_epi8(0x30)),
+                                   _mm512_set1_epi8(0x0F), 0xE4);
     const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
                                          _mm512_set1_epi32(4 * j));
     *sv = _mm512_permutexvar_ps(idx, U->scales);
