@@ -367,19 +367,26 @@ typedef struct {
     __m512 sm; /* lanes 0-7: d * scale of sub-block 0-7; lanes 8-15: -(dmin * min) */
 } unit_k4;
 
-/* get_scale_min_k4 for all 8 sub-blocks at once (llama.cpp's kmask shuffle of the 12 bytes): bytes 0-7
- * the scales, 8-15 the mins. */
+/* get_scale_min_k4 for all 8 sub-blocks at once, in vector registers: bytes 0-7 the scales, 8-15 the mins.
+ * With q the 12 bytes: i < 4: scale q[i] & 63, min q[i + 4] & 63; i >= 4: scale (q[i + 4] & 15) |
+ * (q[i - 4] >> 6) << 4, min (q[i + 4] >> 4) | (q[i] >> 6) << 4. One shuffle gathers the low parts' bytes,
+ * another the high bits' (zeros where there are none); (x >> 6) << 4 is (x >> 2) & 0x30. */
 static inline void k4_scales(unit_k4 *U, const uint8_t *b) {
-    uint32_t q[4];
-    memcpy(q, b + 4, 12);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-    q[3] = ((q[2] >> 4) & low4) | (((q[1] >> 6) & low2) << 4);
-    const uint32_t mins = q[1] & low6;
-    q[1] = (q[2] & low4) | (((q[0] >> 6) & low2) << 4);
-    q[2] = mins;
-    q[0] &= low6;
-    const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)));
-    U->sm = _mm512_mul_ps(fields, pair_ps(h2f(b), -h2f(b + 2)));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4)); /* the 12 bytes, then 4 of qs (unused) */
+    const __m128i lo = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i hi = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i low = _mm_mask_blend_epi8(
+        0xF000, _mm_and_si128(lo, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+        _mm_and_si128(_mm_srli_epi16(lo, 4), _mm_set1_epi8(15)));
+    const __m128i fields = _mm_or_si128(low, _mm_and_si128(_mm_srli_epi16(hi, 2), _mm_set1_epi8(0x30)));
+    /* lanes 0-7 d, 8-15 -dmin (the sign flipped exactly) */
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)u32_at(b)));
+    const __m512 dd = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                                  _mm512_castps128_ps512(dm))),
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN,
+                          INT32_MIN, INT32_MIN)));
+    U->sm = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(fields)), dd);
 }
 
 static inline void q4_k_prep(unit_k4 *U, const uint8_t *row, int64_t u, int64_t nb) {
