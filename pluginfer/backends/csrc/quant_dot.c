@@ -123,7 +123,8 @@ int quant_dot_max_threads(void) { return omp_get_max_threads(); }
  *                       the record of the super-block's first vector, lanes 0-7 (its 8 blocks), 8-15 0
  * Rows come in groups of up to QD_TILE_ROWS: a group holds vector 0 of each of its rows, then vector
  * 1 of each, ..., so the rows a tile multiplies at one step are adjacent (one pointer, constant
- * offsets). AVX2 reads each record as two halves of 32 activations, one block each. */
+ * offsets). AVX2 reads each record as two halves of 32 activations, one block each. On AVX-512, Q4_K and
+ * Q5_K records hold a super-block's blocks in the order 0 2 | 1 3 | 4 6 | 5 7 (k4_pair; cs stays by block). */
 #define QD_RECORD(offset, has_min) (64 * (2 + ((offset) != 0) + ((has_min) != 0)))
 
 #if defined(QD_AVX512) || defined(QD_AVX2)
