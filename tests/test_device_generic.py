@@ -33,6 +33,11 @@ ALLOWED = {
     ("core/sampler.py", 'if logits.device.type == "cpu" and logits.dtype == torch.float32'):
         "the greedy shortcut hands host float32 logits to numpy's argmax; numpy reads host memory only, any "
         "other device keeps torch.argmax",
+    ("core/gguf_checkpoint.py", 'if source.device.type != "cpu" or source.numel() == 0:'):
+        "only a tensor in host memory can lie in a GGUF file's memory mapping, whose pages release_file_pages "
+        "gives back; a tensor on any other device has nothing to release",
+    ("core/gguf_checkpoint.py", 'if source.device.type != "cpu" or target.device.type != "cpu"'):
+        "read_file_bytes preads file bytes into host memory; a target on another device is copied by torch",
     ("core/sampler.py", 'sync_free = logits.device.type != "cpu"'):
         "top-k/top-p's candidate shortcut reads its width back from the logits, free on host memory and a "
         "device sync anywhere else, where one full sort replaces it",

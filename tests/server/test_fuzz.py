@@ -57,7 +57,8 @@ def test_schemathesis_finds_no_server_error(server, operation, tmp_path):
         [sys.executable, "-m", "schemathesis.cli", "run", str(SPEC), "--url", f"{server.url}/v1",
          "--include-operation-id", operation, "--max-examples", str(EXAMPLES), "--checks", "not_a_server_error",
          "--request-timeout", "60", "--seed", "15", "--no-color"],
-        capture_output=True, text=True, timeout=900, env=env)
+        capture_output=True, text=True, timeout=900, env=env,
+        cwd=tmp_path)  # its example database (.schemathesis/) goes there, not into the checkout
     summary = re.search(r"(\d+) generated, (\d+) passed", result.stdout)
     assert result.returncode == 0 and summary, result.stdout[-3000:] + result.stderr[-2000:]
     assert int(summary.group(1)) == int(summary.group(2)) > 0
