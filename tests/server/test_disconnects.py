@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from pluginfer.core.async_engine import AsyncEngine
-
 from tests.server.conftest import (
     MODEL_NAME,
     http,
