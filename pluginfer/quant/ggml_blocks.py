@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pluginfer.quant.tiled import tile_buffer, tile_compute_dtype, tiled_linear
+from pluginfer.quant.tiled import tile_buffer, tile_compute_dtype, tile_into_buffer, tiled_linear
 
 T = GGMLQuantizationType
 QK_K = 256
@@ -266,7 +266,7 @@ def ggml_linear(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType 
         return tiled_linear(x, raw.shape[0], lambda start, stop: dequantize(raw[start:stop], qtype, cols, x.dtype),
                             bias)
     dtype = tile_compute_dtype(x, dequantize_rows)
-    into_buffer = dtype == torch.float32 or dtype == getattr(dequantize_rows, "tile_dtype", None)
+    into_buffer = tile_into_buffer(dtype, dequantize_rows)
 
     def tile(start: int, stop: int) -> torch.Tensor:
         rows = raw[start:stop]

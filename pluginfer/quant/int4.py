@@ -27,6 +27,7 @@ from pluginfer.quant.tiled import (
     replace_weight,
     tile_buffer,
     tile_compute_dtype,
+    tile_into_buffer,
     tiled_linear,
 )
 
@@ -81,8 +82,7 @@ class Int4Linear(InSituQuantMethod):
         qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
         kernel = getattr(layer, "int4_dequantize", None)
         dtype = tile_compute_dtype(x, kernel)  # bfloat16 where the backend's kernel asks for it
-        # a tile is consumed by its matmul before the next is written
-        into_buffer = dtype == torch.float32 or dtype == getattr(kernel, "tile_dtype", None)
+        into_buffer = tile_into_buffer(dtype, kernel)
 
         def tile(start: int, stop: int) -> torch.Tensor:
             if kernel is not None:

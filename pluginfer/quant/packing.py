@@ -19,7 +19,7 @@ from torch import nn
 from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context, quant_kernel
 from pluginfer.quant.sharding import column_split, row_split, split_error
-from pluginfer.quant.tiled import tile_buffer, tile_compute_dtype, tiled_linear
+from pluginfer.quant.tiled import tile_buffer, tile_compute_dtype, tile_into_buffer, tiled_linear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -178,8 +178,7 @@ class GroupQuantLinear:
             return tiled_linear(x, layer.qweight.shape[1],
                                 lambda start, stop: self.dequantize_columns(layer, start, stop, x.dtype), bias)
         dtype = tile_compute_dtype(x, kernel)  # bfloat16 where the backend's kernel asks for it
-        # a tile is consumed by its matmul before the next is written
-        into_buffer = dtype == torch.float32 or dtype == getattr(kernel, "tile_dtype", None)
+        into_buffer = tile_into_buffer(dtype, kernel)
         g_idx = getattr(layer, "g_idx", None)
 
         def tile(start: int, stop: int) -> torch.Tensor:

@@ -45,6 +45,13 @@ def tile_compute_dtype(x: torch.Tensor, kernel: object) -> torch.dtype:
     return dtype if rows >= kernel.tile_dtype_min_rows else x.dtype
 
 
+def tile_into_buffer(dtype: torch.dtype, kernel: object) -> bool:
+    """Whether the backend's tile kernel writes ``dtype`` tiles straight into the shared :func:`tile_buffer`:
+    float32 always, and its own ``tile_dtype``; any other dtype is converted after it (a tile is consumed by
+    its matmul before the next is written, so one buffer serves every tile)."""
+    return dtype == torch.float32 or dtype == getattr(kernel, "tile_dtype", None)
+
+
 def tiled_linear(x: torch.Tensor, output_size: int, dequantize_rows: Callable[[int, int], torch.Tensor],
                  bias: torch.Tensor | None, tile_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` where ``dequantize_rows(start, stop)`` returns ``W[start:stop]`` in ``tile_dtype``
