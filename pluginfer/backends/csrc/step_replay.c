@@ -4,7 +4,7 @@
  * the same arguments (pointers into tensors the recording keeps alive), in the order the eager forward
  * called them, so a replay computes what the eager step computes, bit for bit. Besides the kernels of
  * the library, a few copy-like ops stand in for the torch ops a decode step makes between them (row
- * gathers, the KV cache's row scatter, float32 adds, 16-bit to float32 conversions); each does exactly
+ * gathers, the KV cache's row scatter, float32 and 16-bit adds, 16-bit to float32 conversions); each does exactly
  * what the torch op does (an IEEE float32 add is one rounding either way).
  *
  * step_replay returns 0, or the index + 1 of the entry that failed, with that entry's status in *status.
@@ -63,6 +63,7 @@ enum {
     OP_SILU_AND_MUL_16,
     OP_ROTARY_NEOX_16,
     OP_ADD_BF16,
+    OP_ADD_F16,
 };
 
 /* quant_matmul's signature: another library's kernel (amx_quant.c's tiles) called through its address. */
@@ -119,6 +120,24 @@ void add_bf16(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_t rows,
     }
 }
 
+/* float32 to float16, rounded to nearest even (c10::Half's conversion, fp16_ieee_from_fp32_value: overflow
+ * to infinity, subnormals rounded once); a NaN keeps its sign and the top of its payload, quieted, as
+ * vcvtps2ph (torch's vectorised loop) writes it. */
+static uint16_t float_to_half(float value) {
+    uint32_t w, bias, bits;
+    float base = (value < 0 ? -value : value) * 0x1.0p+112f * 0x1.0p-110f, scaled;
+    memcpy(&w, &value, sizeof w);
+    const uint32_t shl1_w = w + w, sign = w & 0x80000000u;
+    bias = shl1_w & 0xff000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    bits = (bias >> 1) + 0x07800000u;
+    memcpy(&scaled, &bits, sizeof scaled);
+    base = scaled + base;
+    memcpy(&bits, &base, sizeof bits);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007c00u) + (bits & 0x00000fffu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u | ((w >> 13) & 0x3ffu) : nonsign));
+}
+
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
     if (exponent == 0x1f) {
@@ -138,6 +157,17 @@ static float half_to_float(uint16_t h) {
     float value;
     memcpy(&value, &bits, sizeof value);
     return value;
+}
+
+/* float16 out[r, c] = a[r, c] + b[r * b_stride + c] as torch adds them: in float32, rounded to nearest even;
+ * of two NaNs, b's (torch's vectorised loop is fma(b, alpha, a)). */
+void add_f16(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_t rows, int64_t cols, int64_t b_stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < cols; c++) {
+            const float x = half_to_float(a[r * cols + c]), y = half_to_float(b[r * b_stride + c]);
+            out[r * cols + c] = float_to_half(y != y ? y : x + y);
+        }
+    }
 }
 
 /* float32 of n contiguous 16-bit values: dtype 0 bfloat16, 1 float16 (both exact). */
@@ -226,6 +256,9 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
             break;
         case OP_ADD_BF16:
             add_bf16(P(0), P(1), P(2), a[3], a[4], a[5]);
+            break;
+        case OP_ADD_F16:
+            add_f16(P(0), P(1), P(2), a[3], a[4], a[5]);
             break;
         default:
             result = -100;
