@@ -1,0 +1,284 @@
+/* amx_half: y = x W^T (+ bias) for 16-bit weights W [n][k] in the checkpoint's own layout and x [m][k] of
+ * the same dtype, on AMX-BF16 tiles (Sapphire Rapids and later), for the few to few tens of rows where
+ * half_linear.c's AVX-512 GEMV turns compute-bound and torch's GEMM is still far from the memory bound.
+ * Its own library: a compiler or a CPU without AMX leaves half_linear untouched. The signature is
+ * half_linear's, so the decode replay calls either through one entry.
+ *
+ * No repack: out^T = W x^T. Tile A is 16 weight rows x 32 inputs, loaded straight from W with the row
+ * stride (k * 2 bytes); tile B is 32 inputs x 16 rows of x in the pair-interleaved (VNNI) layout
+ * tdpbf16ps wants, built once per call (row i of the tile: for each x row r the pair x[r][2i], x[r][2i+1]);
+ * tile C is 16 outputs x 16 rows of float32 accumulators, kept in the tile over the whole of k. A block of
+ * 16 outputs passes once over its weights for up to AH_GROUPS groups of 16 rows (C tiles 0..3); more rows
+ * take another pass, from cache. Outputs past n and inputs past k (the last partial tiles) are read from a
+ * zero-padded copy of those weights; x's padding is zeros too.
+ *
+ * Arithmetic. bfloat16: each product of two bfloat16 values is exact in float32 and tdpbf16ps adds them
+ * into the float32 accumulator in input order, rounding to nearest even (subnormal inputs and results
+ * flushed to zero, as vdpbf16ps); the only rounding before the output's is the float32 sum's, as in
+ * half_linear.c and torch's reference: the order of the additions differs.
+ * float16 (AMX here has no float16 products): each float16 value v is split exactly into two bfloat16,
+ * hi = v with its significand cut to 8 bits and lo = v - hi (at most 3 significant bits, and v's
+ * magnitude >= 2^-24 keeps it a normal bfloat16), so w x = wh xh + wh xl + wl xh + wl xl, four products
+ * exact in float32, summed by the tiles in float32. No input bit is lost; the float32 sum has 4k terms
+ * instead of k (tests/backends/test_native_amx_half.py states the bound). An infinite v splits into
+ * (v, 0), a NaN into (NaN, NaN).
+ * Every output of every row takes the same operations in the same order whatever m, the group or lane
+ * it falls in, the thread or the outputs around it: a row's result never depends on its batch.
+ *
+ * Threads (OpenMP) split the 16-output blocks into contiguous ranges; while a block runs, each step
+ * prefetches the same 64 bytes of the next block's 16 rows, one block ahead (into L2: the 16 rows of a
+ * tile are k * 2 bytes apart, so in L1 they would share a few sets).
+ *
+ * Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):
+ * amx_half_init asks once per process and says whether it was granted.
+ */
+#define _GNU_SOURCE /* syscall() under -std=c11 */
+#include <errno.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512BF16__) && defined(__F16C__) && defined(__linux__) && defined(__x86_64__)
+#define AH_AMX 1
+#include <immintrin.h>
+#endif
+
+enum { AH_BF16 = 0, AH_F16 = 1 };
+
+/* Whether the library holds the AMX kernel (built for a CPU with AMX-TILE, AMX-BF16 and AVX512-BF16). */
+int amx_half_compiled(void) {
+#if defined(AH_AMX)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static int ah_granted;
+
+/* Asks Linux for the tile data state. 0: granted; otherwise the errno of the refusal, or -1 when the
+ * library has no AMX kernel. */
+int amx_half_init(void) {
+#if defined(AH_AMX)
+    if (ah_granted) return 0;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return errno;
+    ah_granted = 1;
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+#if defined(AH_AMX)
+#define AH_COLS 16   /* outputs per tile (A's and C's 16 rows) */
+#define AH_ROWS 16   /* rows of x per group (C's 16 float32 columns) */
+#define AH_GROUPS 4  /* groups of rows per pass over a block's weights: C tiles 0..3 */
+#define AH_TILE 1024 /* bytes of one 16 x 64-byte tile */
+#ifndef AH_PF_HINT
+#define AH_PF_HINT _MM_HINT_T1
+#endif
+
+/* Palette 1, every tile 16 rows of 64 bytes: 0..3 C, 4 A (bfloat16 or the high halves), 7 A (low halves),
+ * 5 and 6 B. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ah_config;
+
+static void ah_configure(void) {
+    ah_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+}
+
+static inline float ah_bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's c10::BFloat16 (and half_linear.c); a NaN stays a (quiet) NaN. */
+static inline uint16_t ah_float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* 32 float16 values as 32 bfloat16 high parts and 32 low parts (the exact split of the header). */
+static inline void ah_split32(__m512i h, __m512i *hi, __m512i *lo) {
+    const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    const __m512i cut = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 h0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(f0), cut));
+    const __m512 h1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(f1), cut));
+    const __m512 big = _mm512_set1_ps(65536.0f); /* above every finite float16: infinities and NaNs */
+    const __m512 l0 = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(f0), big, _CMP_LT_OQ), f0, h0);
+    const __m512 l1 = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(f1), big, _CMP_LT_OQ), f1, h1);
+    const __mmask16 nan0 = _mm512_cmp_ps_mask(f0, f0, _CMP_UNORD_Q), nan1 = _mm512_cmp_ps_mask(f1, f1, _CMP_UNORD_Q);
+    /* hi and lo are bfloat16 values already: taking their high 16 bits is exact (no rounding) */
+    const __m512i hb = _mm512_packus_epi32(_mm512_srli_epi32(_mm512_castps_si512(h0), 16),
+                                           _mm512_srli_epi32(_mm512_castps_si512(h1), 16));
+    const __m512 nan = _mm512_set1_ps(__builtin_nanf(""));
+    const __m512i lb = _mm512_packus_epi32(_mm512_srli_epi32(_mm512_castps_si512(_mm512_mask_mov_ps(l0, nan0, nan)), 16),
+                                           _mm512_srli_epi32(_mm512_castps_si512(_mm512_mask_mov_ps(l1, nan1, nan)), 16));
+    /* packus interleaves 128-bit lanes: put the 16-bit values back in input order */
+    const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+    *hi = _mm512_permutexvar_epi64(order, hb);
+    *lo = _mm512_permutexvar_epi64(order, lb);
+}
+
+/* x [m][k] into the B tiles of `groups` groups of ks steps (zeros past m and k): bfloat16 x as is into hi;
+ * float16 x split into hi and lo. Word i * 16 + r of tile (g, s) holds x[16 g + r][32 s + 2 i .. + 1]. */
+static void ah_pack_x(int dtype, const uint16_t *x, int64_t m, int64_t k, int64_t ks, uint32_t *hi, uint32_t *lo) {
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t g = r / AH_ROWS, lane = r % AH_ROWS;
+        for (int64_t s = 0; s < ks; s++) {
+            uint16_t chunk[32] __attribute__((aligned(64))) = {0};
+            const int64_t count = k - 32 * s < 32 ? k - 32 * s : 32;
+            memcpy(chunk, x + r * k + 32 * s, (size_t)count * 2);
+            uint32_t *th = hi + (g * ks + s) * (AH_TILE / 4), *tl = lo ? lo + (g * ks + s) * (AH_TILE / 4) : NULL;
+            uint32_t words_hi[16], words_lo[16];
+            if (dtype == AH_BF16) {
+                memcpy(words_hi, chunk, 64);
+            } else {
+                __m512i h, l;
+                ah_split32(_mm512_load_si512(chunk), &h, &l);
+                _mm512_storeu_si512(words_hi, h);
+                _mm512_storeu_si512(words_lo, l);
+            }
+            for (int i = 0; i < 16; i++) {
+                th[16 * i + lane] = words_hi[i];
+                if (tl) tl[16 * i + lane] = words_lo[i];
+            }
+        }
+    }
+}
+
+/* The A tile(s) of outputs o0..o0+15 at step s when they cannot be read in place (outputs past n, inputs
+ * past k, or float16 weights to split): 16 rows of 64 bytes each at hi (and lo). */
+static inline void ah_weight_tile(int dtype, const uint16_t *w, int64_t n, int64_t k, int64_t o0, int64_t s,
+                                  uint16_t *hi, uint16_t *lo) {
+    const int64_t count = k - 32 * s < 32 ? k - 32 * s : 32;
+    const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : ((1u << count) - 1));
+    for (int o = 0; o < AH_COLS; o++) {
+        __m512i v = _mm512_setzero_si512();
+        if (o0 + o < n) v = _mm512_maskz_loadu_epi16(mask, w + (o0 + o) * k + 32 * s);
+        if (dtype == AH_BF16) {
+            _mm512_store_si512(hi + 32 * o, v);
+        } else {
+            __m512i h, l;
+            ah_split32(v, &h, &l);
+            _mm512_store_si512(hi + 32 * o, h);
+            _mm512_store_si512(lo + 32 * o, l);
+        }
+    }
+}
+
+/* C tile `c` += A (tile 4; float16: 4 high, 7 low) times the B tile(s) of group g at step s. */
+#define AH_PRODUCT(c)                                                                   \
+    do {                                                                                \
+        _tile_loadd(5, bh + ((p0 + c) * ks + s) * (AH_TILE / 4), 64);                   \
+        _tile_dpbf16ps(c, 4, 5);                                                        \
+        if (split) {                                                                    \
+            _tile_loadd(6, bl + ((p0 + c) * ks + s) * (AH_TILE / 4), 64);               \
+            _tile_dpbf16ps(c, 4, 6);                                                    \
+            _tile_dpbf16ps(c, 7, 5);                                                    \
+            _tile_dpbf16ps(c, 7, 6);                                                    \
+        }                                                                               \
+    } while (0)
+
+/* dtype: 0 bfloat16, 1 float16 (x, w, bias and a 16-bit out share it). x [m][k], w [n][k], bias [n] or NULL,
+ * out [m][n]: float32 when out_float, else the 16-bit dtype (rounded to nearest even). Returns 0; -2: a bad
+ * dtype; -3: a buffer could not be allocated; -4: the tile state was not granted (amx_half_init). */
+int amx_half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                    const uint16_t *bias, void *out, int out_float) {
+    if (dtype != AH_BF16 && dtype != AH_F16) return -2;
+    if (!ah_granted) return -4;
+    if (m <= 0 || n <= 0) return 0;
+    const int split = dtype == AH_F16;
+    const int64_t ks = (k + 31) / 32, groups = (m + AH_ROWS - 1) / AH_ROWS, blocks = (n + AH_COLS - 1) / AH_COLS;
+    const size_t x_bytes = (size_t)(groups * ks * AH_TILE);
+    uint32_t *bh = aligned_alloc(64, x_bytes * (split ? 2 : 1));
+    if (!bh) return -3;
+    uint32_t *bl = split ? bh + x_bytes / 4 : NULL;
+    memset(bh, 0, x_bytes * (split ? 2 : 1));
+    ah_pack_x(dtype, x, m, k, ks, bh, bl);
+    /* whole 32-input steps whose weights are read in place (bfloat16, full blocks) */
+    const int64_t full_steps = k / 32;
+#pragma omp parallel if (n * k >= (1 << 15))
+    {
+        ah_configure();
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t lo = blocks * id / threads, hi = blocks * (id + 1) / threads;
+        uint16_t a_hi[AH_COLS * 32] __attribute__((aligned(64))), a_lo[AH_COLS * 32] __attribute__((aligned(64)));
+        float result[AH_GROUPS][AH_COLS * AH_ROWS] __attribute__((aligned(64)));
+        for (int64_t t = lo; t < hi; t++) {
+            const int64_t o0 = t * AH_COLS, outs = n - o0 < AH_COLS ? n - o0 : AH_COLS;
+            const int in_place = !split && outs == AH_COLS;
+            const uint16_t *next = t + 1 < hi && n - o0 - AH_COLS >= AH_COLS ? w + (o0 + AH_COLS) * k : NULL;
+            for (int64_t p0 = 0; p0 < groups; p0 += AH_GROUPS) {
+                const int count = groups - p0 < AH_GROUPS ? (int)(groups - p0) : AH_GROUPS;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t s = 0; s < ks; s++) {
+                    if (next && p0 == 0)
+#pragma GCC unroll 16
+                        for (int o = 0; o < AH_COLS; o++) _mm_prefetch((const char *)(next + o * k + 32 * s), AH_PF_HINT);
+                    if (in_place && s < full_steps) {
+                        _tile_loadd(4, w + o0 * k + 32 * s, k * 2);
+                    } else {
+                        ah_weight_tile(dtype, w, n, k, o0, s, a_hi, a_lo);
+                        _tile_loadd(4, a_hi, 64);
+                        if (split) _tile_loadd(7, a_lo, 64);
+                    }
+                    AH_PRODUCT(0);
+                    if (count > 1) AH_PRODUCT(1);
+                    if (count > 2) AH_PRODUCT(2);
+                    if (count > 3) AH_PRODUCT(3);
+                }
+                _tile_stored(0, result[0], 64);
+                if (count > 1) _tile_stored(1, result[1], 64);
+                if (count > 2) _tile_stored(2, result[2], 64);
+                if (count > 3) _tile_stored(3, result[3], 64);
+                for (int g = 0; g < count; g++) {
+                    const int64_t r0 = (p0 + g) * AH_ROWS, rows = m - r0 < AH_ROWS ? m - r0 : AH_ROWS;
+                    for (int64_t o = 0; o < outs; o++) {
+                        const float b = bias ? (dtype == AH_BF16 ? ah_bf16_to_float(bias[o0 + o]) : _cvtsh_ss(bias[o0 + o]))
+                                             : 0.0f;
+                        for (int64_t r = 0; r < rows; r++) {
+                            const float v = result[g][o * AH_ROWS + r] + b;
+                            const int64_t at = (r0 + r) * n + o0 + o;
+                            if (out_float)
+                                ((float *)out)[at] = v;
+                            else
+                                ((uint16_t *)out)[at] = dtype == AH_BF16 ? ah_float_to_bf16(v)
+                                                                         : _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+                        }
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(bh);
+    return 0;
+}
+#else
+int amx_half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                    const uint16_t *bias, void *out, int out_float) {
+    (void)dtype, (void)x, (void)m, (void)k, (void)w, (void)n, (void)bias, (void)out, (void)out_float, (void)ah_granted;
+    return -4;
+}
+#endif
