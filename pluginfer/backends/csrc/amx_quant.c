@@ -113,41 +113,53 @@ static void aq_configure(int k_bytes) {
     _tile_loadconfig(&config);
 }
 
-/* Row x [k] as quant_dot.c's quantize_row quantizes it (d = max|x| / 127, levels rounded half to even
- * from x * (127 / max|x|); a block with an infinity or a NaN gets a NaN scale and zero levels; one whose
- * 127 / max|x| overflows is zeros with scale 0), written as lane `lane` of its group: levels into the
- * interleaved B blocks, the scale into dx[b][lane], dx * (sum of levels) into cs[b][lane]. */
-static void aq_quantize_row(const float *x, int64_t k, uint8_t *levels, float *dx, float *cs, int lane) {
+/* Block b of row x as quant_dot.c's quantize_row quantizes it (d = max|x| / 127, levels rounded half to
+ * even from x * (127 / max|x|); a block with an infinity or a NaN gets a NaN scale and zero levels; one
+ * whose 127 / max|x| overflows is zeros with scale 0), written as lane `lane` of its group's block: the
+ * levels into the interleaved B block (512 bytes), the scale into dx[lane], dx * (sum of levels) into
+ * cs[lane]. */
+static inline void aq_quantize_block(const float *x, uint8_t *block, float *dx, float *cs, int lane) {
     const __m512 sign = _mm512_set1_ps(-0.0f), largest = _mm512_set1_ps(FLT_MAX);
-    for (int64_t b = 0; b < k / 32; b++) {
-        const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
-        const __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
-        const __mmask16 bad = _mm512_cmp_ps_mask(a0, largest, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, largest, _CMP_NLE_UQ);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-        float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
-        if (bad) {
-            d = NAN;
-            id = 0.0f;
-        } else if (!(id <= FLT_MAX)) {
-            d = 0.0f;
-            id = 0.0f;
-        }
-        const __m512 scale = _mm512_set1_ps(id);
-        const __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m128i q0 = _mm512_cvtsepi32_epi8(i0), q1 = _mm512_cvtsepi32_epi8(i1);
-        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-        if (bad) {
-            q0 = q1 = _mm_setzero_si128();
-            sum = 0;
-        }
-        uint32_t words[8];
-        _mm_storeu_si128((__m128i *)words, q0);
-        _mm_storeu_si128((__m128i *)(words + 4), q1);
-        uint8_t *block = levels + b * AQ_B_BYTES;
-        for (int i = 0; i < 8; i++) memcpy(block + 64 * i + 4 * lane, &words[i], 4);
-        dx[AQ_ROWS * b + lane] = d;
-        cs[AQ_ROWS * b + lane] = d * (float)sum;
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
+    const __mmask16 bad = _mm512_cmp_ps_mask(a0, largest, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, largest, _CMP_NLE_UQ);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    if (bad) {
+        d = NAN;
+        id = 0.0f;
+    } else if (!(id <= FLT_MAX)) {
+        d = 0.0f;
+        id = 0.0f;
+    }
+    const __m512 scale = _mm512_set1_ps(id);
+    const __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m128i q0 = _mm512_cvtsepi32_epi8(i0), q1 = _mm512_cvtsepi32_epi8(i1);
+    int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    if (bad) {
+        q0 = q1 = _mm_setzero_si128();
+        sum = 0;
+    }
+    uint32_t words[8];
+    _mm_storeu_si128((__m128i *)words, q0);
+    _mm_storeu_si128((__m128i *)(words + 4), q1);
+    for (int i = 0; i < 8; i++) memcpy(block + 64 * i + 4 * lane, &words[i], 4);
+    dx[lane] = d;
+    cs[lane] = d * (float)sum;
+}
+
+/* Block b of every row of group g (rows rows of x, k apart) into the group's B block, dx and cs; the
+ * lanes past the last row are zeros (levels, dx, cs). One block of a group is 512 + 2 x 64 bytes that
+ * no other block shares: threads split the work by blocks, so no two write one cache line (split by rows,
+ * every 64-byte line of a B block takes 4 bytes of each of its 16 rows, and the lines went back and forth
+ * between the cores: 2 threads quantized 16 rows x 2816 in 0.07-0.11 ms against one thread's 0.021). */
+static void aq_quantize_group_block(const float *x, int64_t rows, int64_t k, int64_t b, uint8_t *block, float *dx,
+                                    float *cs) {
+    for (int64_t r = 0; r < rows; r++) aq_quantize_block(x + r * k + 32 * b, block, dx, cs, (int)r);
+    if (rows < AQ_ROWS) {
+        for (int i = 0; i < 8; i++) memset(block + 64 * i + 4 * rows, 0, (size_t)(4 * (AQ_ROWS - rows)));
+        for (int64_t r = rows; r < AQ_ROWS; r++) dx[r] = cs[r] = 0.0f;
     }
 }
 
@@ -417,7 +429,6 @@ int amx_quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8
     uint8_t *levels = buffer;
     float *dx = (float *)(buffer + levels_bytes), *cs = (float *)(buffer + levels_bytes + scale_bytes);
     uint8_t *tail = buffer + levels_bytes + 2 * scale_bytes; /* the last outputs, padded to 16 rows of zeros */
-    memset(levels, 0, levels_bytes + 2 * scale_bytes);
     if (n % AQ_COLS) {
         memset(tail, 0, (size_t)(AQ_COLS * row_bytes));
         memcpy(tail, w + (n - n % AQ_COLS) * row_bytes, (size_t)((n % AQ_COLS) * row_bytes));
@@ -426,10 +437,10 @@ int amx_quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8
 #pragma omp parallel if (n * k >= (1 << 15))
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            const int64_t g = r / AQ_ROWS;
-            aq_quantize_row(x + r * k, k, levels + g * nb * AQ_B_BYTES, dx + g * nb * AQ_ROWS, cs + g * nb * AQ_ROWS,
-                            (int)(r % AQ_ROWS));
+        for (int64_t gb = 0; gb < groups * nb; gb++) { /* block gb % nb of group gb / nb */
+            const int64_t g = gb / nb, group_rows = m - g * AQ_ROWS < AQ_ROWS ? m - g * AQ_ROWS : AQ_ROWS;
+            aq_quantize_group_block(x + g * AQ_ROWS * k, group_rows, k, gb % nb, levels + gb * AQ_B_BYTES,
+                                    dx + gb * AQ_ROWS, cs + gb * AQ_ROWS);
         }
         aq_configure(k_bytes);
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
@@ -463,7 +474,8 @@ int amx_quant_quantize(const float *x, int64_t m, int64_t k, int8_t *q, float *d
     if (!levels) return -3;
     float *dx = (float *)(levels + nb * AQ_B_BYTES), *cs = dx + nb * AQ_ROWS;
     for (int64_t r = 0; r < m; r++) {
-        aq_quantize_row(x + r * k, k, levels, dx, cs, 0);
+        for (int64_t b = 0; b < nb; b++) aq_quantize_block(x + r * k + 32 * b, levels + b * AQ_B_BYTES, dx + AQ_ROWS * b,
+                                                           cs + AQ_ROWS * b, 0);
         for (int64_t b = 0; b < nb; b++) {
             for (int i = 0; i < 8; i++) memcpy(q + r * k + 32 * b + 4 * i, levels + b * AQ_B_BYTES + 64 * i, 4);
             d[r * nb + b] = dx[AQ_ROWS * b];
