@@ -21,7 +21,9 @@
  * magnitude >= 2^-24 keeps it a normal bfloat16), so w x = wh xh + wh xl + wl xh + wl xl, four products
  * exact in float32, summed by the tiles in float32. No input bit is lost; the float32 sum has 4k terms
  * instead of k (tests/backends/test_native_amx_half.py states the bound). An infinite v splits into
- * (v, 0), a NaN into (NaN, NaN).
+ * (v, 0), a NaN into (NaN, 0); so an infinity times a value whose low half is 0 adds inf * 0, a NaN,
+ * where the unsplit product is an infinity (the output is then NaN, not +-inf; a NaN or an infinity still
+ * reaches only its own row of x or its own output).
  * Every output of every row takes the same operations in the same order whatever m, the group or lane
  * it falls in, the thread or the outputs around it: a row's result never depends on its batch.
  *
@@ -79,6 +81,9 @@ int amx_half_init(void) {
 #define AH_ROWS 16   /* rows of x per group (C's 16 float32 columns) */
 #define AH_GROUPS 4  /* groups of rows per pass over a block's weights: C tiles 0..3 */
 #define AH_TILE 1024 /* bytes of one 16 x 64-byte tile */
+#ifndef AH_PF
+#define AH_PF 1 /* prefetch the next block's weights */
+#endif
 #ifndef AH_PF_HINT
 #define AH_PF_HINT _MM_HINT_T1
 #endif
@@ -115,26 +120,18 @@ static inline uint16_t ah_float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-/* 32 float16 values as 32 bfloat16 high parts and 32 low parts (the exact split of the header). */
+/* 32 float16 values as 32 bfloat16 high parts and 32 low parts (the exact split of the header). hi and lo
+ * are bfloat16 values already, normal ones (>= 2^-24 in magnitude), so vcvtne2ps2bf16 converts them exactly. */
 static inline void ah_split32(__m512i h, __m512i *hi, __m512i *lo) {
     const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     const __m512i cut = _mm512_set1_epi32((int)0xffff0000u);
     const __m512 h0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(f0), cut));
     const __m512 h1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(f1), cut));
-    const __m512 big = _mm512_set1_ps(65536.0f); /* above every finite float16: infinities and NaNs */
+    const __m512 big = _mm512_set1_ps(65536.0f); /* above every finite float16: infinities and NaNs get lo = 0 */
     const __m512 l0 = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(f0), big, _CMP_LT_OQ), f0, h0);
     const __m512 l1 = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(f1), big, _CMP_LT_OQ), f1, h1);
-    const __mmask16 nan0 = _mm512_cmp_ps_mask(f0, f0, _CMP_UNORD_Q), nan1 = _mm512_cmp_ps_mask(f1, f1, _CMP_UNORD_Q);
-    /* hi and lo are bfloat16 values already: taking their high 16 bits is exact (no rounding) */
-    const __m512i hb = _mm512_packus_epi32(_mm512_srli_epi32(_mm512_castps_si512(h0), 16),
-                                           _mm512_srli_epi32(_mm512_castps_si512(h1), 16));
-    const __m512 nan = _mm512_set1_ps(__builtin_nanf(""));
-    const __m512i lb = _mm512_packus_epi32(_mm512_srli_epi32(_mm512_castps_si512(_mm512_mask_mov_ps(l0, nan0, nan)), 16),
-                                           _mm512_srli_epi32(_mm512_castps_si512(_mm512_mask_mov_ps(l1, nan1, nan)), 16));
-    /* packus interleaves 128-bit lanes: put the 16-bit values back in input order */
-    const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
-    *hi = _mm512_permutexvar_epi64(order, hb);
-    *lo = _mm512_permutexvar_epi64(order, lb);
+    *hi = (__m512i)_mm512_cvtne2ps_pbh(h1, h0);
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(l1, l0);
 }
 
 /* x [m][k] into the B tiles of `groups` groups of ks steps (zeros past m and k): bfloat16 x as is into hi;
@@ -225,7 +222,7 @@ int amx_half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const ui
         for (int64_t t = lo; t < hi; t++) {
             const int64_t o0 = t * AH_COLS, outs = n - o0 < AH_COLS ? n - o0 : AH_COLS;
             const int in_place = !split && outs == AH_COLS;
-            const uint16_t *next = t + 1 < hi && n - o0 - AH_COLS >= AH_COLS ? w + (o0 + AH_COLS) * k : NULL;
+            const uint16_t *next = AH_PF && t + 1 < hi && n - o0 - AH_COLS >= AH_COLS ? w + (o0 + AH_COLS) * k : NULL;
             for (int64_t p0 = 0; p0 < groups; p0 += AH_GROUPS) {
                 const int count = groups - p0 < AH_GROUPS ? (int)(groups - p0) : AH_GROUPS;
                 _tile_zero(0);
