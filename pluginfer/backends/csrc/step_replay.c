@@ -64,10 +64,14 @@ enum {
     OP_ROTARY_NEOX_16,
     OP_ADD_BF16,
     OP_ADD_F16,
+    OP_HALF_LINEAR_AT,
 };
 
 /* quant_matmul's signature: another library's kernel (amx_quant.c's tiles) called through its address. */
 typedef int (*quant_matmul_fn)(int, const float *, int64_t, int64_t, const uint8_t *, int64_t, int64_t, float *);
+/* half_linear's signature: another library's kernel (amx_half.c's tiles) called through its address. */
+typedef int (*half_linear_fn)(int, const uint16_t *, int64_t, int64_t, const uint16_t *, int64_t, const uint16_t *,
+                              void *, int);
 
 /* out[i] = src[index[i]] for rows of row_bytes (src rows row_stride bytes apart); -1 for an index outside
  * [0, src_rows), as torch's embedding / index_select refuse one. */
@@ -259,6 +263,9 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
             break;
         case OP_ADD_F16:
             add_f16(P(0), P(1), P(2), a[3], a[4], a[5]);
+            break;
+        case OP_HALF_LINEAR_AT:
+            result = ((half_linear_fn)P(0))((int)a[1], P(2), a[3], a[4], P(5), a[6], P(7), P(8), (int)a[9]);
             break;
         default:
             result = -100;
