@@ -179,7 +179,7 @@ class Sampler:
         """Sample a token for each ``seqs[i]`` from ``logits[i]``."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         if all(map(_plain_greedy, seqs)):  # the common decode step: nothing but an argmax to do
-            token_ids = greedy_argmax(logits[:, : self.vocab_size]).tolist()
+            token_ids = greedy_argmax(logits[:, : self.vocab_size], as_list=True)
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))
         logits = logits[:, : self.vocab_size].float()  # models may pad the vocabulary
         params = [seq.params for seq in seqs]
@@ -274,15 +274,18 @@ class Sampler:
             out[i] = entry
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` (int64; the first index of a row's maximum, a NaN counting as the maximum).
+def greedy_argmax(logits: torch.Tensor, as_list: bool = False) -> torch.Tensor | list[int]:
+    """``logits.argmax(dim=-1)`` (int64; the first index of a row's maximum, a NaN counting as the maximum);
+    ``as_list``: as a list of ints (what a decode step appends; no tensor made on the CPU).
 
     On the CPU numpy's vectorised argmax gives the same indices 10-20x faster than torch's (one
     thread: 1.7 vs 31 us for a row of 20480 float32, 37 vs 690 us for 16 rows of 32000).
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
-        return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
-    return logits.argmax(dim=-1)
+        indices = logits.numpy().argmax(axis=-1)
+        return indices.tolist() if as_list else torch.from_numpy(indices.astype(np.int64, copy=False))
+    indices = logits.argmax(dim=-1)
+    return indices.tolist() if as_list else indices
 
 
 def _plain_greedy(seq: Sequence) -> bool:

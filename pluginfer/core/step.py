@@ -46,10 +46,18 @@ class StepInput:
         return int(self.logits_indices.shape[0])
 
     def to_batch(self, device: torch.device) -> ForwardBatch:
-        def tensor(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(device, non_blocking=True)
+        if torch.device(device).type == "cpu":  # the arrays' own memory: no copy (a decode step's fixed cost)
+            tensor = torch.from_numpy
+        else:
+            def tensor(array: np.ndarray) -> torch.Tensor:
+                return torch.from_numpy(array).to(device, non_blocking=True)
 
-        query_lens = np.diff(self.query_start_loc)
+        seqs = self.seq_lens.shape[0]
+        if self.input_ids.shape[0] == seqs:  # every row computes >= 1 token, so one each: a decode step
+            query_lens, max_query_len = [1] * seqs, 1 if seqs else 0
+        else:
+            lens = np.diff(self.query_start_loc)
+            query_lens, max_query_len = lens.tolist(), int(lens.max()) if lens.size else 0
         return ForwardBatch(
             input_ids=tensor(self.input_ids),
             positions=tensor(self.positions),
@@ -58,9 +66,9 @@ class StepInput:
             seq_lens=tensor(self.seq_lens),
             block_tables=tensor(self.block_tables),
             logits_indices=tensor(self.logits_indices),
-            query_lens=query_lens.tolist(),
-            max_query_len=int(query_lens.max()) if query_lens.size else 0,
-            max_seq_len=int(self.seq_lens.max()) if self.seq_lens.size else 0,
+            query_lens=query_lens,
+            max_query_len=max_query_len,
+            max_seq_len=int(self.seq_lens.max()) if seqs else 0,
             block_size=self.block_size,
         )
 

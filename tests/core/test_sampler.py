@@ -125,6 +125,7 @@ def test_greedy_argmax_equals_torch_argmax_with_ties_nan_and_padding():
     view = logits[:, :40]  # a strided view, as the sampler's cut of a padded vocabulary
     for rows in (logits, view, logits[:0]):
         assert torch.equal(greedy_argmax(rows), rows.argmax(dim=-1))
+        assert greedy_argmax(rows, as_list=True) == rows.argmax(dim=-1).tolist()  # the decode step's list
     assert greedy_argmax(view).tolist()[1:5] == [7, 9, 0, 3]
 
 

@@ -1,11 +1,13 @@
 """build_step: the plain-Python decode path gives the general numpy path's arrays exactly, and steps it does
-not cover (prefill chunks, prompt logprobs, n > 1 parents) still take the general path."""
+not cover (prefill chunks, prompt logprobs, n > 1 parents) still take the general path; ``to_batch`` gives
+every step's query lengths as ``np.diff`` does."""
 
 from __future__ import annotations
 
 import random
 
 import numpy as np
+import torch
 
 from pluginfer.core.sequence import FinishReason, SamplingParams, Sequence
 from pluginfer.core.step import _flatten, _plain_decode_step, build_step
@@ -40,6 +42,11 @@ def test_plain_decode_steps_equal_the_general_path() -> None:
         if plain is not None:
             plain_steps += 1
             assert_same_plan(plain, general)
+        if output.scheduled:  # to_batch: a decode step's lengths without numpy, the others' by np.diff
+            batch, lens = general.step.to_batch(torch.device("cpu")), np.diff(general.step.query_start_loc)
+            assert batch.query_lens == lens.tolist() and batch.max_query_len == int(lens.max())
+            assert batch.max_seq_len == int(general.step.seq_lens.max())
+            assert np.shares_memory(batch.block_tables.numpy(), general.step.block_tables)  # no copy on the CPU
         for row in output.scheduled:  # what step() in test_scheduler does, on this output
             for seq in row.sample_for:
                 seq.output_token_ids.append(1000 + len(seq))
