@@ -182,11 +182,12 @@ class Executor:
         plan = build_step(scheduled.scheduled, self.config.cache.block_size, scheduled.block_copies)
         result = self.run(plan.step)
         logits = result.logits
-        hidden = result.hidden if result.hidden is not None else torch.empty(0, self.worker.hidden_size)
         pooled, at = [], 0
-        for seq, first, count in plan.pooling_rows:
-            pooled.append((seq, first, hidden[at:at + count]))
-            at += count
+        if plan.pooling_rows:
+            hidden = result.hidden if result.hidden is not None else torch.empty(0, self.worker.hidden_size)
+            for seq, first, count in plan.pooling_rows:
+                pooled.append((seq, first, hidden[at:at + count]))
+                at += count
         rows: list[int] = []
         seqs: list[Sequence] = []
         row = 0
@@ -199,7 +200,8 @@ class Executor:
         for seq, first, count in plan.prompt_logprob_rows:
             prompt_logits.append((seq, first, logits[offset:offset + count]))
             offset += count
-        logits = logits[:row]
+        if logits.shape[0] != row:  # rows past the sampled ones: prompt logprobs
+            logits = logits[:row]
         if len(rows) != logits.shape[0]:  # n > 1: children sample from their parent's row
             logits = logits[torch.tensor(rows, dtype=torch.long)]
         return logits, seqs, prompt_logits, pooled
