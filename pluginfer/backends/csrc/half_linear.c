@@ -8,6 +8,10 @@
  * torch's reference; only the order of the additions differs. vdpbf16ps (AVX512-BF16) treats
  * bfloat16 subnormal inputs as zero and flushes subnormal float32 results to zero (DAZ/FTZ).
  *
+ * half_weight_linear: the same tiles for float32 x against a bfloat16/float16 weight (a GGUF file's F16/BF16
+ * tensors in a float32 model), float32 bias and out: each weight widened exactly to float32 and multiplied
+ * by the fused multiply-add, so the float32 reference up to the order of the additions.
+ *
  * Dot-product tiles: a tile holds HL_MR rows of x and HL_NO outputs; each step loads one vector of
  * every row of x and of every weight row and adds their lane-wise products into MR x NO vector
  * accumulators; at the end of the row each accumulator's lanes are summed. Each weight vector is
@@ -249,36 +253,11 @@ static void tile(int dpbf16, int dtype, int rows, const void *x, int64_t ldx, co
 static _Thread_local float *widened;
 static _Thread_local int64_t widened_capacity;
 
-/* dtype: 0 bfloat16, 1 float16 (x, w, bias and a 16-bit out share it). x [m][k], w [n][k], bias [n] or
- * NULL, out [m][n]: float32 when out_float, else the 16-bit dtype. Returns 0; -2: a bad dtype;
- * -3: the widening buffer could not be allocated; -4: no kernel for this CPU. */
-int half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
-                const uint16_t *bias, void *out, int out_float) {
-    if (dtype != HL_BF16 && dtype != HL_F16) return -2;
-    if (m <= 0 || n <= 0) return 0;
-#if defined(HL_DPBF16)
-    const int dpbf16 = dtype == HL_BF16;
-#else
-    const int dpbf16 = 0;
-#endif
-    const void *xs = x;
-    int64_t ldx = k;
-    if (!dpbf16) {
-        ldx = (k + HL_LANES - 1) / HL_LANES * HL_LANES;
-        if (m * ldx > widened_capacity) {
-            float *grown = realloc(widened, (size_t)(m * ldx) * sizeof(float));
-            if (!grown) return -3;
-            widened = grown;
-            widened_capacity = m * ldx;
-        }
-        float *wide = widened;
-#pragma omp parallel for if (m * k >= (1 << 16))
-        for (int64_t r = 0; r < m; r++) {
-            for (int64_t i = 0; i < k; i++) wide[r * ldx + i] = half_to_float(dtype, x[r * k + i]);
-            for (int64_t i = k; i < ldx; i++) wide[r * ldx + i] = 0.0f;
-        }
-        xs = wide;
-    }
+/* The tile loop shared by half_linear and half_weight_linear: x already in the tiles' form (bfloat16 for
+ * vdpbf16ps, else float32 rows ldx apart, zero-padded to whole vectors), bias16 (the 16-bit dtype) or
+ * bias32 (float32) or neither. */
+static void run_tiles(int dpbf16, int dtype, const void *xs, int64_t ldx, int64_t m, int64_t k, const uint16_t *w,
+                      int64_t n, const uint16_t *bias16, const float *bias32, void *out, int out_float) {
     const int64_t tiles = (n + HL_NO - 1) / HL_NO;
     const size_t x_row_bytes = dpbf16 ? sizeof(uint16_t) : sizeof(float);
 #pragma omp parallel if (n * k >= (1 << 15))
@@ -298,7 +277,7 @@ int half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16
                      r0 == rb);
                 for (int o = 0; o < HL_NO && t * HL_NO + o < n; o++) {
                     const int64_t j = t * HL_NO + o;
-                    const float b = bias ? half_to_float(dtype, bias[j]) : 0.0f;
+                    const float b = bias16 ? half_to_float(dtype, bias16[j]) : bias32 ? bias32[j] : 0.0f;
                     for (int r = 0; r < rows; r++) {
                         const float v = sums[r * HL_NO + o] + b;
                         const int64_t at = (r0 + r) * n + j;
@@ -312,12 +291,84 @@ int half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16
             }
         }
     }
+}
+
+/* The per-thread float32 buffer of m rows of ldx; NULL if it cannot grow. */
+static float *widened_rows(int64_t m, int64_t ldx) {
+    if (m * ldx > widened_capacity) {
+        float *grown = realloc(widened, (size_t)(m * ldx) * sizeof(float));
+        if (!grown) return NULL;
+        widened = grown;
+        widened_capacity = m * ldx;
+    }
+    return widened;
+}
+
+/* dtype: 0 bfloat16, 1 float16 (x, w, bias and a 16-bit out share it). x [m][k], w [n][k], bias [n] or
+ * NULL, out [m][n]: float32 when out_float, else the 16-bit dtype. Returns 0; -2: a bad dtype;
+ * -3: the widening buffer could not be allocated; -4: no kernel for this CPU. */
+int half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                const uint16_t *bias, void *out, int out_float) {
+    if (dtype != HL_BF16 && dtype != HL_F16) return -2;
+    if (m <= 0 || n <= 0) return 0;
+#if defined(HL_DPBF16)
+    const int dpbf16 = dtype == HL_BF16;
+#else
+    const int dpbf16 = 0;
+#endif
+    const void *xs = x;
+    int64_t ldx = k;
+    if (!dpbf16) {
+        ldx = (k + HL_LANES - 1) / HL_LANES * HL_LANES;
+        float *wide = widened_rows(m, ldx);
+        if (!wide) return -3;
+#pragma omp parallel for if (m * k >= (1 << 16))
+        for (int64_t r = 0; r < m; r++) {
+            for (int64_t i = 0; i < k; i++) wide[r * ldx + i] = half_to_float(dtype, x[r * k + i]);
+            for (int64_t i = k; i < ldx; i++) wide[r * ldx + i] = 0.0f;
+        }
+        xs = wide;
+    }
+    run_tiles(dpbf16, dtype, xs, ldx, m, k, w, n, bias, NULL, out, out_float);
+    return 0;
+}
+
+/* y = x W^T (+ bias) for float32 x [m][k] (rows contiguous) and a bfloat16 / float16 weight w [n][k] (dtype
+ * as above; a GGUF file's F16/BF16 tensor in a float32 model), float32 bias [n] or NULL, float32 out [m][n].
+ * Each weight is widened to float32 exactly (vcvtph2ps, or a 16-bit shift for bfloat16) and multiplied
+ * with x in float32 by fused multiply-adds, as half_linear's float tiles do: the float32 reference
+ * x @ W.float().T up to the order of its additions (and the fused multiply-add's single rounding).
+ * vdpbf16ps is not used: it would round x to bfloat16. x is read in place when k is a whole number of
+ * vectors, else copied once into the zero-padded buffer. Returns as half_linear. */
+int half_weight_linear(int dtype, const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                       const float *bias, float *out) {
+    if (dtype != HL_BF16 && dtype != HL_F16) return -2;
+    if (m <= 0 || n <= 0) return 0;
+    const float *xs = x;
+    int64_t ldx = k;
+    if (k % HL_LANES) {
+        ldx = (k + HL_LANES - 1) / HL_LANES * HL_LANES;
+        float *wide = widened_rows(m, ldx);
+        if (!wide) return -3;
+        for (int64_t r = 0; r < m; r++) {
+            memcpy(wide + r * ldx, x + r * k, (size_t)k * sizeof(float));
+            for (int64_t i = k; i < ldx; i++) wide[r * ldx + i] = 0.0f;
+        }
+        xs = wide;
+    }
+    run_tiles(0, dtype, xs, ldx, m, k, w, n, NULL, bias, out, 1);
     return 0;
 }
 #else
 int half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                 const uint16_t *bias, void *out, int out_float) {
     (void)dtype, (void)x, (void)m, (void)k, (void)w, (void)n, (void)bias, (void)out, (void)out_float;
+    return -4;
+}
+
+int half_weight_linear(int dtype, const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                       const float *bias, float *out) {
+    (void)dtype, (void)x, (void)m, (void)k, (void)w, (void)n, (void)bias, (void)out;
     return -4;
 }
 #endif

@@ -30,6 +30,8 @@ int quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *
                  float *out);
 int half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                 const uint16_t *bias, void *out, int out_float);
+int half_weight_linear(int dtype, const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                       const float *bias, float *out);
 int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                               const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t num_seqs,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
@@ -65,6 +67,7 @@ enum {
     OP_ADD_BF16,
     OP_ADD_F16,
     OP_HALF_LINEAR_AT,
+    OP_HALF_WEIGHT_LINEAR,
 };
 
 /* quant_matmul's signature: another library's kernel (amx_quant.c's tiles) called through its address. */
@@ -266,6 +269,9 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
             break;
         case OP_HALF_LINEAR_AT:
             result = ((half_linear_fn)P(0))((int)a[1], P(2), a[3], a[4], P(5), a[6], P(7), P(8), (int)a[9]);
+            break;
+        case OP_HALF_WEIGHT_LINEAR:
+            result = half_weight_linear((int)a[0], P(1), a[2], a[3], P(4), a[5], P(6), P(7));
             break;
         default:
             result = -100;
