@@ -6,7 +6,7 @@
 Both kernels take the same activations (quantized per block of 32 to int8) and the same raw GGUF blocks
 (``ggml_quantize`` of a Gaussian weight): ``amx`` is ``backends/amx_quant.py`` (``csrc/amx_quant.c``) called
 directly, ``vnni`` is ``csrc/quant_dot.c``'s ``quant_matmul`` called directly (so the hook in
-``native.ggml_quant_matmul`` that picks between them by ``amx_quant.MIN_ROWS`` does not decide), and with
+``native_quant.ggml_quant_matmul`` that picks between them by ``amx_quant.MIN_ROWS`` does not decide), and with
 ``--dequant`` the dequantize-tiles + float GEMM path that ``ggml_linear`` takes past 128 rows. ``--set-bytes``
 of distinct weights are cycled so they come from memory, as in a decode step; the kernels are timed in turn
 within each run (interleaved), medians of ``--runs``, milliseconds per linear and the ratio vnni / amx.
@@ -22,7 +22,7 @@ import time
 import torch
 from gguf import GGMLQuantizationType
 
-from pluginfer.backends import amx_quant, native
+from pluginfer.backends import amx_quant, native, native_library, native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
 
 T = GGMLQuantizationType
@@ -51,7 +51,7 @@ def main() -> int:
     if amx_quant.library() is None:
         print("no AMX int8 tiles here (the log line says why)")
         return 1
-    vnni_kernel = native.load().quant_matmul
+    vnni_kernel = native_library.load().quant_matmul
 
     def vnni(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
         out = torch.empty(x.shape[0], raw.shape[0])
@@ -62,7 +62,7 @@ def main() -> int:
     kernels = {"amx": amx_quant.quant_matmul, "vnni": vnni}
     if args.dequant:
         kernels["dequant"] = lambda x, raw, qtype, cols: ggml_blocks.ggml_linear(x, raw, qtype, cols, None,
-                                                                                 native.ggml_dequantize)
+                                                                                 native_quant.ggml_dequantize)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{' (CPU time)' if args.cpu_time else ''}; "
           f"ms per linear, medians of {args.runs} interleaved runs; MIN_ROWS {amx_quant.MIN_ROWS}")
     print(f"{'shape':>10} {'format':>6} {'rows':>5} " + " ".join(f"{name:>8}" for name in kernels) + "  vnni/amx")

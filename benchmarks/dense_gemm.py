@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from pluginfer.backends import native, onednn
+from pluginfer.backends import native, native_panels, onednn
 
 
 def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> list[tuple[int, int]]:
@@ -64,12 +64,12 @@ def main() -> int:
     layouts: dict[str, list[list[torch.Tensor]]] = {"panels": [], "onednn": [], "mkl": []}
     for out_features, in_features in shapes:
         weights = [torch.randn(out_features, in_features, generator=generator) for _ in range(args.copies)]
-        layouts["panels"].append([native.pack_panels(w) for w in weights])
+        layouts["panels"].append([native_panels.pack_panels(w) for w in weights])
         layouts["onednn"].append([onednn.pack(w) for w in weights])
         layouts["mkl"].append([w.t().contiguous() for w in weights])
         del weights
     matmul = {
-        "panels": lambda x, w, out_features: native.panel_linear(x, w, out_features),
+        "panels": lambda x, w, out_features: native_panels.panel_linear(x, w, out_features),
         "onednn": lambda x, w, out_features: onednn.linear(x, w, None),
         "mkl": lambda x, w, out_features: x @ w,
     }

@@ -9,7 +9,7 @@ replaced, our float32 and llama.cpp on an F16 GGUF file of the same weights, int
 A random llama is built locally (``offline_throughput.build_checkpoint``) and, for llama.cpp, written as
 an F16 GGUF file by ``pluginfer convert`` (llama-cpp-python's C API, ``vs_llamacpp.LlamaCpp``). Engines:
 ``f32``, ``bf16``, ``f16`` (pluginfer on the HF checkpoint with that ``--dtype``), ``bf16-torch`` and
-``f16-torch`` (the same engines with ``native.HALF_LINEAR_MAX_ROWS`` at 0 for their runs: every 16-bit
+``f16-torch`` (the same engines with ``native_half_linear.HALF_LINEAR_MAX_ROWS`` at 0 for their runs: every 16-bit
 linear through ``F.linear``, the path before the native kernel), ``llama.cpp-F16``. Each run times every
 engine in turn: batch-1 decode (prompt 128, then ``--b1-tokens`` greedy tokens, the prefill excluded) and
 batch-16 decode (16 prompts of 128, ``--b16-tokens`` tokens each). Medians of ``--runs``, tokens/s, ratios
@@ -35,7 +35,7 @@ import vs_llamacpp  # noqa: E402
 from offline_throughput import build_checkpoint  # noqa: E402
 from vs_llamacpp import LlamaCpp, write_files  # noqa: E402
 
-from pluginfer.backends import native  # noqa: E402
+from pluginfer.backends import native_half_linear  # noqa: E402
 
 
 class Ours(vs_llamacpp.Ours):
@@ -49,7 +49,7 @@ class Ours(vs_llamacpp.Ours):
                               enable_prefix_caching=False, max_num_batched_tokens=2048)
 
     def decode_rate(self, prompts: list[list[int]], new_tokens: int) -> float:
-        limits = native.HALF_LINEAR_MAX_ROWS
+        limits = native_half_linear.HALF_LINEAR_MAX_ROWS
         saved = dict(limits)
         if self.torch_path and self.dtype in limits:
             limits[self.dtype] = 0
@@ -110,7 +110,7 @@ def main() -> None:
             args.hidden + 2 * args.kv_heads * head_dim + args.hidden + 3 * args.intermediate) + args.vocab * args.hidden
         bandwidth = read_bandwidth()
         print(f"llama {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, vocab {args.vocab}; "
-              f"{args.threads} threads{' (CPU time)' if args.cpu_time else ''}; native GEMV {native.half_linear_isa()}; read bandwidth "
+              f"{args.threads} threads{' (CPU time)' if args.cpu_time else ''}; native GEMV {native_half_linear.half_linear_isa()}; read bandwidth "
               f"{bandwidth / 1e9:.1f} GB/s; weights read per batch-1 token: {linear_params * 2 / 1e6:.0f} MB "
               f"(16-bit), {linear_params * 4 / 1e6:.0f} MB (float32)", flush=True)
         engines: list = []

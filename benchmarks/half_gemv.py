@@ -4,7 +4,7 @@
     python benchmarks/half_gemv.py --rows 1 16 64 128 512 --dtypes bfloat16 --shapes 5632x1024
 
 For each ``OUTxIN`` shape and dtype, a random weight is timed four ways, in turn within each run:
-``native`` (``native.half_linear``, ``csrc/half_linear.c``: the checkpoint's ``[out, in]`` weight,
+``native`` (``native_half_linear.half_linear``, ``csrc/half_linear.c``: the checkpoint's ``[out, in]`` weight,
 float32 sums), ``torch`` (``F.linear`` on the same ``[out, in]`` tensor: what rows above
 ``HALF_LINEAR_MAX_ROWS`` run), ``torch_t`` (``torch.matmul`` on ``[in, out]``: the cpu backend's
 16-bit path before the native kernel) and ``f32`` (the same weight in float32 through the panel
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import quant_gemv  # noqa: E402
 from quant_gemv import interleaved_medians, read_bandwidth  # noqa: E402
 
-from pluginfer.backends import native  # noqa: E402
+from pluginfer.backends import native, native_half_linear, native_panels  # noqa: E402
 
 # The linears of the 0.5B-shaped benchmark llama (benchmarks/offline_throughput.py): qkv, o, gate_up, down, lm_head.
 SHAPES = ["2048x1024", "1024x1024", "5632x1024", "1024x2816", "32000x1024"]
@@ -51,25 +51,25 @@ def main() -> int:
     if args.cpu_time:
         quant_gemv.CLOCK = time.thread_time  # what interleaved_medians times with
         torch.set_num_threads(1)
-    if native.available() is not None or native.half_linear_isa() is None:
+    if native.available() is not None or native_half_linear.half_linear_isa() is None:
         print(f"no native 16-bit GEMV here: {native.available() or 'this CPU lacks AVX2 + F16C'}")
         return 1
     panels = native.op("panel_linear") is not None and not args.no_f32
     bandwidth = read_bandwidth(args.bandwidth_bytes, args.runs)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{' (CPU time)' if args.cpu_time else ''}, native GEMV {native.half_linear_isa()}; "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{' (CPU time)' if args.cpu_time else ''}, native GEMV {native_half_linear.half_linear_isa()}; "
           f"read bandwidth (sum of {args.bandwidth_bytes / 2**20:.0f} MiB) {bandwidth:.1f} GB/s; "
           f"ms per linear, medians of {args.runs}, interleaved")
     print(f"{'shape':>10} {'dtype':>8} {'rows':>5} {'native':>8} {'torch':>8} {'torch_t':>8} {'f32':>8}  "
           f"{'torch/nat':>9} {'tor_t/nat':>9} {'f32/nat':>8}  {'GB/s':>6} {'% read':>6}")
     generator = torch.Generator().manual_seed(0)
-    saved = native.HALF_LINEAR_MAX_ROWS
-    native.HALF_LINEAR_MAX_ROWS = {dtype: max(args.rows) for dtype in saved}  # the kernel at every row count asked
+    saved = native_half_linear.HALF_LINEAR_MAX_ROWS
+    native_half_linear.HALF_LINEAR_MAX_ROWS = {dtype: max(args.rows) for dtype in saved}  # the kernel at every row count asked
     try:
         for shape in args.shapes:
             out_features, in_features = map(int, shape.split("x"))
             base = torch.randn(out_features, in_features, generator=generator) * 0.05
             copies = max(2, args.set_bytes // (base.numel() * 2))
-            dense = [native.pack_panels(base) for _ in range(copies)] if panels else []
+            dense = [native_panels.pack_panels(base) for _ in range(copies)] if panels else []
             for dtype_name in args.dtypes:
                 dtype = getattr(torch, dtype_name)
                 weights = [base.to(dtype) for _ in range(copies)]
@@ -78,12 +78,12 @@ def main() -> int:
                     x = torch.randn(rows, in_features, generator=generator)
                     xh = x.to(dtype)
                     cases = {
-                        "native": lambda xh=xh, weights=weights: [native.half_linear(xh, w, None) for w in weights],
+                        "native": lambda xh=xh, weights=weights: [native_half_linear.half_linear(xh, w, None) for w in weights],
                         "torch": lambda xh=xh, weights=weights: [F.linear(xh, w) for w in weights],
                         "torch_t": lambda xh=xh, ts=transposed: [torch.matmul(xh, t) for t in ts],
                     }
                     if dense:
-                        cases["f32"] = lambda x=x, dense=dense, n=out_features: [native.panel_linear(x, w, n)
+                        cases["f32"] = lambda x=x, dense=dense, n=out_features: [native_panels.panel_linear(x, w, n)
                                                                                  for w in dense]
                     medians = {name: seconds / copies for name, seconds in interleaved_medians(cases, args.runs).items()}
                     f32 = medians.get("f32", float("nan"))
@@ -95,7 +95,7 @@ def main() -> int:
                 del weights, transposed
             del dense
     finally:
-        native.HALF_LINEAR_MAX_ROWS = saved
+        native_half_linear.HALF_LINEAR_MAX_ROWS = saved
     return 0
 
 

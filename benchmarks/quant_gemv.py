@@ -5,7 +5,7 @@
 
 For each format a random weight is quantized (``ggml_quantize``; Q5_K, which we do not quantize, gets
 random blocks with sane scales) and timed three ways, as ``ggml_blocks.ggml_linear`` runs it:
-``fused`` (``native.ggml_quant_matmul``: activations quantized per block of 32 to int8, integer dot
+``fused`` (``native_quant.ggml_quant_matmul``: activations quantized per block of 32 to int8, integer dot
 products with the packed weight, ``csrc/quant_dot.c``), ``dequant`` (the path before it: a tile of 512
 rows dequantized into a float32 buffer by the C kernel, then ``torch.matmul``) and ``f32`` (the dense
 float32 weight through the engine's panel kernel, ``layers/dense.py``). ``--set-bytes`` of
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pluginfer.backends import native
+from pluginfer.backends import native, native_library, native_panels, native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
 
 T = GGMLQuantizationType
@@ -89,7 +89,7 @@ def main() -> int:
     if native.available() is not None:
         print(f"native kernels unavailable: {native.available()}")
         return 1
-    if not native.load().quant_dot_supported():
+    if not native_library.load().quant_dot_supported():
         print("this CPU has no AVX-512 VNNI: the fused kernel is not built")
         return 1
     panels = native.op("panel_linear") is not None
@@ -105,7 +105,7 @@ def main() -> int:
         out_features, in_features = map(int, shape.split("x"))
         dense = []
         if not args.no_f32 and panels:
-            packed = native.pack_panels(torch.randn(out_features, in_features, generator=generator))
+            packed = native_panels.pack_panels(torch.randn(out_features, in_features, generator=generator))
             dense = [packed.clone() for _ in range(max(2, args.set_bytes // packed.nbytes))]
             del packed
         for fmt in args.formats:
@@ -116,12 +116,12 @@ def main() -> int:
                 x = torch.randn(rows, in_features, generator=generator)
                 cases = {
                     "fused": lambda x=x, weights=weights, qtype=qtype, cols=in_features: [
-                        native.ggml_quant_matmul(x, w, int(qtype), cols) for w in weights],
+                        native_quant.ggml_quant_matmul(x, w, int(qtype), cols) for w in weights],
                     "dequant": lambda x=x, weights=weights, qtype=qtype, cols=in_features: [
-                        ggml_blocks.ggml_linear(x, w, qtype, cols, None, native.ggml_dequantize) for w in weights],
+                        ggml_blocks.ggml_linear(x, w, qtype, cols, None, native_quant.ggml_dequantize) for w in weights],
                 }
                 if dense:
-                    cases["f32"] = lambda x=x, dense=dense, n=out_features: [native.panel_linear(x, w, n) for w in dense]
+                    cases["f32"] = lambda x=x, dense=dense, n=out_features: [native_panels.panel_linear(x, w, n) for w in dense]
                 medians = interleaved_medians(cases, args.runs)
                 timings = {"fused": medians["fused"] / len(weights), "dequant": medians["dequant"] / len(weights),
                            "f32": medians["f32"] / len(dense) if dense else float("nan")}

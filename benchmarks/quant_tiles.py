@@ -7,12 +7,12 @@ Three ways of ``x @ W.T`` for ``x [rows, in]`` float32 and ``W`` a random weight
 as ``ggml_blocks.ggml_linear`` runs them on the cpu backend: ``bf16`` (tiles of 512 output rows
 dequantized straight to bfloat16 by the C kernel, ``x`` rounded to bfloat16 once, torch's bfloat16 GEMM:
 oneDNN on AMX where the CPU has it), ``f32`` (tiles dequantized to float32, torch's float32 GEMM: the path
-before) and ``fused`` (``native.ggml_quant_matmul``: int8 activations against the blocks, no tile). The
+before) and ``fused`` (``native_quant.ggml_quant_matmul``: int8 activations against the blocks, no tile). The
 three are timed in turn within each run (``quant_gemv.interleaved_medians``), milliseconds per linear,
 medians of ``--runs``; ``--set-bytes`` of distinct weights are cycled so they come from memory. The last
 columns are ratios: how many times faster bf16 is than each of the others. First, per format, the C
 kernel alone: one tile of 512 rows dequantized to bfloat16 and to float32 (in cache, 20 calls per run). The crossover row count the
-cpu backend uses (``native.QUANT_MATMUL_MAX_ROWS``) is read off these: the fused kernel up to it, tiles above.
+cpu backend uses (``native_quant.QUANT_MATMUL_MAX_ROWS``) is read off these: the fused kernel up to it, tiles above.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType
 sys.path.insert(0, str(Path(__file__).parent))
 import quant_gemv  # noqa: E402
 
-from pluginfer.backends import native  # noqa: E402
+from pluginfer.backends import native, native_quant  # noqa: E402
 from pluginfer.quant import ggml_blocks  # noqa: E402
 
 T = GGMLQuantizationType
@@ -54,11 +54,11 @@ def main() -> int:
     if native.available() is not None:
         print(f"native kernels unavailable: {native.available()}")
         return 1
-    fused_ok = native.quant_dot_supported()
-    bf16_tiles = native.GGMLDequantize(native.ggml_dequantize, None, torch.bfloat16)
+    fused_ok = native_quant.quant_dot_supported()
+    bf16_tiles = native_quant.GGMLDequantize(native_quant.ggml_dequantize, None, torch.bfloat16)
     bf16_tiles.tile_dtype_min_rows = 0  # bfloat16 tiles at every row count here (the engine: from 32 rows)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{' (CPU time)' if args.cpu_time else ''}; "
-          f"AMX-BF16 GEMM: {native.bfloat16_gemm_is_fast()}; ms per linear, medians of {args.runs}")
+          f"AMX-BF16 GEMM: {native_quant.bfloat16_gemm_is_fast()}; ms per linear, medians of {args.runs}")
     print(f"{'shape':>10} {'format':>6} {'rows':>5} {'bf16':>8} {'f32':>8} {'fused':>8}  {'f32/bf16':>8} "
           f"{'fused/bf16':>10}  {'bf16 GMAC/s':>11}")
     generator = torch.Generator().manual_seed(0)
@@ -74,7 +74,7 @@ def main() -> int:
                        for dtype in (torch.float32, torch.bfloat16)}
             dequant = quant_gemv.interleaved_medians({
                 dtype: lambda buffer=buffer, tile=tile, qtype=qtype, cols=in_features: [
-                    native.ggml_dequantize(tile, qtype, cols, buffer) for _ in range(20)]
+                    native_quant.ggml_dequantize(tile, qtype, cols, buffer) for _ in range(20)]
                 for dtype, buffer in buffers.items()}, args.runs)
             print(f"{shape:>10} {fmt:>6} dequantize one {tile.shape[0]}-row tile: bfloat16 "
                   f"{dequant[torch.bfloat16] / 20 * 1e3:.3f} ms, float32 {dequant[torch.float32] / 20 * 1e3:.3f} ms")
@@ -84,11 +84,11 @@ def main() -> int:
                     "bf16": lambda x=x, qtype=qtype, cols=in_features, weights=weights: [
                         ggml_blocks.ggml_linear(x, w, qtype, cols, None, bf16_tiles) for w in weights],
                     "f32": lambda x=x, qtype=qtype, cols=in_features, weights=weights: [
-                        ggml_blocks.ggml_linear(x, w, qtype, cols, None, native.ggml_dequantize) for w in weights],
+                        ggml_blocks.ggml_linear(x, w, qtype, cols, None, native_quant.ggml_dequantize) for w in weights],
                 }
                 if fused_ok:
                     cases["fused"] = lambda x=x, qtype=qtype, cols=in_features, weights=weights: [
-                        native.ggml_quant_matmul(x, w, int(qtype), cols) for w in weights]
+                        native_quant.ggml_quant_matmul(x, w, int(qtype), cols) for w in weights]
                 medians = quant_gemv.interleaved_medians(cases, args.runs)
                 ms = {name: medians.get(name, float("nan")) / len(weights) * 1e3 for name in ("bf16", "f32", "fused")}
                 rate = rows * out_features * in_features / (ms["bf16"] / 1e3) / 1e9

@@ -52,26 +52,26 @@ def _counted(name: str, function: Callable) -> Callable:
 
 
 def install() -> None:
-    """Count calls into the native library (every library ``native.load()`` returns) and oneDNN's linear."""
+    """Count calls into the native library (every library ``native_library.load()`` returns) and oneDNN's linear."""
     global _installed
     if _installed:
         return
     _installed = True
-    from pluginfer.backends import native, onednn
+    from pluginfer.backends import native_library, onednn
 
-    unwrapped = native.load.__wrapped__
+    unwrapped = native_library.load.__wrapped__
     counted_names = [name for functions, _ in FAMILIES.values() for name in functions]
 
     @functools.lru_cache(maxsize=1)
-    def load():  # the ctypes.CDLL native.load returns
+    def load():  # the ctypes.CDLL native_library.load returns
         library = unwrapped()
         for name in counted_names:
             if hasattr(library, name):  # a kernel another branch adds may be absent from this build
                 setattr(library, name, _counted(name, getattr(library, name)))
         return library
 
-    load.__doc__ = native.load.__doc__
-    native.load = load  # tests call native.load.cache_clear(): it stays an lru_cache
+    load.__doc__ = native_library.load.__doc__
+    native_library.load = load  # tests call native_library.load.cache_clear(): it stays an lru_cache
     linear = onednn.linear
 
     def counted_linear(*args: object, **kwargs: object) -> object:
@@ -90,9 +90,9 @@ def ran(family: str) -> int:
 
 
 def cpu_flags() -> frozenset[str]:
-    from pluginfer.backends import native
+    from pluginfer.backends import native_build
 
-    return native.cpu_features()
+    return native_build.cpu_features()
 
 
 def compiler() -> str | None:
@@ -211,13 +211,13 @@ def _load_failure() -> str | None:
 
 def summary_lines() -> list[str]:
     """The terminal summary: the library, then each family and whether it ran."""
-    from pluginfer.backends import native
+    from pluginfer.backends import native_library
 
     lines = []
-    if "info" in native._loaded:
-        info = native._loaded["info"]
+    if "info" in native_library._loaded:
+        info = native_library._loaded["info"]
         lines.append(f"native library: loaded ({info.machine}, {'OpenMP' if info.openmp else 'single-threaded'}) "
-                     f"from {native._loaded['path']}")
+                     f"from {native_library._loaded['path']}")
     else:
         why = native_excused()
         lines.append("native library: not loaded in this run" + (f" ({why})" if why else ""))

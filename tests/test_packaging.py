@@ -37,14 +37,14 @@ UNTRACKED = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pyc
 # native kernels load (compiled from the installed sources into $PLUGINFER_CACHE).
 PROBE = """
 import importlib.metadata, importlib.util, json, pluginfer
-from pluginfer.backends import native
+from pluginfer.backends import native, native_library
 dists = [d for d in importlib.metadata.distributions() if (d.metadata["Name"] or "").lower().startswith("pluginfer")]
 granite = importlib.util.find_spec("pluginfer_granite")
 print(json.dumps({
     "pluginfer": pluginfer.__file__, "version": pluginfer.__version__,
     "dists": sorted(f"{d.metadata['Name']} {d.version} {d.locate_file('')}" for d in dists),
     "granite": granite.origin if granite else None,
-    "sources": [str(s) for s in native.SOURCES], "native": native.available(),
+    "sources": [str(s) for s in native_library.SOURCES], "native": native.available(),
 }))
 """
 

@@ -1,11 +1,11 @@
 """AMX int8 tile kernels for quantized matmuls (``csrc/amx_quant.c``), a library of their own.
 
-Where a CPU has AMX-INT8 (Sapphire Rapids and later), :func:`native.ggml_quant_matmul` hands a matmul of
+Where a CPU has AMX-INT8 (Sapphire Rapids and later), :func:`native_quant.ggml_quant_matmul` hands a matmul of
 at least :data:`MIN_ROWS` rows of a Q4_0, Q8_0, Q4_K or Q6_K weight to these kernels instead of the
 AVX-512 VNNI kernel of ``csrc/quant_dot.c``: the same activation quantization (per block of 32 to int8, bit
 for bit) and the same exact integer block dot products, on 16 x 16 tiles; only the float32 sums of the
 scaled block products are grouped differently (docs/quantization.md, "AMX"). The library is built apart
-from ``native.load()``'s, so a compiler without AMX support, a CPU without AMX or a kernel that refuses to
+from ``native_library.load()``'s, so a compiler without AMX support, a CPU without AMX or a kernel that refuses to
 build leaves the VNNI kernels as they are, with one log line saying why.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pluginfer.backends import native
+from pluginfer.backends import native_build, native_library
 
 SOURCES = (Path(__file__).with_name("csrc") / "amx_quant.c",)
 ENV = "PLUGINFER_AMX"
@@ -39,14 +39,14 @@ def library() -> ctypes.CDLL | None:
     loaded, why = None, None
     if os.environ.get(ENV, "1") == "0":
         why = f"{ENV}=0"
-    elif not {"amx_tile", "amx_int8"} <= native.cpu_features():
+    elif not {"amx_tile", "amx_int8"} <= native_build.cpu_features():
         why = "this CPU has no AMX-INT8"
     elif os.environ.get("PLUGINFER_NATIVE", "1") == "0":
         why = "PLUGINFER_NATIVE=0"
     else:
         try:
-            loaded = native.build_library("amx_quant", SOURCES)[0]
-        except (native.NativeKernelsUnavailable, OSError) as exc:
+            loaded = native_build.build_library("amx_quant", SOURCES)[0]
+        except (native_build.NativeKernelsUnavailable, OSError) as exc:
             why = f"the AMX kernels did not build: {str(exc)[:300]}"
     if loaded is not None:
         pointer, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -62,17 +62,17 @@ def library() -> ctypes.CDLL | None:
                    f"Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(status)})")
             loaded = None
     if loaded is None:
-        native._log_once(logging.INFO, f"quantized linears: no AMX int8 tiles ({why}); the fused kernel of "
+        native_library._log_once(logging.INFO, f"quantized linears: no AMX int8 tiles ({why}); the fused kernel of "
                                        "quant_dot.c takes every row count")
     else:
-        native._log_once(logging.INFO, "quantized linears: AMX int8 tiles for Q4_0, Q8_0, Q4_K and Q6_K from "
+        native_library._log_once(logging.INFO, "quantized linears: AMX int8 tiles for Q4_0, Q8_0, Q4_K and Q6_K from "
                                        f"{min(MIN_ROWS.values())} rows")
     _library.append(loaded)
     return loaded
 
 
 def takes(qtype: int, rows: int) -> bool:
-    """Whether ``native.ggml_quant_matmul`` hands ``rows`` rows of this GGML type to the tiles here."""
+    """Whether ``native_quant.ggml_quant_matmul`` hands ``rows`` rows of this GGML type to the tiles here."""
     return rows >= MIN_ROWS.get(qtype, 1 << 62) and (_library[0] if _library else library()) is not None
 
 
@@ -90,7 +90,7 @@ def call(qtype: int, flat: torch.Tensor, rows: int, cols: int, raw: torch.Tensor
 
 def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor | None:
     """``x @ W^T`` on the tiles whatever the row count (tests and benchmarks; the engine gets there
-    through ``native.ggml_quant_matmul`` from :data:`MIN_ROWS` rows). None: no AMX here, or a type, dtype,
+    through ``native_quant.ggml_quant_matmul`` from :data:`MIN_ROWS` rows). None: no AMX here, or a type, dtype,
     device or layout the kernels do not handle."""
     qtype = int(qtype)
     if (library() is None or qtype not in MIN_ROWS or raw.dtype != torch.uint8 or raw.dim() != 2
@@ -98,7 +98,7 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> t
             or x.shape[-1] != cols):
         return None
     rows = x.numel() // cols if cols else 0
-    flat = native._as(x.reshape(rows, cols), torch.float32)
+    flat = native_library._as(x.reshape(rows, cols), torch.float32)
     out = torch.empty(*x.shape[:-1], raw.shape[0], dtype=torch.float32)
     call(qtype, flat, rows, cols, raw, out)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -106,7 +106,7 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> t
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kernels' own activation quantization as int8 ``[rows, cols]`` and float32 ``[rows, cols / 32]``
-    (tests: it equals ``native.quantize_activations`` bit for bit), or None without AMX."""
+    (tests: it equals ``native_quant.quantize_activations`` bit for bit), or None without AMX."""
     if library() is None:
         return None
     x = x.to(torch.float32).contiguous()

@@ -18,7 +18,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native
+from pluginfer.backends import native, native_layer_ops
 from pluginfer.backends.cpu_dense import CpuDenseLayouts
 from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
@@ -207,11 +207,11 @@ class CpuBackend:
             and (key_cache.dtype == torch.float32 or query.dtype == key_cache.dtype)
         if native_decodes and decodes == query.shape[0] and query.dtype == key_cache.dtype:
             # Every row decodes (the steady state): the kernel's output is the result, no copy.
-            return native.paged_decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
+            return native_layer_ops.paged_decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
                                                  meta.decode_seq_lens, scale, sliding_window, logit_soft_cap)
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
         if native_decodes:
-            out[:decodes] = native.paged_decode_attention(
+            out[:decodes] = native_layer_ops.paged_decode_attention(
                 query[:decodes].to(key_cache.dtype), key_cache, value_cache, meta.decode_block_tables,
                 meta.decode_seq_lens, scale, sliding_window, logit_soft_cap).to(out.dtype)
         elif decodes:  # the kernel takes float32, float16, bfloat16 caches; others take the torch path

@@ -10,7 +10,7 @@ kernel reads (docs/performance.md has the measurements: 0.5B-shaped llama, float
   the engine batches several sequences (~1.3x MKL at 16 rows, ~10% slower at one).
 - ``half``: bfloat16/float16 weights keep ``[out, in]`` for the native 16-bit GEMV
   (``backends/csrc/half_linear.c``, AVX512-BF16 / AVX-512 / AVX2 + F16C) up to
-  ``native.HALF_LINEAR_MAX_ROWS`` rows, and for ``F.linear`` (torch's GEMM) above.
+  ``native_half_linear.HALF_LINEAR_MAX_ROWS`` rows, and for ``F.linear`` (torch's GEMM) above.
 - ``transposed``: ``[in, out]``, which MKL's GEMV reads fastest, otherwise (and for half precision
   where the 16-bit GEMV is unavailable).
 - ``checkpoint``: weights off the CPU (a composing backend's device) keep ``[out, in]`` for ``F.linear``.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, onednn
+from pluginfer.backends import native, native_half_linear, native_panels, onednn
 
 
 class CpuDenseLayouts:
@@ -49,13 +49,13 @@ class CpuDenseLayouts:
                 return "panels"
             if onednn.worth_packing(weight, batched):
                 return "onednn"
-        if weight.dtype in native.HALF_LINEAR_DTYPES and not packed_only and self._half_linear():
+        if weight.dtype in native_half_linear.HALF_LINEAR_DTYPES and not packed_only and self._half_linear():
             return "half"
         return "checkpoint" if packed_only else "transposed"
 
     def dense_pack(self, weight: torch.Tensor, layout: str) -> torch.Tensor:
         if layout == "panels":
-            return native.pack_panels(weight)
+            return native_panels.pack_panels(weight)
         if layout == "onednn":
             return onednn.pack(weight)
         if layout == "transposed":
@@ -69,11 +69,11 @@ class CpuDenseLayouts:
     def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str,
                      out_features: int) -> torch.Tensor:
         if layout == "panels":
-            return native.panel_linear(x, weight, out_features, bias)
+            return native_panels.panel_linear(x, weight, out_features, bias)
         if layout == "onednn":
             return onednn.linear(x, weight, bias)
         if layout == "half":
-            out = native.half_linear(x, weight, bias)
+            out = native_half_linear.half_linear(x, weight, bias)
             return F.linear(x, weight, bias) if out is None else out
         if layout == "checkpoint":
             return F.linear(x, weight, bias)

@@ -2,7 +2,7 @@
 
 A decode step of a tiny model is mostly Python between the kernels (docs/performance.md, "Fixed cost per
 decode step"). The first decode step of ``n`` sequences runs eagerly on static input buffers while
-``native.recording()`` notes every native call (its C function and arguments) and a
+``native_replay.recording()`` notes every native call (its C function and arguments) and a
 ``TorchDispatchMode`` watches every torch op: views and allocations pass, the few copy-like ops a step
 makes between the kernels (the embedding's row gather, the KV cache's ``index_copy_``, residual adds,
 16-bit to float32 conversions) are noted as the equivalent entries of ``csrc/step_replay.c``, and any
@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from pluginfer.backends import native
+from pluginfer.backends import native_replay
 from pluginfer.core.batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def _index(index: object) -> bool:
         and index.is_contiguous()
 
 
-def _gather(recorder: native.StepRecording, source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:
+def _gather(recorder: native_replay.StepRecording, source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:
     """``out = source[index]`` along the first axis."""
     if not (_index(index) and source.dim() >= 1 and _inner_contiguous(source) and out.is_contiguous()
             and out.dtype == source.dtype and out.shape[0] == index.shape[0]):
@@ -68,22 +68,22 @@ def _gather(recorder: native.StepRecording, source: torch.Tensor, index: torch.T
     return True
 
 
-def _embedding(recorder: native.StepRecording, out: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor,
+def _embedding(recorder: native_replay.StepRecording, out: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor,
                *rest: object) -> bool:
     return weight.dim() == 2 and _gather(recorder, weight, indices, out)
 
 
-def _index_select(recorder: native.StepRecording, out: torch.Tensor, source: torch.Tensor, dim: int,
+def _index_select(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, dim: int,
                   index: torch.Tensor) -> bool:
     return dim == 0 and _gather(recorder, source, index, out)
 
 
-def _index_tensor(recorder: native.StepRecording, out: torch.Tensor, source: torch.Tensor,
+def _index_tensor(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor,
                   indices: list) -> bool:
     return len(indices) == 1 and _gather(recorder, source, indices[0], out)
 
 
-def _index_copy(recorder: native.StepRecording, out: torch.Tensor, target: torch.Tensor, dim: int,
+def _index_copy(recorder: native_replay.StepRecording, out: torch.Tensor, target: torch.Tensor, dim: int,
                 index: torch.Tensor, source: torch.Tensor) -> bool:
     """``target[index] = source`` along the first axis (the KV cache write)."""
     if not (dim == 0 and _index(index) and target.is_contiguous() and source.dtype == target.dtype
@@ -100,7 +100,7 @@ def _index_copy(recorder: native.StepRecording, out: torch.Tensor, target: torch
 _ADDS = {torch.float32: "add_f32", torch.bfloat16: "add_bf16"}
 
 
-def _add(recorder: native.StepRecording, out: torch.Tensor, a: torch.Tensor, b: object, alpha: object = 1) -> bool:
+def _add(recorder: native_replay.StepRecording, out: torch.Tensor, a: torch.Tensor, b: object, alpha: object = 1) -> bool:
     """``a + b`` in float32 or bfloat16: ``b`` of ``a``'s shape, or one row added to every row of ``a``."""
     if not (isinstance(b, torch.Tensor) and alpha == 1 and a.dtype == b.dtype == out.dtype and a.dtype in _ADDS
             and a.is_contiguous() and b.is_contiguous() and out.is_contiguous() and a.shape == out.shape
@@ -118,7 +118,7 @@ def _add(recorder: native.StepRecording, out: torch.Tensor, a: torch.Tensor, b: 
     return True
 
 
-def _to_copy(recorder: native.StepRecording, out: torch.Tensor, source: torch.Tensor, **kwargs: object) -> bool:
+def _to_copy(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, **kwargs: object) -> bool:
     """A bfloat16/float16 tensor as float32 (exact)."""
     if not (source.dtype in _SIXTEEN_BIT and out.dtype == torch.float32 and source.is_contiguous()
             and out.is_contiguous()):
@@ -127,7 +127,7 @@ def _to_copy(recorder: native.StepRecording, out: torch.Tensor, source: torch.Te
     return True
 
 
-def _copy(recorder: native.StepRecording, out: torch.Tensor, source: torch.Tensor, *rest: object,
+def _copy(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, *rest: object,
           **kwargs: object) -> bool:
     """``contiguous()`` / ``reshape`` / ``clone`` of a tensor whose rows may be strided: its rows back to back."""
     if not (isinstance(out, torch.Tensor) and out.is_contiguous() and out.dtype == source.dtype
@@ -138,7 +138,7 @@ def _copy(recorder: native.StepRecording, out: torch.Tensor, source: torch.Tenso
     return True
 
 
-def _cat(recorder: native.StepRecording, out: torch.Tensor, parts: list, dim: int = 0) -> bool:
+def _cat(recorder: native_replay.StepRecording, out: torch.Tensor, parts: list, dim: int = 0) -> bool:
     """``torch.cat`` of 2-d tensors with contiguous rows, along either axis (a GGUF projection whose
     parts have two quant types is two matmuls concatenated)."""
     if not (out.dim() == 2 and out.is_contiguous() and dim in (0, 1, -1, -2)
@@ -185,7 +185,7 @@ class _WatchTorchOps(TorchDispatchMode):
     """Runs every torch op and, for the recording, passes views and allocations, notes the copy-like
     ops as replay entries and refuses the rest; keeps every tensor the ops touched alive."""
 
-    def __init__(self, recorder: native.StepRecording, keep: list[torch.Tensor]) -> None:
+    def __init__(self, recorder: native_replay.StepRecording, keep: list[torch.Tensor]) -> None:
         super().__init__()
         self.recorder, self.keep = recorder, keep
         self.new_bytes = 0  # memory the step's ops allocated, which the recording holds from now on
@@ -249,7 +249,7 @@ class CpuDecodeReplay:
         # torch's copy_, one row, timeit)
         self._host = [buffer.numpy() for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens)]
         self._host_tables = self.block_tables.numpy()
-        self.programs: dict[int, tuple[native.StepProgram, torch.Tensor, list[torch.Tensor]] | None] = {}
+        self.programs: dict[int, tuple[native_replay.StepProgram, torch.Tensor, list[torch.Tensor]] | None] = {}
         self.replays = 0
 
     def static_batch(self, size: int) -> ForwardBatch:
@@ -280,7 +280,7 @@ class CpuDecodeReplay:
     def _record(self, size: int) -> torch.Tensor:
         """Run the step eagerly on the static buffers, noting it; its output is this step's result."""
         keep: list[torch.Tensor] = []
-        with native.recording() as recorder, _WatchTorchOps(recorder, keep) as watch:
+        with native_replay.recording() as recorder, _WatchTorchOps(recorder, keep) as watch:
             out = self.forward(self.static_batch(size))
         if not isinstance(out, torch.Tensor):
             recorder.refuse(f"the forward returned {type(out).__name__}, not a tensor")
@@ -292,7 +292,7 @@ class CpuDecodeReplay:
             logger.debug("cpu decode replay: batches of %d stay eager (%s)", size, recorder.refused)
             self.programs[size] = None
         else:
-            self.programs[size] = (native.StepProgram(recorder), out, keep)
+            self.programs[size] = (native_replay.StepProgram(recorder), out, keep)
             self.held_bytes += watch.new_bytes
         return out
 

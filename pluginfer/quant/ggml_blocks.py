@@ -215,7 +215,7 @@ DequantizeKernel = Callable[[torch.Tensor, int, int, "torch.Tensor | None"], "to
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused matmul's rounding of the activations (``native.ggml_quant_matmul``), in torch.
+    """The fused matmul's rounding of the activations (``native_quant.ggml_quant_matmul``), in torch.
 
     Float ``[..., cols]`` (``cols`` a multiple of 32) to int8 levels ``[..., cols]`` and float32 scales
     ``[..., cols / 32]``, per block of 32 as llama.cpp's ``quantize_row_q8_0``: ``d = max|x| / 127``,
@@ -251,7 +251,7 @@ def ggml_linear(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType 
     into one reused buffer (a tile is consumed by its matmul before the next is written); the
     torch ``dequantize`` remains the path for the types the kernel declines (it returns None).
     When the kernel carries a ``quant_matmul`` (the cpu backend's fused int8-activation matmul,
-    ``native.GGMLDequantize``), up to ``QUANT_MATMUL_MAX_ROWS`` rows of ``x`` go through it instead,
+    ``native_quant.GGMLDequantize``), up to ``QUANT_MATMUL_MAX_ROWS`` rows of ``x`` go through it instead,
     for the types it handles: ``x`` quantized per block of 32 to int8, no float copy of ``W``."""
     on_cpu = dequantize_rows is not None and raw.device.type == "cpu"
     quant_matmul = getattr(dequantize_rows, "quant_matmul", None) if on_cpu else None

@@ -1,7 +1,7 @@
 """Quantized linears past the fused kernel's rows on bfloat16 tiles (the cpu backend on a CPU with AMX-BF16):
 the tile dequantized straight to bfloat16 by the C kernels, ``x`` rounded to bfloat16 once, torch's bfloat16
 GEMM, float32 output. Checked against the float32-tile path within the bound docs/quantization.md states
-("bfloat16 tiles"), for GGML blocks, GPTQ/AWQ groups and int4; the backend's choice (``native.tile_dtype``:
+("bfloat16 tiles"), for GGML blocks, GPTQ/AWQ groups and int4; the backend's choice (``native_quant.tile_dtype``:
 AMX-BF16, ``PLUGINFER_QUANT_TILES``, ``PLUGINFER_QUANT_ACTIVATIONS=float``) and its one log line; and a
 quantized llama's prefill through both paths: logits within a measured bound, the same greedy tokens.
 
@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pluginfer import LLM
-from pluginfer.backends import native
+from pluginfer.backends import native, native_library, native_quant
 from pluginfer.quant import ggml_blocks, int4
 from pluginfer.quant.tiled import replace_weight
 from tests.backends.test_native_grouped import random_int4, random_layer
@@ -29,11 +29,11 @@ from tests.backends.test_native_quant_dot import weight_bytes
 from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model
 
 T = GGMLQuantizationType
-TILES, ACTIVATIONS = native.QUANT_TILES_ENV, native.QUANT_ACTIVATIONS_ENV
+TILES, ACTIVATIONS = native_quant.QUANT_TILES_ENV, native_quant.QUANT_ACTIVATIONS_ENV
 
 
 @pytest.fixture(scope="module", autouse=True)
-def native_library() -> None:
+def needs_native_kernels() -> None:
     reason = native.available()
     if reason is not None:
         pytest.skip(f"native kernels unavailable: {reason}")
@@ -41,9 +41,9 @@ def native_library() -> None:
 
 @pytest.fixture
 def fresh_logs() -> Iterator[None]:
-    native._logged.clear()
+    native_library._logged.clear()
     yield
-    native._logged.clear()
+    native_library._logged.clear()
 
 
 def assert_within_bound(ours: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, float_path: torch.Tensor) -> None:
@@ -66,14 +66,14 @@ def test_ggml_linear_on_bfloat16_tiles_within_the_bound(qtype: GGMLQuantizationT
     rows, cols = 600, 512  # two tiles, the second partial
     raw = weight_bytes(qtype, rows, cols, seed=int(qtype))
     weight = ggml_blocks.dequantize(raw, qtype, cols)
-    bf16_tiles = native.GGMLDequantize(native.ggml_dequantize, None, torch.bfloat16)
+    bf16_tiles = native_quant.GGMLDequantize(native_quant.ggml_dequantize, None, torch.bfloat16)
     generator = torch.Generator().manual_seed(1)
     bias = torch.randn(rows, generator=generator)
     min_rows = bf16_tiles.tile_dtype_min_rows
     for shape in ((1, cols), (min_rows - 1, cols), (min_rows, cols), (2, 70, cols)):
         x = torch.randn(shape, generator=generator)
         ours = ggml_blocks.ggml_linear(x, raw, qtype, cols, None, bf16_tiles)
-        float_path = ggml_blocks.ggml_linear(x, raw, qtype, cols, None, native.ggml_dequantize)
+        float_path = ggml_blocks.ggml_linear(x, raw, qtype, cols, None, native_quant.ggml_dequantize)
         assert ours.dtype == torch.float32 and ours.shape == (*shape[:-1], rows)
         if x.numel() // cols < min_rows:  # too few rows to gain from bfloat16: the float32 tiles
             assert torch.equal(ours, float_path)
@@ -88,14 +88,14 @@ def test_bfloat16_x_and_the_torch_fallback_take_bfloat16_tiles_too() -> None:
     kernel that declines, here a strided weight) by the torch dequantization rounded the same way."""
     rows, cols = 40, 256
     raw = weight_bytes(T.Q4_K, rows, cols, seed=5)
-    bf16_tiles = native.GGMLDequantize(native.ggml_dequantize, None, torch.bfloat16)
+    bf16_tiles = native_quant.GGMLDequantize(native_quant.ggml_dequantize, None, torch.bfloat16)
     x = torch.randn(9, cols).bfloat16()
     expected = torch.matmul(x, ggml_blocks.dequantize(raw, T.Q4_K, cols).bfloat16().t())
     assert torch.equal(ggml_blocks.ggml_linear(x, raw, T.Q4_K, cols, None, bf16_tiles), expected)
     padded = torch.zeros(rows, raw.shape[1] + 16, dtype=torch.uint8)
     padded[:, :raw.shape[1]] = raw
     strided = padded[:, :raw.shape[1]]
-    assert native.ggml_dequantize(strided, T.Q4_K, cols) is None
+    assert native_quant.ggml_dequantize(strided, T.Q4_K, cols) is None
     assert torch.equal(ggml_blocks.ggml_linear(x, strided, T.Q4_K, cols, None, bf16_tiles), expected)
 
 
@@ -107,16 +107,16 @@ def test_fused_kernel_up_to_its_rows_then_bfloat16_tiles(monkeypatch: pytest.Mon
         pytest.skip("no fused int8-activation kernel on this CPU")
     limit = kernel.quant_matmul_max_rows[int(T.Q4_K)]  # the AVX-512 VNNI kernel's, or the AMX int8 kernel's
     assert kernel.tile_dtype == torch.bfloat16
-    assert limit in (native.QUANT_MATMUL_MAX_ROWS[torch.bfloat16], native.AMX_INT8_MAX_ROWS[int(T.Q4_K)])
-    assert kernel.quant_matmul_max_rows[int(T.Q5_K)] == native.QUANT_MATMUL_MAX_ROWS[torch.bfloat16]  # no AMX
+    assert limit in (native_quant.QUANT_MATMUL_MAX_ROWS[torch.bfloat16], native_quant.AMX_INT8_MAX_ROWS[int(T.Q4_K)])
+    assert kernel.quant_matmul_max_rows[int(T.Q5_K)] == native_quant.QUANT_MATMUL_MAX_ROWS[torch.bfloat16]  # no AMX
     cols = 256
     raw = weight_bytes(T.Q4_K, 64, cols, seed=2)
-    tiles_only = native.GGMLDequantize(native.ggml_dequantize, None, torch.bfloat16)
+    tiles_only = native_quant.GGMLDequantize(native_quant.ggml_dequantize, None, torch.bfloat16)
     for rows in (limit, limit + 1):
         x = torch.randn(rows, cols)
         out = ggml_blocks.ggml_linear(x, raw, T.Q4_K, cols, None, kernel)
         if rows <= limit:
-            assert torch.equal(out, native.ggml_quant_matmul(x, raw, T.Q4_K, cols))
+            assert torch.equal(out, native_quant.ggml_quant_matmul(x, raw, T.Q4_K, cols))
         else:
             assert torch.equal(out, ggml_blocks.ggml_linear(x, raw, T.Q4_K, cols, None, tiles_only))
 
@@ -128,9 +128,9 @@ def test_grouped_layer_on_bfloat16_tiles_within_the_bound(case: tuple) -> None:
     method, layer = random_layer(bits, scale_dtype, act_order, seed=3, out_features=600)
     weight = method.dequantize_columns(layer, 0, 600, torch.float32)
     x = torch.randn(33, layer.qweight.shape[0] * method.pack, generator=torch.Generator().manual_seed(4))
-    layer.grouped_dequantize = native.grouped_dequantize
+    layer.grouped_dequantize = native_quant.grouped_dequantize
     float_path = method.apply(layer, x, None)
-    layer.grouped_dequantize = native.TileDequantize(native.grouped_dequantize, torch.bfloat16)
+    layer.grouped_dequantize = native_quant.TileDequantize(native_quant.grouped_dequantize, torch.bfloat16)
     assert_within_bound(method.apply(layer, x, None), x, weight, float_path)
 
 
@@ -141,42 +141,42 @@ def test_int4_layer_on_bfloat16_tiles_within_the_bound() -> None:
     replace_weight(layer, qweight=qweight, scales=scales, zeros=zeros)
     weight = int4.dequantize_int4(qweight, scales, zeros)
     x = torch.randn(33, 256, generator=torch.Generator().manual_seed(4))
-    layer.int4_dequantize = native.int4_dequantize
+    layer.int4_dequantize = native_quant.int4_dequantize
     float_path = method.apply(layer, x, None)
-    layer.int4_dequantize = native.TileDequantize(native.int4_dequantize, torch.bfloat16)
+    layer.int4_dequantize = native_quant.TileDequantize(native_quant.int4_dequantize, torch.bfloat16)
     assert_within_bound(method.apply(layer, x, None), x, weight, float_path)
 
 
 def test_tile_dtype_choice_and_its_log_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
                                             fresh_logs: None) -> None:
-    caplog.set_level(logging.INFO, logger=native.__name__)
+    caplog.set_level(logging.INFO, logger=native_library.__name__)
     monkeypatch.delenv(ACTIVATIONS, raising=False)
     monkeypatch.delenv(TILES, raising=False)
-    auto = torch.bfloat16 if native.bfloat16_gemm_is_fast() else torch.float32
-    assert native.tile_dtype() == auto
-    native.tile_dtype()
+    auto = torch.bfloat16 if native_quant.bfloat16_gemm_is_fast() else torch.float32
+    assert native_quant.tile_dtype() == auto
+    native_quant.tile_dtype()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith(f"quantized linears: tiles dequantized to {str(auto)[6:]}")
 
     monkeypatch.setenv(TILES, "float32")
-    assert native.tile_dtype() == torch.float32
-    assert native.op("grouped_dequantize") is native.grouped_dequantize
-    assert native.op("int4_dequantize") is native.int4_dequantize
+    assert native_quant.tile_dtype() == torch.float32
+    assert native.op("grouped_dequantize") is native_quant.grouped_dequantize
+    assert native.op("int4_dequantize") is native_quant.int4_dequantize
     kernel = native.op("ggml_dequantize")
     assert getattr(kernel, "tile_dtype", torch.float32) == torch.float32
     assert ("quantized linears: tiles dequantized to float32 for torch's float32 GEMM (PLUGINFER_QUANT_TILES=float32)"
             in [r.getMessage() for r in caplog.records])
 
     monkeypatch.setenv(TILES, "bfloat16")
-    assert native.tile_dtype() == torch.bfloat16
+    assert native_quant.tile_dtype() == torch.bfloat16
     for name in ("grouped_dequantize", "int4_dequantize", "ggml_dequantize"):
         assert native.op(name).tile_dtype == torch.bfloat16, name
     # Float activations are the exact path: float32 tiles whatever PLUGINFER_QUANT_TILES says.
     monkeypatch.setenv(ACTIVATIONS, "float")
-    assert native.tile_dtype() == torch.float32 and native.op("ggml_dequantize") is native.ggml_dequantize
+    assert native_quant.tile_dtype() == torch.float32 and native.op("ggml_dequantize") is native_quant.ggml_dequantize
     monkeypatch.setenv(TILES, "fp8")
     with pytest.raises(ValueError, match="PLUGINFER_QUANT_TILES='fp8'"):
-        native.tile_dtype()
+        native_quant.tile_dtype()
 
 
 # A quantized llama whose every input size is a multiple of 256 (K-quants).

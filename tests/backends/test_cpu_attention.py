@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pluginfer.backends import cpu, native
+from pluginfer.backends import cpu, native, native_layer_ops, native_library
 from pluginfer.backends.cpu import CpuBackend
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import KVCacheSpec
@@ -47,11 +47,11 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         yield backend
         return
     monkeypatch.setenv("PLUGINFER_NATIVE", "0")
-    native.load.cache_clear()
+    native_library.load.cache_clear()
     backend = cpu.build()
     assert not backend.native_kernels
     yield backend
-    native.load.cache_clear()
+    native_library.load.cache_clear()
 
 
 @dataclass
@@ -236,7 +236,7 @@ def test_native_paged_decode_attention_directly(kv_heads: int, v_dim: int, slidi
     # The kernel only reads the cache: write this step's keys the way paged_attention does first.
     for cache, new in zip(step.cache, (step.key, step.value), strict=True):
         cache.view(-1, *cache.shape[2:])[step.batch.slot_mapping] = new
-    out = native.paged_decode_attention(step.query, *step.cache, step.batch.block_tables, step.batch.seq_lens,
+    out = native_layer_ops.paged_decode_attention(step.query, *step.cache, step.batch.block_tables, step.batch.seq_lens,
                                         SCALE, sliding_window, soft_cap)
     assert out.shape == (len(seq_lens), HEADS, v_dim) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), reference(step, sliding_window, soft_cap), **FP32_TOLERANCE)
@@ -253,7 +253,7 @@ def test_native_paged_decode_attention_accepts_a_sliced_block_table() -> None:
     tables = step.batch.block_tables
     wide = torch.zeros(tables.shape[0], tables.shape[1] + 6, dtype=torch.int64)
     wide[:, : tables.shape[1]] = tables  # the block ids stay valid: a wrong read gives wrong numbers, no crash
-    out = native.paged_decode_attention(step.query, *step.cache, wide[:, : tables.shape[1]], step.batch.seq_lens,
+    out = native_layer_ops.paged_decode_attention(step.query, *step.cache, wide[:, : tables.shape[1]], step.batch.seq_lens,
                                         SCALE, None, None)
     torch.testing.assert_close(out.double(), reference(step), **FP32_TOLERANCE)
 
@@ -279,7 +279,7 @@ def test_native_decode_attention_head_dims(heads: int, kv_heads: int, head_dim: 
     tables = tables.reshape(len(seq_lens), blocks_per_seq)
     query = 2 * torch.randn(len(seq_lens), heads, head_dim, generator=generator)
     scale = head_dim ** -0.5
-    out = native.paged_decode_attention(query, key_cache, value_cache, tables, torch.tensor(seq_lens), scale,
+    out = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, torch.tensor(seq_lens), scale,
                                         sliding_window, None)
     for s, length in enumerate(seq_lens):
         first = max(0, length - sliding_window) if sliding_window else 0

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer import LLM, SamplingParams
-from pluginfer.backends import native
+from pluginfer.backends import native, native_layer_ops, native_quant
 from pluginfer.backends.cpu import CpuBackend
 from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
@@ -169,7 +169,7 @@ class StandIn:
         both = torch.cat([hidden, half], dim=-1)  # cat along the last axis
         self.cache.index_copy_(0, batch.slot_mapping, both)  # the KV write
         strided = torch.cat([both, both], dim=0)[:, 8:24].contiguous()  # cat along rows; strided rows copied
-        normed = native.rms_norm(both + both, None, self.weight, 1e-5, 0.0)  # add; a native kernel
+        normed = native_layer_ops.rms_norm(both + both, None, self.weight, 1e-5, 0.0)  # add; a native kernel
         summed = normed.add_(self.bias)  # one row added to every row, in place
         return torch.cat([summed, strided.reshape(-1, 16)[: ids.shape[0]], cos], dim=-1)
 
@@ -247,7 +247,7 @@ def test_recordings_past_the_memory_budget_stay_eager(caplog: pytest.LogCaptureF
 
 def test_a_native_call_without_replay_entry_refuses() -> None:
     def forward(batch: ForwardBatch) -> torch.Tensor:
-        levels, _ = native.quantize_activations(torch.ones(batch.num_seqs, 32))
+        levels, _ = native_quant.quantize_activations(torch.ones(batch.num_seqs, 32))
         return levels.float()
 
     replay = CpuDecodeReplay(forward, max_num_seqs=4, max_blocks_per_seq=2, block_size=4)

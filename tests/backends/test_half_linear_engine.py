@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from pluginfer import LLM
-from pluginfer.backends import native
+from pluginfer.backends import native, native_half_linear
 from tests.checkpoints import greedy, hf_logits, prefill_logits, random_prompts, save_hf_model
 
-pytestmark = pytest.mark.skipif(native.available() is not None or native.half_linear_isa() is None,
+pytestmark = pytest.mark.skipif(native.available() is not None or native_half_linear.half_linear_isa() is None,
                                 reason="the 16-bit GEMV needs AVX2 + FMA + F16C (and the native library)")
 
 LLAMA = dict(hidden_size=96, intermediate_size=200, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -42,11 +42,11 @@ def llama(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 class Calls:
-    """Counts native.half_linear calls, and the row counts it took (not None)."""
+    """Counts native_half_linear.half_linear calls, and the row counts it took (not None)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.rows: list[int] = []
-        kernel = native.half_linear
+        kernel = native_half_linear.half_linear
 
         def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
             out = kernel(x, weight, bias)
@@ -54,7 +54,7 @@ class Calls:
                 self.rows.append(x.numel() // x.shape[-1])
             return out
 
-        monkeypatch.setattr(native, "half_linear", counted)
+        monkeypatch.setattr(native_half_linear, "half_linear", counted)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -63,14 +63,14 @@ def test_logits_on_the_native_gemv_equal_the_torch_path_within_the_bound(
     path, model = llama
     calls = Calls(monkeypatch)
     llm = LLM(model=str(path), dtype=str(dtype).removeprefix("torch."), num_blocks=32, block_size=8)
-    limit = native.HALF_LINEAR_MAX_ROWS[dtype]
+    limit = native_half_linear.HALF_LINEAR_MAX_ROWS[dtype]
     for prompt in random_prompts(model.config.vocab_size, [1, limit], seed=3):
         calls.rows.clear()
         ours = prefill_logits(llm, prompt).float()
         # every linear of both layers and the head: 2 x (qkv, o, gate_up, down) + 1
         assert calls.rows == [len(prompt)] * 9
         with monkeypatch.context() as torch_path:
-            torch_path.setitem(native.HALF_LINEAR_MAX_ROWS, dtype, 0)
+            torch_path.setitem(native_half_linear.HALF_LINEAR_MAX_ROWS, dtype, 0)
             theirs = prefill_logits(llm, prompt).float()
         assert calls.rows == [len(prompt)] * 9  # the torch path did not call the kernel
         reference = hf_logits(model, prompt)

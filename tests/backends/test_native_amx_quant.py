@@ -8,7 +8,7 @@ block order in float32: per block two roundings (``float(I) * dx``, then the fus
 error is at most ``(2 nb + 4)`` units of 2^-24 of the sum of |products|: the test allows 2^-23 per unit.
 Then the kernels' activation quantization bit for bit against quant_dot.c's, shapes that fill no tile
 (outputs not a multiple of 16, rows not a multiple of 16), one and two threads, batch invariance
-(bit for bit), NaN rows, and the hook in ``native.ggml_quant_matmul``.
+(bit for bit), NaN rows, and the hook in ``native_quant.ggml_quant_matmul``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pluginfer.backends import amx_quant, native
+from pluginfer.backends import amx_quant, native, native_build, native_library, native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
 from tests.backends.test_native_quant_dot import cols_for, rounded_activations, weight_bytes
 
@@ -35,13 +35,13 @@ def amx() -> None:
     reason = native.available()
     if reason is not None:
         pytest.skip(f"native kernels unavailable: {reason}")
-    if not {"amx_tile", "amx_int8"} <= native.cpu_features():
+    if not {"amx_tile", "amx_int8"} <= native_build.cpu_features():
         pytest.skip("this CPU has no AMX-INT8 (the AVX-512 VNNI kernel takes every row count)")
     if os.environ.get(amx_quant.ENV, "1") == "0":
         pytest.skip("PLUGINFER_AMX=0 turns the AMX kernels off")
     if amx_quant.library() is None:  # this CPU has them: a build that fails or a refused tile state is a failure
         pytest.fail("the AMX kernels did not load on a CPU with AMX-INT8 (the compiler, or Linux refused the tile "
-                    "state): the log line of pluginfer.backends.native says which")
+                    "state): the log line of pluginfer.backends.native_library says which")
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_activation_quantization_equals_quant_dot_bit_for_bit() -> None:
     x[4, 100] = float("nan")
     x[5, 200] = float("inf")
     levels, scales = amx_quant.quantize_activations(x)
-    expected_levels, expected_scales = native.quantize_activations(x)
+    expected_levels, expected_scales = native_quant.quantize_activations(x)
     assert torch.equal(levels, expected_levels)
     assert torch.equal(scales.isnan(), expected_scales.isnan())
     assert torch.equal(scales.nan_to_num(), expected_scales.nan_to_num())
@@ -105,7 +105,7 @@ def test_tiles_agree_with_the_vnni_kernel_on_real_weights(qtype: GGMLQuantizatio
     weights = ggml_blocks.dequantize(raw, qtype, 1024).double()
     x = torch.randn(16, 1024, generator=generator)
     tiles = amx_quant.quant_matmul(x, raw, qtype, 1024)
-    vnni = native.load().quant_matmul  # the VNNI kernel itself, whatever the hook picks
+    vnni = native_library.load().quant_matmul  # the VNNI kernel itself, whatever the hook picks
     out = torch.empty(16, 96)
     assert vnni(int(qtype), x.data_ptr(), 16, 1024, raw.data_ptr(), 96, raw.shape[1], out.data_ptr()) == 0
     assert_within_bound(tiles, x, weights)
@@ -166,31 +166,31 @@ def test_ggml_quant_matmul_takes_the_tiles_from_their_row_count(qtype: GGMLQuant
     start = amx_quant.MIN_ROWS[int(qtype)]
     for rows in (1, start - 1, start, 16):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-        out = native.ggml_quant_matmul(x, raw, qtype, 512)
+        out = native_quant.ggml_quant_matmul(x, raw, qtype, 512)
         if rows >= start:
             assert torch.equal(out, amx_quant.quant_matmul(x, raw, qtype, 512))
         else:
             vnni = torch.empty(rows, 24)
-            native.load().quant_matmul(int(qtype), x.data_ptr(), rows, 512, raw.data_ptr(), 24, raw.shape[1],
+            native_library.load().quant_matmul(int(qtype), x.data_ptr(), rows, 512, raw.data_ptr(), 24, raw.shape[1],
                                        vnni.data_ptr())
             assert torch.equal(out, vnni)
     x = torch.randn(2, 8, 512, dtype=torch.bfloat16)
-    out = native.ggml_quant_matmul(x, raw, qtype, 512)
+    out = native_quant.ggml_quant_matmul(x, raw, qtype, 512)
     assert out.shape == (2, 8, 24) and out.dtype == torch.bfloat16
     assert torch.equal(out, amx_quant.quant_matmul(x.float(), raw, qtype, 512).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("qtype", AMX_TYPES, ids=lambda t: t.name)
 def test_a_row_alone_and_in_a_batch_of_16_differ_only_by_float32_sums(qtype: GGMLQuantizationType) -> None:
-    """Through ``native.ggml_quant_matmul`` a row alone takes the VNNI kernel and in a batch of 16 the
+    """Through ``native_quant.ggml_quant_matmul`` a row alone takes the VNNI kernel and in a batch of 16 the
     tiles: not the same bits (the kernels group the float32 sums differently), but both within the
     float32 bound of the same int8 oracle, so within twice it of each other."""
     cols = 1024
     raw = ggml_quantize.quantize(torch.randn(40, cols, generator=torch.Generator().manual_seed(6)) * 0.05, qtype)
     weights = ggml_blocks.dequantize(raw, qtype, cols).double()
     x = torch.randn(16, cols, generator=torch.Generator().manual_seed(6))
-    batch = native.ggml_quant_matmul(x, raw, qtype, cols)
-    alone = torch.cat([native.ggml_quant_matmul(x[row:row + 1], raw, qtype, cols) for row in range(16)])
+    batch = native_quant.ggml_quant_matmul(x, raw, qtype, cols)
+    alone = torch.cat([native_quant.ggml_quant_matmul(x[row:row + 1], raw, qtype, cols) for row in range(16)])
     assert torch.equal(batch, amx_quant.quant_matmul(x, raw, qtype, cols))
     assert_within_bound(batch, x, weights)
     assert_within_bound(alone, x, weights)

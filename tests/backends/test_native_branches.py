@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import cpu, native
+from pluginfer.backends import cpu, native, native_layer_ops, native_library, native_panels
 from tests import native_usage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,11 +46,11 @@ def library() -> None:
 
 
 def avx512() -> bool:
-    return bool(native.load().panel_linear_supported())
+    return bool(native_library.load().panel_linear_supported())
 
 
 def openmp() -> bool:
-    return native._loaded["info"].openmp
+    return native_library._loaded["info"].openmp
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(request.param)
     # The library links libgomp by soname and torch loaded its own libgomp.so.1 first: one runtime, so
     # torch's setting is the kernels' (omp_get_max_threads resolved through the kernel library's handle).
-    assert native.load().omp_get_max_threads() == (request.param if openmp() else 1)
+    assert native_library.load().omp_get_max_threads() == (request.param if openmp() else 1)
     yield request.param
     torch.set_num_threads(previous)
 
@@ -73,7 +73,7 @@ def test_the_native_library_loads_where_this_machine_can_build_it() -> None:
     flags = native_usage.cpu_flags()
     if "avx512f" in flags:
         assert avx512() and native.op("panel_linear") is not None and native.op("pack_panels") is not None
-    library = native.load()
+    library = native_library.load()
     if hasattr(library, "quant_dot_supported") and not native_usage.missing_flags(native_usage.FUSED):
         assert library.quant_dot_supported()
     for name in ("rms_norm", "silu_and_mul", "rotary_neox", "ggml_dequantize", "grouped_dequantize",
@@ -140,11 +140,11 @@ def test_decode_attention_above_the_threading_threshold(case: str, threads: int)
     query, key_cache, value_cache, tables = paged_inputs(seq_lens, heads, kv_heads, head_dim, v_dim, seed=len(case))
     scale = head_dim ** -0.5
     lens = torch.tensor(seq_lens)
-    out = native.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
+    out = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
     expected = attention_reference(query, key_cache, value_cache, tables, seq_lens, scale, window, soft_cap)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
     torch.set_num_threads(1)
-    single = native.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
+    single = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
     torch.set_num_threads(threads)
     assert torch.equal(out, single), "a head's output depends on how the heads were split between threads"
 
@@ -188,11 +188,11 @@ def test_decode_attention_blocking_is_bit_invariant(heads: int, kv_heads: int, v
     seq_lens = [1, 7, 8, 9, 16, 17, 40, 150]
     query, key_cache, value_cache, tables = paged_inputs(seq_lens, heads, kv_heads, 64, v_dim, seed=heads)
     lens, scale = torch.tensor(seq_lens), 0.125
-    out = native.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, None)
+    out = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, None)
     expected = attention_reference(query, key_cache, value_cache, tables, seq_lens, scale, window)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
     keys, values, per_head_tables = regrouped(key_cache, value_cache, tables, seq_lens, heads // kv_heads, 5)
-    per_head = native.paged_decode_attention(query, keys, values, per_head_tables, lens, scale, window, None)
+    per_head = native_layer_ops.paged_decode_attention(query, keys, values, per_head_tables, lens, scale, window, None)
     assert torch.equal(out, per_head)
 
 
@@ -200,7 +200,7 @@ WATCH = textwrap.dedent("""
     import json, os, sys, threading, time
     import numpy as np
     import torch
-    from pluginfer.backends import native
+    from pluginfer.backends import native, native_layer_ops, native_library, native_panels
 
     def tasks():
         return set(os.listdir("/proc/self/task"))
@@ -210,7 +210,7 @@ WATCH = textwrap.dedent("""
             return int(f.read().split()[0])
 
     torch.set_num_threads(int(sys.argv[1]))
-    native.load()
+    native_library.load()
     rng = np.random.default_rng(0)
 
     def case(length, heads=32, kv_heads=2, dim=128, block_size=16):
@@ -228,7 +228,7 @@ WATCH = textwrap.dedent("""
         shared = 0  # calls in which this thread and another each did a fifth of the call's CPU time or more
         for _ in range(times):
             before, mine = {task: cpu_ns(task) for task in tasks() - {me}}, time.thread_time_ns()
-            native.paged_decode_attention(*inputs, 0.1, None, None)
+            native_layer_ops.paged_decode_attention(*inputs, 0.1, None, None)
             mine = time.thread_time_ns() - mine
             others = [cpu_ns(task) - before.get(task, 0) for task in tasks() - {me}]
             total = mine + sum(others)
@@ -308,7 +308,7 @@ def test_decode_attention_propagates_nan_like_torch(path: str, special: str, req
     else:
         value_cache[block, slot, 0, 7] = value
     scale = head_dim ** -0.5
-    out = native.paged_decode_attention(query, key_cache, value_cache, tables, torch.tensor(seq_lens), scale,
+    out = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, torch.tensor(seq_lens), scale,
                                         window, soft_cap)
     expected = attention_reference(query, key_cache, value_cache, tables, seq_lens, scale, window, soft_cap)
     # A soft cap maps an infinite score to +-cap: finite.
@@ -337,7 +337,7 @@ def test_panel_linear_propagates_nan_and_inf_like_torch(rows: int, threads: int)
         x[1, 11] = float("nan")
     if rows > 2:
         x[2, 290] = float("-inf")  # in the second input block
-    out = native.panel_linear(x, native.pack_panels(weight), 70, bias)
+    out = native_panels.panel_linear(x, native_panels.pack_panels(weight), 70, bias)
     expected = (x.double()[:, None, :] * weight.double()[None]).sum(-1) + bias.double()
     assert expected[0, 5].isnan() and expected[0].isinf().any() and expected[:, 40].isnan().all()
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4, equal_nan=True)
@@ -362,7 +362,7 @@ def test_rms_norm_propagates_nan_and_inf_like_torch(residual: bool, offset: floa
     source = x + res if residual else x
     expected = source * torch.rsqrt(source.pow(2).mean(-1, keepdim=True) + 1e-6) * (weight + offset)
     kept = res.clone() if residual else None
-    out = native.rms_norm(x, kept, weight, 1e-6, offset)
+    out = native_layer_ops.rms_norm(x, kept, weight, 1e-6, offset)
     assert out is not None, "rms_norm declined float32 contiguous inputs it claims to handle"
     assert out[0].isnan().all() and out[1, 7].isnan() and (out[1, :7] == 0).all()
     torch.testing.assert_close(out, expected, equal_nan=True)
@@ -384,7 +384,7 @@ def test_silu_and_mul_propagates_nan_and_inf_like_torch(n: int, threads: int) ->
         x[2, column] = float("-inf")
         x[3, column], x[3, n + column] = 0.0, float("inf")
         x[4, n + column] = float("nan")
-    out = native.silu_and_mul(x)
+    out = native_layer_ops.silu_and_mul(x)
     assert out is not None, "silu_and_mul declined float32 contiguous inputs it claims to handle"
     expected = F.silu(x[:, :n]) * x[:, n:]
     assert expected[[0, 2, 3, 4], 3].isnan().all() and expected[1, 3].isinf()
@@ -409,7 +409,7 @@ def test_rotary_neox_keeps_nan_inside_its_pair(threads: int) -> None:
         return torch.cat([first * c - second * s, second * c + first * s], -1)
 
     expected_q, expected_k = rotate(query), rotate(key)
-    assert native.rotary_neox(query, key, cos, sin, dim), "rotary_neox declined float32 inputs it claims to handle"
+    assert native_layer_ops.rotary_neox(query, key, cos, sin, dim), "rotary_neox declined float32 inputs it claims to handle"
     torch.testing.assert_close(query, expected_q, equal_nan=True)
     torch.testing.assert_close(key, expected_k, equal_nan=True)
     assert query.isnan().sum() == 2 and query[2, 1, [3, 3 + dim // 2]].isnan().all()
@@ -428,15 +428,15 @@ def test_each_kernel_handles_the_inputs_it_claims(shape: tuple[int, ...]) -> Non
     weight = torch.randn(shape[-1])
     for residual in (None, torch.randn(*shape)):
         for offset in (0.0, 1.0):
-            assert native.rms_norm(x, residual, weight, 1e-5, offset) is not None, (residual is not None, offset)
-    assert native.silu_and_mul(torch.randn(*shape[:-1], 2 * shape[-1])) is not None
-    packed = native.pack_panels(torch.randn(20, shape[-1])) if avx512() else None
+            assert native_layer_ops.rms_norm(x, residual, weight, 1e-5, offset) is not None, (residual is not None, offset)
+    assert native_layer_ops.silu_and_mul(torch.randn(*shape[:-1], 2 * shape[-1])) is not None
+    packed = native_panels.pack_panels(torch.randn(20, shape[-1])) if avx512() else None
     if packed is not None:
-        assert native.panel_linear(x, packed, 20).shape == (*shape[:-1], 20)
+        assert native_panels.panel_linear(x, packed, 20).shape == (*shape[:-1], 20)
     for dtype in (torch.bfloat16, torch.float16):  # 16-bit: tests/backends/test_native_half_ops.py
-        assert native.rms_norm(x.to(dtype), None, weight.to(dtype), 1e-5, 0.0) is not None
-        assert native.silu_and_mul(torch.randn(*shape[:-1], 2 * shape[-1]).to(dtype)) is not None
-    assert native.rms_norm(x.transpose(0, -1), None, weight[: shape[0]], 1e-5, 0.0) is None
+        assert native_layer_ops.rms_norm(x.to(dtype), None, weight.to(dtype), 1e-5, 0.0) is not None
+        assert native_layer_ops.silu_and_mul(torch.randn(*shape[:-1], 2 * shape[-1]).to(dtype)) is not None
+    assert native_layer_ops.rms_norm(x.transpose(0, -1), None, weight[: shape[0]], 1e-5, 0.0) is None
 
 
 def test_a_float32_engine_runs_every_native_family(tiny_llama_checkpoint: tuple[Path, object]) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pluginfer.backends import cpu, native
+from pluginfer.backends import cpu, native, native_build, native_library
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -25,10 +25,10 @@ TINY = "#include <omp.h>\nint threads(void) { return omp_get_max_threads(); }\n"
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("PLUGINFER_CACHE", str(tmp_path / "cache"))
-    native.load.cache_clear()
+    native_library.load.cache_clear()
     cpu._report_unavailable.cache_clear()
     yield tmp_path / "cache" / "native"
-    native.load.cache_clear()
+    native_library.load.cache_clear()
     cpu._report_unavailable.cache_clear()
 
 
@@ -53,34 +53,34 @@ def test_a_cache_made_for_other_cpu_features_is_rebuilt(cache: Path, tiny: tuple
                                                         monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     # One key for both CPUs: as if the key had missed what differs, the check at load must catch it.
-    monkeypatch.setattr(native, "_cache_key", lambda sources, compiler: "fixed")
-    monkeypatch.setattr(native, "cpu_features", lambda: frozenset({"sse2", "avx512f"}))
-    _, info, path = native.build_library("tiny", tiny)
+    monkeypatch.setattr(native_build, "_cache_key", lambda sources, compiler: "fixed")
+    monkeypatch.setattr(native_build, "cpu_features", lambda: frozenset({"sse2", "avx512f"}))
+    _, info, path = native_build.build_library("tiny", tiny)
     assert info.features == ["avx512f", "sse2"]
     built = path.stat().st_ino
 
-    monkeypatch.setattr(native, "cpu_features", lambda: frozenset({"sse2"}))
+    monkeypatch.setattr(native_build, "cpu_features", lambda: frozenset({"sse2"}))
     caplog.set_level(logging.INFO)
-    _, info, path = native.build_library("tiny", tiny)
-    assert info.features == ["sse2"] and native._read_info(path) == info and path.stat().st_ino != built
+    _, info, path = native_build.build_library("tiny", tiny)
+    assert info.features == ["sse2"] and native_build._read_info(path) == info and path.stat().st_ino != built
     [line] = pluginfer_records(caplog)
     assert "built for a CPU with avx512f, which this one lacks; rebuilding" in line
 
     caplog.clear()
-    native.build_library("tiny", tiny)  # now it fits: loaded, nothing said
+    native_build.build_library("tiny", tiny)  # now it fits: loaded, nothing said
     assert pluginfer_records(caplog) == []
 
 
 def test_a_corrupt_cached_library_is_rebuilt_with_one_log_line(cache: Path, tiny: tuple[Path, ...],
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    _, info, path = native.build_library("tiny", tiny)
+    _, info, path = native_build.build_library("tiny", tiny)
     # A new file in its place, not the loaded one truncated: this process still maps the library it
     # opened, and truncating a mapped file ends the process with SIGBUS when the pages are touched (at exit).
     path.unlink()
     path.write_bytes(b"not a shared library")
     caplog.set_level(logging.INFO)
-    _, rebuilt, path = native.build_library("tiny", tiny)
-    assert rebuilt == info and native._read_info(path) == info
+    _, rebuilt, path = native_build.build_library("tiny", tiny)
+    assert rebuilt == info and native_build._read_info(path) == info
     [line] = pluginfer_records(caplog)
     assert "is corrupt or not pluginfer's" in line and "rebuilding" in line
 
@@ -91,8 +91,8 @@ def test_two_processes_building_at_once_get_one_library(cache: Path, tiny: tuple
     # Slow enough that both processes are inside build_library before the first compile ends.
     compiler = script(tmp_path / "cc", f'case "$*" in *build_info.c*) echo "$$" >> {calls}; sleep 2;; esac\n'
                                        f'exec {shutil.which("cc")} "$@"')
-    code = ("import sys; from pathlib import Path; from pluginfer.backends import native; "
-            "library, info, path = native.build_library('tiny', (Path(sys.argv[1]),)); "
+    code = ("import sys; from pathlib import Path; from pluginfer.backends import native_build; "
+            "library, info, path = native_build.build_library('tiny', (Path(sys.argv[1]),)); "
             "print(path, library.threads())")
     env = dict(os.environ, CC=compiler, PLUGINFER_CACHE=str(cache.parent))
     processes = [subprocess.Popen([sys.executable, "-c", code, str(tiny[0])], env=env, stdout=subprocess.PIPE,
@@ -118,7 +118,7 @@ def test_a_compiler_that_hangs_times_out_with_one_log_line(cache: Path, tmp_path
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("CC", script(tmp_path / "cc", "sleep 60"))
-    monkeypatch.setenv(native.BUILD_TIMEOUT_ENV, "1")
+    monkeypatch.setenv(native_build.BUILD_TIMEOUT_ENV, "1")
     caplog.set_level(logging.INFO)
     start = time.monotonic()
     assert not cpu.build().native_kernels
@@ -133,7 +133,7 @@ def test_without_omp_h_the_kernels_build_single_threaded(cache: Path, tiny: tupl
     monkeypatch.setenv("CC", script(tmp_path / "cc", 'case " $* " in *" -fopenmp "*) '
                                     'echo "clang: error: unsupported option \'-fopenmp\'" >&2; exit 1;; esac\n'
                                     f'exec {shutil.which("cc")} "$@"'))
-    library, info, _ = native.build_library("tiny", tiny)
+    library, info, _ = native_build.build_library("tiny", tiny)
     assert not info.openmp and "-fopenmp" not in info.flags
     library.threads.restype = ctypes.c_int
     assert library.threads() == 1

@@ -1,4 +1,4 @@
-"""The native GGML dequantization (``native.ggml_dequantize``, the cpu backend's ``ggml_dequantize`` op)
+"""The native GGML dequantization (``native_quant.ggml_dequantize``, the cpu backend's ``ggml_dequantize`` op)
 against its oracle, ``ggml_blocks.dequantize`` (itself bit-exact with gguf-py): equal bit for bit
 (NaN where NaN) for every type it handles; and the matmuls that use it.
 """
@@ -15,7 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pluginfer import LLM
-from pluginfer.backends import native
+from pluginfer.backends import native, native_build, native_library, native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
 from pluginfer.quant.tiled import TILE_ROWS
 from tests.checkpoints import prefill_logits, random_prompts, save_hf_model
@@ -30,7 +30,7 @@ FP16_EDGES = [0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x
 
 
 @pytest.fixture(scope="module", autouse=True)
-def native_library() -> None:
+def needs_native_kernels() -> None:
     reason = native.available()
     if reason is not None:
         pytest.skip(f"native kernels unavailable: {reason}")
@@ -65,7 +65,7 @@ def test_dequantize_is_bit_exact_with_ggml_blocks(qtype: GGMLQuantizationType, r
     scales); random scales further down include subnormals, infinities and NaNs."""
     cols = cols_of(qtype)
     raw = torch.from_numpy(raw_blocks(qtype, rows=rows, cols=cols, seed=int(qtype) + rows))
-    assert_bit_equal(native.ggml_dequantize(raw, qtype, cols), ggml_blocks.dequantize(raw, qtype, cols))
+    assert_bit_equal(native_quant.ggml_dequantize(raw, qtype, cols), ggml_blocks.dequantize(raw, qtype, cols))
 
 
 @pytest.mark.parametrize("rows", [9, 300], ids=["one-thread", "openmp"])
@@ -77,9 +77,9 @@ def test_dequantize_to_bfloat16_rounds_the_float32_values_as_torch_does(qtype: G
     cols = cols_of(qtype)
     raw = torch.from_numpy(raw_blocks(qtype, rows=rows, cols=cols, seed=int(qtype) + rows))
     expected = ggml_blocks.dequantize(raw, qtype, cols)
-    assert_bf16_rounding(native.ggml_dequantize(raw, qtype, cols, dtype=torch.bfloat16), expected)
+    assert_bf16_rounding(native_quant.ggml_dequantize(raw, qtype, cols, dtype=torch.bfloat16), expected)
     buffer = torch.full((rows * cols + 7,), 7.0, dtype=torch.bfloat16)
-    into = native.ggml_dequantize(raw, qtype, cols, buffer)
+    into = native_quant.ggml_dequantize(raw, qtype, cols, buffer)
     assert into.data_ptr() == buffer.data_ptr() and (buffer[rows * cols:] == 7.0).all()
     assert_bf16_rounding(into, expected)
 
@@ -90,10 +90,10 @@ def portable_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     one takes AVX-512 versions for Q4_0, Q8_0, Q4_K and Q6_K)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PLUGINFER_CACHE", str(tmp_path_factory.mktemp("no_avx512")))
-        patch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512f"])
+        patch.setattr(native_build, "FLAGS", [*native_build.FLAGS, "-mno-avx512f"])
         try:
-            library, _, _ = native.build_library("cpu_kernels_no_avx512", (native.SOURCES[0],))
-        except native.NativeKernelsUnavailable as exc:
+            library, _, _ = native_build.build_library("cpu_kernels_no_avx512", (native_library.SOURCES[0],))
+        except native_build.NativeKernelsUnavailable as exc:
             pytest.skip(f"cannot build cpu_kernels.c without AVX-512 here: {exc}")
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.ggml_dequantize_rows_bf16.argtypes = [ctypes.c_int, pointer, i64, i64, i64, pointer]
@@ -124,34 +124,34 @@ def test_every_fp16_edge_value_in_every_scale_field(qtype: GGMLQuantizationType,
     blocks = np.concatenate([blocks, np.zeros(((-len(blocks)) % (cols // block), type_size), np.uint8)])
     raw = torch.from_numpy(blocks.reshape(-1, cols // block * type_size))
     if dtype == torch.bfloat16:
-        assert_bf16_rounding(native.ggml_dequantize(raw, qtype, cols, dtype=dtype), ggml_blocks.dequantize(raw, qtype, cols))
+        assert_bf16_rounding(native_quant.ggml_dequantize(raw, qtype, cols, dtype=dtype), ggml_blocks.dequantize(raw, qtype, cols))
     else:
-        assert_bit_equal(native.ggml_dequantize(raw, qtype, cols), ggml_blocks.dequantize(raw, qtype, cols))
+        assert_bit_equal(native_quant.ggml_dequantize(raw, qtype, cols), ggml_blocks.dequantize(raw, qtype, cols))
 
 
 def test_out_buffer_and_declined_types() -> None:
     raw = torch.from_numpy(raw_blocks(T.Q4_K, rows=6, cols=256, seed=1))
     out = torch.full((10, 256), 7.0)
-    result = native.ggml_dequantize(raw, T.Q4_K, 256, out)
+    result = native_quant.ggml_dequantize(raw, T.Q4_K, 256, out)
     assert result.data_ptr() == out.data_ptr() and result.shape == (6, 256)
     assert_bit_equal(result, ggml_blocks.dequantize(raw, T.Q4_K, 256))
     assert (out[6:] == 7.0).all()  # only rows * cols elements written
 
     # Types without a C decoder, and strided rows, are declined: the caller keeps the torch path.
-    assert native.ggml_dequantize(torch.zeros(2, 512, dtype=torch.uint8), T.F16, 256) is None
-    assert native.ggml_dequantize(torch.zeros(1, 66, dtype=torch.uint8), T.IQ2_XXS, 256) is None
-    assert native.ggml_dequantize(raw[:, :72], T.Q4_K, 256) is None
+    assert native_quant.ggml_dequantize(torch.zeros(2, 512, dtype=torch.uint8), T.F16, 256) is None
+    assert native_quant.ggml_dequantize(torch.zeros(1, 66, dtype=torch.uint8), T.IQ2_XXS, 256) is None
+    assert native_quant.ggml_dequantize(raw[:, :72], T.Q4_K, 256) is None
     with pytest.raises(ValueError, match="do not fit rows of 144 bytes"):
-        native.ggml_dequantize(raw, T.Q4_K, 512)
+        native_quant.ggml_dequantize(raw, T.Q4_K, 512)
     with pytest.raises(ValueError, match="contiguous float32 or bfloat16 out"):
-        native.ggml_dequantize(raw, T.Q4_K, 256, torch.empty(5, 256))
+        native_quant.ggml_dequantize(raw, T.Q4_K, 256, torch.empty(5, 256))
     with pytest.raises(ValueError, match="contiguous float32 or bfloat16 out"):
-        native.ggml_dequantize(raw, T.Q4_K, 256, torch.empty(6 * 256, dtype=torch.float16))
+        native_quant.ggml_dequantize(raw, T.Q4_K, 256, torch.empty(6 * 256, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous torch.bfloat16 out"):
-        native.ggml_dequantize(raw, T.Q4_K, 256, torch.empty(6 * 256), dtype=torch.bfloat16)
+        native_quant.ggml_dequantize(raw, T.Q4_K, 256, torch.empty(6 * 256), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="writes float32 or bfloat16, not torch.float16"):
-        native.ggml_dequantize(raw, T.Q4_K, 256, dtype=torch.float16)
-    assert native.OPS["ggml_dequantize"] is native.ggml_dequantize
+        native_quant.ggml_dequantize(raw, T.Q4_K, 256, dtype=torch.float16)
+    assert native.OPS["ggml_dequantize"] is native_quant.ggml_dequantize
 
 
 def finite_raw(qtype: GGMLQuantizationType, rows: int, cols: int) -> torch.Tensor:
@@ -174,7 +174,7 @@ def test_ggml_linear_with_the_kernel_equals_the_torch_path(qtype: GGMLQuantizati
 
     def kernel(part: torch.Tensor, qtype: int, cols: int, out: torch.Tensor | None) -> torch.Tensor | None:
         calls.append((part.shape[0], 0 if out is None else out.data_ptr()))
-        return native.ggml_dequantize(part, qtype, cols, out)
+        return native_quant.ggml_dequantize(part, qtype, cols, out)
 
     expected = ggml_blocks.ggml_linear(x, raw, qtype, cols, bias)
     out = ggml_blocks.ggml_linear(x, raw, qtype, cols, bias, kernel)
@@ -204,10 +204,10 @@ def k_llama(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) 
 @pytest.fixture
 def native_disabled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("PLUGINFER_NATIVE", "0")
-    native.load.cache_clear()
+    native_library.load.cache_clear()
     yield
     monkeypatch.delenv("PLUGINFER_NATIVE")
-    native.load.cache_clear()
+    native_library.load.cache_clear()
 
 
 def q4_k_logits(path: Path, prompt: list[int]) -> tuple[torch.Tensor, set]:
@@ -224,7 +224,7 @@ def test_q4_k_llama_logits_with_and_without_the_native_dequantization(
     monkeypatch.setenv("PLUGINFER_QUANT_ACTIVATIONS", "float")
     prompt = random_prompts(200, [40], seed=5)[0]
     logits, kernels = q4_k_logits(k_llama, prompt)
-    assert kernels == {native.ggml_dequantize}
+    assert kernels == {native_quant.ggml_dequantize}
 
     # The same native backend without this one op: identical logits (the tiles are the same bits).
     with monkeypatch.context() as patch:

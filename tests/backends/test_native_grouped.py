@@ -1,7 +1,7 @@
-"""The native GPTQ/AWQ tile dequantization (``native.grouped_dequantize``, the cpu backend's
+"""The native GPTQ/AWQ tile dequantization (``native_quant.grouped_dequantize``, the cpu backend's
 ``grouped_dequantize`` op) against its oracle, ``GroupQuantLinear.dequantize_columns``: equal bit for
 bit, and so are the layer outputs and GPTQ/AWQ checkpoints' logits with and without it. Likewise the
-int4 method's rows (``native.int4_dequantize``) against ``int4.dequantize_int4``.
+int4 method's rows (``native_quant.int4_dequantize``) against ``int4.dequantize_int4``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pluginfer import LLM
-from pluginfer.backends import native
+from pluginfer.backends import native, native_quant
 from pluginfer.quant import int4
 from pluginfer.quant.packing import GroupQuantLinear
 from pluginfer.quant.tiled import replace_weight
@@ -24,7 +24,7 @@ IN_FEATURES, OUT_FEATURES, GROUP_SIZE = 256, 96, 32
 
 
 @pytest.fixture(scope="module", autouse=True)
-def native_library() -> None:
+def needs_native_kernels() -> None:
     reason = native.available()
     if reason is not None:
         pytest.skip(f"native kernels unavailable: {reason}")
@@ -69,10 +69,10 @@ def test_tile_is_bit_exact_with_the_torch_path(case: tuple) -> None:
     g_idx = getattr(layer, "g_idx", None)
     for start, stop in ((0, OUT_FEATURES), (8, 48), (88, 96)):
         expected = method.dequantize_columns(layer, start, stop, torch.float32)
-        ours = native.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, g_idx, bits, start, stop)
+        ours = native_quant.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, g_idx, bits, start, stop)
         assert torch.equal(ours.t(), expected)
         assert torch.equal(ours.t().view(torch.int32), expected.view(torch.int32))  # -0.0 too
-        low = native.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, g_idx, bits, start, stop,
+        low = native_quant.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, g_idx, bits, start, stop,
                                         dtype=torch.bfloat16)  # the AMX GEMM's tiles: rounded to nearest even
         assert torch.equal(low.t().view(torch.int16), expected.to(torch.bfloat16).view(torch.int16))
 
@@ -91,7 +91,7 @@ def test_bfloat16_rounding_of_every_kind_of_float32_value() -> None:
     qweight = torch.full((32 // pack, out_features), 0x11111111, dtype=torch.int32)  # every level 1
     method._set_layout(layer, qweight, torch.zeros(1, out_features // pack, dtype=torch.int32),
                        values[None].clone(), None)
-    ours = native.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, None, 4, 0, out_features,
+    ours = native_quant.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, None, 4, 0, out_features,
                                      dtype=torch.bfloat16)
     expected = values.to(torch.bfloat16).expand(32, -1)
     nan = expected.isnan()
@@ -103,7 +103,7 @@ def test_bfloat16_rounding_of_every_kind_of_float32_value() -> None:
 def test_large_tile_on_openmp_threads_and_into_a_buffer() -> None:
     method, layer = random_layer(4, torch.float16, True, in_features=1024, out_features=512)
     buffer = torch.full((600 * 1024,), float("nan"))
-    ours = native.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, 4, 0, 512, buffer)
+    ours = native_quant.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, 4, 0, 512, buffer)
     assert ours.data_ptr() == buffer.data_ptr()
     assert torch.equal(ours.t(), method.dequantize_columns(layer, 0, 512, torch.float32))
 
@@ -111,12 +111,12 @@ def test_large_tile_on_openmp_threads_and_into_a_buffer() -> None:
 def test_declined_inputs_return_none() -> None:
     _, layer = random_layer(4, torch.float16, False)
     qweight, qzeros, scales = layer.qweight, layer.qzeros, layer.scales
-    assert native.grouped_dequantize(qweight, qzeros, scales, None, 3, 0, 8) is None  # bits
-    assert native.grouped_dequantize(qweight, qzeros, scales.double(), None, 4, 0, 8) is None  # scale dtype
-    assert native.grouped_dequantize(qweight, qzeros, scales.t().contiguous().t(), None, 4, 0, 8) is None
-    assert native.grouped_dequantize(qweight, qzeros, scales, None, 4, 4, 12) is None  # not whole words
+    assert native_quant.grouped_dequantize(qweight, qzeros, scales, None, 3, 0, 8) is None  # bits
+    assert native_quant.grouped_dequantize(qweight, qzeros, scales.double(), None, 4, 0, 8) is None  # scale dtype
+    assert native_quant.grouped_dequantize(qweight, qzeros, scales.t().contiguous().t(), None, 4, 0, 8) is None
+    assert native_quant.grouped_dequantize(qweight, qzeros, scales, None, 4, 4, 12) is None  # not whole words
     with pytest.raises(ValueError, match="contiguous float32 or bfloat16 out"):
-        native.grouped_dequantize(qweight, qzeros, scales, None, 4, 0, 8, torch.empty(10))
+        native_quant.grouped_dequantize(qweight, qzeros, scales, None, 4, 0, 8, torch.empty(10))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -128,7 +128,7 @@ def test_layer_output_with_the_kernel_equals_the_torch_path(case: tuple, dtype: 
     bias = torch.randn(OUT_FEATURES).to(dtype)
     layer.grouped_dequantize = None
     expected = method.apply(layer, x, bias)
-    layer.grouped_dequantize = native.grouped_dequantize
+    layer.grouped_dequantize = native_quant.grouped_dequantize
     assert torch.equal(method.apply(layer, x, bias), expected)
 
 
@@ -142,10 +142,10 @@ def gptq_logits(name: str, prompt: list[int]) -> tuple[torch.Tensor, set]:
 @pytest.mark.parametrize("name", ["gptq_b4_g32_act_asym", "awq_b4_g128"])
 def test_checkpoint_logits_with_and_without_the_native_dequantization(
         name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.QUANT_TILES_ENV, "float32")  # the torch path's tiles (bfloat16: test_bf16_tiles.py)
+    monkeypatch.setenv(native_quant.QUANT_TILES_ENV, "float32")  # the torch path's tiles (bfloat16: test_bf16_tiles.py)
     prompt = random_prompts(200, [24], seed=5)[0]
     logits, kernels = gptq_logits(name, prompt)
-    assert kernels == {native.grouped_dequantize}
+    assert kernels == {native_quant.grouped_dequantize}
     # The same native backend without this one op: identical logits (the tiles are the same bits).
     monkeypatch.delitem(native.OPS, "grouped_dequantize")
     without_op, kernels = gptq_logits(name, prompt)
@@ -168,12 +168,12 @@ def random_int4(rows: int, in_features: int, seed: int) -> tuple[torch.Tensor, t
 def test_int4_rows_are_bit_exact_with_the_torch_path(rows: int) -> None:
     qweight, scales, zeros = random_int4(rows, 512, seed=rows)
     expected = int4.dequantize_int4(qweight, scales, zeros)
-    assert torch.equal(native.int4_dequantize(qweight, scales, zeros).view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(native_quant.int4_dequantize(qweight, scales, zeros).view(torch.int32), expected.view(torch.int32))
     buffer = torch.empty(rows * 512, dtype=torch.bfloat16)
-    low = native.int4_dequantize(qweight, scales, zeros, buffer)  # the AMX GEMM's tiles: rounded to nearest even
+    low = native_quant.int4_dequantize(qweight, scales, zeros, buffer)  # the AMX GEMM's tiles: rounded to nearest even
     assert low.data_ptr() == buffer.data_ptr()
     assert torch.equal(low.view(torch.int16), expected.to(torch.bfloat16).view(torch.int16))
-    assert native.int4_dequantize(qweight, scales.float(), zeros) is None
+    assert native_quant.int4_dequantize(qweight, scales.float(), zeros) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -186,7 +186,7 @@ def test_int4_layer_output_with_the_kernel_equals_the_torch_path(dtype: torch.dt
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
     layer.int4_dequantize = None
     expected = method.apply(layer, x, None)
-    layer.int4_dequantize = native.int4_dequantize
+    layer.int4_dequantize = native_quant.int4_dequantize
     assert torch.equal(method.apply(layer, x, None), expected)
 
 
@@ -205,10 +205,10 @@ def int4_logits(path: Path, prompt: list[int]) -> tuple[torch.Tensor, set]:
 def test_int4_llama_logits_with_and_without_the_native_dequantization(
         tmp_path: Path, tiny_tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save_hf_model("LlamaForCausalLM", INT4_LLAMA, tmp_path, tiny_tokenizer_dir)
-    monkeypatch.setenv(native.QUANT_TILES_ENV, "float32")  # the torch path's tiles (bfloat16: test_bf16_tiles.py)
+    monkeypatch.setenv(native_quant.QUANT_TILES_ENV, "float32")  # the torch path's tiles (bfloat16: test_bf16_tiles.py)
     prompt = random_prompts(200, [24], seed=6)[0]
     logits, kernels = int4_logits(tmp_path, prompt)
-    assert kernels == {native.int4_dequantize}
+    assert kernels == {native_quant.int4_dequantize}
     monkeypatch.delitem(native.OPS, "int4_dequantize")
     without_op, kernels = int4_logits(tmp_path, prompt)
     assert kernels == {None}

@@ -1,4 +1,4 @@
-"""The native 16-bit GEMV (``csrc/half_linear.c``, ``native.half_linear``) against exact arithmetic and torch.
+"""The native 16-bit GEMV (``csrc/half_linear.c``, ``native_half_linear.half_linear``) against exact arithmetic and torch.
 
 The bound: a product of two bfloat16 or two float16 values is exact in float32, so the kernel's
 float32 result ``s`` of a row and an output differs from the exact sum ``e`` (float64 here, exact for
@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native
+from pluginfer.backends import native, native_build, native_half_linear, native_library
 
-pytestmark = pytest.mark.skipif(native.available() is not None or native.half_linear_isa() is None,
+pytestmark = pytest.mark.skipif(native.available() is not None or native_half_linear.half_linear_isa() is None,
                                 reason="the 16-bit GEMV needs AVX2 + FMA + F16C (and the native library)")
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -60,7 +60,7 @@ def inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, s
 @pytest.fixture(autouse=True)
 def any_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel at every row count here (the engine hands rows past the crossover to torch's GEMM)."""
-    monkeypatch.setattr(native, "HALF_LINEAR_MAX_ROWS", dict.fromkeys(DTYPES, 64))
+    monkeypatch.setattr(native_half_linear, "HALF_LINEAR_MAX_ROWS", dict.fromkeys(DTYPES, 64))
 
 
 @pytest.fixture
@@ -80,10 +80,10 @@ def test_within_the_float32_bound_of_exact_and_of_torch(dtype: torch.dtype, shap
             for with_bias in (False, True):
                 x, weight, bias = inputs(rows, out_features, in_features, dtype, rows * 7 + count, with_bias)
                 value, size = exact(x, weight, bias)
-                summed = native.half_linear(x, weight, bias, torch.float32)
+                summed = native_half_linear.half_linear(x, weight, bias, torch.float32)
                 assert summed.dtype == torch.float32 and summed.shape == (rows, out_features)
                 assert ((summed.double() - value).abs() <= float32_bound(size, in_features)).all()
-                out = native.half_linear(x, weight, bias)
+                out = native_half_linear.half_linear(x, weight, bias)
                 assert out.dtype == dtype
                 bound = rounded_bound(value, size, in_features, dtype)
                 assert ((out.double() - value).abs() <= bound).all()
@@ -96,9 +96,9 @@ def test_within_the_float32_bound_of_exact_and_of_torch(dtype: torch.dtype, shap
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_leading_dimensions_and_the_lm_head_shape(dtype: torch.dtype) -> None:
     x, weight, bias = inputs(6, 300, 128, dtype, 1, True)
-    out = native.half_linear(x.view(2, 3, 128), weight, bias)
+    out = native_half_linear.half_linear(x.view(2, 3, 128), weight, bias)
     assert out.shape == (2, 3, 300)
-    assert torch.equal(out.view(6, 300), native.half_linear(x, weight, bias))
+    assert torch.equal(out.view(6, 300), native_half_linear.half_linear(x, weight, bias))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -108,11 +108,11 @@ def test_a_rows_result_does_not_depend_on_its_batch(dtype: torch.dtype, threads)
     x, weight, bias = inputs(rows, 77, 1000, dtype, 5, True)
     for count in (1, 2):
         threads(count)
-        alone = torch.cat([native.half_linear(row[None], weight, bias) for row in x])
+        alone = torch.cat([native_half_linear.half_linear(row[None], weight, bias) for row in x])
         for batch in (2, 3, 4, 5, 16, 17, 47, 48, 49, rows):
-            assert torch.equal(native.half_linear(x[:batch], weight, bias), alone[:batch])
+            assert torch.equal(native_half_linear.half_linear(x[:batch], weight, bias), alone[:batch])
         shuffled = torch.randperm(rows, generator=torch.Generator().manual_seed(count))
-        assert torch.equal(native.half_linear(x[shuffled], weight, bias), alone[shuffled])
+        assert torch.equal(native_half_linear.half_linear(x[shuffled], weight, bias), alone[shuffled])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -122,7 +122,7 @@ def test_nan_and_infinity_propagate_as_in_ieee_arithmetic(dtype: torch.dtype) ->
     x[2, 10] = float("inf")
     weight[7, 20] = float("-inf")
     weight[9, 0] = float("nan")
-    out = native.half_linear(x, weight, bias)
+    out = native_half_linear.half_linear(x, weight, bias)
     value, _ = exact(x, weight, bias)
     assert torch.equal(out.isnan(), value.isnan())
     assert torch.equal(out.isinf(), value.isinf()) and torch.equal(out[out.isinf()], value[value.isinf()].to(dtype))
@@ -131,35 +131,35 @@ def test_nan_and_infinity_propagate_as_in_ieee_arithmetic(dtype: torch.dtype) ->
     assert ((out.double() - value).abs()[finite] <= rounded_bound(value, exact(x, weight, bias)[1], 70,
                                                                    dtype)[finite]).all()
     # a NaN in one row leaves the others as they are alone
-    torch.testing.assert_close(out[0], native.half_linear(x[:1], weight, bias)[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out[0], native_half_linear.half_linear(x[:1], weight, bias)[0], rtol=0, atol=0, equal_nan=True)
 
 
 def test_inputs_it_does_not_take_go_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()  # the crossover as shipped
     x, weight, bias = inputs(4, 16, 32, torch.bfloat16, 0, True)
-    assert native.half_linear(x.float(), weight, bias) is None  # dtypes differ
-    assert native.half_linear(x, weight.float(), None) is None  # a float32 weight: the panel kernel's
-    assert native.half_linear(x.half(), weight.half(), bias) is None  # bias of another dtype
-    assert native.half_linear(x, weight.t().contiguous().t(), bias) is None  # not [out, in] contiguous
-    assert native.half_linear(x[:, :16], weight, bias) is None  # feature counts differ
-    limit = native.HALF_LINEAR_MAX_ROWS[torch.bfloat16]
+    assert native_half_linear.half_linear(x.float(), weight, bias) is None  # dtypes differ
+    assert native_half_linear.half_linear(x, weight.float(), None) is None  # a float32 weight: the panel kernel's
+    assert native_half_linear.half_linear(x.half(), weight.half(), bias) is None  # bias of another dtype
+    assert native_half_linear.half_linear(x, weight.t().contiguous().t(), bias) is None  # not [out, in] contiguous
+    assert native_half_linear.half_linear(x[:, :16], weight, bias) is None  # feature counts differ
+    limit = native_half_linear.HALF_LINEAR_MAX_ROWS[torch.bfloat16]
     many = torch.zeros(limit + 1, 32, dtype=torch.bfloat16)
-    assert native.half_linear(many, weight, bias) is None  # past the crossover: torch's GEMM
-    assert native.half_linear(many[:limit], weight, bias) is not None
-    assert native.half_linear(x[:0], weight, bias) is None
+    assert native_half_linear.half_linear(many, weight, bias) is None  # past the crossover: torch's GEMM
+    assert native_half_linear.half_linear(many[:limit], weight, bias) is not None
+    assert native_half_linear.half_linear(x[:0], weight, bias) is None
 
 
 def test_op_and_the_log_line_saying_which_path(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.undo()  # the crossover as shipped
-    monkeypatch.setattr(native, "_logged", set())
-    caplog.set_level(logging.INFO, logger=native.__name__)
-    assert native.op("half_linear") is native.half_linear
+    monkeypatch.setattr(native_library, "_logged", set())
+    caplog.set_level(logging.INFO, logger=native_library.__name__)
+    assert native.op("half_linear") is native_half_linear.half_linear
     native.op("half_linear")
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("INFO", f"16-bit linears: native GEMV ({native.half_linear_isa()}) up to 6 rows of bfloat16 and 16 of "
+        ("INFO", f"16-bit linears: native GEMV ({native_half_linear.half_linear_isa()}) up to 6 rows of bfloat16 and 16 of "
                  "float16, torch's matmul above")]
     caplog.clear()
-    monkeypatch.setattr(native, "half_linear_isa", lambda: None)  # a CPU without AVX2 + F16C
+    monkeypatch.setattr(native_half_linear, "half_linear_isa", lambda: None)  # a CPU without AVX2 + F16C
     assert native.op("half_linear") is None and native.op("half_linear") is None
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("WARNING", "16-bit linears: no bfloat16/float16 GEMV for this CPU (it needs AVX2 + F16C); torch's matmul")]
@@ -172,13 +172,13 @@ VARIANTS = {"avx512-no-bf16": (("-mno-avx512bf16",), 2, "avx512f"), "avx2": (("-
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     flags, supported, feature = VARIANTS[request.param]
-    if feature not in native.cpu_features():
+    if feature not in native_build.cpu_features():
         pytest.skip(f"this CPU has no {feature}")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PLUGINFER_CACHE", str(tmp_path_factory.mktemp(request.param)))
-        patch.setattr(native, "FLAGS", [*native.FLAGS, *flags])
-        library, _, _ = native.build_library(f"half_linear_{request.param}",
-                                             (native.SOURCES[0].with_name("half_linear.c"),))
+        patch.setattr(native_build, "FLAGS", [*native_build.FLAGS, *flags])
+        library, _, _ = native_build.build_library(f"half_linear_{request.param}",
+                                             (native_library.SOURCES[0].with_name("half_linear.c"),))
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.half_linear.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int]
     assert library.half_linear_supported() == supported
@@ -188,7 +188,7 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def variant_linear(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    out_float: bool) -> torch.Tensor:
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32 if out_float else x.dtype)
-    status = library.half_linear(native.HALF_LINEAR_DTYPES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1],
+    status = library.half_linear(native_half_linear.HALF_LINEAR_DTYPES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1],
                                  weight.data_ptr(), weight.shape[0], bias.data_ptr() if bias is not None else None,
                                  out.data_ptr(), int(out_float))
     assert status == 0

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native
+from pluginfer.backends import native, native_layer_ops, native_library
 from tests.backends.test_native_branches import paged_inputs
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -85,7 +85,7 @@ def test_rms_norm(dtype: torch.dtype, shape: tuple[int, ...], residual: bool, of
     kept = (torch.randn(*shape, generator=generator)).to(dtype) if residual else None
     expected, expected_residual = torch_rms_norm(x, kept, weight, 1e-5, offset)
     written = kept.clone() if kept is not None else None
-    out = native.rms_norm(x, written, weight, 1e-5, offset)
+    out = native_layer_ops.rms_norm(x, written, weight, 1e-5, offset)
     assert out is not None and out.dtype == dtype
     if residual:
         assert torch.equal(written.view(torch.int16), expected_residual.view(torch.int16))
@@ -99,7 +99,7 @@ def test_silu_and_mul(dtype: torch.dtype, shape: tuple[int, ...], threads: int) 
     x = (4 * torch.randn(*shape, generator=generator)).to(dtype)
     x.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
     gate, up = x.chunk(2, dim=-1)
-    out = native.silu_and_mul(x)
+    out = native_layer_ops.silu_and_mul(x)
     assert out is not None and out.dtype == dtype
     assert_within_ulps(out, F.silu(gate) * up, 1, 0.95)
 
@@ -127,7 +127,7 @@ def test_rotary_neox_equals_the_float32_rotation_rounded_once(dtype: torch.dtype
     cos, sin = angles.cos(), angles.sin()
     expected_q, expected_k = rotate_float32(query, cos, sin, rotary_dim), rotate_float32(key, cos, sin, rotary_dim)
     value = qkv[:, (heads + kv_heads) * head_dim:].clone()
-    assert native.rotary_neox(query, key, cos, sin, rotary_dim)
+    assert native_layer_ops.rotary_neox(query, key, cos, sin, rotary_dim)
     assert torch.equal(query.view(torch.int16), expected_q.view(torch.int16))
     assert torch.equal(key.view(torch.int16), expected_k.view(torch.int16))
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], value)  # the value columns untouched
@@ -149,25 +149,25 @@ def test_paged_decode_attention(dtype: torch.dtype, case: str, threads: int) -> 
     query, key_cache, value_cache, tables = paged_inputs(seq_lens, heads, kv_heads, head_dim, v_dim, seed=len(case))
     query, key_cache, value_cache = query.to(dtype), key_cache.to(dtype), value_cache.to(dtype)
     lens, scale = torch.tensor(seq_lens), head_dim ** -0.5
-    out = native.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
+    out = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
     assert out.dtype == dtype and out.shape == (len(seq_lens), heads, v_dim)
-    widened = native.paged_decode_attention(query.float(), key_cache.float(), value_cache.float(), tables, lens,
+    widened = native_layer_ops.paged_decode_attention(query.float(), key_cache.float(), value_cache.float(), tables, lens,
                                             scale, window, soft_cap).to(dtype)
-    if case.startswith("avx512") and native.load().panel_linear_supported():
+    if case.startswith("avx512") and native_library.load().panel_linear_supported():
         assert torch.equal(out.view(torch.int16), widened.view(torch.int16))
     else:  # the portable loop sums in another order than the float32 kernel's vectorised dot products
         assert_within_ulps(out, widened, 1, 0.9)
     torch.set_num_threads(1)
-    single = native.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
+    single = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
     assert torch.equal(out.view(torch.int16), single.view(torch.int16))  # the same bits at any thread count
 
 
 def test_what_the_16_bit_kernels_decline() -> None:
     """Mixed dtypes and strided rows take the torch path (None / False), as for float32."""
     x = torch.randn(4, 64, dtype=torch.bfloat16)
-    assert native.rms_norm(x, None, torch.ones(64, dtype=torch.float16), 1e-5, 0.0) is None
-    assert native.rms_norm(x, torch.zeros(4, 64), torch.ones(64, dtype=torch.bfloat16), 1e-5, 0.0) is None
-    assert native.rms_norm(x.t(), None, torch.ones(4, dtype=torch.bfloat16), 1e-5, 0.0) is None
-    assert native.silu_and_mul(torch.randn(4, 128, dtype=torch.bfloat16)[:, ::2]) is None
+    assert native_layer_ops.rms_norm(x, None, torch.ones(64, dtype=torch.float16), 1e-5, 0.0) is None
+    assert native_layer_ops.rms_norm(x, torch.zeros(4, 64), torch.ones(64, dtype=torch.bfloat16), 1e-5, 0.0) is None
+    assert native_layer_ops.rms_norm(x.t(), None, torch.ones(4, dtype=torch.bfloat16), 1e-5, 0.0) is None
+    assert native_layer_ops.silu_and_mul(torch.randn(4, 128, dtype=torch.bfloat16)[:, ::2]) is None
     query = torch.randn(2, 4, 64, dtype=torch.bfloat16)
-    assert not native.rotary_neox(query, query.half(), torch.ones(2, 32), torch.zeros(2, 32), 64)
+    assert not native_layer_ops.rotary_neox(query, query.half(), torch.ones(2, 32), torch.zeros(2, 32), 64)

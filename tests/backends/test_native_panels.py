@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native
+from pluginfer.backends import native, native_panels
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native.op("panel_linear") is None,
                                 reason="the panel kernel needs the native library on an AVX-512 CPU")
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(native.available() is not None or native.op("pan
 
 def test_packed_layout_is_panels_of_sixteen_outputs_padded_to_sixty_four() -> None:
     weight = torch.randn(70, 9)
-    packed = native.pack_panels(weight)
+    packed = native_panels.pack_panels(weight)
     assert packed.shape == (8, 9, 16)  # 70 outputs padded to 128 = 8 panels of 16
     for panel in range(8):
         expected = torch.zeros(16, 9)
@@ -34,7 +34,7 @@ def test_equals_f_linear(rows: int, outputs: int, inputs: int, with_bias: bool) 
     weight = torch.randn(outputs, inputs, generator=generator)
     bias = torch.randn(outputs, generator=generator) if with_bias else None
     x = torch.randn(rows, inputs, generator=generator)
-    out = native.panel_linear(x, native.pack_panels(weight), outputs, bias)
+    out = native_panels.panel_linear(x, native_panels.pack_panels(weight), outputs, bias)
     assert out.shape == (rows, outputs) and out.dtype == torch.float32
     # float32 sums in another order: ~1e-6 relative to the sum's terms
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=2e-4 * inputs**0.5 / 16, rtol=1e-5)
@@ -42,29 +42,29 @@ def test_equals_f_linear(rows: int, outputs: int, inputs: int, with_bias: bool) 
 
 def test_leading_dims_strided_input_and_no_rows() -> None:
     weight, bias = torch.randn(48, 40), torch.randn(48)
-    packed = native.pack_panels(weight)
+    packed = native_panels.pack_panels(weight)
     x = torch.randn(2, 3, 40)
-    torch.testing.assert_close(native.panel_linear(x, packed, 48, bias), F.linear(x, weight, bias))
+    torch.testing.assert_close(native_panels.panel_linear(x, packed, 48, bias), F.linear(x, weight, bias))
     strided = torch.randn(40, 6).t()  # not contiguous
-    torch.testing.assert_close(native.panel_linear(strided, packed, 48, None), F.linear(strided, weight))
-    assert native.panel_linear(torch.empty(0, 40), packed, 48, None).shape == (0, 48)
+    torch.testing.assert_close(native_panels.panel_linear(strided, packed, 48, None), F.linear(strided, weight))
+    assert native_panels.panel_linear(torch.empty(0, 40), packed, 48, None).shape == (0, 48)
 
 
 def test_a_row_does_not_depend_on_the_batch_around_it() -> None:
     """Each output sums its inputs in one fixed order whatever the tile: batching never changes a row."""
     weight = torch.randn(200, 700)
-    packed = native.pack_panels(weight)
+    packed = native_panels.pack_panels(weight)
     batch = torch.randn(130, 700)
-    alone = torch.cat([native.panel_linear(batch[i:i + 1], packed, 200) for i in range(130)])
+    alone = torch.cat([native_panels.panel_linear(batch[i:i + 1], packed, 200) for i in range(130)])
     for rows in (2, 4, 5, 16, 33, 130):
-        assert torch.equal(native.panel_linear(batch[:rows], packed, 200), alone[:rows])
+        assert torch.equal(native_panels.panel_linear(batch[:rows], packed, 200), alone[:rows])
 
 
 def test_bad_inputs_are_refused() -> None:
-    packed = native.pack_panels(torch.randn(16, 8))
+    packed = native_panels.pack_panels(torch.randn(16, 8))
     with pytest.raises(ValueError, match="float32 inputs of 8 features"):
-        native.panel_linear(torch.randn(2, 8, dtype=torch.float64), packed, 16)
+        native_panels.panel_linear(torch.randn(2, 8, dtype=torch.float64), packed, 16)
     with pytest.raises(ValueError, match="float32 inputs of 8 features"):
-        native.panel_linear(torch.randn(2, 9), packed, 16)
+        native_panels.panel_linear(torch.randn(2, 9), packed, 16)
     with pytest.raises(ValueError, match="2-d float32 CPU weight"):
-        native.pack_panels(torch.randn(16, 8).bfloat16())
+        native_panels.pack_panels(torch.randn(16, 8).bfloat16())

@@ -1,4 +1,4 @@
-"""The fused quantized matmul (``native.ggml_quant_matmul``, ``csrc/quant_dot.c``) against its references.
+"""The fused quantized matmul (``native_quant.ggml_quant_matmul``, ``csrc/quant_dot.c``) against its references.
 
 Two oracles. The exact one: the activations rounded as the kernel rounds them
 (``ggml_blocks.quantize_activations``, which the kernel's own quantization equals bit for bit), times
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pluginfer import LLM
-from pluginfer.backends import native
+from pluginfer.backends import native, native_build, native_library, native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
 from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model
 from tests.quant.test_ggml_blocks import FP16_FIELDS
@@ -40,7 +40,7 @@ def fused_kernel() -> None:
     reason = native.available()
     if reason is not None:
         pytest.skip(f"native kernels unavailable: {reason}")
-    if not native.quant_dot_supported():
+    if not native_quant.quant_dot_supported():
         pytest.skip("the fused kernel needs AVX2 (the dequantizing path runs instead)")
 
 
@@ -101,15 +101,15 @@ def test_kernel_equals_the_int8_reference_for_every_row_count(qtype: GGMLQuantiz
     """37 outputs (not a multiple of the tiles' 2 or 4 outputs, nor of 8 or 16); 3 blocks of 32 (an
     odd count: the last vector holds one block) or 2 super-blocks of 256; rows 1..17 (every tile of
     rows, and 16 + 1)."""
-    openmp = native._loaded["info"].openmp
-    assert native.load().quant_dot_max_threads() == (threads if openmp else 1)  # the kernel's OpenMP is torch's
+    openmp = native_library._loaded["info"].openmp
+    assert native_library.load().quant_dot_max_threads() == (threads if openmp else 1)  # the kernel's OpenMP is torch's
     cols = cols_for(qtype, 2 if GGML_QUANT_SIZES[qtype][0] == 256 else 3)
     raw = weight_bytes(qtype, 37, cols, seed=int(qtype))
     weights = ggml_blocks.dequantize(raw, qtype, cols).double()
     generator = torch.Generator().manual_seed(int(qtype))
     for rows in range(1, 18):
         x = torch.randn(rows, cols, generator=generator)
-        out = native.ggml_quant_matmul(x, raw, qtype, cols)
+        out = native_quant.ggml_quant_matmul(x, raw, qtype, cols)
         assert out.shape == (rows, 37) and out.dtype == torch.float32
         assert_exact_oracle(out, x, weights)
 
@@ -130,7 +130,7 @@ def test_kernel_stays_within_half_a_step_of_the_float_path(qtype: GGMLQuantizati
     # random Q5_K bytes), 0.011-0.016 with the outliers.
     for scale, relative_rms in ((1.0, 1e-2), (20.0, 2.5e-2)):
         x[:, ::97] *= scale
-        out = native.ggml_quant_matmul(x, raw, qtype, cols).double()
+        out = native_quant.ggml_quant_matmul(x, raw, qtype, cols).double()
         float_path = x.double() @ weights.T
         error = (out - float_path).abs()
         assert (error <= half_step_bound(x, weights) * (1 + 1e-6) + 1e-6).all()
@@ -142,7 +142,7 @@ def vnni_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType,
     ``amx_quant.MIN_ROWS`` rows or more to the int8 tiles (tests/backends/test_native_amx_quant.py)."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], raw.shape[0])
-    assert native.load().quant_matmul(int(qtype), x.data_ptr(), x.shape[0], cols, raw.data_ptr(), raw.shape[0],
+    assert native_library.load().quant_matmul(int(qtype), x.data_ptr(), x.shape[0], cols, raw.data_ptr(), raw.shape[0],
                                       raw.shape[1], out.data_ptr()) == 0
     return out
 
@@ -172,14 +172,14 @@ def test_a_row_does_not_depend_on_the_rows_beside_it_or_the_threads(qtype: GGMLQ
 def avx2_library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """quant_dot.c built without AVX-512 (and without AVX-VNNI): the AVX2 kernels a CPU without
     AVX-512 VNNI runs, tried here on this one (which has AVX2)."""
-    if "avx2" not in native.cpu_features():
+    if "avx2" not in native_build.cpu_features():
         pytest.skip("this CPU has no AVX2")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PLUGINFER_CACHE", str(tmp_path_factory.mktemp("avx2")))
-        patch.setattr(native, "FLAGS", [*native.FLAGS, *request.param])
+        patch.setattr(native_build, "FLAGS", [*native_build.FLAGS, *request.param])
         try:
-            library, _, _ = native.build_library("quant_dot_avx2", (native.SOURCES[0].with_name("quant_dot.c"),))
-        except native.NativeKernelsUnavailable as exc:
+            library, _, _ = native_build.build_library("quant_dot_avx2", (native_library.SOURCES[0].with_name("quant_dot.c"),))
+        except native_build.NativeKernelsUnavailable as exc:
             pytest.skip(f"cannot build the AVX2 variant here: {exc}")
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.quant_matmul.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, i64, pointer]
@@ -231,7 +231,7 @@ def test_activation_quantization_is_the_torch_reference_bit_for_bit() -> None:
     x[2, :32] = 1e-38  # 127 / max|x| overflows: zeros, scale 0
     x[3, 5], x[3, 40], x[3, 100] = float("nan"), float("inf"), -float("inf")
     x[4] = torch.finfo(torch.float32).max * torch.rand(320, generator=generator)
-    levels, scales = native.quantize_activations(x)
+    levels, scales = native_quant.quantize_activations(x)
     expected_levels, expected_scales = ggml_blocks.quantize_activations(x)
     assert torch.equal(levels, expected_levels)
     assert torch.equal(scales.isnan(), expected_scales.isnan())
@@ -250,49 +250,49 @@ def test_nan_and_inf(qtype: GGMLQuantizationType) -> None:
     cols = cols_for(qtype, 2 if GGML_QUANT_SIZES[qtype][0] == 256 else 4)
     raw = weight_bytes(qtype, 21, cols, seed=5)
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(5))
-    clean = native.ggml_quant_matmul(x, raw, qtype, cols)
+    clean = native_quant.ggml_quant_matmul(x, raw, qtype, cols)
     x[1, 3], x[2, 70], x[3, 0] = float("nan"), float("inf"), -float("inf")
-    out = native.ggml_quant_matmul(x, raw, qtype, cols)
+    out = native_quant.ggml_quant_matmul(x, raw, qtype, cols)
     assert out[1:4].isnan().all()
     assert torch.equal(out[[0, 4]], clean[[0, 4]])
 
     poisoned = raw.clone()
     poisoned.view(21, -1, GGML_QUANT_SIZES[qtype][1])[7, 0, FP16_FIELDS[qtype][0] + 1] = 0x7E  # fp16 NaN
-    out = native.ggml_quant_matmul(x[[0, 4]], poisoned, qtype, cols)
+    out = native_quant.ggml_quant_matmul(x[[0, 4]], poisoned, qtype, cols)
     # (two rows: the same kernel as for two clean rows; five may take the AMX tiles, whose sums round apart)
-    clean = native.ggml_quant_matmul(x[[0, 4]], raw, qtype, cols)
+    clean = native_quant.ggml_quant_matmul(x[[0, 4]], raw, qtype, cols)
     assert out[:, 7].isnan().all() and torch.equal(out[:, :7], clean[:, :7])
 
 
 def test_declined_inputs_and_errors() -> None:
     raw = weight_bytes(T.Q4_0, 8, 64, seed=1)
     x = torch.randn(2, 64)
-    assert native.ggml_quant_matmul(x, weight_bytes(T.Q2_K, 8, 256, seed=1), T.Q2_K, 256) is None  # no kernel
-    assert native.ggml_quant_matmul(torch.randn(2, 256), torch.zeros(8, 512, dtype=torch.uint8), T.F16, 256) is None
-    assert native.ggml_quant_matmul(x, raw[:, :18], T.Q4_0, 32) is None  # strided rows
-    assert native.ggml_quant_matmul(x, raw, T.Q4_0, 32) is None  # x does not have the columns
+    assert native_quant.ggml_quant_matmul(x, weight_bytes(T.Q2_K, 8, 256, seed=1), T.Q2_K, 256) is None  # no kernel
+    assert native_quant.ggml_quant_matmul(torch.randn(2, 256), torch.zeros(8, 512, dtype=torch.uint8), T.F16, 256) is None
+    assert native_quant.ggml_quant_matmul(x, raw[:, :18], T.Q4_0, 32) is None  # strided rows
+    assert native_quant.ggml_quant_matmul(x, raw, T.Q4_0, 32) is None  # x does not have the columns
     with pytest.raises(ValueError, match="status -2"):
-        native.ggml_quant_matmul(torch.randn(2, 96), raw, T.Q4_0, 96)  # 96 columns are not rows of 36 bytes
-    assert native.ggml_quant_matmul(torch.randn(0, 64), raw, T.Q4_0, 64).shape == (0, 8)
+        native_quant.ggml_quant_matmul(torch.randn(2, 96), raw, T.Q4_0, 96)  # 96 columns are not rows of 36 bytes
+    assert native_quant.ggml_quant_matmul(torch.randn(0, 64), raw, T.Q4_0, 64).shape == (0, 8)
     # Leading dims and half-precision inputs (computed in float32, returned in the input's dtype).
-    out = native.ggml_quant_matmul(torch.randn(2, 3, 64).bfloat16(), raw, T.Q4_0, 64)
+    out = native_quant.ggml_quant_matmul(torch.randn(2, 3, 64).bfloat16(), raw, T.Q4_0, 64)
     assert out.shape == (2, 3, 8) and out.dtype == torch.bfloat16
 
 
 @pytest.fixture
 def fresh_logs() -> Iterator[None]:
-    native._logged.clear()
+    native_library._logged.clear()
     yield
-    native._logged.clear()
+    native_library._logged.clear()
 
 
 def test_ggml_linear_takes_the_fused_kernel_up_to_the_row_threshold(monkeypatch: pytest.MonkeyPatch,
                                                                       fresh_logs: None) -> None:
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setenv(native.QUANT_TILES_ENV, "float32")  # bfloat16 tiles past the threshold: test_bf16_tiles.py
+    monkeypatch.setenv(native_quant.QUANT_TILES_ENV, "float32")  # bfloat16 tiles past the threshold: test_bf16_tiles.py
     kernel = native.op("ggml_dequantize")
-    assert isinstance(kernel, native.GGMLDequantize) and kernel.quant_matmul is native.ggml_quant_matmul
-    assert native.op("ggml_quant_matmul") is native.ggml_quant_matmul
+    assert isinstance(kernel, native_quant.GGMLDequantize) and kernel.quant_matmul is native_quant.ggml_quant_matmul
+    assert native.op("ggml_quant_matmul") is native_quant.ggml_quant_matmul
     cols, limit = 256, ggml_blocks.QUANT_MATMUL_MAX_ROWS
     assert set(kernel.quant_matmul_max_rows.values()) == {limit}
     raw = weight_bytes(T.Q4_K, 600, cols, seed=2)  # two tiles of the dequantizing path
@@ -301,9 +301,9 @@ def test_ggml_linear_takes_the_fused_kernel_up_to_the_row_threshold(monkeypatch:
     for rows in (1, limit, limit + 1):
         x = torch.randn(rows, cols)
         out = ggml_blocks.ggml_linear(x, raw, T.Q4_K, cols, bias, kernel)
-        plain = ggml_blocks.ggml_linear(x, raw, T.Q4_K, cols, bias, native.ggml_dequantize)
+        plain = ggml_blocks.ggml_linear(x, raw, T.Q4_K, cols, bias, native_quant.ggml_dequantize)
         if rows <= limit:
-            assert torch.equal(out, native.ggml_quant_matmul(x, raw, T.Q4_K, cols) + bias)
+            assert torch.equal(out, native_quant.ggml_quant_matmul(x, raw, T.Q4_K, cols) + bias)
             assert not torch.equal(out, plain)
         else:  # prefill sizes: dequantized tiles and the float GEMM, as before
             assert torch.equal(out, plain)
@@ -312,14 +312,14 @@ def test_ggml_linear_takes_the_fused_kernel_up_to_the_row_threshold(monkeypatch:
     raw = weight_bytes(T.Q3_K, 40, cols, seed=2)
     x = torch.randn(3, cols)
     assert torch.equal(ggml_blocks.ggml_linear(x, raw, T.Q3_K, cols, None, kernel),
-                       ggml_blocks.ggml_linear(x, raw, T.Q3_K, cols, None, native.ggml_dequantize))
+                       ggml_blocks.ggml_linear(x, raw, T.Q3_K, cols, None, native_quant.ggml_dequantize))
 
 
 def test_float_activations_by_environment_and_the_fallback_log_line(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fresh_logs: None) -> None:
-    caplog.set_level(logging.INFO, logger=native.__name__)
+    caplog.set_level(logging.INFO, logger=native_library.__name__)
     monkeypatch.setenv(ENV, "float")
-    assert native.op("ggml_dequantize") is native.ggml_dequantize and native.op("ggml_quant_matmul") is None
+    assert native.op("ggml_dequantize") is native_quant.ggml_dequantize and native.op("ggml_quant_matmul") is None
     native.op("ggml_dequantize")
     assert [r.getMessage() for r in caplog.records] == [
         "quantized linears: PLUGINFER_QUANT_ACTIVATIONS=float, float32 activations against dequantized tiles"]
@@ -330,9 +330,9 @@ def test_float_activations_by_environment_and_the_fallback_log_line(
     # A CPU without AVX2: the dequantizing path, said once as a warning.
     caplog.clear()
     monkeypatch.setenv(ENV, "int8")
-    monkeypatch.setenv(native.QUANT_TILES_ENV, "float32")  # else, on AMX, an op carrying bfloat16 tiles
-    monkeypatch.setattr(native, "quant_dot_supported", lambda: False)
-    assert native.op("ggml_dequantize") is native.ggml_dequantize and native.op("ggml_quant_matmul") is None
+    monkeypatch.setenv(native_quant.QUANT_TILES_ENV, "float32")  # else, on AMX, an op carrying bfloat16 tiles
+    monkeypatch.setattr(native_quant, "quant_dot_supported", lambda: False)
+    assert native.op("ggml_dequantize") is native_quant.ggml_dequantize and native.op("ggml_quant_matmul") is None
     assert [(r.levelname, r.getMessage()) for r in caplog.records if r.levelname == "WARNING"] == [
         ("WARNING", "quantized linears: no fused int8-activation kernel for this CPU (it needs AVX2); "
                     "every step dequantizes tiles for a GEMM")]
@@ -359,12 +359,12 @@ def test_quantized_llama_logits_with_int8_and_float_activations(
     short, long = random_prompts(200, [24, ggml_blocks.QUANT_MATMUL_MAX_ROWS + 16], seed=4)
     results = {}
     # float32 tiles over the threshold, as the float path's (bfloat16 ones there: test_bf16_tiles.py)
-    monkeypatch.setenv(native.QUANT_TILES_ENV, "float32")
+    monkeypatch.setenv(native_quant.QUANT_TILES_ENV, "float32")
     for mode in ("int8", "float"):
         monkeypatch.setenv(ENV, mode)
         llm = LLM(model=str(k_llama), dtype="float32", num_blocks=64, block_size=8, quant=quant)
         layers = [m for m in llm.engine.executor.pipeline.modules() if hasattr(m, "qweight")]
-        assert layers and all(isinstance(m.ggml_dequantize, native.GGMLDequantize) == (mode == "int8")
+        assert layers and all(isinstance(m.ggml_dequantize, native_quant.GGMLDequantize) == (mode == "int8")
                               for m in layers)
         results[mode] = (prefill_logits(llm, short), prefill_logits(llm, long),
                          llm.generate([short], greedy(8))[0].outputs[0].token_ids)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, onednn
+from pluginfer.backends import native, native_half_linear, onednn
 from pluginfer.layers import dense
 from tests.layers.conftest import PANELS_AVAILABLE, backend_with
 
@@ -47,10 +47,10 @@ def test_half_precision_keeps_out_in_for_the_native_gemv_and_is_never_packed(dty
         assert matmul.packed_layout(weight) is None
         if native_kernels and HALF_AVAILABLE:
             assert layout == "half" and torch.equal(placed, weight)
-            limit = native.HALF_LINEAR_MAX_ROWS[dtype]
+            limit = native_half_linear.HALF_LINEAR_MAX_ROWS[dtype]
             for rows in (1, limit):
                 x = torch.randn(rows, 16).to(dtype)
-                assert torch.equal(matmul.linear(layout, x, placed, bias, 32), native.half_linear(x, weight, bias))
+                assert torch.equal(matmul.linear(layout, x, placed, bias, 32), native_half_linear.half_linear(x, weight, bias))
             x = torch.randn(limit + 1, 16).to(dtype)
             assert torch.equal(matmul.linear(layout, x, placed, bias, 32), F.linear(x, weight, bias))
         else:

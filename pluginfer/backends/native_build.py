@@ -1,0 +1,252 @@
+"""Building the native libraries: C compiled on first use with the system compiler, cached per machine.
+
+No torch headers are needed, so a build takes seconds. A library is cached under ``$PLUGINFER_CACHE/native``,
+keyed by the sources, the compiler, the flags and the CPU's features, and it records the features it was
+built for: a cache shared between machines (a home directory on NFS) never hands a library to a CPU that
+lacks its instructions; it is rebuilt instead. Ranks on one machine build once (a file lock); a compiler that
+hangs is stopped after ``PLUGINFER_NATIVE_BUILD_TIMEOUT`` seconds (120); where ``omp.h`` is missing (Apple
+clang) the kernels build single-threaded. The sources ship as package data (docs/architecture.md, "How
+native code ships").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+OPENMP_FLAG = "-fopenmp"
+BUILD_TIMEOUT_ENV = "PLUGINFER_NATIVE_BUILD_TIMEOUT"
+
+# Compiled where omp.h is missing (Apple clang): the OpenMP pragmas are ignored and these say one thread.
+_OMP_STUB = """#pragma once
+static inline int omp_get_max_threads(void) { return 1; }
+static inline int omp_get_num_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+"""
+_OMP_PROBE = "#include <omp.h>\nint pluginfer_omp_probe(void) { return omp_get_max_threads(); }\n"
+# Every library carries its BuildInfo as JSON after this marker, read from the file before it is opened.
+_INFO_MARKER = "PLUGINFER_BUILD_INFO:"
+
+
+class NativeKernelsUnavailable(RuntimeError):
+    """The C kernels could not be built or loaded here; the reason says why."""
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """What a cached library was built with; it is compiled into the library itself."""
+
+    compiler: str
+    flags: list[str]
+    openmp: bool
+    machine: str
+    features: list[str]  # the CPU features present when it was built with -march=native
+
+
+def _cache_dir() -> Path:
+    root = Path(os.environ.get("PLUGINFER_CACHE", Path.home() / ".cache" / "pluginfer"))
+    return root / "native"
+
+
+def cpu_features() -> frozenset[str]:
+    """The instruction-set extensions this CPU reports (Linux ``/proc/cpuinfo``, macOS ``sysctl``); empty
+    where neither says."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+        return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    try:
+        result = subprocess.run(["sysctl", "-n", "machdep.cpu.features", "machdep.cpu.leaf7_features"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    return frozenset(result.stdout.lower().split()) if result.returncode == 0 else frozenset()
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise NativeKernelsUnavailable("no C compiler (cc/gcc) on PATH")
+    path = shutil.which(compiler)
+    if path is None:
+        raise NativeKernelsUnavailable(f"C compiler {compiler!r} (from CC) not found")
+    return path
+
+
+def _build_timeout() -> float:
+    text = os.environ.get(BUILD_TIMEOUT_ENV, "120")
+    try:
+        return float(text)
+    except ValueError:
+        raise NativeKernelsUnavailable(f"{BUILD_TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+
+
+def _cache_key(sources: tuple[Path, ...], compiler: str) -> str:
+    """Sources, flags, the compiler's identity (its file), the architecture and the CPU's features."""
+    stat = os.stat(compiler)
+    features = " ".join(sorted(cpu_features())) or platform.processor()
+    parts = [b"".join(path.read_bytes() for path in sources), " ".join([*FLAGS, OPENMP_FLAG]).encode(),
+             f"{os.path.realpath(compiler)} {stat.st_size} {stat.st_mtime_ns}".encode(),
+             platform.machine().encode(), features.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a compiler; past ``timeout`` it and its children are killed and the kernels are unavailable."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # its own group: cc1, as and ld die with it
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (AttributeError, OSError):  # no process groups here
+            process.kill()
+        process.wait()
+        raise NativeKernelsUnavailable(f"C compiler {command[0]!r} did not finish in {timeout:g} s "
+                                       f"({BUILD_TIMEOUT_ENV} sets the limit)") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout: float) -> Iterator[None]:
+    """Exclusive between processes: ``flock``, or where fcntl is missing a lock file created exclusively."""
+    deadline = time.monotonic() + timeout
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    if fcntl is not None:
+        with open(path, "a") as handle:
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise NativeKernelsUnavailable(f"another process held {path} for {timeout:g} s") from None
+                    time.sleep(0.05)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+        return
+    while True:
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            break
+        except FileExistsError:
+            with contextlib.suppress(OSError):
+                if time.time() - path.stat().st_mtime > timeout:  # left by a builder that died
+                    path.unlink()
+            if time.monotonic() > deadline:
+                raise NativeKernelsUnavailable(f"another process held {path} for {timeout:g} s") from None
+            time.sleep(0.05)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _compile(compiler: str, sources: tuple[Path, ...], target: Path) -> None:
+    """Compile into ``target`` (atomically: concurrent readers never see half a file), OpenMP if it exists."""
+    timeout = _build_timeout()
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix="build-") as work_dir:
+        work = Path(work_dir)
+        (work / "probe.c").write_text(_OMP_PROBE)
+        probe = _run([compiler, OPENMP_FLAG, "-shared", "-fPIC", str(work / "probe.c"), "-o", str(work / "probe.so")],
+                     timeout)
+        openmp = probe.returncode == 0
+        flags = [*FLAGS, OPENMP_FLAG] if openmp else list(FLAGS)
+        if not openmp:
+            logger.info("native kernels: no OpenMP with %s (%s); building them single-threaded", compiler,
+                        probe.stderr.strip().splitlines()[-1:] or "no message")
+            (work / "omp.h").write_text(_OMP_STUB)
+        info = BuildInfo(compiler, flags, openmp, platform.machine(), sorted(cpu_features()))
+        literal = json.dumps(_INFO_MARKER + json.dumps(asdict(info)))
+        (work / "build_info.c").write_text(f"const char pluginfer_build_info[] = {literal};\n")
+        staging = work / target.name
+        include = [] if openmp else ["-I", str(work)]
+        result = _run([compiler, *flags, *include, *map(str, sources), str(work / "build_info.c"),
+                       "-o", str(staging), "-lm"], timeout)
+        if result.returncode != 0:
+            raise NativeKernelsUnavailable(f"compiling {', '.join(s.name for s in sources)} failed: "
+                                           f"{result.stderr.strip()[:500]}")
+        staging.replace(target)
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """Which file is at ``path`` now (a rebuild replaces it with a new one), or None."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def _read_info(path: Path) -> BuildInfo:
+    data = path.read_bytes()
+    start = data.index(_INFO_MARKER.encode()) + len(_INFO_MARKER)
+    return BuildInfo(**json.loads(data[start:data.index(b"\0", start)]))
+
+
+def _open(target: Path) -> tuple[ctypes.CDLL, BuildInfo] | None:
+    """The cached library and its build, or None (with one log line) when it must be rebuilt: corrupt,
+    foreign, or built for CPU features this one lacks (checked before it is opened: glibc keeps a
+    library opened once for the rest of the process, whatever replaces the file)."""
+    try:
+        info = _read_info(target)
+    except (OSError, ValueError, TypeError) as exc:
+        logger.warning("native kernels: cached %s is corrupt or not pluginfer's (%s: %s); rebuilding", target,
+                       type(exc).__name__, str(exc)[:200])
+        return None
+    missing = set(info.features) - cpu_features()
+    if info.machine != platform.machine() or missing:
+        lacks = ", ".join(sorted(missing)[:8]) + (" ..." if len(missing) > 8 else "") or info.machine
+        logger.warning("native kernels: cached %s was built for a CPU with %s, which this one lacks; rebuilding",
+                       target, lacks)
+        return None
+    try:
+        return ctypes.CDLL(str(target)), info
+    except OSError as exc:
+        logger.warning("native kernels: cached %s does not load (%s); rebuilding", target, str(exc)[:200])
+        return None
+
+
+def build_library(name: str, sources: tuple[Path, ...]) -> tuple[ctypes.CDLL, BuildInfo, Path]:
+    """The library of ``sources`` for this machine, from the cache or compiled now: once per machine
+    (processes that arrive meanwhile wait on a file lock and open the same file)."""
+    compiler = _compiler()
+    cache = _cache_dir()
+    target = cache / f"{name}-{_cache_key(sources, compiler)}.so"
+    before = _stamp(target)
+    opened = _open(target) if before is not None else None
+    if opened is None:
+        cache.mkdir(parents=True, exist_ok=True)
+        with _file_lock(target.with_suffix(".lock"), 2 * _build_timeout() + 60):
+            if _stamp(target) not in (None, before):
+                opened = _open(target)  # another process built it while this one waited
+            if opened is None:
+                _compile(compiler, sources, target)
+                opened = _open(target)
+        if opened is None:
+            raise NativeKernelsUnavailable(f"the library just built, {target}, does not load")
+    return (*opened, target)

@@ -1,0 +1,72 @@
+"""The 16-bit GEMV (``csrc/half_linear.c``): bfloat16/float16 linears of a few rows, torch's GEMM above."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from pluginfer.backends import native_library
+from pluginfer.backends.native_library import _log_once
+from pluginfer.backends.native_replay import _lib
+
+# What half_linear_supported() returns in C: the instruction set of the 16-bit GEMV.
+HALF_LINEAR_ISAS = {1: "AVX512-BF16", 2: "AVX-512", 3: "AVX2 + F16C"}
+HALF_LINEAR_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+# Rows above which half_linear hands the matmul back to torch's GEMM. Measured on this project's machine
+# (docs/performance.md, benchmarks/half_gemv.py --cpu-time, the 0.5B llama's shapes): the kernel runs
+# bfloat16 1.3-1.6x faster than torch's F.linear at 1-4 rows, 1.15-1.3x at 6, and ties torch's oneDNN
+# GEMM (AMX on this CPU) from 7-8 rows; float16, where torch's GEMM is slower, ties at 16.
+HALF_LINEAR_MAX_ROWS = {torch.bfloat16: 6, torch.float16: 16}
+
+
+def half_linear_isa() -> str | None:
+    """The instruction set the 16-bit GEMV runs with here (``csrc/half_linear.c``), or None where the
+    library was built for a CPU without AVX2 + F16C."""
+    return HALF_LINEAR_ISAS.get(native_library.load().half_linear_supported())
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """``x @ W^T + bias`` for a bfloat16/float16 CPU weight ``[out, in]`` (the checkpoint's layout) and
+    ``x [..., in]`` of its dtype (``csrc/half_linear.c``): products exact in float32, summed in float32,
+    rounded once to ``x``'s dtype (``out_dtype=torch.float32``: not rounded). None: more rows than
+    :data:`HALF_LINEAR_MAX_ROWS` gives for the dtype, or dtypes, devices or layouts it does not handle;
+    use ``F.linear``."""
+    dtype = weight.dtype
+    if (dtype not in HALF_LINEAR_DTYPES or x.dtype != dtype or weight.dim() != 2 or x.dim() == 0
+            or weight.device.type != "cpu" or x.device.type != "cpu" or not weight.is_contiguous()
+            or x.shape[-1] != weight.shape[1] or out_dtype not in (None, dtype, torch.float32)
+            or (bias is not None and (bias.dtype != dtype or bias.shape != (weight.shape[0],)
+                                      or bias.device.type != "cpu"))):
+        return None
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows > HALF_LINEAR_MAX_ROWS[dtype] or rows == 0 or weight.shape[1] == 0:
+        return None
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    out_float = out_dtype == torch.float32
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32 if out_float else dtype)
+    if bias is not None:
+        bias = bias.contiguous()
+    status = _lib().half_linear(HALF_LINEAR_DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1], weight.data_ptr(),
+                                weight.shape[0], bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                                int(out_float))
+    if status == -3:
+        raise MemoryError("half_linear could not allocate its activation buffer")
+    if status != 0:  # -4: no kernel on this CPU (op() does not hand it out there)
+        raise ValueError(f"half_linear: status {status} for {dtype} weights {tuple(weight.shape)}")
+    return out
+
+
+def half_linear_op() -> Callable | None:
+    """:func:`half_linear` where this CPU runs it, else None; says which, once per process."""
+    isa = half_linear_isa()
+    if isa is None:
+        _log_once(logging.WARNING, "16-bit linears: no bfloat16/float16 GEMV for this CPU (it needs AVX2 + F16C); "
+                                   "torch's matmul")
+        return None
+    limits = HALF_LINEAR_MAX_ROWS
+    _log_once(logging.INFO, f"16-bit linears: native GEMV ({isa}) up to {limits[torch.bfloat16]} rows of bfloat16 "
+                            f"and {limits[torch.float16]} of float16, torch's matmul above")
+    return half_linear

@@ -1,0 +1,112 @@
+"""Native kernels of the layers' float ops: paged decode attention, RMSNorm, SiLU-and-mul and NeoX rotary,
+on float32 or float16/bfloat16 tensors (``csrc/cpu_kernels.c``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pluginfer.backends.native_library import HALF_CODES, _as, _fits, _fits_half
+from pluginfer.backends.native_replay import _lib
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+    """Decode attention over the paged cache; query ``[seqs, heads, dim]``. float32 caches, or float16/bfloat16
+    ones (the query and the result then in the caches' dtype, the arithmetic in float32)."""
+    half = HALF_CODES.get(key_cache.dtype)
+    if half is not None:
+        return _paged_decode_attention_16(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                          sliding_window, soft_cap, half)
+    query, block_tables, seq_lens = _as(query, torch.float32), _as(block_tables, torch.int64), _as(seq_lens, torch.int64)
+    if not (_fits(key_cache) and _fits(value_cache)):
+        raise ValueError("paged_decode_attention needs contiguous float32 key and value caches")
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, v_dim = value_cache.shape
+    out = torch.empty(num_seqs, num_heads, v_dim, dtype=torch.float32)
+    status = _lib().paged_decode_attention(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, v_dim, block_size,
+        block_tables.shape[1], scale, sliding_window or 0, soft_cap or 0.0,
+    )
+    if status != 0:
+        raise MemoryError("paged_decode_attention could not allocate its score buffer")
+    return out
+
+
+def _paged_decode_attention_16(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               sliding_window: int | None, soft_cap: float | None, half: int) -> torch.Tensor:
+    dtype = key_cache.dtype
+    query, block_tables, seq_lens = _as(query, dtype), _as(block_tables, torch.int64), _as(seq_lens, torch.int64)
+    if value_cache.dtype != dtype or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError(f"paged_decode_attention needs contiguous key and value caches of one dtype, got "
+                         f"{key_cache.dtype} and {value_cache.dtype}")
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, v_dim = value_cache.shape
+    out = torch.empty(num_seqs, num_heads, v_dim, dtype=dtype)
+    status = _lib().paged_decode_attention_16(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, v_dim, block_size,
+        block_tables.shape[1], scale, sliding_window or 0, soft_cap or 0.0, half,
+    )
+    if status != 0:
+        raise MemoryError("paged_decode_attention could not allocate its score buffer")
+    return out
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             offset: float) -> torch.Tensor | None:
+    """Fused (residual add +) RMSNorm; updates ``residual`` in place. None: use the torch path."""
+    if x.dtype != torch.float32:  # float16/bfloat16: rounded where layers/norm.py's reference rounds
+        half = _fits_half(x.dtype, x, weight) if residual is None else _fits_half(x.dtype, x, weight, residual)
+        if half is None:
+            return None
+        out = torch.empty_like(x)
+        _lib().rms_norm_16(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                           out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, offset, half)
+        return out
+    if not (_fits(x) and _fits(weight)) or (residual is not None and not _fits(residual)):
+        return None
+    out = torch.empty_like(x)
+    _lib().rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                    out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, offset)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(x[:, :n]) * x[:, n:]``. None: use the torch path."""
+    if x.dtype != torch.float32:  # float16/bfloat16: rounded where F.silu(gate) * up rounds
+        half = _fits_half(x.dtype, x)
+        if half is None:
+            return None
+        n = x.shape[-1] // 2
+        out = x.new_empty(*x.shape[:-1], n)
+        _lib().silu_and_mul_16(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n, half)
+        return out
+    if not _fits(x):
+        return None
+    n = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], n)
+    _lib().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n)
+    return out
+
+
+def rotary_neox(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rotary_dim: int) -> bool:
+    """Rotate q ``[tokens, heads, dim]`` and k in place (rows may be strided), float32 or float16/bfloat16 (in
+    float32 with the float32 cos/sin, rounded once). False: use the torch path."""
+    half = HALF_CODES.get(query.dtype)
+    if half is not None and key.dtype == query.dtype and _fits(cos) and _fits(sin) \
+            and query.stride()[1:] == (query.shape[2], 1) and key.stride()[1:] == (key.shape[2], 1):
+        _lib().rotary_neox_16(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.shape[0],
+                              query.shape[1], key.shape[1], query.shape[2], rotary_dim, query.stride(0),
+                              key.stride(0), half)
+        return True
+    if not (query.dtype == key.dtype == torch.float32 and _fits(cos) and _fits(sin)
+            and query.stride()[1:] == (query.shape[2], 1) and key.stride()[1:] == (key.shape[2], 1)):
+        return False
+    _lib().rotary_neox(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.shape[0],
+                       query.shape[1], key.shape[1], query.shape[2], rotary_dim, query.stride(0), key.stride(0))
+    return True

@@ -1,0 +1,114 @@
+"""The native CPU kernel library (``csrc/``): its sources, the C signatures, loading it once per process,
+and the checks the wrappers of every kernel family share (``native_layer_ops``, ``native_panels``,
+``native_quant``, ``native_half_linear``; ``native`` hands them to the cpu backend).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from pluginfer.backends.native_build import NativeKernelsUnavailable, build_library
+
+logger = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("cpu_kernels.c", "panel_linear.c", "quant_dot.c", "half_linear.c", "step_replay.c"))
+
+_pointer, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# Every C function the wrappers call: (restype, argtypes); a recording packs arguments by these.
+SIGNATURES = {
+    "paged_decode_attention": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32]),
+    "rms_norm": (None, [_pointer] * 4 + [_i64, _i64, _f32, _f32]),
+    "silu_and_mul": (None, [_pointer, _pointer, _i64, _i64]),
+    "rotary_neox": (None, [_pointer] * 4 + [_i64] * 7),
+    "ggml_dequantize_rows": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _i64, _pointer]),
+    "ggml_dequantize_rows_bf16": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _i64, _pointer]),
+    "grouped_dequantize": (ctypes.c_int, [ctypes.c_int, _pointer, _pointer, _pointer, ctypes.c_int, _pointer]
+                           + [_i64] * 6 + [_pointer, ctypes.c_int]),
+    "int4_dequantize_rows": (ctypes.c_int, [_pointer] * 3 + [_i64] * 3 + [_pointer, ctypes.c_int]),
+    "panel_linear_supported": (ctypes.c_int, []),
+    "panel_padded_outputs": (_i64, [_i64]),
+    "pack_panels": (None, [_pointer, _pointer, _i64, _i64]),
+    "panel_linear": (ctypes.c_int, [_pointer] * 4 + [_i64] * 3),
+    "quant_dot_supported": (ctypes.c_int, []),
+    "quant_dot_max_threads": (ctypes.c_int, []),
+    "quant_matmul": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),
+    "quant_dot_quantize": (ctypes.c_int, [_pointer, _i64, _i64, _pointer, _pointer]),
+    "half_linear_supported": (ctypes.c_int, []),
+    "half_linear": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _pointer, _pointer, ctypes.c_int]),
+    "gather_rows": (ctypes.c_int, [_pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),
+    "scatter_rows": (ctypes.c_int, [_pointer, _i64, _pointer, _pointer, _i64, _i64, _i64]),
+    "add_f32": (None, [_pointer] * 3 + [_i64] * 3),
+    "to_f32": (None, [_pointer, ctypes.c_int, _pointer, _i64]),
+    "copy_rows": (None, [_pointer, _i64, _i64, _i64, _pointer, _i64]),
+    "add_bf16": (None, [_pointer] * 3 + [_i64] * 3),
+    "step_replay": (_i64, [_pointer, _i64, _pointer]),
+    # 16-bit activations (the last argument: HALF_CODES)
+    "paged_decode_attention_16": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),
+    "rms_norm_16": (None, [_pointer] * 4 + [_i64, _i64, _f32, _f32, ctypes.c_int]),
+    "silu_and_mul_16": (None, [_pointer, _pointer, _i64, _i64, ctypes.c_int]),
+    "rotary_neox_16": (None, [_pointer] * 4 + [_i64] * 7 + [ctypes.c_int]),
+}
+# The 16-bit dtypes the norm, activation, rotary and decode attention kernels also take (csrc/cpu_kernels.c).
+HALF_CODES = {torch.float16: 1, torch.bfloat16: 2}
+# Entries of step_replay that are no function of this library: quant_matmul's arguments behind the address of
+# another library's kernel of that signature (amx_quant.c's tiles).
+REPLAY_SIGNATURES = {
+    "quant_matmul_at": (ctypes.c_int, [_pointer, ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),
+}
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL:
+    """The compiled kernel library (built once per source version, compiler and machine)."""
+    if os.environ.get("PLUGINFER_NATIVE", "1") == "0":
+        raise NativeKernelsUnavailable("disabled by PLUGINFER_NATIVE=0")
+    library, info, path = build_library("cpu_kernels", SOURCES)
+    _loaded.update(info=info, path=path)
+    for name, (restype, argtypes) in SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = restype, argtypes
+    return library
+
+
+_loaded: dict = {}  # the BuildInfo and path of the library load() returned last
+
+
+def _fits_half(dtype: torch.dtype, *tensors: torch.Tensor) -> int | None:
+    """The kernel's code for 16-bit ``dtype`` when every tensor has it and is contiguous, else None."""
+    half = HALF_CODES.get(dtype)
+    for tensor in tensors:
+        if tensor.dtype != dtype or not tensor.is_contiguous():
+            return None
+    return half
+
+
+def _fits(*tensors: torch.Tensor) -> bool:
+    """Every tensor float32 and contiguous (a plain loop: these checks run several times per layer and step)."""
+    for tensor in tensors:
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            return False
+    return True
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype`` and contiguous, the tensor itself when it is already (no call otherwise)."""
+    if tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+_logged: set[str] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, message)
+

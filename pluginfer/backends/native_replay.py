@@ -1,0 +1,116 @@
+"""Step recording: the native calls of one eager step noted as a program that ``csrc/step_replay.c`` runs
+again in one C call (``cpu_step_replay``), and the library as the wrappers reach it (:func:`_lib`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import struct
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+from pluginfer.backends import native_library
+from pluginfer.backends.native_library import REPLAY_SIGNATURES, SIGNATURES, _f32, _pointer
+
+# Kernels a recorded step may call, by their code in csrc/step_replay.c (its enum, in this order).
+REPLAY_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_neox", "ggml_dequantize_rows",
+              "panel_linear", "quant_matmul", "half_linear", "gather_rows", "scatter_rows", "add_f32", "to_f32",
+              "copy_rows", "quant_matmul_at", "paged_decode_attention_16", "rms_norm_16", "silu_and_mul_16",
+              "rotary_neox_16", "add_bf16")
+_REPLAY_CODES = {name: code for code, name in enumerate(REPLAY_OPS, start=1)}
+
+
+class StepRecording:
+    """The native calls of one eager step, as a program ``step_replay`` runs again in one C call.
+
+    While it is active (:func:`recording`, in this thread) the native_* wrappers reach the library
+    through it: each call runs as usual and is appended to :attr:`program` with its arguments (pointers
+    as addresses: the caller keeps the tensors alive); a call of a kernel ``step_replay`` cannot run
+    refuses the recording, and :attr:`refused` says which. :meth:`append` also takes the copy-like ops
+    of ``csrc/step_replay.c`` that stand in for torch ops (``cpu_step_replay``)."""
+
+    def __init__(self) -> None:
+        self.program: list[int] = []
+        self.names: list[str] = []
+        self.refused: str | None = None
+
+    def refuse(self, reason: str) -> None:
+        if self.refused is None:
+            self.refused = reason
+
+    def append(self, name: str, *args: object) -> None:
+        code = _REPLAY_CODES.get(name)
+        if code is None:
+            self.refuse(f"native {name} has no replay entry")
+            return
+        packed = [struct.unpack("<q", struct.pack("<d", value))[0] if kind is _f32 else int(value or 0)
+                  for value, kind in zip(args, (SIGNATURES.get(name) or REPLAY_SIGNATURES[name])[1], strict=True)]
+        self.program += [code, len(packed), *packed]
+        self.names.append(name)
+
+    def __getattr__(self, name: str) -> Callable:
+        function = getattr(native_library.load(), name)
+
+        def call(*args: object) -> object:
+            result = function(*args)
+            self.append(name, *args)
+            return result
+
+        return call
+
+
+_state = threading.local()  # .recording: the StepRecording of this thread, if one is active
+
+
+def _lib() -> ctypes.CDLL | StepRecording:
+    """The library, or this thread's active recording in front of it."""
+    recorder = getattr(_state, "recording", None)
+    return native_library.load() if recorder is None else recorder
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[StepRecording]:
+    """Record the native calls made in this thread inside the block (see :class:`StepRecording`)."""
+    if getattr(_state, "recording", None) is not None:
+        raise RuntimeError("native calls are already being recorded in this thread")
+    _state.recording = StepRecording()
+    try:
+        yield _state.recording
+    finally:
+        _state.recording = None
+
+
+class StepProgram:
+    """A finished recording, replayed by one call of ``step_replay`` (no Python between its kernels)."""
+
+    def __init__(self, recorded: StepRecording) -> None:
+        if recorded.refused is not None:
+            raise ValueError(f"a refused recording cannot be replayed: {recorded.refused}")
+        self.program = torch.tensor(recorded.program, dtype=torch.int64)
+        self.names = list(recorded.names)
+        self._status = ctypes.c_int64(0)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def run(self) -> None:
+        failed = native_library.load().step_replay(self.program.data_ptr(), self.program.numel(),
+                                                   ctypes.addressof(self._status))
+        if failed:
+            raise RuntimeError(f"step replay: entry {failed - 1} ({self.names[failed - 1]}) failed with status "
+                               f"{self._status.value}")
+
+
+def _record_at(recorder: StepRecording, kernel: object, *args: object) -> None:
+    """Note a call of another library's ctypes function of quant_matmul's signature (its address, then
+    its arguments); anything else in its place (not a C function) refuses the recording."""
+    try:
+        address = ctypes.cast(kernel, _pointer).value
+    except (ctypes.ArgumentError, TypeError):
+        recorder.refuse(f"{kernel!r} is not a C function a replay can call")
+        return
+    recorder.append("quant_matmul_at", address, *args)
+
