@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -99,11 +100,31 @@ def _build_timeout() -> float:
         raise NativeKernelsUnavailable(f"{BUILD_TIMEOUT_ENV}={text!r} is not a number of seconds") from None
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def included_headers(sources: tuple[Path, ...]) -> tuple[Path, ...]:
+    """The headers ``sources`` include with ``#include "..."`` (beside the including file), and the ones
+    those include, each once, in the order first met; system headers (``<...>``) are not followed."""
+    found: list[Path] = []
+    pending = list(sources)
+    while pending:
+        path = pending.pop(0)
+        for name in _LOCAL_INCLUDE.findall(path.read_bytes()):
+            header = path.parent / name.decode()
+            if header.is_file() and header not in found and header not in sources:
+                found.append(header)
+                pending.append(header)
+    return tuple(found)
+
+
 def _cache_key(sources: tuple[Path, ...], compiler: str) -> str:
-    """Sources, flags, the compiler's identity (its file), the architecture and the CPU's features."""
+    """Sources and the headers they include, flags, the compiler's identity (its file), the architecture
+    and the CPU's features."""
     stat = os.stat(compiler)
     features = " ".join(sorted(cpu_features())) or platform.processor()
-    parts = [b"".join(path.read_bytes() for path in sources), " ".join([*FLAGS, OPENMP_FLAG]).encode(),
+    files = (*sources, *included_headers(sources))
+    parts = [b"".join(path.read_bytes() for path in files), " ".join([*FLAGS, OPENMP_FLAG]).encode(),
              f"{os.path.realpath(compiler)} {stat.st_size} {stat.st_mtime_ns}".encode(),
              platform.machine().encode(), features.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]

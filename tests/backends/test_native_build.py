@@ -1,4 +1,4 @@
-"""backends/native.py build machinery: a cache shared between machines, ranks building at once, no
+"""backends/native_build.py: the build machinery: a cache shared between machines, ranks building at once, no
 compiler, a compiler that hangs, no OpenMP. A tiny C source stands in for the kernels (seconds less each)."""
 
 from __future__ import annotations
@@ -47,6 +47,30 @@ def script(path: Path, body: str) -> str:
 
 def pluginfer_records(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name.startswith("pluginfer")]
+
+
+def test_an_edit_of_an_included_header_rebuilds(cache: Path, tmp_path: Path) -> None:
+    """The key covers the headers a source includes with quotes, and theirs; not system headers."""
+    (tmp_path / "outer.h").write_text('#pragma once\n#include <stdint.h>\n#include "inner.h"\n')
+    (tmp_path / "inner.h").write_text("#pragma once\nstatic inline int seven(void) { return 7; }\n")
+    source = tmp_path / "uses.c"
+    source.write_text('#include "outer.h"\nint value(void) { return seven(); }\n')
+    sources = (source,)
+    assert native_build.included_headers(sources) == (tmp_path / "outer.h", tmp_path / "inner.h")
+    library, _, first = native_build.build_library("uses", sources)
+    assert library.value() == 7
+
+    (tmp_path / "inner.h").write_text("#pragma once\nstatic inline int seven(void) { return 8; }\n")
+    library, _, second = native_build.build_library("uses", sources)
+    assert second != first and library.value() == 8
+
+
+def test_the_shipped_libraries_keys_cover_their_shared_header() -> None:
+    from pluginfer.backends import amx_quant
+
+    header = native_library.SOURCES[0].with_name("q8_block_avx512.h")
+    assert header in native_build.included_headers(native_library.SOURCES)
+    assert header in native_build.included_headers(amx_quant.SOURCES)
 
 
 def test_a_cache_made_for_other_cpu_features_is_rebuilt(cache: Path, tiny: tuple[Path, ...],

@@ -42,6 +42,7 @@
     defined(__AVX512VL__) && defined(__F16C__) && defined(__linux__) && defined(__x86_64__)
 #define AQ_AMX 1
 #include <immintrin.h>
+#include "q8_block_avx512.h"
 #endif
 
 enum { AQ_Q4_0 = 2, AQ_Q8_0 = 8, AQ_Q4_K = 12, AQ_Q6_K = 14 };
@@ -119,28 +120,9 @@ static void aq_configure(int k_bytes) {
  * levels into the interleaved B block (512 bytes), the scale into dx[lane], dx * (sum of levels) into
  * cs[lane]. */
 static inline void aq_quantize_block(const float *x, uint8_t *block, float *dx, float *cs, int lane) {
-    const __m512 sign = _mm512_set1_ps(-0.0f), largest = _mm512_set1_ps(FLT_MAX);
-    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-    const __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
-    const __mmask16 bad = _mm512_cmp_ps_mask(a0, largest, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, largest, _CMP_NLE_UQ);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-    float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
-    if (bad) {
-        d = NAN;
-        id = 0.0f;
-    } else if (!(id <= FLT_MAX)) {
-        d = 0.0f;
-        id = 0.0f;
-    }
-    const __m512 scale = _mm512_set1_ps(id);
-    const __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m128i q0 = _mm512_cvtsepi32_epi8(i0), q1 = _mm512_cvtsepi32_epi8(i1);
-    int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-    if (bad) {
-        q0 = q1 = _mm_setzero_si128();
-        sum = 0;
-    }
+    __m128i q0, q1;
+    int32_t sum;
+    const float d = q8_block_avx512(x, &q0, &q1, &sum);
     uint32_t words[8];
     _mm_storeu_si128((__m128i *)words, q0);
     _mm_storeu_si128((__m128i *)(words + 4), q1);

@@ -47,6 +47,7 @@
 #define QD_AVX512 1
 #define QD_TILE_MAX 8 /* rows per tile: 8 rows x 2 outputs of accumulators */
 #include <immintrin.h>
+#include "q8_block_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QD_AVX2 1
 #define QD_TILE_MAX 8 /* 16 ymm registers */
@@ -148,7 +149,6 @@ int quant_dot_supported(void) { return 1; }
 
 /* Row x [k] into its records, vector v's at base + v * vstride. */
 static void quantize_row(const float *x, int64_t k, uint8_t *base, int64_t vstride, int offset, int has_min) {
-    const __m512 sign = _mm512_set1_ps(-0.0f), largest = _mm512_set1_ps(FLT_MAX);
     const int64_t nb = k / 32, nv = (k + 63) / 64;
     const int cs_at = offset ? 192 : 128;
     for (int64_t b = 0; b < 2 * nv; b++) {
@@ -163,28 +163,9 @@ static void quantize_row(const float *x, int64_t k, uint8_t *base, int64_t vstri
             if (has_min == 1) _mm256_storeu_ps(cs, _mm256_setzero_ps());
             continue;
         }
-        const __m512 v0 = _mm512_loadu_ps(x + 32 * b), v1 = _mm512_loadu_ps(x + 32 * b + 16);
-        const __m512 a0 = _mm512_andnot_ps(sign, v0), a1 = _mm512_andnot_ps(sign, v1);
-        /* not <= FLT_MAX: an infinity or a NaN (which max would drop) */
-        const __mmask16 bad = _mm512_cmp_ps_mask(a0, largest, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(a1, largest, _CMP_NLE_UQ);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-        float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
-        if (bad) {
-            d = NAN;
-            id = 0.0f;
-        } else if (!(id <= FLT_MAX)) { /* max|x| below ~3.7e-37: the block counts as zeros */
-            d = 0.0f;
-            id = 0.0f;
-        }
-        const __m512 scale = _mm512_set1_ps(id);
-        const __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m128i q0 = _mm512_cvtsepi32_epi8(i0), q1 = _mm512_cvtsepi32_epi8(i1);
-        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-        if (bad) {
-            q0 = q1 = _mm_setzero_si128();
-            sum = 0;
-        }
+        __m128i q0, q1;
+        int32_t sum;
+        const float d = q8_block_avx512(x + 32 * b, &q0, &q1, &sum);
         _mm_storeu_si128((__m128i *)(record + 32 * half), q0);
         _mm_storeu_si128((__m128i *)(record + 32 * half + 16), q1);
         _mm256_storeu_ps(dxv, _mm256_set1_ps(d));
