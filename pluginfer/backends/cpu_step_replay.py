@@ -95,13 +95,14 @@ def _index_copy(recorder: native_replay.StepRecording, out: torch.Tensor, target
     return True
 
 
-# The adds step_replay.c makes as torch makes them: float32, and bfloat16 (summed in float32, rounded to
-# nearest even); a float16 add keeps its batch size eager.
-_ADDS = {torch.float32: "add_f32", torch.bfloat16: "add_bf16"}
+# The adds step_replay.c makes as torch makes them: float32, and bfloat16 and float16 (summed in float32,
+# rounded to nearest even).
+_ADDS = {torch.float32: "add_f32", torch.bfloat16: "add_bf16", torch.float16: "add_f16"}
 
 
 def _add(recorder: native_replay.StepRecording, out: torch.Tensor, a: torch.Tensor, b: object, alpha: object = 1) -> bool:
-    """``a + b`` in float32 or bfloat16: ``b`` of ``a``'s shape, or one row added to every row of ``a``."""
+    """``a + b`` in float32, bfloat16 or float16: ``b`` of ``a``'s shape, or one row added to every row of
+    ``a``."""
     if not (isinstance(b, torch.Tensor) and alpha == 1 and a.dtype == b.dtype == out.dtype and a.dtype in _ADDS
             and a.is_contiguous() and b.is_contiguous() and out.is_contiguous() and a.shape == out.shape
             and a.dim() >= 1):

@@ -100,6 +100,16 @@ def test_bfloat16_decode_equals_eager(checkpoints: dict[str, Path]) -> None:
     assert len(recorded) >= 3, replay.programs  # several batch sizes, each recorded once and replayed
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_float16_decode_equals_eager(name: str, checkpoints: dict[str, Path]) -> None:
+    """float16: the same 16-bit kernels as bfloat16, and the final float16 add (``add_f16``), which
+    step_replay.c rounds as torch does."""
+    replay, _ = assert_replayed_like_eager(checkpoints[name], schedule(), dtype="float16")
+    recorded = {size: program for size, program in replay.programs.items() if program is not None}
+    assert len(recorded) >= 3, replay.programs  # several batch sizes, each recorded once and replayed
+    assert all("add_f16" in program[0].names for program in recorded.values())
+
+
 def test_quantized_decode_equals_eager(checkpoints: dict[str, Path]) -> None:
     """In-situ Q4_0: every linear through the fused int8-activation matmul (csrc/quant_dot.c) where this CPU
     has it, the dequantizing path otherwise; a llama.cpp Q8_0 file: its quantized embedding too."""
@@ -189,13 +199,17 @@ def test_translated_ops_replay_what_torch_computes() -> None:
     assert names.count("add_f32") == 2 and "to_f32" in names and "rms_norm" in names
 
 
-def test_bfloat16_adds_round_as_torch_does() -> None:
-    """Sums that need rounding (magnitudes 2^-20 to 2^20 apart), a row added to every row, and NaN."""
+@pytest.mark.parametrize(("dtype", "entry", "exponents"), [(torch.bfloat16, "add_bf16", (-20, 20)),
+                                                           (torch.float16, "add_f16", (-26, 16))])
+def test_16_bit_adds_round_as_torch_does(dtype: torch.dtype, entry: str, exponents: tuple[int, int]) -> None:
+    """Sums that need rounding (magnitudes far apart; in float16 subnormal sums, and infinities from the
+    table and from sums that overflow), a row added to every row, and NaN."""
     generator = torch.Generator().manual_seed(1)
-    scales = 2.0 ** torch.randint(-20, 20, (64, 256), generator=generator)
-    table = (torch.randn(64, 256, generator=generator) * scales).to(torch.bfloat16)
+    scales = 2.0 ** torch.randint(*exponents, (64, 256), generator=generator)
+    table = (torch.randn(64, 256, generator=generator) * scales).to(dtype)
     table[3, 7] = float("nan")
-    row = torch.randn(256, generator=generator).to(torch.bfloat16)
+    table[[3, 9], :4] = 40000.0  # rows 9 + 3 are added below: in float16 their sum overflows to infinity
+    row = torch.randn(256, generator=generator).to(dtype)
 
     def forward(batch: ForwardBatch) -> torch.Tensor:
         a, b = table.index_select(0, batch.input_ids), table.index_select(0, batch.positions)
@@ -206,8 +220,9 @@ def test_bfloat16_adds_round_as_torch_does() -> None:
     for ids, positions in (([3, 9, 60, 11], [20, 3, 61, 5]), ([0, 1, 2, 3], [63, 62, 61, 60])):
         out, expected = replay(decode_batch(ids, positions, [0, 1, 2, 3])), forward(decode_batch(ids, positions, [0, 1, 2, 3]))
         assert torch.equal(out.isnan(), expected.isnan())  # (a NaN's bits: torch's scalar tail writes others)
-        assert torch.equal(out.nan_to_num().view(torch.int16), expected.nan_to_num().view(torch.int16))
-    assert replay.replays == 2 and "add_bf16" in replay.programs[4][0].names
+        assert torch.equal(out.masked_fill(out.isnan(), 0).view(torch.int16),
+                           expected.masked_fill(expected.isnan(), 0).view(torch.int16))
+    assert replay.replays == 2 and entry in replay.programs[4][0].names
 
 
 def test_other_steps_stay_eager() -> None:
