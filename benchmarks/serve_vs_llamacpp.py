@@ -31,6 +31,13 @@ measured at batch = concurrency just before the servers in every round: its medi
 decode tokens/s. The servers' ratios are to the round's fastest offline engine: ITL to its step (the
 issue's goal: <= 1.1x at concurrency 1), tokens/s to its tokens/s (>= 0.9x at 16).
 
+`--one-at-a-time` starts, measures and stops each engine and server alone in each round (an engine whose
+idle OpenMP threads spin, OMP_WAIT_POLICY=ACTIVE, would otherwise take the cores from the others), and
+measures each idle server's CPU use (server and engine core, /proc utime + stime) for `--idle-seconds`:
+
+    python benchmarks/serve_vs_llamacpp.py --one-at-a-time --variants process process:OMP_WAIT_POLICY=ACTIVE \
+        --offline-env OMP_WAIT_POLICY=PASSIVE OMP_WAIT_POLICY=ACTIVE
+
 The machine is shared: the client, the server and anything else running compete for the same cores.
 Rounds interleave engines and concurrencies; read the medians of the ratios, not one figure.
 """
@@ -187,6 +194,33 @@ class Server:
         self.log.close()
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and all its descendants (Linux /proc), in seconds."""
+    total, pending = 0.0, [pid]
+    ticks = os.sysconf("SC_CLK_TCK")
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def idle_cpu(server: Server, seconds: float) -> float:
+    """Cores the server (and its engine core) use while no request is in flight, over ``seconds``."""
+    before = tree_cpu_seconds(server.process.pid)
+    time.sleep(seconds)
+    return (tree_cpu_seconds(server.process.pid) - before) / seconds
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
 def start_servers(args: argparse.Namespace, gguf: Path) -> Iterator[Server]:
     env = dict(os.environ)
     for spec in args.variants:
@@ -270,6 +304,78 @@ def run_client(url: str, concurrency: int, requests: int, gen: int) -> dict[str,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def one_at_a_time(args: argparse.Namespace, gguf: Path) -> tuple[dict, dict, dict]:
+    """Each round: every offline engine, then every server, each started, measured and stopped alone (an
+    engine whose idle threads spin, OMP_WAIT_POLICY=ACTIVE, would otherwise take the cores from the others);
+    after a server's runs, its idle CPU (server and core together) over ``--idle-seconds``."""
+    samples: dict[tuple[str, int], list[dict[str, float]]] = {}
+    idle: dict[str, list[float]] = {}
+    startups: dict[str, list[float]] = {}
+    variants = args.variants
+    for round_index in range(args.rounds):
+        print(f"round {round_index + 1}: load average {load_average():.2f}", flush=True)
+        references: dict[int, list[dict[str, float]]] = {}
+        for spec in [] if args.no_offline else args.offline_env:
+            engine = Offline(spec, gguf, args)
+            try:
+                for concurrency in args.concurrency:
+                    reference = engine.measure(concurrency)
+                    references.setdefault(concurrency, []).append(reference)
+                    samples.setdefault((engine.name, concurrency), []).append(
+                        {"ttft_ms": float("nan"), "itl_ms": reference["step_ms"], "tok_s": reference["tok_s"]})
+                    print(f"round {round_index + 1} {engine.name:>10} b={concurrency:<3} step "
+                          f"{reference['step_ms']:7.2f} ms  {reference['tok_s']:7.1f} tok/s", flush=True)
+            finally:
+                engine.stop()
+        for spec in variants:
+            args.variants = [spec]
+            for server in start_servers(args, gguf):
+                try:
+                    startups.setdefault(server.name, []).append(server.startup_s)
+                    for concurrency in args.concurrency:
+                        result = run_client(server.url, concurrency, max(args.requests, concurrency), args.gen)
+                        if references.get(concurrency):
+                            result["itl_ratio"] = result["itl_ms"] / min(r["step_ms"] for r in references[concurrency])
+                            result["rate_ratio"] = result["tok_s"] / max(r["tok_s"] for r in references[concurrency])
+                        samples.setdefault((server.name, concurrency), []).append(result)
+                        print(f"round {round_index + 1} {server.name:>10} c={concurrency:<3} ttft "
+                              f"{result['ttft_ms']:8.1f} ms  itl {result['itl_ms']:7.2f} ms  {result['tok_s']:7.1f} tok/s",
+                              flush=True)
+                    if args.idle_seconds:
+                        cores = idle_cpu(server, args.idle_seconds)
+                        idle.setdefault(server.name, []).append(cores)
+                        print(f"round {round_index + 1} {server.name:>10} idle {cores:.3f} cores "
+                              f"(load average {load_average():.2f})", flush=True)
+                finally:
+                    server.stop()
+    args.variants = variants
+    return samples, idle, startups
+
+
+def report(args: argparse.Namespace, gguf: Path, samples: dict[tuple[str, int], list[dict[str, float]]],
+           idle: dict[str, list[float]], startups: dict[str, list[float]]) -> None:
+    print(f"\nmedians of {args.rounds} rounds ({gguf.name}, {args.gen} tokens per request). Offline rows: batch = c, "
+          "ITL column = its decode step. Ratios: to the round's fastest offline engine (ITL to its step, tokens/s "
+          "to its tokens/s at batch = c)")
+    width = max([10] + [len(name) for name, _ in samples])
+    print(f"{'engine':>{width}} {'c':>3} {'TTFT ms':>9} {'ITL ms':>8} {'tok/s':>8} {'ITL/step':>9} {'tok/s ratio':>12}")
+    for concurrency in args.concurrency:
+        for name in dict.fromkeys(name for name, _ in samples):  # offline engines first, as measured
+            runs = samples.get((name, concurrency))
+            if not runs:
+                continue
+            values = [statistics.median(r.get(key, float("nan")) for r in runs)
+                      for key in ("ttft_ms", "itl_ms", "tok_s", "itl_ratio", "rate_ratio")]
+            print(f"{name:>{width}} {concurrency:>3} {values[0]:>9.1f} {values[1]:>8.2f} {values[2]:>8.1f} "
+                  f"{values[3]:>8.2f}x {values[4]:>11.2f}x")
+    for name, values in startups.items():
+        print(f"{name}: ready after {statistics.median(values):.2f} s (median of {len(values)})", end="")
+        if name in idle:
+            print(f"; idle: {statistics.median(idle[name]):.3f} cores (median of {len(idle[name])}, "
+                  f"{min(idle[name]):.3f}-{max(idle[name]):.3f})", end="")
+        print()
+
+
 # -- main -----------------------------------------------------------------------------------------
 
 
@@ -279,7 +385,7 @@ def main() -> int:
     parser.add_argument("--quant", default="q4_1")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smol135m", help="the model to build")
     parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "pluginfer-serve-bench")
-    parser.add_argument("--variants", nargs="+", default=["process", "inprocess", "llamacpp"],
+    parser.add_argument("--variants", nargs="*", default=["process", "inprocess", "llamacpp"],
                         help="servers: process, inprocess, llamacpp, each optionally with environment variables "
                              "for it: process:OMP_WAIT_POLICY=ACTIVE")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -292,6 +398,11 @@ def main() -> int:
                         help="one offline engine per entry, with these environment variables ('' = as is)")
     parser.add_argument("--startups", type=int, default=0, metavar="N",
                         help="only time start-up: start and stop each server N times, interleaved; medians")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="start, measure and stop each engine and server alone in each round (for engines whose "
+                             "idle threads spin); with --idle-seconds, the idle server's CPU use")
+    parser.add_argument("--idle-seconds", type=float, default=10.0,
+                        help="with --one-at-a-time: how long to measure each server's idle CPU (0: not at all)")
     parser.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--offline", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -310,6 +421,10 @@ def main() -> int:
           f"{args.gen} tokens per request, {args.rounds} rounds", flush=True)
     if args.startups:
         return time_startups(args, gguf)
+    if args.one_at_a_time:
+        samples, idle, startups = one_at_a_time(args, gguf)
+        report(args, gguf, samples, idle, startups)
+        return 0
     offline_engines = [Offline(spec, gguf, args) for spec in args.offline_env] if not args.no_offline else []
     servers: list[Server] = []
     samples: dict[tuple[str, int], list[dict[str, float]]] = {}
@@ -343,22 +458,7 @@ def main() -> int:
         for engine in offline_engines:
             engine.stop()
 
-    print(f"\nmedians of {args.rounds} rounds ({gguf.name}, {args.gen} tokens per request). Offline rows: batch = c, "
-          "ITL column = its decode step. Ratios: to the round's fastest offline engine (ITL to its step, tokens/s "
-          "to its tokens/s at batch = c)")
-    width = max([10] + [len(name) for name, _ in samples])
-    print(f"{'engine':>{width}} {'c':>3} {'TTFT ms':>9} {'ITL ms':>8} {'tok/s':>8} {'ITL/step':>9} {'tok/s ratio':>12}")
-    for concurrency in args.concurrency:
-        for name in [engine.name for engine in offline_engines] + [server.name for server in servers]:
-            runs = samples.get((name, concurrency))
-            if not runs:
-                continue
-            values = [statistics.median(r.get(key, float("nan")) for r in runs)
-                      for key in ("ttft_ms", "itl_ms", "tok_s", "itl_ratio", "rate_ratio")]
-            print(f"{name:>{width}} {concurrency:>3} {values[0]:>9.1f} {values[1]:>8.2f} {values[2]:>8.1f} "
-                  f"{values[3]:>8.2f}x {values[4]:>11.2f}x")
-    for server in servers:
-        print(f"{server.name}: ready after {server.startup_s:.1f} s")
+    report(args, gguf, samples, {}, {server.name: [server.startup_s] for server in servers})
     return 0
 
 
