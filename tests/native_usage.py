@@ -33,7 +33,7 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "GPTQ/AWQ dequantize": (("grouped_dequantize",), ()),
     "int4 dequantize": (("int4_dequantize_rows",), ()),
     "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)": (("quant_matmul",), ("avx2", "fma", "f16c")),
-    "16-bit GEMV (AVX2 / AVX512-BF16)": (("half_linear",), ("avx2", "fma", "f16c")),
+    "16-bit GEMV (AVX2 / AVX512-BF16)": (("half_linear", "half_weight_linear"), ("avx2", "fma", "f16c")),
 }
 PANELS, FUSED = "panel GEMM (AVX-512)", "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)"
 HALF = "16-bit GEMV (AVX2 / AVX512-BF16)"

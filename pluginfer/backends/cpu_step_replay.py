@@ -128,6 +128,13 @@ def _to_copy(recorder: native_replay.StepRecording, out: torch.Tensor, source: t
     return True
 
 
+def _to_dtype(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, dtype: torch.dtype,
+              *rest: object, **kwargs: object) -> bool:
+    """``tensor.to(dtype)`` / ``.float()`` as it reaches the dispatcher for a tensor made outside inference
+    mode (a GGUF file's F16 embedding rows): where it copies, the same conversion as ``_to_copy``."""
+    return _to_copy(recorder, out, source)
+
+
 def _copy(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, *rest: object,
           **kwargs: object) -> bool:
     """``contiguous()`` / ``reshape`` / ``clone`` of a tensor whose rows may be strided: its rows back to back."""
@@ -166,7 +173,7 @@ def _aliases(out: object, source: object) -> bool:
 
 
 # Ops whose schema says they may alias their input but that copy when they must: a copy is noted.
-_MAYBE_COPIES = {aten.contiguous.default: _copy, aten.reshape.default: _copy}
+_MAYBE_COPIES = {aten.contiguous.default: _copy, aten.reshape.default: _copy, aten.to.dtype: _to_dtype}
 
 # torch ops a recording turns into step_replay entries: (recorder, the op's output, its arguments) -> noted.
 _TRANSLATED: dict[object, Callable[..., bool]] = {

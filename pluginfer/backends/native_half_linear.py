@@ -1,4 +1,5 @@
-"""The 16-bit GEMV (``csrc/half_linear.c``): bfloat16/float16 linears of a few rows, torch's GEMM above."""
+"""The 16-bit GEMV (``csrc/half_linear.c``): bfloat16/float16 linears of a few rows, torch's GEMM above; also
+float32 activations against 16-bit weights (a GGUF file's F16/BF16 tensors in a float32 model)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from pluginfer.backends import native_library
+from pluginfer.backends import amx_half, native_library, native_replay
 from pluginfer.backends.native_library import _log_once
 from pluginfer.backends.native_replay import _lib
 
@@ -19,6 +20,9 @@ HALF_LINEAR_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # bfloat16 1.3-1.6x faster than torch's F.linear at 1-4 rows, 1.15-1.3x at 6, and ties torch's oneDNN
 # GEMM (AMX on this CPU) from 7-8 rows; float16, where torch's GEMM is slower, ties at 16.
 HALF_LINEAR_MAX_ROWS = {torch.bfloat16: 6, torch.float16: 16}
+# The same for float32 activations against a 16-bit weight (half_weight_linear), where the alternative is
+# tiles of the weight widened to float32 for torch's float32 GEMM.
+HALF_WEIGHT_MAX_ROWS = 16
 
 
 def half_linear_isa() -> str | None:
@@ -31,31 +35,56 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """``x @ W^T + bias`` for a bfloat16/float16 CPU weight ``[out, in]`` (the checkpoint's layout) and
     ``x [..., in]`` of its dtype (``csrc/half_linear.c``): products exact in float32, summed in float32,
-    rounded once to ``x``'s dtype (``out_dtype=torch.float32``: not rounded). None: more rows than
+    rounded once to ``x``'s dtype (``out_dtype=torch.float32``: not rounded). A float32 ``x`` (and a float32
+    ``bias``) with a 16-bit weight (a GGUF file's F16/BF16 tensor in a float32 model) gives float32: each
+    weight widened exactly and multiplied by a fused multiply-add, the float32 ``x @ W.float().T`` up to
+    the order of the sum, up to :data:`HALF_WEIGHT_MAX_ROWS` rows. None: more rows than that or than
     :data:`HALF_LINEAR_MAX_ROWS` gives for the dtype, or dtypes, devices or layouts it does not handle;
     use ``F.linear``."""
     dtype = weight.dtype
-    if (dtype not in HALF_LINEAR_DTYPES or x.dtype != dtype or weight.dim() != 2 or x.dim() == 0
-            or weight.device.type != "cpu" or x.device.type != "cpu" or not weight.is_contiguous()
-            or x.shape[-1] != weight.shape[1] or out_dtype not in (None, dtype, torch.float32)
-            or (bias is not None and (bias.dtype != dtype or bias.shape != (weight.shape[0],)
+    float_x = x.dtype == torch.float32
+    if (dtype not in HALF_LINEAR_DTYPES or x.dtype not in (dtype, torch.float32) or weight.dim() != 2
+            or x.dim() == 0 or weight.device.type != "cpu" or x.device.type != "cpu" or not weight.is_contiguous()
+            or x.shape[-1] != weight.shape[1] or out_dtype not in (None, x.dtype, torch.float32)
+            or (bias is not None and (bias.dtype != x.dtype or bias.shape != (weight.shape[0],)
                                       or bias.device.type != "cpu"))):
         return None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows > HALF_LINEAR_MAX_ROWS[dtype] or rows == 0 or weight.shape[1] == 0:
+    if rows >= 2 and x.dtype == dtype and weight.shape[1] and amx_half.takes(dtype, rows):
+        return _on_tiles(x, weight, bias, rows, out_dtype == torch.float32)
+    limit = HALF_WEIGHT_MAX_ROWS if float_x else HALF_LINEAR_MAX_ROWS[dtype]
+    if rows > limit or rows == 0 or weight.shape[1] == 0:
         return None
     flat = x.reshape(rows, x.shape[-1]).contiguous()
-    out_float = out_dtype == torch.float32
+    out_float = float_x or out_dtype == torch.float32
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32 if out_float else dtype)
     if bias is not None:
         bias = bias.contiguous()
-    status = _lib().half_linear(HALF_LINEAR_DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1], weight.data_ptr(),
-                                weight.shape[0], bias.data_ptr() if bias is not None else None, out.data_ptr(),
-                                int(out_float))
+    bias_address = bias.data_ptr() if bias is not None else None
+    if float_x:
+        status = _lib().half_weight_linear(HALF_LINEAR_DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1],
+                                           weight.data_ptr(), weight.shape[0], bias_address, out.data_ptr())
+    else:
+        status = _lib().half_linear(HALF_LINEAR_DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1],
+                                    weight.data_ptr(), weight.shape[0], bias_address, out.data_ptr(), int(out_float))
     if status == -3:
         raise MemoryError("half_linear could not allocate its activation buffer")
     if status != 0:  # -4: no kernel on this CPU (op() does not hand it out there)
         raise ValueError(f"half_linear: status {status} for {dtype} weights {tuple(weight.shape)}")
+    return out
+
+
+def _on_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+              out_float: bool) -> torch.Tensor:
+    """:func:`half_linear` on ``amx_half.c``'s AMX bfloat16 tiles (from ``amx_half.MIN_ROWS`` to ``MAX_ROWS``
+    rows); a recording calls that kernel, of another library, through its address."""
+    dtype = weight.dtype
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32 if out_float else dtype)
+    args = amx_half.call(dtype, x.reshape(rows, x.shape[-1]).contiguous(), rows, weight,
+                         bias.contiguous() if bias is not None else None, out, out_float)
+    recorder = getattr(native_replay._state, "recording", None)
+    if recorder is not None:
+        native_replay._record_at(recorder, amx_half.library().amx_half_linear, *args, entry="half_linear_at")
     return out
 
 
@@ -67,6 +96,8 @@ def half_linear_op() -> Callable | None:
                                    "torch's matmul")
         return None
     limits = HALF_LINEAR_MAX_ROWS
+    tiles = amx_half.library() is not None  # says once whether the AMX bfloat16 tiles take the rows past the GEMV
     _log_once(logging.INFO, f"16-bit linears: native GEMV ({isa}) up to {limits[torch.bfloat16]} rows of bfloat16 "
-                            f"and {limits[torch.float16]} of float16, torch's matmul above")
+                            f"and {limits[torch.float16]} of float16, torch's matmul above"
+                            + (" (AMX bfloat16 tiles first, where amx_half.MIN_ROWS..MAX_ROWS say)" if tiles else ""))
     return half_linear

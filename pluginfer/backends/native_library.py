@@ -42,6 +42,7 @@ SIGNATURES = {
     "quant_dot_quantize": (ctypes.c_int, [_pointer, _i64, _i64, _pointer, _pointer]),
     "half_linear_supported": (ctypes.c_int, []),
     "half_linear": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _pointer, _pointer, ctypes.c_int]),
+    "half_weight_linear": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _pointer, _pointer]),
     "gather_rows": (ctypes.c_int, [_pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),
     "scatter_rows": (ctypes.c_int, [_pointer, _i64, _pointer, _pointer, _i64, _i64, _i64]),
     "add_f32": (None, [_pointer] * 3 + [_i64] * 3),
@@ -58,10 +59,12 @@ SIGNATURES = {
 }
 # The 16-bit dtypes the norm, activation, rotary and decode attention kernels also take (csrc/cpu_kernels.c).
 HALF_CODES = {torch.float16: 1, torch.bfloat16: 2}
-# Entries of step_replay that are no function of this library: quant_matmul's arguments behind the address of
-# another library's kernel of that signature (amx_quant.c's tiles).
+# Entries of step_replay that are no function of this library: quant_matmul's (half_linear's) arguments behind the
+# address of another library's kernel of that signature (amx_quant.c's tiles; amx_half.c's).
 REPLAY_SIGNATURES = {
     "quant_matmul_at": (ctypes.c_int, [_pointer, ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),
+    "half_linear_at": (ctypes.c_int, [_pointer, ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _pointer, _pointer,
+                                      ctypes.c_int]),
 }
 
 

@@ -19,7 +19,7 @@ from pluginfer.backends.native_library import REPLAY_SIGNATURES, SIGNATURES, _f3
 REPLAY_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_neox", "ggml_dequantize_rows",
               "panel_linear", "quant_matmul", "half_linear", "gather_rows", "scatter_rows", "add_f32", "to_f32",
               "copy_rows", "quant_matmul_at", "paged_decode_attention_16", "rms_norm_16", "silu_and_mul_16",
-              "rotary_neox_16", "add_bf16", "add_f16")
+              "rotary_neox_16", "add_bf16", "add_f16", "half_linear_at", "half_weight_linear")
 _REPLAY_CODES = {name: code for code, name in enumerate(REPLAY_OPS, start=1)}
 
 
@@ -104,13 +104,14 @@ class StepProgram:
                                f"{self._status.value}")
 
 
-def _record_at(recorder: StepRecording, kernel: object, *args: object) -> None:
-    """Note a call of another library's ctypes function of quant_matmul's signature (its address, then
-    its arguments); anything else in its place (not a C function) refuses the recording."""
+def _record_at(recorder: StepRecording, kernel: object, *args: object, entry: str = "quant_matmul_at") -> None:
+    """Note a call of another library's ctypes function as ``entry``: of quant_matmul's signature
+    (``quant_matmul_at``) or of half_linear's (``half_linear_at``); its address, then its arguments. Anything
+    else in its place (not a C function) refuses the recording."""
     try:
         address = ctypes.cast(kernel, _pointer).value
     except (ctypes.ArgumentError, TypeError):
         recorder.refuse(f"{kernel!r} is not a C function a replay can call")
         return
-    recorder.append("quant_matmul_at", address, *args)
+    recorder.append(entry, address, *args)
 

@@ -5,8 +5,10 @@ What an architecture's metadata and tensors mean is the model plugin's: the spec
 this checkpoint into a ``GGUFModel`` (the ``config.json`` its pipeline accepts, the HF modules whose
 GGUF names gguf-py's name map gives, and any fix-up of tensors). Quantized tensors stay in their raw
 GGML blocks (``GGMLTensor``, memory-mapped from the file) for the ``gguf`` quant method, the embedding
-table and the LM head included (``layers.embedding`` keeps them quantized); only the tensors a model names
-in ``dense_tensors`` are dequantized at load (docs/quantization.md).
+table and the LM head included (``layers.embedding`` keeps them quantized); an embedding or LM head stored
+as F16/BF16 is handed over the same way (a ``GGMLTensor`` of its 16-bit rows: kept in the file's type, the
+head run by the backend's 16-bit GEMV, instead of a float32 copy); only the tensors a model names in
+``dense_tensors`` are dequantized at load (docs/quantization.md).
 
 What is copied at load (rows reordered by a model's ``fix``, a dequantized tensor, the quant method's
 fused groups) gives its file pages back (``release_file_pages``), or is read from the file without the
@@ -167,6 +169,9 @@ class GGUFCheckpoint:
 
         shape = torch.Size(int(d) for d in reversed(tensor.shape))  # GGML lists the fastest axis first
         data = tensor.data
+        if tensor.tensor_type in (T.F16, T.BF16) and tensor.name in VOCAB_TABLES and len(shape) == 2:
+            return GGMLTensor(torch.from_numpy(data.view(np.uint8)).reshape(shape[0], -1), tensor.tensor_type, shape,
+                              tensor.name)
         if tensor.tensor_type in (T.F32, T.F16):
             return torch.from_numpy(data).reshape(shape)
         if tensor.tensor_type == T.BF16:
@@ -175,6 +180,11 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF tensor {tensor.name!r}: {tensor.tensor_type.name} tensor of shape "
                              f"{tuple(shape)}; only 2-D tensors may be block-quantized")
         return GGMLTensor(torch.from_numpy(data).reshape(shape[0], -1), tensor.tensor_type, shape, tensor.name)
+
+
+# The GGUF names of the vocabulary tables (every architecture's ``token_embd`` and ``output``): stored as
+# F16/BF16 they are handed over as ``GGMLTensor``s, as quantized ones are.
+VOCAB_TABLES = frozenset({"token_embd.weight", "output.weight"})
 
 
 def _data(loaded: torch.Tensor | GGMLTensor) -> torch.Tensor:

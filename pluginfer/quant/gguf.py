@@ -44,8 +44,10 @@ from pluginfer.quant.ggml_blocks import (
     row_bytes,
 )
 from pluginfer.quant.sharding import UNSPLIT, column_split, row_split, split_error
+from pluginfer.quant.tiled import tiled_linear
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+_HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 
 
 class GGUFLinear:
@@ -64,6 +66,9 @@ class GGUFLinear:
         layer.gguf_groups = []
         # The backend's native tile dequantization, if it has one (None: the torch path).
         layer.ggml_dequantize = backend_op(current_context().backend, "ggml_dequantize") if has_context() else None
+        # F16/BF16 tensors of a float32 model stay 16-bit for the backend's 16-bit GEMV, where it has one.
+        layer.gguf_half = backend_op(current_context().backend, "half_linear") \
+            if has_context() and dtype == torch.float32 else None
         # Per GGML type, the backend's kernel reading its blocks (op ggml_<type>_matmul), found as shards load.
         layer.gguf_backend = current_context().backend if has_context() else None
         layer.gguf_matmuls = {}
@@ -104,7 +109,9 @@ class GGUFLinear:
             loaded = _rows(loaded, start, rows)
         if row_split(shard):
             loaded = _columns(loaded, shard.rank * layer.input_size, layer.input_size)
-        if qtype is None:  # a float tensor: dense, in the model dtype
+        if qtype is None and _keeps_half(layer, loaded, param.device):  # read in place by the 16-bit GEMV
+            kept = loaded
+        elif qtype is None:  # a float tensor: dense, in the model dtype
             kept = loaded.to(device=param.device, dtype=layer.gguf_dtype)
         else:
             kept = loaded.raw.to(param.device)
@@ -137,7 +144,7 @@ class GGUFLinear:
         groups: list[tuple[object, list[torch.Tensor]]] = []
         for index in sorted(layer.gguf_shards):
             qtype, tensor = layer.gguf_shards[index]
-            if groups and groups[-1][0] == qtype:
+            if groups and groups[-1][0] == qtype and groups[-1][1][0].dtype == tensor.dtype:
                 groups[-1][1].append(tensor)
             else:
                 groups.append((qtype, [tensor]))
@@ -159,19 +166,23 @@ class GGUFLinear:
             raise ValueError(f"{name}: {qtype.name} blocks of shape {tuple(loaded.raw.shape)}, expected "
                              f"{(loaded.shape[0], expected)}")
         kernel = backend_op(backend, "ggml_dequantize") if backend is not None else None
+        # F16/BF16 rows: the backend's 16-bit GEMV for the head, if it has one
+        half, own = None, _HALF_TYPES.get(qtype.name)
+        if backend is not None and own is not None and dtype in (torch.float32, own):
+            half = backend_op(backend, "half_linear")
         raw = loaded.raw[start:start + rows]  # a view of the mapped file on the CPU: no copy
         device = getattr(backend, "device", None)
         kept = raw if device is None else raw.to(device)
         if not shares_memory(kept, raw):
             release_file_pages(raw)
-        return GGMLVocabTable(kept, qtype, cols, dtype, kernel)
+        return GGMLVocabTable(kept, qtype, cols, dtype, kernel, half)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         groups, kernel = layer.gguf_groups, getattr(layer, "ggml_dequantize", None)
-        matmuls = getattr(layer, "gguf_matmuls", {})
+        matmuls, half = getattr(layer, "gguf_matmuls", {}), getattr(layer, "gguf_half", None)
         if len(groups) == 1:
-            return _group_linear(x, *groups[0], layer.input_size, bias, kernel, matmuls.get(groups[0][0]))
-        out = torch.cat([_group_linear(x, qtype, weight, layer.input_size, None, kernel, matmuls.get(qtype))
+            return _group_linear(x, *groups[0], layer.input_size, bias, kernel, matmuls.get(groups[0][0]), half)
+        out = torch.cat([_group_linear(x, qtype, weight, layer.input_size, None, kernel, matmuls.get(qtype), half)
                          for qtype, weight in groups], dim=-1)
         return out if bias is None else out + bias
 
@@ -180,13 +191,17 @@ class GGMLVocabTable:
     """Rows of a GGUF embedding or LM head kept in their GGML blocks (a view of the file's mapped bytes).
 
     ``embed`` dequantizes only the rows it gathers; ``logits`` is ``ggml_linear``, the matmul of the other
-    linears (the fused int8-activation kernel for short steps where the backend has it). A tied model
-    passes one table to its embedding and its head."""
+    linears (the fused int8-activation kernel for short steps where the backend has it). F16/BF16 rows
+    in a float32 model (or one of their own dtype), where the backend has the ``half_linear`` op
+    (``half``), take ``half_weight_linear`` instead: the 16-bit weights read in place.
+    A tied model passes one table to its embedding and its head."""
 
     def __init__(self, raw: torch.Tensor, qtype: object, cols: int, dtype: torch.dtype,
-                 kernel: DequantizeKernel | None) -> None:
+                 kernel: DequantizeKernel | None, half: Callable | None = None) -> None:
         self.raw, self.qtype, self.cols, self.dtype, self.kernel = raw, qtype, cols, dtype, kernel
         self.rows = raw.shape[0]
+        self.half = half
+        self.half_weight = raw.view(_HALF_TYPES[qtype.name]) if half is not None else None
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         picked = self.raw.index_select(0, ids.reshape(-1))
@@ -196,6 +211,8 @@ class GGMLVocabTable:
         return dense.to(self.dtype).reshape(*ids.shape, self.cols)
 
     def logits(self, hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.half is not None:
+            return half_weight_linear(hidden, self.half_weight, bias, self.half)
         return ggml_linear(hidden, self.raw, self.qtype, self.cols, bias, self.kernel)
 
 
@@ -235,9 +252,31 @@ def _columns(loaded: object, start: int, cols: int) -> object:
                                shape=torch.Size([loaded.shape[0], cols]))
 
 
+def _keeps_half(layer: nn.Module, loaded: torch.Tensor, device: torch.device) -> bool:
+    """Whether a float checkpoint tensor stays as the file stores it: F16/BF16 in a float32 model whose
+    backend has the ``half_linear`` op, on the CPU (a view of the file's mapping, read in place)."""
+    return getattr(layer, "gguf_half", None) is not None and loaded.dtype in _HALF_TYPES.values() \
+        and loaded.device.type == "cpu" and torch.device(device).type == "cpu"
+
+
+def half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       half: Callable) -> torch.Tensor:
+    """``x @ W.T + bias`` for a 16-bit ``weight`` read in place: the backend's ``half_linear`` op (a few rows),
+    else tiles of ``W`` widened to ``x``'s dtype (exact for float32) for torch's GEMM."""
+    out = half(x, weight, bias)
+    if out is not None:
+        return out
+    if x.dtype == weight.dtype:
+        return F.linear(x, weight, bias)
+    return tiled_linear(x, weight.shape[0], lambda start, stop: weight[start:stop].to(x.dtype), bias)
+
+
 def _group_linear(x: torch.Tensor, qtype: object, weight: torch.Tensor, cols: int, bias: torch.Tensor | None,
-                  kernel: DequantizeKernel | None, matmul: Callable | None = None) -> torch.Tensor:
+                  kernel: DequantizeKernel | None, matmul: Callable | None = None,
+                  half: Callable | None = None) -> torch.Tensor:
     if qtype is None:
+        if weight.dtype != x.dtype and half is not None:  # a 16-bit weight kept as the file stores it
+            return half_weight_linear(x, weight, bias, half)
         return F.linear(x, weight, bias)
     if matmul is not None:  # a device kernel reading the blocks (the cuda backend's Q8_0 / Q4_0)
         return matmul(x, weight, cols, bias)

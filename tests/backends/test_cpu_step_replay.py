@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer import LLM, SamplingParams
-from pluginfer.backends import native, native_layer_ops, native_quant
+from pluginfer.backends import native, native_half_linear, native_layer_ops, native_quant
 from pluginfer.backends.cpu import CpuBackend
 from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
@@ -116,6 +116,16 @@ def test_quantized_decode_equals_eager(checkpoints: dict[str, Path]) -> None:
     assert_replayed_like_eager(checkpoints["llama"], schedule(), quant="q4_0")
     gguf = FIXTURES / "llamacpp-llama-q8_0.gguf"
     assert_replayed_like_eager(gguf, schedule(vocab=250))
+
+
+def test_gguf_f16_decode_equals_eager() -> None:
+    """llama.cpp's F16 file in a float32 model: the linears' and the head's 16-bit weights read in place
+    (half_weight_linear, a replay entry), the embedding's F16 rows widened after their gather (to_f32)."""
+    if native_half_linear.half_linear_isa() is None:
+        pytest.skip("no native 16-bit GEMV here")
+    replay, _ = assert_replayed_like_eager(FIXTURES / "llamacpp-llama-f16.gguf", schedule(vocab=250))
+    names = replay.programs[1][0].names
+    assert "half_weight_linear" in names and "to_f32" in names, names
 
 
 def test_batches_on_amx_tiles_are_replayed_through_the_kernels_address(checkpoints: dict[str, Path]) -> None:

@@ -1,0 +1,107 @@
+"""A GGUF file's F16/BF16 tensors in a float32 model, kept as the file stores them (``quant/gguf.py``): the
+embedding and LM head as a ``GGMLVocabTable`` of 16-bit rows, the linears as 16-bit weights, both read in
+place by the cpu backend's ``half_linear`` op (float32 activations: ``half_weight_linear``) for a few rows,
+and by tiles widened to float32 for torch's GEMM above.
+
+Oracle: the same weights widened to float32 (exact) and multiplied in float64. Widening is exact and every
+sum is float32, so each output is within ``(k + 2) * 2^-24 * S`` of the exact value (``S`` the sum of the
+products' magnitudes), whichever path ran; the embedding is exact. End to end, the llama.cpp F16 file
+generates as transformers does (tests/quant/test_gguf_llamacpp.py) and its replayed decode steps equal
+the eager ones (tests/backends/test_cpu_step_replay.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+
+from pluginfer import LLM
+from pluginfer.backends import native, native_half_linear
+from pluginfer.collectives import single
+from pluginfer.core.gguf_checkpoint import GGMLTensor
+from pluginfer.core.protocols import BuildContext
+from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
+from pluginfer.layers.weights import load_named_weights
+from pluginfer.quant import gguf
+from tests.layers.conftest import backend_with
+from tests.layers.test_moe_tp import Holder, build_on
+
+FIXTURES = Path(__file__).parent / "fixtures"
+VOCAB, HIDDEN = 1001, 96
+HALF = {T.F16: torch.float16, T.BF16: torch.bfloat16}
+NATIVE = native.available() is None and native_half_linear.half_linear_isa() is not None
+
+
+def table(qtype: T, name: str, seed: int) -> tuple[torch.Tensor, GGMLTensor]:
+    weight = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(HALF[qtype])
+    return weight, GGMLTensor(weight.view(torch.uint8), qtype, torch.Size([VOCAB, HIDDEN]), name)
+
+
+def within_float32_sums(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    exact, size = x.double() @ weight.double().T, x.double().abs() @ weight.double().abs().T
+    return bool(((out.double() - exact).abs() <= (weight.shape[1] + 2) * 2.0**-24 * size).all())
+
+
+@pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("qtype", list(HALF), ids=lambda t: t.name)
+def test_a_16_bit_table_is_read_in_place(qtype: T, native_kernels: bool) -> None:
+    if native_kernels and not NATIVE:
+        pytest.skip("no native 16-bit GEMV here")
+    ctx = BuildContext(backend=backend_with(native_kernels), quant=gguf.build(), collective=single.build(),
+                       dtype=torch.float32, max_model_len=128)
+    model = build_on(ctx, lambda: Holder(embed=VocabParallelEmbedding(VOCAB, HIDDEN), head=LMHead(VOCAB, HIDDEN)))
+    embed, embed_loaded = table(qtype, "token_embd.weight", 1)
+    head, head_loaded = table(qtype, "output.weight", 2)
+    load_named_weights(model, [("embed.weight", embed_loaded), ("head.weight", head_loaded)], stacked=())
+    assert model.embed.weight.numel() == model.head.weight.numel() == 0  # no float32 copy
+    assert model.head.table.raw.data_ptr() == head_loaded.raw.data_ptr()  # the file's bytes themselves
+    assert (model.head.table.half is not None) == native_kernels
+    ids = torch.tensor([0, 1000, 7, 500, 7])
+    generator = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        assert torch.equal(model.embed(ids), F.embedding(ids, embed.float()))
+        for rows in (1, 3, native_half_linear.HALF_WEIGHT_MAX_ROWS, 40):  # the GEMV's rows, then tiles for torch's GEMM
+            hidden = torch.randn(rows, HIDDEN, generator=generator)
+            logits = model.head(hidden)
+            assert logits.shape == (rows, VOCAB) and logits.dtype == torch.float32
+            assert within_float32_sums(logits, hidden, head)
+
+
+def test_f16_linears_stay_16_bit_in_a_float32_model() -> None:
+    if not NATIVE:
+        pytest.skip("no native 16-bit GEMV here")
+    path = FIXTURES / "llamacpp-llama-f16.gguf"
+    with LLM(str(path), num_blocks=64, block_size=8) as llm:
+        model = llm.engine.executor.pipeline.model
+        layer = model.layers[0]
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert [weight.dtype for _, weight in linear.gguf_groups] == [torch.float16]
+        assert model.embed_tokens.table.qtype == T.F16
+    # another model dtype converts them at load, as before
+    with LLM(str(path), num_blocks=64, block_size=8, dtype="bfloat16") as llm:
+        layer = llm.engine.executor.pipeline.model.layers[0]
+        assert [weight.dtype for _, weight in layer.mlp.down_proj.gguf_groups] == [torch.bfloat16]
+
+
+@pytest.mark.skipif(not NATIVE, reason="no native 16-bit GEMV here")
+@pytest.mark.parametrize("rows", [1, 2, 16, 33])
+def test_a_16_bit_linear_through_the_quant_method(rows: int) -> None:
+    ctx = BuildContext(backend=backend_with(True), quant=gguf.build(), collective=single.build(),
+                       dtype=torch.float32, max_model_len=128)
+    from pluginfer.layers.linear import RowParallelLinear
+
+    layer = build_on(ctx, lambda: Holder(proj=RowParallelLinear(HIDDEN, 70, bias=False)))
+    weight = torch.randn(70, HIDDEN, generator=torch.Generator().manual_seed(rows)).half()
+    load_named_weights(layer, [("proj.weight", weight)], stacked=())
+    layer.proj.quant_method.process_weights_after_loading(layer.proj)
+    (_, kept), = layer.proj.gguf_groups
+    assert kept.dtype == torch.float16 and kept.data_ptr() == weight.data_ptr()  # read in place
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(100 + rows))
+    with torch.inference_mode():
+        out = layer.proj(x)
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.dtype == torch.float32 and within_float32_sums(out, x, weight)
