@@ -7,7 +7,8 @@ group (``gguf_checkpoint.read_file_bytes``: their pages never enter the process)
 tensor copied at load (a rank's columns, another dtype or device, llama's reordered q/k rows) are released
 after the copy (``gguf_checkpoint.release_file_pages``); the matmul runs
 ``ggml_blocks.ggml_linear`` per group (a tile of rows dequantized at a time) and concatenates the
-outputs. Float shards (F32/F16/BF16 files) are plain dense weights in the model dtype.
+outputs. Float shards (F32/F16/BF16 files) are plain dense weights in the model dtype, except F16/BF16 ones in a
+float32 model whose backend has the ``half_linear`` op: those stay as the file stores them, read in place by it.
 
 The checkpoint side is ``pluginfer.core.gguf_checkpoint`` (it yields ``GGMLTensor``s). The embedding and
 the LM head stay quantized too: ``vocab_table`` gives ``layers.embedding`` a ``GGMLVocabTable`` of its
