@@ -212,6 +212,47 @@ static void values_avx512(const float *scores, const float *value_cache, const i
 #define VALUE_CHUNKS 4
 #endif
 
+/* How paged_decode_attention and paged_decode_attention_16 share out their work. A task is one sequence
+ * and a run of its kv heads: each cache slot row is read as one contiguous piece; with fewer sequences
+ * than threads the heads are split between threads. */
+typedef struct {
+    int64_t max_len;        /* the longest sequence */
+    int64_t splits;         /* tasks per sequence */
+    int64_t heads_per_task; /* kv heads of a task (the last may have fewer) */
+    int parallel;           /* whether the threads wake at all */
+} decode_tasks;
+
+static decode_tasks plan_decode_tasks(const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                                      int64_t num_kv_heads, int64_t head_dim, int64_t v_dim) {
+    int64_t max_len = 0, total_len = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+        total_len += seq_lens[s];
+    }
+    /* Below ~1M multiply-adds a second thread costs more to wake than it saves. */
+    const int parallel = total_len * num_heads * (head_dim + v_dim) > (1 << 20);
+    const int64_t threads = parallel ? omp_get_max_threads() : 1;
+    int64_t splits = num_seqs >= threads ? 1 : (threads + num_seqs - 1) / num_seqs;
+    if (splits > num_kv_heads) splits = num_kv_heads;
+    return (decode_tasks){max_len, splits, (num_kv_heads + splits - 1) / splits, parallel};
+}
+
+/* Each of rows rows of count scores to its softmax, in place (the portable path of both attentions). */
+static void softmax_rows(float *scores, int64_t rows, int64_t count) {
+    for (int64_t h = 0; h < rows; h++) {
+        float *row = scores + h * count;
+        float max_score = -INFINITY;
+        for (int64_t i = 0; i < count; i++) max_score = row[i] > max_score ? row[i] : max_score;
+        float total = 0.0f;
+        for (int64_t i = 0; i < count; i++) {
+            row[i] = expf(row[i] - max_score);
+            total += row[i];
+        }
+        const float inverse = 1.0f / total;
+        for (int64_t i = 0; i < count; i++) row[i] *= inverse;
+    }
+}
+
 int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim] */
                            const float *key_cache,    /* [blocks, block_size, kv_heads, head_dim] */
                            const float *value_cache,  /* [blocks, block_size, kv_heads, v_dim] */
@@ -222,19 +263,9 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
                            int64_t v_dim, int64_t block_size, int64_t max_blocks, float scale,
                            int64_t sliding_window, float soft_cap) {
     const int64_t group = num_heads / num_kv_heads;
-    int64_t max_len = 0, total_len = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
-        total_len += seq_lens[s];
-    }
-    /* Below ~1M multiply-adds a second thread costs more to wake than it saves. */
-    const int parallel = total_len * num_heads * (head_dim + v_dim) > (1 << 20);
-    /* A task is one sequence and a run of its kv heads: each cache slot row is read as one
-     * contiguous piece; with fewer sequences than threads the heads are split between threads. */
-    const int64_t threads = parallel ? omp_get_max_threads() : 1;
-    int64_t splits = num_seqs >= threads ? 1 : (threads + num_seqs - 1) / num_seqs;
-    if (splits > num_kv_heads) splits = num_kv_heads;
-    const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
+    const decode_tasks tasks = plan_decode_tasks(seq_lens, num_seqs, num_heads, num_kv_heads, head_dim, v_dim);
+    const int64_t max_len = tasks.max_len, splits = tasks.splits, heads_per_task = tasks.heads_per_task;
+    const int parallel = tasks.parallel;
     int failed = 0;
 #pragma omp parallel if (parallel)
     {
@@ -279,18 +310,7 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
                         scores[h * count + i] = score;
                     }
                 }
-                for (int64_t h = 0; h < rows; h++) {
-                    float *row = scores + h * count;
-                    float max_score = -INFINITY;
-                    for (int64_t i = 0; i < count; i++) max_score = row[i] > max_score ? row[i] : max_score;
-                    float total = 0.0f;
-                    for (int64_t i = 0; i < count; i++) {
-                        row[i] = expf(row[i] - max_score);
-                        total += row[i];
-                    }
-                    const float inverse = 1.0f / total;
-                    for (int64_t i = 0; i < count; i++) row[i] *= inverse;
-                }
+                softmax_rows(scores, rows, count);
                 memset(o, 0, sizeof(float) * (size_t)(rows * v_dim));
                 for (int64_t i = 0; i < count; i++) {
                     const int64_t pos = start + i;
@@ -1119,16 +1139,9 @@ int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, 
                               int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
                               float soft_cap, int dtype) {
     const int64_t group = num_heads / num_kv_heads;
-    int64_t max_len = 0, total_len = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
-        total_len += seq_lens[s];
-    }
-    const int parallel = total_len * num_heads * (head_dim + v_dim) > (1 << 20);
-    const int64_t threads = parallel ? omp_get_max_threads() : 1;
-    int64_t splits = num_seqs >= threads ? 1 : (threads + num_seqs - 1) / num_seqs;
-    if (splits > num_kv_heads) splits = num_kv_heads;
-    const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
+    const decode_tasks tasks = plan_decode_tasks(seq_lens, num_seqs, num_heads, num_kv_heads, head_dim, v_dim);
+    const int64_t max_len = tasks.max_len, splits = tasks.splits, heads_per_task = tasks.heads_per_task;
+    const int parallel = tasks.parallel;
     int failed = 0;
 #pragma omp parallel if (parallel)
     {
@@ -1180,18 +1193,7 @@ int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, 
                         scores[h * count + i] = score;
                     }
                 }
-                for (int64_t h = 0; h < rows; h++) {
-                    float *row = scores + h * count;
-                    float max_score = -INFINITY;
-                    for (int64_t i = 0; i < count; i++) max_score = row[i] > max_score ? row[i] : max_score;
-                    float total = 0.0f;
-                    for (int64_t i = 0; i < count; i++) {
-                        row[i] = expf(row[i] - max_score);
-                        total += row[i];
-                    }
-                    const float inverse = 1.0f / total;
-                    for (int64_t i = 0; i < count; i++) row[i] *= inverse;
-                }
+                softmax_rows(scores, rows, count);
                 memset(o, 0, sizeof(float) * (size_t)(rows * v_dim));
                 for (int64_t i = 0; i < count; i++) {
                     const int64_t pos = start + i;
