@@ -96,8 +96,7 @@ def half_linear_op() -> Callable | None:
                                    "torch's matmul")
         return None
     limits = HALF_LINEAR_MAX_ROWS
-    tiles = amx_half.library() is not None  # says once whether the AMX bfloat16 tiles take the rows past the GEMV
     _log_once(logging.INFO, f"16-bit linears: native GEMV ({isa}) up to {limits[torch.bfloat16]} rows of bfloat16 "
-                            f"and {limits[torch.float16]} of float16, torch's matmul above"
-                            + (" (AMX bfloat16 tiles first, where amx_half.MIN_ROWS..MAX_ROWS say)" if tiles else ""))
+                            f"and {limits[torch.float16]} of float16, torch's matmul above")
+    amx_half.library()  # its own line: whether AMX bfloat16 tiles take the rows of amx_half.MIN_ROWS..MAX_ROWS
     return half_linear

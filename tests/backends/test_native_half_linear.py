@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, native_build, native_half_linear, native_library
+from pluginfer.backends import amx_half, native, native_build, native_half_linear, native_library
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native_half_linear.half_linear_isa() is None,
                                 reason="the 16-bit GEMV needs AVX2 + FMA + F16C (and the native library)")
@@ -59,8 +59,10 @@ def inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, s
 
 @pytest.fixture(autouse=True)
 def any_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel at every row count here (the engine hands rows past the crossover to torch's GEMM)."""
+    """The kernel at every row count here (the engine hands rows past the crossover to torch's GEMM, and
+    rows in amx_half's range to the AMX tiles, tested in test_native_amx_half.py)."""
     monkeypatch.setattr(native_half_linear, "HALF_LINEAR_MAX_ROWS", dict.fromkeys(DTYPES, 64))
+    monkeypatch.setattr(amx_half, "MIN_ROWS", {})
 
 
 @pytest.fixture
@@ -136,6 +138,7 @@ def test_nan_and_infinity_propagate_as_in_ieee_arithmetic(dtype: torch.dtype) ->
 
 def test_inputs_it_does_not_take_go_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()  # the crossover as shipped
+    monkeypatch.setattr(amx_half, "MIN_ROWS", {})  # without the AMX tiles (their range: test_native_amx_half.py)
     x, weight, bias = inputs(4, 16, 32, torch.bfloat16, 0, True)
     assert native_half_linear.half_linear(x.float(), weight, bias) is None  # dtypes differ
     assert native_half_linear.half_linear(x, weight.float(), None) is None  # a float32 weight: the panel kernel's
@@ -152,6 +155,7 @@ def test_inputs_it_does_not_take_go_back_to_torch(monkeypatch: pytest.MonkeyPatc
 def test_op_and_the_log_line_saying_which_path(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.undo()  # the crossover as shipped
     monkeypatch.setattr(native_library, "_logged", set())
+    monkeypatch.setattr(amx_half, "_library", [None])  # no AMX tiles (their line: test_native_amx_half.py)
     caplog.set_level(logging.INFO, logger=native_library.__name__)
     assert native.op("half_linear") is native_half_linear.half_linear
     native.op("half_linear")

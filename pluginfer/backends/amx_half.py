@@ -1,0 +1,117 @@
+"""AMX bfloat16 tile kernel for 16-bit dense linears (``csrc/amx_half.c``), a library of its own.
+
+Where a CPU has AMX-BF16 (Sapphire Rapids and later), :func:`native_half_linear.half_linear` hands a matmul of
+:data:`MIN_ROWS` to :data:`MAX_ROWS` rows of a bfloat16 weight to this kernel instead of the AVX-512 GEMV of
+``csrc/half_linear.c`` or torch's GEMM: the checkpoint's ``[out, in]`` weight read in place as the tiles'
+A operand, products exact in float32 and summed in float32 as there; only the order of the sums differs.
+float16 weights can run here too, each value split exactly into two bfloat16 (four products per pair,
+see the C file): :data:`MIN_ROWS` says from how many rows the engine does so (docs/performance.md,
+"AMX bfloat16 tiles"). The library is built apart from ``native_library.load()``'s, so a compiler without AMX
+support, a CPU without AMX or a kernel that refuses to build leaves the GEMV as it is, with one log line
+saying why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from pluginfer.backends import native_build, native_library
+
+SOURCES = (Path(__file__).with_name("csrc") / "amx_half.c",)
+ENV = "PLUGINFER_AMX"  # the switch of every AMX kernel (amx_quant.py's too)
+DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+# Rows of x from which, and up to which, native_half_linear.half_linear takes the tiles, by weight dtype; measured on
+# this project's machine (docs/performance.md, "AMX bfloat16 tiles"; benchmarks/half_gemv.py --cpu-time).
+MIN_ROWS = {torch.bfloat16: 4, torch.float16: 8}
+MAX_ROWS = {torch.bfloat16: 64, torch.float16: 64}
+
+_library: list = []  # []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
+
+
+def library() -> ctypes.CDLL | None:
+    """The AMX kernel, or None where the CPU has no AMX-BF16, ``PLUGINFER_AMX=0``, the build fails or Linux
+    refuses the tile state (arch_prctl ``ARCH_REQ_XCOMP_PERM``); says which, once per process."""
+    if _library:
+        return _library[0]
+    loaded, why = None, None
+    if os.environ.get(ENV, "1") == "0":
+        why = f"{ENV}=0"
+    elif not {"amx_tile", "amx_bf16", "avx512_bf16"} <= native_build.cpu_features():
+        why = "this CPU has no AMX-BF16"
+    elif os.environ.get("PLUGINFER_NATIVE", "1") == "0":
+        why = "PLUGINFER_NATIVE=0"
+    else:
+        try:
+            loaded = native_build.build_library("amx_half", SOURCES)[0]
+        except (native_build.NativeKernelsUnavailable, OSError) as exc:
+            why = f"the AMX kernel did not build: {str(exc)[:300]}"
+    if loaded is not None:
+        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+        for name, restype, argtypes in (
+                ("amx_half_compiled", ctypes.c_int, []), ("amx_half_init", ctypes.c_int, []),
+                ("amx_half_linear", ctypes.c_int,
+                 [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int])):
+            function = getattr(loaded, name)
+            function.restype, function.argtypes = restype, argtypes
+        status = loaded.amx_half_init() if loaded.amx_half_compiled() else -1
+        if status != 0:
+            why = ("the compiler did not enable AMX-TILE/AMX-BF16 for this CPU" if status == -1 else
+                   f"Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(status)})")
+            loaded = None
+    if loaded is None:
+        native_library._log_once(logging.INFO, f"16-bit linears: no AMX bfloat16 tiles ({why}); the GEMV of half_linear.c "
+                                       "and torch's GEMM")
+    else:
+        native_library._log_once(logging.INFO, "16-bit linears: AMX bfloat16 tiles from "
+                                       + ", ".join(f"{MIN_ROWS[d]} to {MAX_ROWS[d]} rows of {str(d)[6:]}"
+                                                   for d in DTYPES))
+    _library.append(loaded)
+    return loaded
+
+
+def takes(dtype: torch.dtype, rows: int) -> bool:
+    """Whether ``native_half_linear.half_linear`` hands ``rows`` rows of this weight dtype to the tiles here."""
+    return (MIN_ROWS.get(dtype, 1 << 62) <= rows <= MAX_ROWS.get(dtype, 0)
+            and (_library[0] if _library else library()) is not None)
+
+
+def call(dtype: torch.dtype, flat: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
+         out: torch.Tensor, out_float: bool) -> tuple:
+    """``out = flat [rows, in] @ weight^T + bias`` on the tiles (tensors checked by the caller: contiguous,
+    of ``dtype``); :func:`library` must have returned the library. Returns the C call's arguments after
+    the dtype code's, for a recording."""
+    kernel = _library[0].amx_half_linear
+    args = (DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1], weight.data_ptr(), weight.shape[0],
+            bias.data_ptr() if bias is not None else None, out.data_ptr(), int(out_float))
+    status = kernel(*args)
+    if status == -3:
+        raise MemoryError("amx_half_linear could not allocate its activation tiles")
+    if status != 0:
+        raise ValueError(f"amx_half_linear: status {status} for {dtype} weights {tuple(weight.shape)}")
+    return args
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """``x @ W^T + bias`` on the tiles whatever the row count (tests and benchmarks; the engine gets here
+    through ``native_half_linear.half_linear`` within :data:`MIN_ROWS`..:data:`MAX_ROWS`). None: no AMX here, or
+    dtypes, devices or layouts the kernel does not handle."""
+    dtype = weight.dtype
+    if (library() is None or dtype not in DTYPES or x.dtype != dtype or weight.dim() != 2 or x.dim() == 0
+            or not weight.is_cpu or not x.is_cpu or not weight.is_contiguous() or x.shape[-1] != weight.shape[1]
+            or out_dtype not in (None, dtype, torch.float32)
+            or (bias is not None and (bias.dtype != dtype or bias.shape != (weight.shape[0],) or not bias.is_cpu))):
+        return None
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    out_float = out_dtype == torch.float32
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32 if out_float else dtype)
+    if rows == 0 or weight.shape[1] == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
+    call(dtype, x.reshape(rows, x.shape[-1]).contiguous(), rows, weight,
+         bias.contiguous() if bias is not None else None, out, out_float)
+    return out
