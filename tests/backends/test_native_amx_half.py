@@ -14,12 +14,13 @@ product is exact; an infinite weight stays infinite).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
 import torch
 
-from pluginfer.backends import amx_half, native, native_build
+from pluginfer.backends import amx_half, native, native_build, native_half_linear, native_library
 
 DTYPES = [torch.bfloat16, torch.float16]
 # (out, in): outputs past a 16-row tile, inputs past a 32-input step, inputs shorter than one step.
@@ -147,3 +148,37 @@ def test_empty_inputs_and_unhandled_layouts() -> None:
     assert amx_half.linear(torch.randn(2, 16), weight) is None  # x of another dtype
     assert amx_half.linear(torch.randn(2, 16).to(torch.bfloat16), weight.t()) is None  # not contiguous
     assert amx_half.linear(torch.randn(2, 16).to(torch.bfloat16), weight.float()) is None  # float32 weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_native_half_linear_takes_the_tiles_in_their_range(dtype: torch.dtype) -> None:
+    """``native_half_linear.half_linear`` (the engine's 16-bit linear) hands amx_half.MIN_ROWS..MAX_ROWS rows
+    to the tiles (the same bits as calling them), fewer to the GEMV and more back to torch (None)."""
+    low, high = amx_half.MIN_ROWS[dtype], amx_half.MAX_ROWS[dtype]
+    assert high > native_half_linear.HALF_LINEAR_MAX_ROWS[dtype] >= low - 1
+    for rows in (low, low + 1, 16, high):
+        x, weight, bias = inputs(rows, 40, 100, dtype, rows, True)
+        out = native_half_linear.half_linear(x.reshape(1, rows, 100), weight, bias)
+        assert out.shape == (1, rows, 40)
+        assert torch.equal(out[0].view(torch.int16), amx_half.linear(x, weight, bias).view(torch.int16))
+        out = native_half_linear.half_linear(x, weight, bias, out_dtype=torch.float32)
+        assert torch.equal(out, amx_half.linear(x, weight, bias, out_dtype=torch.float32))
+    x, weight, bias = inputs(high + 1, 40, 100, dtype, 0, True)
+    assert native_half_linear.half_linear(x, weight, bias) is None  # torch's GEMM
+
+
+def test_the_log_line_says_which_rows(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(native_library, "_logged", set())
+    monkeypatch.setattr(amx_half, "_library", [])
+    caplog.set_level(logging.INFO, logger=native_library.__name__)
+    assert amx_half.library() is not None and amx_half.library() is not None
+    low, high = amx_half.MIN_ROWS, amx_half.MAX_ROWS
+    assert [r.getMessage() for r in caplog.records] == [
+        f"16-bit linears: AMX bfloat16 tiles from {low[torch.bfloat16]} to {high[torch.bfloat16]} rows of bfloat16, "
+        f"{low[torch.float16]} to {high[torch.float16]} rows of float16"]
+    monkeypatch.setattr(amx_half, "_library", [])
+    monkeypatch.setenv(amx_half.ENV, "0")
+    caplog.clear()
+    assert amx_half.library() is None and not amx_half.takes(torch.bfloat16, 16)
+    assert [r.getMessage() for r in caplog.records] == [
+        "16-bit linears: no AMX bfloat16 tiles (PLUGINFER_AMX=0); the GEMV of half_linear.c and torch's GEMM"]
