@@ -2,8 +2,9 @@
 
 A llama (and a qwen2, whose q/k/v biases the kernel adds) checkpoint run with ``dtype`` bfloat16 / float16: every linear (qkv, o, gate_up, down, the
 untied LM head) keeps its ``[out, in]`` weight in the cpu backend's ``half`` layout. A prompt no longer
-than the kernel's row limit runs every linear through the kernel; the same engine with the limit at 0
-runs them all through ``F.linear`` (the torch path it replaces). Both round every op to the model's
+than the kernel's row limit runs every linear through the kernel (from ``amx_half.MIN_ROWS`` rows, where the CPU
+has AMX-BF16, on the tiles of ``csrc/amx_half.c``); the same engine with both limits at 0 runs them all through
+``F.linear`` (the torch path it replaces). Both round every op to the model's
 dtype and sum in float32 in different orders, so their logits differ by a few 16-bit steps: the bound
 is a fraction of the float32 logits' spread, about twice the largest difference measured here (in
 the comments); transformers' float32 model is the oracle both stay close to.
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from pluginfer import LLM
-from pluginfer.backends import native, native_half_linear
+from pluginfer.backends import amx_half, native, native_half_linear
 from tests.checkpoints import greedy, hf_logits, prefill_logits, random_prompts, save_hf_model
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native_half_linear.half_linear_isa() is None,
@@ -71,6 +72,7 @@ def test_logits_on_the_native_gemv_equal_the_torch_path_within_the_bound(
         assert calls.rows == [len(prompt)] * 9
         with monkeypatch.context() as torch_path:
             torch_path.setitem(native_half_linear.HALF_LINEAR_MAX_ROWS, dtype, 0)
+            torch_path.setitem(amx_half.MAX_ROWS, dtype, 0)  # nor the AMX tiles (from amx_half.MIN_ROWS rows)
             theirs = prefill_logits(llm, prompt).float()
         assert calls.rows == [len(prompt)] * 9  # the torch path did not call the kernel
         reference = hf_logits(model, prompt)
