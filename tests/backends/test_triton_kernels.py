@@ -203,7 +203,7 @@ def case_prefill(dtype: str, shape: str, window: int | None, cap: float | None, 
 
 def case_marlin_via_table(dtype: str, zero_points: bool) -> dict:
     from pluginfer.backends.triton_kernels import marlin_matmul
-    from pluginfer.core import kernels
+    from pluginfer.core import quant_kernels
     from pluginfer.quant import marlin_layout as layout
 
     randn, generator = _tensors(7)
@@ -214,7 +214,7 @@ def case_marlin_via_table(dtype: str, zero_points: bool) -> dict:
                                                   dtype=torch.int32)) if zero_points else None
     x = randn(3, size_k, dtype=getattr(torch, dtype))
     arguments = (x, packed, scales.to(x.dtype), group_size, zeros, None, layout.position_table(x.device))
-    return _compare(marlin_matmul.marlin_matmul(*arguments), kernels.marlin_matmul(*arguments), dtype)
+    return _compare(marlin_matmul.marlin_matmul(*arguments), quant_kernels.marlin_matmul(*arguments), dtype)
 
 
 # name: (tokens, experts, top_k, hidden, intermediate): the tiny Mixtral, Qwen3-MoE and DeepSeek models' experts.
@@ -266,7 +266,7 @@ def case_grouped(dtype: str, bits: int, act_order: bool) -> dict:
     """GPTQ's packing (and AWQ's, repacked into it): the kernel, the table's reference, and the quant
     method's own dequantization (``packing.dequantize_grouped``) times x."""
     from pluginfer.backends.triton_kernels import grouped_matmul
-    from pluginfer.core import kernels
+    from pluginfer.core import quant_kernels
     from pluginfer.quant.packing import dequantize_grouped, pack_int32
 
     randn, generator = _tensors(10)
@@ -279,7 +279,7 @@ def case_grouped(dtype: str, bits: int, act_order: bool) -> dict:
     x = randn(3, size_k, dtype=getattr(torch, dtype))
     arguments = (x, pack_int32(codes, bits, dim=0), pack_int32(zeros, bits, dim=1), scales, g_idx, bits, group_size,
                  randn(size_n, dtype=x.dtype))
-    expected = kernels.grouped_matmul(*arguments)
+    expected = quant_kernels.grouped_matmul(*arguments)
     groups_of = g_idx if g_idx is not None else torch.arange(size_k) // group_size
     dense = dequantize_grouped(codes, zeros, scales, groups_of, x.dtype)
     layer_path = (x.float() @ dense.float().t()).to(x.dtype) + arguments[-1]
@@ -292,14 +292,14 @@ def case_grouped(dtype: str, bits: int, act_order: bool) -> dict:
 
 def case_int8(dtype: str) -> dict:
     from pluginfer.backends.triton_kernels import int8_matmul
-    from pluginfer.core import kernels
+    from pluginfer.core import quant_kernels
     from pluginfer.quant.int8 import quantize_int8
 
     randn, _ = _tensors(11)
     q, scale = quantize_int8(randn(80, 96))
     x = randn(2, 3, 96, dtype=getattr(torch, dtype))
     arguments = (x, q, scale, randn(80, dtype=x.dtype))
-    ours, expected = int8_matmul.int8_matmul(*arguments), kernels.int8_matmul(*arguments)
+    ours, expected = int8_matmul.int8_matmul(*arguments), quant_kernels.int8_matmul(*arguments)
     return _compare_truncated(ours, expected, 1e-2) if dtype == "bfloat16" else _compare(ours, expected, dtype)
 
 

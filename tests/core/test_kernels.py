@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pluginfer.backends import cpu
-from pluginfer.core import kernels
+from pluginfer.core import kernels, quant_kernels
 from pluginfer.core.kernels import KernelTable
 from pluginfer.layers.activation import GeluAndMul, SiluAndMul
 from pluginfer.layers.context import building
@@ -187,7 +187,7 @@ def test_marlin_matmul_reference_equals_layout_oracle(group_size: int, zero_poin
         zeros = layout.pack_zero_points(torch.randint(0, 16, (groups, size_n), generator=generator, dtype=torch.int32))
     x = torch.randn(2, 3, size_k, generator=generator)
     bias = torch.randn(size_n, generator=generator)
-    ours = kernels.marlin_matmul(x, packed, permuted, group_size, zeros, bias, layout.position_table(x.device))
+    ours = quant_kernels.marlin_matmul(x, packed, permuted, group_size, zeros, bias, layout.position_table(x.device))
     expected = layout.matmul_reference(x, packed, permuted, group_size, zeros, bias)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
 
@@ -254,5 +254,5 @@ def test_int8_matmul_reference_equals_the_int8_method(dtype: torch.dtype) -> Non
     layer.bias.data.copy_(torch.randn(40, generator=generator).to(dtype))
     layer.quant_method.process_weights_after_loading(layer)
     x = torch.randn(2, 5, 64, generator=generator).to(dtype)
-    torch.testing.assert_close(kernels.int8_matmul(x, layer.qweight, layer.weight_scale, layer.bias), layer(x),
+    torch.testing.assert_close(quant_kernels.int8_matmul(x, layer.qweight, layer.weight_scale, layer.bias), layer(x),
                                **_exact_or_half(dtype))
