@@ -8,7 +8,9 @@ For each ``OUTxIN`` shape and dtype, a random weight is timed four ways, in turn
 float32 sums), ``torch`` (``F.linear`` on the same ``[out, in]`` tensor: what rows above
 ``HALF_LINEAR_MAX_ROWS`` run), ``torch_t`` (``torch.matmul`` on ``[in, out]``: the cpu backend's
 16-bit path before the native kernel) and ``f32`` (the same weight in float32 through the panel
-kernel, the engine's float32 path). ``--set-bytes`` of distinct weights are cycled so that each
+kernel, the engine's float32 path); where the CPU has AMX-BF16, ``amx`` too (``amx_half.linear``,
+``csrc/amx_half.c``: AMX bfloat16 tiles on the same ``[out, in]`` weight, what ``amx_half.MIN_ROWS`` to
+``MAX_ROWS`` rows run; ``native`` is then the GEMV alone, with the tiles off). ``--set-bytes`` of distinct weights are cycled so that each
 comes from memory, not from cache, as in a decode step. Milliseconds per linear (medians of
 ``--runs``), ratios, and the GB/s of weight bytes the native kernel reads against the machine's
 read bandwidth (``torch.sum`` over ``--bandwidth-bytes``, all threads), measured first.
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import quant_gemv  # noqa: E402
 from quant_gemv import interleaved_medians, read_bandwidth  # noqa: E402
 
-from pluginfer.backends import native, native_half_linear, native_panels  # noqa: E402
+from pluginfer.backends import amx_half, native, native_half_linear, native_panels  # noqa: E402
 
 # The linears of the 0.5B-shaped benchmark llama (benchmarks/offline_throughput.py): qkv, o, gate_up, down, lm_head.
 SHAPES = ["2048x1024", "1024x1024", "5632x1024", "1024x2816", "32000x1024"]
@@ -59,11 +61,15 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads{' (CPU time)' if args.cpu_time else ''}, native GEMV {native_half_linear.half_linear_isa()}; "
           f"read bandwidth (sum of {args.bandwidth_bytes / 2**20:.0f} MiB) {bandwidth:.1f} GB/s; "
           f"ms per linear, medians of {args.runs}, interleaved")
+    tiles = amx_half.library() is not None
     print(f"{'shape':>10} {'dtype':>8} {'rows':>5} {'native':>8} {'torch':>8} {'torch_t':>8} {'f32':>8}  "
-          f"{'torch/nat':>9} {'tor_t/nat':>9} {'f32/nat':>8}  {'GB/s':>6} {'% read':>6}")
+          f"{'torch/nat':>9} {'tor_t/nat':>9} {'f32/nat':>8}  {'GB/s':>6} {'% read':>6}"
+          + (f"  {'amx':>8} {'nat/amx':>8} {'torch/amx':>9} {'amx GB/s':>8}" if tiles else ""))
     generator = torch.Generator().manual_seed(0)
     saved = native_half_linear.HALF_LINEAR_MAX_ROWS
     native_half_linear.HALF_LINEAR_MAX_ROWS = {dtype: max(args.rows) for dtype in saved}  # the kernel at every row count asked
+    saved_tiles = amx_half.MIN_ROWS
+    amx_half.MIN_ROWS = {}  # native: the GEMV alone
     try:
         for shape in args.shapes:
             out_features, in_features = map(int, shape.split("x"))
@@ -82,6 +88,8 @@ def main() -> int:
                         "torch": lambda xh=xh, weights=weights: [F.linear(xh, w) for w in weights],
                         "torch_t": lambda xh=xh, ts=transposed: [torch.matmul(xh, t) for t in ts],
                     }
+                    if tiles:
+                        cases["amx"] = lambda xh=xh, weights=weights: [amx_half.linear(xh, w) for w in weights]
                     if dense:
                         cases["f32"] = lambda x=x, dense=dense, n=out_features: [native_panels.panel_linear(x, w, n)
                                                                                  for w in dense]
@@ -91,11 +99,16 @@ def main() -> int:
                     print(f"{shape:>10} {dtype_name:>8} {rows:>5} {medians['native'] * 1e3:>8.3f} "
                           f"{medians['torch'] * 1e3:>8.3f} {medians['torch_t'] * 1e3:>8.3f} {f32 * 1e3:>8.3f}  "
                           f"{medians['torch'] / medians['native']:>8.2f}x {medians['torch_t'] / medians['native']:>8.2f}x "
-                          f"{f32 / medians['native']:>7.2f}x  {rate:>6.1f} {100 * rate / bandwidth:>5.0f}%", flush=True)
+                          f"{f32 / medians['native']:>7.2f}x  {rate:>6.1f} {100 * rate / bandwidth:>5.0f}%"
+                          + (f"  {medians['amx'] * 1e3:>8.3f} {medians['native'] / medians['amx']:>7.2f}x "
+                             f"{medians['torch'] / medians['amx']:>8.2f}x "
+                             f"{out_features * in_features * 2 / medians['amx'] / 1e9:>8.1f}" if tiles else ""),
+                          flush=True)
                 del weights, transposed
             del dense
     finally:
         native_half_linear.HALF_LINEAR_MAX_ROWS = saved
+        amx_half.MIN_ROWS = saved_tiles
     return 0
 
 
