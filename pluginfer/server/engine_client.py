@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -172,7 +172,8 @@ class EngineClient:
         self._spawned = time.perf_counter()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pluginfer.core.engine_core", str(child.fileno()), str(level)],
-            stdin=subprocess.PIPE, pass_fds=(child.fileno(),), env=_core_environment(),
+            stdin=subprocess.PIPE, pass_fds=(child.fileno(),),
+            env=core_environment(config.server.core_spin_count, os.environ),
             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         child.close()
         self.process.stdin.write(config.model_dump_json().encode())
@@ -485,11 +486,16 @@ def _how(code: int | None) -> str:
     return f"with code {code}"
 
 
-def _core_environment() -> dict[str, str]:
-    env = dict(os.environ)
-    # Idle OpenMP threads of the core sleep instead of spinning: the server and its clients need the cores
-    # between and during steps (an explicit setting wins).
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def core_environment(spin_count: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The engine core's environment: ``environ`` and how its idle OpenMP threads wait (``--core-spin-count``),
+    unless ``environ`` already says (OMP_WAIT_POLICY or GOMP_SPINCOUNT: the user's own choice wins)."""
+    env = dict(environ)
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return env
+    if spin_count == 0:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"  # every OpenMP runtime knows it; GOMP_SPINCOUNT is libgomp's
+    else:
+        env["GOMP_SPINCOUNT"] = str(spin_count)
     return env
 
 

@@ -314,3 +314,44 @@ def test_the_server_process_imports_no_torch_nor_transformers(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("environ", "spin_count", "expected"), [
+    ({}, 0, {"OMP_WAIT_POLICY": "PASSIVE"}),  # sleep at once
+    ({}, 200000, {"GOMP_SPINCOUNT": "200000"}),  # spin ~2 ms, then sleep
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, 200000, {"OMP_WAIT_POLICY": "ACTIVE"}),  # the user's own choice wins
+    ({"GOMP_SPINCOUNT": "5"}, 0, {"GOMP_SPINCOUNT": "5"}),
+])
+def test_the_core_waits_as_core_spin_count_says_unless_the_environment_does(environ, spin_count, expected):
+    from pluginfer.server.engine_client import core_environment
+
+    env = core_environment(spin_count, {"PATH": "/bin", **environ})
+    assert {key: env[key] for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if key in env} == expected
+    assert env["PATH"] == "/bin"
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc/PID/environ")
+def test_core_spin_count_reaches_the_engine_core_process(tiny_llama_checkpoint, monkeypatch):
+    """`--core-spin-count` is in the environment the core process started with (its OpenMP runtime reads
+    it once, when it loads)."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    client = EngineClient(server_config(tiny_llama_checkpoint[0], **{"server.core_spin_count": 123456})).start()
+    try:
+        environ = Path(f"/proc/{client.process.pid}/environ").read_bytes().split(b"\0")
+        assert b"GOMP_SPINCOUNT=123456" in environ
+        assert not any(item.startswith(b"OMP_WAIT_POLICY=") for item in environ)
+    finally:
+        client.shutdown()
+
+
+def test_serve_takes_core_spin_count_and_refuses_a_negative_one(tmp_path):
+    from pluginfer.cli import build_parser
+    from pluginfer.cli.serve import serve_config
+
+    parse = build_parser().parse_args
+    assert serve_config(parse(["serve", "--model", str(tmp_path)])).server.core_spin_count == 0
+    config = serve_config(parse(["serve", "--model", str(tmp_path), "--core-spin-count", "100000"]))
+    assert config.server.core_spin_count == 100000
+    with pytest.raises(ValueError, match="core_spin_count"):
+        serve_config(parse(["serve", "--model", str(tmp_path), "--core-spin-count", "-1"]))
