@@ -9,8 +9,10 @@ replaced, our float32 and llama.cpp on an F16 GGUF file of the same weights, int
 A random llama is built locally (``offline_throughput.build_checkpoint``) and, for llama.cpp, written as
 an F16 GGUF file by ``pluginfer convert`` (llama-cpp-python's C API, ``vs_llamacpp.LlamaCpp``). Engines:
 ``f32``, ``bf16``, ``f16`` (pluginfer on the HF checkpoint with that ``--dtype``), ``bf16-torch`` and
-``f16-torch`` (the same engines with ``native_half_linear.HALF_LINEAR_MAX_ROWS`` at 0 for their runs: every 16-bit
-linear through ``F.linear``, the path before the native kernel), ``llama.cpp-F16``. Each run times every
+``f16-torch`` (the same engines with ``native_half_linear.HALF_LINEAR_MAX_ROWS`` and ``amx_half.MAX_ROWS`` at 0 for
+their runs: every 16-bit linear through ``F.linear``, the path before the native kernels), ``bf16-noamx`` and
+``f16-noamx`` (engines of their own with ``amx_half.MAX_ROWS`` at 0 for their runs: the GEMV and torch's GEMM as
+before the AMX bfloat16 tiles of ``csrc/amx_half.c``), ``llama.cpp-F16``. Each run times every
 engine in turn: batch-1 decode (prompt 128, then ``--b1-tokens`` greedy tokens, the prefill excluded) and
 batch-16 decode (16 prompts of 128, ``--b16-tokens`` tokens each). Medians of ``--runs``, tokens/s, ratios
 to llama.cpp, and the memory-bandwidth bound: the weight bytes a batch-1 token reads (every linear and
@@ -35,28 +37,33 @@ import vs_llamacpp  # noqa: E402
 from offline_throughput import build_checkpoint  # noqa: E402
 from vs_llamacpp import LlamaCpp, write_files  # noqa: E402
 
-from pluginfer.backends import native_half_linear  # noqa: E402
+from pluginfer.backends import amx_half, native_half_linear  # noqa: E402
 
 
 class Ours(vs_llamacpp.Ours):
-    """pluginfer on the HF checkpoint in ``dtype``; ``torch_path``: 16-bit linears through F.linear."""
+    """pluginfer on the HF checkpoint in ``dtype``; ``torch_path``: 16-bit linears through F.linear; ``tiles``:
+    False keeps the AMX bfloat16 tiles off (an engine of its own: a replayed step keeps the kernels it recorded)."""
 
-    def __init__(self, name: str, path: Path, dtype: str, torch_path: bool = False, llm: object = None) -> None:
+    def __init__(self, name: str, path: Path, dtype: str, torch_path: bool = False, llm: object = None,
+                 tiles: bool = True) -> None:
         from pluginfer import LLM
 
-        self.name, self.dtype, self.torch_path = name, getattr(torch, dtype), torch_path
+        self.name, self.dtype, self.torch_path, self.tiles = name, getattr(torch, dtype), torch_path, tiles
         self.llm = llm or LLM(model=str(path), dtype=dtype, max_model_len=320, max_num_seqs=16,
                               enable_prefix_caching=False, max_num_batched_tokens=2048)
 
     def decode_rate(self, prompts: list[list[int]], new_tokens: int) -> float:
-        limits = native_half_linear.HALF_LINEAR_MAX_ROWS
-        saved = dict(limits)
+        limits, tiles = native_half_linear.HALF_LINEAR_MAX_ROWS, amx_half.MAX_ROWS
+        saved, saved_tiles = dict(limits), dict(tiles)
         if self.torch_path and self.dtype in limits:
             limits[self.dtype] = 0
+        if (self.torch_path or not self.tiles) and self.dtype in tiles:
+            tiles[self.dtype] = 0
         try:
             return super().decode_rate(prompts, new_tokens)
         finally:
             limits.update(saved)
+            tiles.update(saved_tiles)
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -121,9 +128,13 @@ def main() -> None:
                 engine = LlamaCpp(path, args)
                 engine.name, engine.dtype = name, torch.float16
             else:
-                dtype = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[name.removesuffix("-torch")]
-                engine = Ours(name, model_dir, dtype, name.endswith("-torch"), shared.get(dtype))
-                shared[dtype] = engine.llm
+                base = name.removesuffix("-torch").removesuffix("-noamx")
+                dtype = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[base]
+                if name.endswith("-noamx"):  # its own engine: replays record the kernels of their first step
+                    engine = Ours(name, model_dir, dtype, tiles=False)
+                else:
+                    engine = Ours(name, model_dir, dtype, name.endswith("-torch"), shared.get(dtype))
+                    shared[dtype] = engine.llm
             engines.append(engine)
         results = {e.name: {"b1": [], "b16": []} for e in engines}
         for run in range(args.runs):
