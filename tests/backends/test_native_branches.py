@@ -8,9 +8,7 @@ and the native path is really the one taken.
   (a head's arithmetic does not depend on which task computes it). A subprocess watches the OpenMP worker
   thread: it exists and does a share of the work only when the threaded, head-splitting branch runs.
 - The kernels' OpenMP runtime is torch's: ``torch.set_num_threads`` sets the threads they use (asserted).
-- NaN and Inf reach the GEMM (``panel_linear``), attention, RMSNorm, SiLU-and-mul and rotary kernels; the
-  expected result is the plain torch (IEEE) computation's: NaN where it has NaN, the same infinities, the
-  same finite values elsewhere.
+- NaN and Inf: tests/backends/test_native_nonfinite.py.
 - Each kernel returns a result (not None: "use the torch path") for every input it claims to handle, and a
   float32 engine step runs every native family (counted by tests/native_usage.py).
 """
@@ -22,15 +20,14 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pluginfer.backends import cpu, native, native_layer_ops, native_library, native_panels
 from tests import native_usage
+from tests.backends.paged import attention_reference, paged_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 THRESHOLD = 1 << 20  # cpu_kernels.c: parallel = total_len * num_heads * (head_dim + v_dim) > (1 << 20)
@@ -53,17 +50,6 @@ def openmp() -> bool:
     return native_library._loaded["info"].openmp
 
 
-@pytest.fixture
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    # The library links libgomp by soname and torch loaded its own libgomp.so.1 first: one runtime, so
-    # torch's setting is the kernels' (omp_get_max_threads resolved through the kernel library's handle).
-    assert native_library.load().omp_get_max_threads() == (request.param if openmp() else 1)
-    yield request.param
-    torch.set_num_threads(previous)
-
-
 # --------------------------------------------------------------------------------------------------
 # The library loads where it can
 
@@ -83,39 +69,6 @@ def test_the_native_library_loads_where_this_machine_can_build_it() -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Decode attention: the threaded branch
-
-
-def attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        tables: torch.Tensor, seq_lens: list[int], scale: float, window: int | None = None,
-                        soft_cap: float | None = None) -> torch.Tensor:
-    """Gather each sequence's keys and values from its blocks; softmax attention in float64 (IEEE: a NaN
-    score gives NaN probabilities, +inf - +inf is NaN, a -inf score weighs 0)."""
-    _, block_size, kv_heads, head_dim = key_cache.shape
-    heads, v_dim = query.shape[1], value_cache.shape[-1]
-    outputs = []
-    for s, length in enumerate(seq_lens):
-        positions = torch.arange(max(0, length - window) if window else 0, length)
-        slots = tables[s, positions // block_size] * block_size + positions % block_size
-        keys = key_cache.reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(heads // kv_heads, 1)
-        values = value_cache.reshape(-1, kv_heads, v_dim)[slots].double().repeat_interleave(heads // kv_heads, 1)
-        scores = torch.einsum("hd,thd->ht", query[s].double(), keys) * scale
-        if soft_cap:
-            scores = soft_cap * torch.tanh(scores / soft_cap)
-        outputs.append(torch.einsum("ht,thd->hd", scores.softmax(-1), values))
-    return torch.stack(outputs)
-
-
-def paged_inputs(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, v_dim: int, block_size: int = 16,
-                 seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """query, key cache, value cache, block tables: blocks in random order, unused blocks full of garbage."""
-    generator = torch.Generator().manual_seed(seed)
-    per_seq = -(-max(seq_lens) // block_size)
-    num_blocks = len(seq_lens) * per_seq + 2
-    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
-    value_cache = torch.randn(num_blocks, block_size, kv_heads, v_dim, generator=generator)
-    tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * per_seq].reshape(len(seq_lens), -1)
-    query = 2 * torch.randn(len(seq_lens), heads, head_dim, generator=generator)
-    return query, key_cache, value_cache, tables
 
 
 # (seq_lens, heads, kv_heads, head_dim, v_dim, sliding_window, soft_cap): each above the threshold.
@@ -267,152 +220,6 @@ def test_the_threaded_branch_splits_one_sequences_heads_between_threads() -> Non
     assert large["shared_calls"] >= large["calls"] // 2, f"heads were not split between threads: {two}"
     one = watch_threads(1)
     assert one["large"]["new_threads"] == 0, one
-
-
-# --------------------------------------------------------------------------------------------------
-# NaN and Inf
-
-
-def nonfinite(name: str) -> float:
-    return {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}[name]
-
-
-# (what is set, its value) -> what the IEEE reference gives: see each kernel's test.
-ATTENTION_SPECIALS = ["query-nan", "query-inf", "key-nan", "key-inf", "key--inf", "value-nan", "value-inf",
-                      "key-nan-outside-window"]
-
-
-@pytest.mark.parametrize("path", ["avx512", "portable", "soft-cap"])
-@pytest.mark.parametrize("special", ATTENTION_SPECIALS)
-def test_decode_attention_propagates_nan_like_torch(path: str, special: str, request: pytest.FixtureRequest) -> None:
-    """Two sequences of 40 positions (three 16-position blocks), 4 query heads on 2 KV heads. One value is
-    made non-finite in sequence 0; sequence 1 stays finite. Expected: the float64 reference of the same
-    inputs: a NaN query head or key makes its heads' outputs NaN; a key of +inf (query feature positive)
-    makes the score +inf and the softmax NaN; -inf makes it -inf, weight 0, finite output; a non-finite
-    value reaches its feature of the outputs; a NaN key outside the sliding window is never read."""
-    head_dim = 40 if path == "portable" else 64
-    soft_cap = 5.0 if path == "soft-cap" else None
-    window = 24 if special.endswith("outside-window") else None
-    seq_lens = [40, 40]
-    query, key_cache, value_cache, tables = paged_inputs(seq_lens, 4, 2, head_dim, head_dim, seed=3)
-    where, kind = special.split("-", 1)
-    kind = kind.removesuffix("-outside-window")
-    value = nonfinite(kind)
-    position = 5 if window else 18  # sequence 0, position 18: block 1, slot 2 (outside a window of 24: 5)
-    block, slot = tables[0, position // 16], position % 16
-    if where == "query":
-        query[0, 1, 3] = value
-    elif where == "key":
-        key_cache[block, slot, 0, 7] = value
-        query[0, :2, 7] = 1.0  # the score's sign is the key's: +inf or -inf for heads 0 and 1
-    else:
-        value_cache[block, slot, 0, 7] = value
-    scale = head_dim ** -0.5
-    out = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, torch.tensor(seq_lens), scale,
-                                        window, soft_cap)
-    expected = attention_reference(query, key_cache, value_cache, tables, seq_lens, scale, window, soft_cap)
-    # A soft cap maps an infinite score to +-cap: finite.
-    finite = special in ("key--inf", "key-nan-outside-window") or (soft_cap is not None and special in (
-        "query-inf", "key-inf"))
-    assert torch.isfinite(expected[1]).all() and bool(torch.isfinite(expected[0]).all()) == finite
-    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5, equal_nan=True)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 20])  # 4-panel tiles (up to 4 rows), 2-panel tiles of 14 rows
-@pytest.mark.parametrize("threads", [1, 2], indirect=True, ids=lambda n: f"{n}-thread")
-def test_panel_linear_propagates_nan_and_inf_like_torch(rows: int, threads: int) -> None:
-    """70 outputs (a masked last panel), 300 inputs (a 256-input block and a 44-input one). Expected: the
-    IEEE sum of products (float64 reference): a NaN input makes its row NaN; +inf times w gives +-inf by
-    w's sign, NaN where w is 0; a NaN weight makes its output NaN in every row, a NaN bias its output;
-    the other rows and outputs are untouched (a row never depends on the rows batched with it)."""
-    generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(70, 300, generator=generator)
-    bias = torch.randn(70, generator=generator)
-    weight[5, 7] = 0.0
-    weight[40, 100] = float("nan")
-    bias[66] = float("nan")
-    x = torch.randn(rows, 300, generator=generator)
-    x[0, 7] = float("inf")
-    if rows > 1:
-        x[1, 11] = float("nan")
-    if rows > 2:
-        x[2, 290] = float("-inf")  # in the second input block
-    out = native_panels.panel_linear(x, native_panels.pack_panels(weight), 70, bias)
-    expected = (x.double()[:, None, :] * weight.double()[None]).sum(-1) + bias.double()
-    assert expected[0, 5].isnan() and expected[0].isinf().any() and expected[:, 40].isnan().all()
-    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4, equal_nan=True)
-    if rows > 3:
-        clean = torch.ones(70, dtype=torch.bool)
-        clean[[40, 66]] = False
-        assert torch.isfinite(out[3:, clean]).all()
-
-
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("offset", [0.0, 1.0])
-@pytest.mark.parametrize("threads", [1, 2], indirect=True, ids=lambda n: f"{n}-thread")
-def test_rms_norm_propagates_nan_and_inf_like_torch(residual: bool, offset: float, threads: int) -> None:
-    """Expected (torch's ``x * rsqrt(mean(x^2) + eps) * (w + offset)``): a NaN makes its row NaN; an inf
-    makes mean(x^2) inf, so the inf element is inf * 0 = NaN and the rest of its row is 0; finite rows are
-    untouched. With the fused residual add the sum (residual updated in place) carries the same values."""
-    generator = torch.Generator().manual_seed(int(residual) + 2 * int(offset))
-    x = torch.randn(12, 64, generator=generator)  # 12 rows: above the kernel's 8-row OpenMP threshold
-    weight = torch.randn(64, generator=generator)
-    x[0, 5], x[1, 7], x[2, 9] = float("nan"), float("inf"), float("-inf")
-    res = torch.randn(12, 64, generator=generator) if residual else None
-    source = x + res if residual else x
-    expected = source * torch.rsqrt(source.pow(2).mean(-1, keepdim=True) + 1e-6) * (weight + offset)
-    kept = res.clone() if residual else None
-    out = native_layer_ops.rms_norm(x, kept, weight, 1e-6, offset)
-    assert out is not None, "rms_norm declined float32 contiguous inputs it claims to handle"
-    assert out[0].isnan().all() and out[1, 7].isnan() and (out[1, :7] == 0).all()
-    torch.testing.assert_close(out, expected, equal_nan=True)
-    if residual:
-        torch.testing.assert_close(kept, source, equal_nan=True)
-
-
-@pytest.mark.parametrize("n", [64, 37])  # whole 16-lane vectors; 2 vectors and a 5-element scalar tail
-@pytest.mark.parametrize("threads", [1, 2], indirect=True, ids=lambda n: f"{n}-thread")
-def test_silu_and_mul_propagates_nan_and_inf_like_torch(n: int, threads: int) -> None:
-    """Expected (torch's ``silu(gate) * up``): NaN gate -> NaN; +inf gate -> inf * up; -inf gate ->
-    -inf * sigmoid(-inf) = -inf * 0 = NaN; gate 0 with up inf -> 0 * inf = NaN; NaN up -> NaN. Specials sit
-    in the vector part (column 3) and in the scalar tail (column n - 1)."""
-    generator = torch.Generator().manual_seed(n)
-    x = torch.randn(6, 2 * n, generator=generator)  # 6 rows: above the kernel's 4-row OpenMP threshold
-    for column in (3, n - 1):
-        x[0, column] = float("nan")
-        x[1, column] = float("inf")
-        x[2, column] = float("-inf")
-        x[3, column], x[3, n + column] = 0.0, float("inf")
-        x[4, n + column] = float("nan")
-    out = native_layer_ops.silu_and_mul(x)
-    assert out is not None, "silu_and_mul declined float32 contiguous inputs it claims to handle"
-    expected = F.silu(x[:, :n]) * x[:, n:]
-    assert expected[[0, 2, 3, 4], 3].isnan().all() and expected[1, 3].isinf()
-    torch.testing.assert_close(out, expected, equal_nan=True)
-
-
-@pytest.mark.parametrize("threads", [1, 2], indirect=True, ids=lambda n: f"{n}-thread")
-def test_rotary_neox_keeps_nan_inside_its_pair(threads: int) -> None:
-    """A NaN feature of one head reaches only the two features rotated together (i and i + half) of that
-    head and token; an inf gives inf * cos + x * sin (NaN where cos or sin is 0, as torch computes it)."""
-    generator = torch.Generator().manual_seed(4)
-    tokens, heads, dim = 10, 4, 32
-    query = torch.randn(tokens, heads, dim, generator=generator)
-    key = torch.randn(tokens, 2, dim, generator=generator)
-    angles = torch.rand(tokens, dim // 2, generator=generator) * 6
-    cos, sin = angles.cos(), angles.sin()
-    query[2, 1, 3], key[9, 0, 20] = float("nan"), float("inf")
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        first, second = x[..., : dim // 2], x[..., dim // 2:]
-        c, s = cos[:, None, :], sin[:, None, :]
-        return torch.cat([first * c - second * s, second * c + first * s], -1)
-
-    expected_q, expected_k = rotate(query), rotate(key)
-    assert native_layer_ops.rotary_neox(query, key, cos, sin, dim), "rotary_neox declined float32 inputs it claims to handle"
-    torch.testing.assert_close(query, expected_q, equal_nan=True)
-    torch.testing.assert_close(key, expected_k, equal_nan=True)
-    assert query.isnan().sum() == 2 and query[2, 1, [3, 3 + dim // 2]].isnan().all()
 
 
 # --------------------------------------------------------------------------------------------------

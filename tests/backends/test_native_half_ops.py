@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer.backends import native, native_layer_ops, native_library
-from tests.backends.test_native_branches import paged_inputs
+from tests.backends.paged import paged_inputs
 
 DTYPES = [torch.bfloat16, torch.float16]
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}  # the spacing at 1 (relative unit in the last place)

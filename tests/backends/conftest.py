@@ -1,0 +1,23 @@
+"""Fixtures shared by the native kernel tests of this folder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pluginfer.backends import native_library
+
+
+@pytest.fixture
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Indirectly parametrized: torch's (and so the native kernels') thread count for the test."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    # The library links libgomp by soname and torch loaded its own libgomp.so.1 first: one runtime, so
+    # torch's setting is the kernels' (omp_get_max_threads resolved through the kernel library's handle).
+    openmp = native_library._loaded["info"].openmp
+    assert native_library.load().omp_get_max_threads() == (request.param if openmp else 1)
+    yield request.param
+    torch.set_num_threads(previous)
