@@ -127,15 +127,8 @@ def test_tensor_parallel_ranks_keep_no_page_of_their_copies(tmp_path: Path) -> N
     """Thread ranks of a merged (gate/up), a QKV and a row-parallel layer load Q8_0 tensors mapped from a file:
     each rank's rows (fused, so copied) and columns (copied) leave no resident page, and the ranks hold the
     same weights and outputs as from tensors in memory."""
-    from tests.quant.test_tensor_parallel import (
-        Case,
-        float_cases,
-        gguf_method,
-        rand,
-        rank_rows,
-        run_layer,
-        to_ggml,
-    )
+    from tests.quant.tensor_parallel_harness import Case, float_cases, rand, rank_rows, run_layer
+    from tests.quant.test_tensor_parallel import gguf_method, to_ggml
 
     world = 2
     cases = float_cases(1024, 4096, lambda w: to_ggml(w, GGMLQuantizationType.Q8_0), seed=0, qkv=(8, 4, 128),
