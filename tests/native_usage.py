@@ -27,6 +27,7 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "decode attention": (("paged_decode_attention",), ()),
     "RMSNorm": (("rms_norm",), ()),
     "SiLU-and-mul": (("silu_and_mul",), ()),
+    "GELU(tanh)-and-mul": (("gelu_tanh_and_mul", "gelu_tanh_and_mul_16"), ()),
     "rotary (neox)": (("rotary_neox",), ()),
     "panel GEMM (AVX-512)": (("pack_panels", "panel_linear"), ("avx512f",)),
     "GGML dequantize": (("ggml_dequantize_rows", "ggml_dequantize_rows_bf16"), ()),

@@ -74,6 +74,7 @@ def op(name: str) -> Callable | None:
 
 
 OPS = {"rms_norm": native_layer_ops.rms_norm, "silu_and_mul": native_layer_ops.silu_and_mul,
+       "gelu_and_mul": native_layer_ops.gelu_and_mul,
        "rotary_neox": native_layer_ops.rotary_neox, "ggml_dequantize": native_quant.ggml_dequantize,
        "grouped_dequantize": native_quant.grouped_dequantize, "int4_dequantize": native_quant.int4_dequantize,
        "pack_panels": native_panels.pack_panels, "panel_linear": native_panels.panel_linear,

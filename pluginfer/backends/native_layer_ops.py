@@ -1,5 +1,5 @@
-"""Native kernels of the layers' float ops: paged decode attention, RMSNorm, SiLU-and-mul and NeoX rotary,
-on float32 or float16/bfloat16 tensors (``csrc/cpu_kernels.c``).
+"""Native kernels of the layers' float ops: paged decode attention, RMSNorm, SiLU-and-mul, GELU(tanh)-and-mul
+and NeoX rotary, on float32 or float16/bfloat16 tensors (``csrc/cpu_kernels.c``).
 """
 
 from __future__ import annotations
@@ -90,6 +90,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     n = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], n)
     _lib().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n)
+    return out
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor | None:
+    """``gelu(x[:, :n], approximate="tanh") * x[:, n:]`` (Gemma's activation). None: use the torch path (and
+    for the exact, erf form)."""
+    if approximate != "tanh":
+        return None
+    if x.dtype != torch.float32:  # float16/bfloat16: rounded where F.gelu(gate) * up rounds
+        half = _fits_half(x.dtype, x)
+        if half is None:
+            return None
+        n = x.shape[-1] // 2
+        out = x.new_empty(*x.shape[:-1], n)
+        _lib().gelu_tanh_and_mul_16(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n, half)
+        return out
+    if not _fits(x):
+        return None
+    n = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], n)
+    _lib().gelu_tanh_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n)
     return out
 
 

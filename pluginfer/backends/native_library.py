@@ -26,6 +26,7 @@ SIGNATURES = {
     "paged_decode_attention": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32]),
     "rms_norm": (None, [_pointer] * 4 + [_i64, _i64, _f32, _f32]),
     "silu_and_mul": (None, [_pointer, _pointer, _i64, _i64]),
+    "gelu_tanh_and_mul": (None, [_pointer, _pointer, _i64, _i64]),
     "rotary_neox": (None, [_pointer] * 4 + [_i64] * 7),
     "ggml_dequantize_rows": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _i64, _pointer]),
     "ggml_dequantize_rows_bf16": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _i64, _pointer]),
@@ -55,6 +56,7 @@ SIGNATURES = {
     "paged_decode_attention_16": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),
     "rms_norm_16": (None, [_pointer] * 4 + [_i64, _i64, _f32, _f32, ctypes.c_int]),
     "silu_and_mul_16": (None, [_pointer, _pointer, _i64, _i64, ctypes.c_int]),
+    "gelu_tanh_and_mul_16": (None, [_pointer, _pointer, _i64, _i64, ctypes.c_int]),
     "rotary_neox_16": (None, [_pointer] * 4 + [_i64] * 7 + [ctypes.c_int]),
 }
 # The 16-bit dtypes the norm, activation, rotary and decode attention kernels also take (csrc/cpu_kernels.c).

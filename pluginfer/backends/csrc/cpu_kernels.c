@@ -376,6 +376,34 @@ void silu_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
     }
 }
 
+/* gelu_tanh_and_mul: out[r, i] = gelu_tanh(x[r, i]) * x[r, n + i] for x of [rows, 2n], where gelu_tanh(g) =
+ * 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3): silu_and_mul's form, exp512
+ * for expf (torch's 0.5 g (1 + tanh(u)) loses the low bits of 1 + tanh(u) for u below about -2; this does not). */
+static const float GELU_TWO_BETA = 1.5957691216057308f, GELU_KAPPA = 0.044715f; /* 2 sqrt(2/pi) */
+
+void gelu_tanh_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
+#pragma omp parallel for if (rows > 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * 2 * n, *up = gate + n;
+        float *o = out + r * n;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f), kappa = _mm512_set1_ps(GELU_KAPPA);
+        const __m512 minus_two_beta = _mm512_set1_ps(-GELU_TWO_BETA);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 g = _mm512_loadu_ps(gate + i);
+            const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(kappa, g), _mm512_mul_ps(g, g), g);
+            const __m512 e = exp512(_mm512_mul_ps(minus_two_beta, inner));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < n; i++) {
+            const float g = gate[i];
+            o[i] = g / (1.0f + expf(-GELU_TWO_BETA * fmaf(GELU_KAPPA * g, g * g, g))) * up[i];
+        }
+    }
+}
+
 /* rotary_neox: rotate the first rotary_dim features of each head in place (half-split layout),
  * q of [tokens, q_heads, head_dim] and k of [tokens, k_heads, head_dim] whose token rows are
  * q_stride / k_stride floats apart (they may be views into one fused qkv buffer),
@@ -1043,6 +1071,34 @@ void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, 
         for (; i < n; i++) {
             const float g = load16(gate + i, dtype);
             o[i] = store16(round16(g / (1.0f + expf(-g)), dtype) * load16(up + i, dtype), dtype);
+        }
+    }
+}
+
+/* out[r, i] = round(round(gelu_tanh(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.gelu(gate,
+ * approximate="tanh") * up), gelu_tanh as gelu_tanh_and_mul computes it. */
+void gelu_tanh_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
+#pragma omp parallel for if (rows > 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = x + r * 2 * n, *up = gate + n;
+        uint16_t *o = out + r * n;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f), kappa = _mm512_set1_ps(GELU_KAPPA);
+        const __m512 minus_two_beta = _mm512_set1_ps(-GELU_TWO_BETA);
+        for (; i + 16 <= n; i += 16) {
+            const __m512 g = widen16_ps(_mm256_loadu_si256((const __m256i *)(gate + i)), dtype);
+            const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(kappa, g), _mm512_mul_ps(g, g), g);
+            const __m512 e = exp512(_mm512_mul_ps(minus_two_beta, inner));
+            const __m512 gelu = widen16_ps(narrow16_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), dtype), dtype);
+            const __m512 u = widen16_ps(_mm256_loadu_si256((const __m256i *)(up + i)), dtype);
+            _mm256_storeu_si256((__m256i *)(o + i), narrow16_ps(_mm512_mul_ps(gelu, u), dtype));
+        }
+#endif
+        for (; i < n; i++) {
+            const float g = load16(gate + i, dtype);
+            const float gelu = g / (1.0f + expf(-GELU_TWO_BETA * fmaf(GELU_KAPPA * g, g * g, g)));
+            o[i] = store16(round16(gelu, dtype) * load16(up + i, dtype), dtype);
         }
     }
 }
