@@ -26,9 +26,12 @@ SOURCES = (Path(__file__).with_name("csrc") / "amx_half.c",)
 ENV = "PLUGINFER_AMX"  # the switch of every AMX kernel (amx_quant.py's too)
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # Rows of x from which, and up to which, native_half_linear.half_linear takes the tiles, by weight dtype; measured on
-# this project's machine (docs/performance.md, "AMX bfloat16 tiles"; benchmarks/half_gemv.py --cpu-time).
+# this project's machine (docs/performance.md, "AMX bfloat16 tiles"; benchmarks/half_gemv.py --cpu-time, one core,
+# 5632x1024 and 1024x2816): bfloat16 1.06-1.09x the GEMV at 4 rows (0.89-0.92x at 2-3), 1.01-1.14x torch's AMX
+# GEMM at 96 (0.95-1.07x at 128); float16, split in two, 1.05-1.15x the GEMV at 8 (0.85-1.02x at 6), 1.5-1.7x
+# torch's float16 GEMM at 128 (0.95-1.7x at 256).
 MIN_ROWS = {torch.bfloat16: 4, torch.float16: 8}
-MAX_ROWS = {torch.bfloat16: 64, torch.float16: 64}
+MAX_ROWS = {torch.bfloat16: 96, torch.float16: 128}
 
 _library: list = []  # []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
 
