@@ -63,10 +63,10 @@ def library() -> ctypes.CDLL | None:
             loaded = None
     if loaded is None:
         native_library._log_once(logging.INFO, f"quantized linears: no AMX int8 tiles ({why}); the fused kernel of "
-                                       "quant_dot.c takes every row count")
+                                               "quant_dot.c takes every row count")
     else:
         native_library._log_once(logging.INFO, "quantized linears: AMX int8 tiles for Q4_0, Q8_0, Q4_K and Q6_K from "
-                                       f"{min(MIN_ROWS.values())} rows")
+                                               f"{min(MIN_ROWS.values())} rows")
     _library.append(loaded)
     return loaded
 

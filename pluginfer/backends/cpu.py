@@ -208,7 +208,8 @@ class CpuBackend:
         if native_decodes and decodes == query.shape[0] and query.dtype == key_cache.dtype:
             # Every row decodes (the steady state): the kernel's output is the result, no copy.
             return native_layer_ops.paged_decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
-                                                 meta.decode_seq_lens, scale, sliding_window, logit_soft_cap)
+                                                           meta.decode_seq_lens, scale, sliding_window,
+                                                           logit_soft_cap)
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
         if native_decodes:
             out[:decodes] = native_layer_ops.paged_decode_attention(

@@ -237,7 +237,7 @@ def test_native_paged_decode_attention_directly(kv_heads: int, v_dim: int, slidi
     for cache, new in zip(step.cache, (step.key, step.value), strict=True):
         cache.view(-1, *cache.shape[2:])[step.batch.slot_mapping] = new
     out = native_layer_ops.paged_decode_attention(step.query, *step.cache, step.batch.block_tables, step.batch.seq_lens,
-                                        SCALE, sliding_window, soft_cap)
+                                                  SCALE, sliding_window, soft_cap)
     assert out.shape == (len(seq_lens), HEADS, v_dim) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), reference(step, sliding_window, soft_cap), **FP32_TOLERANCE)
 
@@ -254,7 +254,7 @@ def test_native_paged_decode_attention_accepts_a_sliced_block_table() -> None:
     wide = torch.zeros(tables.shape[0], tables.shape[1] + 6, dtype=torch.int64)
     wide[:, : tables.shape[1]] = tables  # the block ids stay valid: a wrong read gives wrong numbers, no crash
     out = native_layer_ops.paged_decode_attention(step.query, *step.cache, wide[:, : tables.shape[1]], step.batch.seq_lens,
-                                        SCALE, None, None)
+                                                  SCALE, None, None)
     torch.testing.assert_close(out.double(), reference(step), **FP32_TOLERANCE)
 
 
@@ -280,7 +280,7 @@ def test_native_decode_attention_head_dims(heads: int, kv_heads: int, head_dim: 
     query = 2 * torch.randn(len(seq_lens), heads, head_dim, generator=generator)
     scale = head_dim ** -0.5
     out = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, torch.tensor(seq_lens), scale,
-                                        sliding_window, None)
+                                                  sliding_window, None)
     for s, length in enumerate(seq_lens):
         first = max(0, length - sliding_window) if sliding_window else 0
         slots = (tables[s, torch.arange(first, length) // block_size] * block_size

@@ -172,7 +172,7 @@ def test_ggml_quant_matmul_takes_the_tiles_from_their_row_count(qtype: GGMLQuant
         else:
             vnni = torch.empty(rows, 24)
             native_library.load().quant_matmul(int(qtype), x.data_ptr(), rows, 512, raw.data_ptr(), 24, raw.shape[1],
-                                       vnni.data_ptr())
+                                               vnni.data_ptr())
             assert torch.equal(out, vnni)
     x = torch.randn(2, 8, 512, dtype=torch.bfloat16)
     out = native_quant.ggml_quant_matmul(x, raw, qtype, 512)

@@ -73,7 +73,7 @@ def test_tile_is_bit_exact_with_the_torch_path(case: tuple) -> None:
         assert torch.equal(ours.t(), expected)
         assert torch.equal(ours.t().view(torch.int32), expected.view(torch.int32))  # -0.0 too
         low = native_quant.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, g_idx, bits, start, stop,
-                                        dtype=torch.bfloat16)  # the AMX GEMM's tiles: rounded to nearest even
+                                              dtype=torch.bfloat16)  # the AMX GEMM's tiles: rounded to nearest even
         assert torch.equal(low.t().view(torch.int16), expected.to(torch.bfloat16).view(torch.int16))
 
 
@@ -92,7 +92,7 @@ def test_bfloat16_rounding_of_every_kind_of_float32_value() -> None:
     method._set_layout(layer, qweight, torch.zeros(1, out_features // pack, dtype=torch.int32),
                        values[None].clone(), None)
     ours = native_quant.grouped_dequantize(layer.qweight, layer.qzeros, layer.scales, None, 4, 0, out_features,
-                                     dtype=torch.bfloat16)
+                                           dtype=torch.bfloat16)
     expected = values.to(torch.bfloat16).expand(32, -1)
     nan = expected.isnan()
     assert torch.equal(ours.isnan(), nan)

@@ -182,7 +182,7 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         patch.setenv("PLUGINFER_CACHE", str(tmp_path_factory.mktemp(request.param)))
         patch.setattr(native_build, "FLAGS", [*native_build.FLAGS, *flags])
         library, _, _ = native_build.build_library(f"half_linear_{request.param}",
-                                             (native_library.SOURCES[0].with_name("half_linear.c"),))
+                                                   (native_library.SOURCES[0].with_name("half_linear.c"),))
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.half_linear.argtypes = [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int]
     assert library.half_linear_supported() == supported

@@ -152,7 +152,7 @@ def test_paged_decode_attention(dtype: torch.dtype, case: str, threads: int) -> 
     out = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
     assert out.dtype == dtype and out.shape == (len(seq_lens), heads, v_dim)
     widened = native_layer_ops.paged_decode_attention(query.float(), key_cache.float(), value_cache.float(), tables, lens,
-                                            scale, window, soft_cap).to(dtype)
+                                                      scale, window, soft_cap).to(dtype)
     if case.startswith("avx512") and native_library.load().panel_linear_supported():
         assert torch.equal(out.view(torch.int16), widened.view(torch.int16))
     else:  # the portable loop sums in another order than the float32 kernel's vectorised dot products

@@ -59,7 +59,7 @@ def test_decode_attention_propagates_nan_like_torch(path: str, special: str, req
         value_cache[block, slot, 0, 7] = value
     scale = head_dim ** -0.5
     out = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, torch.tensor(seq_lens), scale,
-                                        window, soft_cap)
+                                                  window, soft_cap)
     expected = attention_reference(query, key_cache, value_cache, tables, seq_lens, scale, window, soft_cap)
     # A soft cap maps an infinite score to +-cap: finite.
     finite = special in ("key--inf", "key-nan-outside-window") or (soft_cap is not None and special in (

@@ -143,7 +143,7 @@ def vnni_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType,
     x = x.contiguous()
     out = torch.empty(x.shape[0], raw.shape[0])
     assert native_library.load().quant_matmul(int(qtype), x.data_ptr(), x.shape[0], cols, raw.data_ptr(), raw.shape[0],
-                                      raw.shape[1], out.data_ptr()) == 0
+                                              raw.shape[1], out.data_ptr()) == 0
     return out
 
 
