@@ -24,7 +24,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -147,40 +147,49 @@ def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+def _wait_for(acquire: Callable[[], bool], path: Path, timeout: float) -> None:
+    """Try ``acquire`` every 50 ms until it succeeds; past ``timeout`` seconds the kernels are unavailable."""
+    deadline = time.monotonic() + timeout
+    while not acquire():
+        if time.monotonic() > deadline:
+            raise NativeKernelsUnavailable(f"another process held {path} for {timeout:g} s")
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def _file_lock(path: Path, timeout: float) -> Iterator[None]:
     """Exclusive between processes: ``flock``, or where fcntl is missing a lock file created exclusively."""
-    deadline = time.monotonic() + timeout
     try:
         import fcntl
     except ImportError:
         fcntl = None
     if fcntl is not None:
         with open(path, "a") as handle:
-            while True:
+            def flock() -> bool:
                 try:
                     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
                 except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise NativeKernelsUnavailable(f"another process held {path} for {timeout:g} s") from None
-                    time.sleep(0.05)
+                    return False
+                return True
+
+            _wait_for(flock, path, timeout)
             try:
                 yield
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
         return
-    while True:
+
+    def create() -> bool:
         try:
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            break
         except FileExistsError:
             with contextlib.suppress(OSError):
                 if time.time() - path.stat().st_mtime > timeout:  # left by a builder that died
                     path.unlink()
-            if time.monotonic() > deadline:
-                raise NativeKernelsUnavailable(f"another process held {path} for {timeout:g} s") from None
-            time.sleep(0.05)
+            return False
+        return True
+
+    _wait_for(create, path, timeout)
     try:
         yield
     finally:

@@ -128,6 +128,30 @@ def test_two_processes_building_at_once_get_one_library(cache: Path, tiny: tuple
     assert list(cache.glob("*.so")) == [Path(outputs[0][0])]
 
 
+@pytest.mark.parametrize("flock", [True, False], ids=["flock", "lock-file"])
+def test_a_held_build_lock_makes_the_next_builder_wait_then_give_up(tmp_path: Path, flock: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second holder waits its timeout and is refused, naming the lock; once released the lock is free.
+    Without fcntl (lock-file branch) a lock file older than the timeout, left by a builder that died, is taken."""
+    if not flock:
+        monkeypatch.setitem(sys.modules, "fcntl", None)  # `import fcntl` raises ImportError
+    lock = tmp_path / "tiny.lock"
+    with native_build._file_lock(lock, 5.0):
+        with pytest.raises(native_build.NativeKernelsUnavailable, match=f"another process held {lock} for 0.2 s"):
+            with native_build._file_lock(lock, 0.2):
+                pass
+    with native_build._file_lock(lock, 0.2):
+        pass
+    if not flock:
+        assert not lock.exists()
+        lock.touch()
+        old = time.time() - 60
+        os.utime(lock, (old, old))
+        with native_build._file_lock(lock, 1.0):
+            assert lock.exists()
+        assert not lock.exists()
+
+
 def test_no_compiler_keeps_the_torch_path_with_one_log_line(cache: Path, monkeypatch: pytest.MonkeyPatch,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("CC", "/nonexistent")
