@@ -7,7 +7,17 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pluginfer.backends import native_library
+from pluginfer.backends import native, native_library
+
+
+@pytest.fixture(scope="module")
+def native_kernels() -> None:
+    """For modules about the native kernels (``pytestmark = pytest.mark.usefixtures("native_kernels")``):
+    skipped where they do not load; where the machine can build them, tests/conftest.py makes that skip a
+    failure."""
+    reason = native.available()
+    if reason is not None:
+        pytest.skip(f"native kernels unavailable: {reason}")
 
 
 @pytest.fixture

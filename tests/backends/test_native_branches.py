@@ -32,14 +32,7 @@ from tests.backends.paged import attention_reference, paged_inputs
 REPO = Path(__file__).resolve().parents[2]
 THRESHOLD = 1 << 20  # cpu_kernels.c: parallel = total_len * num_heads * (head_dim + v_dim) > (1 << 20)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def library() -> None:
-    """These tests are about the native kernels: where the machine can build them they must load (the
-    conftest turns this skip into a failure there)."""
-    reason = native.available()
-    if reason is not None:
-        pytest.skip(f"native kernels unavailable: {reason}")
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 def avx512() -> bool:

@@ -10,17 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, native_layer_ops, native_panels
+from pluginfer.backends import native_layer_ops, native_panels
 from tests.backends.paged import attention_reference, paged_inputs
 
-
-@pytest.fixture(scope="module", autouse=True)
-def library() -> None:
-    """These tests are about the native kernels: where the machine can build them they must load (the
-    conftest turns this skip into a failure there)."""
-    reason = native.available()
-    if reason is not None:
-        pytest.skip(f"native kernels unavailable: {reason}")
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 def nonfinite(name: str) -> float:
