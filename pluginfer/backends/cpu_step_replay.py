@@ -5,7 +5,7 @@ decode step"). The first decode step of ``n`` sequences runs eagerly on static i
 ``native_replay.recording()`` notes every native call (its C function and arguments) and a
 ``TorchDispatchMode`` watches every torch op: views and allocations pass, the few copy-like ops a step
 makes between the kernels (the embedding's row gather, the KV cache's ``index_copy_``, residual adds,
-16-bit to float32 conversions) are noted as the equivalent entries of ``csrc/step_replay.c``, and any
+products by a 0-dim tensor, 16-bit to float32 conversions) are noted as the equivalent entries of ``csrc/step_replay.c``, and any
 other op refuses the recording: that size then stays eager, with one debug line naming the op. Later
 steps of ``n`` sequences copy their inputs (token ids, positions, slot mapping, sequence lengths, block
 tables) into the static buffers and run the recorded program in one C call, so they compute what the
@@ -36,6 +36,8 @@ aten = torch.ops.aten
 # Ops that only allocate (what they leave in memory is written by a later entry before it is read).
 _ALLOCATIONS = {aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
                 aten.empty_strided.default, aten.new_empty_strided.default}
+# Ops that change a tensor's autograd metadata, not its memory (``torch.tensor(value)`` detaches its result).
+_METADATA_ONLY = {aten.detach_.default}
 _SIXTEEN_BIT = {torch.bfloat16: 0, torch.float16: 1}
 
 
@@ -119,6 +121,19 @@ def _add(recorder: native_replay.StepRecording, out: torch.Tensor, a: torch.Tens
     return True
 
 
+# The dtypes mul_scalar takes, by its code in step_replay.c.
+_MUL_SCALAR = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _mul(recorder: native_replay.StepRecording, out: torch.Tensor, a: torch.Tensor, b: object) -> bool:
+    """``a * s`` for a 0-dim tensor ``s`` of ``a``'s dtype (Gemma's embedding scale), as torch rounds it."""
+    if not (isinstance(b, torch.Tensor) and b.dim() == 0 and a.dtype == b.dtype == out.dtype
+            and a.dtype in _MUL_SCALAR and a.is_contiguous() and out.is_contiguous() and a.shape == out.shape):
+        return False
+    recorder.append("mul_scalar", a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(), _MUL_SCALAR[a.dtype])
+    return True
+
+
 def _to_copy(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, **kwargs: object) -> bool:
     """A bfloat16/float16 tensor as float32 (exact)."""
     if not (source.dtype in _SIXTEEN_BIT and out.dtype == torch.float32 and source.is_contiguous()
@@ -183,6 +198,7 @@ _TRANSLATED: dict[object, Callable[..., bool]] = {
     aten.index_copy_.default: _index_copy,
     aten.add.Tensor: _add,
     aten.add_.Tensor: _add,
+    aten.mul.Tensor: _mul,
     aten._to_copy.default: _to_copy,
     aten.cat.default: _cat,
     aten.clone.default: _copy,
@@ -217,7 +233,7 @@ class _WatchTorchOps(TorchDispatchMode):
                 if storage is not None and storage.data_ptr() not in inputs | self._storages:
                     self._storages.add(storage.data_ptr())
                     self.new_bytes += storage.nbytes()
-        if self.recorder.refused is not None or func in _ALLOCATIONS:
+        if self.recorder.refused is not None or func in _ALLOCATIONS or func in _METADATA_ONLY:
             return out
         if func.is_view or func is aten._unsafe_view.default:
             if _aliases(out, args[0] if args else None):

@@ -51,6 +51,7 @@ SIGNATURES = {
     "copy_rows": (None, [_pointer, _i64, _i64, _i64, _pointer, _i64]),
     "add_bf16": (None, [_pointer] * 3 + [_i64] * 3),
     "add_f16": (None, [_pointer] * 3 + [_i64] * 3),
+    "mul_scalar": (None, [_pointer] * 3 + [_i64, ctypes.c_int]),
     "step_replay": (_i64, [_pointer, _i64, _pointer]),
     # 16-bit activations (the last argument: HALF_CODES)
     "paged_decode_attention_16": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),

@@ -1,11 +1,12 @@
 """Decode steps recorded once and replayed in one native call (``backends/cpu_step_replay.py``,
 ``csrc/step_replay.c``) against the same steps run eagerly.
 
-A replay runs the kernels the eager step ran, with the same arguments, in the same order, and plain copies
-and float32 adds in place of the torch ops between them, so everything is compared for exact equality:
-the greedy tokens and the top-5 logprobs of every step (the logits' values) of tiny llama, qwen2, qwen3
-and mistral models, float32 and quantized (in-situ Q4_0: the fused int8 matmul; a llama.cpp Q8_0 file with its
-quantized embedding), against ``enforce_eager``; with sequences finishing and joining between steps,
+A replay runs the kernels the eager step ran, with the same arguments, in the same order, and plain copies,
+adds and products by a scalar (rounded as torch rounds them) in place of the torch ops between them, so
+everything is compared for exact equality: the greedy tokens and the top-5 logprobs of every step (the
+logits' values) of tiny llama, qwen2, qwen3, mistral and Gemma 1-3 models, float32, bfloat16, float16 and
+quantized (in-situ Q4_0: the fused int8 matmul; a llama.cpp Q8_0 file with its quantized embedding),
+against ``enforce_eager``; with sequences finishing and joining between steps,
 preemption and prefix caching. The translated torch ops are checked one by one on a stand-in forward.
 """
 
@@ -24,6 +25,7 @@ from pluginfer.backends.cpu import CpuBackend
 from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
 from tests.checkpoints import random_prompts, save_hf_model
+from tests.models.family_cases_gemma_phi import CASES as GEMMA_PHI_CASES
 
 pytestmark = pytest.mark.skipif(native.available() is not None, reason="the native kernels did not load")
 
@@ -32,7 +34,11 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-5)
 MODELS = {"llama": ("LlamaForCausalLM", {}), "qwen2": ("Qwen2ForCausalLM", {}),  # qwen2: q/k/v biases
           "qwen3": ("Qwen3ForCausalLM", {"head_dim": 16}),  # q/k norms over views of the fused qkv output
-          "mistral": ("MistralForCausalLM", {"sliding_window": 12})}
+          "mistral": ("MistralForCausalLM", {"sliding_window": 12}),
+          # Gemma: the embedding scale (a product by a 0-dim tensor), the tanh GELU, norms with an offset;
+          # Gemma 2: soft-capped attention, a window, post-norms; Gemma 3: q/k norms, local and global layers
+          "gemma": GEMMA_PHI_CASES["gemma"], "gemma2": GEMMA_PHI_CASES["gemma2-softcap-window-12"],
+          "gemma3": GEMMA_PHI_CASES["gemma3-local-global-window-8"]}
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +114,15 @@ def test_float16_decode_equals_eager(name: str, checkpoints: dict[str, Path]) ->
     recorded = {size: program for size, program in replay.programs.items() if program is not None}
     assert len(recorded) >= 3, replay.programs  # several batch sizes, each recorded once and replayed
     assert all("add_f16" in program[0].names for program in recorded.values())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_gemma_decode_equals_eager(dtype: str, checkpoints: dict[str, Path]) -> None:
+    """Gemma 2 in 16 bits: the embedding scale rounded as torch rounds it (``mul_scalar``), the 16-bit tanh GELU."""
+    replay, _ = assert_replayed_like_eager(checkpoints["gemma2"], schedule(), dtype=dtype)
+    recorded = [program for program in replay.programs.values() if program is not None]
+    assert len(recorded) >= 3, replay.programs
+    assert all({"mul_scalar", "gelu_tanh_and_mul_16"} <= set(program[0].names) for program in recorded)
 
 
 def test_quantized_decode_equals_eager(checkpoints: dict[str, Path]) -> None:
@@ -249,6 +264,30 @@ def test_16_bit_adds_round_as_torch_does(dtype: torch.dtype, entry: str, exponen
         assert torch.equal(out.masked_fill(out.isnan(), 0).view(torch.int16),
                            expected.masked_fill(expected.isnan(), 0).view(torch.int16))
     assert replay.replays == 2 and entry in replay.programs[4][0].names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_products_by_a_scalar_round_as_torch_does(dtype: torch.dtype) -> None:
+    """``rows * torch.tensor(scale, dtype=...)`` (Gemma's embedding scale, the tensor made in the step):
+    products that round, overflow to infinity in float16, NaN."""
+    generator = torch.Generator().manual_seed(2)
+    table = (torch.randn(64, 256, generator=generator) * 2.0 ** torch.randint(-20, 12, (64, 256), generator=generator))
+    table = table.to(dtype)
+    table[3, 7] = float("nan")
+
+    def forward(batch: ForwardBatch) -> torch.Tensor:
+        return table.index_select(0, batch.input_ids) * torch.tensor(2048**0.5, dtype=dtype)
+
+    replay = CpuDecodeReplay(forward, max_num_seqs=4, max_blocks_per_seq=2, block_size=4)
+    replay(decode_batch([1, 2, 3, 4], [5, 6, 7, 8], [0, 1, 2, 3]))
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for ids in ([3, 9, 60, 11], [0, 1, 2, 63]):
+        out, expected = replay(decode_batch(ids, [5, 6, 7, 8], [0, 1, 2, 3])), forward(decode_batch(ids, [5, 6, 7, 8], [0, 1, 2, 3]))
+        assert torch.equal(out.isnan(), expected.isnan())
+        assert torch.equal(out.masked_fill(out.isnan(), 0).view(bits), expected.masked_fill(expected.isnan(), 0).view(bits))
+    assert replay.replays == 2 and replay.programs[4][0].names == ["gather_rows", "mul_scalar"]
+    if dtype == torch.float16:
+        assert bool(expected.isinf().any())  # (products past 65504)
 
 
 def test_other_steps_stay_eager() -> None:

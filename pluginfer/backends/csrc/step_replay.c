@@ -4,7 +4,8 @@
  * the same arguments (pointers into tensors the recording keeps alive), in the order the eager forward
  * called them, so a replay computes what the eager step computes, bit for bit. Besides the kernels of
  * the library, a few copy-like ops stand in for the torch ops a decode step makes between them (row
- * gathers, the KV cache's row scatter, float32 and 16-bit adds, 16-bit to float32 conversions); each does exactly
+ * gathers, the KV cache's row scatter, float32 and 16-bit adds, products by a scalar, 16-bit to float32
+ * conversions); each does exactly
  * what the torch op does (an IEEE float32 add is one rounding either way).
  *
  * step_replay returns 0, or the index + 1 of the entry that failed, with that entry's status in *status.
@@ -20,6 +21,7 @@ int paged_decode_attention(const float *query, const float *key_cache, const flo
 void rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t cols,
               float eps, float offset);
 void silu_and_mul(const float *x, float *out, int64_t rows, int64_t n);
+void gelu_tanh_and_mul(const float *x, float *out, int64_t rows, int64_t n);
 void rotary_neox(float *q, float *k, const float *cos_table, const float *sin_table, int64_t tokens,
                  int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride,
                  int64_t k_stride);
@@ -40,6 +42,7 @@ int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, 
 void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
                  int64_t cols, float eps, float offset, int dtype);
 void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype);
+void gelu_tanh_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype);
 void rotary_neox_16(uint16_t *q, uint16_t *k, const float *cos_table, const float *sin_table, int64_t tokens,
                     int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride,
                     int64_t k_stride, int dtype);
@@ -68,6 +71,9 @@ enum {
     OP_ADD_F16,
     OP_HALF_LINEAR_AT,
     OP_HALF_WEIGHT_LINEAR,
+    OP_GELU_TANH_AND_MUL,
+    OP_GELU_TANH_AND_MUL_16,
+    OP_MUL_SCALAR,
 };
 
 /* quant_matmul's signature: another library's kernel (amx_quant.c's tiles) called through its address. */
@@ -177,6 +183,36 @@ void add_f16(const uint16_t *a, const uint16_t *b, uint16_t *out, int64_t rows, 
     }
 }
 
+/* out[i] = a[i] * s[0] for n values, as torch multiplies by a 0-dim tensor of a's dtype (Gemma's embedding
+ * scale): dtype 0 float32, 1 float16, 2 bfloat16 (a product of two 16-bit values is exact in float32, so
+ * the one rounding to nearest even is torch's; a NaN's bits may differ). */
+void mul_scalar(const void *a, const void *s, void *out, int64_t n, int dtype) {
+    if (dtype == 0) {
+        const float *x = a, scale = *(const float *)s;
+        float *o = out;
+        for (int64_t i = 0; i < n; i++) o[i] = x[i] * scale;
+        return;
+    }
+    const uint16_t *x = a;
+    uint16_t *o = out;
+    if (dtype == 1) {
+        const float scale = half_to_float(*(const uint16_t *)s);
+        for (int64_t i = 0; i < n; i++) o[i] = float_to_half(half_to_float(x[i]) * scale);
+        return;
+    }
+    float scale;
+    uint32_t bits = (uint32_t)*(const uint16_t *)s << 16;
+    memcpy(&scale, &bits, sizeof scale);
+    for (int64_t i = 0; i < n; i++) {
+        float value;
+        bits = (uint32_t)x[i] << 16;
+        memcpy(&value, &bits, sizeof value);
+        value *= scale;
+        memcpy(&bits, &value, sizeof bits);
+        o[i] = value != value ? 0xffff : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
+}
+
 /* float32 of n contiguous 16-bit values: dtype 0 bfloat16, 1 float16 (both exact). */
 void to_f32(const uint16_t *src, int dtype, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
@@ -272,6 +308,15 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
             break;
         case OP_HALF_WEIGHT_LINEAR:
             result = half_weight_linear((int)a[0], P(1), a[2], a[3], P(4), a[5], P(6), P(7));
+            break;
+        case OP_GELU_TANH_AND_MUL:
+            gelu_tanh_and_mul(P(0), P(1), a[2], a[3]);
+            break;
+        case OP_GELU_TANH_AND_MUL_16:
+            gelu_tanh_and_mul_16(P(0), P(1), a[2], a[3], (int)a[4]);
+            break;
+        case OP_MUL_SCALAR:
+            mul_scalar(P(0), P(1), P(2), a[3], (int)a[4]);
             break;
         default:
             result = -100;
