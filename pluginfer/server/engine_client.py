@@ -29,124 +29,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.engine_core import EngineDeadError, FrameReader, encode
-from pluginfer.core.outputs import CompletionOutput, RequestOutput
+from pluginfer.core.outputs import RequestOutput
 from pluginfer.core.sequence import SamplingParams
+from pluginfer.server.client_request import ClientRequest
+from pluginfer.server.engine_view import EngineView
 
 logger = logging.getLogger(__name__)
-
-
-class _Scheduler:
-    """The gauges' view of the core's scheduler, updated with every step's frame."""
-
-    num_running = 0
-    num_waiting = 0
-
-
-class _BlockManager:
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.num_free_blocks = num_blocks
-        self.usage = 0.0
-
-
-class _Grammars:
-    """``engine.grammars.compile`` for the handlers: compiled (and cached) in the core, off its step loop."""
-
-    def __init__(self, client: EngineClient) -> None:
-        self._client = client
-
-    def compile(self, grammar: Any) -> None:
-        """Blocks until the core compiled it; raises StructuredOutputError with the core's reason.
-        Call it off the event loop (the handlers use ``asyncio.to_thread``)."""
-        from pluginfer.core.structured import StructuredOutputError
-
-        error = self._client.call("compile", grammar).result()
-        if error is not None:
-            kind, message = error
-            raise StructuredOutputError(message) if kind == "StructuredOutputError" else RuntimeError(message)
-
-
-class EngineView:
-    """What the handlers and the metrics read of the engine, in the server's process."""
-
-    def __init__(self, client: EngineClient, config: EngineConfig, info: dict[str, Any], tokenizer: Any) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.max_model_len: int = info["max_model_len"]
-        self.eos_token_ids = set(info["eos_token_ids"])
-        self.model_path = Path(info["model_path"])
-        self.scheduler = _Scheduler()
-        self.block_manager = _BlockManager(info["num_blocks"])
-        self.grammars = _Grammars(client)
-
-    def has_unfinished_requests(self) -> bool:
-        """As the core's last frame saw it (waiting or running sequences)."""
-        return bool(self.scheduler.num_running or self.scheduler.num_waiting)
-
-
-class _Request:
-    """One request's output so far, grown by the core's deltas; the consumer takes snapshots."""
-
-    __slots__ = ("loop", "waiter", "prompt", "prompt_token_ids", "prompt_logprobs", "choices", "finished",
-                 "error", "num_cached_tokens", "fresh", "failure", "embedding")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: str | list[int], n: int) -> None:
-        self.loop = loop
-        self.waiter: asyncio.Future | None = None
-        self.prompt = prompt if isinstance(prompt, str) else None
-        self.prompt_token_ids: list[int] = [] if isinstance(prompt, str) else list(prompt)
-        self.prompt_logprobs: list | None = None
-        # per choice: [token ids, text, logprobs or None, finish reason]
-        self.choices: list[list[Any]] = [[[], "", None, None] for _ in range(n)]
-        self.finished = False
-        self.error: str | None = None
-        self.num_cached_tokens = 0
-        self.fresh = False  # something arrived that the consumer has not taken yet
-        self.failure: BaseException | None = None
-        self.embedding: list[float] | None = None
-
-    def apply(self, head: tuple | None, choices: list[tuple], finished: bool, error: str | None,
-              num_cached_tokens: int, embedding: list[float] | None = None) -> None:
-        if head is not None:
-            self.prompt, self.prompt_token_ids, self.prompt_logprobs = head
-        for index, tokens, text, logprobs, finish_reason in choices:
-            choice = self.choices[index]
-            choice[0] += tokens
-            if text:
-                choice[1] += text
-            if logprobs is not None:
-                choice[2] = (choice[2] or []) + logprobs
-            choice[3] = finish_reason
-        self.finished, self.error, self.num_cached_tokens = finished, error, num_cached_tokens
-        if embedding is not None:
-            self.embedding = embedding
-        self.fresh = True
-        self.wake()
-
-    def fail(self, failure: BaseException) -> None:
-        if self.failure is None:
-            self.failure = failure
-        self.wake()
-
-    def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def snapshot(self, request_id: str) -> RequestOutput:
-        self.fresh = False
-        completions = [CompletionOutput(index=index, text=text, token_ids=list(tokens),
-                                        logprobs=list(logprobs) if logprobs is not None else None,
-                                        finish_reason=reason)
-                       for index, (tokens, text, logprobs, reason) in enumerate(self.choices)]
-        return RequestOutput(request_id, self.prompt, self.prompt_token_ids, completions, finished=self.finished,
-                             error=self.error, num_cached_tokens=self.num_cached_tokens,
-                             prompt_logprobs=self.prompt_logprobs, embedding=self.embedding)
 
 
 class EngineClient:
@@ -156,7 +48,7 @@ class EngineClient:
         self.config = config
         self.engine: EngineView | None = None
         self.startup_times: dict[str, float] = {}
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, ClientRequest] = {}
         self._not_started: set[str] = set()
         self._ids = itertools.count()
         self._calls: dict[int, Future] = {}
@@ -296,7 +188,7 @@ class EngineClient:
         request_id = request_id or f"client-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = _Request(loop, prompt, params.n)
+        request = ClientRequest(loop, prompt, params.n)
         self._requests[request_id] = request
         self._not_started.add(request_id)
         finished = False
@@ -435,7 +327,7 @@ class EngineClient:
         self.engine.scheduler.num_running, self.engine.scheduler.num_waiting = running, waiting
         self.engine.block_manager.usage, self.engine.block_manager.num_free_blocks = usage, free
 
-    def _deliver_failure(self, request: _Request, failure: BaseException) -> None:
+    def _deliver_failure(self, request: ClientRequest, failure: BaseException) -> None:
         if request.loop is self._loop or request.loop.is_closed():
             request.fail(failure)
         else:
