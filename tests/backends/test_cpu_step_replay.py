@@ -13,6 +13,7 @@ preemption and prefix caching. The translated torch ops are checked one by one o
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer import LLM, SamplingParams
-from pluginfer.backends import native, native_half_linear, native_layer_ops, native_quant
+from pluginfer.backends import native, native_half_linear, native_layer_ops, native_quant, native_replay
 from pluginfer.backends.cpu import CpuBackend
 from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
@@ -323,6 +324,14 @@ def test_recordings_past_the_memory_budget_stay_eager(caplog: pytest.LogCaptureF
         replay(decode_batch([1, 2, 3, 4], [5, 10, 31, 32], [1, 6, 10, 13]))
     assert replay.programs[4] is None and "past the 0 MiB the recordings may hold" in caplog.text
     assert replay(decode_batch([3, 4], [5, 10], [1, 6])) is not None and replay.replays == 1
+
+
+def test_replay_ops_name_the_c_entries_in_their_order() -> None:
+    """native_replay.REPLAY_OPS gives each op the code of its OP_ entry in csrc/step_replay.c's enum."""
+    source = (Path(native_replay.__file__).parent / "csrc" / "step_replay.c").read_text()
+    enum = source[source.index("enum {"):source.index("};", source.index("enum {"))]
+    names = [name.lower() for name in re.findall(r"OP_(\w+)", enum)]
+    assert tuple(names) == native_replay.REPLAY_OPS
 
 
 def test_a_native_call_without_replay_entry_refuses() -> None:
