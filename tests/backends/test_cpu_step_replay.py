@@ -159,20 +159,22 @@ def test_batches_on_amx_tiles_are_replayed_through_the_kernels_address(checkpoin
         assert ("quant_matmul_at" in names) == amx_quant.takes(2, size), (size, names)
 
 
-def test_bfloat16_batches_on_amx_tiles_are_replayed_through_the_kernels_address(checkpoints: dict[str, Path]) -> None:
-    """From amx_half.MIN_ROWS rows a bfloat16 linear runs on AMX bfloat16 tiles (csrc/amx_half.c, a library of
-    its own): the program calls it through its address (``half_linear_at``); batches of 8 down to 1 all
-    replay, and equal --enforce-eager."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_batches_on_amx_tiles_are_replayed_through_the_kernels_address(
+        dtype: torch.dtype, checkpoints: dict[str, Path]) -> None:
+    """From amx_half.MIN_ROWS rows a 16-bit linear runs on AMX bfloat16 tiles (csrc/amx_half.c, a library of
+    its own; float16 split in two): the program calls it through its address (``half_linear_at``); batches
+    of 8 down to 1 all replay, and equal --enforce-eager."""
     from pluginfer.backends import amx_half
 
-    if not amx_half.takes(torch.bfloat16, 8):
+    if not amx_half.takes(dtype, 8):
         pytest.skip("no AMX bfloat16 tiles here (or PLUGINFER_AMX=0)")
     prompts = random_prompts(200, [4] * 8, seed=7)
     plan = [[(prompt, 4 + 2 * index) for index, prompt in enumerate(prompts)]]  # batches of 8 down to 1
-    replay, _ = assert_replayed_like_eager(checkpoints["qwen2"], plan, dtype="bfloat16")
+    replay, _ = assert_replayed_like_eager(checkpoints["qwen2"], plan, dtype=str(dtype).removeprefix("torch."))
     for size in range(1, 9):
         names = replay.programs[size][0].names
-        assert ("half_linear_at" in names) == amx_half.takes(torch.bfloat16, size), (size, names)
+        assert ("half_linear_at" in names) == amx_half.takes(dtype, size), (size, names)
 
 
 def test_preemption_and_prefix_caching(checkpoints: dict[str, Path]) -> None:
