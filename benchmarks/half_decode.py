@@ -9,10 +9,11 @@ replaced, our float32 and llama.cpp on an F16 GGUF file of the same weights, int
 A random llama is built locally (``offline_throughput.build_checkpoint``) and, for llama.cpp, written as
 an F16 GGUF file by ``pluginfer convert`` (llama-cpp-python's C API, ``vs_llamacpp.LlamaCpp``). Engines:
 ``f32``, ``bf16``, ``f16`` (pluginfer on the HF checkpoint with that ``--dtype``), ``bf16-torch`` and
-``f16-torch`` (the same engines with ``native_half_linear.HALF_LINEAR_MAX_ROWS`` and ``amx_half.MAX_ROWS`` at 0 for
-their runs: every 16-bit linear through ``F.linear``, the path before the native kernels), ``bf16-noamx`` and
+``f16-torch`` (engines of their own with ``native_half_linear.HALF_LINEAR_MAX_ROWS`` and ``amx_half.MAX_ROWS`` at 0
+for their runs: every 16-bit linear through ``F.linear``, the path before the native kernels), ``bf16-noamx`` and
 ``f16-noamx`` (engines of their own with ``amx_half.MAX_ROWS`` at 0 for their runs: the GEMV and torch's GEMM as
-before the AMX bfloat16 tiles of ``csrc/amx_half.c``), ``llama.cpp-F16``. Each run times every
+before the AMX bfloat16 tiles of ``csrc/amx_half.c``), ``llama.cpp-F16``. A variant needs an engine of its own:
+an engine replays each decode batch size with the kernels its first step of that size recorded. Each run times every
 engine in turn: batch-1 decode (prompt 128, then ``--b1-tokens`` greedy tokens, the prefill excluded) and
 batch-16 decode (16 prompts of 128, ``--b16-tokens`` tokens each). Medians of ``--runs``, tokens/s, ratios
 to llama.cpp, and the memory-bandwidth bound: the weight bytes a batch-1 token reads (every linear and
@@ -121,7 +122,6 @@ def main() -> None:
               f"{bandwidth / 1e9:.1f} GB/s; weights read per batch-1 token: {linear_params * 2 / 1e6:.0f} MB "
               f"(16-bit), {linear_params * 4 / 1e6:.0f} MB (float32)", flush=True)
         engines: list = []
-        shared: dict[str, object] = {}
         for name in engines_asked:
             if name == "llama.cpp-F16":
                 path = write_files(model_dir, root, ["f16"])["f16"]
@@ -130,11 +130,10 @@ def main() -> None:
             else:
                 base = name.removesuffix("-torch").removesuffix("-noamx")
                 dtype = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[base]
-                if name.endswith("-noamx"):  # its own engine: replays record the kernels of their first step
-                    engine = Ours(name, model_dir, dtype, tiles=False)
+                if name.endswith(("-noamx", "-torch")):  # its own engine: replays keep the kernels they recorded
+                    engine = Ours(name, model_dir, dtype, name.endswith("-torch"), tiles=False)
                 else:
-                    engine = Ours(name, model_dir, dtype, name.endswith("-torch"), shared.get(dtype))
-                    shared[dtype] = engine.llm
+                    engine = Ours(name, model_dir, dtype)
             engines.append(engine)
         results = {e.name: {"b1": [], "b16": []} for e in engines}
         for run in range(args.runs):
