@@ -4,9 +4,9 @@ Where a CPU has AMX-BF16 (Sapphire Rapids and later), :func:`native_half_linear.
 :data:`MIN_ROWS` to :data:`MAX_ROWS` rows of a bfloat16 weight to this kernel instead of the AVX-512 GEMV of
 ``csrc/half_linear.c`` or torch's GEMM: the checkpoint's ``[out, in]`` weight read in place as the tiles'
 A operand, products exact in float32 and summed in float32 as there; only the order of the sums differs.
-float16 weights can run here too, each value split exactly into two bfloat16 (four products per pair,
-see the C file): :data:`MIN_ROWS` says from how many rows the engine does so (docs/performance.md,
-"AMX bfloat16 tiles"). The library is built apart from ``native_library.load()``'s, so a compiler without AMX
+float16 weights too (from more rows), each value split exactly into two bfloat16: four products per pair,
+exact in float32, so no bit of the float16 values is lost (see the C file; docs/performance.md, "AMX
+bfloat16 tiles"). The library is built apart from ``native_library.load()``'s, so a compiler without AMX
 support, a CPU without AMX or a kernel that refuses to build leaves the GEMV as it is, with one log line
 saying why.
 """
