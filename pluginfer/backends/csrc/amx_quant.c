@@ -87,6 +87,12 @@ int amx_quant_type_supported(int type) {
 }
 
 #if defined(AQ_AMX)
+/* Where a call's phases begin and end (benchmarks/amx_phases.c times them; nothing otherwise): 0 entry,
+ * 1 buffers ready, per thread 2 in the parallel region, 3 activations quantized, 4 tiles configured,
+ * 5 tiles done, 6 tile state released; 7 threads joined. */
+#ifndef AQ_PHASE
+#define AQ_PHASE(thread, phase) ((void)0)
+#endif
 #define AQ_ROWS 16 /* rows of x per group (the B tile's 16 int32 columns) */
 #define AQ_COLS 16 /* outputs per tile (the A tile's 16 rows) */
 #define AQ_B_BYTES 512 /* one block of 32 activations for 16 rows, VNNI-interleaved */
@@ -404,6 +410,7 @@ int amx_quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8
     if (k <= 0 || k % weights || k / weights * bytes != row_bytes) return -2;
     if (!aq_granted) return -4;
     if (m <= 0 || n <= 0) return 0;
+    AQ_PHASE(0, 0);
     const int64_t nb = k / 32, groups = (m + AQ_ROWS - 1) / AQ_ROWS, tiles = (n + AQ_COLS - 1) / AQ_COLS;
     const size_t levels_bytes = (size_t)(groups * nb * AQ_B_BYTES), scale_bytes = (size_t)(groups * nb * AQ_ROWS * 4);
     uint8_t *buffer = aligned_alloc(64, levels_bytes + 2 * scale_bytes + (size_t)(AQ_COLS * row_bytes + 64));
@@ -416,15 +423,19 @@ int amx_quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8
         memcpy(tail, w + (n - n % AQ_COLS) * row_bytes, (size_t)((n % AQ_COLS) * row_bytes));
     }
     const int k_bytes = type == AQ_Q6_K ? 16 : 32;
+    AQ_PHASE(0, 1);
 #pragma omp parallel if (n * k >= (1 << 15))
     {
+        AQ_PHASE(omp_get_thread_num(), 2);
 #pragma omp for schedule(static)
         for (int64_t gb = 0; gb < groups * nb; gb++) { /* block gb % nb of group gb / nb */
             const int64_t g = gb / nb, group_rows = m - g * AQ_ROWS < AQ_ROWS ? m - g * AQ_ROWS : AQ_ROWS;
             aq_quantize_group_block(x + g * AQ_ROWS * k, group_rows, k, gb % nb, levels + gb * AQ_B_BYTES,
                                     dx + gb * AQ_ROWS, cs + gb * AQ_ROWS);
         }
+        AQ_PHASE(omp_get_thread_num(), 3);
         aq_configure(k_bytes);
+        AQ_PHASE(omp_get_thread_num(), 4);
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t lo = tiles * id / threads, hi = tiles * (id + 1) / threads;
         __m512 acc[AQ_COLS];
@@ -441,8 +452,11 @@ int amx_quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8
                     for (int64_t o = 0; o < outs; o++) out[(g * AQ_ROWS + r) * n + o0 + o] = result[o][r];
             }
         }
+        AQ_PHASE(omp_get_thread_num(), 5);
         _tile_release();
+        AQ_PHASE(omp_get_thread_num(), 6);
     }
+    AQ_PHASE(0, 7);
     free(buffer);
     return 0;
 }
