@@ -99,7 +99,31 @@ typedef __m512 hl_vec;
 #define hl_zero _mm512_setzero_ps
 #define hl_load_x _mm512_loadu_ps
 #define hl_fma _mm512_fmadd_ps
-static inline float hl_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
+/* The sum of a vector's 16 lanes by one fixed tree: halves of 256 bits, of 128, lanes (0 + 2, 1 + 3), then
+ * 0 + 1 (the tree of GCC's _mm512_reduce_add_ps). */
+static inline float hl_sum(__m512 v) {
+    const __m256 t3 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+                                    _mm512_castps512_ps256(v));
+    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
+    return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
+}
+/* Four vectors' sums by the same tree at once (one set of shuffles and adds for the four): out[0..3]. */
+static inline void hl_sum4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0xEE), _mm512_shuffle_f32x4(a, b, 0x44));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0xEE), _mm512_shuffle_f32x4(c, d, 0x44));
+    const __m512 t6 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0xDD), _mm512_shuffle_f32x4(ab, cd, 0x88));
+    const __m512 t8 = _mm512_add_ps(t6, _mm512_permute_ps(t6, 0x4E));
+    const __m512 r = _mm512_add_ps(t8, _mm512_permute_ps(t8, 0xB1));
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0,
+                                                                                       0, 0, 0, 0, 0, 0), r)));
+}
+/* A tile row's HL_NO sums (HL_NO = 8: two sets of four). */
+#define hl_sum_row(acc, sums)                                                                                \
+    do {                                                                                                     \
+        hl_sum4((acc)[0], (acc)[1], (acc)[2], (acc)[3], (sums));                                             \
+        hl_sum4((acc)[4], (acc)[5], (acc)[6], (acc)[7], (sums) + 4);                                         \
+    } while (0)
 static inline __m512 hl_widen(const int dtype, __m256i h) {
     return dtype == HL_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
                             : _mm512_cvtph_ps(h);
@@ -171,9 +195,14 @@ static inline __attribute__((always_inline)) void tile_float(const int dtype, co
         }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < mr; r++)
+    for (int r = 0; r < mr; r++) {
+#if defined(HL_AVX512)
+        hl_sum_row(acc[r], sums + r * HL_NO);
+#else
 #pragma GCC unroll 8
         for (int o = 0; o < HL_NO; o++) sums[r * HL_NO + o] = hl_sum(acc[r][o]);
+#endif
+    }
 }
 
 #if defined(HL_DPBF16)
@@ -212,9 +241,7 @@ static inline __attribute__((always_inline)) void tile_dpbf16(const int mr, cons
         }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < mr; r++)
-#pragma GCC unroll 8
-        for (int o = 0; o < HL_NO; o++) sums[r * HL_NO + o] = _mm512_reduce_add_ps(acc[r][o]);
+    for (int r = 0; r < mr; r++) hl_sum_row(acc[r], sums + r * HL_NO);
 }
 #endif
 
