@@ -67,9 +67,10 @@ class GGUFLinear:
         layer.gguf_groups = []
         # The backend's native tile dequantization, if it has one (None: the torch path).
         layer.ggml_dequantize = backend_op(current_context().backend, "ggml_dequantize") if has_context() else None
-        # F16/BF16 tensors of a float32 model stay 16-bit for the backend's 16-bit GEMV, where it has one.
+        # The backend's 16-bit GEMV, where it has one: F16/BF16 tensors of a float32 model stay 16-bit for it,
+        # and a 16-bit model's 16-bit linears take it as its HF checkpoint's do.
         layer.gguf_half = backend_op(current_context().backend, "half_linear") \
-            if has_context() and dtype == torch.float32 else None
+            if has_context() and dtype in (torch.float32, torch.float16, torch.bfloat16) else None
         # Per GGML type, the backend's kernel reading its blocks (op ggml_<type>_matmul), found as shards load.
         layer.gguf_backend = current_context().backend if has_context() else None
         layer.gguf_matmuls = {}
@@ -256,14 +257,15 @@ def _columns(loaded: object, start: int, cols: int) -> object:
 def _keeps_half(layer: nn.Module, loaded: torch.Tensor, device: torch.device) -> bool:
     """Whether a float checkpoint tensor stays as the file stores it: F16/BF16 in a float32 model whose
     backend has the ``half_linear`` op, on the CPU (a view of the file's mapping, read in place)."""
-    return getattr(layer, "gguf_half", None) is not None and loaded.dtype in _HALF_TYPES.values() \
-        and loaded.device.type == "cpu" and torch.device(device).type == "cpu"
+    return getattr(layer, "gguf_half", None) is not None and layer.gguf_dtype == torch.float32 \
+        and loaded.dtype in _HALF_TYPES.values() and loaded.device.type == "cpu" and torch.device(device).type == "cpu"
 
 
 def half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        half: Callable) -> torch.Tensor:
-    """``x @ W.T + bias`` for a 16-bit ``weight`` read in place: the backend's ``half_linear`` op (a few rows),
-    else tiles of ``W`` widened to ``x``'s dtype (exact for float32) for torch's GEMM."""
+    """``x @ W.T + bias`` for a 16-bit ``weight`` (read in place in a float32 model): the backend's ``half_linear``
+    op (a few rows), else ``F.linear`` for ``x`` of ``W``'s dtype, else tiles of ``W`` widened to ``x``'s dtype
+    (exact for float32) for torch's GEMM."""
     out = half(x, weight, bias)
     if out is not None:
         return out
@@ -276,7 +278,7 @@ def _group_linear(x: torch.Tensor, qtype: object, weight: torch.Tensor, cols: in
                   kernel: DequantizeKernel | None, matmul: Callable | None = None,
                   half: Callable | None = None) -> torch.Tensor:
     if qtype is None:
-        if weight.dtype != x.dtype and half is not None:  # a 16-bit weight kept as the file stores it
+        if half is not None and weight.dtype in _HALF_TYPES.values():  # the backend's 16-bit GEMV, F.linear above
             return half_weight_linear(x, weight, bias, half)
         return F.linear(x, weight, bias)
     if matmul is not None:  # a device kernel reading the blocks (the cuda backend's Q8_0 / Q4_0)

@@ -144,6 +144,15 @@ def test_gguf_f16_decode_equals_eager() -> None:
     assert "half_weight_linear" in names and "to_f32" in names, names
 
 
+def test_gguf_f16_decode_in_a_float16_model_equals_eager() -> None:
+    """The same file in a float16 model: its linears and head through the 16-bit GEMV as an HF checkpoint's."""
+    if native_half_linear.half_linear_isa() is None:
+        pytest.skip("no native 16-bit GEMV here")
+    replay, _ = assert_replayed_like_eager(FIXTURES / "llamacpp-llama-f16.gguf", schedule(vocab=250), dtype="float16")
+    names = replay.programs[1][0].names
+    assert names.count("half_linear") >= 5 and "add_f16" in names, names  # 4 a layer and the head
+
+
 def test_batches_on_amx_tiles_are_replayed_through_the_kernels_address(checkpoints: dict[str, Path]) -> None:
     """From amx_quant.MIN_ROWS rows the fused matmul runs on AMX tiles, a kernel of another library: the
     program calls it through its address (``quant_matmul_at``); batches of 8 down to 1 all replay."""

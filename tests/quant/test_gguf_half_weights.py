@@ -105,3 +105,29 @@ def test_a_16_bit_linear_through_the_quant_method(rows: int) -> None:
         out = layer.proj(x)
     out = out[0] if isinstance(out, tuple) else out
     assert out.dtype == torch.float32 and within_float32_sums(out, x, weight)
+
+
+@pytest.mark.skipif(not NATIVE, reason="no native 16-bit GEMV here")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_a_16_bit_models_linears_take_the_16_bit_gemv(dtype: torch.dtype, rows: int) -> None:
+    """In a float16/bfloat16 model a GGUF file's 16-bit linear is the backend's ``half_linear`` op, as an HF
+    checkpoint's is (it was torch's ``F.linear``, ~1.6x slower at one row): the op's bits up to its rows,
+    ``F.linear``'s above."""
+    ctx = BuildContext(backend=backend_with(True), quant=gguf.build(), collective=single.build(),
+                       dtype=dtype, max_model_len=128)
+    from pluginfer.layers.linear import RowParallelLinear
+
+    layer = build_on(ctx, lambda: Holder(proj=RowParallelLinear(HIDDEN, 70, bias=False)))
+    weight = torch.randn(70, HIDDEN, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    load_named_weights(layer, [("proj.weight", weight)], stacked=())
+    layer.proj.quant_method.process_weights_after_loading(layer.proj)
+    (_, kept), = layer.proj.gguf_groups
+    assert kept.dtype == dtype and layer.proj.gguf_half is not None
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(100 + rows)).to(dtype)
+    with torch.inference_mode():
+        out = layer.proj(x)
+        out = out[0] if isinstance(out, tuple) else out
+        native_out = native_half_linear.half_linear(x, kept, None)
+        expected = F.linear(x, kept) if native_out is None else native_out
+    assert out.dtype == dtype and torch.equal(out, expected)
