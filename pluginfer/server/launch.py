@@ -133,6 +133,9 @@ def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
     from pluginfer.server import app  # noqa: F401 - the server's own imports (no torch), while the core loads
 
     if client is None:
+        if config.server.core_spin_count:
+            logger.warning("--core-spin-count applies to the engine core process only; with the engine in this "
+                           "process set OMP_WAIT_POLICY or GOMP_SPINCOUNT in its environment instead")
         from pluginfer.core.async_engine import AsyncEngine
         from pluginfer.core.engine import LLMEngine
 

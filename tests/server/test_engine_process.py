@@ -355,3 +355,16 @@ def test_serve_takes_core_spin_count_and_refuses_a_negative_one(tmp_path):
     assert config.server.core_spin_count == 100000
     with pytest.raises(ValueError, match="core_spin_count"):
         serve_config(parse(["serve", "--model", str(tmp_path), "--core-spin-count", "-1"]))
+
+
+def test_core_spin_count_with_the_engine_in_the_server_process_says_it_does_not_apply(
+        tiny_llama_checkpoint, monkeypatch, caplog):
+    from pluginfer.server import launch
+
+    monkeypatch.setenv("PLUGINFER_ENGINE_PROCESS", "0")
+    caplog.set_level(logging.WARNING, logger="pluginfer.server.launch")
+    engine = launch.start_engine(server_config(tiny_llama_checkpoint[0], **{"server.core_spin_count": 1000}))
+    try:
+        assert "--core-spin-count applies to the engine core process only" in caplog.text
+    finally:
+        engine.shutdown()
