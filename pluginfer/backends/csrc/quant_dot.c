@@ -471,7 +471,7 @@ static inline void q6_k_decode(const unit_k6 *U, int j, __m512i *w, __m512 *sv, 
 /* R rows of activations (a group's records from its row r0: vector v of row r0 + r at act + v * vstride
  * + r * QD_RECORD) x O output rows of weights (row_bytes apart); out[r * ldo + o]. */
 typedef void (*qd_tile)(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb, const uint8_t *act,
-                        int64_t vstride, float *out, int64_t ldo);
+                        int64_t vstride, float *out, int64_t ldo, int64_t count);
 
 /* Outputs per tile: 1-2 rows read four weight streams at once (memory parallelism); 3-8 rows two,
  * sharing each row's activation loads between them (16 rows: 1.7 -> 1.45 ms for a 5632 x 1024 Q4_0
@@ -503,8 +503,9 @@ static inline void qd_sum4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
 }
 
 #define QD_TILE(T, OFFSET, MIN, R, O)                                                                        \
-    static void T##_tile_##R##x##O(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb,         \
-                                   const uint8_t *act, int64_t vstride, float *out, int64_t ldo) {         \
+    static inline __attribute__((always_inline)) void T##_one_##R##x##O(                                   \
+        const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb, const uint8_t *act, int64_t vstride,  \
+        float *out, int64_t ldo) {                                                                          \
         enum { REC = QD_RECORD(OFFSET, MIN), CS_AT = (OFFSET) ? 192 : 128 };                                \
         __m512 acc[R][O];                                                                                   \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                \
@@ -551,6 +552,12 @@ static inline void qd_sum4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
                 qd_sum4(acc[r][0], acc[r][O > 1], acc[r][O > 2 ? 2 : 0], acc[r][O > 3 ? 3 : 0], out + r * ldo); \
             else                                                                                            \
                 _Pragma("GCC unroll 4") for (int o = 0; o < O; o++) out[r * ldo + o] = qd_sum(acc[r][o]);   \
+    } \
+    static void T##_tile_##R##x##O(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb,         \
+                                   const uint8_t *act, int64_t vstride, float *out, int64_t ldo,           \
+                                   int64_t count) {                                                         \
+        for (int64_t g = 0; g < count; g++)                                                                 \
+            T##_one_##R##x##O(row + g * O * row_bytes, row_bytes, units, nb, act, vstride, out + g * O, ldo);  \
     }
 
 #define QD_TILES(T, OFFSET, MIN)                                                                             \
@@ -903,15 +910,16 @@ static inline __m256 no_mins(const void *U) {
 #define q6_k_UNIT unit_k6
 
 typedef void (*qd_tile)(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb, const uint8_t *act,
-                        int64_t vstride, float *out, int64_t ldo);
+                        int64_t vstride, float *out, int64_t ldo, int64_t count);
 
 #define QD_OUTS(R) ((R) == 1 ? 2 : 1)
 
 /* As the AVX-512 tile, by halves: acc[r][o] += (float(dot) * dx) * sv (+ mv * cs). SIGNED (Q8_0
  * without VNNI): |w| times x with w's sign. */
 #define QD_TILE(T, OFFSET, MIN, SIGNED, R, O)                                                                \
-    static void T##_tile_##R##x##O(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb,         \
-                                   const uint8_t *act, int64_t vstride, float *out, int64_t ldo) {         \
+    static inline __attribute__((always_inline)) void T##_one_##R##x##O(                                   \
+        const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb, const uint8_t *act, int64_t vstride,  \
+        float *out, int64_t ldo) {                                                                          \
         enum { REC = QD_RECORD(OFFSET, MIN), CS_AT = (OFFSET) ? 192 : 128 };                                \
         __m256 acc[R][O];                                                                                   \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                 \
@@ -961,6 +969,12 @@ typedef void (*qd_tile)(const uint8_t *row, int64_t row_bytes, int64_t units, in
         }                                                                                                   \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                 \
             _Pragma("GCC unroll 2") for (int o = 0; o < O; o++) out[r * ldo + o] = hsum8(acc[r][o]);        \
+    } \
+    static void T##_tile_##R##x##O(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb,         \
+                                   const uint8_t *act, int64_t vstride, float *out, int64_t ldo,           \
+                                   int64_t count) {                                                         \
+        for (int64_t g = 0; g < count; g++)                                                                 \
+            T##_one_##R##x##O(row + g * O * row_bytes, row_bytes, units, nb, act, vstride, out + g * O, ldo);  \
     }
 
 #define QD_TILES(T, OFFSET, MIN, SIGNED)                                                                     \
@@ -1064,13 +1078,13 @@ int quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *
                 const int64_t rows = group_rows - t0 < QD_TILE_MAX ? group_rows - t0 : QD_TILE_MAX;
                 const int64_t outs = QD_OUTS(rows), r0 = g0 + t0;
                 const uint8_t *first = group + t0 * record;
-                int64_t o = lo;
-                for (; o + outs <= hi; o += outs)
-                    tiles[1][rows](w + o * row_bytes, row_bytes, loop_units, loop_nb, first, group_rows * record,
-                                   out + r0 * n + o, n);
-                for (; o < hi; o++)
+                const int64_t groups = (hi - lo) / outs, o = lo + groups * outs; /* whole tiles in one call */
+                if (groups)
+                    tiles[1][rows](w + lo * row_bytes, row_bytes, loop_units, loop_nb, first, group_rows * record,
+                                   out + r0 * n + lo, n, groups);
+                if (o < hi)
                     tiles[0][rows](w + o * row_bytes, row_bytes, loop_units, loop_nb, first, group_rows * record,
-                                   out + r0 * n + o, n);
+                                   out + r0 * n + o, n, hi - o);
             }
         }
     }
