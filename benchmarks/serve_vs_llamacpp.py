@@ -18,7 +18,7 @@ llama_cpp.server has no /health: `/v1/models` 200; `--startups N` only times N i
   `--interrupt_requests False` (by default each new request cuts the running stream short); it serves one
   request at a time, so at concurrency > 1 the others queue;
 each optionally with environment variables (`process:OMP_WAIT_POLICY=ACTIVE`, or `inprocess:PYTHONPATH=DIR`
-to run an older checkout).
+to run an older checkout) and `pluginfer serve` flags (`process:--core-spin-count=3000`).
 
 One client for all: the official `openai` package (AsyncOpenAI), streaming `/v1/completions` with
 128 generated tokens at temperature 0 (`ignore_eos`), at concurrency 1, 4 and 16, in its own process.
@@ -225,7 +225,9 @@ def start_servers(args: argparse.Namespace, gguf: Path) -> Iterator[Server]:
     env = dict(os.environ)
     for spec in args.variants:
         variant, _, extra = spec.partition(":")  # e.g. process:OMP_WAIT_POLICY=ACTIVE,OTHER=1
-        extra_env = dict(item.split("=", 1) for item in extra.split(",") if item)
+        items = [item for item in extra.split(",") if item]
+        flags = [item for item in items if item.startswith("--")]  # process:--core-spin-count=3000
+        extra_env = dict(item.split("=", 1) for item in items if not item.startswith("--"))
         port = free_port()
         if variant == "llamacpp":
             try:
@@ -243,7 +245,7 @@ def start_servers(args: argparse.Namespace, gguf: Path) -> Iterator[Server]:
             ready_path = "/v1/models"
         else:
             command = [sys.executable, "-m", "pluginfer", "serve", "--model", str(gguf), "--port", str(port),
-                       "--served-model-name", "m", "--max-num-seqs", str(args.max_num_seqs)]
+                       "--served-model-name", "m", "--max-num-seqs", str(args.max_num_seqs), *flags]
             variant_env = dict(env, PLUGINFER_ENGINE_PROCESS="0" if variant == "inprocess" else "1")
             ready_path = "/health"
         variant_env.update(extra_env)
