@@ -12,7 +12,8 @@ an F16 GGUF file by ``pluginfer convert`` (llama-cpp-python's C API, ``vs_llamac
 ``f16-torch`` (engines of their own with ``native_half_linear.HALF_LINEAR_MAX_ROWS`` and ``amx_half.MAX_ROWS`` at 0
 for their runs: every 16-bit linear through ``F.linear``, the path before the native kernels), ``bf16-noamx`` and
 ``f16-noamx`` (engines of their own with ``amx_half.MAX_ROWS`` at 0 for their runs: the GEMV and torch's GEMM as
-before the AMX bfloat16 tiles of ``csrc/amx_half.c``), ``llama.cpp-F16``. A variant needs an engine of its own:
+before the AMX bfloat16 tiles of ``csrc/amx_half.c``), ``f16-gguf`` (pluginfer on llama.cpp's F16 file, the very
+file ``llama.cpp-F16`` reads, with ``--dtype float16``), ``llama.cpp-F16``. A variant needs an engine of its own:
 an engine replays each decode batch size with the kernels its first step of that size recorded. Each run times every
 engine in turn: batch-1 decode (prompt 128, then ``--b1-tokens`` greedy tokens, the prefill excluded) and
 batch-16 decode (16 prompts of 128, ``--b16-tokens`` tokens each). Medians of ``--runs``, tokens/s, ratios
@@ -127,6 +128,8 @@ def main() -> None:
                 path = write_files(model_dir, root, ["f16"])["f16"]
                 engine = LlamaCpp(path, args)
                 engine.name, engine.dtype = name, torch.float16
+            elif name == "f16-gguf":  # ours on llama.cpp's own F16 file
+                engine = Ours(name, write_files(model_dir, root, ["f16"])["f16"], "float16")
             else:
                 base = name.removesuffix("-torch").removesuffix("-noamx")
                 dtype = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[base]
