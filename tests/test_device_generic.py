@@ -38,6 +38,12 @@ ALLOWED = {
         "gives back; a tensor on any other device has nothing to release",
     ("core/gguf_checkpoint.py", 'if source.device.type != "cpu" or target.device.type != "cpu"'):
         "read_file_bytes preads file bytes into host memory; a target on another device is copied by torch",
+    ("core/step.py", 'if torch.device(device).type == "cpu":'):
+        "numpy's arrays are host memory: a step for a host-memory device wraps them without a copy or a .to() "
+        "per array (a decode step's fixed cost); any other device gets the copy",
+    ("quant/gguf.py", 'loaded.device.type == "cpu" and torch.device(device).type == "cpu"'):
+        "an F16/BF16 tensor is read in place only as a view of the GGUF file's mapping, which is host memory, "
+        "and only when the model's device reads host memory too; elsewhere it is copied as before",
     ("core/sampler.py", 'sync_free = logits.device.type != "cpu"'):
         "top-k/top-p's candidate shortcut reads its width back from the logits, free on host memory and a "
         "device sync anywhere else, where one full sort replaces it",
