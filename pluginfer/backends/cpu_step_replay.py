@@ -135,12 +135,17 @@ def _mul(recorder: native_replay.StepRecording, out: torch.Tensor, a: torch.Tens
 
 
 def _to_copy(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, **kwargs: object) -> bool:
-    """A bfloat16/float16 tensor as float32 (exact)."""
-    if not (source.dtype in _SIXTEEN_BIT and out.dtype == torch.float32 and source.is_contiguous()
-            and out.is_contiguous()):
+    """A bfloat16/float16 tensor as float32 (exact), or a float32 one as bfloat16/float16 (rounded to nearest
+    even, as torch rounds: a GGUF file's F16 embedding rows, widened, in a 16-bit model)."""
+    if not (source.is_contiguous() and out.is_contiguous() and out.numel() == source.numel()):
         return False
-    recorder.append("to_f32", source.data_ptr(), _SIXTEEN_BIT[source.dtype], out.data_ptr(), source.numel())
-    return True
+    if source.dtype in _SIXTEEN_BIT and out.dtype == torch.float32:
+        recorder.append("to_f32", source.data_ptr(), _SIXTEEN_BIT[source.dtype], out.data_ptr(), source.numel())
+        return True
+    if source.dtype == torch.float32 and out.dtype in _SIXTEEN_BIT:
+        recorder.append("from_f32", source.data_ptr(), _SIXTEEN_BIT[out.dtype], out.data_ptr(), source.numel())
+        return True
+    return False
 
 
 def _to_dtype(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, dtype: torch.dtype,

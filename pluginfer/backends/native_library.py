@@ -48,6 +48,7 @@ SIGNATURES = {
     "scatter_rows": (ctypes.c_int, [_pointer, _i64, _pointer, _pointer, _i64, _i64, _i64]),
     "add_f32": (None, [_pointer] * 3 + [_i64] * 3),
     "to_f32": (None, [_pointer, ctypes.c_int, _pointer, _i64]),
+    "from_f32": (None, [_pointer, ctypes.c_int, _pointer, _i64]),
     "copy_rows": (None, [_pointer, _i64, _i64, _i64, _pointer, _i64]),
     "add_bf16": (None, [_pointer] * 3 + [_i64] * 3),
     "add_f16": (None, [_pointer] * 3 + [_i64] * 3),

@@ -74,6 +74,7 @@ enum {
     OP_GELU_TANH_AND_MUL,
     OP_GELU_TANH_AND_MUL_16,
     OP_MUL_SCALAR,
+    OP_FROM_F32,
 };
 
 /* quant_matmul's signature: another library's kernel (amx_quant.c's tiles) called through its address. */
@@ -225,6 +226,20 @@ void to_f32(const uint16_t *src, int dtype, float *out, int64_t n) {
     }
 }
 
+/* n contiguous float32 values as 16-bit ones: dtype 0 bfloat16, 1 float16, rounded to nearest even as torch's
+ * .to() rounds them (a NaN's bits may differ). */
+void from_f32(const float *src, int dtype, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (dtype == 1) {
+            out[i] = float_to_half(src[i]);
+        } else {
+            uint32_t bits;
+            memcpy(&bits, src + i, sizeof bits);
+            out[i] = src[i] != src[i] ? 0xffff : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+        }
+    }
+}
+
 static float as_float(int64_t bits) {
     double value;
     memcpy(&value, &bits, sizeof value);
@@ -317,6 +332,9 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
             break;
         case OP_MUL_SCALAR:
             mul_scalar(P(0), P(1), P(2), a[3], (int)a[4]);
+            break;
+        case OP_FROM_F32:
+            from_f32(P(0), (int)a[1], P(2), a[3]);
             break;
         default:
             result = -100;
