@@ -131,10 +131,12 @@ class CpuBackend:
                        block_size: int) -> CpuDecodeReplay | None:
         """Decode steps recorded once per batch size and replayed in one native call
         (``DeviceBackend.capture_decode``, ``cpu_step_replay``); None without the native kernels, and under
-        tensor parallelism (a collective's all-reduce is no native call a program could hold)."""
+        tensor parallelism (a collective's all-reduce is no native call a program could hold). A batch size's
+        first step runs eagerly, its second is recorded: a recording costs about two eager steps, and the
+        first token of a process would wait for it."""
         if not self.native_kernels or self.rank.tp_size > 1:
             return None
-        return CpuDecodeReplay(forward, max_num_seqs, max_blocks_per_seq, block_size)
+        return CpuDecodeReplay(forward, max_num_seqs, max_blocks_per_seq, block_size, eager_steps=1)
 
     def op(self, name: str) -> Callable | None:
         """The table's cpu kernel for ``name`` (the dense layouts), else a native float32 kernel for a layer

@@ -258,15 +258,24 @@ MEMORY_BUDGET = 256 * 2**20
 
 
 class CpuDecodeReplay:
-    """``capture_decode``'s callable on the cpu backend: records the first decode step of each batch size,
-    replays the later ones (see the module's docstring). Returns the step's hidden states, or None where
-    the step runs eagerly (not a decode step, larger than the buffers, or a size whose recording was
-    refused or would take the recordings past ``memory_budget`` bytes)."""
+    """``capture_decode``'s callable on the cpu backend: records a decode step of each batch size (the first
+    past ``eager_steps`` of that size), replays the later ones (see the module's docstring). Returns the
+    step's hidden states, or None where the step runs eagerly (not a decode step, larger than the buffers,
+    one of a size's first ``eager_steps``, or a size whose recording was refused or would take the
+    recordings past ``memory_budget`` bytes).
+
+    ``eager_steps``: recording a step costs about twice an eager one (0.047 against 0.021 s of CPU for the
+    135M Q4_1 file's first step), so the cpu backend (``capture_decode``) runs a size's first step eagerly
+    and records its second: a process's first token does not wait for a recording (docs/performance.md,
+    "Load to first token, phase by phase")."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], max_num_seqs: int,
-                 max_blocks_per_seq: int, block_size: int, memory_budget: int = MEMORY_BUDGET) -> None:
+                 max_blocks_per_seq: int, block_size: int, memory_budget: int = MEMORY_BUDGET,
+                 eager_steps: int = 0) -> None:
         self.forward, self.block_size, self.memory_budget = forward, block_size, memory_budget
         self.held_bytes = 0
+        self.eager_steps = eager_steps
+        self._eager_seen: dict[int, int] = {}  # batch size -> decode steps of it run eagerly so far
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.int64)
@@ -333,6 +342,10 @@ class CpuDecodeReplay:
             return None
         recorded = self.programs.get(size)
         if recorded is None:
+            seen = self._eager_seen.get(size, 0)
+            if seen < self.eager_steps:
+                self._eager_seen[size] = seen + 1
+                return None
             return self._record(size)
         program, out, _ = recorded
         program.run()

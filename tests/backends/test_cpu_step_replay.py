@@ -255,6 +255,23 @@ def test_translated_ops_replay_what_torch_computes() -> None:
     assert names.count("add_f32") == 2 and "to_f32" in names and "rms_norm" in names
 
 
+def test_a_sizes_first_eager_steps_are_not_recorded() -> None:
+    """``eager_steps=1`` (the cpu backend's): each batch size's first step returns None (the worker runs it
+    eagerly), its second is recorded and the third replayed, each equal to the eager step."""
+    model, reference = StandIn(), StandIn()
+    replay = CpuDecodeReplay(model, max_num_seqs=4, max_blocks_per_seq=8, block_size=4, eager_steps=1)
+    steps = [([1, 2, 3], [4, 9, 30], [0, 5, 9]), ([7, 2, 49], [5, 10, 31], [1, 6, 10]),
+             ([0, 0, 8], [6, 11, 32], [2, 7, 11])]
+    assert replay(decode_batch(*steps[0])) is None and replay.programs == {}
+    model(decode_batch(*steps[0]))  # as the worker does: the step eagerly
+    reference(decode_batch(*steps[0]))
+    for number, step in enumerate(steps[1:]):
+        out = replay(decode_batch(*step)).clone()
+        assert torch.equal(out, reference(decode_batch(*step))) and torch.equal(model.cache, reference.cache)
+        assert replay.replays == number and replay.programs[3] is not None
+    assert replay(decode_batch([5], [7], [3])) is None and 1 not in replay.programs  # another size: eager first
+
+
 @pytest.mark.parametrize(("dtype", "entry", "exponents"), [(torch.bfloat16, "add_bf16", (-20, 20)),
                                                            (torch.float16, "add_f16", (-26, 16))])
 def test_16_bit_adds_round_as_torch_does(dtype: torch.dtype, entry: str, exponents: tuple[int, int]) -> None:
