@@ -200,8 +200,11 @@ def _byte_level(tokens: list[str], merges: list[str]) -> tuple[Any, dict[str, in
 
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
-    vocab = {token if set(token) <= alphabet else "".join(spelling[byte] for byte in token.encode("utf-8")): index
-             for index, token in enumerate(tokens)}
+    if set("".join(tokens)) <= alphabet:  # every token spelled in the byte alphabet (one set, not one a token)
+        vocab = dict(zip(tokens, range(len(tokens))))
+    else:
+        vocab = {token if set(token) <= alphabet else "".join(spelling[byte] for byte in token.encode("utf-8")):
+                 index for index, token in enumerate(tokens)}
     backend = Tokenizer(BPE(vocab=vocab, merges=[tuple(merge.split(" ")) for merge in merges], dropout=None,
                             continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

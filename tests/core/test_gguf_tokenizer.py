@@ -121,6 +121,9 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for pre in ("llama-bpe", "qwen2", "tekken", "gpt-4o"):
         files[f"byte-level-{pre}"] = write_gguf(out / f"bpe-{pre}.gguf", tokens, "gpt2", types, merges=merges,
                                                 pre=pre, add_bos=True, chat_template=TOOLS_TEMPLATE)
+    # A token not spelled in the byte alphabet is respelled (the vocabulary's slow path).
+    files["byte-level-respelled"] = write_gguf(out / "bpe-respelled.gguf", tokens + ["new\nline €"], "gpt2",
+                                               types + [1], merges=merges, pre="llama-bpe", add_bos=True)
     return files
 
 
@@ -145,7 +148,7 @@ def _without_endoftext_artifact(state: dict, vocab_size: int) -> dict:
 
 @pytest.mark.parametrize("name", ["llama-q8_0", "qwen2-q8_0", "sentencepiece", "sentencepiece-bos-eos",
                                   "byte-level-llama-bpe", "byte-level-qwen2", "byte-level-tekken",
-                                  "byte-level-gpt-4o"])
+                                  "byte-level-gpt-4o", "byte-level-respelled"])
 def test_the_tokenizer_is_transformers_tokenizer_of_the_file(pairs: dict, name: str) -> None:
     ours, theirs = pairs[name]
     assert isinstance(ours, GGUFTokenizer)
