@@ -111,7 +111,7 @@ class LLM:
         wanted = set(request_ids)
         try:
             while len(finished) < len(wanted):
-                for output in self.engine.step():
+                for output in self.engine.step(only_finished=True):
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
         except BaseException:

@@ -139,8 +139,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the outputs of the requests that progressed or finished."""
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """One engine step; returns the outputs of the requests that progressed or finished
+        (``only_finished``: of those that finished, the others' outputs are not built: ``LLM.generate``
+        reads nothing else, and building one copies its tokens every step)."""
         self.step_count += 1
         scheduled = self.scheduler.schedule()
         touched: dict[str, _Request] = {}
@@ -161,6 +163,9 @@ class LLMEngine:
                 touched[seq.request_id] = self._requests[seq.request_id]
         outputs = []
         for request in touched.values():
+            if only_finished and not all(seq.is_finished for seq in request.seqs):
+                self._flush_finished(request)  # what _output would do for its finished completions (n > 1)
+                continue
             output = self._output(request)
             if output.finished:
                 del self._requests[request.request_id]
@@ -222,13 +227,18 @@ class LLMEngine:
         if reason is not None:
             seq.finish(reason)
 
-    def _output(self, request: _Request) -> RequestOutput:
-        completions = []
+    def _flush_finished(self, request: _Request) -> None:
+        """Flush the held-back text of the request's completions that finished since the last call."""
         for seq, detokenizer in zip(request.seqs, request.detokenizers):
             if seq.is_finished and seq.index not in request.done:
                 request.done.add(seq.index)
                 if detokenizer.stopped_by is None:
                     detokenizer.finish()
+
+    def _output(self, request: _Request) -> RequestOutput:
+        self._flush_finished(request)
+        completions = []
+        for seq, detokenizer in zip(request.seqs, request.detokenizers):
             completions.append(CompletionOutput(
                 index=seq.index,
                 text=detokenizer.text,
