@@ -1,0 +1,136 @@
+"""Load to first token phase by phase: pluginfer (one or more source trees) and llama.cpp on the same GGUF files.
+
+    python benchmarks/load_phases.py FILE.gguf [FILE.gguf ...] --runs 5 [--threads 1] [--llama-cpp] \
+        [--source before=/tmp/old-checkout --source after=.] [--bytecode DIR]
+
+Every run is a fresh process, interleaved over files and engines (the file is in the page cache after the
+first run); medians over the runs. Each child times, wall clock and its own CPU time:
+- pluginfer: ``import torch``, ``from pluginfer import LLM`` (the rest of our imports), ``LLM(model=...)``
+  (with the engine's ``startup_times``: config, build, load, repack, cache, graphs, tokenizer, and what is
+  left: plugins, backend, scheduler), then a one-token ``generate`` of a one-token prompt (the first token);
+- llama.cpp (``--llama-cpp``, llama-cpp-python): ``import llama_cpp``, ``Llama(...)``, one ``eval``;
+- ``python -c "import torch"`` alone (the bound: what any engine that imports torch pays).
+"total" is from the child's first line to its first token (as benchmarks/gguf_footprint.py times it);
+"process" is the parent's clock from the spawn to the child's exit, interpreter start-up included.
+Both engines get a 1,024-token context. On a shared machine the CPU times are the steadier figures.
+
+``--bytecode DIR``: children write and read their compiled modules under DIR (``PYTHONPYCACHEPREFIX``,
+``PYTHONDONTWRITEBYTECODE`` cleared) as an installed package would; without it the environment decides (a
+tree run with ``PYTHONDONTWRITEBYTECODE=1`` and no ``__pycache__`` compiles each of its modules every start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONTEXT = 1024
+
+CHILD_PLUGINFER = r"""
+import time
+T0, C0 = time.perf_counter(), time.process_time()
+marks = {}
+def mark(name, since=[0.0, 0.0]):
+    wall, cpu = time.perf_counter() - T0, time.process_time() - C0
+    marks[name] = (wall - since[0], cpu - since[1]); since[:] = [wall, cpu]
+import sys, json
+import torch; mark("import torch")
+torch.set_num_threads(THREADS)
+from pluginfer import LLM, SamplingParams; mark("import pluginfer")
+llm = LLM(model=PATH, max_model_len=CONTEXT, max_num_seqs=1, enable_prefix_caching=False); mark("LLM()")
+llm.generate([[10]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)); mark("first token")
+marks["total"] = (time.perf_counter() - T0, time.process_time() - C0)
+phases = dict(llm.engine.startup_times)
+print(json.dumps({"marks": marks, "startup": phases}))
+"""
+
+CHILD_LLAMA = r"""
+import time
+T0, C0 = time.perf_counter(), time.process_time()
+marks = {}
+def mark(name, since=[0.0, 0.0]):
+    wall, cpu = time.perf_counter() - T0, time.process_time() - C0
+    marks[name] = (wall - since[0], cpu - since[1]); since[:] = [wall, cpu]
+import json
+import llama_cpp; mark("import llama_cpp")
+model = llama_cpp.Llama(model_path=PATH, n_ctx=CONTEXT, n_batch=512, n_threads=THREADS, verbose=False); mark("Llama()")
+model.eval([10]); mark("first token")
+marks["total"] = (time.perf_counter() - T0, time.process_time() - C0)
+print(json.dumps({"marks": marks, "startup": {}}))
+"""
+
+CHILD_TORCH = r"""
+import time
+T0, C0 = time.perf_counter(), time.process_time()
+import json, torch
+print(json.dumps({"marks": {"import torch": (time.perf_counter() - T0, time.process_time() - C0),
+                            "total": (time.perf_counter() - T0, time.process_time() - C0)}, "startup": {}}))
+"""
+
+
+def run_child(code: str, env: dict, cwd: str | None) -> dict:
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True)
+    process = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"a child failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["marks"]["process"] = (process, float("nan"))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--llama-cpp", action="store_true")
+    parser.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
+                        help="a pluginfer tree to import (PYTHONPATH); repeat for A/B runs")
+    parser.add_argument("--bytecode", metavar="DIR", help="children cache compiled modules under DIR")
+    args = parser.parse_args()
+    for file in args.files:
+        if not Path(file).is_file():
+            parser.error(f"no such GGUF file: {file}")
+    sources = dict(item.split("=", 1) for item in args.source) or {"pluginfer": None}
+    base_env = dict(os.environ)
+    if args.bytecode:
+        base_env.pop("PYTHONDONTWRITEBYTECODE", None)
+        base_env["PYTHONPYCACHEPREFIX"] = str(Path(args.bytecode).resolve())
+    engines = [(name, "pluginfer", source) for name, source in sources.items()]
+    if args.llama_cpp:
+        engines.append(("llama.cpp", "llama.cpp", None))
+    results: dict[tuple[str, str], list[dict]] = {}
+    for run in range(args.runs):
+        env = dict(base_env)
+        results.setdefault(("import torch", "-"), []).append(run_child(CHILD_TORCH, env, None))
+        for file in args.files:
+            for name, kind, source in engines:
+                env = dict(base_env)
+                if source:
+                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(source).resolve()),
+                                                                      env.get("PYTHONPATH")]))
+                template = CHILD_PLUGINFER if kind == "pluginfer" else CHILD_LLAMA
+                code = (template.replace("PATH", repr(str(Path(file).resolve())))
+                        .replace("THREADS", str(args.threads)).replace("CONTEXT", str(CONTEXT)))
+                results.setdefault((Path(file).name, name), []).append(
+                    run_child(code, env, str(Path(source).resolve()) if source else None))
+        print(f"run {run + 1}/{args.runs} done", file=sys.stderr)
+    for (file, name), runs in results.items():
+        print(f"\n{file} / {name} (median of {len(runs)}; wall s / CPU s)")
+        for phase in runs[0]["marks"]:
+            wall = statistics.median(r["marks"][phase][0] for r in runs)
+            cpu = statistics.median(r["marks"][phase][1] for r in runs)
+            print(f"  {phase:18s} {wall:7.3f} / {cpu:7.3f}")
+        for phase in runs[0]["startup"]:
+            print(f"    LLM(): {phase:10s} {statistics.median(r['startup'][phase] for r in runs):7.3f} (wall)")
+
+
+if __name__ == "__main__":
+    main()
