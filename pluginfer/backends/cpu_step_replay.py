@@ -1,8 +1,9 @@
 """Decode steps replayed in one native call: the cpu backend's ``capture_decode``.
 
 A decode step of a tiny model is mostly Python between the kernels (docs/performance.md, "Fixed cost per
-decode step"). The first decode step of ``n`` sequences runs eagerly on static input buffers while
-``native_replay.recording()`` notes every native call (its C function and arguments) and a
+decode step"). A decode step of ``n`` sequences (the cpu backend's second: ``eager_steps``) runs eagerly on
+static input buffers while ``native_replay.recording()`` notes every native call (its C function and
+arguments) and a
 ``TorchDispatchMode`` watches every torch op: views and allocations pass, the few copy-like ops a step
 makes between the kernels (the embedding's row gather, the KV cache's ``index_copy_``, residual adds,
 products by a 0-dim tensor, 16-bit to float32 conversions) are noted as the equivalent entries of ``csrc/step_replay.c``, and any
