@@ -31,7 +31,10 @@
  * reads are followed by a prefetch of the same columns of the row HL_NO rows on, which the thread's
  * next tile reads: one tile of reads in flight ahead of the loads (one core then reads a bfloat16
  * weight at about the machine's read bandwidth, 11-15 GB/s, where a prefetch 2 KiB ahead in the row, i.e.
- * into the tile's own next row for 1024 inputs, got 8-11; benchmarks/half_gemv.py --cpu-time).
+ * into the tile's own next row for 1024 inputs, got 8-11; benchmarks/half_gemv.py --cpu-time). The
+ * prefetch goes to L2 (_MM_HINT_T1), not L1: with 1024 inputs (a tile of 8 rows of 2 KiB) an L1 prefetch
+ * left one core 10-15 % under a plain sum's read rate over the same bytes (float16 12.5-13.3 GB/s against
+ * 15-16), an L2 one 5-9 % (14.0-14.5); at 2816 inputs both read at the sum's rate (docs/performance.md).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -177,7 +180,7 @@ static inline __attribute__((always_inline)) void tile_float(const int dtype, co
         const int fetch = prefetch && (i & 31) == 0; /* one prefetch per 64-byte line */
 #pragma GCC unroll 8
         for (int o = 0; o < HL_NO; o++) {
-            if (fetch) _mm_prefetch((const char *)(w[o] + i + HL_NO * k), _MM_HINT_T0);
+            if (fetch) _mm_prefetch((const char *)(w[o] + i + HL_NO * k), _MM_HINT_T1);
             const hl_vec wv = hl_load_w(dtype, w[o] + i);
 #pragma GCC unroll 8
             for (int r = 0; r < mr; r++) acc[r][o] = hl_fma(xv[r], wv, acc[r][o]);
@@ -222,7 +225,7 @@ static inline __attribute__((always_inline)) void tile_dpbf16(const int mr, cons
         for (int r = 0; r < mr; r++) xv[r] = (__m512bh)_mm512_loadu_si512(x + r * ldx + i);
 #pragma GCC unroll 8
         for (int o = 0; o < HL_NO; o++) {
-            if (prefetch) _mm_prefetch((const char *)(w[o] + i + HL_NO * k), _MM_HINT_T0);
+            if (prefetch) _mm_prefetch((const char *)(w[o] + i + HL_NO * k), _MM_HINT_T1);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w[o] + i);
 #pragma GCC unroll 8
             for (int r = 0; r < mr; r++) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv[r], wv);
