@@ -30,11 +30,36 @@ class IncrementalDetokenizer:
         self._num_output_tokens = 0
         self._held = ""  # decoded text held back because it may start a stop string
         self._hold_len = max((len(s) for s in self.stop), default=1) - 1
-        self.text = ""
+        self._text = ""
+        self._pending: list[int] = []  # pushed tokens not decoded yet (no stop strings: none waits on text)
         self.stopped_by: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The output text so far (pushed tokens decoded first, one at a time, as ``append`` does)."""
+        if self._pending:
+            self._catch_up()
+        return self._text
+
+    def push(self, token_id: int) -> None:
+        """Feed one generated token, decoding it only when its text is needed: at once when stop strings
+        must be checked, else when ``text`` is read or the output finishes. The text is the same as with
+        ``append`` (the same decodes in the same order); a request whose text is read only at its end (the
+        offline ``LLM.generate``) decodes its tokens in one go instead of between two forwards."""
+        if self.stop:
+            self.append(token_id)
+        else:
+            self._pending.append(token_id)
+
+    def _catch_up(self) -> None:
+        pending, self._pending = self._pending, []
+        for token_id in pending:
+            self.append(token_id)
 
     def append(self, token_id: int) -> str:
         """Feed one generated token; return the text it makes safe to emit (may be '')."""
+        if self._pending:
+            self._catch_up()
         if self.stopped_by is not None:
             return ""
         self._ids.append(token_id)
@@ -49,6 +74,8 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """Flush what was held back (the end of the output, unless a stop string matched)."""
+        if self._pending:
+            self._catch_up()
         if self.stopped_by is not None:
             return ""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
@@ -79,7 +106,7 @@ class IncrementalDetokenizer:
         return self._commit(pending)
 
     def _commit(self, text: str) -> str:
-        self.text += text
+        self._text += text
         return text
 
 

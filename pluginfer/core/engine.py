@@ -220,7 +220,7 @@ class LLMEngine:
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
         detokenizer = request.detokenizers[seq.index]
-        detokenizer.append(token_id)
+        detokenizer.push(token_id)  # decoded now only if stop strings need it
         reason = check_stop(seq, token_id, detokenizer, self.eos_token_ids, self.max_model_len)
         if seq.grammar is not None and accept_token(seq.grammar, token_id):
             reason = FinishReason.STOP  # the grammar is complete: nothing may follow

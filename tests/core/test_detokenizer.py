@@ -108,3 +108,41 @@ def test_special_tokens_are_skipped_or_kept(tokenizer):
     assert deltas[-1] == "" and detokenizer.text + detokenizer.finish() == "Hi there"
     _, kept = stream(tokenizer, ids, skip_special_tokens=False)
     assert kept.text + kept.finish() == "Hi there</s>"
+
+
+class _CountingTokenizer:
+    """The tokenizer, with the decode calls it gets listed."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, []
+
+    def decode(self, ids, **kwargs):
+        self.calls.append(list(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_pushed_tokens_decode_when_text_is_read_to_appends_text(tokenizer):
+    char = split_character(tokenizer)
+    ids = tokenizer.encode(" " + TEXT + char)[:-1]  # ends mid-character: finish flushes it
+    prompt = tokenizer.encode("Hello")
+    eager = IncrementalDetokenizer(_CountingTokenizer(tokenizer), prompt, SamplingParams())
+    lazy = IncrementalDetokenizer(_CountingTokenizer(tokenizer), prompt, SamplingParams())
+    for step, token in enumerate(ids):
+        eager.append(token)
+        lazy.push(token)
+        if step == 7:  # a read part-way (a streamed output) decodes what was pushed so far
+            assert lazy.text == eager.text and lazy.tokenizer.calls == eager.tokenizer.calls
+    assert len(lazy.tokenizer.calls) < len(eager.tokenizer.calls)  # the rest waits for the next read
+    eager.finish(), lazy.finish()
+    assert lazy.text == eager.text and lazy.tokenizer.calls == eager.tokenizer.calls  # the same decodes
+    assert lazy.text.startswith(" " + TEXT)
+
+
+def test_pushed_tokens_with_stop_strings_decode_at_once(tokenizer):
+    ids = tokenizer.encode(" one two three")
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello"), SamplingParams(stop=["two"]))
+    for token in ids:
+        detokenizer.push(token)
+        if detokenizer.stopped_by is not None:
+            break
+    assert detokenizer.stopped_by == "two" and detokenizer.text == " one "
