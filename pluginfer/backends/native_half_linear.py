@@ -21,8 +21,11 @@ HALF_LINEAR_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # GEMM (AMX on this CPU) from 7-8 rows; float16, where torch's GEMM is slower, ties at 16.
 HALF_LINEAR_MAX_ROWS = {torch.bfloat16: 6, torch.float16: 16}
 # The same for float32 activations against a 16-bit weight (half_weight_linear), where the alternative is
-# tiles of the weight widened to float32 for torch's float32 GEMM.
-HALF_WEIGHT_MAX_ROWS = 16
+# tiles of the weight widened to float32 for torch's float32 GEMM (quant/gguf.py's tiled_linear). Measured
+# (docs/performance.md, "The 16-bit GEMV's read rate ..."; one thread, CPU time, float16 weights): the
+# kernel is 1.2-1.8x faster than the tiles at 24 rows on 20480x256, 5632x1024 and 1024x2816, and ties them
+# at 32 on 20480x256 (at two threads it still leads at 32, 1.3x).
+HALF_WEIGHT_MAX_ROWS = 24
 
 
 def half_linear_isa() -> str | None:
