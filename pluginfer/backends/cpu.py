@@ -197,25 +197,30 @@ class CpuBackend:
         key_cache, value_cache = kv_cache
         flat_keys = key_cache.view(-1, *key_cache.shape[2:])
         flat_values = value_cache.view(-1, *value_cache.shape[2:])
-        flat_keys.index_copy_(0, batch.slot_mapping, key if key.dtype == flat_keys.dtype else key.to(flat_keys.dtype))
+        # Another dtype (a float32 model's 16-bit cache): rows made contiguous first, so that a recorded step
+        # notes the rounding as one from_f32 entry (cpu_step_replay); the same rounding as torch's copy_.
+        flat_keys.index_copy_(0, batch.slot_mapping,
+                              key if key.dtype == flat_keys.dtype else key.contiguous().to(flat_keys.dtype))
         if value is not None:
-            flat_values.index_copy_(0, batch.slot_mapping,
-                                    value if value.dtype == flat_values.dtype else value.to(flat_values.dtype))
+            flat_values.index_copy_(0, batch.slot_mapping, value if value.dtype == flat_values.dtype
+                                    else value.contiguous().to(flat_values.dtype))
         meta: CpuAttentionMetadata = batch.attention
         decodes = meta.num_native_decodes
         # The C kernel reads contiguous value rows; a value inside the key takes the torch path.
-        # A 16-bit cache with a float32 query (kv_cache_dtype) keeps the torch path: the query is not rounded.
+        # A float32 query against a 16-bit cache (a float32 model's kv_cache_dtype) stays float32: the kernel
+        # widens the cached values, the query is not rounded. A 16-bit query takes a cache of its own dtype.
         native_decodes = decodes and key_cache.dtype in NATIVE_CACHE_DTYPES and value_cache.is_contiguous() \
-            and (key_cache.dtype == torch.float32 or query.dtype == key_cache.dtype)
-        if native_decodes and decodes == query.shape[0] and query.dtype == key_cache.dtype:
-            # Every row decodes (the steady state): the kernel's output is the result, no copy.
+            and (key_cache.dtype == torch.float32 or query.dtype in (key_cache.dtype, torch.float32))
+        if native_decodes and decodes == query.shape[0] and query.dtype in (key_cache.dtype, torch.float32):
+            # Every row decodes (the steady state): the kernel's output (in the query's dtype) is the result.
             return native_layer_ops.paged_decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
                                                            meta.decode_seq_lens, scale, sliding_window,
                                                            logit_soft_cap)
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
         if native_decodes:
+            decode_query = query[:decodes] if query.dtype == torch.float32 else query[:decodes].to(key_cache.dtype)
             out[:decodes] = native_layer_ops.paged_decode_attention(
-                query[:decodes].to(key_cache.dtype), key_cache, value_cache, meta.decode_block_tables,
+                decode_query, key_cache, value_cache, meta.decode_block_tables,
                 meta.decode_seq_lens, scale, sliding_window, logit_soft_cap).to(out.dtype)
         elif decodes:  # the kernel takes float32, float16, bfloat16 caches; others take the torch path
             _attend(_decode_part(batch, meta), query, flat_keys, flat_values, out, scale, sliding_window,

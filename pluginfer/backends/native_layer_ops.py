@@ -14,7 +14,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
     """Decode attention over the paged cache; query ``[seqs, heads, dim]``. float32 caches, or float16/bfloat16
-    ones (the query and the result then in the caches' dtype, the arithmetic in float32)."""
+    ones: with a float32 query the result is float32 (each cached value widened exactly, the float32 kernel's
+    arithmetic: a float32 model's 16-bit KV cache), with any other query the query and the result are in the
+    caches' dtype (the arithmetic in float32)."""
     half = HALF_CODES.get(key_cache.dtype)
     if half is not None:
         return _paged_decode_attention_16(query, key_cache, value_cache, block_tables, seq_lens, scale,
@@ -39,14 +41,16 @@ def _paged_decode_attention_16(query: torch.Tensor, key_cache: torch.Tensor, val
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                sliding_window: int | None, soft_cap: float | None, half: int) -> torch.Tensor:
     dtype = key_cache.dtype
-    query, block_tables, seq_lens = _as(query, dtype), _as(block_tables, torch.int64), _as(seq_lens, torch.int64)
+    io_dtype = torch.float32 if query.dtype == torch.float32 else dtype  # float32: the kv16 kernel
+    query, block_tables, seq_lens = _as(query, io_dtype), _as(block_tables, torch.int64), _as(seq_lens, torch.int64)
     if value_cache.dtype != dtype or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError(f"paged_decode_attention needs contiguous key and value caches of one dtype, got "
                          f"{key_cache.dtype} and {value_cache.dtype}")
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, v_dim = value_cache.shape
-    out = torch.empty(num_seqs, num_heads, v_dim, dtype=dtype)
-    status = _lib().paged_decode_attention_16(
+    out = torch.empty(num_seqs, num_heads, v_dim, dtype=io_dtype)
+    kernel = _lib().paged_decode_attention_kv16 if io_dtype == torch.float32 else _lib().paged_decode_attention_16
+    status = kernel(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, v_dim, block_size,
         block_tables.shape[1], scale, sliding_window or 0, soft_cap or 0.0, half,

@@ -56,6 +56,8 @@ SIGNATURES = {
     "step_replay": (_i64, [_pointer, _i64, _pointer]),
     # 16-bit activations (the last argument: HALF_CODES)
     "paged_decode_attention_16": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),
+    # float32 query and output, 16-bit caches (a float32 model's --kv-cache-dtype float16/bfloat16)
+    "paged_decode_attention_kv16": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),
     "rms_norm_16": (None, [_pointer] * 4 + [_i64, _i64, _f32, _f32, ctypes.c_int]),
     "silu_and_mul_16": (None, [_pointer, _pointer, _i64, _i64, ctypes.c_int]),
     "gelu_tanh_and_mul_16": (None, [_pointer, _pointer, _i64, _i64, ctypes.c_int]),

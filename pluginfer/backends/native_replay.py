@@ -20,7 +20,8 @@ REPLAY_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_neox
               "panel_linear", "quant_matmul", "half_linear", "gather_rows", "scatter_rows", "add_f32", "to_f32",
               "copy_rows", "quant_matmul_at", "paged_decode_attention_16", "rms_norm_16", "silu_and_mul_16",
               "rotary_neox_16", "add_bf16", "add_f16", "half_linear_at", "half_weight_linear",
-              "gelu_tanh_and_mul", "gelu_tanh_and_mul_16", "mul_scalar", "from_f32")
+              "gelu_tanh_and_mul", "gelu_tanh_and_mul_16", "mul_scalar", "from_f32",
+              "paged_decode_attention_kv16")
 _REPLAY_CODES = {name: code for code, name in enumerate(REPLAY_OPS, start=1)}
 
 

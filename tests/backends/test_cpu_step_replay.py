@@ -117,6 +117,20 @@ def test_float16_decode_equals_eager(name: str, checkpoints: dict[str, Path]) ->
     assert all("add_f16" in program[0].names for program in recorded.values())
 
 
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_float32_model_with_a_16_bit_kv_cache_replays_like_eager(kv_dtype: str,
+                                                                checkpoints: dict[str, Path]) -> None:
+    """A float32 llama with ``kv_cache_dtype`` float16/bfloat16: the keys and values rounded into the cache
+    (``from_f32`` + ``scatter_rows``) and the float32 query attending over it (``paged_decode_attention_kv16``)
+    are recorded, and the replayed steps equal --enforce-eager's exactly."""
+    replay, _ = assert_replayed_like_eager(checkpoints["llama"], schedule(), kv_cache_dtype=kv_dtype)
+    recorded = {size: program for size, program in replay.programs.items() if program is not None}
+    assert len(recorded) >= 3, replay.programs  # several batch sizes, each recorded once and replayed
+    for program in recorded.values():
+        assert {"paged_decode_attention_kv16", "from_f32", "scatter_rows"} <= set(program[0].names)
+        assert "paged_decode_attention" not in program[0].names
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_16_bit_gemma_decode_equals_eager(dtype: str, checkpoints: dict[str, Path]) -> None:
     """Gemma 2 in 16 bits: the embedding scale rounded as torch rounds it (``mul_scalar``), the 16-bit tanh GELU."""

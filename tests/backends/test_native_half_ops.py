@@ -5,7 +5,9 @@ results rounded to nearest even.
 - rotary: equal bit for bit to the float32 rotation of the widened values, rounded once;
 - decode attention (AVX-512 path: dims multiples of 16, no soft cap): equal bit for bit to the float32
   kernel on the widened query and caches, rounded once; the portable loop (other dims, soft cap, sliding
-  window) within 1 unit in the last place of the 16-bit result of a float64 reference;
+  window) within 1 unit in the last place of the 16-bit result of a float64 reference; a float32 query
+  against 16-bit caches (``paged_decode_attention_kv16``, a float32 model's 16-bit KV cache) equal bit for
+  bit to the float32 kernel on the widened caches, float32 out;
 - RMSNorm and SiLU-and-mul round where the layers' torch references round (layers/norm.py: the residual
   sum, the normalised value, the product; layers/activation.py: silu(gate), the product), so they differ
   from them only by float32 sums in another order (RMSNorm's mean square) and expf against torch's exp: at
@@ -160,6 +162,32 @@ def test_paged_decode_attention(dtype: torch.dtype, case: str, threads: int) -> 
     torch.set_num_threads(1)
     single = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
     assert torch.equal(out.view(torch.int16), single.view(torch.int16))  # the same bits at any thread count
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(ATTENTION))
+def test_paged_decode_attention_float32_query_on_16_bit_caches(dtype: torch.dtype, case: str, threads: int) -> None:
+    """A float32 model's 16-bit KV cache (paged_decode_attention_kv16): the query is not rounded, the result is
+    float32, equal bit for bit to the float32 kernel on the widened caches (AVX-512 path), the portable loop
+    within float32 sums in another order."""
+    seq_lens, heads, kv_heads, head_dim, v_dim, window, soft_cap = ATTENTION[case]
+    query, key_cache, value_cache, tables = paged_inputs(seq_lens, heads, kv_heads, head_dim, v_dim, seed=len(case))
+    key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
+    lens, scale = torch.tensor(seq_lens), head_dim ** -0.5
+    out = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
+    assert out.dtype == torch.float32 and out.shape == (len(seq_lens), heads, v_dim)
+    widened = native_layer_ops.paged_decode_attention(query, key_cache.float(), value_cache.float(), tables, lens,
+                                                      scale, window, soft_cap)
+    if case.startswith("avx512") and native_library.load().panel_linear_supported():
+        assert torch.equal(out.view(torch.int32), widened.view(torch.int32))
+    else:  # the portable loop sums in another order than the float32 kernel's vectorised dot products
+        torch.testing.assert_close(out, widened, rtol=1e-5, atol=1e-6)
+    rounded_query = native_layer_ops.paged_decode_attention(query.to(dtype), key_cache, value_cache, tables, lens,
+                                                            scale, window, soft_cap)
+    assert rounded_query.dtype == dtype  # a 16-bit query keeps the 16-bit kernel
+    torch.set_num_threads(1)
+    single = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, soft_cap)
+    assert torch.equal(out.view(torch.int32), single.view(torch.int32))  # the same bits at any thread count
 
 
 def test_what_the_16_bit_kernels_decline() -> None:

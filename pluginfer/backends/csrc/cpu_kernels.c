@@ -1188,12 +1188,14 @@ static void values16_avx512(const float *scores, const uint16_t *value_cache, co
 }
 #endif
 
-/* paged_decode_attention over 16-bit query, caches and output (dtype as above). */
-int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                              const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t num_seqs,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
-                              int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
-                              float soft_cap, int dtype) {
+/* paged_decode_attention over 16-bit caches (dtype as above): a 16-bit query and output (float32 == 0), or a
+ * float32 query and output (float32 == 1: a float32 model with a 16-bit KV cache, --kv-cache-dtype). Either way
+ * the arithmetic is paged_decode_attention's on the widened values; only a 16-bit output is rounded. */
+static int decode_attention_16(const void *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                               const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t num_seqs,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
+                               int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+                               float soft_cap, int dtype, int float32) {
     const int64_t group = num_heads / num_kv_heads;
     const decode_tasks tasks = plan_decode_tasks(seq_lens, num_seqs, num_heads, num_kv_heads, head_dim, v_dim);
     const int64_t max_len = tasks.max_len, splits = tasks.splits, heads_per_task = tasks.heads_per_task;
@@ -1219,11 +1221,16 @@ int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, 
                 const int64_t len = seq_lens[s];
                 const int64_t start = (sliding_window > 0 && len > sliding_window) ? len - sliding_window : 0;
                 const int64_t count = len - start;
-                const uint16_t *q16 = query + (s * num_heads + kv_begin * group) * head_dim;
-                float *q = scores + score_floats, *o = q + rows * head_dim;
-                for (int64_t i = 0; i < rows * head_dim; i++) q[i] = load16(q16 + i, dtype);
+                const int64_t q_at = (s * num_heads + kv_begin * group) * head_dim;
+                const int64_t o_at = (s * num_heads + kv_begin * group) * v_dim;
+                /* float32: the query read and the output written in place; else widened and rounded copies */
+                const float *q = float32 ? (const float *)query + q_at : scores + score_floats;
+                float *o = float32 ? (float *)out + o_at : scores + score_floats + rows * head_dim;
+                if (!float32)
+                    for (int64_t i = 0; i < rows * head_dim; i++)
+                        ((float *)q)[i] = load16((const uint16_t *)query + q_at + i, dtype);
                 const int64_t *table = block_tables + s * max_blocks;
-                uint16_t *o16 = out + (s * num_heads + kv_begin * group) * v_dim;
+                uint16_t *o16 = float32 ? NULL : (uint16_t *)out + o_at;
 #if defined(__AVX512F__)
                 if (head_dim % 16 == 0 && v_dim % 16 == 0 && soft_cap <= 0.0f && count > 0) {
                     scores16_avx512(q, key_cache, table, start, count, rows, group, kv_begin, num_kv_heads, head_dim,
@@ -1231,7 +1238,8 @@ int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, 
                     for (int64_t h = 0; h < rows; h++) softmax_avx512(scores + h * count, count);
                     values16_avx512(scores, value_cache, table, start, count, rows, group, kv_begin, num_kv_heads,
                                     v_dim, block_size, o, dtype);
-                    for (int64_t i = 0; i < rows * v_dim; i++) o16[i] = store16(o[i], dtype);
+                    if (o16)
+                        for (int64_t i = 0; i < rows * v_dim; i++) o16[i] = store16(o[i], dtype);
                     continue;
                 }
 #endif
@@ -1262,10 +1270,34 @@ int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, 
                         for (int64_t d = 0; d < v_dim; d++) oh[d] += p * load16(vh + d, dtype);
                     }
                 }
-                for (int64_t i = 0; i < rows * v_dim; i++) o16[i] = store16(o[i], dtype);
+                if (o16)
+                    for (int64_t i = 0; i < rows * v_dim; i++) o16[i] = store16(o[i], dtype);
             }
         }
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                              const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
+                              int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+                              float soft_cap, int dtype) {
+    return decode_attention_16(query, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_heads,
+                               num_kv_heads, head_dim, v_dim, block_size, max_blocks, scale, sliding_window, soft_cap,
+                               dtype, 0);
+}
+
+/* A float32 query and output against float16/bfloat16 caches (dtype as above): each cached value widened
+ * exactly as it is loaded, paged_decode_attention's arithmetic otherwise (on the AVX-512 path the same
+ * operations in the same order as paged_decode_attention on the widened caches, so the same bits). */
+int paged_decode_attention_kv16(const float *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                                const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t num_seqs,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
+                                int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+                                float soft_cap, int dtype) {
+    return decode_attention_16(query, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_heads,
+                               num_kv_heads, head_dim, v_dim, block_size, max_blocks, scale, sliding_window, soft_cap,
+                               dtype, 1);
 }

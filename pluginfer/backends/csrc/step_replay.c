@@ -39,6 +39,11 @@ int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, 
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
                               int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
                               float soft_cap, int dtype);
+int paged_decode_attention_kv16(const float *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                                const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t num_seqs,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
+                                int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+                                float soft_cap, int dtype);
 void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
                  int64_t cols, float eps, float offset, int dtype);
 void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype);
@@ -75,6 +80,7 @@ enum {
     OP_GELU_TANH_AND_MUL_16,
     OP_MUL_SCALAR,
     OP_FROM_F32,
+    OP_PAGED_DECODE_ATTENTION_KV16,
 };
 
 /* quant_matmul's signature: another library's kernel (amx_quant.c's tiles) called through its address. */
@@ -335,6 +341,10 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
             break;
         case OP_FROM_F32:
             from_f32(P(0), (int)a[1], P(2), a[3]);
+            break;
+        case OP_PAGED_DECODE_ATTENTION_KV16:
+            result = paged_decode_attention_kv16(P(0), P(1), P(2), P(3), P(4), P(5), a[6], a[7], a[8], a[9], a[10],
+                                                 a[11], a[12], as_float(a[13]), a[14], as_float(a[15]), (int)a[16]);
             break;
         default:
             result = -100;
