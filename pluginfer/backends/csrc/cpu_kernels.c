@@ -13,6 +13,8 @@
 #include <immintrin.h>
 #endif
 
+static inline float load16(const uint16_t *p, int dtype); /* a float16 (1) or bfloat16 (2) value, widened */
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -31,6 +33,15 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * positions, each value vector loaded once for them. Every output element is the same sequence of
  * float32 operations however the heads and positions are blocked (test_native_branches checks it).
  * On a shared one-core run this path reads the float32 cache near the memory's rate (docs/performance.md). */
+
+/* 16 values at element index of a float32 (kind 0), float16 (1) or bfloat16 (2) cache, widened exactly: the
+ * kernels below take kind as a constant (always inlined), so the float32 kernel's code is unchanged. */
+static inline __attribute__((always_inline)) __m512 load_cache_ps(const void *cache, int64_t index, int kind) {
+    if (kind == 0) return _mm512_loadu_ps((const float *)cache + index);
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + index));
+    if (kind == 1) return _mm512_cvtph_ps(bits);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 
 /* Sum of each of a[0..15] in lane j of the result. */
 static inline __m512 sum16(__m512 a[16]) {
@@ -79,15 +90,17 @@ static void cache_rows(const int64_t *table, int64_t start, int64_t count, int64
 
 /* scores[h * count + i] = q_h . k(position start + i) * scale for the task's query heads; cache_rows
  * gives each position's key row. */
-static void scores_avx512(const float *q, const float *key_cache, const int64_t *cache_row, int64_t count,
-                          int64_t rows, int64_t group, int64_t head_dim, float scale, float *scores) {
-    const float *keys[16];
+static inline __attribute__((always_inline)) void scores_avx512(const float *q, const void *key_cache,
+                                                                const int64_t *cache_row, int64_t count, int64_t rows,
+                                                                int64_t group, int64_t head_dim, float scale,
+                                                                float *scores, int kind) {
+    int64_t keys[16]; /* element offsets of the positions' key rows */
     if (group % 2 == 0) {
         /* Two query heads of one KV head x 8 positions: each key vector loaded once for both. sum16 sums
          * every register's lanes in the same order, so a score is the one of the 16-position path. */
         for (int64_t i0 = 0; i0 < count; i0 += 8) {
             const int64_t n = count - i0 < 8 ? count - i0 : 8;
-            for (int64_t j = 0; j < 8; j++) keys[j] = key_cache + cache_row[i0 + (j < n ? j : 0)] * head_dim;
+            for (int64_t j = 0; j < 8; j++) keys[j] = cache_row[i0 + (j < n ? j : 0)] * head_dim;
             const __mmask16 mask = (__mmask16)((1u << n) - 1u);
             for (int64_t h = 0; h < rows; h += 2) {
                 const float *qa = q + h * head_dim, *qb = qa + head_dim;
@@ -97,7 +110,7 @@ static void scores_avx512(const float *q, const float *key_cache, const int64_t 
                 for (int64_t d = 0; d < head_dim; d += 16) {
                     const __m512 va = _mm512_loadu_ps(qa + d), vb = _mm512_loadu_ps(qb + d);
                     for (int j = 0; j < 8; j++) {
-                        const __m512 k = _mm512_loadu_ps(keys[j] + offset + d);
+                        const __m512 k = load_cache_ps(key_cache, keys[j] + offset + d, kind);
                         acc[j] = _mm512_fmadd_ps(va, k, acc[j]);
                         acc[8 + j] = _mm512_fmadd_ps(vb, k, acc[8 + j]);
                     }
@@ -112,7 +125,7 @@ static void scores_avx512(const float *q, const float *key_cache, const int64_t 
     }
     for (int64_t i0 = 0; i0 < count; i0 += 16) {
         const int64_t n = count - i0 < 16 ? count - i0 : 16;
-        for (int64_t j = 0; j < 16; j++) keys[j] = key_cache + cache_row[i0 + (j < n ? j : 0)] * head_dim;
+        for (int64_t j = 0; j < 16; j++) keys[j] = cache_row[i0 + (j < n ? j : 0)] * head_dim;
         const __mmask16 mask = (__mmask16)((1u << n) - 1u);
         for (int64_t h = 0; h < rows; h++) {
             const float *qh = q + h * head_dim;
@@ -121,7 +134,8 @@ static void scores_avx512(const float *q, const float *key_cache, const int64_t 
             for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
             for (int64_t d = 0; d < head_dim; d += 16) {
                 const __m512 qv = _mm512_loadu_ps(qh + d);
-                for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys[j] + offset + d), acc[j]);
+                for (int j = 0; j < 16; j++)
+                    acc[j] = _mm512_fmadd_ps(qv, load_cache_ps(key_cache, keys[j] + offset + d, kind), acc[j]);
             }
             _mm512_mask_storeu_ps(scores + h * count + i0, mask, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
         }
@@ -154,18 +168,18 @@ static void softmax_avx512(float *row, int64_t count) {
  * positions [i0, i1): each value vector is loaded once for the NH heads. The running sums start at zero
  * (first) or are read back from o: every output element is one FMA chain over the positions in order,
  * however the positions are split. */
-static inline __attribute__((always_inline)) void values_tile(const float *p, int64_t count, const float *value_cache,
+static inline __attribute__((always_inline)) void values_tile(const float *p, int64_t count, const void *value_cache,
                                                               const int64_t *cache_row, int64_t i0, int64_t i1,
                                                               int64_t v_dim, int64_t v_offset, float *o, int first,
-                                                              const int NH, const int CHUNKS) {
+                                                              const int NH, const int CHUNKS, int kind) {
     __m512 acc[4][4];
     for (int h = 0; h < NH; h++)
         for (int c = 0; c < CHUNKS; c++)
             acc[h][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o + h * v_dim + 16 * c);
     for (int64_t i = i0; i < i1; i++) {
-        const float *v = value_cache + cache_row[i] * v_dim + v_offset;
+        const int64_t v = cache_row[i] * v_dim + v_offset;
         __m512 vv[4];
-        for (int c = 0; c < CHUNKS; c++) vv[c] = _mm512_loadu_ps(v + 16 * c);
+        for (int c = 0; c < CHUNKS; c++) vv[c] = load_cache_ps(value_cache, v + 16 * c, kind);
         for (int h = 0; h < NH; h++) {
             const __m512 weight = _mm512_set1_ps(p[h * count + i]);
             for (int c = 0; c < CHUNKS; c++) acc[h][c] = _mm512_fmadd_ps(weight, vv[c], acc[h][c]);
@@ -177,14 +191,15 @@ static inline __attribute__((always_inline)) void values_tile(const float *p, in
 
 #define VALUE_TILE(nh, chunks) \
     case (nh) * 4 + (chunks) - 5: \
-        values_tile(p, count, value_cache, cache_row, i0, i1, v_dim, v_offset, o, first, nh, chunks); \
+        values_tile(p, count, value_cache, cache_row, i0, i1, v_dim, v_offset, o, first, nh, chunks, kind); \
         break;
 
 /* o_h = sum_i p[h, i] v(position start + i) for the task's query heads, 16 positions at a time (a
  * stretch of the cache read in order, for every KV head of the task), up to 4 query heads of one KV head
  * x 64 value features held in registers across those positions. */
-static void values_avx512(const float *scores, const float *value_cache, const int64_t *cache_row, int64_t count,
-                          int64_t rows, int64_t group, int64_t v_dim, float *out) {
+static inline __attribute__((always_inline)) void values_avx512(const float *scores, const void *value_cache,
+                                                                const int64_t *cache_row, int64_t count, int64_t rows,
+                                                                int64_t group, int64_t v_dim, float *out, int kind) {
     for (int64_t i0 = 0; i0 < count; i0 += 16) {
         const int64_t i1 = count - i0 < 16 ? count : i0 + 16;
         const int first = i0 == 0;
@@ -208,6 +223,17 @@ static void values_avx512(const float *scores, const float *value_cache, const i
     }
 }
 #undef VALUE_TILE
+
+/* One task's scores, softmax and value sums on a cache of that kind. */
+static inline __attribute__((always_inline)) void attend_avx512(const float *q, const void *key_cache,
+                                                                const void *value_cache, const int64_t *cache_row,
+                                                                int64_t count, int64_t rows, int64_t group,
+                                                                int64_t head_dim, int64_t v_dim, float scale,
+                                                                float *scores, float *o, int kind) {
+    scores_avx512(q, key_cache, cache_row, count, rows, group, head_dim, scale, scores, kind);
+    for (int64_t h = 0; h < rows; h++) softmax_avx512(scores + h * count, count);
+    values_avx512(scores, value_cache, cache_row, count, rows, group, v_dim, o, kind);
+}
 /* values16_avx512's chunks of 16 value features held in registers across the positions. */
 #define VALUE_CHUNKS 4
 #endif
@@ -253,15 +279,19 @@ static void softmax_rows(float *scores, int64_t rows, int64_t count) {
     }
 }
 
-int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim] */
-                           const float *key_cache,    /* [blocks, block_size, kv_heads, head_dim] */
-                           const float *value_cache,  /* [blocks, block_size, kv_heads, v_dim] */
-                           const int64_t *block_tables, /* [seqs, max_blocks] */
-                           const int64_t *seq_lens,     /* [seqs] */
-                           float *out,                  /* [seqs, heads, v_dim] */
-                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t v_dim, int64_t block_size, int64_t max_blocks, float scale,
-                           int64_t sliding_window, float soft_cap) {
+/* paged_decode_attention on a float32 (kind 0) or float16 (1) / bfloat16 (2) cache, each cached value widened
+ * exactly as it is loaded (the portable path widens a position's rows into a float32 buffer first): the same
+ * float32 operations in the same order whatever the cache's type. Always inlined with a constant kind. */
+static inline __attribute__((always_inline)) int
+decode_attention(const float *query,          /* [seqs, heads, head_dim] */
+                 const void *key_cache,       /* [blocks, block_size, kv_heads, head_dim] */
+                 const void *value_cache,     /* [blocks, block_size, kv_heads, v_dim] */
+                 const int64_t *block_tables, /* [seqs, max_blocks] */
+                 const int64_t *seq_lens,     /* [seqs] */
+                 float *out,                  /* [seqs, heads, v_dim] */
+                 int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
+                 int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window, float soft_cap,
+                 int kind) {
     const int64_t group = num_heads / num_kv_heads;
     const decode_tasks tasks = plan_decode_tasks(seq_lens, num_seqs, num_heads, num_kv_heads, head_dim, v_dim);
     const int64_t max_len = tasks.max_len, splits = tasks.splits, heads_per_task = tasks.heads_per_task;
@@ -269,9 +299,12 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
     int failed = 0;
 #pragma omp parallel if (parallel)
     {
-        /* scores, then each position's cache row (an even float count keeps the int64s aligned) */
+        /* scores, then each position's cache row (an even float count keeps the int64s aligned), then (16-bit
+         * caches) a position's key or value rows of the task widened for the portable path */
         const size_t score_floats = (size_t)(heads_per_task * group * (max_len > 0 ? max_len : 1) + 1) & ~(size_t)1;
-        float *scores = malloc(sizeof(float) * score_floats + sizeof(int64_t) * (size_t)(max_len > 0 ? max_len : 1));
+        const size_t row_count = (size_t)(max_len > 0 ? max_len : 1);
+        const size_t widened_floats = kind ? (size_t)(heads_per_task * (head_dim > v_dim ? head_dim : v_dim)) : 0;
+        float *scores = malloc(sizeof(float) * (score_floats + widened_floats) + sizeof(int64_t) * row_count);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -294,16 +327,30 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
                 if (head_dim % 16 == 0 && v_dim % 16 == 0 && soft_cap <= 0.0f && count > 0) {
                     int64_t *cache_row = (int64_t *)(scores + score_floats);
                     cache_rows(table, start, count, block_size, num_kv_heads, kv_begin, cache_row);
-                    scores_avx512(q, key_cache, cache_row, count, rows, group, head_dim, scale, scores);
-                    for (int64_t h = 0; h < rows; h++) softmax_avx512(scores + h * count, count);
-                    values_avx512(scores, value_cache, cache_row, count, rows, group, v_dim, o);
+                    /* kind as a literal: the parallel region is outlined with kind as a variable */
+                    if (kind == 0)
+                        attend_avx512(q, key_cache, value_cache, cache_row, count, rows, group, head_dim, v_dim, scale,
+                                      scores, o, 0);
+                    else if (kind == 1)
+                        attend_avx512(q, key_cache, value_cache, cache_row, count, rows, group, head_dim, v_dim, scale,
+                                      scores, o, 1);
+                    else
+                        attend_avx512(q, key_cache, value_cache, cache_row, count, rows, group, head_dim, v_dim, scale,
+                                      scores, o, 2);
                     continue;
                 }
 #endif
+                float *widened = (float *)((int64_t *)(scores + score_floats) + row_count);
+                const int64_t task_heads = kv_end - kv_begin;
                 for (int64_t i = 0; i < count; i++) {
                     const int64_t pos = start + i;
                     const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                    const float *k = key_cache + (slot * num_kv_heads + kv_begin) * head_dim;
+                    const float *k = (const float *)key_cache + (slot * num_kv_heads + kv_begin) * head_dim;
+                    if (kind) {
+                        const uint16_t *k16 = (const uint16_t *)key_cache + (slot * num_kv_heads + kv_begin) * head_dim;
+                        for (int64_t j = 0; j < task_heads * head_dim; j++) widened[j] = load16(k16 + j, kind);
+                        k = widened;
+                    }
                     for (int64_t h = 0; h < rows; h++) {
                         float score = dot(q + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
                         if (soft_cap > 0.0f) score = soft_cap * tanhf(score / soft_cap);
@@ -315,7 +362,12 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
                 for (int64_t i = 0; i < count; i++) {
                     const int64_t pos = start + i;
                     const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                    const float *v = value_cache + (slot * num_kv_heads + kv_begin) * v_dim;
+                    const float *v = (const float *)value_cache + (slot * num_kv_heads + kv_begin) * v_dim;
+                    if (kind) {
+                        const uint16_t *v16 = (const uint16_t *)value_cache + (slot * num_kv_heads + kv_begin) * v_dim;
+                        for (int64_t j = 0; j < task_heads * v_dim; j++) widened[j] = load16(v16 + j, kind);
+                        v = widened;
+                    }
                     for (int64_t h = 0; h < rows; h++) {
                         const float p = scores[h * count + i];
                         const float *vh = v + (h / group) * v_dim;
@@ -329,6 +381,31 @@ int paged_decode_attention(const float *query,        /* [seqs, heads, head_dim]
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+int paged_decode_attention(const float *query, const float *key_cache, const float *value_cache,
+                           const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
+                           int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+                           float soft_cap) {
+    return decode_attention(query, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_heads,
+                            num_kv_heads, head_dim, v_dim, block_size, max_blocks, scale, sliding_window, soft_cap, 0);
+}
+
+/* A float32 query and output against float16 (dtype 1) or bfloat16 (2) caches (a float32 model's 16-bit KV
+ * cache, --kv-cache-dtype): paged_decode_attention's code with each cached value widened exactly as it is
+ * loaded, so the same bits as paged_decode_attention on the widened caches, reading half the bytes. */
+int paged_decode_attention_kv16(const float *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                                const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t num_seqs,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
+                                int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+                                float soft_cap, int dtype) {
+    if (dtype == 1)
+        return decode_attention(query, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_heads,
+                                num_kv_heads, head_dim, v_dim, block_size, max_blocks, scale, sliding_window, soft_cap,
+                                1);
+    return decode_attention(query, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_heads,
+                            num_kv_heads, head_dim, v_dim, block_size, max_blocks, scale, sliding_window, soft_cap, 2);
 }
 
 /* rms_norm: out = (src * rsqrt(mean(src^2) + eps)) * (weight + offset), src = x, or x + residual
@@ -1188,14 +1265,12 @@ static void values16_avx512(const float *scores, const uint16_t *value_cache, co
 }
 #endif
 
-/* paged_decode_attention over 16-bit caches (dtype as above): a 16-bit query and output (float32 == 0), or a
- * float32 query and output (float32 == 1: a float32 model with a 16-bit KV cache, --kv-cache-dtype). Either way
- * the arithmetic is paged_decode_attention's on the widened values; only a 16-bit output is rounded. */
-static int decode_attention_16(const void *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                               const int64_t *block_tables, const int64_t *seq_lens, void *out, int64_t num_seqs,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
-                               int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
-                               float soft_cap, int dtype, int float32) {
+/* paged_decode_attention over 16-bit query, caches and output (dtype as above). */
+int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                              const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
+                              int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
+                              float soft_cap, int dtype) {
     const int64_t group = num_heads / num_kv_heads;
     const decode_tasks tasks = plan_decode_tasks(seq_lens, num_seqs, num_heads, num_kv_heads, head_dim, v_dim);
     const int64_t max_len = tasks.max_len, splits = tasks.splits, heads_per_task = tasks.heads_per_task;
@@ -1221,16 +1296,11 @@ static int decode_attention_16(const void *query, const uint16_t *key_cache, con
                 const int64_t len = seq_lens[s];
                 const int64_t start = (sliding_window > 0 && len > sliding_window) ? len - sliding_window : 0;
                 const int64_t count = len - start;
-                const int64_t q_at = (s * num_heads + kv_begin * group) * head_dim;
-                const int64_t o_at = (s * num_heads + kv_begin * group) * v_dim;
-                /* float32: the query read and the output written in place; else widened and rounded copies */
-                const float *q = float32 ? (const float *)query + q_at : scores + score_floats;
-                float *o = float32 ? (float *)out + o_at : scores + score_floats + rows * head_dim;
-                if (!float32)
-                    for (int64_t i = 0; i < rows * head_dim; i++)
-                        ((float *)q)[i] = load16((const uint16_t *)query + q_at + i, dtype);
+                const uint16_t *q16 = query + (s * num_heads + kv_begin * group) * head_dim;
+                float *q = scores + score_floats, *o = q + rows * head_dim;
+                for (int64_t i = 0; i < rows * head_dim; i++) q[i] = load16(q16 + i, dtype);
                 const int64_t *table = block_tables + s * max_blocks;
-                uint16_t *o16 = float32 ? NULL : (uint16_t *)out + o_at;
+                uint16_t *o16 = out + (s * num_heads + kv_begin * group) * v_dim;
 #if defined(__AVX512F__)
                 if (head_dim % 16 == 0 && v_dim % 16 == 0 && soft_cap <= 0.0f && count > 0) {
                     scores16_avx512(q, key_cache, table, start, count, rows, group, kv_begin, num_kv_heads, head_dim,
@@ -1238,8 +1308,7 @@ static int decode_attention_16(const void *query, const uint16_t *key_cache, con
                     for (int64_t h = 0; h < rows; h++) softmax_avx512(scores + h * count, count);
                     values16_avx512(scores, value_cache, table, start, count, rows, group, kv_begin, num_kv_heads,
                                     v_dim, block_size, o, dtype);
-                    if (o16)
-                        for (int64_t i = 0; i < rows * v_dim; i++) o16[i] = store16(o[i], dtype);
+                    for (int64_t i = 0; i < rows * v_dim; i++) o16[i] = store16(o[i], dtype);
                     continue;
                 }
 #endif
@@ -1270,34 +1339,10 @@ static int decode_attention_16(const void *query, const uint16_t *key_cache, con
                         for (int64_t d = 0; d < v_dim; d++) oh[d] += p * load16(vh + d, dtype);
                     }
                 }
-                if (o16)
-                    for (int64_t i = 0; i < rows * v_dim; i++) o16[i] = store16(o[i], dtype);
+                for (int64_t i = 0; i < rows * v_dim; i++) o16[i] = store16(o[i], dtype);
             }
         }
         free(scores);
     }
     return failed ? -1 : 0;
-}
-
-int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                              const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t num_seqs,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
-                              int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
-                              float soft_cap, int dtype) {
-    return decode_attention_16(query, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_heads,
-                               num_kv_heads, head_dim, v_dim, block_size, max_blocks, scale, sliding_window, soft_cap,
-                               dtype, 0);
-}
-
-/* A float32 query and output against float16/bfloat16 caches (dtype as above): each cached value widened
- * exactly as it is loaded, paged_decode_attention's arithmetic otherwise (on the AVX-512 path the same
- * operations in the same order as paged_decode_attention on the widened caches, so the same bits). */
-int paged_decode_attention_kv16(const float *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                                const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t num_seqs,
-                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
-                                int64_t block_size, int64_t max_blocks, float scale, int64_t sliding_window,
-                                float soft_cap, int dtype) {
-    return decode_attention_16(query, key_cache, value_cache, block_tables, seq_lens, out, num_seqs, num_heads,
-                               num_kv_heads, head_dim, v_dim, block_size, max_blocks, scale, sliding_window, soft_cap,
-                               dtype, 1);
 }
