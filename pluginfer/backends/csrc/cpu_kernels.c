@@ -43,6 +43,18 @@ static inline __attribute__((always_inline)) __m512 load_cache_ps(const void *ca
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+/* Software prefetch of the task's rows of positions [from, from + 8) of a 16-bit cache: without it the kv16
+ * kernel read its half-size cache only ~1.15x faster than the float32 kernel its float32 one; with it ~1.6x
+ * (batch 16, one thread; docs/performance.md). The float32 kernel gained nothing from it and goes without. */
+static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int64_t *cache_row, int64_t from,
+                                                                int64_t count, int64_t dim, int64_t heads, int kind) {
+    const int64_t elem = kind ? 2 : 4, bytes = heads * dim * elem;
+    for (int64_t i = from; i < from + 8 && i < count; i++) {
+        const char *row = (const char *)cache + cache_row[i] * dim * elem;
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
+}
+
 /* Sum of each of a[0..15] in lane j of the result. */
 static inline __m512 sum16(__m512 a[16]) {
     __m512 b[8], c[4];
@@ -99,6 +111,7 @@ static inline __attribute__((always_inline)) void scores_avx512(const float *q, 
         /* Two query heads of one KV head x 8 positions: each key vector loaded once for both. sum16 sums
          * every register's lanes in the same order, so a score is the one of the 16-position path. */
         for (int64_t i0 = 0; i0 < count; i0 += 8) {
+            if (kind) prefetch_rows(key_cache, cache_row, i0 + 8, count, head_dim, rows / group, kind);
             const int64_t n = count - i0 < 8 ? count - i0 : 8;
             for (int64_t j = 0; j < 8; j++) keys[j] = cache_row[i0 + (j < n ? j : 0)] * head_dim;
             const __mmask16 mask = (__mmask16)((1u << n) - 1u);
@@ -202,6 +215,8 @@ static inline __attribute__((always_inline)) void values_avx512(const float *sco
                                                                 int64_t group, int64_t v_dim, float *out, int kind) {
     for (int64_t i0 = 0; i0 < count; i0 += 16) {
         const int64_t i1 = count - i0 < 16 ? count : i0 + 16;
+        if (kind) prefetch_rows(value_cache, cache_row, i0 + 16, count, v_dim, rows / group, kind);
+        if (kind) prefetch_rows(value_cache, cache_row, i0 + 24, count, v_dim, rows / group, kind);
         const int first = i0 == 0;
         for (int64_t h0 = 0; h0 < rows; h0 += group) {
             for (int64_t hb = 0; hb < group; hb += 4) {
