@@ -18,6 +18,9 @@ Measured per file, runs interleaved between the engines, medians reported with t
 - prefill tokens/s: one 512-token prompt.
 Also the file's weight bytes (what a batch-1 token reads) and the memory-bandwidth bound they imply.
 
+``--kv-cache-dtypes auto float16`` adds our engine with a float16 KV cache to the interleaved runs (a GGUF
+model's activations are float32, so ``auto`` is a float32 cache); llama.cpp keeps its default F16 cache.
+
 ``--cpu-time`` runs both engines on one thread and times each phase by the process's CPU time instead of
 the wall clock: on a machine shared with other work, a thread that waits for a core inflates wall-clock
 time (and a second thread waits at every barrier), while the CPU time of one thread is the work done.
@@ -78,11 +81,13 @@ def write_files(model_dir: Path, out: Path, formats: list[str]) -> dict[str, Pat
 class Ours:
     name = "pluginfer"
 
-    def __init__(self, path: Path, args: argparse.Namespace) -> None:
+    def __init__(self, path: Path, args: argparse.Namespace, kv_cache_dtype: str = "auto") -> None:
         from pluginfer import LLM
 
+        if kv_cache_dtype != "auto":
+            self.name = f"pluginfer kv {kv_cache_dtype}"
         self.llm = LLM(model=str(path), max_model_len=1024, max_num_seqs=16, enable_prefix_caching=False,
-                       max_num_batched_tokens=2048)
+                       max_num_batched_tokens=2048, kv_cache_dtype=kv_cache_dtype)
 
     def decode_rate(self, prompts: list[list[int]], new_tokens: int) -> float:
         from pluginfer import SamplingParams
@@ -174,6 +179,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the model and files here between runs")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
+                        choices=["auto", "float32", "float16", "bfloat16"],
+                        help="our KV cache dtype(s), each its own engine in the interleaved runs (llama.cpp keeps "
+                             "its default F16 cache)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="one thread for both engines, each phase timed by the process's CPU time")
     args = parser.parse_args()
@@ -197,7 +206,7 @@ def main() -> None:
               f"read bandwidth {bandwidth / 1e9:.1f} GB/s; timed by {'CPU time' if args.cpu_time else 'wall clock'}")
         print("format   file MB  bound b1 | batch-1 tok/s ours/llama.cpp | batch-16 tok/s | prefill-512 tok/s")
         for name, path in files.items():
-            engines = [Ours(path, args), LlamaCpp(path, args)]
+            engines = [*(Ours(path, args, kv) for kv in args.kv_cache_dtypes), LlamaCpp(path, args)]
             results = {engine.name: {"b1": [], "b16": [], "prefill": []} for engine in engines}
             for _ in range(args.runs):
                 for engine in engines:  # interleaved
@@ -205,11 +214,13 @@ def main() -> None:
                     results[engine.name]["b16"].append(engine.decode_rate(prompts16, 32))
                     results[engine.name]["prefill"].append(engine.prefill_rate(long_prompt))
             size = path.stat().st_size
-            cells = []
-            for measure in ("b1", "b16", "prefill"):
-                ours, theirs = (statistics.median(results[e][measure]) for e in ("pluginfer", "llama.cpp"))
-                cells.append(f"{ours:7.1f} / {theirs:7.1f} ({ours / theirs:4.2f}x)")
-            print(f"{name:7s} {size / 1e6:8.1f} {bandwidth / size:7.1f}  | " + " | ".join(cells), flush=True)
+            for ours_name in (engine.name for engine in engines[:-1]):
+                cells = []
+                for measure in ("b1", "b16", "prefill"):
+                    ours, theirs = (statistics.median(results[e][measure]) for e in (ours_name, "llama.cpp"))
+                    cells.append(f"{ours:7.1f} / {theirs:7.1f} ({ours / theirs:4.2f}x)")
+                label = name if len(engines) == 2 else f"{name} ({ours_name.removeprefix('pluginfer').strip() or 'kv auto'})"
+                print(f"{label:7s} {size / 1e6:8.1f} {bandwidth / size:7.1f}  | " + " | ".join(cells), flush=True)
             del engines
 
 
