@@ -179,7 +179,8 @@ class Sampler:
         """Sample a token for each ``seqs[i]`` from ``logits[i]``."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         if all(map(_plain_greedy, seqs)):  # the common decode step: nothing but an argmax to do
-            token_ids = greedy_argmax(logits[:, : self.vocab_size], as_list=True)
+            token_ids = greedy_argmax(logits if logits.shape[1] == self.vocab_size else logits[:, : self.vocab_size],
+                                      as_list=True)
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))
         logits = logits[:, : self.vocab_size].float()  # models may pad the vocabulary
         params = [seq.params for seq in seqs]

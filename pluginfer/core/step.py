@@ -36,6 +36,7 @@ class StepInput:
     # The last ``num_hidden_rows`` rows of ``logits_indices`` are pooled (embeddings): their final hidden
     # states come back instead of logits.
     num_hidden_rows: int = 0
+    max_seq_len: int | None = None  # ``seq_lens.max()`` when the builder knew it (None: computed from the array)
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +69,8 @@ class StepInput:
             logits_indices=tensor(self.logits_indices),
             query_lens=query_lens,
             max_query_len=max_query_len,
-            max_seq_len=int(self.seq_lens.max()) if seqs else 0,
+            max_seq_len=self.max_seq_len if self.max_seq_len is not None else
+            int(self.seq_lens.max()) if seqs else 0,
             block_size=self.block_size,
         )
 
@@ -154,7 +156,8 @@ def _plain_decode_step(scheduled: list[ScheduledSequence], block_size: int,
     if not ids:
         return None
     count = len(ids)
-    max_blocks = max(positions) // block_size + 1  # ceil((position + 1) / block_size)
+    longest = max(positions)
+    max_blocks = longest // block_size + 1  # ceil((position + 1) / block_size)
     block_tables = np.zeros((count, max_blocks), np.int64)
     slots = []
     for row, (table, position) in enumerate(zip(tables, positions)):
@@ -162,10 +165,11 @@ def _plain_decode_step(scheduled: list[ScheduledSequence], block_size: int,
         block_tables[row, :len(table)] = table
         slots.append(table[position // block_size] * block_size + position % block_size)
     rows = np.arange(count, dtype=np.int64)
-    step = StepInput(input_ids=np.array(ids, np.int64), positions=np.array(positions, np.int64),
+    position_array = np.array(positions, np.int64)
+    step = StepInput(input_ids=np.array(ids, np.int64), positions=position_array,
                      slot_mapping=np.array(slots, np.int64), query_start_loc=np.arange(count + 1, dtype=np.int64),
-                     seq_lens=np.array(positions, np.int64) + 1, block_tables=block_tables, logits_indices=rows,
-                     block_size=block_size, block_copies=list(block_copies or []))
+                     seq_lens=position_array + 1, block_tables=block_tables, logits_indices=rows,
+                     block_size=block_size, block_copies=list(block_copies or []), max_seq_len=longest + 1)
     return StepPlan(step, [], [])
 
 

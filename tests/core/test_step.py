@@ -24,6 +24,8 @@ def assert_same_plan(plain: object, general: object) -> None:
         (general.step.block_size, general.step.block_copies, general.step.num_hidden_rows)
     assert plain.prompt_logprob_rows == general.prompt_logprob_rows == []
     assert plain.pooling_rows == general.pooling_rows == []
+    batches = plain.step.to_batch(torch.device("cpu")), general.step.to_batch(torch.device("cpu"))
+    assert batches[0].max_seq_len == batches[1].max_seq_len == int(general.step.seq_lens.max())  # carried, computed
 
 
 def test_plain_decode_steps_equal_the_general_path() -> None:
