@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from pluginfer.backends import native_build, native_library
+from pluginfer.backends import amx_library, native_library
 
 SOURCES = (Path(__file__).with_name("csrc") / "amx_half.c",)
-ENV = "PLUGINFER_AMX"  # the switch of every AMX kernel (amx_quant.py's too)
+ENV = amx_library.ENV
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # Rows of x from which, and up to which, native_half_linear.half_linear takes the tiles, by weight dtype; measured on
 # this project's machine (docs/performance.md, "AMX bfloat16 tiles"; benchmarks/half_gemv.py --cpu-time, one core,
@@ -41,31 +40,11 @@ def library() -> ctypes.CDLL | None:
     refuses the tile state (arch_prctl ``ARCH_REQ_XCOMP_PERM``); says which, once per process."""
     if _library:
         return _library[0]
-    loaded, why = None, None
-    if os.environ.get(ENV, "1") == "0":
-        why = f"{ENV}=0"
-    elif not {"amx_tile", "amx_bf16", "avx512_bf16"} <= native_build.cpu_features():
-        why = "this CPU has no AMX-BF16"
-    elif os.environ.get("PLUGINFER_NATIVE", "1") == "0":
-        why = "PLUGINFER_NATIVE=0"
-    else:
-        try:
-            loaded = native_build.build_library("amx_half", SOURCES)[0]
-        except (native_build.NativeKernelsUnavailable, OSError) as exc:
-            why = f"the AMX kernel did not build: {str(exc)[:300]}"
-    if loaded is not None:
-        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-        for name, restype, argtypes in (
-                ("amx_half_compiled", ctypes.c_int, []), ("amx_half_init", ctypes.c_int, []),
-                ("amx_half_linear", ctypes.c_int,
-                 [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int])):
-            function = getattr(loaded, name)
-            function.restype, function.argtypes = restype, argtypes
-        status = loaded.amx_half_init() if loaded.amx_half_compiled() else -1
-        if status != 0:
-            why = ("the compiler did not enable AMX-TILE/AMX-BF16 for this CPU" if status == -1 else
-                   f"Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(status)})")
-            loaded = None
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    loaded, why = amx_library.load(
+        "amx_half", SOURCES, frozenset({"amx_tile", "amx_bf16", "avx512_bf16"}), "AMX-BF16",
+        [("amx_half_linear", ctypes.c_int,
+          [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int])], what="kernel")
     if loaded is None:
         native_library._log_once(logging.INFO, f"16-bit linears: no AMX bfloat16 tiles ({why}); the GEMV of half_linear.c "
                                        "and torch's GEMM")

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from pluginfer.backends import native_build, native_library
+from pluginfer.backends import amx_library, native_library
 
 SOURCES = (Path(__file__).with_name("csrc") / "amx_quant.c",)
-ENV = "PLUGINFER_AMX"
+ENV = amx_library.ENV
 # gguf.GGMLQuantizationType -> the rows from which ggml_quant_matmul takes the tiles (Q4_0, Q8_0, Q4_K,
 # Q6_K): the crossovers measured on this project's machine (docs/performance.md, "AMX int8 tiles";
 # benchmarks/amx_gemm.py --cpu-time, the 0.5B llama's 5632x1024 and 1024x2816 linears): below them the
@@ -36,31 +35,11 @@ def library() -> ctypes.CDLL | None:
     refuses the tile state (arch_prctl ``ARCH_REQ_XCOMP_PERM``); says which, once per process."""
     if _library:
         return _library[0]
-    loaded, why = None, None
-    if os.environ.get(ENV, "1") == "0":
-        why = f"{ENV}=0"
-    elif not {"amx_tile", "amx_int8"} <= native_build.cpu_features():
-        why = "this CPU has no AMX-INT8"
-    elif os.environ.get("PLUGINFER_NATIVE", "1") == "0":
-        why = "PLUGINFER_NATIVE=0"
-    else:
-        try:
-            loaded = native_build.build_library("amx_quant", SOURCES)[0]
-        except (native_build.NativeKernelsUnavailable, OSError) as exc:
-            why = f"the AMX kernels did not build: {str(exc)[:300]}"
-    if loaded is not None:
-        pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-        for name, restype, argtypes in (
-                ("amx_quant_compiled", ctypes.c_int, []), ("amx_quant_init", ctypes.c_int, []),
-                ("amx_quant_matmul", ctypes.c_int, [ctypes.c_int, pointer, i64, i64, pointer, i64, i64, pointer]),
-                ("amx_quant_quantize", ctypes.c_int, [pointer, i64, i64, pointer, pointer])):
-            function = getattr(loaded, name)
-            function.restype, function.argtypes = restype, argtypes
-        status = loaded.amx_quant_init() if loaded.amx_quant_compiled() else -1
-        if status != 0:
-            why = ("the compiler did not enable AMX-TILE/AMX-INT8 for this CPU" if status == -1 else
-                   f"Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(status)})")
-            loaded = None
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    loaded, why = amx_library.load(
+        "amx_quant", SOURCES, frozenset({"amx_tile", "amx_int8"}), "AMX-INT8",
+        [("amx_quant_matmul", ctypes.c_int, [ctypes.c_int, pointer, i64, i64, pointer, i64, i64, pointer]),
+         ("amx_quant_quantize", ctypes.c_int, [pointer, i64, i64, pointer, pointer])])
     if loaded is None:
         native_library._log_once(logging.INFO, f"quantized linears: no AMX int8 tiles ({why}); the fused kernel of "
                                                "quant_dot.c takes every row count")
