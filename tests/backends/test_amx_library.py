@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from pluginfer.backends import amx_library, amx_half, native_build
+from pluginfer.backends import amx_half, amx_library, native_build
 
 
 def test_the_switch_comes_first(monkeypatch: pytest.MonkeyPatch) -> None:
