@@ -20,9 +20,10 @@ def native_kernels() -> None:
         pytest.skip(f"native kernels unavailable: {reason}")
 
 
-@pytest.fixture
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}-thread")
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    """Indirectly parametrized: torch's (and so the native kernels') thread count for the test."""
+    """torch's (and so the native kernels') thread count for the test: 1 and 2, or as a test's indirect
+    parametrization says."""
     previous = torch.get_num_threads()
     torch.set_num_threads(request.param)
     # The library links libgomp by soname and torch loaded its own libgomp.so.1 first: one runtime, so

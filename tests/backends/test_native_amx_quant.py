@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -42,14 +41,6 @@ def amx() -> None:
     if amx_quant.library() is None:  # this CPU has them: a build that fails or a refused tile state is a failure
         pytest.fail("the AMX kernels did not load on a CPU with AMX-INT8 (the compiler, or Linux refused the tile "
                     "state): the log line of pluginfer.backends.native_library says which")
-
-
-@pytest.fixture
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(previous)
 
 
 def assert_within_bound(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor) -> None:

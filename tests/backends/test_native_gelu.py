@@ -13,28 +13,13 @@ None). At 1 and 2 threads, rows past and below the parallel branch (4 rows), odd
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pluginfer.backends import native, native_layer_ops
 
-
-@pytest.fixture(scope="module", autouse=True)
-def library() -> None:
-    reason = native.available()
-    if reason is not None:
-        pytest.skip(f"native kernels unavailable: {reason}")
-
-
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}-thread")
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("native_kernels")  # threads: tests/backends/conftest.py, 1 and 2
 
 
 def gated_inputs(rows: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

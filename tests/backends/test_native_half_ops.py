@@ -18,32 +18,18 @@ At 1 and 2 threads (the parallel branches start above 8 rows / 4 rows / 8 tokens
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, native_layer_ops, native_library
+from pluginfer.backends import native_layer_ops, native_library
 from tests.backends.paged import paged_inputs
 
 DTYPES = [torch.bfloat16, torch.float16]
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}  # the spacing at 1 (relative unit in the last place)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def library() -> None:
-    reason = native.available()
-    if reason is not None:
-        pytest.skip(f"native kernels unavailable: {reason}")
-
-
-@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}-thread")
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("native_kernels")  # threads: tests/backends/conftest.py, 1 and 2
 
 
 def assert_within_ulps(out: torch.Tensor, expected: torch.Tensor, ulps: float, min_equal: float) -> None:

@@ -44,14 +44,6 @@ def fused_kernel() -> None:
         pytest.skip("the fused kernel needs AVX2 (the dequantizing path runs instead)")
 
 
-@pytest.fixture
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(previous)
-
-
 def weight_bytes(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> torch.Tensor:
     """Random levels (every bit pattern of the level, high-bit and 6-bit scale fields) with finite fp16
     scales; row 0 all zero, row 1 all 0xff (every field at its maximum) with scale -0.75."""
