@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -31,4 +31,12 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     openmp = native_library._loaded["info"].openmp
     assert native_library.load().omp_get_max_threads() == (request.param if openmp else 1)
     yield request.param
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def set_threads() -> Iterator[Callable[[int], None]]:
+    """``torch.set_num_threads`` for a test that changes the thread count as it goes; restored after it."""
+    previous = torch.get_num_threads()
+    yield torch.set_num_threads
     torch.set_num_threads(previous)

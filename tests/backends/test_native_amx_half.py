@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pluginfer.backends import amx_half, native, native_build, native_half_linear, native_library
+from tests.backends.half_linear_cases import exact, inputs
 
 DTYPES = [torch.bfloat16, torch.float16]
 # (out, in): outputs past a 16-row tile, inputs past a 32-input step, inputs shorter than one step.
@@ -42,28 +43,9 @@ def amx() -> None:
                     "the tile state): the log line of pluginfer.backends.native_library says which")
 
 
-@pytest.fixture
-def threads() -> object:
-    previous = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(previous)
-
-
-def inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int,
-           with_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, in_features, generator=generator).to(dtype)
-    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
-    bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
-    return x, weight, bias
-
-
 def bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact result and the float32 bound of the kernel's sum around it."""
-    x64, w64 = x.double(), weight.double()
-    value, size = x64 @ w64.T, x64.abs() @ w64.abs().T
-    if bias is not None:
-        value, size = value + bias.double(), size + bias.double().abs()
+    value, size = exact(x, weight, bias)
     k = x.shape[-1]
     if weight.dtype == torch.bfloat16:
         return value, (k + 1) * 2.0**-24 * size
@@ -72,10 +54,10 @@ def bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_within_the_float32_bound_of_exact_arithmetic(dtype: torch.dtype, shape: tuple[int, int], threads) -> None:
+def test_within_the_float32_bound_of_exact_arithmetic(dtype: torch.dtype, shape: tuple[int, int], set_threads) -> None:
     out_features, in_features = shape
     for count in (1, 2):
-        threads(count)
+        set_threads(count)
         for rows in ROWS:
             for with_bias in (False, True):
                 x, weight, bias = inputs(rows, out_features, in_features, dtype, rows * 7 + count, with_bias)
@@ -91,17 +73,17 @@ def test_within_the_float32_bound_of_exact_arithmetic(dtype: torch.dtype, shape:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_row_is_the_same_bits_whatever_its_batch_and_threads(dtype: torch.dtype, threads) -> None:
+def test_a_row_is_the_same_bits_whatever_its_batch_and_threads(dtype: torch.dtype, set_threads) -> None:
     x, weight, bias = inputs(70, 130, 1030, dtype, 3, True)
-    threads(1)
+    set_threads(1)
     alone = torch.cat([amx_half.linear(x[r:r + 1], weight, bias, out_dtype=torch.float32) for r in range(70)])
     for rows in (2, 5, 16, 17, 48, 64, 70):
         for count in (1, 2):
-            threads(count)
+            set_threads(count)
             together = amx_half.linear(x[:rows], weight, bias, out_dtype=torch.float32)
             assert torch.equal(together, alone[:rows]), (rows, count)
     # a row in another lane of its group, or another group: same bits
-    threads(1)
+    set_threads(1)
     shuffled = torch.flip(x, dims=[0])
     assert torch.equal(amx_half.linear(shuffled, weight, bias, out_dtype=torch.float32), torch.flip(alone, dims=[0]))
 

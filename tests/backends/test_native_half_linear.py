@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer.backends import amx_half, native, native_build, native_half_linear, native_library
+from tests.backends.half_linear_cases import exact, inputs
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native_half_linear.half_linear_isa() is None,
                                 reason="the 16-bit GEMV needs AVX2 + FMA + F16C (and the native library)")
@@ -28,15 +29,6 @@ DTYPES = [torch.bfloat16, torch.float16]
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 # (out, in): odd sizes, inputs shorter than a vector, a tail after whole vectors, outputs past a tile.
 SHAPES = [(1, 1), (3, 7), (9, 31), (17, 33), (40, 64), (65, 97), (33, 257), (130, 1030), (8, 1024)]
-
-
-def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact result (float64: at most 2^11-bit products, short sums) and S = sum |x_i w_i| + |bias|."""
-    x64, w64 = x.double(), weight.double()
-    value, size = x64 @ w64.T, x64.abs() @ w64.abs().T
-    if bias is not None:
-        value, size = value + bias.double(), size + bias.double().abs()
-    return value, size
 
 
 def float32_bound(size: torch.Tensor, k: int) -> torch.Tensor:
@@ -48,15 +40,6 @@ def rounded_bound(value: torch.Tensor, size: torch.Tensor, k: int, dtype: torch.
     return summed + UNIT[dtype] * (value.abs() + summed) + 2.0**-25
 
 
-def inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int,
-           with_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, in_features, generator=generator).to(dtype)
-    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
-    bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
-    return x, weight, bias
-
-
 @pytest.fixture(autouse=True)
 def any_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel at every row count here (the engine hands rows past the crossover to torch's GEMM, and
@@ -65,19 +48,12 @@ def any_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(amx_half, "MIN_ROWS", {})
 
 
-@pytest.fixture
-def threads() -> object:
-    previous = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(previous)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_within_the_float32_bound_of_exact_and_of_torch(dtype: torch.dtype, shape: tuple[int, int], threads) -> None:
+def test_within_the_float32_bound_of_exact_and_of_torch(dtype: torch.dtype, shape: tuple[int, int], set_threads) -> None:
     out_features, in_features = shape
     for count in (1, 2):
-        threads(count)
+        set_threads(count)
         for rows in (1, 2, 3, 4, 7, 16):
             for with_bias in (False, True):
                 x, weight, bias = inputs(rows, out_features, in_features, dtype, rows * 7 + count, with_bias)
@@ -104,12 +80,12 @@ def test_leading_dimensions_and_the_lm_head_shape(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_rows_result_does_not_depend_on_its_batch(dtype: torch.dtype, threads) -> None:
+def test_a_rows_result_does_not_depend_on_its_batch(dtype: torch.dtype, set_threads) -> None:
     """Every row count up to the crossover (tiles of 1, 2 and 3 rows, blocks of 48), shuffled, 1 and 2 threads."""
     rows = 64
     x, weight, bias = inputs(rows, 77, 1000, dtype, 5, True)
     for count in (1, 2):
-        threads(count)
+        set_threads(count)
         alone = torch.cat([native_half_linear.half_linear(row[None], weight, bias) for row in x])
         for batch in (2, 3, 4, 5, 16, 17, 47, 48, 49, rows):
             assert torch.equal(native_half_linear.half_linear(x[:batch], weight, bias), alone[:batch])

@@ -11,10 +11,14 @@ kernel. A row's result is the same bits whatever rows share its call.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from pluginfer.backends import native, native_half_linear
+from tests.backends import half_linear_cases
+from tests.backends.half_linear_cases import exact
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native_half_linear.half_linear_isa() is None,
                                 reason="the 16-bit GEMV needs AVX2 + FMA + F16C (and the native library)")
@@ -24,41 +28,19 @@ DTYPES = [torch.bfloat16, torch.float16]
 # (x read in place), outputs past a tile, the tiny model's LM head.
 SHAPES = [(1, 1), (3, 7), (9, 31), (17, 33), (40, 64), (65, 97), (33, 257), (130, 1030), (8, 1024), (2048, 256)]
 
-
-def inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int,
-           with_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, in_features, generator=generator)
-    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
-    bias = torch.randn(out_features, generator=generator) if with_bias else None
-    return x, weight, bias
-
-
-def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    x64, w64 = x.double(), weight.double()
-    value, size = x64 @ w64.T, x64.abs() @ w64.abs().T
-    if bias is not None:
-        value, size = value + bias.double(), size + bias.double().abs()
-    return value, size
+inputs = functools.partial(half_linear_cases.inputs, activations=torch.float32)  # float32 x and bias
 
 
 def bound(size: torch.Tensor, k: int) -> torch.Tensor:
     return (k + 2) * 2.0**-24 * size
 
 
-@pytest.fixture
-def threads() -> object:
-    previous = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(previous)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_within_the_float32_bound_of_exact_and_of_torch(dtype: torch.dtype, shape: tuple[int, int], threads) -> None:
+def test_within_the_float32_bound_of_exact_and_of_torch(dtype: torch.dtype, shape: tuple[int, int], set_threads) -> None:
     out_features, in_features = shape
     for count in (1, 2):
-        threads(count)
+        set_threads(count)
         for rows in (1, 2, 3, 4, 7, native_half_linear.HALF_WEIGHT_MAX_ROWS):
             for with_bias in (False, True):
                 x, weight, bias = inputs(rows, out_features, in_features, dtype, rows * 7 + count, with_bias)
@@ -72,13 +54,13 @@ def test_within_the_float32_bound_of_exact_and_of_torch(dtype: torch.dtype, shap
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_rows_result_does_not_depend_on_its_batch(dtype: torch.dtype, threads) -> None:
+def test_a_rows_result_does_not_depend_on_its_batch(dtype: torch.dtype, set_threads) -> None:
     """Every row count up to the limit (tiles of 1, 2 and 3 rows), shuffled, 1 and 2 threads, both x paths."""
     rows = native_half_linear.HALF_WEIGHT_MAX_ROWS
     for in_features in (1000, 1024):
         x, weight, bias = inputs(rows, 77, in_features, dtype, 5, True)
         for count in (1, 2):
-            threads(count)
+            set_threads(count)
             alone = torch.cat([native_half_linear.half_linear(row[None], weight, bias) for row in x])
             for batch in range(2, rows + 1):
                 assert torch.equal(native_half_linear.half_linear(x[:batch], weight, bias), alone[:batch])
