@@ -31,6 +31,13 @@ DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # torch's float16 GEMM at 128 (0.95-1.7x at 256).
 MIN_ROWS = {torch.bfloat16: 4, torch.float16: 8}
 MAX_ROWS = {torch.bfloat16: 96, torch.float16: 128}
+# The same for float32 x against a 16-bit weight (amx_half_weight_linear: x split into two bfloat16, so 2
+# products a pair for bfloat16 weights, 4 for float16), where the alternative is half_linear.c's
+# half_weight_linear up to native_half_linear.HALF_WEIGHT_MAX_ROWS rows (docs/performance.md, "float32
+# activations on the AMX tiles"; one thread, CPU time, 32000x1024, the Q4_0 file's head): float16 0.92x the
+# GEMV at 8 rows, 1.35x at 12, 1.50x at 16, 1.86x at 24; bfloat16 0.93x at 4, 1.14x at 6, 1.53x at 8.
+FLOAT_X_MIN_ROWS = {torch.bfloat16: 6, torch.float16: 12}
+FLOAT_X_MAX_ROWS = {torch.bfloat16: 24, torch.float16: 24}
 
 _library: list = []  # []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
 
@@ -44,6 +51,8 @@ def library() -> ctypes.CDLL | None:
     loaded, why = amx_library.load(
         "amx_half", SOURCES, frozenset({"amx_tile", "amx_bf16", "avx512_bf16"}), "AMX-BF16",
         [("amx_half_linear", ctypes.c_int,
+          [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int]),
+         ("amx_half_weight_linear", ctypes.c_int,
           [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int])], what="kernel")
     if loaded is None:
         native_library._log_once(logging.INFO, f"16-bit linears: no AMX bfloat16 tiles ({why}); the GEMV of half_linear.c "
@@ -60,6 +69,29 @@ def takes(dtype: torch.dtype, rows: int) -> bool:
     """Whether ``native_half_linear.half_linear`` hands ``rows`` rows of this weight dtype to the tiles here."""
     return (MIN_ROWS.get(dtype, 1 << 62) <= rows <= MAX_ROWS.get(dtype, 0)
             and (_library[0] if _library else library()) is not None)
+
+
+def takes_float_x(dtype: torch.dtype, rows: int) -> bool:
+    """Whether ``native_half_linear.half_linear`` hands ``rows`` float32 rows against this weight dtype to the
+    tiles (:func:`call_float_x`)."""
+    return (FLOAT_X_MIN_ROWS.get(dtype, 1 << 62) <= rows <= FLOAT_X_MAX_ROWS.get(dtype, 0)
+            and (_library[0] if _library else library()) is not None)
+
+
+def call_float_x(dtype: torch.dtype, flat: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor) -> tuple:
+    """``out = flat [rows, in] @ weight^T + bias`` for float32 ``flat``, ``bias`` and ``out`` against a weight of
+    ``dtype`` on the tiles, ``flat`` split into two bfloat16 parts (``amx_half_weight_linear``: each x = hi + lo + r,
+    ``|r| <= 2^-16 |x| + 2^-126``); tensors checked by the caller. Returns the C call's arguments after the dtype
+    code's, for a recording (the signature is ``amx_half_linear``'s: the replay's ``half_linear_at``)."""
+    args = (DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1], weight.data_ptr(), weight.shape[0],
+            bias.data_ptr() if bias is not None else None, out.data_ptr(), 1)
+    status = _library[0].amx_half_weight_linear(*args)
+    if status == -3:
+        raise MemoryError("amx_half_weight_linear could not allocate its activation tiles")
+    if status != 0:
+        raise ValueError(f"amx_half_weight_linear: status {status} for {dtype} weights {tuple(weight.shape)}")
+    return args
 
 
 def call(dtype: torch.dtype, flat: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -96,4 +128,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
     call(dtype, x.reshape(rows, x.shape[-1]).contiguous(), rows, weight,
          bias.contiguous() if bias is not None else None, out, out_float)
+    return out
+
+
+def linear_float_x(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """``x @ W^T + bias`` for float32 ``x`` (and bias) against a 16-bit weight on the tiles whatever the row
+    count, float32 out (tests and benchmarks; the engine gets here through ``native_half_linear.half_linear``
+    within :data:`FLOAT_X_MIN_ROWS`..:data:`FLOAT_X_MAX_ROWS`). None: no AMX here, or dtypes, devices or
+    layouts the kernel does not handle."""
+    dtype = weight.dtype
+    if (library() is None or dtype not in DTYPES or x.dtype != torch.float32 or weight.dim() != 2 or x.dim() == 0
+            or not weight.is_cpu or not x.is_cpu or not weight.is_contiguous() or x.shape[-1] != weight.shape[1]
+            or out_dtype not in (None, torch.float32)
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)
+                                      or not bias.is_cpu))):
+        return None
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+    if rows == 0 or weight.shape[1] == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
+    call_float_x(dtype, x.reshape(rows, x.shape[-1]).contiguous(), rows, weight,
+                 bias.contiguous() if bias is not None else None, out)
     return out

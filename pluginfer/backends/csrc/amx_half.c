@@ -136,18 +136,47 @@ static inline void ah_split32(__m512i h, __m512i *hi, __m512i *lo) {
 
 /* x [m][k] into the B tiles of `groups` groups of ks steps (zeros past m and k): bfloat16 x as is into hi;
  * float16 x split into hi and lo. Word i * 16 + r of tile (g, s) holds x[16 g + r][32 s + 2 i .. + 1]. */
-static void ah_pack_x(int dtype, const uint16_t *x, int64_t m, int64_t k, int64_t ks, uint32_t *hi, uint32_t *lo) {
+/* 32 float32 values as 32 bfloat16 high parts and 32 low parts: hi = x with its significand cut to 8 bits
+ * (exact), lo = x - hi (exact in float32) rounded to nearest even to bfloat16, so x = hi + lo + r with
+ * |r| <= 2^-16 |x| (x in [2^e, 2^(e+1)): |x - hi| < 2^(e-7), lo's half ulp <= 2^(e-16)). The tiles flush
+ * subnormal bfloat16 inputs, so a hi or lo below 2^-126 in magnitude counts as 0: |r| <= 2^-16 |x| + 2^-126.
+ * A NaN keeps hi = a (quiet) NaN, an infinity hi = itself; both lo = 0. */
+static inline void ah_split32_float(const float *x, __m512i *hi, __m512i *lo) {
+    const __m512 f0 = _mm512_loadu_ps(x), f1 = _mm512_loadu_ps(x + 16);
+    const __m512i cut = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 inf = _mm512_set1_ps(__builtin_inff());
+    const __mmask16 n0 = _mm512_cmp_ps_mask(f0, f0, _CMP_UNORD_Q), n1 = _mm512_cmp_ps_mask(f1, f1, _CMP_UNORD_Q);
+    const __m512 h0 = _mm512_mask_mov_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(f0), cut)), n0, f0);
+    const __m512 h1 = _mm512_mask_mov_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(f1), cut)), n1, f1);
+    const __m512 l0 = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(f0), inf, _CMP_LT_OQ), f0, h0);
+    const __m512 l1 = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(f1), inf, _CMP_LT_OQ), f1, h1);
+    *hi = (__m512i)_mm512_cvtne2ps_pbh(h1, h0);
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(l1, l0);
+}
+
+enum { AH_X_F32 = 2 }; /* x's kind in ah_pack_x: AH_BF16, AH_F16 or float32 */
+
+static void ah_pack_x(int dtype, const void *xv, int64_t m, int64_t k, int64_t ks, uint32_t *hi, uint32_t *lo) {
+    const uint16_t *x = xv;
     for (int64_t r = 0; r < m; r++) {
         const int64_t g = r / AH_ROWS, lane = r % AH_ROWS;
         for (int64_t s = 0; s < ks; s++) {
             uint16_t chunk[32] __attribute__((aligned(64))) = {0};
             const int64_t count = k - 32 * s < 32 ? k - 32 * s : 32;
-            memcpy(chunk, x + r * k + 32 * s, (size_t)count * 2);
             uint32_t *th = hi + (g * ks + s) * (AH_TILE / 4), *tl = lo ? lo + (g * ks + s) * (AH_TILE / 4) : NULL;
             uint32_t words_hi[16], words_lo[16];
-            if (dtype == AH_BF16) {
+            if (dtype == AH_X_F32) {
+                float values[32] = {0};
+                memcpy(values, (const float *)xv + r * k + 32 * s, (size_t)count * 4);
+                __m512i h, l;
+                ah_split32_float(values, &h, &l);
+                _mm512_storeu_si512(words_hi, h);
+                _mm512_storeu_si512(words_lo, l);
+            } else if (dtype == AH_BF16) {
+                memcpy(chunk, x + r * k + 32 * s, (size_t)count * 2);
                 memcpy(words_hi, chunk, 64);
             } else {
+                memcpy(chunk, x + r * k + 32 * s, (size_t)count * 2);
                 __m512i h, l;
                 ah_split32(_mm512_load_si512(chunk), &h, &l);
                 _mm512_storeu_si512(words_hi, h);
@@ -186,30 +215,32 @@ static inline void ah_weight_tile(int dtype, const uint16_t *w, int64_t n, int64
     do {                                                                                \
         _tile_loadd(5, bh + ((p0 + c) * ks + s) * (AH_TILE / 4), 64);                   \
         _tile_dpbf16ps(c, 4, 5);                                                        \
-        if (split) {                                                                    \
+        if (x_split) {                                                                  \
             _tile_loadd(6, bl + ((p0 + c) * ks + s) * (AH_TILE / 4), 64);               \
             _tile_dpbf16ps(c, 4, 6);                                                    \
+        }                                                                               \
+        if (split) {                                                                    \
             _tile_dpbf16ps(c, 7, 5);                                                    \
-            _tile_dpbf16ps(c, 7, 6);                                                    \
+            if (x_split) _tile_dpbf16ps(c, 7, 6);                                       \
         }                                                                               \
     } while (0)
 
 /* dtype: 0 bfloat16, 1 float16 (x, w, bias and a 16-bit out share it). x [m][k], w [n][k], bias [n] or NULL,
  * out [m][n]: float32 when out_float, else the 16-bit dtype (rounded to nearest even). Returns 0; -2: a bad
  * dtype; -3: a buffer could not be allocated; -4: the tile state was not granted (amx_half_init). */
-int amx_half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
-                    const uint16_t *bias, void *out, int out_float) {
+static int ah_linear(int dtype, int float_x, const void *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                     const void *bias, void *out, int out_float) {
     if (dtype != AH_BF16 && dtype != AH_F16) return -2;
     if (!ah_granted) return -4;
     if (m <= 0 || n <= 0) return 0;
-    const int split = dtype == AH_F16;
+    const int split = dtype == AH_F16, x_split = split || float_x;
     const int64_t ks = (k + 31) / 32, groups = (m + AH_ROWS - 1) / AH_ROWS, blocks = (n + AH_COLS - 1) / AH_COLS;
     const size_t x_bytes = (size_t)(groups * ks * AH_TILE);
-    uint32_t *bh = aligned_alloc(64, x_bytes * (split ? 2 : 1));
+    uint32_t *bh = aligned_alloc(64, x_bytes * (x_split ? 2 : 1));
     if (!bh) return -3;
-    uint32_t *bl = split ? bh + x_bytes / 4 : NULL;
-    memset(bh, 0, x_bytes * (split ? 2 : 1));
-    ah_pack_x(dtype, x, m, k, ks, bh, bl);
+    uint32_t *bl = x_split ? bh + x_bytes / 4 : NULL;
+    memset(bh, 0, x_bytes * (x_split ? 2 : 1));
+    ah_pack_x(float_x ? AH_X_F32 : dtype, x, m, k, ks, bh, bl);
     /* whole 32-input steps whose weights are read in place (bfloat16, full blocks) */
     const int64_t full_steps = k / 32;
 #pragma omp parallel if (n * k >= (1 << 15))
@@ -252,8 +283,10 @@ int amx_half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const ui
                 for (int g = 0; g < count; g++) {
                     const int64_t r0 = (p0 + g) * AH_ROWS, rows = m - r0 < AH_ROWS ? m - r0 : AH_ROWS;
                     for (int64_t o = 0; o < outs; o++) {
-                        const float b = bias ? (dtype == AH_BF16 ? ah_bf16_to_float(bias[o0 + o]) : _cvtsh_ss(bias[o0 + o]))
-                                             : 0.0f;
+                        const float b = !bias ? 0.0f
+                                        : float_x ? ((const float *)bias)[o0 + o]
+                                        : dtype == AH_BF16 ? ah_bf16_to_float(((const uint16_t *)bias)[o0 + o])
+                                                           : _cvtsh_ss(((const uint16_t *)bias)[o0 + o]);
                         for (int64_t r = 0; r < rows; r++) {
                             const float v = result[g][o * AH_ROWS + r] + b;
                             const int64_t at = (r0 + r) * n + o0 + o;
@@ -272,10 +305,31 @@ int amx_half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const ui
     free(bh);
     return 0;
 }
+
+int amx_half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                    const uint16_t *bias, void *out, int out_float) {
+    return ah_linear(dtype, 0, x, m, k, w, n, bias, out, out_float);
+}
+
+/* float32 x [m][k] against a 16-bit w [n][k] (dtype 0 bfloat16, 1 float16), float32 bias [n] or NULL, float32
+ * out [m][n] (half_linear.c's half_weight_linear on the tiles). x is split into two bfloat16 parts (ah_split32_float:
+ * x = hi + lo + r, |r| <= 2^-16 |x| + 2^-126), a float16 w exactly into two as above: the products hi w and lo w
+ * are exact in float32 (2 per pair for bfloat16 w, 4 for float16), summed in float32. out_float must be 1 (the
+ * argument makes the signature amx_half_linear's, for the replay's half_linear_at entry); else -2. */
+int amx_half_weight_linear(int dtype, const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                           const float *bias, float *out, int out_float) {
+    if (!out_float) return -2;
+    return ah_linear(dtype, 1, x, m, k, w, n, bias, out, 1);
+}
 #else
 int amx_half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                     const uint16_t *bias, void *out, int out_float) {
     (void)dtype, (void)x, (void)m, (void)k, (void)w, (void)n, (void)bias, (void)out, (void)out_float, (void)ah_granted;
+    return -4;
+}
+int amx_half_weight_linear(int dtype, const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                           const float *bias, float *out, int out_float) {
+    (void)dtype, (void)x, (void)m, (void)k, (void)w, (void)n, (void)bias, (void)out, (void)out_float;
     return -4;
 }
 #endif

@@ -1,0 +1,131 @@
+"""float32 activations against 16-bit weights on the AMX bfloat16 tiles (``amx_half_weight_linear``).
+
+The oracle is exact arithmetic (float64) on the float32 x and the 16-bit weights. Each x is split into two
+bfloat16 parts, x = hi + lo + r with ``|r| <= 2^-16 |x| + 2^-126``; the products hi w and lo w are exact
+in float32 (a float16 w split exactly into two bfloat16: four products), summed in float32. With ``S`` the
+sum of ``|x_i w_i|`` and ``|bias|``, and ``t`` the products per pair (2 bfloat16, 4 float16):
+``|s - e| <= 2^-16 S + 2^-126 sum |w_i| + (t k + 1) 2^-24 1.01 S``. A row's result does not depend on
+the rows beside it or the thread count (bit for bit); a NaN or an infinity in a row reaches only that row.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pluginfer.backends import amx_half, native, native_build, native_half_linear
+
+DTYPES = [torch.bfloat16, torch.float16]
+SHAPES = [(1, 1), (3, 7), (17, 33), (40, 64), (65, 97), (130, 1030)]
+ROWS = [1, 2, 5, 8, 15, 16, 17, 24, 33, 64]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def amx() -> None:
+    reason = native.available()
+    if reason is not None:
+        pytest.skip(f"native kernels unavailable: {reason}")
+    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= native_build.cpu_features():
+        pytest.skip("this CPU has no AMX-BF16")
+    if os.environ.get(amx_half.ENV, "1") == "0":
+        pytest.skip("PLUGINFER_AMX=0 turns the AMX kernels off")
+    if amx_half.library() is None:
+        pytest.fail("the AMX bfloat16 kernel did not load on a CPU with AMX-BF16")
+
+
+@pytest.fixture
+def threads() -> object:
+    previous = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(previous)
+
+
+def inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int,
+           with_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    return x, weight, bias
+
+
+def bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    x64, w64 = x.double(), weight.double()
+    value, size = x64 @ w64.T, x64.abs() @ w64.abs().T
+    if bias is not None:
+        value, size = value + bias.double(), size + bias.double().abs()
+    products = 2 if weight.dtype == torch.bfloat16 else 4
+    k = x.shape[-1]
+    tiny = 2.0**-126 * w64.abs().sum(dim=1)
+    return value, 2.0**-16 * size + tiny + (products * k + 1) * 2.0**-24 * 1.01 * size
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_within_the_stated_bound_of_exact_arithmetic(dtype: torch.dtype, shape: tuple[int, int], threads) -> None:
+    out_features, in_features = shape
+    for count in (1, 2):
+        threads(count)
+        for rows in ROWS:
+            for with_bias in (False, True):
+                x, weight, bias = inputs(rows, out_features, in_features, dtype, rows * 7 + count, with_bias)
+                out = amx_half.linear_float_x(x, weight, bias)
+                assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+                exact, limit = bound(x, weight, bias)
+                error = (out.double() - exact).abs()
+                assert bool((error <= limit).all()), f"{rows} rows: error {float((error - limit).max())} over"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_split_of_x_loses_at_most_2_to_the_minus_16(dtype: torch.dtype) -> None:
+    # one input, weight 1: the output is hi + lo, the split's own error; x of every magnitude and 24-bit pattern
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 1, generator=generator) * torch.logspace(-30, 30, 64).unsqueeze(1)
+    x[0, 0] = 1 + 2.0**-23  # the low bit alone in lo's reach: lost, within the bound
+    x[1, 0] = 1 + 2.0**-8 + 2.0**-15  # 16 significant bits: hi 1, lo 2^-8 + 2^-15
+    out = amx_half.linear_float_x(x, torch.ones(1, 1, dtype=dtype))
+    error = (out.double() - x.double()).abs()
+    assert bool((error <= 2.0**-16 * x.double().abs() + 2.0**-126).all())
+    assert float(out[1, 0]) == float(x[1, 0])  # hi + lo is exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_row_is_the_same_bits_whatever_its_batch_and_threads(dtype: torch.dtype, threads) -> None:
+    x, weight, bias = inputs(64, 130, 1030, dtype, 11, True)
+    threads(1)
+    whole = amx_half.linear_float_x(x, weight, bias)
+    threads(2)
+    assert torch.equal(amx_half.linear_float_x(x, weight, bias), whole)
+    for start, stop in ((0, 1), (5, 6), (3, 20), (16, 33), (40, 64)):
+        assert torch.equal(amx_half.linear_float_x(x[start:stop], weight, bias), whole[start:stop])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_and_infinite_rows_reach_only_their_own_row(dtype: torch.dtype) -> None:
+    x, weight, bias = inputs(20, 40, 70, dtype, 5, True)
+    clean = amx_half.linear_float_x(x, weight, bias)
+    x[3, 10], x[7, 0], x[12, 69] = float("nan"), float("inf"), float("-inf")
+    out = amx_half.linear_float_x(x, weight, bias)
+    for row in (3, 7, 12):
+        assert not bool(torch.isfinite(out[row]).any())
+    others = [r for r in range(20) if r not in (3, 7, 12)]
+    assert torch.equal(out[others], clean[others])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_half_linear_hands_the_measured_rows_of_float32_x_to_the_tiles(dtype: torch.dtype) -> None:
+    low, high = amx_half.FLOAT_X_MIN_ROWS[dtype], amx_half.FLOAT_X_MAX_ROWS[dtype]
+    assert high <= native_half_linear.HALF_WEIGHT_MAX_ROWS
+    for rows in (low, 16, high):
+        x, weight, bias = inputs(rows, 65, 97, dtype, rows, True)
+        assert amx_half.takes_float_x(dtype, rows)
+        assert torch.equal(native_half_linear.half_linear(x, weight, bias), amx_half.linear_float_x(x, weight, bias))
+    assert not amx_half.takes_float_x(dtype, low - 1) and not amx_half.takes_float_x(dtype, high + 1)
+
+
+def test_a_float32_out_only() -> None:
+    x, weight, _ = inputs(4, 16, 32, torch.float16, 1, False)
+    assert amx_half.linear_float_x(x, weight, out_dtype=torch.float16) is None
+    assert amx_half.linear_float_x(x, weight, torch.zeros(16, dtype=torch.float16)) is None
