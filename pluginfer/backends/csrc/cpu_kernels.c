@@ -449,51 +449,54 @@ void rms_norm(const float *x, float *residual, const float *weight, float *out, 
     }
 }
 
+/* gelu_tanh(g) = 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3): silu(g) = g / (1 +
+ * exp(-g))'s form, exp512 for expf (torch's 0.5 g (1 + tanh(u)) loses the low bits of 1 + tanh(u) for u below about
+ * -2; this does not). */
+static const float GELU_TWO_BETA = 1.5957691216057308f, GELU_KAPPA = 0.044715f; /* 2 sqrt(2/pi) */
+
+/* silu (gelu 0) or gelu_tanh (gelu 1) of one value, and of 16 (AVX-512); the gated kernels (float32 and 16-bit)
+ * take them with gelu a constant, so each inlines one activation's arithmetic, as written here. */
+static inline __attribute__((always_inline)) float gate_activation(float g, int gelu) {
+    return gelu ? g / (1.0f + expf(-GELU_TWO_BETA * fmaf(GELU_KAPPA * g, g * g, g))) : g / (1.0f + expf(-g));
+}
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 gate_activation512(__m512 g, int gelu) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 e;
+    if (gelu) {
+        const __m512 kappa = _mm512_set1_ps(GELU_KAPPA), minus_two_beta = _mm512_set1_ps(-GELU_TWO_BETA);
+        const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(kappa, g), _mm512_mul_ps(g, g), g);
+        e = exp512(_mm512_mul_ps(minus_two_beta, inner));
+    } else {
+        e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    }
+    return _mm512_div_ps(g, _mm512_add_ps(one, e));
+}
+#endif
+
+/* One row of a gated kernel: o[i] = activation(gate[i]) * up[i]. */
+static inline __attribute__((always_inline)) void gated_row(const float *gate, const float *up, float *o, int64_t n,
+                                                            int gelu) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(gate_activation512(_mm512_loadu_ps(gate + i), gelu),
+                                              _mm512_loadu_ps(up + i)));
+#endif
+    for (; i < n; i++) o[i] = gate_activation(gate[i], gelu) * up[i];
+}
+
 /* silu_and_mul: out[r, i] = silu(x[r, i]) * x[r, n + i] for x of [rows, 2n]. */
 void silu_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
 #pragma omp parallel for if (rows > 4)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = x + r * 2 * n, *up = gate + n;
-        float *o = out + r * n;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= n; i += 16) {
-            const __m512 g = _mm512_loadu_ps(gate + i);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
-        }
-#endif
-        for (; i < n; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
+    for (int64_t r = 0; r < rows; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 0);
 }
 
-/* gelu_tanh_and_mul: out[r, i] = gelu_tanh(x[r, i]) * x[r, n + i] for x of [rows, 2n], where gelu_tanh(g) =
- * 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3): silu_and_mul's form, exp512
- * for expf (torch's 0.5 g (1 + tanh(u)) loses the low bits of 1 + tanh(u) for u below about -2; this does not). */
-static const float GELU_TWO_BETA = 1.5957691216057308f, GELU_KAPPA = 0.044715f; /* 2 sqrt(2/pi) */
-
+/* gelu_tanh_and_mul: out[r, i] = gelu_tanh(x[r, i]) * x[r, n + i] for x of [rows, 2n]. */
 void gelu_tanh_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
 #pragma omp parallel for if (rows > 4)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = x + r * 2 * n, *up = gate + n;
-        float *o = out + r * n;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f), kappa = _mm512_set1_ps(GELU_KAPPA);
-        const __m512 minus_two_beta = _mm512_set1_ps(-GELU_TWO_BETA);
-        for (; i + 16 <= n; i += 16) {
-            const __m512 g = _mm512_loadu_ps(gate + i);
-            const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(kappa, g), _mm512_mul_ps(g, g), g);
-            const __m512 e = exp512(_mm512_mul_ps(minus_two_beta, inner));
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
-        }
-#endif
-        for (; i < n; i++) {
-            const float g = gate[i];
-            o[i] = g / (1.0f + expf(-GELU_TWO_BETA * fmaf(GELU_KAPPA * g, g * g, g))) * up[i];
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 1);
 }
 
 /* rotary_neox: rotate the first rotary_dim features of each head in place (half-split layout),
@@ -1142,57 +1145,34 @@ void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, 
 }
 
 
-/* out[r, i] = round(round(silu(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.silu(gate) * up); the
- * AVX-512 body takes exp512 for expf, as silu_and_mul does. */
+/* One row of a 16-bit gated kernel: o[i] = round(round(activation(gate[i])) * up[i]), the activation in float32
+ * (gated_row's) on the widened gate. */
+static inline __attribute__((always_inline)) void gated_row_16(const uint16_t *gate, const uint16_t *up, uint16_t *o,
+                                                               int64_t n, int dtype, int gelu) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512 g = widen16_ps(_mm256_loadu_si256((const __m256i *)(gate + i)), dtype);
+        const __m512 a = widen16_ps(narrow16_ps(gate_activation512(g, gelu), dtype), dtype);
+        const __m512 u = widen16_ps(_mm256_loadu_si256((const __m256i *)(up + i)), dtype);
+        _mm256_storeu_si256((__m256i *)(o + i), narrow16_ps(_mm512_mul_ps(a, u), dtype));
+    }
+#endif
+    for (; i < n; i++)
+        o[i] = store16(round16(gate_activation(load16(gate + i, dtype), gelu), dtype) * load16(up + i, dtype), dtype);
+}
+
+/* out[r, i] = round(round(silu(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.silu(gate) * up). */
 void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
 #pragma omp parallel for if (rows > 4)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *gate = x + r * 2 * n, *up = gate + n;
-        uint16_t *o = out + r * n;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= n; i += 16) {
-            const __m512 g = widen16_ps(_mm256_loadu_si256((const __m256i *)(gate + i)), dtype);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            const __m512 silu = widen16_ps(narrow16_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), dtype), dtype);
-            const __m512 u = widen16_ps(_mm256_loadu_si256((const __m256i *)(up + i)), dtype);
-            _mm256_storeu_si256((__m256i *)(o + i), narrow16_ps(_mm512_mul_ps(silu, u), dtype));
-        }
-#endif
-        for (; i < n; i++) {
-            const float g = load16(gate + i, dtype);
-            o[i] = store16(round16(g / (1.0f + expf(-g)), dtype) * load16(up + i, dtype), dtype);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 0);
 }
 
 /* out[r, i] = round(round(gelu_tanh(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.gelu(gate,
- * approximate="tanh") * up), gelu_tanh as gelu_tanh_and_mul computes it. */
+ * approximate="tanh") * up). */
 void gelu_tanh_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
 #pragma omp parallel for if (rows > 4)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *gate = x + r * 2 * n, *up = gate + n;
-        uint16_t *o = out + r * n;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f), kappa = _mm512_set1_ps(GELU_KAPPA);
-        const __m512 minus_two_beta = _mm512_set1_ps(-GELU_TWO_BETA);
-        for (; i + 16 <= n; i += 16) {
-            const __m512 g = widen16_ps(_mm256_loadu_si256((const __m256i *)(gate + i)), dtype);
-            const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(kappa, g), _mm512_mul_ps(g, g), g);
-            const __m512 e = exp512(_mm512_mul_ps(minus_two_beta, inner));
-            const __m512 gelu = widen16_ps(narrow16_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), dtype), dtype);
-            const __m512 u = widen16_ps(_mm256_loadu_si256((const __m256i *)(up + i)), dtype);
-            _mm256_storeu_si256((__m256i *)(o + i), narrow16_ps(_mm512_mul_ps(gelu, u), dtype));
-        }
-#endif
-        for (; i < n; i++) {
-            const float g = load16(gate + i, dtype);
-            const float gelu = g / (1.0f + expf(-GELU_TWO_BETA * fmaf(GELU_KAPPA * g, g * g, g)));
-            o[i] = store16(round16(gelu, dtype) * load16(up + i, dtype), dtype);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 1);
 }
 
 /* rotary_neox on 16-bit q and k rows (strides in elements), float32 cos/sin tables of [tokens, rotary_dim/2]:
