@@ -24,7 +24,7 @@ from pathlib import Path
 # The C guards: panel_linear.c needs __AVX512F__; quant_dot.c AVX-512 VNNI (with BW, VL, F16C) or, at least,
 # AVX2 with FMA and F16C (its AVX2 kernels); half_linear.c AVX2 with FMA and F16C at least.
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "decode attention": (("paged_decode_attention",), ()),
+    "decode attention": (("paged_decode_attention", "paged_decode_attention_kv16"), ()),
     "RMSNorm": (("rms_norm",), ()),
     "SiLU-and-mul": (("silu_and_mul",), ()),
     "GELU(tanh)-and-mul": (("gelu_tanh_and_mul", "gelu_tanh_and_mul_16"), ()),
