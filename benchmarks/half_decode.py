@@ -14,7 +14,7 @@ for their runs: every 16-bit linear through ``F.linear``, the path before the na
 ``f16-noamx`` (engines of their own with ``amx_half.MAX_ROWS`` at 0 for their runs: the GEMV and torch's GEMM as
 before the AMX bfloat16 tiles of ``csrc/amx_half.c``), ``f16-gguf`` (pluginfer on llama.cpp's F16 file, the very
 file ``llama.cpp-F16`` reads, with ``--dtype float16``), ``llama.cpp-F16``. A variant needs an engine of its own:
-an engine replays each decode batch size with the kernels its first step of that size recorded. Each run times every
+an engine replays each decode batch size with the kernels its step of that size recorded (the second; the first runs eagerly). Each run times every
 engine in turn: batch-1 decode (prompt 128, then ``--b1-tokens`` greedy tokens, the prefill excluded) and
 batch-16 decode (16 prompts of 128, ``--b16-tokens`` tokens each). Medians of ``--runs``, tokens/s, ratios
 to llama.cpp, and the memory-bandwidth bound: the weight bytes a batch-1 token reads (every linear and
