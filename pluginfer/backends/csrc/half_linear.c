@@ -49,6 +49,7 @@
 #define HL_DPBF16 1
 #endif
 #include <immintrin.h>
+#include "sum_tree_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HL_AVX2 1
 #define HL_LANES 8
@@ -102,25 +103,9 @@ typedef __m512 hl_vec;
 #define hl_zero _mm512_setzero_ps
 #define hl_load_x _mm512_loadu_ps
 #define hl_fma _mm512_fmadd_ps
-/* The sum of a vector's 16 lanes by one fixed tree: halves of 256 bits, of 128, lanes (0 + 2, 1 + 3), then
- * 0 + 1 (the tree of GCC's _mm512_reduce_add_ps). */
-static inline float hl_sum(__m512 v) {
-    const __m256 t3 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
-                                    _mm512_castps512_ps256(v));
-    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
-    const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
-    return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
-}
-/* Four vectors' sums by the same tree at once (one set of shuffles and adds for the four): out[0..3]. */
-static inline void hl_sum4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
-    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0xEE), _mm512_shuffle_f32x4(a, b, 0x44));
-    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0xEE), _mm512_shuffle_f32x4(c, d, 0x44));
-    const __m512 t6 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0xDD), _mm512_shuffle_f32x4(ab, cd, 0x88));
-    const __m512 t8 = _mm512_add_ps(t6, _mm512_permute_ps(t6, 0x4E));
-    const __m512 r = _mm512_add_ps(t8, _mm512_permute_ps(t8, 0xB1));
-    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0,
-                                                                                       0, 0, 0, 0, 0, 0), r)));
-}
+/* A vector's 16 lanes summed by one fixed tree, alone or four at once (sum_tree_avx512.h). */
+#define hl_sum sum_tree_avx512
+#define hl_sum4 sum_tree4_avx512
 /* A tile row's HL_NO sums (HL_NO = 8: two sets of four). */
 #define hl_sum_row(acc, sums)                                                                                \
     do {                                                                                                     \

@@ -48,6 +48,7 @@
 #define QD_TILE_MAX 8 /* rows per tile: 8 rows x 2 outputs of accumulators */
 #include <immintrin.h>
 #include "q8_block_avx512.h"
+#include "sum_tree_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QD_AVX2 1
 #define QD_TILE_MAX 8 /* 16 ymm registers */
@@ -140,6 +141,20 @@ static inline uint32_t u32_at(const uint8_t *p) {
     memcpy(&v, p, 4);
     return v;
 }
+
+/* R rows of activations (a group's records from its row r0: vector v of row r0 + r at act + v * vstride
+ * + r * QD_RECORD) x O output rows of weights (row_bytes apart); out[r * ldo + o]. */
+typedef void (*qd_tile)(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb, const uint8_t *act,
+                        int64_t vstride, float *out, int64_t ldo, int64_t count);
+
+/* T##_tile_##R##x##O: count groups of O output rows, each by T##_one_##R##x##O (the instruction set's tile). */
+#define QD_TILE_GROUPS(T, R, O)                                                                              \
+    static void T##_tile_##R##x##O(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb,         \
+                                   const uint8_t *act, int64_t vstride, float *out, int64_t ldo,           \
+                                   int64_t count) {                                                         \
+        for (int64_t g = 0; g < count; g++)                                                                 \
+            T##_one_##R##x##O(row + g * O * row_bytes, row_bytes, units, nb, act, vstride, out + g * O, ldo);  \
+    }
 
 #endif
 
@@ -468,39 +483,18 @@ static inline void q6_k_decode(const unit_k6 *U, int j, __m512i *w, __m512 *sv, 
 #define q5_k_UNIT unit_k4
 #define q6_k_UNIT unit_k6
 
-/* R rows of activations (a group's records from its row r0: vector v of row r0 + r at act + v * vstride
- * + r * QD_RECORD) x O output rows of weights (row_bytes apart); out[r * ldo + o]. */
-typedef void (*qd_tile)(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb, const uint8_t *act,
-                        int64_t vstride, float *out, int64_t ldo, int64_t count);
 
 /* Outputs per tile: 1-2 rows read four weight streams at once (memory parallelism); 3-8 rows two,
  * sharing each row's activation loads between them (16 rows: 1.7 -> 1.45 ms for a 5632 x 1024 Q4_0
  * linear on one core, against 16 rows x 1 output). */
 #define QD_OUTS(R) ((R) <= 2 ? 4 : 2)
 
-/* The sum of a vector's 16 lanes by one fixed tree: halves of 256 bits, of 128, then lanes (0 + 2, 1 + 3),
- * then 0 + 1 (the tree of GCC's _mm512_reduce_add_ps). qd_sum4 sums four vectors by the same tree at
+/* The sum of a vector's 16 lanes by one fixed tree (sum_tree_avx512.h: halves of 256 bits, of 128, then lanes
+ * (0 + 2, 1 + 3), then 0 + 1, the tree of GCC's _mm512_reduce_add_ps). qd_sum4 sums four vectors by the same tree at
  * once (one set of shuffles and adds for the four; a 1-row tile's outputs, k of one super-block: ~10 % of
  * the work per output was its sum), so every output gets the same bits whichever tile it fell in. */
-static inline float qd_sum(__m512 v) {
-    const __m256 t3 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
-                                    _mm512_castps512_ps256(v));
-    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
-    const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
-    return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
-}
-
-static inline void qd_sum4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
-    /* per vector: its high 256 bits plus its low 256 (a and b in one register, c and d in another) */
-    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0xEE), _mm512_shuffle_f32x4(a, b, 0x44));
-    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0xEE), _mm512_shuffle_f32x4(c, d, 0x44));
-    /* 128-bit lane v: vector v's high 128 of those plus its low 128 */
-    const __m512 t6 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0xDD), _mm512_shuffle_f32x4(ab, cd, 0x88));
-    const __m512 t8 = _mm512_add_ps(t6, _mm512_permute_ps(t6, 0x4E));  /* lanes (0 + 2, 1 + 3) */
-    const __m512 r = _mm512_add_ps(t8, _mm512_permute_ps(t8, 0xB1));   /* lane 0: 0 + 1 */
-    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0,
-                                                                                       0, 0, 0, 0, 0, 0), r)));
-}
+#define qd_sum sum_tree_avx512
+#define qd_sum4 sum_tree4_avx512
 
 #define QD_TILE(T, OFFSET, MIN, R, O)                                                                        \
     static inline __attribute__((always_inline)) void T##_one_##R##x##O(                                   \
@@ -553,12 +547,7 @@ static inline void qd_sum4(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
             else                                                                                            \
                 _Pragma("GCC unroll 4") for (int o = 0; o < O; o++) out[r * ldo + o] = qd_sum(acc[r][o]);   \
     } \
-    static void T##_tile_##R##x##O(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb,         \
-                                   const uint8_t *act, int64_t vstride, float *out, int64_t ldo,           \
-                                   int64_t count) {                                                         \
-        for (int64_t g = 0; g < count; g++)                                                                 \
-            T##_one_##R##x##O(row + g * O * row_bytes, row_bytes, units, nb, act, vstride, out + g * O, ldo);  \
-    }
+    QD_TILE_GROUPS(T, R, O)
 
 #define QD_TILES(T, OFFSET, MIN)                                                                             \
     QD_TILE(T, OFFSET, MIN, 1, 4) QD_TILE(T, OFFSET, MIN, 2, 4) QD_TILE(T, OFFSET, MIN, 3, 2)                \
@@ -909,8 +898,6 @@ static inline __m256 no_mins(const void *U) {
 #define q5_k_UNIT unit_k4
 #define q6_k_UNIT unit_k6
 
-typedef void (*qd_tile)(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb, const uint8_t *act,
-                        int64_t vstride, float *out, int64_t ldo, int64_t count);
 
 #define QD_OUTS(R) ((R) == 1 ? 2 : 1)
 
@@ -970,12 +957,7 @@ typedef void (*qd_tile)(const uint8_t *row, int64_t row_bytes, int64_t units, in
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                 \
             _Pragma("GCC unroll 2") for (int o = 0; o < O; o++) out[r * ldo + o] = hsum8(acc[r][o]);        \
     } \
-    static void T##_tile_##R##x##O(const uint8_t *row, int64_t row_bytes, int64_t units, int64_t nb,         \
-                                   const uint8_t *act, int64_t vstride, float *out, int64_t ldo,           \
-                                   int64_t count) {                                                         \
-        for (int64_t g = 0; g < count; g++)                                                                 \
-            T##_one_##R##x##O(row + g * O * row_bytes, row_bytes, units, nb, act, vstride, out + g * O, ldo);  \
-    }
+    QD_TILE_GROUPS(T, R, O)
 
 #define QD_TILES(T, OFFSET, MIN, SIGNED)                                                                     \
     QD_TILE(T, OFFSET, MIN, SIGNED, 1, 2)                                                                    \
