@@ -31,12 +31,13 @@ DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # torch's float16 GEMM at 128 (0.95-1.7x at 256).
 MIN_ROWS = {torch.bfloat16: 4, torch.float16: 8}
 MAX_ROWS = {torch.bfloat16: 96, torch.float16: 128}
-# The same for float32 x against a 16-bit weight (amx_half_weight_linear: x split into two bfloat16, so 2
-# products a pair for bfloat16 weights, 4 for float16), where the alternative is half_linear.c's
+# The same for float32 x against a 16-bit weight (amx_half_weight_linear: x split exactly into three bfloat16,
+# 3 products a pair for bfloat16 weights, 5 for float16), where the alternative is half_linear.c's
 # half_weight_linear up to native_half_linear.HALF_WEIGHT_MAX_ROWS rows (docs/performance.md, "float32
-# activations on the AMX tiles"; one thread, CPU time, 32000x1024, the Q4_0 file's head): float16 0.92x the
-# GEMV at 8 rows, 1.35x at 12, 1.50x at 16, 1.86x at 24; bfloat16 0.93x at 4, 1.14x at 6, 1.53x at 8.
-FLOAT_X_MIN_ROWS = {torch.bfloat16: 6, torch.float16: 12}
+# activations on the AMX tiles"; one thread, CPU time, 32000x1024, the Q4_0 file's head, medians of 7, shared
+# machine): float16 0.81x at 8 rows, 1.03x at 10, 1.13x at 12, 1.41x at 16, 1.53x at 24;
+# bfloat16 0.87x at 4, 1.03x at 6, 1.44x at 8, 2.55x at 16 (ratios: the GEMV's time over the tiles').
+FLOAT_X_MIN_ROWS = {torch.bfloat16: 8, torch.float16: 12}
 FLOAT_X_MAX_ROWS = {torch.bfloat16: 24, torch.float16: 24}
 
 _library: list = []  # []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
@@ -81,8 +82,8 @@ def takes_float_x(dtype: torch.dtype, rows: int) -> bool:
 def call_float_x(dtype: torch.dtype, flat: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None,
                  out: torch.Tensor) -> tuple:
     """``out = flat [rows, in] @ weight^T + bias`` for float32 ``flat``, ``bias`` and ``out`` against a weight of
-    ``dtype`` on the tiles, ``flat`` split into two bfloat16 parts (``amx_half_weight_linear``: each x = hi + lo + r,
-    ``|r| <= 2^-16 |x| + 2^-126``); tensors checked by the caller. Returns the C call's arguments after the dtype
+    ``dtype`` on the tiles, ``flat`` split exactly into three bfloat16 parts (``amx_half_weight_linear``; its
+    comment and test_native_amx_half_float_x.py state the bound); tensors checked by the caller. Returns the C call's arguments after the dtype
     code's, for a recording (the signature is ``amx_half_linear``'s: the replay's ``half_linear_at``)."""
     args = (DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1], weight.data_ptr(), weight.shape[0],
             bias.data_ptr() if bias is not None else None, out.data_ptr(), 1)

@@ -41,7 +41,10 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rounded once to ``x``'s dtype (``out_dtype=torch.float32``: not rounded). A float32 ``x`` (and a float32
     ``bias``) with a 16-bit weight (a GGUF file's F16/BF16 tensor in a float32 model) gives float32: each
     weight widened exactly and multiplied by a fused multiply-add, the float32 ``x @ W.float().T`` up to
-    the order of the sum, up to :data:`HALF_WEIGHT_MAX_ROWS` rows. None: more rows than that or than
+    the order of the sum, up to :data:`HALF_WEIGHT_MAX_ROWS` rows; on a CPU with AMX-BF16, the rows of
+    ``amx_half.FLOAT_X_MIN_ROWS``..``FLOAT_X_MAX_ROWS`` go to the tiles with each x split exactly into three
+    bfloat16 parts, the products exact, float32 sums (a float16 weight's low part times x's low part left
+    out: each term < 2^-23 of its product; tests/backends/test_native_amx_half_float_x.py's bound). None: more rows than that or than
     :data:`HALF_LINEAR_MAX_ROWS` gives for the dtype, or dtypes, devices or layouts it does not handle;
     use ``F.linear``."""
     dtype = weight.dtype
@@ -55,6 +58,8 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows >= 2 and x.dtype == dtype and weight.shape[1] and amx_half.takes(dtype, rows):
         return _on_tiles(x, weight, bias, rows, out_dtype == torch.float32)
+    if float_x and weight.shape[1] and amx_half.takes_float_x(dtype, rows):
+        return _float_x_on_tiles(x, weight, bias, rows)
     limit = HALF_WEIGHT_MAX_ROWS if float_x else HALF_LINEAR_MAX_ROWS[dtype]
     if rows > limit or rows == 0 or weight.shape[1] == 0:
         return None
@@ -91,6 +96,19 @@ def _on_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return out
 
 
+def _float_x_on_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """:func:`half_linear` for float32 ``x`` against a 16-bit weight on the AMX tiles (``amx_half_weight_linear``,
+    ``amx_half.FLOAT_X_MIN_ROWS``..``FLOAT_X_MAX_ROWS`` rows): x split exactly into three bfloat16 parts;
+    recorded through ``half_linear_at`` as :func:`_on_tiles`."""
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+    args = amx_half.call_float_x(weight.dtype, x.reshape(rows, x.shape[-1]).contiguous(), rows, weight,
+                                 bias.contiguous() if bias is not None else None, out)
+    recorder = getattr(native_replay._state, "recording", None)
+    if recorder is not None:
+        native_replay._record_at(recorder, amx_half.library().amx_half_weight_linear, *args, entry="half_linear_at")
+    return out
+
+
 def half_linear_op() -> Callable | None:
     """:func:`half_linear` where this CPU runs it, else None; says which, once per process."""
     isa = half_linear_isa()
@@ -101,5 +119,10 @@ def half_linear_op() -> Callable | None:
     limits = HALF_LINEAR_MAX_ROWS
     _log_once(logging.INFO, f"16-bit linears: native GEMV ({isa}) up to {limits[torch.bfloat16]} rows of bfloat16 "
                             f"and {limits[torch.float16]} of float16, torch's matmul above")
-    amx_half.library()  # its own line: whether AMX bfloat16 tiles take the rows of amx_half.MIN_ROWS..MAX_ROWS
+    if amx_half.library() is not None:  # its own line: whether AMX bfloat16 tiles take amx_half.MIN_ROWS..MAX_ROWS
+        _log_once(logging.INFO, "float32 activations against 16-bit weights: AMX bfloat16 tiles (x split exactly "
+                                "in three bfloat16) from "
+                                + ", ".join(f"{amx_half.FLOAT_X_MIN_ROWS[d]} to {amx_half.FLOAT_X_MAX_ROWS[d]} rows "
+                                            f"of {str(d)[6:]}" for d in amx_half.DTYPES)
+                                + " (half_weight_linear's GEMV below)")
     return half_linear

@@ -185,6 +185,24 @@ def test_batches_on_amx_tiles_are_replayed_through_the_kernels_address(checkpoin
         assert ("quant_matmul_at" in names) == amx_quant.takes(2, size), (size, names)
 
 
+def test_float32_batches_against_f16_weights_on_amx_tiles_are_replayed_through_the_kernels_address() -> None:
+    """llama.cpp's F16 file in a float32 model: from amx_half.FLOAT_X_MIN_ROWS rows its linears and head run on
+    AMX bfloat16 tiles with x split in two (``amx_half_weight_linear``, another library): the program calls it
+    through its address (``half_linear_at``), half_weight_linear below; batches of 16 down to 1 replay and
+    equal --enforce-eager."""
+    from pluginfer.backends import amx_half
+
+    if not amx_half.takes_float_x(torch.float16, 16):
+        pytest.skip("no AMX bfloat16 tiles here (or PLUGINFER_AMX=0)")
+    prompts = random_prompts(250, [4] * 16, seed=9)
+    plan = [[(prompt, 4 + 2 * index) for index, prompt in enumerate(prompts)]]  # batches of 16 down to 1
+    replay, _ = assert_replayed_like_eager(FIXTURES / "llamacpp-llama-f16.gguf", plan, max_num_seqs=16)
+    for size in range(1, 17):
+        names = replay.programs[size][0].names
+        assert ("half_linear_at" in names) == amx_half.takes_float_x(torch.float16, size), (size, names)
+        assert ("half_weight_linear" in names) != amx_half.takes_float_x(torch.float16, size), (size, names)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_16_bit_batches_on_amx_tiles_are_replayed_through_the_kernels_address(
         dtype: torch.dtype, checkpoints: dict[str, Path]) -> None:

@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 
-from pluginfer.backends import native, native_half_linear
+from pluginfer.backends import amx_half, native, native_half_linear
 from tests.backends import half_linear_cases
 from tests.backends.half_linear_cases import exact
 
@@ -29,6 +29,13 @@ DTYPES = [torch.bfloat16, torch.float16]
 SHAPES = [(1, 1), (3, 7), (9, 31), (17, 33), (40, 64), (65, 97), (33, 257), (130, 1030), (8, 1024), (2048, 256)]
 
 inputs = functools.partial(half_linear_cases.inputs, activations=torch.float32)  # float32 x and bias
+
+
+@pytest.fixture(autouse=True)
+def gemv_at_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMV here at every row count (the engine hands amx_half.FLOAT_X_MIN_ROWS..MAX_ROWS rows to the AMX
+    tiles, tested in test_native_amx_half_float_x.py)."""
+    monkeypatch.setattr(amx_half, "FLOAT_X_MIN_ROWS", {})
 
 
 def bound(size: torch.Tensor, k: int) -> torch.Tensor:

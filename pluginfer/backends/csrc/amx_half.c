@@ -134,29 +134,39 @@ static inline void ah_split32(__m512i h, __m512i *hi, __m512i *lo) {
     *lo = (__m512i)_mm512_cvtne2ps_pbh(l1, l0);
 }
 
-/* x [m][k] into the B tiles of `groups` groups of ks steps (zeros past m and k): bfloat16 x as is into hi;
- * float16 x split into hi and lo. Word i * 16 + r of tile (g, s) holds x[16 g + r][32 s + 2 i .. + 1]. */
-/* 32 float32 values as 32 bfloat16 high parts and 32 low parts: hi = x with its significand cut to 8 bits
- * (exact), lo = x - hi (exact in float32) rounded to nearest even to bfloat16, so x = hi + lo + r with
- * |r| <= 2^-16 |x| (x in [2^e, 2^(e+1)): |x - hi| < 2^(e-7), lo's half ulp <= 2^(e-16)). The tiles flush
- * subnormal bfloat16 inputs, so a hi or lo below 2^-126 in magnitude counts as 0: |r| <= 2^-16 |x| + 2^-126.
- * A NaN keeps hi = a (quiet) NaN, an infinity hi = itself; both lo = 0. */
-static inline void ah_split32_float(const float *x, __m512i *hi, __m512i *lo) {
-    const __m512 f0 = _mm512_loadu_ps(x), f1 = _mm512_loadu_ps(x + 16);
+/* 32 float32 values as three bfloat16 parts each, x = hi + mid + lo exactly: hi = x with its significand cut
+ * to 8 bits, mid = (x - hi) cut the same way, lo = x - hi - mid (each difference exact in float32; x's 24
+ * significant bits leave at most 8 for lo, so every part is a bfloat16 value, converted exactly). The tiles
+ * flush subnormal bfloat16 inputs, so a part below 2^-126 in magnitude counts as 0: |x - (hi + mid + lo)| <
+ * 2^-125 as the tiles see it (0 for |x| >= 2^-102). A NaN keeps hi = a (quiet) NaN, an infinity hi = itself;
+ * both mid = lo = 0. */
+static inline void ah_split3_float(const float *x, int half, __m512 *hi, __m512 *mid, __m512 *lo) {
+    const __m512 f = _mm512_loadu_ps(x + 16 * half);
     const __m512i cut = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512 inf = _mm512_set1_ps(__builtin_inff());
-    const __mmask16 n0 = _mm512_cmp_ps_mask(f0, f0, _CMP_UNORD_Q), n1 = _mm512_cmp_ps_mask(f1, f1, _CMP_UNORD_Q);
-    const __m512 h0 = _mm512_mask_mov_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(f0), cut)), n0, f0);
-    const __m512 h1 = _mm512_mask_mov_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(f1), cut)), n1, f1);
-    const __m512 l0 = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(f0), inf, _CMP_LT_OQ), f0, h0);
-    const __m512 l1 = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(f1), inf, _CMP_LT_OQ), f1, h1);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
+    const __m512 h = _mm512_mask_mov_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(f), cut)), nan, f);
+    const __m512 d = _mm512_maskz_sub_ps(finite, f, h);
+    const __m512 m = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(d), cut));
+    *hi = h, *mid = m, *lo = _mm512_sub_ps(d, m);
+}
+
+static inline void ah_split32_float(const float *x, __m512i *hi, __m512i *mid, __m512i *lo) {
+    __m512 h0, m0, l0, h1, m1, l1;
+    ah_split3_float(x, 0, &h0, &m0, &l0);
+    ah_split3_float(x, 1, &h1, &m1, &l1);
     *hi = (__m512i)_mm512_cvtne2ps_pbh(h1, h0);
+    *mid = (__m512i)_mm512_cvtne2ps_pbh(m1, m0);
     *lo = (__m512i)_mm512_cvtne2ps_pbh(l1, l0);
 }
 
 enum { AH_X_F32 = 2 }; /* x's kind in ah_pack_x: AH_BF16, AH_F16 or float32 */
 
-static void ah_pack_x(int dtype, const void *xv, int64_t m, int64_t k, int64_t ks, uint32_t *hi, uint32_t *lo) {
+/* x [m][k] into the B tiles of `groups` groups of ks steps (zeros past m and k): bfloat16 x as is into hi;
+ * float16 x split into hi and lo; float32 x into hi, lo (its mid part) and lo2 (its low part). Word i * 16 + r
+ * of tile (g, s) holds x[16 g + r][32 s + 2 i .. + 1]. */
+static void ah_pack_x(int dtype, const void *xv, int64_t m, int64_t k, int64_t ks, uint32_t *hi, uint32_t *lo,
+                      uint32_t *lo2) {
     const uint16_t *x = xv;
     for (int64_t r = 0; r < m; r++) {
         const int64_t g = r / AH_ROWS, lane = r % AH_ROWS;
@@ -164,14 +174,15 @@ static void ah_pack_x(int dtype, const void *xv, int64_t m, int64_t k, int64_t k
             uint16_t chunk[32] __attribute__((aligned(64))) = {0};
             const int64_t count = k - 32 * s < 32 ? k - 32 * s : 32;
             uint32_t *th = hi + (g * ks + s) * (AH_TILE / 4), *tl = lo ? lo + (g * ks + s) * (AH_TILE / 4) : NULL;
-            uint32_t words_hi[16], words_lo[16];
+            uint32_t words_hi[16], words_lo[16], words_lo2[16];
             if (dtype == AH_X_F32) {
                 float values[32] = {0};
                 memcpy(values, (const float *)xv + r * k + 32 * s, (size_t)count * 4);
-                __m512i h, l;
-                ah_split32_float(values, &h, &l);
+                __m512i h, l, l2;
+                ah_split32_float(values, &h, &l, &l2);
                 _mm512_storeu_si512(words_hi, h);
                 _mm512_storeu_si512(words_lo, l);
+                _mm512_storeu_si512(words_lo2, l2);
             } else if (dtype == AH_BF16) {
                 memcpy(chunk, x + r * k + 32 * s, (size_t)count * 2);
                 memcpy(words_hi, chunk, 64);
@@ -185,6 +196,7 @@ static void ah_pack_x(int dtype, const void *xv, int64_t m, int64_t k, int64_t k
             for (int i = 0; i < 16; i++) {
                 th[16 * i + lane] = words_hi[i];
                 if (tl) tl[16 * i + lane] = words_lo[i];
+                if (lo2) lo2[(g * ks + s) * (AH_TILE / 4) + 16 * i + lane] = words_lo2[i];
             }
         }
     }
@@ -223,6 +235,10 @@ static inline void ah_weight_tile(int dtype, const uint16_t *w, int64_t n, int64
             _tile_dpbf16ps(c, 7, 5);                                                    \
             if (x_split) _tile_dpbf16ps(c, 7, 6);                                       \
         }                                                                               \
+        if (bl2) {                                                                      \
+            _tile_loadd(5, bl2 + ((p0 + c) * ks + s) * (AH_TILE / 4), 64);              \
+            _tile_dpbf16ps(c, 4, 5);                                                    \
+        }                                                                               \
     } while (0)
 
 /* dtype: 0 bfloat16, 1 float16 (x, w, bias and a 16-bit out share it). x [m][k], w [n][k], bias [n] or NULL,
@@ -236,11 +252,12 @@ static int ah_linear(int dtype, int float_x, const void *x, int64_t m, int64_t k
     const int split = dtype == AH_F16, x_split = split || float_x;
     const int64_t ks = (k + 31) / 32, groups = (m + AH_ROWS - 1) / AH_ROWS, blocks = (n + AH_COLS - 1) / AH_COLS;
     const size_t x_bytes = (size_t)(groups * ks * AH_TILE);
-    uint32_t *bh = aligned_alloc(64, x_bytes * (x_split ? 2 : 1));
+    const size_t parts = float_x ? 3 : x_split ? 2 : 1;
+    uint32_t *bh = aligned_alloc(64, x_bytes * parts);
     if (!bh) return -3;
-    uint32_t *bl = x_split ? bh + x_bytes / 4 : NULL;
-    memset(bh, 0, x_bytes * (x_split ? 2 : 1));
-    ah_pack_x(float_x ? AH_X_F32 : dtype, x, m, k, ks, bh, bl);
+    uint32_t *bl = x_split ? bh + x_bytes / 4 : NULL, *bl2 = float_x ? bh + 2 * (x_bytes / 4) : NULL;
+    memset(bh, 0, x_bytes * parts);
+    ah_pack_x(float_x ? AH_X_F32 : dtype, x, m, k, ks, bh, bl, bl2);
     /* whole 32-input steps whose weights are read in place (bfloat16, full blocks) */
     const int64_t full_steps = k / 32;
 #pragma omp parallel if (n * k >= (1 << 15))
@@ -312,10 +329,12 @@ int amx_half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const ui
 }
 
 /* float32 x [m][k] against a 16-bit w [n][k] (dtype 0 bfloat16, 1 float16), float32 bias [n] or NULL, float32
- * out [m][n] (half_linear.c's half_weight_linear on the tiles). x is split into two bfloat16 parts (ah_split32_float:
- * x = hi + lo + r, |r| <= 2^-16 |x| + 2^-126), a float16 w exactly into two as above: the products hi w and lo w
- * are exact in float32 (2 per pair for bfloat16 w, 4 for float16), summed in float32. out_float must be 1 (the
- * argument makes the signature amx_half_linear's, for the replay's half_linear_at entry); else -2. */
+ * out [m][n] (half_linear.c's half_weight_linear on the tiles). x is split exactly into three bfloat16 parts
+ * (ah_split3_float; parts below 2^-126 flushed by the tiles), a float16 w exactly into two as above; products
+ * exact in float32, summed in float32: bfloat16 w: w hi + w mid + w lo, 3 a pair; float16 w: the 6 products
+ * but w's low part times x's low part (|w_lo| < 2^-7 |w|, |x_lo| < 2^-16 |x|: each dropped term < 2^-23 |x w|),
+ * 5 a pair. out_float must be 1 (the argument makes the signature amx_half_linear's, for the replay's
+ * half_linear_at entry); else -2. */
 int amx_half_weight_linear(int dtype, const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                            const float *bias, float *out, int out_float) {
     if (!out_float) return -2;
