@@ -79,43 +79,33 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     return out
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-    """``silu(x[:, :n]) * x[:, n:]``. None: use the torch path."""
-    if x.dtype != torch.float32:  # float16/bfloat16: rounded where F.silu(gate) * up rounds
+def _gated_and_mul(x: torch.Tensor, kernel: str) -> torch.Tensor | None:
+    """``activation(x[:, :n]) * x[:, n:]`` by the float32 ``kernel`` of csrc/cpu_kernels.c, or for float16/bfloat16
+    its ``kernel_16`` (rounded where torch's ``activation(gate) * up`` rounds). None: use the torch path."""
+    if x.dtype != torch.float32:
         half = _fits_half(x.dtype, x)
         if half is None:
             return None
-        n = x.shape[-1] // 2
-        out = x.new_empty(*x.shape[:-1], n)
-        _lib().silu_and_mul_16(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n, half)
-        return out
-    if not _fits(x):
+        kernel, extra = kernel + "_16", (half,)
+    elif not _fits(x):
         return None
+    else:
+        extra = ()
     n = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], n)
-    _lib().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n)
+    getattr(_lib(), kernel)(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n, *extra)
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(x[:, :n]) * x[:, n:]``. None: use the torch path."""
+    return _gated_and_mul(x, "silu_and_mul")
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor | None:
     """``gelu(x[:, :n], approximate="tanh") * x[:, n:]`` (Gemma's activation). None: use the torch path (and
     for the exact, erf form)."""
-    if approximate != "tanh":
-        return None
-    if x.dtype != torch.float32:  # float16/bfloat16: rounded where F.gelu(gate) * up rounds
-        half = _fits_half(x.dtype, x)
-        if half is None:
-            return None
-        n = x.shape[-1] // 2
-        out = x.new_empty(*x.shape[:-1], n)
-        _lib().gelu_tanh_and_mul_16(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n, half)
-        return out
-    if not _fits(x):
-        return None
-    n = x.shape[-1] // 2
-    out = x.new_empty(*x.shape[:-1], n)
-    _lib().gelu_tanh_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n)
-    return out
+    return _gated_and_mul(x, "gelu_tanh_and_mul") if approximate == "tanh" else None
 
 
 def rotary_neox(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
