@@ -32,13 +32,17 @@ from pathlib import Path
 
 CONTEXT = 1024
 
-CHILD_PLUGINFER = r"""
+# Both children: mark(name) records the wall and CPU seconds since the previous mark.
+CHILD_MARKS = r"""
 import time
 T0, C0 = time.perf_counter(), time.process_time()
 marks = {}
 def mark(name, since=[0.0, 0.0]):
     wall, cpu = time.perf_counter() - T0, time.process_time() - C0
     marks[name] = (wall - since[0], cpu - since[1]); since[:] = [wall, cpu]
+"""
+
+CHILD_PLUGINFER = CHILD_MARKS + r"""
 import sys, json
 import torch; mark("import torch")
 torch.set_num_threads(THREADS)
@@ -50,13 +54,7 @@ phases = dict(llm.engine.startup_times)
 print(json.dumps({"marks": marks, "startup": phases}))
 """
 
-CHILD_LLAMA = r"""
-import time
-T0, C0 = time.perf_counter(), time.process_time()
-marks = {}
-def mark(name, since=[0.0, 0.0]):
-    wall, cpu = time.perf_counter() - T0, time.process_time() - C0
-    marks[name] = (wall - since[0], cpu - since[1]); since[:] = [wall, cpu]
+CHILD_LLAMA = CHILD_MARKS + r"""
 import json
 import llama_cpp; mark("import llama_cpp")
 model = llama_cpp.Llama(model_path=PATH, n_ctx=CONTEXT, n_batch=512, n_threads=THREADS, verbose=False); mark("Llama()")
