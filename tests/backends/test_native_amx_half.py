@@ -15,12 +15,12 @@ product is exact; an infinite weight stays infinite).
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
 
-from pluginfer.backends import amx_half, native, native_build, native_half_linear, native_library
+from pluginfer.backends import amx_half, native_half_linear, native_library
+from tests.backends.amx import require_amx
 from tests.backends.half_linear_cases import exact, inputs
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -31,16 +31,8 @@ ROWS = [1, 2, 3, 15, 16, 17, 33, 64, 70]
 
 @pytest.fixture(scope="module", autouse=True)
 def amx() -> None:
-    reason = native.available()
-    if reason is not None:
-        pytest.skip(f"native kernels unavailable: {reason}")
-    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= native_build.cpu_features():
-        pytest.skip("this CPU has no AMX-BF16 (the GEMV of half_linear.c and torch's GEMM take every row count)")
-    if os.environ.get(amx_half.ENV, "1") == "0":
-        pytest.skip("PLUGINFER_AMX=0 turns the AMX kernels off")
-    if amx_half.library() is None:  # this CPU has them: a build that fails or a refused tile state is a failure
-        pytest.fail("the AMX bfloat16 kernel did not load on a CPU with AMX-BF16 (the compiler, or Linux refused "
-                    "the tile state): the log line of pluginfer.backends.native_library says which")
+    require_amx(amx_half.library, {"amx_tile", "amx_bf16", "avx512_bf16"}, "AMX-BF16",
+                "the GEMV of half_linear.c and torch's GEMM take every row count", "the AMX bfloat16 kernel")
 
 
 def bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,8 +21,9 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pluginfer.backends import amx_quant, native, native_build, native_library, native_quant
+from pluginfer.backends import amx_quant, native_library, native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
+from tests.backends.amx import require_amx
 from tests.backends.test_native_quant_dot import cols_for, rounded_activations, weight_bytes
 
 T = GGMLQuantizationType
@@ -31,16 +32,8 @@ AMX_TYPES = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K]
 
 @pytest.fixture(scope="module", autouse=True)
 def amx() -> None:
-    reason = native.available()
-    if reason is not None:
-        pytest.skip(f"native kernels unavailable: {reason}")
-    if not {"amx_tile", "amx_int8"} <= native_build.cpu_features():
-        pytest.skip("this CPU has no AMX-INT8 (the AVX-512 VNNI kernel takes every row count)")
-    if os.environ.get(amx_quant.ENV, "1") == "0":
-        pytest.skip("PLUGINFER_AMX=0 turns the AMX kernels off")
-    if amx_quant.library() is None:  # this CPU has them: a build that fails or a refused tile state is a failure
-        pytest.fail("the AMX kernels did not load on a CPU with AMX-INT8 (the compiler, or Linux refused the tile "
-                    "state): the log line of pluginfer.backends.native_library says which")
+    require_amx(amx_quant.library, {"amx_tile", "amx_int8"}, "AMX-INT8",
+                "the AVX-512 VNNI kernel takes every row count", "the AMX kernels")
 
 
 def assert_within_bound(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor) -> None:
