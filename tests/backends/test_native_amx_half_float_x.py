@@ -11,12 +11,14 @@ beside it or the thread count (bit for bit); a NaN or an infinity in a row reach
 
 from __future__ import annotations
 
-import os
+import functools
 
 import pytest
 import torch
 
-from pluginfer.backends import amx_half, native, native_build, native_half_linear
+from pluginfer.backends import amx_half, native_half_linear
+from tests.backends import half_linear_cases
+from tests.backends.amx import require_amx
 
 DTYPES = [torch.bfloat16, torch.float16]
 SHAPES = [(1, 1), (3, 7), (17, 33), (40, 64), (65, 97), (130, 1030)]
@@ -25,40 +27,17 @@ ROWS = [1, 2, 5, 8, 15, 16, 17, 24, 33, 64]
 
 @pytest.fixture(scope="module", autouse=True)
 def amx() -> None:
-    reason = native.available()
-    if reason is not None:
-        pytest.skip(f"native kernels unavailable: {reason}")
-    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= native_build.cpu_features():
-        pytest.skip("this CPU has no AMX-BF16")
-    if os.environ.get(amx_half.ENV, "1") == "0":
-        pytest.skip("PLUGINFER_AMX=0 turns the AMX kernels off")
-    if amx_half.library() is None:
-        pytest.fail("the AMX bfloat16 kernel did not load on a CPU with AMX-BF16")
+    require_amx(amx_half.library, {"amx_tile", "amx_bf16", "avx512_bf16"}, "AMX-BF16",
+                "the GEMV of half_linear.c and torch's GEMM take every row count", "the AMX bfloat16 kernel")
 
 
-@pytest.fixture
-def threads() -> object:
-    previous = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(previous)
-
-
-def inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int,
-           with_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, in_features, generator=generator)
-    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
-    bias = torch.randn(out_features, generator=generator) if with_bias else None
-    return x, weight, bias
+inputs = functools.partial(half_linear_cases.inputs, activations=torch.float32)  # float32 x and bias
 
 
 def bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    x64, w64 = x.double(), weight.double()
-    value, size = x64 @ w64.T, x64.abs() @ w64.abs().T
-    if bias is not None:
-        value, size = value + bias.double(), size + bias.double().abs()
+    value, size = half_linear_cases.exact(x, weight, bias)
     k = x.shape[-1]
-    tiny = 2.0**-125 * w64.abs().sum(dim=1)
+    tiny = 2.0**-125 * weight.double().abs().sum(dim=1)
     if weight.dtype == torch.bfloat16:
         return value, tiny + (3 * k + 1) * 2.0**-24 * 1.01 * size
     return value, tiny + 2.0**-23 * size + (5 * k + 1) * 2.0**-24 * 1.01 * size
@@ -66,10 +45,10 @@ def bound(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_within_the_stated_bound_of_exact_arithmetic(dtype: torch.dtype, shape: tuple[int, int], threads) -> None:
+def test_within_the_stated_bound_of_exact_arithmetic(dtype: torch.dtype, shape: tuple[int, int], set_threads) -> None:
     out_features, in_features = shape
     for count in (1, 2):
-        threads(count)
+        set_threads(count)
         for rows in ROWS:
             for with_bias in (False, True):
                 x, weight, bias = inputs(rows, out_features, in_features, dtype, rows * 7 + count, with_bias)
@@ -91,11 +70,11 @@ def test_the_split_of_x_loses_no_bit(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_row_is_the_same_bits_whatever_its_batch_and_threads(dtype: torch.dtype, threads) -> None:
+def test_a_row_is_the_same_bits_whatever_its_batch_and_threads(dtype: torch.dtype, set_threads) -> None:
     x, weight, bias = inputs(64, 130, 1030, dtype, 11, True)
-    threads(1)
+    set_threads(1)
     whole = amx_half.linear_float_x(x, weight, bias)
-    threads(2)
+    set_threads(2)
     assert torch.equal(amx_half.linear_float_x(x, weight, bias), whole)
     for start, stop in ((0, 1), (5, 6), (3, 20), (16, 33), (40, 64)):
         assert torch.equal(amx_half.linear_float_x(x[start:stop], weight, bias), whole[start:stop])
