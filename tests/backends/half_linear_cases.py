@@ -25,3 +25,18 @@ def exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     if bias is not None:
         value, size = value + bias.double(), size + bias.double().abs()
     return value, size
+
+
+def plant_nonfinite(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """In place: a NaN in x's row 1 and an infinity in row 2 (x of at least 3 x 11), a -inf in weight row 7 and a NaN
+    in row 9 (weight of at least 10 x 21)."""
+    x[1, 3] = float("nan")
+    x[2, 10] = float("inf")
+    weight[7, 20] = float("-inf")
+    weight[9, 0] = float("nan")
+
+
+def assert_nonfinite_as_exact(out: torch.Tensor, value: torch.Tensor) -> None:
+    """NaN and infinities of ``out`` exactly where the exact ``value`` has them, the infinities of the same sign."""
+    assert torch.equal(out.isnan(), value.isnan())
+    assert torch.equal(out.isinf(), value.isinf()) and torch.equal(out[out.isinf()], value[value.isinf()].to(out.dtype))

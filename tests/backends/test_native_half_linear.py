@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer.backends import amx_half, native, native_build, native_half_linear, native_library
-from tests.backends.half_linear_cases import exact, inputs
+from tests.backends.half_linear_cases import assert_nonfinite_as_exact, exact, inputs, plant_nonfinite
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native_half_linear.half_linear_isa() is None,
                                 reason="the 16-bit GEMV needs AVX2 + FMA + F16C (and the native library)")
@@ -96,14 +96,10 @@ def test_a_rows_result_does_not_depend_on_its_batch(dtype: torch.dtype, set_thre
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_nan_and_infinity_propagate_as_in_ieee_arithmetic(dtype: torch.dtype) -> None:
     x, weight, bias = inputs(5, 40, 70, dtype, 3, False)
-    x[1, 3] = float("nan")
-    x[2, 10] = float("inf")
-    weight[7, 20] = float("-inf")
-    weight[9, 0] = float("nan")
+    plant_nonfinite(x, weight)
     out = native_half_linear.half_linear(x, weight, bias)
     value, _ = exact(x, weight, bias)
-    assert torch.equal(out.isnan(), value.isnan())
-    assert torch.equal(out.isinf(), value.isinf()) and torch.equal(out[out.isinf()], value[value.isinf()].to(dtype))
+    assert_nonfinite_as_exact(out, value)
     assert out[1].isnan().all() and out[:, 9].isnan().all()
     finite = value.isfinite()
     assert ((out.double() - value).abs()[finite] <= rounded_bound(value, exact(x, weight, bias)[1], 70,

@@ -18,7 +18,7 @@ import torch
 
 from pluginfer.backends import amx_half, native, native_half_linear
 from tests.backends import half_linear_cases
-from tests.backends.half_linear_cases import exact
+from tests.backends.half_linear_cases import assert_nonfinite_as_exact, exact, plant_nonfinite
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native_half_linear.half_linear_isa() is None,
                                 reason="the 16-bit GEMV needs AVX2 + FMA + F16C (and the native library)")
@@ -80,14 +80,10 @@ def test_a_rows_result_does_not_depend_on_its_batch(dtype: torch.dtype, set_thre
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_nan_and_infinity_propagate_as_in_ieee_arithmetic(dtype: torch.dtype) -> None:
     x, weight, _ = inputs(5, 40, 70, dtype, 3, False)
-    x[1, 3] = float("nan")
-    x[2, 10] = float("inf")
-    weight[7, 20] = float("-inf")
-    weight[9, 0] = float("nan")
+    plant_nonfinite(x, weight)
     out = native_half_linear.half_linear(x, weight, None)
     value, size = exact(x, weight, None)
-    assert torch.equal(out.isnan(), value.isnan())
-    assert torch.equal(out.isinf(), value.isinf()) and torch.equal(out[out.isinf()], value[value.isinf()].float())
+    assert_nonfinite_as_exact(out, value)
     finite = value.isfinite()
     assert ((out.double() - value).abs()[finite] <= bound(size, 70)[finite]).all()
 
