@@ -48,6 +48,8 @@
     defined(__AVX512BF16__) && defined(__F16C__) && defined(__linux__) && defined(__x86_64__)
 #define AH_AMX 1
 #include <immintrin.h>
+#include "amx_tile_state.h"
+#include "bf16_bits.h"
 #endif
 
 enum { AH_BF16 = 0, AH_F16 = 1 };
@@ -67,10 +69,7 @@ static int ah_granted;
  * library has no AMX kernel. */
 int amx_half_init(void) {
 #if defined(AH_AMX)
-    if (ah_granted) return 0;
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return errno;
-    ah_granted = 1;
-    return 0;
+    return amx_request_tile_state(&ah_granted);
 #else
     return -1;
 #endif
@@ -104,21 +103,6 @@ static void ah_configure(void) {
     _tile_loadconfig(&config);
 }
 
-static inline float ah_bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* Round to nearest even, as torch's c10::BFloat16 (and half_linear.c); a NaN stays a (quiet) NaN. */
-static inline uint16_t ah_float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* 32 float16 values as 32 bfloat16 high parts and 32 low parts (the exact split of the header). hi and lo
  * are bfloat16 values already, normal ones (>= 2^-24 in magnitude), so vcvtne2ps2bf16 converts them exactly. */
@@ -302,7 +286,7 @@ static int ah_linear(int dtype, int float_x, const void *x, int64_t m, int64_t k
                     for (int64_t o = 0; o < outs; o++) {
                         const float b = !bias ? 0.0f
                                         : float_x ? ((const float *)bias)[o0 + o]
-                                        : dtype == AH_BF16 ? ah_bf16_to_float(((const uint16_t *)bias)[o0 + o])
+                                        : dtype == AH_BF16 ? bf16_to_float(((const uint16_t *)bias)[o0 + o])
                                                            : _cvtsh_ss(((const uint16_t *)bias)[o0 + o]);
                         for (int64_t r = 0; r < rows; r++) {
                             const float v = result[g][o * AH_ROWS + r] + b;
@@ -310,7 +294,7 @@ static int ah_linear(int dtype, int float_x, const void *x, int64_t m, int64_t k
                             if (out_float)
                                 ((float *)out)[at] = v;
                             else
-                                ((uint16_t *)out)[at] = dtype == AH_BF16 ? ah_float_to_bf16(v)
+                                ((uint16_t *)out)[at] = dtype == AH_BF16 ? float_to_bf16(v)
                                                                          : _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
                         }
                     }

@@ -43,6 +43,7 @@
 #define AQ_AMX 1
 #include <immintrin.h>
 #include "q8_block_avx512.h"
+#include "amx_tile_state.h"
 #endif
 
 enum { AQ_Q4_0 = 2, AQ_Q8_0 = 8, AQ_Q4_K = 12, AQ_Q6_K = 14 };
@@ -72,10 +73,7 @@ static int aq_granted;
  * library has no AMX kernels. */
 int amx_quant_init(void) {
 #if defined(AQ_AMX)
-    if (aq_granted) return 0;
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return errno;
-    aq_granted = 1;
-    return 0;
+    return amx_request_tile_state(&aq_granted);
 #else
     return -1;
 #endif
