@@ -14,12 +14,11 @@ saying why.
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
-from pluginfer.backends import amx_library, native_library
+from pluginfer.backends import amx_library
 
 SOURCES = (Path(__file__).with_name("csrc") / "amx_half.c",)
 ENV = amx_library.ENV
@@ -49,21 +48,15 @@ def library() -> ctypes.CDLL | None:
     if _library:
         return _library[0]
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    loaded, why = amx_library.load(
+    return amx_library.load_once(
+        _library, "16-bit linears: no AMX bfloat16 tiles ({why}); the GEMV of half_linear.c and torch's GEMM",
+        "16-bit linears: AMX bfloat16 tiles from "
+        + ", ".join(f"{MIN_ROWS[d]} to {MAX_ROWS[d]} rows of {str(d)[6:]}" for d in DTYPES),
         "amx_half", SOURCES, frozenset({"amx_tile", "amx_bf16", "avx512_bf16"}), "AMX-BF16",
         [("amx_half_linear", ctypes.c_int,
           [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int]),
          ("amx_half_weight_linear", ctypes.c_int,
           [ctypes.c_int, pointer, i64, i64, pointer, i64, pointer, pointer, ctypes.c_int])], what="kernel")
-    if loaded is None:
-        native_library._log_once(logging.INFO, f"16-bit linears: no AMX bfloat16 tiles ({why}); the GEMV of half_linear.c "
-                                       "and torch's GEMM")
-    else:
-        native_library._log_once(logging.INFO, "16-bit linears: AMX bfloat16 tiles from "
-                                       + ", ".join(f"{MIN_ROWS[d]} to {MAX_ROWS[d]} rows of {str(d)[6:]}"
-                                                   for d in DTYPES))
-    _library.append(loaded)
-    return loaded
 
 
 def takes(dtype: torch.dtype, rows: int) -> bool:
@@ -83,8 +76,9 @@ def call_float_x(dtype: torch.dtype, flat: torch.Tensor, rows: int, weight: torc
                  out: torch.Tensor) -> tuple:
     """``out = flat [rows, in] @ weight^T + bias`` for float32 ``flat``, ``bias`` and ``out`` against a weight of
     ``dtype`` on the tiles, ``flat`` split exactly into three bfloat16 parts (``amx_half_weight_linear``; its
-    comment and test_native_amx_half_float_x.py state the bound); tensors checked by the caller. Returns the C call's arguments after the dtype
-    code's, for a recording (the signature is ``amx_half_linear``'s: the replay's ``half_linear_at``)."""
+    comment and test_native_amx_half_float_x.py state the bound); tensors checked by the caller. Returns the
+    C call's arguments after the dtype code's, for a recording (the signature is ``amx_half_linear``'s: the
+    replay's ``half_linear_at``)."""
     args = (DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1], weight.data_ptr(), weight.shape[0],
             bias.data_ptr() if bias is not None else None, out.data_ptr(), 1)
     status = _library[0].amx_half_weight_linear(*args)

@@ -44,9 +44,9 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     the order of the sum, up to :data:`HALF_WEIGHT_MAX_ROWS` rows; on a CPU with AMX-BF16, the rows of
     ``amx_half.FLOAT_X_MIN_ROWS``..``FLOAT_X_MAX_ROWS`` go to the tiles with each x split exactly into three
     bfloat16 parts, the products exact, float32 sums (a float16 weight's low part times x's low part left
-    out: each term < 2^-23 of its product; tests/backends/test_native_amx_half_float_x.py's bound). None: more rows than that or than
-    :data:`HALF_LINEAR_MAX_ROWS` gives for the dtype, or dtypes, devices or layouts it does not handle;
-    use ``F.linear``."""
+    out: each term < 2^-22 of its product; tests/backends/test_native_amx_half_float_x.py's bound). None:
+    more rows than that or than :data:`HALF_LINEAR_MAX_ROWS` gives for the dtype, or dtypes, devices or
+    layouts it does not handle; use ``F.linear``."""
     dtype = weight.dtype
     float_x = x.dtype == torch.float32
     if (dtype not in HALF_LINEAR_DTYPES or x.dtype not in (dtype, torch.float32) or weight.dim() != 2

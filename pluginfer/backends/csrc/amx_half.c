@@ -316,7 +316,7 @@ int amx_half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const ui
  * out [m][n] (half_linear.c's half_weight_linear on the tiles). x is split exactly into three bfloat16 parts
  * (ah_split3_float; parts below 2^-126 flushed by the tiles), a float16 w exactly into two as above; products
  * exact in float32, summed in float32: bfloat16 w: w hi + w mid + w lo, 3 a pair; float16 w: the 6 products
- * but w's low part times x's low part (|w_lo| < 2^-7 |w|, |x_lo| < 2^-16 |x|: each dropped term < 2^-23 |x w|),
+ * but w's low part times x's low part (|w_lo| < 2^-7 |w|, |x_lo| < 2^-15 |x|: each dropped term < 2^-22 |x w|),
  * 5 a pair. out_float must be 1 (the argument makes the signature amx_half_linear's, for the replay's
  * half_linear_at entry); else -2. */
 int amx_half_weight_linear(int dtype, const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
