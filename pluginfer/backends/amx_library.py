@@ -8,11 +8,12 @@ Each library exports ``<name>_compiled()`` (1 where the compiler enabled the AMX
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from pluginfer.backends import native_build
+from pluginfer.backends import native_build, native_library
 
 ENV = "PLUGINFER_AMX"  # the switch of every AMX kernel
 
@@ -46,3 +47,13 @@ def load(name: str, sources: tuple[Path, ...], features: frozenset[str], extensi
     if status != 0:
         return None, f"Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(status)})"
     return loaded, None
+
+
+def load_once(cache: list, unavailable: str, available: str, *args, **kwargs) -> ctypes.CDLL | None:
+    """:func:`load` (``args``, ``kwargs``) the first time, ``cache`` then ``[library]`` or ``[None]``, with one log
+    line: ``unavailable`` with ``{why}`` filled in, or ``available``; later calls give ``cache[0]``."""
+    if not cache:
+        loaded, why = load(*args, **kwargs)
+        native_library._log_once(logging.INFO, unavailable.format(why=why) if loaded is None else available)
+        cache.append(loaded)
+    return cache[0]

@@ -12,7 +12,6 @@ build leaves the VNNI kernels as they are, with one log line saying why.
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
@@ -36,18 +35,12 @@ def library() -> ctypes.CDLL | None:
     if _library:
         return _library[0]
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    loaded, why = amx_library.load(
+    return amx_library.load_once(
+        _library, "quantized linears: no AMX int8 tiles ({why}); the fused kernel of quant_dot.c takes every row count",
+        f"quantized linears: AMX int8 tiles for Q4_0, Q8_0, Q4_K and Q6_K from {min(MIN_ROWS.values())} rows",
         "amx_quant", SOURCES, frozenset({"amx_tile", "amx_int8"}), "AMX-INT8",
         [("amx_quant_matmul", ctypes.c_int, [ctypes.c_int, pointer, i64, i64, pointer, i64, i64, pointer]),
          ("amx_quant_quantize", ctypes.c_int, [pointer, i64, i64, pointer, pointer])])
-    if loaded is None:
-        native_library._log_once(logging.INFO, f"quantized linears: no AMX int8 tiles ({why}); the fused kernel of "
-                                               "quant_dot.c takes every row count")
-    else:
-        native_library._log_once(logging.INFO, "quantized linears: AMX int8 tiles for Q4_0, Q8_0, Q4_K and Q6_K from "
-                                               f"{min(MIN_ROWS.values())} rows")
-    _library.append(loaded)
-    return loaded
 
 
 def takes(qtype: int, rows: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import pytest
 
@@ -43,3 +44,15 @@ def test_loads_with_the_signatures_set_where_the_cpu_has_amx_bf16(monkeypatch: p
     assert why is None
     assert loaded.amx_half_linear.argtypes == signature
     assert loaded.amx_half_compiled.restype is ctypes.c_int
+
+
+def test_load_once_logs_once_and_caches(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(amx_library.ENV, "0")
+    cache: list = []
+    message = "test_load_once: no tiles ({why}) " + str(id(cache))
+    with caplog.at_level(logging.INFO, logger="pluginfer.backends.native_library"):
+        for _ in range(2):
+            assert amx_library.load_once(cache, message, "ready", "amx_half", amx_half.SOURCES, frozenset(), "X",
+                                         []) is None
+    assert cache == [None]
+    assert [r.getMessage() for r in caplog.records].count(message.format(why="PLUGINFER_AMX=0")) == 1
