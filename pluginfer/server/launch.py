@@ -133,7 +133,7 @@ def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
     from pluginfer.server import app  # noqa: F401 - the server's own imports (no torch), while the core loads
 
     if client is None:
-        if config.server.core_spin_count:
+        if "core_spin_count" in config.server.model_fields_set:  # asked for, not the default
             logger.warning("--core-spin-count applies to the engine core process only; with the engine in this "
                            "process set OMP_WAIT_POLICY or GOMP_SPINCOUNT in its environment instead")
         from pluginfer.core.async_engine import AsyncEngine

@@ -350,7 +350,7 @@ def test_serve_takes_core_spin_count_and_refuses_a_negative_one(tmp_path):
     from pluginfer.cli.serve import serve_config
 
     parse = build_parser().parse_args
-    assert serve_config(parse(["serve", "--model", str(tmp_path)])).server.core_spin_count == 0
+    assert serve_config(parse(["serve", "--model", str(tmp_path)])).server.core_spin_count == 300000
     config = serve_config(parse(["serve", "--model", str(tmp_path), "--core-spin-count", "100000"]))
     assert config.server.core_spin_count == 100000
     with pytest.raises(ValueError, match="core_spin_count"):
@@ -366,5 +366,18 @@ def test_core_spin_count_with_the_engine_in_the_server_process_says_it_does_not_
     engine = launch.start_engine(server_config(tiny_llama_checkpoint[0], **{"server.core_spin_count": 1000}))
     try:
         assert "--core-spin-count applies to the engine core process only" in caplog.text
+    finally:
+        engine.shutdown()
+
+
+def test_the_default_spin_count_with_the_engine_in_the_server_process_says_nothing(
+        tiny_llama_checkpoint, monkeypatch, caplog):
+    from pluginfer.server import launch
+
+    monkeypatch.setenv("PLUGINFER_ENGINE_PROCESS", "0")
+    caplog.set_level(logging.WARNING, logger="pluginfer.server.launch")
+    engine = launch.start_engine(server_config(tiny_llama_checkpoint[0]))
+    try:
+        assert "--core-spin-count" not in caplog.text
     finally:
         engine.shutdown()
