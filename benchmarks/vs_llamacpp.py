@@ -12,7 +12,8 @@ by `pluginfer convert` (F16, Q8_0, Q4_0; embedding and head Q8_0 for Q8_0, F16 o
 Q4_K_M by llama.cpp's own quantizer from the F16 file. Each engine reads the very same file.
 
 Measured per file, runs interleaved between the engines, medians reported with the ratio ours / theirs:
-- batch-1 decode tokens/s: prompt 128, then 128 greedy tokens (prefill time excluded);
+- batch-1 decode tokens/s: prompt 128, then 128 greedy tokens (prefill time excluded: both engines time
+  only the decode steps after each sequence's first token);
 - batch-16 decode tokens/s: 16 sequences of the same shape decoded together (llama.cpp through its
   batch API, one `llama_decode` per step for all 16 sequences);
 - prefill tokens/s: one 512-token prompt.
@@ -92,14 +93,17 @@ class Ours:
     def decode_rate(self, prompts: list[list[int]], new_tokens: int) -> float:
         from pluginfer import SamplingParams
 
-        def run(tokens: int) -> float:
-            params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-            start = clock()
-            self.llm.generate(prompts, params)
-            return clock() - start
-
-        first = run(1)
-        return len(prompts) * (new_tokens - 1) / (run(new_tokens) - first)
+        engine = self.llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        started: set[str] = set()
+        while len(started) < len(prompts):  # the prefill, to each sequence's first token (not timed)
+            started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+        start = clock()
+        while engine.has_unfinished_requests():  # new_tokens - 1 decode steps, as LLM.generate takes them
+            engine.step(only_finished=True)
+        return len(prompts) * (new_tokens - 1) / (clock() - start)
 
     def prefill_rate(self, prompt: list[int]) -> float:
         from pluginfer import SamplingParams
