@@ -60,6 +60,19 @@ def test_a_row_does_not_depend_on_the_batch_around_it() -> None:
         assert torch.equal(native_panels.panel_linear(batch[:rows], packed, 200), alone[:rows])
 
 
+def test_outputs_do_not_depend_on_the_thread_count(set_threads) -> None:
+    """Bit for bit at one and two threads, for calls small enough to stay on the calling thread (one row of
+    256 x 256) and for larger ones split across the threads: each output's sum has one order either way."""
+    for rows, outputs, inputs in ((1, 256, 256), (1, 1536, 256), (2, 700, 300), (16, 256, 256), (130, 200, 700)):
+        generator = torch.Generator().manual_seed(rows + outputs)
+        weight, bias = torch.randn(outputs, inputs, generator=generator), torch.randn(outputs, generator=generator)
+        x, packed = torch.randn(rows, inputs, generator=generator), native_panels.pack_panels(weight)
+        set_threads(1)
+        one = native_panels.panel_linear(x, packed, outputs, bias)
+        set_threads(2)
+        assert torch.equal(native_panels.panel_linear(x, packed, outputs, bias), one)
+
+
 def test_bad_inputs_are_refused() -> None:
     packed = native_panels.pack_panels(torch.randn(16, 8))
     with pytest.raises(ValueError, match="float32 inputs of 8 features"):

@@ -130,7 +130,9 @@ int panel_linear(const float *x, const float *packed, const float *bias, float *
     }
     const int64_t width = (int64_t)P * PANEL, blocks = (n + width - 1) / width;
     const int64_t row_block = PANEL_ROW_GROUPS * MR;
-#pragma omp parallel
+    /* below 256 x 1024 weights for one row a second thread saves less than its fork costs (docs/performance.md,
+     * "Thread-team forks per decode step"); each output's sum runs over k in the same order either way */
+#pragma omp parallel if (m * n * k >= (1 << 18))
     for (int64_t rb = 0; rb < m; rb += row_block) {
         const int64_t rb_end = m - rb < row_block ? m : rb + row_block;
 #pragma omp for schedule(static)
