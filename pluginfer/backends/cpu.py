@@ -23,7 +23,7 @@ from pluginfer.backends.cpu_dense import CpuDenseLayouts
 from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.kernels import KernelTable
-from pluginfer.core.protocols import KVCacheSpec, RankInfo
+from pluginfer.core.protocols import DecodeForward, KVCacheSpec, RankInfo
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,9 @@ class CpuBackend:
         first token of a process would wait for it."""
         if not self.native_kernels or self.rank.tp_size > 1:
             return None
+        if isinstance(forward, DecodeForward):  # the LM head recorded after the layers where it can be
+            return CpuDecodeReplay(forward.forward, max_num_seqs, max_blocks_per_seq, block_size, eager_steps=1,
+                                   head=forward.compute_logits)
         return CpuDecodeReplay(forward, max_num_seqs, max_blocks_per_seq, block_size, eager_steps=1)
 
     def op(self, name: str) -> Callable | None:

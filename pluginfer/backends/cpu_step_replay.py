@@ -10,8 +10,10 @@ products by a 0-dim tensor, 16-bit to float32 conversions) are noted as the equi
 other op refuses the recording: that size then stays eager, with one debug line naming the op. Later
 steps of ``n`` sequences copy their inputs (token ids, positions, slot mapping, sequence lengths, block
 tables) into the static buffers and run the recorded program in one C call, so they compute what the
-eager step computes, bit for bit (same kernels, same arguments, same order). Prefill and mixed steps,
-and every step under ``--enforce-eager``, run eagerly.
+eager step computes, bit for bit (same kernels, same arguments, same order). The worker hands over the
+forward with its LM head (``DecodeForward``): the head is recorded after the layers, so a replay gives the
+logits; where the head's recording is refused, the layers alone are replayed and the head runs eagerly after
+them. Prefill and mixed steps, and every step under ``--enforce-eager``, run eagerly.
 
 The tensors a recording used (its outputs, intermediates, weights and caches) are kept alive by the
 recording: the program holds their addresses. Each recorded batch size holds its own intermediates (about
@@ -272,8 +274,12 @@ class CpuDecodeReplay:
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, memory_budget: int = MEMORY_BUDGET,
-                 eager_steps: int = 0) -> None:
+                 eager_steps: int = 0, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.forward, self.block_size, self.memory_budget = forward, block_size, memory_budget
+        # ``head``: the LM head, recorded after ``forward`` (a replay then gives logits); where its recording is
+        # refused (Gemma 2's soft-capping tanh), the forward alone is replayed and the head runs eagerly after it.
+        self.head = head
+        self.eager_head: set[int] = set()  # batch sizes whose program holds the forward only
         self.held_bytes = 0
         self.eager_steps = eager_steps
         self._eager_seen: dict[int, int] = {}  # batch size -> decode steps of it run eagerly so far
@@ -319,12 +325,31 @@ class CpuDecodeReplay:
     def _record(self, size: int) -> torch.Tensor:
         """Run the step eagerly on the static buffers, noting it; its output is this step's result."""
         keep: list[torch.Tensor] = []
+        forward_only = None  # (the recording of the forward alone, its output) when the head follows
         with native_replay.recording() as recorder, _WatchTorchOps(recorder, keep) as watch:
             out = self.forward(self.static_batch(size))
+            if self.head is not None and isinstance(out, torch.Tensor):
+                if recorder.refused is None:
+                    forward_only = native_replay.StepRecording()
+                    forward_only.program, forward_only.names = list(recorder.program), list(recorder.names)
+                    forward_only = (forward_only, out)
+                out = self.head(out)
         if not isinstance(out, torch.Tensor):
             recorder.refuse(f"the forward returned {type(out).__name__}, not a tensor")
-        if self.held_bytes + watch.new_bytes > self.memory_budget:
-            recorder.refuse(f"its recording would hold {watch.new_bytes / 2**20:.1f} MiB, past the "
+        if recorder.refused is not None and forward_only is not None:  # the head refused: replay the forward
+            logger.debug("cpu decode replay: the LM head of batches of %d runs eagerly (%s)", size, recorder.refused)
+            logits, (recorder, hidden) = out, forward_only
+            self.eager_head.add(size)
+            self._keep(size, recorder, hidden, keep, watch.new_bytes)
+            return logits
+        self._keep(size, recorder, out, keep, watch.new_bytes)
+        return out
+
+    def _keep(self, size: int, recorder: native_replay.StepRecording, out: torch.Tensor, keep: list[torch.Tensor],
+              new_bytes: int) -> None:
+        """Keep the recording of ``size`` as its program, or note that size eager (refused, or past the budget)."""
+        if self.held_bytes + new_bytes > self.memory_budget:
+            recorder.refuse(f"its recording would hold {new_bytes / 2**20:.1f} MiB, past the "
                             f"{self.memory_budget / 2**20:.0f} MiB the recordings may hold ({self.held_bytes / 2**20:.1f} "
                             "MiB held)")
         if recorder.refused is not None:
@@ -332,12 +357,12 @@ class CpuDecodeReplay:
             self.programs[size] = None
         else:
             self.programs[size] = (native_replay.StepProgram(recorder), out, keep)
-            self.held_bytes += watch.new_bytes
-        return out
+            self.held_bytes += new_bytes
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """This decode step's hidden states ``[num_seqs, hidden]`` from a replay (or from the recording run
-        on the static buffers), or None: run it eagerly."""
+        """This decode step's hidden states ``[num_seqs, hidden]`` (with a ``head``: its logits) from a replay
+        (or from the recording run on the static buffers), or None: run it eagerly. The result is the
+        recording's own output tensor, written again by the next replay of this size."""
         size = batch.num_seqs
         if self.programs.get(size, ...) is None or not self._load(batch):
             return None
@@ -351,4 +376,4 @@ class CpuDecodeReplay:
         program, out, _ = recorded
         program.run()
         self.replays += 1
-        return out
+        return self.head(out) if size in self.eager_head else out

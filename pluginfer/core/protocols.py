@@ -17,6 +17,20 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class DecodeForward:
+    """What a worker hands ``DeviceBackend.capture_decode``: the model's forward and its LM head, called as
+    one (a decode batch -> float32 logits of its sampled rows). A backend that captures the whole step
+    calls it as it is; one that may fail to capture the head (the cpu backend's recorder refuses a
+    soft-capping ``tanh``) captures ``forward`` and runs ``compute_logits`` after it."""
+
+    forward: Any  # (batch: ForwardBatch) -> hidden states of the sampled rows
+    compute_logits: Any  # (hidden) -> float32 logits
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.compute_logits(self.forward(batch))
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     """What one token costs in the paged cache: per layer, K of ``head_dim`` and V of ``v_head_dim``.
 
@@ -337,10 +351,10 @@ class DeviceBackend(Protocol):
         """Replays of decode steps (API 3), or None to run every step eagerly (most backends).
 
         Called once by each worker after its KV cache is allocated, unless ``enforce_eager`` is set or
-        pipeline parallelism is on; ``forward(batch)`` is the model's forward. The callable returned takes
-        each step's batch and gives the hidden states of its sampled rows from a replay (the cuda backend's
-        CUDA graphs of decode steps at bucketed batch sizes), or None: the worker then runs that step
-        eagerly. The block tables it is given may be narrower than ``max_blocks_per_seq``, and the batch has
+        pipeline parallelism is on; ``forward(batch)`` is the model's forward followed by its LM head (a
+        ``DecodeForward``: float32 logits of the sampled rows). The callable returned takes each step's batch
+        and gives what ``forward`` gives, the logits, from a replay (the cuda backend's CUDA graphs of decode
+        steps at bucketed batch sizes), or None: the worker then runs that step eagerly. The block tables it is given may be narrower than ``max_blocks_per_seq``, and the batch has
         no ``attention`` metadata yet (``prepare`` runs only for the steps that run eagerly).
         """
 

@@ -19,7 +19,7 @@ import torch
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.gguf_checkpoint import GGUFCheckpoint
 from pluginfer.core.loader import iter_weights, resolve_dtype
-from pluginfer.core.protocols import BuildContext, Collective, IntermediateTensors, RankInfo
+from pluginfer.core.protocols import BuildContext, Collective, DecodeForward, IntermediateTensors, RankInfo
 from pluginfer.core.registry import Registry
 from pluginfer.core.step import StepInput, StepResult
 from pluginfer.layers.context import building
@@ -143,7 +143,8 @@ class Worker:
             max_blocks = -(-self.max_model_len // self.config.cache.block_size)
             with torch.inference_mode():
                 self.decode_graphs = self.backend.capture_decode(
-                    self.pipeline.forward, self.config.scheduler.max_num_seqs, max_blocks, self.config.cache.block_size)
+                    DecodeForward(self.pipeline.forward, self.pipeline.compute_logits),
+                    self.config.scheduler.max_num_seqs, max_blocks, self.config.cache.block_size)
             if self.decode_graphs is not None:
                 self.startup_times["graphs"] = time.perf_counter() - started
         logger.info("rank %d start-up: %s", self.rank.rank,
@@ -162,7 +163,9 @@ class Worker:
         out = None
         if self.decode_graphs is not None and not step.num_hidden_rows and batch.logits_indices.shape[0] == \
                 batch.num_seqs:
-            out = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
+            logits = self.decode_graphs(batch)  # forward and LM head; None: not a decode step the graphs cover
+            if logits is not None:
+                return StepResult(logits)
         if out is None:
             batch.attention = self.backend.prepare(batch)  # a replay brings its own metadata
             out = self.pipeline.forward(batch, intermediate)

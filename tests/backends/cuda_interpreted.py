@@ -61,11 +61,13 @@ def _stand_in_decode_graphs(llm: object) -> object:
     import torch
 
     from pluginfer.backends.cuda_graphs import DecodeGraphs
+    from pluginfer.core.protocols import DecodeForward
     from tests.backends.test_cuda_graphs import EagerGraph
 
     worker = llm.engine.executor.worker
     config = worker.config
-    graphs = DecodeGraphs(worker.pipeline.forward, worker.backend.device, config.scheduler.max_num_seqs,
+    forward = DecodeForward(worker.pipeline.forward, worker.pipeline.compute_logits)  # as the worker hands it
+    graphs = DecodeGraphs(forward, worker.backend.device, config.scheduler.max_num_seqs,
                           -(-worker.max_model_len // config.cache.block_size), config.cache.block_size,
                           worker.backend.scratch_block, EagerGraph)
     with torch.inference_mode():

@@ -12,6 +12,7 @@ preemption and prefix caching. The translated torch ops are checked one by one o
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -115,6 +116,22 @@ def test_float16_decode_equals_eager(name: str, checkpoints: dict[str, Path]) ->
     recorded = {size: program for size, program in replay.programs.items() if program is not None}
     assert len(recorded) >= 3, replay.programs  # several batch sizes, each recorded once and replayed
     assert all("add_f16" in program[0].names for program in recorded.values())
+
+
+@pytest.mark.parametrize(("name", "head_recorded"), [("llama", True), ("gemma", False), ("gemma2", False)])
+def test_lm_head_replayed_after_the_layers(name: str, head_recorded: bool, checkpoints: dict[str, Path]) -> None:
+    """The worker hands the forward with its LM head (``DecodeForward``): the head is recorded after the layers
+    and a replay gives the logits (llama's float32 head on the native panels); where the head's recording is
+    refused (Gemma's tied float32 head is torch's ``linear`` over the embedding, Gemma 2 adds the final
+    soft-capping ``tanh``) the layers are replayed and the head runs eagerly after them. Either way the steps
+    equal --enforce-eager's exactly."""
+    replay, _ = assert_replayed_like_eager(checkpoints[name], schedule())
+    vocab = json.loads((checkpoints[name] / "config.json").read_text())["vocab_size"]
+    recorded = {size: program for size, program in replay.programs.items() if program is not None}
+    assert len(recorded) >= 3, replay.programs
+    assert replay.eager_head == (set() if head_recorded else set(recorded))
+    for size, (_, out, _) in recorded.items():
+        assert out.shape == (size, vocab if head_recorded else SHAPE["hidden_size"]) and out.dtype == torch.float32
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
