@@ -22,7 +22,7 @@ from pluginfer.core.scheduler import Scheduler, SchedulerOutput
 from pluginfer.core.sequence import FinishReason, SamplingParams, Sequence
 from pluginfer.core.stopping import check_stop
 from pluginfer.core.structured import GrammarCompiler, accept_token
-from pluginfer.core.tokenizer import eos_token_ids, load_tokenizer
+from pluginfer.core.tokenizer import TokenizerBuild, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +45,26 @@ class LLMEngine:
         self.config = config
         serve_if_worker(config)  # ranks other than 0 (torchrun, mpiexec) serve the driver and exit here
         check_tokenizer_files(config.tokenizer or config.model)  # before the weights load and the cache is taken
-        self.executor = Executor(config)
+        # A GGUF file's tokenizer is built in a thread while the weights load (its build holds the interpreter,
+        # the load's reads and native repacks release it); other tokenizers load after the weights.
+        tokenizer_path = config.tokenizer or config.model
+        building = TokenizerBuild(tokenizer_path) if TokenizerBuild.applies(tokenizer_path) else None
+        try:
+            self.executor = Executor(config)
+        except BaseException:
+            if building is not None:
+                building.join()  # the engine's error is the one reported; the thread ends before it is
+            raise
         started = time.perf_counter()
-        self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_path)
-        # Start-up phases in seconds: the executor's (config, build, load, repack, cache) and the tokenizer.
+        if building is not None:
+            self.tokenizer = building.result()
+            logger.info("tokenizer built in %.2f s beside the weights' load; %.2f s waited for it after them",
+                        building.seconds, time.perf_counter() - started)
+        else:
+            self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_path)
+        # Start-up phases in seconds: the executor's (config, build, load, repack, cache) and the tokenizer (what
+        # the start-up waited for it once the executor was built: all of its load, or what of a build beside
+        # the weights' load was left).
         self.startup_times = {**self.executor.startup_times, "tokenizer": time.perf_counter() - started}
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.executor.model_path, self.executor.hf_config)
         self.max_model_len = self.executor.max_model_len

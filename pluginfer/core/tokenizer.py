@@ -19,6 +19,8 @@ import os
 import pickle
 import re
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +36,62 @@ def load_tokenizer(path: str | Path) -> Any:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)  # never a model's own code
-    except Exception as exc:  # one line: transformers' messages span several
-        raise ValueError(f"cannot load a tokenizer from {path}: {type(exc).__name__}: {' '.join(str(exc).split())}"
-                         ) from None
+    except Exception as exc:
+        raise _load_error(path, exc) from None
+
+
+def _load_error(path: Path, exc: BaseException) -> ValueError:
+    """One line: transformers' messages span several."""
+    return ValueError(f"cannot load a tokenizer from {path}: {type(exc).__name__}: {' '.join(str(exc).split())}")
+
+
+class TokenizerBuild:
+    """A ``.gguf`` file's tokenizer built by ``core/gguf_tokenizer.py`` in a thread, started before the
+    weights load: the tokenizer's build holds the interpreter while the load's ``pread`` and the repack's
+    native calls release it, so on two cores the two overlap (docs/performance.md, issue 18).
+
+    Only the ``tokenizers`` library's own build runs there (nothing that imports transformers, whose import
+    beside the engine's could meet a module half imported); ``result()`` joins the thread and returns the
+    tokenizer, or raises ``load_tokenizer``'s error; a kind transformers must build is built then, in the
+    caller's thread, as ``load_tokenizer`` builds it."""
+
+    def __init__(self, path: str | Path) -> None:
+        import tokenizers  # noqa: F401 - imported here, not in the thread beside the engine's own imports
+
+        self.path = Path(path).expanduser()
+        self.seconds = 0.0  # the build's wall-clock time in its thread
+        self._tokenizer: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._build, name="pluginfer-tokenizer", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def applies(path: str | Path) -> bool:
+        """Whether ``path`` is a local ``.gguf`` file (whose tokenizer this class builds)."""
+        path = Path(path).expanduser()
+        return path.suffix.lower() == ".gguf" and path.is_file()
+
+    def _build(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._tokenizer = native_gguf_tokenizer(self.path)
+        except BaseException as exc:  # noqa: BLE001 - raised again by result(), in the caller's thread
+            self._error = exc
+        self.seconds = time.perf_counter() - started
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise _load_error(self.path, self._error) from None
+        if self._tokenizer is not None:
+            return self._tokenizer
+        try:  # a kind the tokenizers library alone does not build
+            return transformers_gguf_tokenizer(self.path)
+        except Exception as exc:
+            raise _load_error(self.path, exc) from None
 
 
 def gguf_tokenizer_cache_path(path: str | Path) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -180,7 +181,8 @@ def test_an_engine_parses_the_file_once_and_times_its_start_up(llama_gguf: Path,
     monkeypatch.setattr(gguf, "GGUFReader", counting("gguf-py", gguf.GGUFReader))
     monkeypatch.setattr(gguf_reader, "GGUFFile", counting("ours", gguf_reader.GGUFFile))
     llm = load(llama_gguf)
-    assert opened == [("ours", llama_gguf, True), ("ours", llama_gguf, False)]
+    # (the tokenizer's reading, in its thread beside the weights' load, may come first)
+    assert sorted(opened, key=lambda item: not item[2]) == [("ours", llama_gguf, True), ("ours", llama_gguf, False)]
     assert llm.generate("The engine", None)[0].outputs[0].token_ids
     times = llm.engine.startup_times
     assert set(times) - {"graphs"} == {"config", "build", "load", "repack", "cache", "tokenizer"}
@@ -226,3 +228,50 @@ def test_a_malformed_tensor_entry_is_named_before_anything_reads_it(case: str, l
         GGUFCheckpoint(path)
     with pytest.raises(ValueError, match=pattern):
         load(path)
+
+
+def with_field(source: Path, out: Path, name: str, value: list[str]) -> Path:
+    """``source`` rewritten with the string array ``name`` replaced by ``value``."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", "general.architecture")) or field.name == name:
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    writer.add_key_value(name, value, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tuple(tensor.data.shape), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def tokenizer_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "pluginfer-tokenizer"]
+
+
+def test_a_tokenizer_that_fails_beside_the_weights_fails_the_start_cleanly(llama_gguf: Path, tmp_path: Path) -> None:
+    """The tokenizer is built in a thread while the weights load: its error is still load_tokenizer's one line,
+    raised by the engine's start, and the thread is over."""
+    path = with_field(llama_gguf, tmp_path / "merges.gguf", "tokenizer.ggml.merges", ["zq_not_a_token xq_neither"])
+    assert GGUFCheckpoint(path).hf_config()["hidden_size"] == 64  # the weights and the config are fine
+    with pytest.raises(ValueError) as raised:
+        load(path)
+    message = str(raised.value)
+    assert message.startswith(f"cannot load a tokenizer from {path}: ") and "\n" not in message
+    with pytest.raises(ValueError) as alone:
+        load_tokenizer(path)
+    assert str(alone.value) == message
+    assert not tokenizer_threads()
+
+
+def test_a_model_that_fails_to_load_is_the_error_reported_and_the_tokenizer_thread_ends(llama_gguf: Path,
+                                                                                       tmp_path: Path) -> None:
+    path = copy_gguf(llama_gguf, tmp_path / "extra.gguf", tensors={"blk.0.attn_sinks.weight": torch.zeros(4).numpy()})
+    with pytest.raises(KeyError, match=r"'blk\.0\.attn_sinks\.weight' has no counterpart"):
+        load(path)
+    assert not tokenizer_threads()

@@ -12,7 +12,12 @@ import pytest
 
 from pluginfer.cli.convert import convert_to_gguf
 from pluginfer.core.gguf_tokenizer import GGUFTokenizer
-from pluginfer.core.tokenizer import gguf_tokenizer_cache_path, load_tokenizer, transformers_gguf_tokenizer
+from pluginfer.core.tokenizer import (
+    TokenizerBuild,
+    gguf_tokenizer_cache_path,
+    load_tokenizer,
+    transformers_gguf_tokenizer,
+)
 
 TEXT = "The engine reads a file.\n\n  Twice, <|im_start|>user 42 times é"
 
@@ -82,3 +87,38 @@ def test_only_the_newest_entries_are_kept(gguf_file: Path, monkeypatch: pytest.M
     transformers_gguf_tokenizer(gguf_file)
     assert sorted(p.name for p in directory.iterdir()) == sorted(
         [gguf_tokenizer_cache_path(gguf_file).name, "old0.pickle", "old1.pickle"])
+
+
+def test_a_tokenizer_built_in_a_thread_is_the_one_load_tokenizer_builds(gguf_file: Path) -> None:
+    assert TokenizerBuild.applies(gguf_file) and not TokenizerBuild.applies(gguf_file.parent)
+    building = TokenizerBuild(gguf_file)
+    built, loaded = building.result(), load_tokenizer(gguf_file)
+    assert isinstance(built, GGUFTokenizer) and building.seconds > 0
+    assert built.encode(TEXT) == loaded.encode(TEXT)
+    assert built.backend_tokenizer.to_str() == loaded.backend_tokenizer.to_str()  # model, added tokens, pre- and post-processing
+    assert built.special_tokens_map == loaded.special_tokens_map and built.chat_template == loaded.chat_template
+    assert building.result() is built  # joined once, read again
+
+
+def test_a_kind_transformers_builds_is_built_by_it_after_the_thread(tmp_path: Path) -> None:
+    from tests.core.test_gguf_tokenizer import write_gguf
+
+    tokens = ["<unk>", "<s>", "</s>", "\u2581a", "\u2581b", "a", "b"]
+    unigram = write_gguf(tmp_path / "t5.gguf", tokens, "t5", [2, 3, 3, 1, 1, 1, 1],
+                         scores=[0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0])
+    built = TokenizerBuild(unigram).result()
+    assert not isinstance(built, GGUFTokenizer)
+    assert built.encode("a b ab") == load_tokenizer(unigram).encode("a b ab")
+
+
+def test_an_error_in_the_thread_is_load_tokenizers_error(gguf_file: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(gguf_file.read_bytes()[:4096])  # the header breaks in its vocabulary
+    with pytest.raises(ValueError) as loaded:
+        load_tokenizer(broken)
+    building = TokenizerBuild(broken)
+    with pytest.raises(ValueError) as built:
+        building.result()
+    assert str(built.value) == str(loaded.value)
+    assert str(built.value).startswith(f"cannot load a tokenizer from {broken}: ValueError: ")
+    assert "\n" not in str(built.value)
