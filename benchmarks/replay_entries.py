@@ -68,6 +68,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=200, help="replays per whole-step measurement")
+    parser.add_argument("--whole-only", action="store_true", help="the region count and the whole step only")
     args = parser.parse_args()
 
     counter = load_counter()
@@ -108,7 +109,7 @@ def main() -> int:
         print(f"{threads} thread(s): {regions.value} regions a step, {forks.value} of them forks")
     torch.set_num_threads(2)
     fork_of = []
-    for entry in cut:
+    for entry in [] if args.whole_only else cut:
         forks.value = 0
         run(torch.tensor(entry, dtype=torch.int64))
         fork_of.append(forks.value)
@@ -116,7 +117,7 @@ def main() -> int:
     # each entry repeated so that one call takes ~0.5 ms at one thread
     torch.set_num_threads(1)
     repeated = []
-    for entry in cut:
+    for entry in [] if args.whole_only else cut:
         single = torch.tensor(entry, dtype=torch.int64)
         run(single)
         started = time.perf_counter()
@@ -145,6 +146,9 @@ def main() -> int:
         f"{t} thread(s) {min(step_samples[(t, 'wall')]):.3f} / {statistics.median(step_samples[(t, 'wall')]):.3f} ms "
         f"wall, {min(step_samples[(t, 'cpu')]):.3f} / {statistics.median(step_samples[(t, 'cpu')]):.3f} ms CPU"
         for t in (1, 2)))
+    if args.whole_only:
+        llm.close()
+        return 0
     print(f"\n{'#':>4s} {'entry':24s} {'shape':36s} {'forks':>5s} {'1 thr min':>9s} {'2 thr min':>9s} {'2/1':>6s}"
           f" {'1 thr p50':>9s} {'2 thr p50':>9s}   (us)")
     by_name: dict[str, list[float]] = {}

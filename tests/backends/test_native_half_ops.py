@@ -13,7 +13,8 @@ results rounded to nearest even.
   from them only by float32 sums in another order (RMSNorm's mean square) and expf against torch's exp: at
   most 2 units in the last place (one flipped rounding carried through the product), most values equal;
   the residual written back equals torch's ``x + residual`` bit for bit.
-At 1 and 2 threads (the parallel branches start above 8 rows / 4 rows / 8 tokens / 2**20 multiply-adds).
+At 1 and 2 threads (the parallel branches start at 2**14 values (RMSNorm, rotary: tokens x heads x rotary
+dim) / 2**13 (SiLU) / 2**20 multiply-adds (attention), on more than one row).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def rotate_float32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("tokens", "head_dim", "rotary_dim"), [(3, 64, 64), (11, 80, 32)])
+@pytest.mark.parametrize(("tokens", "head_dim", "rotary_dim"), [(3, 64, 64), (11, 80, 32), (48, 64, 64)])
 def test_rotary_neox_equals_the_float32_rotation_rounded_once(dtype: torch.dtype, tokens: int, head_dim: int,
                                                               rotary_dim: int, threads: int) -> None:
     generator = torch.Generator().manual_seed(tokens)

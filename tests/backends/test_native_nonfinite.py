@@ -98,10 +98,10 @@ def test_rms_norm_propagates_nan_and_inf_like_torch(residual: bool, offset: floa
     makes mean(x^2) inf, so the inf element is inf * 0 = NaN and the rest of its row is 0; finite rows are
     untouched. With the fused residual add the sum (residual updated in place) carries the same values."""
     generator = torch.Generator().manual_seed(int(residual) + 2 * int(offset))
-    x = torch.randn(12, 64, generator=generator)  # 12 rows: above the kernel's 8-row OpenMP threshold
-    weight = torch.randn(64, generator=generator)
+    x = torch.randn(12, 1400, generator=generator)  # 16800 values: above the kernel's OpenMP threshold (2**14)
+    weight = torch.randn(1400, generator=generator)
     x[0, 5], x[1, 7], x[2, 9] = float("nan"), float("inf"), float("-inf")
-    res = torch.randn(12, 64, generator=generator) if residual else None
+    res = torch.randn(12, 1400, generator=generator) if residual else None
     source = x + res if residual else x
     expected = source * torch.rsqrt(source.pow(2).mean(-1, keepdim=True) + 1e-6) * (weight + offset)
     kept = res.clone() if residual else None
@@ -113,14 +113,14 @@ def test_rms_norm_propagates_nan_and_inf_like_torch(residual: bool, offset: floa
         torch.testing.assert_close(kept, source, equal_nan=True)
 
 
-@pytest.mark.parametrize("n", [64, 37])  # whole 16-lane vectors; 2 vectors and a 5-element scalar tail
+@pytest.mark.parametrize("n", [1376, 1381])  # whole 16-lane vectors; 86 vectors and a 5-element scalar tail
 @pytest.mark.parametrize("threads", [1, 2], indirect=True, ids=lambda n: f"{n}-thread")
 def test_silu_and_mul_propagates_nan_and_inf_like_torch(n: int, threads: int) -> None:
     """Expected (torch's ``silu(gate) * up``): NaN gate -> NaN; +inf gate -> inf * up; -inf gate ->
     -inf * sigmoid(-inf) = -inf * 0 = NaN; gate 0 with up inf -> 0 * inf = NaN; NaN up -> NaN. Specials sit
     in the vector part (column 3) and in the scalar tail (column n - 1)."""
     generator = torch.Generator().manual_seed(n)
-    x = torch.randn(6, 2 * n, generator=generator)  # 6 rows: above the kernel's 4-row OpenMP threshold
+    x = torch.randn(6, 2 * n, generator=generator)  # 6 rows of n: above the kernel's OpenMP threshold (2**13)
     for column in (3, n - 1):
         x[0, column] = float("nan")
         x[1, column] = float("inf")
@@ -139,7 +139,7 @@ def test_rotary_neox_keeps_nan_inside_its_pair(threads: int) -> None:
     """A NaN feature of one head reaches only the two features rotated together (i and i + half) of that
     head and token; an inf gives inf * cos + x * sin (NaN where cos or sin is 0, as torch computes it)."""
     generator = torch.Generator().manual_seed(4)
-    tokens, heads, dim = 10, 4, 32
+    tokens, heads, dim = 88, 4, 32  # 88 x 6 heads x 32: above the kernel's OpenMP threshold (2**14)
     query = torch.randn(tokens, heads, dim, generator=generator)
     key = torch.randn(tokens, 2, dim, generator=generator)
     angles = torch.rand(tokens, dim // 2, generator=generator) * 6

@@ -423,11 +423,19 @@ int paged_decode_attention_kv16(const float *query, const uint16_t *key_cache, c
                             num_kv_heads, head_dim, v_dim, block_size, max_blocks, scale, sliding_window, soft_cap, 2);
 }
 
+/* The row-wise kernels below split their rows across the threads from about 3 us of work: under it a fork
+ * costs more than the second thread saves (a hot loop at 2 threads: 16 rows of 256 took 0.93 us on one
+ * thread and 1.39 on two; docs/performance.md, "Thread-team forks per decode step"). Each row is computed
+ * the same way whichever thread takes it. */
+#define NORM_PARALLEL_VALUES (1 << 14)
+#define GATED_PARALLEL_VALUES (1 << 13)
+#define ROTARY_PARALLEL_VALUES (1 << 14)
+
 /* rms_norm: out = (src * rsqrt(mean(src^2) + eps)) * (weight + offset), src = x, or x + residual
  * written back into residual when residual is given (the fused residual add of pre-norm blocks). */
 void rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t cols,
               float eps, float offset) {
-#pragma omp parallel for if (rows > 8)
+#pragma omp parallel for if (rows > 1 && rows * cols >= NORM_PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) {
         const float *in = x + r * cols;
         float *src = residual ? residual + r * cols : (float *)in;
@@ -489,13 +497,13 @@ static inline __attribute__((always_inline)) void gated_row(const float *gate, c
 
 /* silu_and_mul: out[r, i] = silu(x[r, i]) * x[r, n + i] for x of [rows, 2n]. */
 void silu_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
-#pragma omp parallel for if (rows > 4)
+#pragma omp parallel for if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 0);
 }
 
 /* gelu_tanh_and_mul: out[r, i] = gelu_tanh(x[r, i]) * x[r, n + i] for x of [rows, 2n]. */
 void gelu_tanh_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
-#pragma omp parallel for if (rows > 4)
+#pragma omp parallel for if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 1);
 }
 
@@ -507,7 +515,7 @@ void rotary_neox(float *q, float *k, const float *cos_table, const float *sin_ta
                  int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride,
                  int64_t k_stride) {
     const int64_t half = rotary_dim / 2;
-#pragma omp parallel for if (tokens > 8)
+#pragma omp parallel for if (tokens > 1 && tokens * (q_heads + k_heads) * rotary_dim >= ROTARY_PARALLEL_VALUES)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_table + t * half, *s = sin_table + t * half;
         for (int64_t h = 0; h < q_heads + k_heads; h++) {
@@ -1074,7 +1082,7 @@ static inline __m256i narrow16_ps(__m512 v, int dtype) {
  * (weight + offset)); src = x, or round(x + residual) written back into residual. */
 void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
                  int64_t cols, float eps, float offset, int dtype) {
-#pragma omp parallel for if (rows > 8)
+#pragma omp parallel for if (rows > 1 && rows * cols >= NORM_PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *in = x + r * cols;
         uint16_t *o = out + r * cols;
@@ -1164,14 +1172,14 @@ static inline __attribute__((always_inline)) void gated_row_16(const uint16_t *g
 
 /* out[r, i] = round(round(silu(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.silu(gate) * up). */
 void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
-#pragma omp parallel for if (rows > 4)
+#pragma omp parallel for if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 0);
 }
 
 /* out[r, i] = round(round(gelu_tanh(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.gelu(gate,
  * approximate="tanh") * up). */
 void gelu_tanh_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
-#pragma omp parallel for if (rows > 4)
+#pragma omp parallel for if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 1);
 }
 
@@ -1181,7 +1189,7 @@ void rotary_neox_16(uint16_t *q, uint16_t *k, const float *cos_table, const floa
                     int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride,
                     int64_t k_stride, int dtype) {
     const int64_t half = rotary_dim / 2;
-#pragma omp parallel for if (tokens > 8)
+#pragma omp parallel for if (tokens > 1 && tokens * (q_heads + k_heads) * rotary_dim >= ROTARY_PARALLEL_VALUES)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_table + t * half, *s = sin_table + t * half;
         for (int64_t h = 0; h < q_heads + k_heads; h++) {
