@@ -102,6 +102,28 @@ def test_float16_split_loses_no_bit() -> None:
     assert torch.isfinite(out[:, [0] + list(range(3, 40))]).all()
 
 
+@pytest.mark.parametrize("layout", ["normal-rows-first", "shuffled"])
+def test_every_finite_float16_value_splits_exactly_in_weights_and_x(layout: str) -> None:
+    """The weights' and x's split (two routes in the C file: 16-bit integer operations for 32 normal values,
+    float32 for a chunk with a zero or subnormal) gives hi + lo == v for every finite float16 value: each value
+    once as a weight and once as x against the identity, whose one nonzero product per output is then exact.
+    Sorted, the 61440 normal values fill whole 32-value chunks (the integer route); shuffled, most chunks hold
+    a zero or subnormal among normal values."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    values = bits.view(torch.float16)
+    finite = values[torch.isfinite(values)]
+    normal = finite.abs() >= 2.0**-14
+    finite = torch.cat([finite[normal], finite[~normal]])
+    if layout == "shuffled":
+        finite = finite[torch.randperm(finite.numel(), generator=torch.Generator().manual_seed(3))]
+    table = finite.reshape(-1, 32)  # 1984 x 32
+    identity = torch.eye(32, dtype=torch.float16)
+    as_weights = amx_half.linear(identity, table, out_dtype=torch.float32)
+    assert torch.equal(as_weights, table.float().T)
+    as_x = amx_half.linear(table, identity, out_dtype=torch.float32)
+    assert torch.equal(as_x, table.float())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_nan_stays_in_its_row_and_output(dtype: torch.dtype) -> None:
     x, weight, _ = inputs(20, 40, 100, dtype, 9, False)

@@ -104,9 +104,10 @@ static void ah_configure(void) {
 }
 
 
-/* 32 float16 values as 32 bfloat16 high parts and 32 low parts (the exact split of the header). hi and lo
- * are bfloat16 values already, normal ones (>= 2^-24 in magnitude), so vcvtne2ps2bf16 converts them exactly. */
-static inline void ah_split32(__m512i h, __m512i *hi, __m512i *lo) {
+/* 32 float16 values as 32 bfloat16 high parts and 32 low parts (the exact split of the header), through
+ * float32: hi and lo are bfloat16 values already, normal ones (>= 2^-24 in magnitude), so vcvtne2ps2bf16
+ * converts them exactly. Every float16 value, zero, subnormal, infinity and NaN included. */
+static inline void ah_split32_float32(__m512i h, __m512i *hi, __m512i *lo) {
     const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     const __m512i cut = _mm512_set1_epi32((int)0xffff0000u);
     const __m512 h0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(f0), cut));
@@ -116,6 +117,37 @@ static inline void ah_split32(__m512i h, __m512i *hi, __m512i *lo) {
     const __m512 l1 = _mm512_maskz_sub_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(f1), big, _CMP_LT_OQ), f1, h1);
     *hi = (__m512i)_mm512_cvtne2ps_pbh(h1, h0);
     *lo = (__m512i)_mm512_cvtne2ps_pbh(l1, l0);
+}
+
+/* The same split, bit for bit, on the float16 bits in 16-bit lanes: 8 operations for 32 values where the
+ * float32 route takes 17 (the weights' split is most of a float16 call's time at 16 rows; benchmarks/
+ * amx_half_phases.c). For a normal float16 v (biased exponent e = 1..30, significand bits m), t = v >> 3
+ * (arithmetic: the sign copied into bits 15..12): hi = sign | (e + 112) << 7 | m >> 3 = (t & 0x8fff) + 0x3800;
+ * lo = (m & 7) 2^(e - 25) = sign | (e << 7) + ((102 + p) << 7 | (j << (7 - p)) & 0x7f) for j = m & 7 > 0
+ * with its top bit p (a table indexed by v's low bits), +0 for j = 0. Zeros, subnormals, infinities and
+ * NaNs (e = 0 or 31) take the float32 route; a test over every float16 value in every lane
+ * (tests/backends/test_native_amx_half.py) checks both routes give the same bits. */
+static inline void ah_split32(__m512i v, __m512i *hi, __m512i *lo) {
+#if defined(__AVX512FP16__)
+    /* QNaN, +-0, +-infinity, subnormal, SNaN */
+    const __mmask32 special = _mm512_fpclass_ph_mask((__m512h)v, 0xbf);
+#else
+    /* |v| + 0x0400 (16 bits) below 0x0800 or negative as a signed number */
+    const __mmask32 special = _mm512_cmplt_epi16_mask(
+        _mm512_add_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x7fff)), _mm512_set1_epi16(0x0400)),
+        _mm512_set1_epi16(0x0800));
+#endif
+    if (special) {
+        ah_split32_float32(v, hi, lo);
+        return;
+    }
+    const __m512i table = _mm512_set_epi16(
+        0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0, 0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0,
+        0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0, 0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0);
+    const __m512i t = _mm512_srai_epi16(v, 3);
+    *hi = _mm512_add_epi16(_mm512_and_si512(t, _mm512_set1_epi16((short)0x8fff)), _mm512_set1_epi16(0x3800));
+    *lo = _mm512_maskz_add_epi16(_mm512_test_epi16_mask(v, _mm512_set1_epi16(7)),
+                                 _mm512_and_si512(t, _mm512_set1_epi16((short)0x8f80)), _mm512_permutexvar_epi16(v, table));
 }
 
 /* 32 float32 values as three bfloat16 parts each, x = hi + mid + lo exactly: hi = x with its significand cut
@@ -146,42 +178,65 @@ static inline void ah_split32_float(const float *x, __m512i *hi, __m512i *mid, _
 
 enum { AH_X_F32 = 2 }; /* x's kind in ah_pack_x: AH_BF16, AH_F16 or float32 */
 
-/* x [m][k] into the B tiles of `groups` groups of ks steps (zeros past m and k): bfloat16 x as is into hi;
- * float16 x split into hi and lo; float32 x into hi, lo (its mid part) and lo2 (its low part). Word i * 16 + r
- * of tile (g, s) holds x[16 g + r][32 s + 2 i .. + 1]. */
-static void ah_pack_x(int dtype, const void *xv, int64_t m, int64_t k, int64_t ks, uint32_t *hi, uint32_t *lo,
-                      uint32_t *lo2) {
-    const uint16_t *x = xv;
-    for (int64_t r = 0; r < m; r++) {
-        const int64_t g = r / AH_ROWS, lane = r % AH_ROWS;
-        for (int64_t s = 0; s < ks; s++) {
-            uint16_t chunk[32] __attribute__((aligned(64))) = {0};
-            const int64_t count = k - 32 * s < 32 ? k - 32 * s : 32;
-            uint32_t *th = hi + (g * ks + s) * (AH_TILE / 4), *tl = lo ? lo + (g * ks + s) * (AH_TILE / 4) : NULL;
-            uint32_t words_hi[16], words_lo[16], words_lo2[16];
-            if (dtype == AH_X_F32) {
-                float values[32] = {0};
-                memcpy(values, (const float *)xv + r * k + 32 * s, (size_t)count * 4);
-                __m512i h, l, l2;
-                ah_split32_float(values, &h, &l, &l2);
-                _mm512_storeu_si512(words_hi, h);
-                _mm512_storeu_si512(words_lo, l);
-                _mm512_storeu_si512(words_lo2, l2);
-            } else if (dtype == AH_BF16) {
-                memcpy(chunk, x + r * k + 32 * s, (size_t)count * 2);
-                memcpy(words_hi, chunk, 64);
+/* rows[i] <- column i of the 16 x 16 matrix of 32-bit words rows[0..15] (4 rounds of 16 shuffles). */
+static inline void ah_transpose16(__m512i rows[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        rows[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        rows[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        rows[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        rows[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* rows[4 q + j] holds, in each 128-bit lane L, words j of rows 4 L' .. (input rows 4q..4q+3) */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(rows[i], rows[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(rows[i], rows[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(rows[i + 8], rows[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(rows[i + 8], rows[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        rows[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        rows[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        rows[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        rows[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* x [m][k] into the B tiles (g, s) for tiles first..last-1 of the groups x ks (g = tile / ks, s = tile % ks;
+ * zeros past m and k): bfloat16 x as is into hi; float16 x split into hi and lo; float32 x into hi, lo (its mid
+ * part) and lo2 (its low part). Word i * 16 + r of tile (g, s) holds x[16 g + r][32 s + 2 i .. + 1]: the 16
+ * rows' 32 values each, split, then transposed as 16 x 16 words. */
+static void ah_pack_x(int dtype, const void *xv, int64_t m, int64_t k, int64_t ks, int64_t first, int64_t last,
+                      uint32_t *hi, uint32_t *lo, uint32_t *lo2) {
+    for (int64_t tile = first; tile < last; tile++) {
+        const int64_t g = tile / ks, s = tile % ks, count = k - 32 * s < 32 ? k - 32 * s : 32;
+        const __mmask32 mask = (__mmask32)(count == 32 ? 0xffffffffu : ((1u << count) - 1));
+        __m512i part[3][16];
+        for (int lane = 0; lane < AH_ROWS; lane++) {
+            const int64_t r = g * AH_ROWS + lane;
+            if (r >= m) {
+                part[0][lane] = part[1][lane] = part[2][lane] = _mm512_setzero_si512();
+            } else if (dtype == AH_X_F32) {
+                const float *row = (const float *)xv + r * k + 32 * s;
+                float values[32] __attribute__((aligned(64)));
+                _mm512_store_ps(values, _mm512_maskz_loadu_ps((__mmask16)mask, row));
+                _mm512_store_ps(values + 16, _mm512_maskz_loadu_ps((__mmask16)(mask >> 16), row + 16));
+                ah_split32_float(values, &part[0][lane], &part[1][lane], &part[2][lane]);
             } else {
-                memcpy(chunk, x + r * k + 32 * s, (size_t)count * 2);
-                __m512i h, l;
-                ah_split32(_mm512_load_si512(chunk), &h, &l);
-                _mm512_storeu_si512(words_hi, h);
-                _mm512_storeu_si512(words_lo, l);
+                const __m512i v = _mm512_maskz_loadu_epi16(mask, (const uint16_t *)xv + r * k + 32 * s);
+                if (dtype == AH_BF16) part[0][lane] = v;
+                else ah_split32(v, &part[0][lane], &part[1][lane]);
             }
-            for (int i = 0; i < 16; i++) {
-                th[16 * i + lane] = words_hi[i];
-                if (tl) tl[16 * i + lane] = words_lo[i];
-                if (lo2) lo2[(g * ks + s) * (AH_TILE / 4) + 16 * i + lane] = words_lo2[i];
-            }
+        }
+        uint32_t *const out[3] = {hi, lo, lo2};
+        const int parts = dtype == AH_X_F32 ? 3 : dtype == AH_F16 ? 2 : 1;
+        for (int p = 0; p < parts; p++) {
+            ah_transpose16(part[p]);
+            for (int i = 0; i < 16; i++) _mm512_store_si512(out[p] + tile * (AH_TILE / 4) + 16 * i, part[p][i]);
         }
     }
 }
@@ -240,8 +295,7 @@ static int ah_linear(int dtype, int float_x, const void *x, int64_t m, int64_t k
     uint32_t *bh = aligned_alloc(64, x_bytes * parts);
     if (!bh) return -3;
     uint32_t *bl = x_split ? bh + x_bytes / 4 : NULL, *bl2 = float_x ? bh + 2 * (x_bytes / 4) : NULL;
-    memset(bh, 0, x_bytes * parts);
-    ah_pack_x(float_x ? AH_X_F32 : dtype, x, m, k, ks, bh, bl, bl2);
+    ah_pack_x(float_x ? AH_X_F32 : dtype, x, m, k, ks, 0, groups * ks, bh, bl, bl2);
     /* whole 32-input steps whose weights are read in place (bfloat16, full blocks) */
     const int64_t full_steps = k / 32;
 #pragma omp parallel if (n * k >= (1 << 15))
