@@ -27,7 +27,7 @@ from pluginfer.core.launch import LocalWorkers, detect_launcher, rank_info
 from pluginfer.core.loader import open_checkpoint, read_hf_config, resolve_model_path
 from pluginfer.core.protocols import Collective, RankInfo
 from pluginfer.core.registry import Registry, get_registry
-from pluginfer.core.step import StepInput, StepResult, build_step
+from pluginfer.core.step import StepBuilder, StepInput, StepResult
 from pluginfer.core.worker import Worker, build_plugin
 from pluginfer.layers.rotary import rope_parameters
 
@@ -106,6 +106,8 @@ class Executor:
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.expert_memory = self.worker.expert_memory
         self.world: Collective = self.worker.world
+        self._steps = StepBuilder(config.cache.block_size)
+        self._sampled: tuple[list | None, tuple] = (None, ())  # (a step's rows, what they sample), for the next
         self._closed = False
         if rank.world_size > 1:
             atexit.register(self.shutdown)  # the other ranks leave with this process
@@ -179,7 +181,7 @@ class Executor:
         """Run one step: float32 logits, one row per sequence that samples, and those sequences;
         then (sequence, first position, logits rows) for prompt chunks whose logprobs were asked for;
         then (sequence, first position, hidden rows) for the chunks of embedding requests."""
-        plan = build_step(scheduled.scheduled, self.config.cache.block_size, scheduled.block_copies)
+        plan = self._steps.build(scheduled.scheduled, scheduled.block_copies)
         result = self.run(plan.step)
         logits = result.logits
         pooled, at = [], 0
@@ -188,14 +190,16 @@ class Executor:
             for seq, first, count in plan.pooling_rows:
                 pooled.append((seq, first, hidden[at:at + count]))
                 at += count
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        row = 0
-        for item in scheduled.scheduled:
-            if item.sample_for:
-                rows.extend([row] * len(item.sample_for))
-                seqs.extend(item.sample_for)
-                row += 1
+        if scheduled.scheduled is self._sampled[0]:  # the same rows as the last step (a steady decode)
+            rows, seqs, row = self._sampled[1]
+        else:
+            rows, seqs, row = [], [], 0
+            for item in scheduled.scheduled:
+                if item.sample_for:
+                    rows.extend([row] * len(item.sample_for))
+                    seqs.extend(item.sample_for)
+                    row += 1
+            self._sampled = (scheduled.scheduled, (rows, seqs, row))
         prompt_logits, offset = [], row
         for seq, first, count in plan.prompt_logprob_rows:
             prompt_logits.append((seq, first, logits[offset:offset + count]))

@@ -174,11 +174,17 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
         # None: decided by the logits' device (no host reads but the sampled ids off the CPU; tests set it)
         self.sync_free: bool | None = None
+        # The last list of sequences found all plain greedy: a sequence that is stays so (its params and grammar
+        # are fixed, its outputs only grow past min_tokens), and the executor hands the same list again while
+        # the same rows decode.
+        self._plain_seqs: list[Sequence] | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """Sample a token for each ``seqs[i]`` from ``logits[i]``."""
+        """Sample a token for each ``seqs[i]`` from ``logits[i]``. ``seqs`` is not changed after the call (the
+        engine's list of a step's sampled sequences: the same list again means the same sequences)."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
-        if all(map(_plain_greedy, seqs)):  # the common decode step: nothing but an argmax to do
+        if seqs is self._plain_seqs or all(map(_plain_greedy, seqs)):  # nothing but an argmax to do
+            self._plain_seqs = seqs
             token_ids = greedy_argmax(logits if logits.shape[1] == self.vocab_size else logits[:, : self.vocab_size],
                                       as_list=True)
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))

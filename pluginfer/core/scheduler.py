@@ -78,6 +78,7 @@ class Scheduler:
         self._finished: list[Sequence] = []
         self._block_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0  # since start, for metrics and tests
+        self._decodes: list[ScheduledSequence] | None = None  # the last step's rows when all ran decodes only
 
     # -- requests --------------------------------------------------------------------------
 
@@ -134,6 +135,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's rows: decodes, then running chunked prefills, then new prefills."""
+        steady = self._steady_decodes()
+        if steady is not None:
+            return steady
         output = SchedulerOutput(block_copies=self._block_copies, rejected=self._rejected)
         self._block_copies, self._rejected = [], []
         self._finished.extend(output.rejected)
@@ -145,7 +149,27 @@ class Scheduler:
         output.scheduled.extend(step.prefills)
         if not output.scheduled:  # no forward runs this step: keep the copies for the next one
             self._block_copies, output.block_copies = output.block_copies, []
+        every_decode = output.scheduled and not step.prefills and len(output.scheduled) == len(self.running)
+        self._decodes = output.scheduled if every_decode and not output.preempted else None
         return output
+
+    def _steady_decodes(self) -> SchedulerOutput | None:
+        """The last step's rows again, when it ran every running sequence as a decode and nothing changed
+        since but one more token each: nothing waits, was rejected or awaits a block copy, the running
+        sequences are the same, and each still fits the context and its blocks (no block to take, so nobody
+        to preempt). What the phases would schedule then, without them (the steady state of generation);
+        None: schedule by the phases."""
+        rows = self._decodes
+        if rows is None or self.waiting or self._rejected or self._block_copies or len(rows) != len(self.running):
+            return None
+        manager = self.block_manager
+        block_size, max_len = manager.block_size, min(self.max_model_len, manager.num_blocks * manager.block_size)
+        for row, seq in zip(rows, self.running):
+            length = len(seq)
+            if row.seq is not seq or length - seq.num_computed_tokens != 1 or length > max_len \
+                    or length > len(seq.block_table) * block_size:
+                return None
+        return SchedulerOutput(scheduled=rows)
 
     def update(self, output: SchedulerOutput) -> list[Sequence]:
         """Account for a finished forward; return the sequences finished since the last call."""

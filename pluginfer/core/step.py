@@ -100,6 +100,58 @@ def build_step(scheduled: list[ScheduledSequence], block_size: int,
     return plain if plain is not None else _flatten(scheduled, block_size, block_copies)
 
 
+class StepBuilder:
+    """:func:`build_step` for one driver, which updates the last step's arrays in place when the scheduler
+    hands over the same rows again (``Scheduler`` does so while the running sequences only decode and take no
+    block): each row's token, position, length and slot are written over, and the same ``StepPlan`` (the same
+    ``StepInput`` object) comes back. The arrays equal what :func:`build_step` would make; any other step is
+    built afresh. A step's arrays are read before the next one is built (the worker, the broadcast to the
+    other ranks); nothing may keep them past their step."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._rows: list[ScheduledSequence] | None = None  # the rows of the last plain decode step, as given
+        self._plan: StepPlan | None = None
+        self._table_lengths: list[int] = []
+
+    def build(self, scheduled: list[ScheduledSequence], block_copies: list[tuple[int, int]] | None = None) -> StepPlan:
+        if scheduled is self._rows and not block_copies and self._advance(scheduled):
+            return self._plan
+        plan = _plain_decode_step(scheduled, self.block_size, block_copies)
+        if plan is None:
+            self._rows = None
+            return _flatten(scheduled, self.block_size, block_copies)
+        self._rows, self._plan = (None, None) if block_copies else (scheduled, plan)
+        self._table_lengths = [len(item.seq.block_table) for item in scheduled]
+        return plan
+
+    def _advance(self, scheduled: list[ScheduledSequence]) -> bool:
+        """Write this step's values of the same decode rows into the last step's arrays; False: the block
+        tables' width or a table changed (then the arrays, part-written, are dropped)."""
+        step, block_size = self._plan.step, self.block_size
+        width, lengths = step.block_tables.shape[1], self._table_lengths
+        ids, positions, slots, seq_lens = step.input_ids, step.positions, step.slot_mapping, step.seq_lens
+        longest = 0
+        for row, item in enumerate(scheduled):
+            seq = item.seq
+            position, table = seq.num_computed_tokens, seq.block_table
+            block = position // block_size
+            if block >= width or len(table) != lengths[row]:
+                self._rows = None
+                return False
+            ids[row] = seq.last_token_id
+            positions[row] = position
+            seq_lens[row] = position + 1
+            slots[row] = table[block] * block_size + position % block_size
+            if position > longest:
+                longest = position
+        if longest // block_size + 1 != width:  # build_step's tables are as wide as the longest row needs
+            self._rows = None
+            return False
+        step.max_seq_len = longest + 1
+        return True
+
+
 def _flatten(scheduled: list[ScheduledSequence], block_size: int,
              block_copies: list[tuple[int, int]] | None) -> StepPlan:
     """:func:`build_step` of any step, prefill chunks, prompt logprobs and pooled rows included."""

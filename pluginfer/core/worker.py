@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.gguf_checkpoint import GGUFCheckpoint
 from pluginfer.core.loader import iter_weights, resolve_dtype
@@ -65,6 +66,8 @@ class Worker:
         self.config, self.rank, self.world, self.backend = config, rank, world, backend
         self.max_model_len = max_model_len
         self.decode_graphs = None  # set once the KV cache exists, where the backend captures decode steps
+        self._last_step: StepInput | None = None  # the last step and its batch (see _batch)
+        self._last_batch: ForwardBatch | None = None
         # Every rank creates every group (collective semantics), then keeps its own.
         self.tp_group = world.new_group(rank.tp_groups()) if rank.world_size > 1 else world
         self.quant = build_plugin(registry, "quant", quant_name, hf_config.get("quantization_config"))
@@ -156,7 +159,7 @@ class Worker:
         logits of the sampled rows and the final hidden states of the pooled ones, None elsewhere."""
         if step.block_copies:
             self.backend.copy_blocks(self.kv_caches, step.block_copies)
-        batch = step.to_batch(self.backend.device)
+        batch = self._batch(step)
         intermediate = None
         if not self.is_first_stage:
             intermediate = self._recv_intermediate(self.rank.stage_rank(self.rank.pp_rank - 1))
@@ -190,6 +193,19 @@ class Worker:
             if hidden is not None:
                 self.world.send(hidden.contiguous(), 0)
         return StepResult(logits, hidden)
+
+    def _batch(self, step: StepInput) -> ForwardBatch:
+        """``step.to_batch``; the driver's ``StepBuilder`` hands the same ``StepInput`` again with its arrays
+        updated in place, and on the CPU the last batch's tensors are those arrays: that batch is reused, with
+        the step's ``max_seq_len`` and no metadata or extras of the last step."""
+        batch = self._last_batch
+        if batch is not None and step is self._last_step:
+            batch.max_seq_len, batch.attention, batch.extras = step.max_seq_len, None, {}
+            return batch
+        batch = step.to_batch(self.backend.device)
+        shares = batch.input_ids.device.type == "cpu" and batch.input_ids.data_ptr() == step.input_ids.ctypes.data
+        self._last_step, self._last_batch = (step, batch) if shares else (None, None)
+        return batch
 
     def _recv_rows(self, rows: int, width: int) -> torch.Tensor:
         if rows == 0:

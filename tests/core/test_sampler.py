@@ -322,3 +322,21 @@ def test_a_sync_free_sampler_reads_back_only_the_sampled_ids():
     with NoHostReads():
         free = device_like(logits.clone(), batch()).token_ids
     assert free == Sampler(300, {EOS}, seed=0)(logits.clone(), batch()).token_ids
+
+
+def test_a_list_found_plain_greedy_is_remembered_and_a_new_one_checked() -> None:
+    """The sampler remembers the last list of sequences it found all plain greedy (the engine hands the same
+    list again while the same rows decode): a row masked by min_tokens is sampled with its mask until it has
+    its tokens, then by the plain argmax, the remembered list again by the argmax of the new logits, and a
+    new list with a row that asks for logprobs by the general path."""
+    sampler = Sampler(4, {EOS})
+    eos_first = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    waiting = seq(temperature=0.0, min_tokens=1)
+    seqs = [waiting]
+    assert sampler(eos_first, seqs).token_ids == [1]  # EOS masked: fewer outputs than min_tokens
+    waiting.output_token_ids.append(1)
+    assert sampler(eos_first, seqs).token_ids == [0]  # now plain greedy
+    assert sampler(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), seqs).token_ids == [3]  # the same list, remembered
+    with_logprobs = [waiting, seq(temperature=0.0, logprobs=1)]
+    out = sampler(torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]]), with_logprobs)
+    assert out.token_ids == [3, 0] and out.logprobs[0] is None and set(out.logprobs[1]) == {0}

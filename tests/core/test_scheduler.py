@@ -269,3 +269,52 @@ def test_random_stress(chunked: bool, prefix: bool) -> None:
     assert manager.num_free_blocks == manager.num_blocks
     assert all(manager.ref_count(block) == 0 for block in range(manager.num_blocks))
     assert scheduler.num_running == scheduler.num_waiting == 0
+
+
+def _described(scheduler: Scheduler, output: SchedulerOutput) -> tuple:
+    """An output and the state it leaves, by sequence ids (comparable across deep copies)."""
+    rows = [(row.seq.seq_id, row.num_new_tokens, [seq.seq_id for seq in row.sample_for]) for row in output.scheduled]
+    tables = {seq.seq_id: list(seq.block_table) for seq in scheduler.running}
+    return (rows, output.block_copies, [seq.seq_id for seq in output.preempted],
+            [seq.seq_id for seq in output.rejected], [seq.seq_id for seq in scheduler.running],
+            [seq.seq_id for seq in scheduler.waiting], tables, scheduler.block_manager.num_free_blocks,
+            scheduler.num_preemptions)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_steady_decodes_schedule_what_the_phases_schedule(seed: int) -> None:
+    """``schedule()`` hands the last step's rows again while every running sequence only decodes within its
+    blocks (``_steady_decodes``); at every step of a mixed load (requests joining mid-decode, n > 1 forks,
+    block boundaries crossed, a cache small enough to preempt, contexts that fill, an abort) a deep copy
+    scheduled by the phases alone gives the same rows, copies, preemptions and state."""
+    import copy
+
+    rng = random.Random(seed)
+    scheduler = make_scheduler(num_blocks=14, budget=24, max_seqs=4, max_model_len=40)
+    steady = phases = 0
+    last_rows = None
+    for index in range(160):
+        if index % 9 == 0 and index < 120:
+            prompt = [rng.randrange(10, 500) for _ in range(rng.randrange(1, 10))]
+            scheduler.add_request(make_request(f"r{index}", prompt, max_tokens=rng.randrange(2, 40),
+                                               n=rng.choice([1, 1, 2])))
+        if index == 50 and scheduler.running:
+            scheduler.abort(scheduler.running[0].request_id)
+        reference = copy.deepcopy(scheduler)
+        reference._decodes = None  # the phases only
+        output = scheduler.schedule()
+        expected = reference.schedule()
+        assert _described(scheduler, output) == _described(reference, expected), index
+        if output.scheduled and output.scheduled is last_rows:
+            steady += 1
+        else:
+            phases += 1
+        last_rows = output.scheduled
+        for row in output.scheduled:
+            for seq in row.sample_for:
+                seq.output_token_ids.append(1000 + len(seq))
+                if len(seq.output_token_ids) >= seq.params.max_tokens or len(seq) >= 40:
+                    seq.finish(FinishReason.LENGTH)
+        scheduler.update(output)
+    assert steady >= 20 and phases >= 20, (steady, phases)
+    assert scheduler.num_preemptions > 0

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pluginfer.core.sequence import FinishReason, SamplingParams, Sequence
-from pluginfer.core.step import _flatten, _plain_decode_step, build_step
+from pluginfer.core.step import StepBuilder, _flatten, _plain_decode_step, build_step
 from tests.core.test_scheduler import BLOCK, make_request, make_scheduler, step
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices")
@@ -85,3 +85,40 @@ def test_steps_the_plain_path_leaves_to_the_general_one() -> None:
     assert _plain_decode_step(output.scheduled, BLOCK, []) is None
     plan, general = build_step(output.scheduled, BLOCK, []), _flatten(output.scheduled, BLOCK, [])
     assert all(np.array_equal(getattr(plan.step, name), getattr(general.step, name)) for name in FIELDS)
+
+
+def test_step_builder_reuses_its_arrays_as_build_step_would_fill_them() -> None:
+    """``StepBuilder`` writes a steady decode step (the scheduler's same rows again) into the last step's
+    arrays: at every step of a load with requests joining, finishing, forking (n > 2), crossing block
+    boundaries and preempted by a small cache, its plan equals a fresh ``build_step`` of the same rows, the
+    carried ``max_seq_len`` included; and it does reuse the arrays (the same ``StepInput``) in the steady
+    steps."""
+    rng = random.Random(1)
+    scheduler = make_scheduler(num_blocks=16, budget=32, max_seqs=4, max_model_len=60)
+    builder = StepBuilder(BLOCK)
+    reused = fresh = 0
+    last = None
+    for index in range(150):
+        if index % 20 == 0 and index < 120:
+            prompt = [rng.randrange(10, 500) for _ in range(rng.randrange(1, 10))]
+            scheduler.add_request(make_request(f"r{index}", prompt, max_tokens=rng.randrange(2, 40),
+                                               n=rng.choice([1, 3])))
+        output = scheduler.schedule()
+        if not output.scheduled:
+            advance(scheduler, output)
+            continue
+        plan = builder.build(output.scheduled, output.block_copies)
+        general = build_step(output.scheduled, BLOCK, output.block_copies)
+        for name in FIELDS:
+            assert np.array_equal(getattr(plan.step, name), getattr(general.step, name)), (index, name)
+        assert plan.step.to_batch(torch.device("cpu")).max_seq_len == int(general.step.seq_lens.max())
+        assert (plan.step.block_copies, plan.prompt_logprob_rows, plan.pooling_rows) == \
+            (general.step.block_copies, general.prompt_logprob_rows, general.pooling_rows)
+        if plan.step is last:
+            reused += 1
+        else:
+            fresh += 1
+        last = plan.step
+        advance(scheduler, output)
+    assert reused >= 10 and fresh >= 20, (reused, fresh)  # blocks of 4 tokens: most steps cross one
+    assert scheduler.num_preemptions > 0
