@@ -7,13 +7,14 @@
  *     OMP_NUM_THREADS=2 GOMP_SPINCOUNT=300000 /tmp/omp_fork        # as the serving core sets it
  *     OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE /tmp/omp_fork      # threads sleep at once
  *
- * Four loops of 20000 iterations, each reported as the 10th and 50th percentile over 25 batches of ns per
+ * Five loops of 20000 iterations, each reported as the 10th and 50th percentile over 25 batches of ns per
  * iteration (on a shared machine the low percentile is the runtime, the median adds the other processes):
  *   fork        an empty `omp parallel` region, back to back (a fork and a join);
  *   fork+work   a region whose threads each spin WORK_NS / threads ns (work split in two);
  *   serial      the same WORK_NS on the calling thread alone, no region;
  *   barrier     one region for all iterations, an `omp barrier` per iteration (what one team per step pays
- *               between entries).
+ *               between entries);
+ *   if(false)   an empty region whose `if` clause is false (it still calls GOMP_parallel, for a team of one).
  */
 #define _GNU_SOURCE
 #include <omp.h>
@@ -49,7 +50,8 @@ static void report(const char *name, double *per_batch) {
 int main(int argc, char **argv) {
     const double work = argc > 1 ? atof(argv[1]) : 2000.0;
     const int threads = omp_get_max_threads();
-    double fork[BATCHES], fork_work[BATCHES], serial[BATCHES], barrier[BATCHES];
+    double fork[BATCHES], fork_work[BATCHES], serial[BATCHES], barrier[BATCHES], if_false[BATCHES];
+    volatile int split = 0;
     printf("threads %d, work %.0f ns, GOMP_SPINCOUNT=%s OMP_WAIT_POLICY=%s\n", threads, work,
            getenv("GOMP_SPINCOUNT") ? getenv("GOMP_SPINCOUNT") : "(unset)",
            getenv("OMP_WAIT_POLICY") ? getenv("OMP_WAIT_POLICY") : "(unset)");
@@ -77,10 +79,17 @@ int main(int argc, char **argv) {
 #pragma omp barrier
         }
         barrier[b] = (now_ns() - start) / ITERATIONS;
+        start = now_ns();
+        for (int i = 0; i < ITERATIONS; i++) {
+#pragma omp parallel if (split)
+            __asm__ volatile("" ::: "memory");
+        }
+        if_false[b] = (now_ns() - start) / ITERATIONS;
     }
     report("fork", fork);
     report("fork+work", fork_work);
     report("serial", serial);
     report("barrier", barrier);
+    report("if(false)", if_false);
     return 0;
 }
