@@ -9,8 +9,11 @@
  * tdpbf16ps wants, built once per call (row i of the tile: for each x row r the pair x[r][2i], x[r][2i+1]);
  * tile C is 16 outputs x 16 rows of float32 accumulators, kept in the tile over the whole of k. A block of
  * 16 outputs passes once over its weights for up to AH_GROUPS groups of 16 rows (C tiles 0..3); more rows
- * take another pass, from cache. Outputs past n and inputs past k (the last partial tiles) are read from a
- * zero-padded copy of those weights; x's padding is zeros too.
+ * take another pass, from cache, as long as their B tiles stay within AH_SWEEP_BYTES (a sweep); the next
+ * sweep's rows pass again over every block's weights (from memory: for hundreds of rows, x's B tiles
+ * re-read from L2 cost more than the weights re-read; docs/performance.md). Outputs past n and inputs
+ * past k (the last partial tiles) are read from a zero-padded copy of those weights; x's padding is zeros
+ * too. x is packed (split, transposed) once per call, the results transposed back to rows for stores.
  *
  * Arithmetic. bfloat16: each product of two bfloat16 values is exact in float32 and tdpbf16ps adds them
  * into the float32 accumulator in input order, rounding to nearest even (subnormal inputs and results
@@ -80,6 +83,9 @@ int amx_half_init(void) {
 #define AH_ROWS 16   /* rows of x per group (C's 16 float32 columns) */
 #define AH_GROUPS 4  /* groups of rows per pass over a block's weights: C tiles 0..3 */
 #define AH_TILE 1024 /* bytes of one 16 x 64-byte tile */
+#ifndef AH_SWEEP_BYTES
+#define AH_SWEEP_BYTES (512 << 10) /* x's B tiles a block's weights serve before the next block's */
+#endif
 #ifndef AH_PF
 #define AH_PF 1 /* prefetch the next block's weights */
 #endif
@@ -142,12 +148,15 @@ static inline void ah_split32(__m512i v, __m512i *hi, __m512i *lo) {
         return;
     }
     const __m512i table = _mm512_set_epi16(
-        0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0, 0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0,
-        0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0, 0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0);
+        0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0,  /* lanes 31..24 */
+        0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0,  /* 23..16 */
+        0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0,  /* 15..8 */
+        0x3460, 0x3440, 0x3420, 0x3400, 0x33c0, 0x3380, 0x3300, 0); /* 7..0: j = 7..0 */
     const __m512i t = _mm512_srai_epi16(v, 3);
     *hi = _mm512_add_epi16(_mm512_and_si512(t, _mm512_set1_epi16((short)0x8fff)), _mm512_set1_epi16(0x3800));
-    *lo = _mm512_maskz_add_epi16(_mm512_test_epi16_mask(v, _mm512_set1_epi16(7)),
-                                 _mm512_and_si512(t, _mm512_set1_epi16((short)0x8f80)), _mm512_permutexvar_epi16(v, table));
+    const __m512i signed_exponent = _mm512_and_si512(t, _mm512_set1_epi16((short)0x8f80));
+    *lo = _mm512_maskz_add_epi16(_mm512_test_epi16_mask(v, _mm512_set1_epi16(7)), signed_exponent,
+                                 _mm512_permutexvar_epi16(v, table));
 }
 
 /* 32 float32 values as three bfloat16 parts each, x = hi + mid + lo exactly: hi = x with its significand cut
@@ -280,6 +289,34 @@ static inline void ah_weight_tile(int dtype, const uint16_t *w, int64_t n, int64
         }                                                                               \
     } while (0)
 
+/* One group's 16 x 16 results (C tile: [output][row]) plus the bias into out rows r0.. (below m), outputs
+ * o0..o0+outs-1: transposed to [row][output] for one (masked) 64- or 32-byte store a row; a 16-bit out
+ * rounded to nearest even as before (_cvtss_sh's instruction; float_to_bf16's operations). */
+static inline void ah_store_rows(const float *result, __m512 bias, int64_t r0, int64_t m, int64_t o0, int64_t outs,
+                                 int64_t n, int dtype, void *out, int out_float) {
+    __m512i rows[16];
+    for (int o = 0; o < 16; o++) rows[o] = _mm512_load_si512(result + 16 * o);
+    ah_transpose16(rows);
+    const __mmask16 valid = (__mmask16)((1u << outs) - 1);
+    const int64_t count = m - r0 < AH_ROWS ? m - r0 : AH_ROWS;
+    for (int64_t r = 0; r < count; r++) {
+        const __m512 v = _mm512_add_ps(_mm512_castsi512_ps(rows[r]), bias);
+        const int64_t at = (r0 + r) * n + o0;
+        if (out_float) _mm512_mask_storeu_ps((float *)out + at, valid, v);
+        else if (dtype == AH_F16)
+            _mm256_mask_storeu_epi16((uint16_t *)out + at, valid, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        else { /* float_to_bf16 on 16 lanes (vcvtneps2bf16 would flush subnormal results) */
+            const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+            const __m512i one = _mm512_set1_epi32(1);
+            const __m512i rounded = _mm512_srli_epi32(
+                _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, one))), 16);
+            const __m512i quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+            const __m512i word = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet);
+            _mm256_mask_storeu_epi16((uint16_t *)out + at, valid, _mm512_cvtepi32_epi16(word));
+        }
+    }
+}
+
 /* dtype: 0 bfloat16, 1 float16 (x, w, bias and a 16-bit out share it). x [m][k], w [n][k], bias [n] or NULL,
  * out [m][n]: float32 when out_float, else the 16-bit dtype (rounded to nearest even). Returns 0; -2: a bad
  * dtype; -3: a buffer could not be allocated; -4: the tile state was not granted (amx_half_init). */
@@ -298,6 +335,10 @@ static int ah_linear(int dtype, int float_x, const void *x, int64_t m, int64_t k
     ah_pack_x(float_x ? AH_X_F32 : dtype, x, m, k, ks, 0, groups * ks, bh, bl, bl2);
     /* whole 32-input steps whose weights are read in place (bfloat16, full blocks) */
     const int64_t full_steps = k / 32;
+    /* groups of x rows whose B tiles (about AH_SWEEP_BYTES, in L2) pass over a block's weights before the next
+     * block's: at least one pass (AH_GROUPS groups); the weights are read once per sweep */
+    const int64_t pass_bytes = AH_GROUPS * ks * AH_TILE * (int64_t)parts;
+    const int64_t sweep_groups = AH_GROUPS * (pass_bytes >= AH_SWEEP_BYTES ? 1 : AH_SWEEP_BYTES / pass_bytes);
 #pragma omp parallel if (n * k >= (1 << 15))
     {
         ah_configure();
@@ -305,53 +346,49 @@ static int ah_linear(int dtype, int float_x, const void *x, int64_t m, int64_t k
         const int64_t lo = blocks * id / threads, hi = blocks * (id + 1) / threads;
         uint16_t a_hi[AH_COLS * 32] __attribute__((aligned(64))), a_lo[AH_COLS * 32] __attribute__((aligned(64)));
         float result[AH_GROUPS][AH_COLS * AH_ROWS] __attribute__((aligned(64)));
-        for (int64_t t = lo; t < hi; t++) {
-            const int64_t o0 = t * AH_COLS, outs = n - o0 < AH_COLS ? n - o0 : AH_COLS;
-            const int in_place = !split && outs == AH_COLS;
-            const uint16_t *next = AH_PF && t + 1 < hi && n - o0 - AH_COLS >= AH_COLS ? w + (o0 + AH_COLS) * k : NULL;
-            for (int64_t p0 = 0; p0 < groups; p0 += AH_GROUPS) {
-                const int count = groups - p0 < AH_GROUPS ? (int)(groups - p0) : AH_GROUPS;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t s = 0; s < ks; s++) {
-                    if (next && p0 == 0)
+        for (int64_t sweep = 0; sweep < groups; sweep += sweep_groups) {
+            for (int64_t t = lo; t < hi; t++) {
+                const int64_t o0 = t * AH_COLS, outs = n - o0 < AH_COLS ? n - o0 : AH_COLS;
+                const int in_place = !split && outs == AH_COLS;
+                const uint16_t *next =
+                    AH_PF && t + 1 < hi && n - o0 - AH_COLS >= AH_COLS ? w + (o0 + AH_COLS) * k : NULL;
+                for (int64_t p0 = sweep; p0 < groups && p0 < sweep + sweep_groups; p0 += AH_GROUPS) {
+                    const int count = groups - p0 < AH_GROUPS ? (int)(groups - p0) : AH_GROUPS;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t s = 0; s < ks; s++) {
+                        if (next && p0 == sweep)
 #pragma GCC unroll 16
-                        for (int o = 0; o < AH_COLS; o++) _mm_prefetch((const char *)(next + o * k + 32 * s), AH_PF_HINT);
-                    if (in_place && s < full_steps) {
-                        _tile_loadd(4, w + o0 * k + 32 * s, k * 2);
-                    } else {
-                        ah_weight_tile(dtype, w, n, k, o0, s, a_hi, a_lo);
-                        _tile_loadd(4, a_hi, 64);
-                        if (split) _tile_loadd(7, a_lo, 64);
-                    }
-                    AH_PRODUCT(0);
-                    if (count > 1) AH_PRODUCT(1);
-                    if (count > 2) AH_PRODUCT(2);
-                    if (count > 3) AH_PRODUCT(3);
-                }
-                _tile_stored(0, result[0], 64);
-                if (count > 1) _tile_stored(1, result[1], 64);
-                if (count > 2) _tile_stored(2, result[2], 64);
-                if (count > 3) _tile_stored(3, result[3], 64);
-                for (int g = 0; g < count; g++) {
-                    const int64_t r0 = (p0 + g) * AH_ROWS, rows = m - r0 < AH_ROWS ? m - r0 : AH_ROWS;
-                    for (int64_t o = 0; o < outs; o++) {
-                        const float b = !bias ? 0.0f
-                                        : float_x ? ((const float *)bias)[o0 + o]
-                                        : dtype == AH_BF16 ? bf16_to_float(((const uint16_t *)bias)[o0 + o])
-                                                           : _cvtsh_ss(((const uint16_t *)bias)[o0 + o]);
-                        for (int64_t r = 0; r < rows; r++) {
-                            const float v = result[g][o * AH_ROWS + r] + b;
-                            const int64_t at = (r0 + r) * n + o0 + o;
-                            if (out_float)
-                                ((float *)out)[at] = v;
-                            else
-                                ((uint16_t *)out)[at] = dtype == AH_BF16 ? float_to_bf16(v)
-                                                                         : _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+                            for (int o = 0; o < AH_COLS; o++)
+                                _mm_prefetch((const char *)(next + o * k + 32 * s), AH_PF_HINT);
+                        if (in_place && s < full_steps) {
+                            _tile_loadd(4, w + o0 * k + 32 * s, k * 2);
+                        } else {
+                            ah_weight_tile(dtype, w, n, k, o0, s, a_hi, a_lo);
+                            _tile_loadd(4, a_hi, 64);
+                            if (split) _tile_loadd(7, a_lo, 64);
                         }
+                        AH_PRODUCT(0);
+                        if (count > 1) AH_PRODUCT(1);
+                        if (count > 2) AH_PRODUCT(2);
+                        if (count > 3) AH_PRODUCT(3);
                     }
+                    _tile_stored(0, result[0], 64);
+                    if (count > 1) _tile_stored(1, result[1], 64);
+                    if (count > 2) _tile_stored(2, result[2], 64);
+                    if (count > 3) _tile_stored(3, result[3], 64);
+                    __m512 b = _mm512_setzero_ps();
+                    if (bias) {
+                        const __mmask16 valid = (__mmask16)((1u << outs) - 1);
+                        const __m256i bits = _mm256_maskz_loadu_epi16(valid, (const uint16_t *)bias + o0);
+                        b = float_x            ? _mm512_maskz_loadu_ps(valid, (const float *)bias + o0)
+                            : dtype == AH_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))
+                                               : _mm512_cvtph_ps(bits);
+                    }
+                    for (int g = 0; g < count; g++)
+                        ah_store_rows(result[g], b, (p0 + g) * AH_ROWS, m, o0, outs, n, dtype, out, out_float);
                 }
             }
         }
