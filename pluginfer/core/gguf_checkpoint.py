@@ -110,6 +110,11 @@ class GGUFCheckpoint:
         """A metadata value; ``{arch}`` in ``key`` is this file's architecture."""
         return self.reader.get(key.format(arch=getattr(self, "arch", "")), default)
 
+    def array_length(self, key: str) -> int | None:
+        """How many elements the metadata array ``key`` holds (``{arch}`` as in ``field``), without decoding it;
+        None for a key that is not an array."""
+        return self.reader.array_length(key.format(arch=getattr(self, "arch", "")))
+
     def require(self, key: str) -> Any:
         value = self.field(key)
         if value is None:

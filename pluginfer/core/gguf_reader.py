@@ -157,6 +157,12 @@ class GGUFFile:
             self._decoded[key] = self._decode_array(*self._arrays[key])
         return self._decoded[key]
 
+    def array_length(self, key: str) -> int | None:
+        """How many elements the metadata array ``key`` holds, without decoding it (a vocabulary's size
+        without its strings); None for a key that is not an array."""
+        found = self._arrays.get(key)
+        return None if found is None else found[1]
+
     def __contains__(self, key: str) -> bool:
         return key in self.fields or key in self._arrays
 

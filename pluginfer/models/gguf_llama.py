@@ -54,7 +54,7 @@ def hf_config(checkpoint: GGUFCheckpoint) -> dict:
     if value_dim != head_dim or rope_dim != head_dim:
         raise ValueError(f"{checkpoint.path}: key_length {head_dim}, value_length {value_dim} and "
                          f"rope.dimension_count {rope_dim} differ; the {checkpoint.arch} pipeline needs them equal")
-    tokens = checkpoint.field("tokenizer.ggml.tokens")
+    tokens = checkpoint.array_length("tokenizer.ggml.tokens")  # counted, not decoded (the tokenizer decodes them)
     config: dict[str, Any] = {
         "architectures": [SUPPORTED_ARCHITECTURES[checkpoint.arch]],
         "model_type": checkpoint.arch,
@@ -67,7 +67,7 @@ def hf_config(checkpoint: GGUFCheckpoint) -> dict:
         "rms_norm_eps": float(checkpoint.field("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(checkpoint.field("{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(checkpoint.field("{arch}.context_length", 2048)),
-        "vocab_size": len(tokens) if tokens is not None else int(checkpoint.require("{arch}.vocab_size")),
+        "vocab_size": tokens if tokens is not None else int(checkpoint.require("{arch}.vocab_size")),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in checkpoint.tensors,
         # Linear layers keep the file's block types; docs/quantization.md says why float32 by default.

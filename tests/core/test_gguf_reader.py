@@ -73,6 +73,13 @@ def test_every_value_type(tmp_path: Path) -> None:
     ours = GGUFFile(path)
     assert ours.get("test.strings") == ["", "a", "é", "中文"] and ours.get("test.missing", 3) == 3
     assert ours.get("general.alignment") == 64 and ours.tensors[0].data_offset % 64 == 0
+    # An array's length without decoding it (how a GGUF model's config counts its vocabulary), None for the rest.
+    fresh = GGUFFile(path, tensors=False)
+    lengths = {key: fresh.array_length(key) for key in ("test.strings", "test.f32s", "test.UINT64.array",
+                                                        "test.string", "test.f32", "test.missing")}
+    assert lengths == {"test.strings": 4, "test.f32s": 2, "test.UINT64.array": 3,
+                       "test.string": None, "test.f32": None, "test.missing": None}
+    assert all(fresh.array_length(key) == len(ours.get(key)) for key in ("test.strings", "test.bools"))
 
 
 @pytest.mark.parametrize(("data", "message"), [
