@@ -264,8 +264,9 @@ def _keeps_half(layer: nn.Module, loaded: torch.Tensor, device: torch.device) ->
 def half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        half: Callable) -> torch.Tensor:
     """``x @ W.T + bias`` for a 16-bit ``weight`` (read in place in a float32 model): the backend's ``half_linear``
-    op (a few rows), else ``F.linear`` for ``x`` of ``W``'s dtype, else tiles of ``W`` widened to ``x``'s dtype
-    (exact for float32) for torch's GEMM."""
+    op (its GEMV for a few rows; on AMX-BF16 its tiles up to a measured row count, prefill included),
+    else ``F.linear`` for ``x`` of ``W``'s dtype, else tiles of ``W`` widened to ``x``'s dtype (exact for float32)
+    for torch's GEMM."""
     out = half(x, weight, bias)
     if out is not None:
         return out

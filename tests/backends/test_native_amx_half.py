@@ -80,6 +80,22 @@ def test_a_row_is_the_same_bits_whatever_its_batch_and_threads(dtype: torch.dtyp
     assert torch.equal(amx_half.linear(shuffled, weight, bias, out_dtype=torch.float32), torch.flip(alone, dims=[0]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_past_one_sweep_are_the_same_bits_and_within_the_bound(dtype: torch.dtype, set_threads) -> None:
+    """4100 inputs: one pass of 64 rows' B tiles already exceeds the C file's sweep (512 KiB), so 150 rows take
+    three sweeps over the weights; each row the same bits as alone, within the float32 bound."""
+    x, weight, bias = inputs(150, 40, 4100, dtype, 13, True)
+    set_threads(2)
+    whole = amx_half.linear(x, weight, bias, out_dtype=torch.float32)
+    value, allowed = bound(x, weight, bias)
+    assert ((whole.double() - value).abs() <= allowed).all()
+    set_threads(1)
+    assert torch.equal(amx_half.linear(x, weight, bias, out_dtype=torch.float32), whole)
+    for start in (0, 64, 130, 149):
+        alone = amx_half.linear(x[start:start + 1], weight, bias, out_dtype=torch.float32)
+        assert torch.equal(alone, whole[start:start + 1])
+
+
 def test_float16_split_loses_no_bit() -> None:
     """One product (k = 1) is exact whatever its operands' 11 significant bits: the four bfloat16 products of
     the split add up to it exactly. An infinite weight gives +-inf, or a NaN where x's low half is 0 (inf * 0,

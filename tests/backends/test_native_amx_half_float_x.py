@@ -81,6 +81,21 @@ def test_a_row_is_the_same_bits_whatever_its_batch_and_threads(dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_past_one_sweep_are_the_same_bits_and_within_the_bound(dtype: torch.dtype, set_threads) -> None:
+    """4100 inputs: one pass of 64 rows' B tiles already exceeds the C file's sweep (512 KiB), so 150 rows take
+    three sweeps over the weights; each row the same bits as alone, within the stated bound."""
+    x, weight, bias = inputs(150, 40, 4100, dtype, 13, True)
+    set_threads(2)
+    whole = amx_half.linear_float_x(x, weight, bias)
+    value, allowed = bound(x, weight, bias)
+    assert ((whole.double() - value).abs() <= allowed).all()
+    set_threads(1)
+    assert torch.equal(amx_half.linear_float_x(x, weight, bias), whole)
+    for start in (0, 64, 130, 149):
+        assert torch.equal(amx_half.linear_float_x(x[start:start + 1], weight, bias), whole[start:start + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_nan_and_infinite_rows_reach_only_their_own_row(dtype: torch.dtype) -> None:
     x, weight, bias = inputs(20, 40, 70, dtype, 5, True)
     clean = amx_half.linear_float_x(x, weight, bias)
@@ -94,9 +109,11 @@ def test_nan_and_infinite_rows_reach_only_their_own_row(dtype: torch.dtype) -> N
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_half_linear_hands_the_measured_rows_of_float32_x_to_the_tiles(dtype: torch.dtype) -> None:
+    """From FLOAT_X_MIN_ROWS (the GEMV below) to FLOAT_X_MAX_ROWS, past the GEMV's own limit (the prefill: the
+    caller's float32 tiles above)."""
     low, high = amx_half.FLOAT_X_MIN_ROWS[dtype], amx_half.FLOAT_X_MAX_ROWS[dtype]
-    assert high <= native_half_linear.HALF_WEIGHT_MAX_ROWS
-    for rows in (low, 16, high):
+    assert high > native_half_linear.HALF_WEIGHT_MAX_ROWS
+    for rows in (low, 16, native_half_linear.HALF_WEIGHT_MAX_ROWS + 1, 130, high):
         x, weight, bias = inputs(rows, 65, 97, dtype, rows, True)
         assert amx_half.takes_float_x(dtype, rows)
         assert torch.equal(native_half_linear.half_linear(x, weight, bias), amx_half.linear_float_x(x, weight, bias))
