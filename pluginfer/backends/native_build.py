@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -65,6 +66,7 @@ def _cache_dir() -> Path:
     return root / "native"
 
 
+@functools.cache  # asked ~130 times while a model loads (kernel choices per layer); read once
 def cpu_features() -> frozenset[str]:
     """The instruction-set extensions this CPU reports (Linux ``/proc/cpuinfo``, macOS ``sysctl``); empty
     where neither says."""
