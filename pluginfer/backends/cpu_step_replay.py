@@ -326,7 +326,7 @@ class CpuDecodeReplay:
         """Run the step eagerly on the static buffers, noting it; its output is this step's result."""
         keep: list[torch.Tensor] = []
         forward_only = None  # (the recording of the forward alone, its output) when the head follows
-        with native_replay.recording() as recorder, _WatchTorchOps(recorder, keep) as watch:
+        with torch.inference_mode(), native_replay.recording() as recorder, _WatchTorchOps(recorder, keep) as watch:
             out = self.forward(self.static_batch(size))
             if self.head is not None and isinstance(out, torch.Tensor):
                 if recorder.refused is None:
@@ -376,4 +376,7 @@ class CpuDecodeReplay:
         program, out, _ = recorded
         program.run()
         self.replays += 1
-        return self.head(out) if size in self.eager_head else out
+        if size in self.eager_head:
+            with torch.inference_mode():  # the worker calls a replay outside it
+                return self.head(out)
+        return out

@@ -142,10 +142,12 @@ class DecodeGraphs:
             self.graphs[size] = graph
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """The step's hidden states ``[num_seqs, hidden]`` from a graph replay, or None (run it eagerly)."""
-        size = self.load(batch)
-        if size is None or size not in self.graphs:
-            return None
-        self.graphs[size].replay()
-        self.replays += 1
-        return self.outputs[size][:batch.num_seqs]
+        """The step's output (the worker's forward gives logits) from a graph replay, or None (run it eagerly).
+        The worker calls it outside ``torch.inference_mode``; the copies into the static buffers need it."""
+        with torch.inference_mode():
+            size = self.load(batch)
+            if size is None or size not in self.graphs:
+                return None
+            self.graphs[size].replay()
+            self.replays += 1
+            return self.outputs[size][:batch.num_seqs]

@@ -354,7 +354,9 @@ class DeviceBackend(Protocol):
         pipeline parallelism is on; ``forward(batch)`` is the model's forward followed by its LM head (a
         ``DecodeForward``: float32 logits of the sampled rows). The callable returned takes each step's batch
         and gives what ``forward`` gives, the logits, from a replay (the cuda backend's CUDA graphs of decode
-        steps at bucketed batch sizes), or None: the worker then runs that step eagerly. The block tables it is given may be narrower than ``max_blocks_per_seq``, and the batch has
+        steps at bucketed batch sizes), or None: the worker then runs that step eagerly. The worker calls it
+        outside ``torch.inference_mode`` (a replay of a tiny model's step is ~10 us faster without it): a
+        replay that runs torch ops, or records, enters it itself. The block tables it is given may be narrower than ``max_blocks_per_seq``, and the batch has
         no ``attention`` metadata yet (``prepare`` runs only for the steps that run eagerly).
         """
 

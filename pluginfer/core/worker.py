@@ -153,25 +153,31 @@ class Worker:
         logger.info("rank %d start-up: %s", self.rank.rank,
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_times.items()))
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepResult | None:
         """Run this rank's part of the step; on the ranks of the last stage (and on the driver) float32
-        logits of the sampled rows and the final hidden states of the pooled ones, None elsewhere."""
+        logits of the sampled rows and the final hidden states of the pooled ones, None elsewhere.
+
+        A decode step the backend replays (``decode_graphs``: the forward and the LM head) is run outside
+        ``torch.inference_mode``, which the replay enters itself where it runs torch ops (entering it costs a
+        tiny model's replayed step ~10 us); every other step runs in it."""
         if step.block_copies:
-            self.backend.copy_blocks(self.kv_caches, step.block_copies)
+            with torch.inference_mode():
+                self.backend.copy_blocks(self.kv_caches, step.block_copies)
         batch = self._batch(step)
+        if self.decode_graphs is not None and not step.num_hidden_rows and batch.logits_indices.shape[0] == \
+                batch.num_seqs:
+            logits = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
+            if logits is not None:
+                return StepResult(logits)
+        with torch.inference_mode():
+            return self._execute_eagerly(step, batch)
+
+    def _execute_eagerly(self, step: StepInput, batch: ForwardBatch) -> StepResult | None:
         intermediate = None
         if not self.is_first_stage:
             intermediate = self._recv_intermediate(self.rank.stage_rank(self.rank.pp_rank - 1))
-        out = None
-        if self.decode_graphs is not None and not step.num_hidden_rows and batch.logits_indices.shape[0] == \
-                batch.num_seqs:
-            logits = self.decode_graphs(batch)  # forward and LM head; None: not a decode step the graphs cover
-            if logits is not None:
-                return StepResult(logits)
-        if out is None:
-            batch.attention = self.backend.prepare(batch)  # a replay brings its own metadata
-            out = self.pipeline.forward(batch, intermediate)
+        batch.attention = self.backend.prepare(batch)
+        out = self.pipeline.forward(batch, intermediate)
         if not self.is_last_stage:
             self._send_intermediate(out, self.rank.stage_rank(self.rank.pp_rank + 1))
             if self.rank.is_driver:  # the driver samples: the last stage's first rank sends it the results
