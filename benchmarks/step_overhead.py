@@ -10,7 +10,8 @@ Each measurement runs in a fresh process with one torch thread and reads the pro
 that other work on a shared machine inflates it far less than wall-clock time: a prompt of 32 tokens,
 then ``--tokens`` greedy tokens; per step = (t(N + 1 tokens) - t(1 token)) / N. The step is split
 into the model's layers (``pipeline.forward``, or the replay of a recorded decode step), the LM head (``compute_logits``) and the rest (the
-scheduler, the step's metadata, the sampler, detokenization and stop checks), by timing those calls.
+scheduler, the step's metadata, the sampler, detokenization and stop checks), by timing those calls. Since the
+replay records the LM head after the layers (where it can), a replayed step's head counts in "layers".
 With ``--trees`` every run alternates between the trees (each is put first on ``PYTHONPATH``) and
 the medians are reported with the ratio.
 """
