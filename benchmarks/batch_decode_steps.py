@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=32000, help="prompt tokens are drawn from 10..vocab-10")
     parser.add_argument("--enforce-eager", action="store_true", help="no replayed decode steps")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's dtype (auto: the model's)")
     parser.add_argument("--perf-control", default=None, help="a perf --control FIFO: enabled around the timed steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -39,7 +40,7 @@ def main() -> None:
 
     llm = LLM(model=args.model, max_model_len=args.prompt + args.steps + 64, max_num_seqs=args.batch,
               enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.batch * args.prompt),
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, args.vocab - 10, args.prompt).tolist() for _ in range(args.batch)]
