@@ -24,7 +24,15 @@ from pluginfer.server.logprobs import TokenText, chat_logprobs
 from pluginfer.server.protocol import ChatCompletionRequest, TokenizeRequest
 from pluginfer.server.reasoning import ReasoningParser, ReasoningStream
 from pluginfer.server.state import STATE, ServerState, read_body
-from pluginfer.server.streaming import run_requests, stream_response, usage
+from pluginfer.server.streaming import (
+    HOLE,
+    EventTemplate,
+    json_string,
+    json_value,
+    run_requests,
+    stream_response,
+    usage,
+)
 from pluginfer.server.tools import ToolCalling, ToolCallOutput
 
 
@@ -203,8 +211,12 @@ class _ChatAnswer:
                                    sum(len(choice.token_ids) for choice in output.outputs))
         return chunk
 
-    async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict[str, Any]]:
-        """The role first, then text deltas; each choice's last chunk alone carries its finish_reason."""
+    async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict[str, Any] | bytes]:
+        """The role first, then text deltas; each choice's last chunk alone carries its finish_reason.
+        A chunk of content alone (no logprobs, no usage) is an event filled in from a template: once a token."""
+        template = EventTemplate(self._chunk([{"index": HOLE, "delta": {"content": HOLE}, "logprobs": None,
+                                               "finish_reason": HOLE}]))
+        plain = not self.body.continuous_usage
         n = self.body.n
         sent_tokens, started, finished = [0] * n, [False] * n, [False] * n
         texts = [_ChoiceText(self.reasoning, self.tools) for _ in range(n)]
@@ -227,9 +239,12 @@ class _ChatAnswer:
                     logprobs = self._logprobs(choice, sent_tokens[i])
                     sent_tokens[i] = len(choice.token_ids)
                     finished[i] = done
+                    reason = _finish_reason(choice.finish_reason, texts[i].called)
+                    if plain and logprobs is None and len(delta) == 1 and "content" in delta:
+                        yield template.fill(str(i), json_string(delta["content"]), json_value(reason))
+                        continue
                     yield self._chunk([{"index": i, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": _finish_reason(choice.finish_reason, texts[i].called)}],
-                                      output)
+                                        "finish_reason": reason}], output)
         if self.body.include_usage and last is not None:
             generated = sum(len(choice.token_ids) for choice in last.outputs)
             yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,

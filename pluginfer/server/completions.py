@@ -19,7 +19,15 @@ from pluginfer.server.limits import check_limits
 from pluginfer.server.logprobs import TokenText, completion_logprobs
 from pluginfer.server.protocol import CompletionRequest
 from pluginfer.server.state import STATE, ServerState, read_body
-from pluginfer.server.streaming import run_requests, stream_response, usage
+from pluginfer.server.streaming import (
+    HOLE,
+    EventTemplate,
+    json_string,
+    json_value,
+    run_requests,
+    stream_response,
+    usage,
+)
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -110,8 +118,11 @@ class _CompletionAnswer:
                               sum(o.num_cached_tokens for o in outputs))
         return body
 
-    async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict[str, Any]]:
-        """Text deltas (the echoed prompt first); each choice's last chunk alone carries its finish_reason."""
+    async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict[str, Any] | bytes]:
+        """Text deltas (the echoed prompt first); each choice's last chunk alone carries its finish_reason.
+        A chunk of text alone (no logprobs, no usage) is an event filled in from a template: once a token."""
+        template = EventTemplate(self._chunk([{"index": HOLE, "text": HOLE, "logprobs": None,
+                                               "finish_reason": HOLE}]))
         n = self.body.n
         count = n * len(self.echo)
         sent_text, sent_tokens, finished = [0] * count, [0] * count, [False] * count
@@ -138,6 +149,9 @@ class _CompletionAnswer:
                     logprobs = self._logprobs(choice, sent_tokens[i], offset, echoed)
                     started[i], finished[i] = True, done
                     sent_text[i], sent_tokens[i] = len(choice.text), len(choice.token_ids)
+                    if logprobs is None and not self.body.continuous_usage:
+                        yield template.fill(str(i), json_string(text), json_value(choice.finish_reason))
+                        continue
                     chunk = self._chunk([{"index": i, "text": text, "logprobs": logprobs,
                                           "finish_reason": choice.finish_reason}])
                     if self.body.continuous_usage:

@@ -39,6 +39,7 @@ from pluginfer.server.client_request import ClientRequest
 from pluginfer.server.engine_view import EngineView
 
 logger = logging.getLogger(__name__)
+_RECV_BYTES = 1 << 20  # one read of the core's frames: a shorter read emptied the socket
 
 
 class EngineClient:
@@ -277,7 +278,7 @@ class EngineClient:
     def _on_readable(self) -> None:
         while True:
             try:
-                data = self._sock.recv(1 << 20, socket.MSG_DONTWAIT)
+                data = self._sock.recv(_RECV_BYTES, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -288,6 +289,8 @@ class EngineClient:
                 return
             for message in self._reader.feed(data):
                 self._dispatch(message)
+            if len(data) < _RECV_BYTES:  # the socket is drained: no second recv to hear EAGAIN (once a token)
+                return
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]

@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from aiohttp import web
@@ -25,7 +26,53 @@ from pluginfer.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 _END = object()
-CLIENT_LEFT = "pluginfer_client_left"  # set on a request whose client closed the connection mid-stream
+# Set on a request whose client closed the connection mid-stream (a typed key: aiohttp warns of a plain string).
+CLIENT_LEFT = web.RequestKey("pluginfer_client_left", bool)
+
+
+HOLE = object()  # a value an EventTemplate fills per event
+_MARK = "\x00pluginfer-hole\x00"
+_ENCODED_MARK = json.dumps(_MARK)
+
+
+def json_string(text: str) -> str:
+    """``text`` as JSON, as ``json.dumps`` writes it (ASCII, escaped), without its Python overhead."""
+    return encode_basestring_ascii(text)
+
+
+def _event(payload: dict[str, Any], default: Any = None) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), default=default)}\n\n"
+
+
+class EventTemplate:
+    """One kind of event as text with holes: the chunk's JSON is written once per request, and each event
+    only encodes what changes (the new text, the finish reason). ``fill`` gives the same bytes as
+    ``EventStream.send`` of the chunk with those values in place of the HOLEs (in the JSON's order)."""
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        def mark(value: Any) -> str:
+            if value is HOLE:
+                return _MARK
+            raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+        self.parts = _event(payload, mark).split(_ENCODED_MARK)
+
+    def fill(self, *values: str) -> bytes:
+        """The event with each hole replaced by a JSON value (``json_string(text)``, ``"null"``, ``"3"``)."""
+        parts = self.parts
+        if len(values) != len(parts) - 1:
+            raise ValueError(f"this template has {len(parts) - 1} holes, got {len(values)} values")
+        pieces = [parts[0]]
+        for value, part in zip(values, parts[1:]):
+            pieces += (value, part)
+        return "".join(pieces).encode()
+
+
+def json_value(value: str | int | None) -> str:
+    """A hole's value: a string, an int or None as JSON."""
+    if value is None:
+        return "null"
+    return json_string(value) if isinstance(value, str) else str(value)
 
 
 class EventStream:
@@ -43,8 +90,9 @@ class EventStream:
             self.opened = True
             await self.response.prepare(self.request)
 
-    async def send(self, payload: dict[str, Any]) -> None:
-        await self.response.write(f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode())
+    async def send(self, payload: dict[str, Any] | bytes) -> None:
+        """One event: a chunk, or an event an EventTemplate made."""
+        await self.response.write(payload if isinstance(payload, bytes) else _event(payload).encode())
 
     async def fail(self, error: APIError) -> None:
         await self.response.write(sse_error(error))
@@ -55,7 +103,7 @@ class EventStream:
         return self.response
 
 
-async def stream_response(request: web.Request, chunks: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
+async def stream_response(request: web.Request, chunks: AsyncIterator[dict[str, Any] | bytes]) -> web.StreamResponse:
     """Send each chunk as an event. An error before the first chunk is an ordinary HTTP error
     (so e.g. a prompt longer than the context is a 400); after it, an error event, then [DONE]."""
     events = EventStream(request)
@@ -95,12 +143,15 @@ async def run_requests(state: ServerState, prompts: list[list[int]], params: Sam
     ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
     timers = [state.metrics.timer() for _ in prompts]
     streams = [engine.generate(prompt, params, rid) for prompt, rid in zip(prompts, ids)]
+    single = len(streams) == 1  # the common case: its outputs as they come, without a merging layer per token
     try:
-        async for index, output in _merge(streams):
-            timers[index].observe(output)
-            if output.finished:
-                _check_finished(output, prompt_field)
-            yield index, output
+        async with aclosing(streams[0] if single else _merge(streams)) as source:
+            async for item in source:
+                index, output = (0, item) if single else item
+                timers[index].observe(output)
+                if output.finished:
+                    _check_finished(output, prompt_field)
+                yield index, output
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_unavailable") from None
     except ValueError as exc:  # the engine refused the request: a sampling field it names, else the prompt
@@ -123,11 +174,6 @@ def _check_finished(output: RequestOutput, prompt_field: str) -> None:
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they come; closing this closes them all."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as stream:
-            async for output in stream:
-                yield 0, output
-        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
