@@ -46,9 +46,11 @@ class LLMEngine:
         serve_if_worker(config)  # ranks other than 0 (torchrun, mpiexec) serve the driver and exit here
         check_tokenizer_files(config.tokenizer or config.model)  # before the weights load and the cache is taken
         # A GGUF file's tokenizer is built in a thread while the weights load (its build holds the interpreter,
-        # the load's reads and native repacks release it); other tokenizers load after the weights.
+        # the load's reads and native repacks release it); other tokenizers load after the weights, and so does
+        # any with more than one rank (spawned ranks are forked with a preexec_fn, unsafe beside a thread).
         tokenizer_path = config.tokenizer or config.model
-        building = TokenizerBuild(tokenizer_path) if TokenizerBuild.applies(tokenizer_path) else None
+        one_rank = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size == 1
+        building = TokenizerBuild(tokenizer_path) if one_rank and TokenizerBuild.applies(tokenizer_path) else None
         try:
             self.executor = Executor(config)
         except BaseException:
