@@ -96,7 +96,7 @@ def _auth_middleware(api_keys: list[str]) -> Any:
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pluginfer",
             "root": state.config.model, "max_model_len": state.engine.max_model_len,
-            "vocab_size": len(state.tokenizer)}  # token ids below it are valid prompts (`pluginfer bench serve`)
+            "vocab_size": state.vocab_size}  # token ids below it are valid prompts (`pluginfer bench serve`)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -131,7 +131,7 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_body(request, DetokenizeRequest)
     state.check_model(body.model)
-    vocab_size = len(state.tokenizer)
+    vocab_size = state.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab_size]
     if bad:
         raise bad_request(f"token ids must be in [0, {vocab_size}), got {bad[:5]}", "tokens")

@@ -41,7 +41,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if grammar is not None:
         await compile_grammar(state, *grammar)
     prompts = [state.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompt]
-    vocab_size = len(state.tokenizer)  # as /v1/models and /detokenize say; checked before echo decodes them
+    vocab_size = state.vocab_size  # as /v1/models and /detokenize say; checked before echo decodes them
     bad = [t for p in body.prompt if not isinstance(p, str) for t in p if not 0 <= t < vocab_size]
     if bad:
         raise bad_request(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}", "prompt")
