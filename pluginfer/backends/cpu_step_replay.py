@@ -295,6 +295,7 @@ class CpuDecodeReplay:
         self._host = [buffer.numpy() for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens)]
         self._host_tables = self.block_tables.numpy()
         self._views: tuple[tuple, list] = ((None,) * 5, [])  # the last batch's input tensors and their numpy views
+        self._max_rows, self._max_width = max_num_seqs, max_blocks_per_seq
         self.programs: dict[int, tuple[native_replay.StepProgram, torch.Tensor, list[torch.Tensor]] | None] = {}
         self.replays = 0
 
@@ -316,18 +317,19 @@ class CpuDecodeReplay:
         """Copy a decode batch into the static buffers; False: not a decode step these buffers hold."""
         ids, positions, slots, seq_lens, tables = (batch.input_ids, batch.positions, batch.slot_mapping,
                                                    batch.seq_lens, batch.block_tables)
-        size, width = seq_lens.shape[0], tables.shape[1]
-        if size == 0 or batch.max_query_len != 1 or ids.shape[0] != size or size > self.seq_lens.shape[0] \
-                or width > self.block_tables.shape[1]:
-            return False
         seen, views = self._views
         # The worker hands the same tensors again in a steady decode (their arrays written over): their numpy
-        # views too (0.6 us each to make).
+        # views too (0.6 us each to make; and no torch call here, whose first one after the last step's kernels
+        # costs ~10 us).
         if not (ids is seen[0] and positions is seen[1] and slots is seen[2] and seq_lens is seen[3]
                 and tables is seen[4]):
             seen = (ids, positions, slots, seq_lens, tables)
             views = [tensor.numpy() for tensor in seen]
             self._views = (seen, views)
+        size, width = views[3].shape[0], views[4].shape[1]
+        if size == 0 or batch.max_query_len != 1 or views[0].shape[0] != size or size > self._max_rows \
+                or width > self._max_width:
+            return False
         host = self._host
         host[0][:size] = views[0]
         host[1][:size] = views[1]

@@ -94,13 +94,14 @@ class StepProgram:
         self.program = torch.tensor(recorded.program, dtype=torch.int64)
         self.names = list(recorded.names)
         self._status = ctypes.c_int64(0)
+        # run()'s arguments, taken once: a torch call right after a replayed step's kernels costs ~10 us
+        self._arguments = (self.program.data_ptr(), self.program.numel(), ctypes.addressof(self._status))
 
     def __len__(self) -> int:
         return len(self.names)
 
     def run(self) -> None:
-        failed = native_library.load().step_replay(self.program.data_ptr(), self.program.numel(),
-                                                   ctypes.addressof(self._status))
+        failed = native_library.load().step_replay(*self._arguments)
         if failed:
             raise RuntimeError(f"step replay: entry {failed - 1} ({self.names[failed - 1]}) failed with status "
                                f"{self._status.value}")

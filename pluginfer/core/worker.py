@@ -164,8 +164,9 @@ class Worker:
             with torch.inference_mode():
                 self.backend.copy_blocks(self.kv_caches, step.block_copies)
         batch = self._batch(step)
-        if self.decode_graphs is not None and not step.num_hidden_rows and batch.logits_indices.shape[0] == \
-                batch.num_seqs:
+        # (the step's numpy arrays read, not the batch's tensors: a torch call here would be the step's first)
+        if self.decode_graphs is not None and not step.num_hidden_rows and step.logits_indices.shape[0] == \
+                step.seq_lens.shape[0]:
             logits = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
             if logits is not None:
                 return StepResult(logits)

@@ -337,6 +337,12 @@ def test_a_list_found_plain_greedy_is_remembered_and_a_new_one_checked() -> None
     waiting.output_token_ids.append(1)
     assert sampler(eos_first, seqs).token_ids == [0]  # now plain greedy
     assert sampler(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), seqs).token_ids == [3]  # the same list, remembered
+    replayed = torch.tensor([[0.0, 1.0, 2.0, 3.0]])  # a replay's output, written over every step
+    assert sampler(replayed, seqs).token_ids == [3]
+    replayed[0, 1] = 9.0
+    assert sampler(replayed, seqs).token_ids == [1]  # the kept numpy view sees the new values
+    padded = torch.tensor([[0.0, 1.0, 2.0, 3.0, 7.0]])  # a padded vocabulary: its extra column is not a token
+    assert sampler(padded, seqs).token_ids == [3]
     with_logprobs = [waiting, seq(temperature=0.0, logprobs=1)]
     out = sampler(torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]]), with_logprobs)
     assert out.token_ids == [3, 0] and out.logprobs[0] is None and set(out.logprobs[1]) == {0}
