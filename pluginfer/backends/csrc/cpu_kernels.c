@@ -425,18 +425,19 @@ int paged_decode_attention_kv16(const float *query, const uint16_t *key_cache, c
 
 /* The row-wise kernels below split their rows across the threads from about 3 us of work: under it a fork
  * costs more than the second thread saves (a hot loop at 2 threads: 16 rows of 256 took 0.93 us on one
- * thread and 1.39 on two; docs/performance.md, "Thread-team forks per decode step"). Each row is computed
- * the same way whichever thread takes it. */
+ * thread and 1.39 on two; docs/performance.md, "Thread-team forks per decode step"). Below it they enter no
+ * OpenMP region at all (a region whose `if` is false still costs ~0.2 us). Each row is computed by the one
+ * compiled copy of its *_rows function (noinline) whichever thread takes it, so results are the same bits. */
 #define NORM_PARALLEL_VALUES (1 << 14)
 #define GATED_PARALLEL_VALUES (1 << 13)
 #define ROTARY_PARALLEL_VALUES (1 << 14)
 
 /* rms_norm: out = (src * rsqrt(mean(src^2) + eps)) * (weight + offset), src = x, or x + residual
  * written back into residual when residual is given (the fused residual add of pre-norm blocks). */
-void rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t cols,
-              float eps, float offset) {
-#pragma omp parallel for if (rows > 1 && rows * cols >= NORM_PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) {
+static __attribute__((noinline)) void
+rms_norm_rows(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t cols, float eps,
+              float offset, int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; r++) {
         const float *in = x + r * cols;
         float *src = residual ? residual + r * cols : (float *)in;
         float sum = 0.0f;
@@ -454,6 +455,17 @@ void rms_norm(const float *x, float *residual, const float *weight, float *out, 
         float *o = out + r * cols;
 #pragma omp simd
         for (int64_t i = 0; i < cols; i++) o[i] = (src[i] * inverse) * (weight[i] + offset);
+    }
+}
+
+void rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t cols, float eps,
+              float offset) {
+    if (rows > 1 && rows * cols >= NORM_PARALLEL_VALUES) {
+#pragma omp parallel for
+        for (int64_t r = 0; r < rows; r++)
+            rms_norm_rows(x, residual, weight, out, rows, cols, eps, offset, r, r + 1);
+    } else {
+        rms_norm_rows(x, residual, weight, out, rows, cols, eps, offset, 0, rows);
     }
 }
 
@@ -496,27 +508,47 @@ static inline __attribute__((always_inline)) void gated_row(const float *gate, c
 }
 
 /* silu_and_mul: out[r, i] = silu(x[r, i]) * x[r, n + i] for x of [rows, 2n]. */
+static __attribute__((noinline)) void
+silu_and_mul_rows(const float *x, float *out, int64_t rows, int64_t n, int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 0);
+}
+
 void silu_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
-#pragma omp parallel for if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 0);
+    if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES) {
+#pragma omp parallel for
+        for (int64_t r = 0; r < rows; r++)
+            silu_and_mul_rows(x, out, rows, n, r, r + 1);
+    } else {
+        silu_and_mul_rows(x, out, rows, n, 0, rows);
+    }
 }
 
 /* gelu_tanh_and_mul: out[r, i] = gelu_tanh(x[r, i]) * x[r, n + i] for x of [rows, 2n]. */
+static __attribute__((noinline)) void
+gelu_tanh_and_mul_rows(const float *x, float *out, int64_t rows, int64_t n, int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 1);
+}
+
 void gelu_tanh_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
-#pragma omp parallel for if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 1);
+    if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES) {
+#pragma omp parallel for
+        for (int64_t r = 0; r < rows; r++)
+            gelu_tanh_and_mul_rows(x, out, rows, n, r, r + 1);
+    } else {
+        gelu_tanh_and_mul_rows(x, out, rows, n, 0, rows);
+    }
 }
 
 /* rotary_neox: rotate the first rotary_dim features of each head in place (half-split layout),
  * q of [tokens, q_heads, head_dim] and k of [tokens, k_heads, head_dim] whose token rows are
  * q_stride / k_stride floats apart (they may be views into one fused qkv buffer),
  * cos/sin of [tokens, rotary_dim/2]. */
-void rotary_neox(float *q, float *k, const float *cos_table, const float *sin_table, int64_t tokens,
-                 int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride,
-                 int64_t k_stride) {
+static __attribute__((noinline)) void
+rotary_neox_rows(float *q, float *k, const float *cos_table, const float *sin_table, int64_t tokens, int64_t q_heads,
+                 int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride, int64_t k_stride,
+                 int64_t first, int64_t last) {
     const int64_t half = rotary_dim / 2;
-#pragma omp parallel for if (tokens > 1 && tokens * (q_heads + k_heads) * rotary_dim >= ROTARY_PARALLEL_VALUES)
-    for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t t = first; t < last; t++) {
         const float *c = cos_table + t * half, *s = sin_table + t * half;
         for (int64_t h = 0; h < q_heads + k_heads; h++) {
             float *x = h < q_heads ? q + t * q_stride + h * head_dim : k + t * k_stride + (h - q_heads) * head_dim;
@@ -527,6 +559,19 @@ void rotary_neox(float *q, float *k, const float *cos_table, const float *sin_ta
                 x[i + half] = x2 * c[i] + x1 * s[i];
             }
         }
+    }
+}
+
+void rotary_neox(float *q, float *k, const float *cos_table, const float *sin_table, int64_t tokens, int64_t q_heads,
+                 int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride, int64_t k_stride) {
+    if (tokens > 1 && tokens * (q_heads + k_heads) * rotary_dim >= ROTARY_PARALLEL_VALUES) {
+#pragma omp parallel for
+        for (int64_t t = 0; t < tokens; t++)
+            rotary_neox_rows(q, k, cos_table, sin_table, tokens, q_heads, k_heads, head_dim, rotary_dim, q_stride,
+                             k_stride, t, t + 1);
+    } else {
+        rotary_neox_rows(q, k, cos_table, sin_table, tokens, q_heads, k_heads, head_dim, rotary_dim, q_stride,
+                         k_stride, 0, tokens);
     }
 }
 
@@ -1080,10 +1125,10 @@ static inline __m256i narrow16_ps(__m512 v, int dtype) {
 
 /* out = round(round(src * rsqrt(mean(src^2) + eps)) * weight) (offset 0), or round(src * rsqrt(..) *
  * (weight + offset)); src = x, or round(x + residual) written back into residual. */
-void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
-                 int64_t cols, float eps, float offset, int dtype) {
-#pragma omp parallel for if (rows > 1 && rows * cols >= NORM_PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) {
+static __attribute__((noinline)) void
+rms_norm_16_rows(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
+                 int64_t cols, float eps, float offset, int dtype, int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; r++) {
         const uint16_t *in = x + r * cols;
         uint16_t *o = out + r * cols;
         float sum = 0.0f;
@@ -1152,6 +1197,17 @@ void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, 
     }
 }
 
+void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
+                 int64_t cols, float eps, float offset, int dtype) {
+    if (rows > 1 && rows * cols >= NORM_PARALLEL_VALUES) {
+#pragma omp parallel for
+        for (int64_t r = 0; r < rows; r++)
+            rms_norm_16_rows(x, residual, weight, out, rows, cols, eps, offset, dtype, r, r + 1);
+    } else {
+        rms_norm_16_rows(x, residual, weight, out, rows, cols, eps, offset, dtype, 0, rows);
+    }
+}
+
 
 /* One row of a 16-bit gated kernel: o[i] = round(round(activation(gate[i])) * up[i]), the activation in float32
  * (gated_row's) on the widened gate. */
@@ -1171,26 +1227,48 @@ static inline __attribute__((always_inline)) void gated_row_16(const uint16_t *g
 }
 
 /* out[r, i] = round(round(silu(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.silu(gate) * up). */
+static __attribute__((noinline)) void
+silu_and_mul_16_rows(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype, int64_t first,
+                     int64_t last) {
+    for (int64_t r = first; r < last; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 0);
+}
+
 void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
-#pragma omp parallel for if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 0);
+    if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES) {
+#pragma omp parallel for
+        for (int64_t r = 0; r < rows; r++)
+            silu_and_mul_16_rows(x, out, rows, n, dtype, r, r + 1);
+    } else {
+        silu_and_mul_16_rows(x, out, rows, n, dtype, 0, rows);
+    }
 }
 
 /* out[r, i] = round(round(gelu_tanh(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.gelu(gate,
  * approximate="tanh") * up). */
+static __attribute__((noinline)) void
+gelu_tanh_and_mul_16_rows(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype, int64_t first,
+                          int64_t last) {
+    for (int64_t r = first; r < last; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 1);
+}
+
 void gelu_tanh_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
-#pragma omp parallel for if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 1);
+    if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES) {
+#pragma omp parallel for
+        for (int64_t r = 0; r < rows; r++)
+            gelu_tanh_and_mul_16_rows(x, out, rows, n, dtype, r, r + 1);
+    } else {
+        gelu_tanh_and_mul_16_rows(x, out, rows, n, dtype, 0, rows);
+    }
 }
 
 /* rotary_neox on 16-bit q and k rows (strides in elements), float32 cos/sin tables of [tokens, rotary_dim/2]:
  * x1' = round(x1 c - x2 s), x2' = round(x2 c + x1 s), the products and sums in float32. */
-void rotary_neox_16(uint16_t *q, uint16_t *k, const float *cos_table, const float *sin_table, int64_t tokens,
+static __attribute__((noinline)) void
+rotary_neox_16_rows(uint16_t *q, uint16_t *k, const float *cos_table, const float *sin_table, int64_t tokens,
                     int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride,
-                    int64_t k_stride, int dtype) {
+                    int64_t k_stride, int dtype, int64_t first, int64_t last) {
     const int64_t half = rotary_dim / 2;
-#pragma omp parallel for if (tokens > 1 && tokens * (q_heads + k_heads) * rotary_dim >= ROTARY_PARALLEL_VALUES)
-    for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t t = first; t < last; t++) {
         const float *c = cos_table + t * half, *s = sin_table + t * half;
         for (int64_t h = 0; h < q_heads + k_heads; h++) {
             uint16_t *x = h < q_heads ? q + t * q_stride + h * head_dim : k + t * k_stride + (h - q_heads) * head_dim;
@@ -1200,6 +1278,20 @@ void rotary_neox_16(uint16_t *q, uint16_t *k, const float *cos_table, const floa
                 x[i + half] = store16(x2 * c[i] + x1 * s[i], dtype);
             }
         }
+    }
+}
+
+void rotary_neox_16(uint16_t *q, uint16_t *k, const float *cos_table, const float *sin_table, int64_t tokens,
+                    int64_t q_heads, int64_t k_heads, int64_t head_dim, int64_t rotary_dim, int64_t q_stride,
+                    int64_t k_stride, int dtype) {
+    if (tokens > 1 && tokens * (q_heads + k_heads) * rotary_dim >= ROTARY_PARALLEL_VALUES) {
+#pragma omp parallel for
+        for (int64_t t = 0; t < tokens; t++)
+            rotary_neox_16_rows(q, k, cos_table, sin_table, tokens, q_heads, k_heads, head_dim, rotary_dim, q_stride,
+                                k_stride, dtype, t, t + 1);
+    } else {
+        rotary_neox_16_rows(q, k, cos_table, sin_table, tokens, q_heads, k_heads, head_dim, rotary_dim, q_stride,
+                            k_stride, dtype, 0, tokens);
     }
 }
 
