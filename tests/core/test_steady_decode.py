@@ -6,6 +6,8 @@ and a cache small enough to preempt."""
 
 from __future__ import annotations
 
+import pytest
+
 from pluginfer.core import step as step_module
 from pluginfer.core.engine import LLMEngine
 from pluginfer.core.scheduler import Scheduler
@@ -24,9 +26,10 @@ REQUESTS = {
 }
 
 
-def _run(checkpoint: object) -> tuple[dict, int, int]:
+def _run(checkpoint: object, enforce_eager: bool) -> tuple[dict, int, int]:
     engine = LLMEngine(server_config(checkpoint, **{"scheduler.max_num_seqs": 8, "cache.num_blocks": 16,
-                                                    "cache.block_size": 4, "max_model_len": 64}))
+                                                    "cache.block_size": 4, "max_model_len": 64,
+                                                    "enforce_eager": enforce_eager}))
     finished, step = {}, 0
     try:
         while step < 20 or engine.has_unfinished_requests():
@@ -43,7 +46,9 @@ def _run(checkpoint: object) -> tuple[dict, int, int]:
         engine.shutdown()
 
 
-def test_steady_decode_shortcuts_give_the_general_paths_outputs(tiny_llama_checkpoint, monkeypatch) -> None:
+@pytest.mark.parametrize("enforce_eager", [False, True])  # decode steps replayed, or every step eager
+def test_steady_decode_shortcuts_give_the_general_paths_outputs(tiny_llama_checkpoint, monkeypatch,
+                                                                enforce_eager: bool) -> None:
     steady = {"schedules": 0, "steps": 0, "batches": 0}
     original_decodes, original_build, original_batch = (Scheduler._steady_decodes, step_module.StepBuilder.build,
                                                         Worker._batch)
@@ -69,14 +74,14 @@ def test_steady_decode_shortcuts_give_the_general_paths_outputs(tiny_llama_check
         patch.setattr(Scheduler, "_steady_decodes", counted_decodes)
         patch.setattr(step_module.StepBuilder, "build", counted_build)
         patch.setattr(Worker, "_batch", counted_batch)
-        shortcut, shortcut_preemptions, shortcut_steps = _run(tiny_llama_checkpoint[0])
+        shortcut, shortcut_preemptions, shortcut_steps = _run(tiny_llama_checkpoint[0], enforce_eager)
     with monkeypatch.context() as patch:  # the general path only
         patch.setattr(Scheduler, "_steady_decodes", lambda self: None)
         patch.setattr(step_module.StepBuilder, "build",
                       lambda self, scheduled, block_copies=None: step_module.build_step(scheduled, self.block_size,
                                                                                        block_copies))
         patch.setattr(Worker, "_batch", lambda self, step: step.to_batch(self.backend.device))
-        general, general_preemptions, general_steps = _run(tiny_llama_checkpoint[0])
+        general, general_preemptions, general_steps = _run(tiny_llama_checkpoint[0], enforce_eager)
     assert set(shortcut) == set(REQUESTS)
     assert shortcut == general
     assert (shortcut_preemptions, shortcut_steps) == (general_preemptions, general_steps)
