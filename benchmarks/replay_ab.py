@@ -7,8 +7,8 @@ entries are op codes and addresses of tensors, no function addresses at batch 1 
 tiles) is then run by this checkout's ``step_replay`` and by the one built from ``--before``'s
 ``pluginfer/backends/csrc`` (loaded apart, RTLD_LOCAL: each library calls its own kernels). Rounds alternate
 library and thread count every ``--steps`` replays, so that both builds meet the same noise on a shared
-machine; reported: the 10th percentile and the median of the per-step wall clock over the rounds, and the
-ratio this / before. The forks a step makes (regions run on more than one thread) are counted through
+machine; reported: the 10th percentile and the median of the per-step wall clock and CPU time (the process's,
+all threads) over the rounds, and the ratio this / before. The forks a step makes (regions run on more than one thread) are counted through
 ``benchmarks/omp_count.c``.
 """
 
@@ -83,19 +83,21 @@ def main() -> int:
             torch.set_num_threads(threads)
             run(libraries["this"], 2)  # the team at this size before the clock starts
             for name, library in libraries.items():
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 run(library, args.steps)
                 samples.setdefault((name, threads), []).append((time.perf_counter() - started) / args.steps * 1e3)
+                samples.setdefault((name, -threads), []).append((time.process_time() - cpu) / args.steps * 1e3)
     print(f"ms per replayed step, {args.rounds} samples of {args.steps} (p10 / median); load average now "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for threads in args.threads:
-        figures = {}
-        for name in libraries:
-            values = sorted(samples[(name, threads)])
-            figures[name] = (values[len(values) // 10], statistics.median(values))
-        print(f"{threads} thread(s): before {figures['before'][0]:.4f} / {figures['before'][1]:.4f}, "
-              f"this {figures['this'][0]:.4f} / {figures['this'][1]:.4f}, this / before "
-              f"{figures['this'][0] / figures['before'][0]:.3f}x / {figures['this'][1] / figures['before'][1]:.3f}x")
+        for clock, key in (("wall", threads), ("CPU", -threads)):
+            figures = {}
+            for name in libraries:
+                values = sorted(samples[(name, key)])
+                figures[name] = (values[len(values) // 10], statistics.median(values))
+            print(f"{threads} thread(s), {clock:4s}: before {figures['before'][0]:.4f} / {figures['before'][1]:.4f}, "
+                  f"this {figures['this'][0]:.4f} / {figures['this'][1]:.4f}, this / before "
+                  f"{figures['this'][0] / figures['before'][0]:.3f}x / {figures['this'][1] / figures['before'][1]:.3f}x")
     llm.close()
     return 0
 
