@@ -6,7 +6,8 @@ The step is recorded with this checkout (``cpu_step_replay``, as the engine reco
 entries are op codes and addresses of tensors, no function addresses at batch 1 and at batch 16 without AMX
 tiles) is then run by this checkout's ``step_replay`` and by the one built from ``--before``'s
 ``pluginfer/backends/csrc`` (loaded apart, RTLD_LOCAL: each library calls its own kernels). Rounds alternate
-library and thread count every ``--steps`` replays, so that both builds meet the same noise on a shared
+library (which one goes first, too) and thread count every ``--steps`` replays, so that both builds meet the same
+noise on a shared
 machine; reported: the 10th percentile and the median of the per-step wall clock and CPU time (the process's,
 all threads) over the rounds, and the ratio this / before. The forks a step makes (regions run on more than one thread) are counted through
 ``benchmarks/omp_count.c``.
@@ -78,11 +79,12 @@ def main() -> int:
     print(f"model {args.model}, batch {args.batch}, {len(recorded[0].names)} entries; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     samples: dict[tuple[str, int], list[float]] = {}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for threads in args.threads:
             torch.set_num_threads(threads)
             run(libraries["this"], 2)  # the team at this size before the clock starts
-            for name, library in libraries.items():
+            order = list(libraries.items())
+            for name, library in order[::-1] if round_ % 2 else order:  # which goes first alternates too
                 started, cpu = time.perf_counter(), time.process_time()
                 run(library, args.steps)
                 samples.setdefault((name, threads), []).append((time.perf_counter() - started) / args.steps * 1e3)
