@@ -7,10 +7,9 @@ entries are op codes and addresses of tensors, no function addresses at batch 1 
 tiles) is then run by this checkout's ``step_replay`` and by the one built from ``--before``'s
 ``pluginfer/backends/csrc`` (loaded apart, RTLD_LOCAL: each library calls its own kernels). Rounds alternate
 library (which one goes first, too) and thread count every ``--steps`` replays, so that both builds meet the same
-noise on a shared
-machine; reported: the 10th percentile and the median of the per-step wall clock and CPU time (the process's,
-all threads) over the rounds, and the ratio this / before. The forks a step makes (regions run on more than one thread) are counted through
-``benchmarks/omp_count.c``.
+noise on a shared machine; reported: the 10th percentile and the median of the per-step wall clock and CPU time
+(the process's, all threads) over the rounds, and the ratio this / before. The forks a step makes (regions run on
+more than one thread) are counted through ``benchmarks/omp_count.c``.
 """
 
 from __future__ import annotations
