@@ -5,12 +5,15 @@ per generated token, beside the offline engine's CPU per token of the same reque
     python benchmarks/serve_token_cpu.py --gguf FILE --variants process llamacpp --rounds 3
     python benchmarks/serve_token_cpu.py --variants process process:PYTHONPATH=/tmp/old-checkout --no-offline
 
-CPU time (utime + stime from /proc, all threads of a process) is what a process used, whoever else ran on
+CPU time (each thread's run time from /proc's schedstat, in ns; the server's kernel share from its stime,
+in clock ticks) is what a process used, whoever else ran on
 the machine at the time, so these figures hold on a shared machine where wall-clock latency does not.
-Each round, in turn:
+The servers are started once, together (idle, neither spins), and measured in turn each round. Each round:
 - the offline engine (``LLM``'s engine stepped directly, a child process) runs ``--requests`` requests of
   ``--gen`` tokens at batch 1, greedy, the prompt below: its process CPU per generated token (prefill
   included) and per decode step, and its median decode step (wall);
+- the engine core's serving-only work per step, on the same engine: ``EngineCore._send_outputs`` (the
+  step's deltas, pickled, written to a socket pair another thread drains), CPU of the stepping thread;
 - each server (``process``: ``pluginfer serve`` as shipped; ``llamacpp``: ``python -m llama_cpp.server``
   when it imports) serves the same requests, one at a time, to the benchmark's client (the official
   ``openai`` package, AsyncOpenAI, streaming ``/v1/completions`` as ``serve_vs_llamacpp.py`` does), in a
@@ -27,21 +30,39 @@ import asyncio
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from serve_processes import Server, free_port, load_average, tree_cpu_seconds
+from serve_processes import Server, free_port, load_average
 from serve_vs_llamacpp import PROMPT
 
 
+def run_seconds(pid: int, descendants: bool = False) -> float:
+    """The scheduler's run time (ns, /proc/*/task/*/schedstat) of every thread of a process, and with
+    ``descendants`` of every process below it, in seconds."""
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                total += int((task / "schedstat").read_text().split()[0])
+                if descendants:
+                    pending += [int(child) for child in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+            continue
+    return total / 1e9
+
+
 def process_cpu_seconds(pid: int) -> tuple[float, float]:
-    """(utime, stime) of one process (all its threads, none of its children), in seconds."""
+    """(CPU, of which in the kernel) of one process (all its threads, none of its children), in seconds: the
+    first from the scheduler's nanosecond run time of each thread (schedstat), the second in clock ticks."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / ticks, int(fields[12]) / ticks
+    return run_seconds(pid), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 # -- the offline engine (a child: `--offline GGUF REQUESTS GEN`) ------------------------------------
@@ -49,20 +70,25 @@ def process_cpu_seconds(pid: int) -> tuple[float, float]:
 
 def offline(gguf: str, requests: int, gen: int) -> dict[str, float]:
     from pluginfer import LLM, SamplingParams
+    from pluginfer.core.engine_core import EngineCore
 
     engine = LLM(model=gguf, max_num_seqs=4).engine
     prompt = engine.tokenizer.encode(PROMPT)
     params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
 
-    def run(count: int) -> tuple[list[float], list[float]]:
+    def run(count: int, frames: EngineCore | None = None) -> tuple[list[float], list[float]]:
         steps, step_cpu = [], []
         for i in range(count):
             engine.add_request([prompt[0] + i] + prompt[1:], params)
             first = True
             while engine.has_unfinished_requests():
                 cpu, started = time.process_time(), time.perf_counter()
-                engine.step()
-                if not first:
+                outputs = engine.step()
+                if frames is not None:  # the core's serving-only work: the step's frame, on the step's thread
+                    cpu = time.thread_time()
+                    frames._send_outputs(outputs)
+                    step_cpu.append(time.thread_time() - cpu)
+                elif not first:
                     steps.append(time.perf_counter() - started)
                     step_cpu.append(time.process_time() - cpu)
                 first = False
@@ -72,8 +98,19 @@ def offline(gguf: str, requests: int, gen: int) -> dict[str, float]:
     cpu = time.process_time()
     steps, step_cpu = run(requests)
     total = time.process_time() - cpu
+    # The engine core's frame per step (deltas, pickle, the socket write), read off a socket pair by a thread.
+    ours, theirs = socket.socketpair()
+
+    def drain() -> None:
+        while theirs.recv(1 << 20):
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
+    frames = EngineCore(None, ours)
+    frames.engine = engine
+    _, frame_cpu = run(requests, frames)
     return {"cpu_ms_per_token": total / (requests * gen) * 1e3, "cpu_ms_per_step": sum(step_cpu) / len(step_cpu) * 1e3,
-            "step_ms": statistics.median(steps) * 1e3}
+            "step_ms": statistics.median(steps) * 1e3, "frame_us": statistics.median(frame_cpu) * 1e6}
 
 
 # -- the client (a child: `--client URL REQUESTS GEN`; measures after a "go" line on stdin) ---------
@@ -112,13 +149,12 @@ def serve_round(server: Server, args: argparse.Namespace) -> dict[str, float]:
     if process.stdout.readline().strip() != "warm":
         raise RuntimeError("the client did not start")
     pid = server.process.pid
-    (user, system), tree = process_cpu_seconds(pid), tree_cpu_seconds(pid)
+    (own, system), tree = process_cpu_seconds(pid), run_seconds(pid, descendants=True)
     process.stdin.write("go\n")
     process.stdin.flush()
     result = json.loads(process.stdout.readline())
-    after, tree = process_cpu_seconds(pid), tree_cpu_seconds(pid) - tree
-    user, system = after[0] - user, after[1] - system
-    own = user + system
+    after, tree = process_cpu_seconds(pid), run_seconds(pid, descendants=True) - tree
+    own, system = after[0] - own, after[1] - system
     process.wait(30)
     tokens = result["tokens"]
     return {"server_cpu_ms": own / tokens * 1e3, "server_sys_ms": system / tokens * 1e3, "core_cpu_ms": (tree - own) / tokens * 1e3,
@@ -164,25 +200,30 @@ def main() -> int:
         return 0
     args.work_dir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict[str, float]]] = {}
-    for round_index in range(args.rounds):
-        print(f"round {round_index + 1}: load average {load_average():.2f}", flush=True)
-        if not args.no_offline:
-            out = subprocess.run([sys.executable, __file__, "--offline", str(args.gguf), "--requests", str(args.requests),
-                                  "--gen", str(args.gen)], capture_output=True, text=True, check=True)
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.setdefault("offline", []).append(result)
-            print(f"  offline: cpu {result['cpu_ms_per_token']:.2f} ms/token ({result['cpu_ms_per_step']:.2f} per "
-                  f"decode step), step {result['step_ms']:.2f} ms", flush=True)
-        for variant in args.variants:
-            server = start(variant, args.gguf, args.work_dir)
-            try:
+    servers = []  # all started at once and measured in turn each round: the machine's load drifts alike for all
+    try:
+        for spec in args.variants:
+            servers.append(start(spec, args.gguf, args.work_dir))
+        for round_index in range(args.rounds):
+            print(f"round {round_index + 1}: load average {load_average():.2f}", flush=True)
+            if not args.no_offline:
+                out = subprocess.run([sys.executable, __file__, "--offline", str(args.gguf), "--requests",
+                                      str(args.requests), "--gen", str(args.gen)], capture_output=True, text=True,
+                                     check=True)
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                rows.setdefault("offline", []).append(result)
+                print(f"  offline: cpu {result['cpu_ms_per_token']:.2f} ms/token ({result['cpu_ms_per_step']:.2f} per "
+                      f"decode step), step {result['step_ms']:.2f} ms; the core's frame {result['frame_us']:.0f} us CPU",
+                      flush=True)
+            for server in servers:
                 result = serve_round(server, args)
-            finally:
-                server.stop()
-            rows.setdefault(variant, []).append(result)
-            print(f"  {variant}: cpu ms/token: server {result['server_cpu_ms']:.2f} "
-                  f"(kernel {result['server_sys_ms']:.2f}), core {result['core_cpu_ms']:.2f}, "
-                  f"client {result['client_cpu_ms']:.2f}; itl {result['itl_ms']:.2f} ms", flush=True)
+                rows.setdefault(server.name, []).append(result)
+                print(f"  {server.name}: cpu ms/token: server {result['server_cpu_ms']:.3f} (kernel "
+                      f"{result['server_sys_ms']:.3f}), core {result['core_cpu_ms']:.2f}, client "
+                      f"{result['client_cpu_ms']:.3f}; itl {result['itl_ms']:.2f} ms", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
     print(f"\nmedians of {args.rounds} rounds, {args.requests} requests x {args.gen} tokens, concurrency 1 "
           f"(load average now {load_average():.2f}):")
     for name, results in rows.items():
