@@ -14,6 +14,7 @@ import openai
 import pydantic
 import pytest
 
+from pluginfer.server.engine_client import EngineClient
 from tests.server.conftest import MODEL_NAME, http, make_async_client, make_client
 
 TOOL_TEMPLATE = (
@@ -97,7 +98,7 @@ def test_named_function_is_called_with_valid_arguments(client, temperature):
         _check_calls(choice.message.tool_calls, ["get_weather"])
 
 
-def test_named_function_streams_its_arguments(client):
+def test_named_function_streams_its_arguments(server, client):
     whole = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED,
                                            max_tokens=100, temperature=0)
     chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS,
@@ -106,7 +107,13 @@ def test_named_function_streams_its_arguments(client):
     [call] = whole.choices[0].message.tool_calls
     assert content == "" and reasons == ["tool_calls"] and list(calls) == [0]
     assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
-    assert sum(1 for chunk in chunks if chunk.choices and chunk.choices[0].delta.tool_calls) > 2  # piece by piece
+    pieces = sum(1 for chunk in chunks if chunk.choices and chunk.choices[0].delta.tool_calls)
+    # Piece by piece: the name, then the arguments as they grow. Through the engine core process a request's
+    # deltas of several steps are merged into one event when the HTTP side is behind the core (by design,
+    # as vLLM's output processor does: a server never queues stale per-token events), and with this tiny
+    # model's ~1 ms steps against the test's own client on the same cores, all of the arguments arrive in
+    # one event in about a third of runs; the deltas' growth itself is tests/server/test_tool_parsers.py's.
+    assert pieces > (1 if isinstance(server.async_engine, EngineClient) else 2)
 
 
 # Parallel calls are an unbounded array: sampled random weights may go on adding calls, greedy ones stop.
