@@ -44,6 +44,13 @@ ALLOWED = {
     ("quant/gguf.py", 'loaded.device.type == "cpu" and torch.device(device).type == "cpu"'):
         "an F16/BF16 tensor is read in place only as a view of the GGUF file's mapping, which is host memory, "
         "and only when the model's device reads host memory too; elsewhere it is copied as before",
+    ("core/sampler.py", 'if not (columns.device.type == "cpu" and columns.dtype == torch.float32'):
+        "the greedy rows' numpy view, kept while a decode replay hands the same logits tensor again: numpy "
+        "reads host memory only, any other device keeps greedy_argmax's torch path",
+    ("core/worker.py", 'shares = batch.input_ids.device.type == "cpu" and batch.input_ids.data_ptr()'):
+        "a steady decode step reuses the last ForwardBatch only when its tensors are the step's numpy arrays "
+        "wrapped without a copy, which happens for host memory alone; on any other device each step's "
+        "arrays are copied to fresh tensors and the batch is built again",
     ("core/sampler.py", 'sync_free = logits.device.type != "cpu"'):
         "top-k/top-p's candidate shortcut reads its width back from the logits, free on host memory and a "
         "device sync anywhere else, where one full sort replaces it",
