@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay_entries import load_counter  # noqa: E402
+from replay_entries import load_counter, recorded_step  # noqa: E402
 
 
 def main() -> int:
@@ -39,18 +39,10 @@ def main() -> int:
     counter = load_counter()
     import torch
 
-    from pluginfer import LLM, SamplingParams
     from pluginfer.backends import native_build, native_library
 
-    extra = {} if args.model.endswith(".gguf") else {"dtype": "float32"}
-    llm = LLM(model=args.model, max_model_len=512, max_num_seqs=max(16, args.batch), enable_prefix_caching=False,
-              max_num_batched_tokens=2048, **extra)
-    prompts = [list(range(100 + i, 132 + i)) for i in range(args.batch)]
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    replay = llm.engine.executor.worker.decode_graphs
-    recorded = replay.programs.get(args.batch) if replay is not None else None
+    llm, recorded = recorded_step(args.model, args.batch)  # llm keeps the recording's tensors alive
     if recorded is None:
-        print(f"no replayed step of {args.batch} sequences (eager here)", file=sys.stderr)
         return 1
     program = recorded[0].program
     if "quant_matmul_at" in recorded[0].names or "half_linear_at" in recorded[0].names:

@@ -62,6 +62,23 @@ def describe(name: str, entry: list[int]) -> str:
     return ""
 
 
+def recorded_step(model: str, batch: int) -> tuple[object, list | None]:
+    """An engine on ``model`` that has recorded its decode step of ``batch`` sequences, and that recording
+    (None, with a line on stderr, where the step runs eagerly). Keep the engine while the recording is used."""
+    from pluginfer import LLM, SamplingParams
+
+    extra = {} if model.endswith(".gguf") else {"dtype": "float32"}
+    llm = LLM(model=model, max_model_len=512, max_num_seqs=max(16, batch), enable_prefix_caching=False,
+              max_num_batched_tokens=2048, **extra)
+    prompts = [list(range(100 + i, 132 + i)) for i in range(batch)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    replay = llm.engine.executor.worker.decode_graphs
+    recorded = replay.programs.get(batch) if replay is not None else None
+    if recorded is None:
+        print(f"no replayed step of {batch} sequences (eager here)", file=sys.stderr)
+    return llm, recorded
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
@@ -74,19 +91,11 @@ def main() -> int:
     counter = load_counter()
     import torch
 
-    from pluginfer import LLM, SamplingParams
     from pluginfer.backends import native_library
     from pluginfer.backends.native_replay import REPLAY_OPS
 
-    extra = {} if args.model.endswith(".gguf") else {"dtype": "float32"}
-    llm = LLM(model=args.model, max_model_len=512, max_num_seqs=max(16, args.batch), enable_prefix_caching=False,
-              max_num_batched_tokens=2048, **extra)
-    prompts = [list(range(100 + i, 132 + i)) for i in range(args.batch)]
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    replay = llm.engine.executor.worker.decode_graphs
-    recorded = replay.programs.get(args.batch) if replay is not None else None
+    llm, recorded = recorded_step(args.model, args.batch)  # llm keeps the recording's tensors alive
     if recorded is None:
-        print(f"no replayed step of {args.batch} sequences (eager here)", file=sys.stderr)
         return 1
     program = recorded[0]
     library = native_library.load()
