@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from serve_processes import Server, free_port, load_average
-from serve_vs_llamacpp import PROMPT
+from serve_vs_llamacpp import PROMPT, stream_one
 
 
 def run_seconds(pid: int, descendants: bool = False) -> float:
@@ -120,16 +120,8 @@ async def client(url: str, requests: int, gen: int) -> None:
     import openai
 
     async def one(api: openai.AsyncOpenAI, i: int) -> tuple[list[float], int]:
-        stamps, tokens = [], 0
-        stream = await api.completions.create(
-            model="m", prompt=f"{PROMPT} {i}", max_tokens=gen, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                stamps.append(time.perf_counter())
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        return stamps, tokens or len(stamps)
+        _, stamps, tokens = await stream_one(api, i, gen)
+        return stamps, tokens
 
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as api:
         await one(api, -1)  # warm-up

@@ -208,28 +208,32 @@ def time_startups(args: argparse.Namespace, gguf: Path) -> int:
 # -- the client (run in a child process: `--client URL CONCURRENCY`) -------------------------------
 
 
+async def stream_one(client: object, i: int, gen: int) -> tuple[float, list[float], int]:
+    """One streamed completion through an ``openai.AsyncOpenAI`` client: its start, the arrival time of each
+    chunk with text, and the generated tokens (the usage chunk's count)."""
+    started = time.perf_counter()
+    stamps, tokens = [], 0
+    stream = await client.completions.create(
+        model="m", prompt=f"{PROMPT} {i}", max_tokens=gen, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return started, stamps, tokens or len(stamps)
+
+
 async def client_run(url: str, concurrency: int, requests: int, gen: int) -> dict[str, float]:
     import openai
 
-    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[float, list[float], int]:
-        started = time.perf_counter()
-        stamps, tokens = [], 0
-        stream = await client.completions.create(
-            model="m", prompt=f"{PROMPT} {i}", max_tokens=gen, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                stamps.append(time.perf_counter())
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        return started, stamps, tokens or len(stamps)
-
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
-        await one(client, -1)  # warm-up
+        await stream_one(client, -1, gen)  # warm-up
         started = time.perf_counter()
         results = []
         for wave in range(max(1, requests // concurrency)):
-            results += await asyncio.gather(*(one(client, wave * concurrency + i) for i in range(concurrency)))
+            results += await asyncio.gather(*(stream_one(client, wave * concurrency + i, gen)
+                                              for i in range(concurrency)))
         wall = time.perf_counter() - started
     gaps = [b - a for _, stamps, _ in results for a, b in zip(stamps, stamps[1:])]
     return {"ttft_ms": statistics.median(stamps[0] - t0 for t0, stamps, _ in results if stamps) * 1e3,
