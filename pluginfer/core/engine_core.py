@@ -6,8 +6,8 @@ tokenizer on prompts) and the step never take turns at one interpreter lock, and
 its interpreter, its OpenMP threads and its memory. ``pluginfer.server.engine_client.EngineClient`` is
 the other end; ``LLM`` keeps its engine in the caller's process.
 
-``python -m pluginfer.core.engine_core FD LOG_LEVEL`` with the config's JSON on stdin; ``FD`` is this
-end of a socket pair. Each message is a frame: a 4-byte big-endian length, then a pickle. The server
+``python -m pluginfer.core.engine_core FD LOG_LEVEL [SPAWNED]`` with the config's JSON on stdin; ``FD`` is
+this end of a socket pair, ``SPAWNED`` the server's ``time.perf_counter()`` as it started this process. Each message is a frame: a 4-byte big-endian length, then a pickle. The server
 sends ``("add", request_id, prompt, params)``, ``("abort", request_id)``, ``("compile", call_id,
 grammar)`` and ``("stop",)``. The core answers ``("ready", info)`` once loaded (or ``("failed",
 error type, message)``), then after every step one ``("out", deltas, stats)`` with what each request
@@ -111,15 +111,19 @@ class EngineCore:
 
     # -- start-up -------------------------------------------------------------------------------
 
-    def load(self) -> dict[str, Any]:
-        """Build the engine and run one short request through it; what the server needs to know."""
+    def load(self, spawned: float | None = None) -> dict[str, Any]:
+        """Build the engine and run one short request through it; what the server needs to know.
+
+        ``spawned``: the server's ``time.perf_counter()`` when it started this process (the same clock across
+        processes on Linux); the time from it to here is the ``start`` phase (the interpreter, the config)."""
         started = time.perf_counter()
+        times = {} if spawned is None else {"start": max(0.0, started - spawned)}
         from pluginfer.core.engine import LLMEngine
         from pluginfer.core.gguf_tokenizer import GGUFTokenizer
         from pluginfer.core.pooling import PoolingParams
         from pluginfer.core.sequence import SamplingParams
 
-        times = {"imports": time.perf_counter() - started}
+        times["imports"] = time.perf_counter() - started
         started = time.perf_counter()
         self.engine = engine = LLMEngine(self.config)
         built = time.perf_counter() - started
@@ -279,6 +283,7 @@ class EngineCore:
 
 def main(argv: list[str]) -> int:
     fd, level = int(argv[0]), argv[1] if len(argv) > 1 else "WARNING"
+    spawned = float(argv[2]) if len(argv) > 2 else None
     os.dup2(2, 1)  # whatever prints goes to the log: the server's stdout is its own (its first line says where)
     # Ctrl-C in a terminal reaches the whole process group: the server stops the core in order (stop message).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -289,7 +294,7 @@ def main(argv: list[str]) -> int:
     core = EngineCore(EngineConfig.model_validate_json(sys.stdin.read()), sock)
     try:
         try:
-            info = core.load()
+            info = core.load(spawned)
         except Exception as exc:  # the server re-raises it: the CLI prints pluginfer's own errors in one line
             from pluginfer.core.registry import PluginError
 

@@ -64,7 +64,7 @@ class EngineClient:
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self._spawned = time.perf_counter()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pluginfer.core.engine_core", str(child.fileno()), str(level)],
+            [sys.executable, "-m", "pluginfer.core.engine_core", str(child.fileno()), str(level), repr(self._spawned)],
             stdin=subprocess.PIPE, pass_fds=(child.fileno(),),
             env=core_environment(config.server.core_spin_count, os.environ),
             preexec_fn=_die_with_parent if sys.platform == "linux" else None)

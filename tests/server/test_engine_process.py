@@ -282,7 +282,7 @@ def test_a_gguf_core_reports_its_start_up_phases_and_hands_the_server_its_tokeni
     for _ in range(2):
         client = EngineClient(config).start(timeout=300)
         try:
-            assert set(client.startup_times) - {"graphs"} == {"imports", "config", "build", "load", "repack",
+            assert set(client.startup_times) - {"graphs"} == {"start", "imports", "config", "build", "load", "repack",
                                                               "cache", "tokenizer", "other", "warm-up", "total"}
             assert all(seconds >= 0 for seconds in client.startup_times.values())
             assert isinstance(client.engine.tokenizer, GGUFTokenizer)
@@ -314,6 +314,22 @@ def test_the_server_process_imports_no_torch_nor_transformers(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_server_spawns_the_core_before_it_imports_aiohttp():
+    """`pluginfer serve` starts the core from server/launch.py's start_engine; what it imports up to there
+    (the CLI, the config, launch.py, the engine client) leaves aiohttp (~0.1 s) for after the spawn, so the
+    core's start does not wait for it. sys.modules, not a timing."""
+    code = ("import sys\n"
+            "from pluginfer.cli import build_parser\n"
+            "from pluginfer.cli.serve import serve_config\n"
+            "serve_config(build_parser().parse_args(['serve', '--model', 'demo']))\n"
+            "import pluginfer.server.launch, pluginfer.server.engine_client\n"
+            "print('aiohttp' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize(("environ", "spin_count", "expected"), [
