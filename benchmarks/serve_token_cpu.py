@@ -16,8 +16,8 @@ The servers are started once, together (idle, neither spins), and measured in tu
   step's deltas, pickled, written to a socket pair another thread drains), CPU of the stepping thread;
 - each server (``process``: ``pluginfer serve`` as shipped; ``llamacpp``: ``python -m llama_cpp.server``
   when it imports) serves the same requests, one at a time, to the benchmark's client (the official
-  ``openai`` package, AsyncOpenAI, streaming ``/v1/completions`` as ``serve_vs_llamacpp.py`` does), in a
-  process of its own: the CPU per generated token of the server process (the API server), of its children
+  ``openai`` package, AsyncOpenAI, streaming ``/v1/completions`` as ``serve_vs_llamacpp.py`` does; with
+  ``--client-kind raw`` its minimal HTTP client ``stream_one_raw``), in a process of its own: the CPU per generated token of the server process (the API server), of its children
   (pluginfer's engine core), and of the client, and the client's median inter-token latency.
 The idle OpenMP threads of the offline engine and of the engine core spin the same (libgomp's default,
 300000 spins) before they sleep: that spin is in both figures.
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from serve_processes import Server, free_port, load_average
-from serve_vs_llamacpp import PROMPT, stream_one
+from serve_vs_llamacpp import PROMPT, stream_one, stream_one_raw
 
 
 def run_seconds(pid: int, descendants: bool = False) -> float:
@@ -113,14 +113,17 @@ def offline(gguf: str, requests: int, gen: int) -> dict[str, float]:
             "step_ms": statistics.median(steps) * 1e3, "frame_us": statistics.median(frame_cpu) * 1e6}
 
 
-# -- the client (a child: `--client URL REQUESTS GEN`; measures after a "go" line on stdin) ---------
+# -- the client (a child: `--client URL REQUESTS GEN KIND`; measures after a "go" line on stdin) ---------
 
 
-async def client(url: str, requests: int, gen: int) -> None:
+async def client(url: str, requests: int, gen: int, kind: str) -> None:
     import openai
 
     async def one(api: openai.AsyncOpenAI, i: int) -> tuple[list[float], int]:
-        _, stamps, tokens = await stream_one(api, i, gen)
+        if kind == "raw":
+            _, stamps, tokens = await stream_one_raw(url, i, gen)
+        else:
+            _, stamps, tokens = await stream_one(api, i, gen)
         return stamps, tokens
 
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as api:
@@ -136,8 +139,8 @@ async def client(url: str, requests: int, gen: int) -> None:
 
 
 def serve_round(server: Server, args: argparse.Namespace) -> dict[str, float]:
-    process = subprocess.Popen([sys.executable, __file__, "--client", server.url, str(args.requests), str(args.gen)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, __file__, "--client", server.url, str(args.requests), str(args.gen),
+                                args.client_kind], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if process.stdout.readline().strip() != "warm":
         raise RuntimeError("the client did not start")
     pid = server.process.pid
@@ -181,11 +184,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "pluginfer-serve-bench")
     parser.add_argument("--no-offline", action="store_true", help="servers only")
-    parser.add_argument("--client", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--client-kind", choices=["openai", "raw"], default="openai",
+                        help="the openai package, or serve_vs_llamacpp.py's minimal client (stream_one_raw)")
+    parser.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--offline", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        asyncio.run(client(args.client[0], int(args.client[1]), int(args.client[2])))
+        asyncio.run(client(args.client[0], int(args.client[1]), int(args.client[2]), args.client[3]))
         return 0
     if args.offline:
         print(json.dumps(offline(args.offline, args.requests, args.gen)))

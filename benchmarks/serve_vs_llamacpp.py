@@ -22,6 +22,9 @@ to run an older checkout) and `pluginfer serve` flags (`process:--core-spin-coun
 
 One client for all: the official `openai` package (AsyncOpenAI), streaming `/v1/completions` with
 128 generated tokens at temperature 0 (`ignore_eos`), at concurrency 1, 4 and 16, in its own process.
+With `--one-at-a-time --clients openai raw` each server is also measured through a minimal client (HTTP/1.1
+on an asyncio stream, `json.loads` per event: rows `SERVER+raw`): on 2 cores the client's own CPU per token
+runs inside the next step, and the `openai` package's is about a tenth of a 4 ms step by itself.
 Per run: median time to first token, median inter-token latency (gaps between a stream's chunks),
 output tokens/s (tokens from the usage chunk over the wall time).
 
@@ -55,6 +58,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from serve_processes import Server, free_port, idle_cpu, load_average
 
@@ -224,26 +228,79 @@ async def stream_one(client: object, i: int, gen: int) -> tuple[float, list[floa
     return started, stamps, tokens or len(stamps)
 
 
-async def client_run(url: str, concurrency: int, requests: int, gen: int) -> dict[str, float]:
+async def stream_one_raw(url: str, i: int, gen: int) -> tuple[float, list[float], int]:
+    """The same completion as ``stream_one``, through a minimal client: HTTP/1.1 on an asyncio stream, the
+    chunked body's ``data:`` lines parsed with ``json.loads``; a fraction of the ``openai`` client's CPU per
+    token, so that on a 2-core machine the client takes less of the cores from the server it measures."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "m", "prompt": f"{PROMPT} {i}", "max_tokens": gen, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
+    started = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"the server answered {head.splitlines()[0]!r}")
+    chunked = b"transfer-encoding: chunked" in head.lower()
+    stamps, tokens, pending = [], 0, b""
+    while True:
+        if chunked:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            data = await reader.readexactly(size + 2)
+            data = data[:-2]
+            if not size:
+                break
+        else:
+            data = await reader.read(1 << 16)
+            if not data:
+                break
+        arrived = time.perf_counter()
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[6:])
+            choices = event.get("choices")
+            if choices and choices[0].get("text"):
+                stamps.append(arrived)
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    writer.close()
+    return started, stamps, tokens or len(stamps)
+
+
+async def client_run(url: str, concurrency: int, requests: int, gen: int, kind: str = "openai") -> dict[str, float]:
+    if kind == "raw":
+        async def one(i: int) -> tuple[float, list[float], int]:
+            return await stream_one_raw(url, i, gen)
+        return await _client_waves(one, concurrency, requests)
     import openai
 
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
-        await stream_one(client, -1, gen)  # warm-up
-        started = time.perf_counter()
-        results = []
-        for wave in range(max(1, requests // concurrency)):
-            results += await asyncio.gather(*(stream_one(client, wave * concurrency + i, gen)
-                                              for i in range(concurrency)))
-        wall = time.perf_counter() - started
+        async def one(i: int) -> tuple[float, list[float], int]:
+            return await stream_one(client, i, gen)
+        return await _client_waves(one, concurrency, requests)
+
+
+async def _client_waves(one: Any, concurrency: int, requests: int) -> dict[str, float]:
+    """A warm-up request, then ``requests`` in waves of ``concurrency``: median TTFT and ITL, tokens/s."""
+    await one(-1)
+    started = time.perf_counter()
+    results = []
+    for wave in range(max(1, requests // concurrency)):
+        results += await asyncio.gather(*(one(wave * concurrency + i) for i in range(concurrency)))
+    wall = time.perf_counter() - started
     gaps = [b - a for _, stamps, _ in results for a, b in zip(stamps, stamps[1:])]
     return {"ttft_ms": statistics.median(stamps[0] - t0 for t0, stamps, _ in results if stamps) * 1e3,
             "itl_ms": statistics.median(gaps) * 1e3,
             "tok_s": sum(tokens for _, _, tokens in results) / wall}
 
 
-def run_client(url: str, concurrency: int, requests: int, gen: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--client", url, str(concurrency), str(requests), str(gen)],
-                         capture_output=True, text=True, check=True)
+def run_client(url: str, concurrency: int, requests: int, gen: int, kind: str = "openai") -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--client", url, str(concurrency), str(requests), str(gen),
+                          kind], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -276,14 +333,18 @@ def one_at_a_time(args: argparse.Namespace, gguf: Path) -> tuple[dict, dict, dic
                 try:
                     startups.setdefault(server.name, []).append(server.startup_s)
                     for concurrency in args.concurrency:
-                        result = run_client(server.url, concurrency, max(args.requests, concurrency), args.gen)
-                        if references.get(concurrency):
-                            result["itl_ratio"] = result["itl_ms"] / min(r["step_ms"] for r in references[concurrency])
-                            result["rate_ratio"] = result["tok_s"] / max(r["tok_s"] for r in references[concurrency])
-                        samples.setdefault((server.name, concurrency), []).append(result)
-                        print(f"round {round_index + 1} {server.name:>10} c={concurrency:<3} ttft "
-                              f"{result['ttft_ms']:8.1f} ms  itl {result['itl_ms']:7.2f} ms  {result['tok_s']:7.1f} tok/s",
-                              flush=True)
+                        for kind in args.clients:
+                            name = server.name if kind == "openai" else f"{server.name}+{kind}"
+                            result = run_client(server.url, concurrency, max(args.requests, concurrency), args.gen,
+                                                kind)
+                            if references.get(concurrency):
+                                result["itl_ratio"] = result["itl_ms"] / min(r["step_ms"]
+                                                                             for r in references[concurrency])
+                                result["rate_ratio"] = result["tok_s"] / max(r["tok_s"] for r in references[concurrency])
+                            samples.setdefault((name, concurrency), []).append(result)
+                            print(f"round {round_index + 1} {name:>10} c={concurrency:<3} ttft "
+                                  f"{result['ttft_ms']:8.1f} ms  itl {result['itl_ms']:7.2f} ms  "
+                                  f"{result['tok_s']:7.1f} tok/s", flush=True)
                     if args.idle_seconds:
                         cores = idle_cpu(server, args.idle_seconds)
                         idle.setdefault(server.name, []).append(cores)
@@ -346,13 +407,16 @@ def main() -> int:
                              "idle threads spin); with --idle-seconds, the idle server's CPU use")
     parser.add_argument("--idle-seconds", type=float, default=10.0,
                         help="with --one-at-a-time: how long to measure each server's idle CPU (0: not at all)")
-    parser.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--clients", nargs="+", choices=["openai", "raw"], default=["openai"],
+                        help="with --one-at-a-time: the clients to measure each server with, in turn: the openai "
+                             "package, and/or a minimal HTTP client (rows named SERVER+raw)")
+    parser.add_argument("--client", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--offline", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.client:
-        url, concurrency, requests, gen = args.client
-        print(json.dumps(asyncio.run(client_run(url, int(concurrency), int(requests), int(gen)))))
+        url, concurrency, requests, gen, kind = args.client
+        print(json.dumps(asyncio.run(client_run(url, int(concurrency), int(requests), int(gen), kind))))
         return 0
     if args.offline:
         offline(args.offline, args.max_num_seqs, args.gen)
