@@ -63,7 +63,7 @@ class FrameReader:
     def __init__(self) -> None:
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[Any]:
+    def feed(self, data: bytes | memoryview) -> list[Any]:
         self._buffer += data
         messages = []
         while len(self._buffer) >= _LENGTH.size:
@@ -157,12 +157,13 @@ class EngineCore:
 
     def _read(self) -> None:
         reader = FrameReader()
+        inbox = memoryview(bytearray(1 << 20))  # one buffer: recv(1 MiB) would map a fresh 1 MiB every time
         try:
             while True:
-                data = self.sock.recv(1 << 20)
-                if not data:
+                size = self.sock.recv_into(inbox)
+                if not size:
                     break
-                for message in reader.feed(data):
+                for message in reader.feed(inbox[:size]):
                     if message[0] == "compile":
                         self._compile(*message[1:])
                     else:

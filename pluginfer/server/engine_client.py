@@ -40,6 +40,8 @@ from pluginfer.server.engine_view import EngineView
 
 logger = logging.getLogger(__name__)
 _RECV_BYTES = 1 << 20  # one read of the core's frames: a shorter read emptied the socket
+# (read into one buffer kept for the client's life: ``recv(1 MiB)`` allocates and maps a fresh 1 MiB each
+# time, ~10 us a frame against ~1 us for ``recv_into``)
 
 
 class EngineClient:
@@ -56,6 +58,7 @@ class EngineClient:
         self._call_ids = itertools.count()
         self._send_lock = threading.Lock()
         self._reader = FrameReader()
+        self._inbox = memoryview(bytearray(_RECV_BYTES))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._stopping = False
@@ -278,18 +281,18 @@ class EngineClient:
     def _on_readable(self) -> None:
         while True:
             try:
-                data = self._sock.recv(_RECV_BYTES, socket.MSG_DONTWAIT)
+                size = self._sock.recv_into(self._inbox, _RECV_BYTES, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 self._lost(f"its channel failed: {exc}")
                 return
-            if not data:
+            if not size:
                 self._lost(None)
                 return
-            for message in self._reader.feed(data):
+            for message in self._reader.feed(self._inbox[:size]):
                 self._dispatch(message)
-            if len(data) < _RECV_BYTES:  # the socket is drained: no second recv to hear EAGAIN (once a token)
+            if size < _RECV_BYTES:  # the socket is drained: no second recv to hear EAGAIN (once a token)
                 return
 
     def _dispatch(self, message: tuple) -> None:
