@@ -293,6 +293,19 @@ def test_a_gguf_core_reports_its_start_up_phases_and_hands_the_server_its_tokeni
     assert not (tmp_path / "cache" / "tokenizers").exists()
 
 
+def _in_a_server_process(model: Path, then: str) -> str:
+    """Run what `pluginfer serve` runs before it spawns the core (the CLI's parser and the config for
+    ``model``), then ``then``, in a fresh interpreter; its stdout."""
+    code = ("import pickle, subprocess, sys\n"
+            "from pluginfer.cli import build_parser\n"
+            "from pluginfer.cli.serve import serve_config\n"
+            f"serve_config(build_parser().parse_args(['serve', '--model', {str(model)!r}]))\n" + then)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
 def test_the_server_process_imports_no_torch_nor_transformers(tmp_path):
     """Nothing `pluginfer serve` runs in its own process imports torch or transformers: the CLI's parser, the
     config, server/launch.py, the app and its handlers, the engine client, and the GGUF file's tokenizer the
@@ -301,35 +314,20 @@ def test_the_server_process_imports_no_torch_nor_transformers(tmp_path):
     gguf = Path(__file__).parents[1] / "quant" / "fixtures" / "llamacpp-qwen2-q8_0.gguf"
     core = ("import pickle, sys; from pluginfer.core.tokenizer import load_tokenizer; "
             "sys.stdout.buffer.write(pickle.dumps(load_tokenizer(sys.argv[1])))")
-    code = ("import pickle, subprocess, sys\n"
-            "from pluginfer.cli import build_parser\n"
-            "from pluginfer.cli.serve import serve_config\n"
-            f"serve_config(build_parser().parse_args(['serve', '--model', {str(tmp_path)!r}]))\n"
-            "import pluginfer.server.launch, pluginfer.server.app, pluginfer.server.engine_client\n"
+    then = ("import pluginfer.server.launch, pluginfer.server.app, pluginfer.server.engine_client\n"
             f"tokenizer = pickle.loads(subprocess.run([sys.executable, '-c', {core!r}, {str(gguf)!r}],\n"
             "                                         capture_output=True, check=True).stdout)\n"
             "tokenizer.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    assert _in_a_server_process(tmp_path, then) == "[]"
 
 
-def test_the_server_spawns_the_core_before_it_imports_aiohttp():
+def test_the_server_spawns_the_core_before_it_imports_aiohttp(tmp_path):
     """`pluginfer serve` starts the core from server/launch.py's start_engine; what it imports up to there
     (the CLI, the config, launch.py, the engine client) leaves aiohttp (~0.1 s) for after the spawn, so the
     core's start does not wait for it. sys.modules, not a timing."""
-    code = ("import sys\n"
-            "from pluginfer.cli import build_parser\n"
-            "from pluginfer.cli.serve import serve_config\n"
-            "serve_config(build_parser().parse_args(['serve', '--model', 'demo']))\n"
-            "import pluginfer.server.launch, pluginfer.server.engine_client\n"
-            "print('aiohttp' in sys.modules)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False"
+    then = "import pluginfer.server.launch, pluginfer.server.engine_client\nprint('aiohttp' in sys.modules)\n"
+    assert _in_a_server_process(tmp_path, then) == "False"
 
 
 @pytest.mark.parametrize(("environ", "spin_count", "expected"), [
