@@ -17,7 +17,7 @@ The servers are started once, together (idle, neither spins), and measured in tu
 - each server (``process``: ``pluginfer serve`` as shipped; ``llamacpp``: ``python -m llama_cpp.server``
   when it imports) serves the same requests, one at a time, to the benchmark's client (the official
   ``openai`` package, AsyncOpenAI, streaming ``/v1/completions`` as ``serve_vs_llamacpp.py`` does; with
-  ``--client-kind raw`` its minimal HTTP client ``stream_one_raw``), in a process of its own: the CPU per generated token of the server process (the API server), of its children
+  ``--client-kind raw`` serve_client.py's minimal HTTP client ``stream_one_raw``), in a process of its own: the CPU per generated token of the server process (the API server), of its children
   (pluginfer's engine core), and of the client, and the client's median inter-token latency.
 The idle OpenMP threads of the offline engine and of the engine core spin the same (libgomp's default,
 300000 spins) before they sleep: that spin is in both figures.
@@ -38,8 +38,8 @@ import threading
 import time
 from pathlib import Path
 
+from serve_client import PROMPT, stream_one, stream_one_raw
 from serve_processes import Server, free_port, load_average
-from serve_vs_llamacpp import PROMPT, stream_one, stream_one_raw
 
 
 def run_seconds(pid: int, descendants: bool = False) -> float:
@@ -185,7 +185,7 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "pluginfer-serve-bench")
     parser.add_argument("--no-offline", action="store_true", help="servers only")
     parser.add_argument("--client-kind", choices=["openai", "raw"], default="openai",
-                        help="the openai package, or serve_vs_llamacpp.py's minimal client (stream_one_raw)")
+                        help="the openai package, or serve_client.py's minimal client (stream_one_raw)")
     parser.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--offline", help=argparse.SUPPRESS)
     args = parser.parse_args()

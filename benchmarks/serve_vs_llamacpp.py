@@ -48,7 +48,6 @@ Rounds interleave engines and concurrencies; read the medians of the ratios, not
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -58,8 +57,8 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+from serve_client import PROMPT, run_client
 from serve_processes import Server, free_port, idle_cpu, load_average
 
 SHAPES = {  # SmolLM2-135M's shape, and a ~13M llama whose step is a few ms (where per-token overheads show)
@@ -70,7 +69,6 @@ SHAPES = {  # SmolLM2-135M's shape, and a ~13M llama whose step is a few ms (whe
                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
                      tie_word_embeddings=True),
 }
-PROMPT = "The quick brown fox jumps over the lazy dog; then it runs into the forest, where"
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -209,101 +207,6 @@ def time_startups(args: argparse.Namespace, gguf: Path) -> int:
     return 0
 
 
-# -- the client (run in a child process: `--client URL CONCURRENCY`) -------------------------------
-
-
-async def stream_one(client: object, i: int, gen: int) -> tuple[float, list[float], int]:
-    """One streamed completion through an ``openai.AsyncOpenAI`` client: its start, the arrival time of each
-    chunk with text, and the generated tokens (the usage chunk's count)."""
-    started = time.perf_counter()
-    stamps, tokens = [], 0
-    stream = await client.completions.create(
-        model="m", prompt=f"{PROMPT} {i}", max_tokens=gen, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            stamps.append(time.perf_counter())
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    return started, stamps, tokens or len(stamps)
-
-
-async def stream_one_raw(url: str, i: int, gen: int) -> tuple[float, list[float], int]:
-    """The same completion as ``stream_one``, through a minimal client: HTTP/1.1 on an asyncio stream, the
-    chunked body's ``data:`` lines parsed with ``json.loads``; a fraction of the ``openai`` client's CPU per
-    token, so that on a 2-core machine the client takes less of the cores from the server it measures."""
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "m", "prompt": f"{PROMPT} {i}", "max_tokens": gen, "temperature": 0.0,
-                       "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
-    started = time.perf_counter()
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-    head = await reader.readuntil(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"the server answered {head.splitlines()[0]!r}")
-    chunked = b"transfer-encoding: chunked" in head.lower()
-    stamps, tokens, pending = [], 0, b""
-    while True:
-        if chunked:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            data = await reader.readexactly(size + 2)
-            data = data[:-2]
-            if not size:
-                break
-        else:
-            data = await reader.read(1 << 16)
-            if not data:
-                break
-        arrived = time.perf_counter()
-        pending += data
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            choices = event.get("choices")
-            if choices and choices[0].get("text"):
-                stamps.append(arrived)
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-    writer.close()
-    return started, stamps, tokens or len(stamps)
-
-
-async def client_run(url: str, concurrency: int, requests: int, gen: int, kind: str = "openai") -> dict[str, float]:
-    if kind == "raw":
-        async def one(i: int) -> tuple[float, list[float], int]:
-            return await stream_one_raw(url, i, gen)
-        return await _client_waves(one, concurrency, requests)
-    import openai
-
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
-        async def one(i: int) -> tuple[float, list[float], int]:
-            return await stream_one(client, i, gen)
-        return await _client_waves(one, concurrency, requests)
-
-
-async def _client_waves(one: Any, concurrency: int, requests: int) -> dict[str, float]:
-    """A warm-up request, then ``requests`` in waves of ``concurrency``: median TTFT and ITL, tokens/s."""
-    await one(-1)
-    started = time.perf_counter()
-    results = []
-    for wave in range(max(1, requests // concurrency)):
-        results += await asyncio.gather(*(one(wave * concurrency + i) for i in range(concurrency)))
-    wall = time.perf_counter() - started
-    gaps = [b - a for _, stamps, _ in results for a, b in zip(stamps, stamps[1:])]
-    return {"ttft_ms": statistics.median(stamps[0] - t0 for t0, stamps, _ in results if stamps) * 1e3,
-            "itl_ms": statistics.median(gaps) * 1e3,
-            "tok_s": sum(tokens for _, _, tokens in results) / wall}
-
-
-def run_client(url: str, concurrency: int, requests: int, gen: int, kind: str = "openai") -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--client", url, str(concurrency), str(requests), str(gen),
-                          kind], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def one_at_a_time(args: argparse.Namespace, gguf: Path) -> tuple[dict, dict, dict]:
     """Each round: every offline engine, then every server, each started, measured and stopped alone (an
     engine whose idle threads spin, OMP_WAIT_POLICY=ACTIVE, would otherwise take the cores from the others);
@@ -410,14 +313,9 @@ def main() -> int:
     parser.add_argument("--clients", nargs="+", choices=["openai", "raw"], default=["openai"],
                         help="with --one-at-a-time: the clients to measure each server with, in turn: the openai "
                              "package, and/or a minimal HTTP client (rows named SERVER+raw)")
-    parser.add_argument("--client", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--offline", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    if args.client:
-        url, concurrency, requests, gen, kind = args.client
-        print(json.dumps(asyncio.run(client_run(url, int(concurrency), int(requests), int(gen), kind))))
-        return 0
     if args.offline:
         offline(args.offline, args.max_num_seqs, args.gen)
         return 0
