@@ -27,6 +27,11 @@ from tests.server.conftest import (
 LONG = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}
 
 
+# The client's side, not the server's: a non-streamed openai request cancelled mid-read leaves httpx's
+# Response.aiter_raw suspended, and when the garbage collector finalizes it later it may report "async generator
+# already executing" (seen once in CI, where it named whatever line of ours was running at the time).
+@pytest.mark.filterwarnings(r"ignore:Exception ignored in. <async_generator object Response\.aiter_raw"
+                            ":pytest.PytestUnraisableExceptionWarning")
 def test_clients_that_go_away_abort_their_requests(server, async_engine, monkeypatch):
     """200 clients leave while their requests run; then the server answers the next one, every block free.
 
