@@ -7,7 +7,8 @@ its interpreter, its OpenMP threads and its memory. ``pluginfer.server.engine_cl
 the other end; ``LLM`` keeps its engine in the caller's process.
 
 ``python -m pluginfer.core.engine_core FD LOG_LEVEL [SPAWNED]`` with the config's JSON on stdin; ``FD`` is
-this end of a socket pair, ``SPAWNED`` the server's ``time.perf_counter()`` as it started this process. Each message is a frame: a 4-byte big-endian length, then a pickle. The server
+this end of a socket pair, ``SPAWNED`` the server's ``time.perf_counter()`` as it started this process.
+Each message is a frame: a 4-byte big-endian length, then a pickle. The server
 sends ``("add", request_id, prompt, params)``, ``("abort", request_id)``, ``("compile", call_id,
 grammar)`` and ``("stop",)``. The core answers ``("ready", info)`` once loaded (or ``("failed",
 error type, message)``), then after every step one ``("out", deltas, stats)`` with what each request
@@ -142,7 +143,8 @@ class EngineCore:
         logger.info("engine core start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
         manager = engine.block_manager
         tokenizer = None
-        if not isinstance(engine.tokenizer, GGUFTokenizer):  # the server builds that one while the core loads
+        # A tokenizer built without transformers (a GGUF file's, an HFTokenizer): the server builds its own.
+        if not isinstance(engine.tokenizer, GGUFTokenizer):
             try:  # the server takes the tokenizer from here: unpickling it is ~0.1 s, loading it again seconds
                 tokenizer = pickle.dumps(engine.tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001 - the server loads its own

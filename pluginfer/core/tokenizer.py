@@ -1,5 +1,7 @@
-"""Tokenizer and chat template: a checkpoint directory's through transformers' AutoTokenizer, a GGUF file's
-through the ``tokenizers`` library alone (``core/gguf_tokenizer.py``), without importing transformers.
+"""Tokenizer and chat template: a GGUF file's through the ``tokenizers`` library alone
+(``core/gguf_tokenizer.py``), and a checkpoint directory's ``tokenizer.json`` the same way where transformers 5
+would use it unchanged (``core/hf_tokenizer.py``), without importing transformers (~1.6 s); any other through
+transformers' AutoTokenizer.
 
 A GGUF file whose tokenizer kind ``gguf_tokenizer`` does not build (unigram; Gemma's and Phi-3's
 SentencePiece variants) is built by transformers from the file's ``tokenizer.ggml.*`` metadata, which
@@ -34,6 +36,9 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         if path.suffix.lower() == ".gguf" and path.is_file():
             return _gguf_tokenizer(path)
+        native = native_tokenizer(path)
+        if native is not None:
+            return native
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)  # never a model's own code
@@ -111,6 +116,15 @@ def gguf_tokenizer_cache_path(path: str | Path) -> Path:
 def _gguf_tokenizer(path: Path) -> Any:
     tokenizer = native_gguf_tokenizer(path)
     return tokenizer if tokenizer is not None else transformers_gguf_tokenizer(path)
+
+
+def native_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a GGUF file or a checkpoint directory built without transformers (nor torch), or None
+    where transformers must build it (``core/gguf_tokenizer.py``, ``core/hf_tokenizer.py`` say when)."""
+    from pluginfer.core.hf_tokenizer import build_hf_tokenizer
+
+    path = Path(path).expanduser()
+    return build_hf_tokenizer(path) if path.is_dir() else native_gguf_tokenizer(path)
 
 
 def native_gguf_tokenizer(path: str | Path) -> Any:

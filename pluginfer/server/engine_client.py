@@ -67,7 +67,8 @@ class EngineClient:
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self._spawned = time.perf_counter()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pluginfer.core.engine_core", str(child.fileno()), str(level), repr(self._spawned)],
+            [sys.executable, "-m", "pluginfer.core.engine_core", str(child.fileno()), str(level),
+             repr(self._spawned)],
             stdin=subprocess.PIPE, pass_fds=(child.fileno(),),
             env=core_environment(config.server.core_spin_count, os.environ),
             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
@@ -80,14 +81,15 @@ class EngineClient:
     def start(self, timeout: float | None = None) -> EngineClient:
         """Wait until the core has loaded the model; take its tokenizer.
 
-        A GGUF file's tokenizer (of a kind ``core/gguf_tokenizer.py`` builds) is built here while the core
-        loads, and the core sends none; any other comes from the core, pickled, once it is ready.
+        A tokenizer built without transformers (a GGUF file's, or a checkpoint's ``tokenizer.json``:
+        ``core.tokenizer.native_tokenizer``) is built here while the core loads, and the core sends none; any
+        other comes from the core, pickled, once it is ready.
         Raises what the core raised when it could not start (ValueError for pluginfer's own errors)."""
-        from pluginfer.core.tokenizer import load_tokenizer, native_gguf_tokenizer
+        from pluginfer.core.tokenizer import load_tokenizer, native_tokenizer
 
         try:
             try:
-                tokenizer = native_gguf_tokenizer(self.config.tokenizer or self.config.model)
+                tokenizer = native_tokenizer(self.config.tokenizer or self.config.model)
             except Exception as exc:  # noqa: BLE001 - the core reports what is wrong with the file
                 logger.info("no tokenizer built in the server (%s: %s)", type(exc).__name__, exc)
                 tokenizer = None
