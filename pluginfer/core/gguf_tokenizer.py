@@ -16,7 +16,9 @@ the model's vocabulary; they are not added here.
 
 ``GGUFTokenizer`` has what the engine and the server use of a transformers tokenizer: ``encode``,
 ``decode``, ``len()``, ``get_vocab``, the special tokens and their ids, ``added_tokens_decoder``,
-``backend_tokenizer``, ``chat_template`` and ``apply_chat_template`` (``core/chat_template.py``).
+``backend_tokenizer``, ``chat_template`` and ``apply_chat_template`` (``core/chat_template.py``); and, for
+callers of ``LLM.get_tokenizer()``, ``batch_decode``, ``tokenize``, ``convert_tokens_to_ids``,
+``convert_ids_to_tokens`` and ``add_tokens`` (tests/core/test_hf_tokenizer.py holds them to transformers).
 """
 
 from __future__ import annotations
@@ -74,6 +76,32 @@ class GGUFTokenizer:
         """``clean_up_tokenization_spaces`` is accepted and, as transformers does for a BPE model, not applied."""
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        """The token strings of ``text`` (as transformers' ``tokenize``: without special tokens by default)."""
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).tokens
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        """A token's id, the unknown token's for one not in the vocabulary (None without one), as transformers."""
+        if isinstance(tokens, str):
+            index = self.backend_tokenizer.token_to_id(tokens)
+            return self.unk_token_id if index is None else index
+        return [self.convert_tokens_to_ids(token) for token in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> str | None | list:
+        if isinstance(ids, int):
+            return self.backend_tokenizer.id_to_token(ids)
+        special = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self.backend_tokenizer.id_to_token(index) for index in ids if index not in special]
+
+    def add_tokens(self, tokens: str | Any | list, special_tokens: bool = False) -> int:
+        """Add tokens to the vocabulary (strings or ``tokenizers.AddedToken``); how many were new."""
+        tokens = tokens if isinstance(tokens, list) else [tokens]
+        add = self.backend_tokenizer.add_special_tokens if special_tokens else self.backend_tokenizer.add_tokens
+        return add(tokens)
 
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)

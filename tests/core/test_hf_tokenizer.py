@@ -40,6 +40,17 @@ def assert_same_tokenizer(ours: HFTokenizer, theirs: object) -> None:
     for prompt in (True, False):
         assert ours.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=prompt) == \
             theirs.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=prompt)
+    ids = [theirs.encode(text) for text in TEXTS]
+    for skip in (True, False):
+        assert ours.batch_decode(ids, skip_special_tokens=skip) == theirs.batch_decode(ids, skip_special_tokens=skip)
+        assert ours.convert_ids_to_tokens(ids[2], skip_special_tokens=skip) == \
+            theirs.convert_ids_to_tokens(ids[2], skip_special_tokens=skip)
+    assert ours.convert_ids_to_tokens(ids[0][0]) == theirs.convert_ids_to_tokens(ids[0][0])
+    for text in TEXTS:
+        assert ours.tokenize(text) == theirs.tokenize(text), text
+    tokens = ["<|im_end|>", "<s>", "not-a-token-at-all", ours.tokenize("Hello")[0]]
+    assert ours.convert_tokens_to_ids(tokens) == theirs.convert_tokens_to_ids(tokens)
+    assert ours.convert_tokens_to_ids("<|im_end|>") == theirs.convert_tokens_to_ids("<|im_end|>")
 
 
 def edited(source: Path, out: Path, **changes: object) -> Path:
@@ -95,6 +106,20 @@ def test_what_transformers_would_change_is_left_to_it(tiny_tokenizer_dir: Path, 
         (directory / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     assert build_hf_tokenizer(directory) is None
     assert native_tokenizer(directory) is None
+
+
+def test_tokens_added_afterwards_as_transformers_adds_them(tiny_tokenizer_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ours, theirs = load_tokenizer(tiny_tokenizer_dir), AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    assert ours.add_tokens(["<new_one>", "<new_two>"]) == theirs.add_tokens(["<new_one>", "<new_two>"]) == 2
+    assert ours.add_tokens("<new_one>") == theirs.add_tokens("<new_one>") == 0
+    assert ours.add_tokens(["<new_special>"], special_tokens=True) == \
+        theirs.add_tokens(["<new_special>"], special_tokens=True) == 1
+    text = "a<new_one>b<new_special>"
+    assert ours.encode(text) == theirs.encode(text) and len(ours) == len(theirs)
+    assert ours.decode(ours.encode(text), skip_special_tokens=True) == \
+        theirs.decode(theirs.encode(text), skip_special_tokens=True)
 
 
 def test_a_directory_without_a_tokenizer_json_is_left_to_transformers(tmp_path: Path) -> None:
