@@ -18,6 +18,7 @@ from pluginfer.core.gguf_reader import GGUFFile
 from pluginfer.core.gguf_tokenizer import GGUFTokenizer, build_gguf_tokenizer
 from pluginfer.core.tokenizer import load_tokenizer
 from pluginfer.demo.tokenizer import CHAT_TEMPLATE, CORPUS_PATH
+from tests.core.tokenizer_oracle import assert_same_ids_and_text
 
 FIXTURES = Path(__file__).parents[1] / "quant" / "fixtures"
 TEXTS = [
@@ -154,12 +155,7 @@ def test_the_tokenizer_is_transformers_tokenizer_of_the_file(pairs: dict, name: 
     assert isinstance(ours, GGUFTokenizer)
     assert json.loads(ours.backend_tokenizer.to_str()) == _without_endoftext_artifact(
         json.loads(theirs.backend_tokenizer.to_str()), len(ours))
-    for text in TEXTS:
-        for add_special_tokens in (True, False):
-            ids = ours.encode(text, add_special_tokens=add_special_tokens)
-            assert ids == theirs.encode(text, add_special_tokens=add_special_tokens), (text, add_special_tokens)
-            for skip in (True, False):
-                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert_same_ids_and_text(ours, theirs, TEXTS)
     assert ours.decode(5) == theirs.decode(5)
     every_id = list(range(len(ours)))
     assert ours.decode(every_id) == theirs.decode(every_id)

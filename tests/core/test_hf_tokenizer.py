@@ -14,6 +14,7 @@ import pytest
 
 from pluginfer.core.hf_tokenizer import HFTokenizer, build_hf_tokenizer
 from pluginfer.core.tokenizer import load_tokenizer, native_tokenizer
+from tests.core.tokenizer_oracle import assert_same_ids_and_text
 
 TEXTS = ["Hello world", "  two  spaces\n\nand a newline", "<s>hi</s><|im_start|>user<|im_end|>", "naïve café 😀 中文",
          "", "the end.</s>"]
@@ -22,12 +23,7 @@ CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "con
 
 
 def assert_same_tokenizer(ours: HFTokenizer, theirs: object) -> None:
-    for text in TEXTS:
-        for special in (True, False):
-            ids = ours.encode(text, add_special_tokens=special)
-            assert ids == theirs.encode(text, add_special_tokens=special), (text, special)
-            for skip in (True, False):
-                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert_same_ids_and_text(ours, theirs, TEXTS)
     assert ours.special_tokens_map == theirs.special_tokens_map
     assert ours.all_special_tokens == theirs.all_special_tokens
     assert ours.all_special_ids == theirs.all_special_ids
