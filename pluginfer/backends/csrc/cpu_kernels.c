@@ -507,37 +507,31 @@ static inline __attribute__((always_inline)) void gated_row(const float *gate, c
     for (; i < n; i++) o[i] = gate_activation(gate[i], gelu) * up[i];
 }
 
-/* silu_and_mul: out[r, i] = silu(x[r, i]) * x[r, n + i] for x of [rows, 2n]. */
+/* Rows [first, last) of a gated kernel on x of [rows, 2n]: out[r, i] = act(x[r, i]) * x[r, n + i], act silu
+ * (gelu 0) or gelu_tanh (1); gated_row is inlined once for each, so the inner loop branches on neither. */
 static __attribute__((noinline)) void
-silu_and_mul_rows(const float *x, float *out, int64_t rows, int64_t n, int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 0);
+gated_and_mul_rows(const float *x, float *out, int64_t n, int gelu, int64_t first, int64_t last) {
+    if (gelu)
+        for (int64_t r = first; r < last; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 1);
+    else
+        for (int64_t r = first; r < last; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 0);
 }
 
-void silu_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
+static void gated_and_mul(const float *x, float *out, int64_t rows, int64_t n, int gelu) {
     if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES) {
 #pragma omp parallel for
         for (int64_t r = 0; r < rows; r++)
-            silu_and_mul_rows(x, out, rows, n, r, r + 1);
+            gated_and_mul_rows(x, out, n, gelu, r, r + 1);
     } else {
-        silu_and_mul_rows(x, out, rows, n, 0, rows);
+        gated_and_mul_rows(x, out, n, gelu, 0, rows);
     }
 }
+
+/* silu_and_mul: out[r, i] = silu(x[r, i]) * x[r, n + i] for x of [rows, 2n]. */
+void silu_and_mul(const float *x, float *out, int64_t rows, int64_t n) { gated_and_mul(x, out, rows, n, 0); }
 
 /* gelu_tanh_and_mul: out[r, i] = gelu_tanh(x[r, i]) * x[r, n + i] for x of [rows, 2n]. */
-static __attribute__((noinline)) void
-gelu_tanh_and_mul_rows(const float *x, float *out, int64_t rows, int64_t n, int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; r++) gated_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, 1);
-}
-
-void gelu_tanh_and_mul(const float *x, float *out, int64_t rows, int64_t n) {
-    if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES) {
-#pragma omp parallel for
-        for (int64_t r = 0; r < rows; r++)
-            gelu_tanh_and_mul_rows(x, out, rows, n, r, r + 1);
-    } else {
-        gelu_tanh_and_mul_rows(x, out, rows, n, 0, rows);
-    }
-}
+void gelu_tanh_and_mul(const float *x, float *out, int64_t rows, int64_t n) { gated_and_mul(x, out, rows, n, 1); }
 
 /* rotary_neox: rotate the first rotary_dim features of each head in place (half-split layout),
  * q of [tokens, q_heads, head_dim] and k of [tokens, k_heads, head_dim] whose token rows are
@@ -1226,39 +1220,34 @@ static inline __attribute__((always_inline)) void gated_row_16(const uint16_t *g
         o[i] = store16(round16(gate_activation(load16(gate + i, dtype), gelu), dtype) * load16(up + i, dtype), dtype);
 }
 
-/* out[r, i] = round(round(silu(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.silu(gate) * up). */
+/* Rows [first, last) of a 16-bit gated kernel (gated_and_mul_rows's, the activation silu or gelu_tanh). */
 static __attribute__((noinline)) void
-silu_and_mul_16_rows(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype, int64_t first,
-                     int64_t last) {
-    for (int64_t r = first; r < last; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 0);
+gated_and_mul_16_rows(const uint16_t *x, uint16_t *out, int64_t n, int dtype, int gelu, int64_t first, int64_t last) {
+    if (gelu)
+        for (int64_t r = first; r < last; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 1);
+    else
+        for (int64_t r = first; r < last; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 0);
 }
 
-void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
+static void gated_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype, int gelu) {
     if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES) {
 #pragma omp parallel for
         for (int64_t r = 0; r < rows; r++)
-            silu_and_mul_16_rows(x, out, rows, n, dtype, r, r + 1);
+            gated_and_mul_16_rows(x, out, n, dtype, gelu, r, r + 1);
     } else {
-        silu_and_mul_16_rows(x, out, rows, n, dtype, 0, rows);
+        gated_and_mul_16_rows(x, out, n, dtype, gelu, 0, rows);
     }
+}
+
+/* out[r, i] = round(round(silu(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.silu(gate) * up). */
+void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
+    gated_and_mul_16(x, out, rows, n, dtype, 0);
 }
 
 /* out[r, i] = round(round(gelu_tanh(x[r, i])) * x[r, n + i]) for x of [rows, 2n] (torch: F.gelu(gate,
  * approximate="tanh") * up). */
-static __attribute__((noinline)) void
-gelu_tanh_and_mul_16_rows(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype, int64_t first,
-                          int64_t last) {
-    for (int64_t r = first; r < last; r++) gated_row_16(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n, dtype, 1);
-}
-
 void gelu_tanh_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype) {
-    if (rows > 1 && rows * n >= GATED_PARALLEL_VALUES) {
-#pragma omp parallel for
-        for (int64_t r = 0; r < rows; r++)
-            gelu_tanh_and_mul_16_rows(x, out, rows, n, dtype, r, r + 1);
-    } else {
-        gelu_tanh_and_mul_16_rows(x, out, rows, n, dtype, 0, rows);
-    }
+    gated_and_mul_16(x, out, rows, n, dtype, 1);
 }
 
 /* rotary_neox on 16-bit q and k rows (strides in elements), float32 cos/sin tables of [tokens, rotary_dim/2]:
