@@ -107,13 +107,17 @@ def test_named_function_streams_its_arguments(server, client):
     [call] = whole.choices[0].message.tool_calls
     assert content == "" and reasons == ["tool_calls"] and list(calls) == [0]
     assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
+    if isinstance(server.async_engine, EngineClient):
+        # Through the engine core process a request's deltas of several steps are merged into one event when the
+        # HTTP side is behind the core (by design, as vLLM's output processor does: a server never queues stale
+        # per-token events). How many events a stream gets there depends on the timing of this tiny model's ~1 ms
+        # steps against the test's own client on the same cores (one event in some runs, CI saw it), so the
+        # count is not asserted on this path: the reassembled call above is; the deltas' growth itself is
+        # tests/server/test_tool_parsers.py's, and the merge is test_client_request.py's.
+        return
+    # In-process every step's output is queued to the stream: the name, then the arguments as they grow.
     pieces = sum(1 for chunk in chunks if chunk.choices and chunk.choices[0].delta.tool_calls)
-    # Piece by piece: the name, then the arguments as they grow. Through the engine core process a request's
-    # deltas of several steps are merged into one event when the HTTP side is behind the core (by design,
-    # as vLLM's output processor does: a server never queues stale per-token events), and with this tiny
-    # model's ~1 ms steps against the test's own client on the same cores, all of the arguments arrive in
-    # one event in about a third of runs; the deltas' growth itself is tests/server/test_tool_parsers.py's.
-    assert pieces > (1 if isinstance(server.async_engine, EngineClient) else 2)
+    assert pieces > 2
 
 
 # Parallel calls are an unbounded array: sampled random weights may go on adding calls, greedy ones stop.
