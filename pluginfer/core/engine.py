@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,7 +43,11 @@ class _Request:
 class LLMEngine:
     """Continuous batching over one model; not thread-safe (AsyncEngine wraps it in one thread)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig,
+                 receive_tokenizer: Callable[[], Any] | None = None) -> None:
+        """``receive_tokenizer``: where this engine's tokenizer comes from instead of being built here, called in a
+        thread while the weights load (the engine core process takes its server's); None from it, and the
+        tokenizer is loaded here after the weights. One rank only."""
         self.config = config
         serve_if_worker(config)  # ranks other than 0 (torchrun, mpiexec) serve the driver and exit here
         check_tokenizer_files(config.tokenizer or config.model)  # before the weights load and the cache is taken
@@ -50,7 +56,10 @@ class LLMEngine:
         # any with more than one rank (spawned ranks are forked with a preexec_fn, unsafe beside a thread).
         tokenizer_path = config.tokenizer or config.model
         one_rank = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size == 1
-        building = TokenizerBuild(tokenizer_path) if one_rank and TokenizerBuild.applies(tokenizer_path) else None
+        if receive_tokenizer is not None and not one_rank:
+            raise ValueError("receive_tokenizer is for an engine on one rank")
+        building = TokenizerBuild(tokenizer_path, receive_tokenizer) if receive_tokenizer is not None else \
+            TokenizerBuild(tokenizer_path) if one_rank and TokenizerBuild.applies(tokenizer_path) else None
         try:
             self.executor = Executor(config)
         except BaseException:
@@ -58,10 +67,10 @@ class LLMEngine:
                 building.join()  # the engine's error is the one reported; the thread ends before it is
             raise
         started = time.perf_counter()
-        if building is not None:
-            self.tokenizer = building.result()
-            logger.info("tokenizer built in %.2f s beside the weights' load; %.2f s waited for it after them",
-                        building.seconds, time.perf_counter() - started)
+        self.tokenizer = building.result() if building is not None else None
+        if self.tokenizer is not None:
+            logger.info("tokenizer %s in %.2f s beside the weights' load; %.2f s waited for it after them",
+                        "taken" if building.received else "built", building.seconds, time.perf_counter() - started)
         else:
             self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_path)
         # Start-up phases in seconds: the executor's (config, build, load, repack, cache) and the tokenizer (what

@@ -9,7 +9,9 @@ the other end; ``LLM`` keeps its engine in the caller's process.
 ``python -m pluginfer.core.engine_core FD LOG_LEVEL [SPAWNED]`` with the config's JSON on stdin; ``FD`` is
 this end of a socket pair, ``SPAWNED`` the server's ``time.perf_counter()`` as it started this process.
 Each message is a frame: a 4-byte big-endian length, then a pickle. The server
-sends ``("add", request_id, prompt, params)``, ``("abort", request_id)``, ``("compile", call_id,
+sends ``("tokenizer", tokenizer or None)`` first (the tokenizer it built without transformers while this
+process imported torch, taken here beside the weights' load instead of building a second one; None: this
+process loads its own and sends it, pickled, in its ready message), then ``("add", request_id, prompt, params)``, ``("abort", request_id)``, ``("compile", call_id,
 grammar)`` and ``("stop",)``. The core answers ``("ready", info)`` once loaded (or ``("failed",
 error type, message)``), then after every step one ``("out", deltas, stats)`` with what each request
 gained since the last one (new token ids, text, logprobs; the prompt's fields the first time), and
@@ -77,6 +79,24 @@ class FrameReader:
         return messages
 
 
+def receive_frame(sock: socket.socket) -> Any:
+    """One message off a blocking socket, exactly: what follows it stays there for the next reader."""
+    header = _receive_exactly(sock, _LENGTH.size)
+    (length,) = _LENGTH.unpack(header)
+    return pickle.loads(_receive_exactly(sock, length))
+
+
+def _receive_exactly(sock: socket.socket, size: int) -> bytearray:
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        count = sock.recv_into(view[got:])
+        if not count:
+            raise OSError("the server closed its end")
+        got += count
+    return buffer
+
+
 def error_name(exc: BaseException) -> str:
     return type(exc).__name__
 
@@ -126,7 +146,7 @@ class EngineCore:
 
         times["imports"] = time.perf_counter() - started
         started = time.perf_counter()
-        self.engine = engine = LLMEngine(self.config)
+        self.engine = engine = LLMEngine(self.config, receive_tokenizer=self._receive_tokenizer)
         built = time.perf_counter() - started
         times.update(engine.startup_times)  # config, build, load, repack, cache, tokenizer
         times["other"] = max(0.0, built - sum(engine.startup_times.values()))  # plugins, backend, scheduler
@@ -143,7 +163,7 @@ class EngineCore:
         logger.info("engine core start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
         manager = engine.block_manager
         tokenizer = None
-        # A tokenizer built without transformers (a GGUF file's, an HFTokenizer): the server builds its own.
+        # A tokenizer built without transformers (a GGUF file's, an HFTokenizer) is the server's own.
         if not isinstance(engine.tokenizer, GGUFTokenizer):
             try:  # the server takes the tokenizer from here: unpickling it is ~0.1 s, loading it again seconds
                 tokenizer = pickle.dumps(engine.tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
@@ -154,6 +174,13 @@ class EngineCore:
                 "eos_token_ids": sorted(engine.eos_token_ids), "num_blocks": manager.num_blocks,
                 "block_size": self.config.cache.block_size, "startup_times": times,
                 "kv_tokens": manager.num_blocks * self.config.cache.block_size}
+
+    def _receive_tokenizer(self) -> Any:
+        """The server's first message, its tokenizer (or None), read while the weights load."""
+        message = receive_frame(self.sock)
+        if message[0] != "tokenizer":
+            raise RuntimeError(f"the server sent {message[0]!r} before its tokenizer")
+        return message[1]
 
     # -- the reader thread ----------------------------------------------------------------------
 

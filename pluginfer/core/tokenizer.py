@@ -24,6 +24,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +60,19 @@ class TokenizerBuild:
     Only the ``tokenizers`` library's own build runs there (nothing that imports transformers, whose import
     beside the engine's could meet a module half imported); ``result()`` joins the thread and returns the
     tokenizer, or raises ``load_tokenizer``'s error; a kind transformers must build is built then, in the
-    caller's thread, as ``load_tokenizer`` builds it."""
+    caller's thread, as ``load_tokenizer`` builds it.
 
-    def __init__(self, path: str | Path) -> None:
+    ``receive``: where the tokenizer comes from instead, called in the thread (the engine core process takes
+    the one its server built, ``core/engine_core.py``); it returns the tokenizer, or None when there is none
+    to take, and then ``result()`` is None too (the caller loads one with ``load_tokenizer``)."""
+
+    def __init__(self, path: str | Path, receive: Callable[[], Any] | None = None) -> None:
         import tokenizers  # noqa: F401 - imported here, not in the thread beside the engine's own imports
 
         self.path = Path(path).expanduser()
+        self.received = receive is not None
         self.seconds = 0.0  # the build's wall-clock time in its thread
+        self._source = receive or (lambda: native_gguf_tokenizer(self.path))
         self._tokenizer: Any = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._build, name="pluginfer-tokenizer", daemon=True)
@@ -80,7 +87,7 @@ class TokenizerBuild:
     def _build(self) -> None:
         started = time.perf_counter()
         try:
-            self._tokenizer = native_gguf_tokenizer(self.path)
+            self._tokenizer = self._source()
         except BaseException as exc:  # noqa: BLE001 - raised again by result(), in the caller's thread
             self._error = exc
         self.seconds = time.perf_counter() - started
@@ -92,7 +99,7 @@ class TokenizerBuild:
         self._thread.join()
         if self._error is not None:
             raise _load_error(self.path, self._error) from None
-        if self._tokenizer is not None:
+        if self._tokenizer is not None or self.received:
             return self._tokenizer
         try:  # a kind the tokenizers library alone does not build
             return transformers_gguf_tokenizer(self.path)

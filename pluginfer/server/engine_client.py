@@ -82,18 +82,21 @@ class EngineClient:
         """Wait until the core has loaded the model; take its tokenizer.
 
         A tokenizer built without transformers (a GGUF file's, or a checkpoint's ``tokenizer.json``:
-        ``core.tokenizer.native_tokenizer``) is built here while the core loads, and the core sends none; any
-        other comes from the core, pickled, once it is ready.
+        ``core.tokenizer.native_tokenizer``) is built here while the core imports torch, and sent to the core,
+        which takes it beside its weights' load instead of building its own; any other comes from the core,
+        pickled, once it is ready.
         Raises what the core raised when it could not start (ValueError for pluginfer's own errors)."""
         from pluginfer.core.tokenizer import load_tokenizer, native_tokenizer
 
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             try:
                 tokenizer = native_tokenizer(self.config.tokenizer or self.config.model)
             except Exception as exc:  # noqa: BLE001 - the core reports what is wrong with the file
                 logger.info("no tokenizer built in the server (%s: %s)", type(exc).__name__, exc)
                 tokenizer = None
-            info = self._wait_ready(timeout)
+            self._send_tokenizer(tokenizer, deadline)
+            info = self._wait_ready(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if info["tokenizer"] is not None:  # not one built here (the core sends none of those: same file, code)
                 tokenizer = pickle.loads(info["tokenizer"])
             elif tokenizer is None:
@@ -106,6 +109,23 @@ class EngineClient:
         self.startup_times["total"] = time.perf_counter() - self._spawned  # from the spawn: its phases overlap ours
         self.kv_tokens = info["kv_tokens"]
         return self
+
+    def _send_tokenizer(self, tokenizer: Any, deadline: float | None) -> None:
+        """The core's first message: the tokenizer built here, or None (the core loads its own)."""
+        try:
+            frame = encode(("tokenizer", tokenizer))
+        except Exception as exc:  # noqa: BLE001 - a tokenizer that does not pickle: the core loads its own
+            logger.info("the tokenizer does not pickle (%s); the engine process loads its own", exc)
+            frame = encode(("tokenizer", None))
+        self._sock.settimeout(None if deadline is None else max(0.001, deadline - time.monotonic()))
+        try:
+            self._sock.sendall(frame)  # the core reads it while its weights load
+        except TimeoutError:
+            raise RuntimeError("the engine process did not take its tokenizer in time") from None
+        except OSError:
+            pass  # the core is gone: _wait_ready reads why
+        finally:
+            self._sock.settimeout(None)
 
     def _wait_ready(self, timeout: float | None) -> dict[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout

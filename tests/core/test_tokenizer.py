@@ -122,3 +122,18 @@ def test_an_error_in_the_thread_is_load_tokenizers_error(gguf_file: Path, tmp_pa
     assert str(built.value) == str(loaded.value)
     assert str(built.value).startswith(f"cannot load a tokenizer from {broken}: ValueError: ")
     assert "\n" not in str(built.value)
+
+
+def test_a_received_tokenizer_is_taken_as_it_comes(gguf_file: Path) -> None:
+    """``receive`` (the engine core process taking its server's tokenizer): its tokenizer, or None with no
+    transformers fallback (the engine then loads one), or its error as load_tokenizer's one line."""
+    built = load_tokenizer(gguf_file)
+    taken = TokenizerBuild(gguf_file, receive=lambda: built)
+    assert taken.result() is built and taken.received
+    assert TokenizerBuild(gguf_file, receive=lambda: None).result() is None
+
+    def broken() -> None:
+        raise OSError("the server closed its end")
+
+    with pytest.raises(ValueError, match=rf"^cannot load a tokenizer from {gguf_file}: OSError: the server closed"):
+        TokenizerBuild(gguf_file, receive=broken).result()

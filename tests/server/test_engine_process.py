@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from pluginfer.core.config import build_config
-from pluginfer.core.engine_core import EngineCore, FrameReader, encode
+from pluginfer.core.engine_core import EngineCore, FrameReader, encode, receive_frame
 from pluginfer.server.engine_client import EngineClient
 from pluginfer.server.launch import BackgroundServer
 from tests.server.conftest import MODEL_NAME, http, server_config, sse_events
@@ -120,11 +120,18 @@ def test_requests_the_core_refuses_are_400s_and_leave_it_running(core_server):
     assert client.is_alive
 
 
-def test_a_core_that_cannot_start_raises_its_error(tiny_llama_checkpoint, tmp_path):
+def test_a_core_that_cannot_start_raises_its_error(tiny_llama_checkpoint, tmp_path, monkeypatch):
     client = EngineClient(build_config(model=str(tmp_path / "missing"), dtype="float32"))
     with pytest.raises(ValueError, match="missing"):
         client.start(timeout=120)
     assert client.process.poll() is not None
+    # The same while the server is still sending a tokenizer larger than the socket's buffer: the core failed
+    # before it read it, and the server gets its error, not a broken pipe or a hang.
+    monkeypatch.setattr("pluginfer.core.tokenizer.native_tokenizer", lambda path: "x" * (8 << 20))
+    client = EngineClient(build_config(model=str(tmp_path / "missing"), dtype="float32"))
+    with pytest.raises(ValueError, match="missing"):
+        client.start(timeout=120)
+    monkeypatch.undo()
     # Too small a KV cache for one sequence of max_model_len: both numbers and the flag to change.
     config = build_config(model=str(tiny_llama_checkpoint[0]), dtype="float32", **{"cache.kv_cache_memory": 4096})
     client = EngineClient(config)
@@ -259,11 +266,11 @@ def test_pluginfer_serve_stopped_by_sigterm_takes_its_engine_process_along(tiny_
             server.wait()
 
 
-def test_a_gguf_core_reports_its_start_up_phases_and_hands_the_server_its_tokenizer(
-        tiny_llama_checkpoint, tmp_path, monkeypatch):
-    """A core on a GGUF file reports each start-up phase; the tokenizer it built from the file with the
-    `tokenizers` library alone (core/gguf_tokenizer.py, nothing cached) is the server's, and a second start
-    serves the same text."""
+def test_a_gguf_core_reports_its_start_up_phases_and_takes_the_servers_tokenizer(
+        tiny_llama_checkpoint, tmp_path, monkeypatch, capfd):
+    """A core on a GGUF file reports each start-up phase; the tokenizer the server built from the file with the
+    `tokenizers` library alone (core/gguf_tokenizer.py, nothing cached) is the one the core takes (it builds
+    none), and a second start serves the same text."""
     import asyncio
 
     from pluginfer.cli.convert import convert_to_gguf
@@ -280,8 +287,9 @@ def test_a_gguf_core_reports_its_start_up_phases_and_hands_the_server_its_tokeni
 
     texts = []
     for _ in range(2):
-        client = EngineClient(config).start(timeout=300)
+        client = EngineClient(config, log_level="INFO").start(timeout=300)
         try:
+            assert "(engine core): tokenizer taken in" in capfd.readouterr().err
             assert set(client.startup_times) - {"graphs"} == {"start", "imports", "config", "build", "load", "repack",
                                                               "cache", "tokenizer", "other", "warm-up", "total"}
             assert all(seconds >= 0 for seconds in client.startup_times.values())
@@ -291,6 +299,23 @@ def test_a_gguf_core_reports_its_start_up_phases_and_hands_the_server_its_tokeni
             client.shutdown()
     assert texts[0] == texts[1] and texts[0]
     assert not (tmp_path / "cache" / "tokenizers").exists()
+
+
+def test_the_core_reads_exactly_one_frame_and_wants_the_tokenizer_first():
+    server, core = socket.socketpair()
+    with server, core:
+        big = "x" * (3 << 20)  # larger than the socket's buffer: it arrives in pieces
+        sender = threading.Thread(target=server.sendall, args=(encode(("tokenizer", big)) + encode(("stop",)),))
+        sender.start()
+        assert EngineCore(None, core)._receive_tokenizer() == big
+        sender.join()
+        assert receive_frame(core) == ("stop",)  # the frame after it stays for the reader
+        server.sendall(encode(("add", "r", "hi", None)))
+        with pytest.raises(RuntimeError, match="the server sent 'add' before its tokenizer"):
+            EngineCore(None, core)._receive_tokenizer()
+        server.close()
+        with pytest.raises(OSError, match="the server closed its end"):
+            receive_frame(core)
 
 
 def _in_a_server_process(model: Path, then: str) -> str:
