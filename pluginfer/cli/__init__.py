@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -64,8 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pluginfer.core.launcher_env import leave_launched_rank
+    from pluginfer.core.launcher_env import external_launcher, leave_launched_rank
 
+    argv = sys.argv[1:] if argv is None else argv
+    if _serves_through_a_core_process(argv, external_launcher()):
+        from pluginfer.server.core_process import prespawn
+
+        prespawn()  # its interpreter and imports overlap the parser's and the config's here
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -73,6 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     code = _run(run, args)
     leave_launched_rank(code)  # under torchrun/mpiexec: the engine stopped, leave without finalization
     return code
+
+
+def _serves_through_a_core_process(argv: list[str], launcher: str | None) -> bool:
+    """Whether ``argv`` is likely a `pluginfer serve` whose engine core gets a process of its own with the
+    default environment (the config decides; a process spawned for it ahead is discarded when it does not)."""
+    return (argv[:1] == ["serve"] and not {"-h", "--help"} & set(argv) and launcher is None
+            and os.environ.get("PLUGINFER_ENGINE_PROCESS", "1") != "0"
+            and not any(arg.startswith("--core-spin-count") for arg in argv))
 
 
 def _run(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -6,8 +6,10 @@ tokenizer on prompts) and the step never take turns at one interpreter lock, and
 its interpreter, its OpenMP threads and its memory. ``pluginfer.server.engine_client.EngineClient`` is
 the other end; ``LLM`` keeps its engine in the caller's process.
 
-``python -m pluginfer.core.engine_core FD LOG_LEVEL [SPAWNED]`` with the config's JSON on stdin; ``FD`` is
-this end of a socket pair, ``SPAWNED`` the server's ``time.perf_counter()`` as it started this process.
+``python -m pluginfer.core.engine_core FD [SPAWNED]``, then on stdin the log level's name, a newline and the
+config's JSON (``pluginfer.server.core_process`` spawns it, possibly before that config exists; nothing on
+stdin: it exits); ``FD`` is this end of a socket pair, ``SPAWNED`` the server's ``time.perf_counter()`` as it
+started this process.
 Each message is a frame: a 4-byte big-endian length, then a pickle. The server
 sends ``("tokenizer", tokenizer or None)`` first (the tokenizer it built without transformers while this
 process imported torch, taken here beside the weights' load instead of building a second one; None: this
@@ -42,6 +44,9 @@ from typing import Any
 logger = logging.getLogger("pluginfer.core.engine_core")  # also when run as __main__
 
 _LENGTH = struct.Struct(">I")
+# How long an idle OpenMP thread of this process spins before it sleeps unless the config says
+# (``server.core_spin_count``: libgomp's own default, as the offline engine runs).
+DEFAULT_CORE_SPIN_COUNT = 300000
 _IDLE_CHECK_S = 0.25  # how often an idle core looks at engine.failure (a lost rank) while it waits
 
 
@@ -312,16 +317,18 @@ class EngineCore:
 
 
 def main(argv: list[str]) -> int:
-    fd, level = int(argv[0]), argv[1] if len(argv) > 1 else "WARNING"
-    spawned = float(argv[2]) if len(argv) > 2 else None
+    fd, spawned = int(argv[0]), float(argv[1]) if len(argv) > 1 else None
     os.dup2(2, 1)  # whatever prints goes to the log: the server's stdout is its own (its first line says where)
     # Ctrl-C in a terminal reaches the whole process group: the server stops the core in order (stop message).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s (engine core): %(message)s")
-    from pluginfer.core.config import EngineConfig
+    from pluginfer.core.config import EngineConfig  # while the server builds the config (spawned ahead)
 
+    level, _, config = sys.stdin.read().partition("\n")
+    if not config:
+        return 0  # spawned ahead for a config that runs the engine elsewhere, or never came
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s (engine core): %(message)s")
     sock = socket.socket(fileno=fd)
-    core = EngineCore(EngineConfig.model_validate_json(sys.stdin.read()), sock)
+    core = EngineCore(EngineConfig.model_validate_json(config), sock)
     try:
         try:
             info = core.load(spawned)

@@ -19,15 +19,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import pickle
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -36,6 +34,7 @@ from pluginfer.core.engine_core import EngineDeadError, FrameReader, encode
 from pluginfer.core.outputs import RequestOutput
 from pluginfer.core.sequence import SamplingParams
 from pluginfer.server.client_request import ClientRequest
+from pluginfer.server.core_process import CoreProcess
 from pluginfer.server.engine_view import EngineView
 
 logger = logging.getLogger(__name__)
@@ -47,7 +46,10 @@ _RECV_BYTES = 1 << 20  # one read of the core's frames: a shorter read emptied t
 class EngineClient:
     """Start the engine core process; serve coroutines' requests through it (AsyncEngine's interface)."""
 
-    def __init__(self, config: EngineConfig, log_level: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, log_level: str | None = None,
+                 process: CoreProcess | None = None) -> None:
+        """Spawn the core process for ``config`` (or configure ``process``, one spawned ahead with the
+        environment ``config.server.core_spin_count`` asks for: ``core_process.take_prespawned``)."""
         self.config = config
         self.engine: EngineView | None = None
         self.startup_times: dict[str, float] = {}
@@ -63,18 +65,10 @@ class EngineClient:
         self._error: BaseException | None = None
         self._stopping = False
         self._closed = False
-        self._sock, child = socket.socketpair()
+        core = process or CoreProcess(config.server.core_spin_count)
+        self._sock, self.process, self._spawned = core.sock, core.process, core.spawned
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        self._spawned = time.perf_counter()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "pluginfer.core.engine_core", str(child.fileno()), str(level),
-             repr(self._spawned)],
-            stdin=subprocess.PIPE, pass_fds=(child.fileno(),),
-            env=core_environment(config.server.core_spin_count, os.environ),
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        child.close()
-        self.process.stdin.write(config.model_dump_json().encode())
-        self.process.stdin.close()
+        core.configure(config.model_dump_json(), str(level))
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -404,22 +398,3 @@ def _how(code: int | None) -> str:
         except ValueError:
             return f"on signal {-code}"
     return f"with code {code}"
-
-
-def core_environment(spin_count: int, environ: Mapping[str, str]) -> dict[str, str]:
-    """The engine core's environment: ``environ`` and how its idle OpenMP threads wait (``--core-spin-count``),
-    unless ``environ`` already says (OMP_WAIT_POLICY or GOMP_SPINCOUNT: the user's own choice wins)."""
-    env = dict(environ)
-    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
-        return env
-    if spin_count == 0:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"  # every OpenMP runtime knows it; GOMP_SPINCOUNT is libgomp's
-    else:
-        env["GOMP_SPINCOUNT"] = str(spin_count)
-    return env
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the core does not outlive the server

@@ -121,8 +121,11 @@ def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
     ``PLUGINFER_ENGINE_PROCESS=0``, the step loop in a thread of this process (``AsyncEngine``).
 
     Several ranks stay in this process: the driver (rank 0) is this process, its workers its children.
-    The core process starts first and loads the model while this process imports the server."""
+    The core process starts first and loads the model while this process imports the server; one that
+    ``pluginfer serve`` spawned before it built the config is taken when the config allows
+    (``core_process.take_prespawned``)."""
     from pluginfer.core.launcher_env import external_launcher
+    from pluginfer.server.core_process import discard_prespawned, take_prespawned
 
     parallel = config.parallel
     client = None
@@ -131,7 +134,9 @@ def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
     in_process = parallel.launcher == "inprocess" or (parallel.launcher == "auto" and
                                                       external_launcher(os.environ) is None)
     if os.environ.get("PLUGINFER_ENGINE_PROCESS", "1") != "0" and one_rank and in_process:
-        client = EngineClient(config)
+        client = EngineClient(config, process=take_prespawned(config.server.core_spin_count))
+    else:
+        discard_prespawned()  # `pluginfer serve` spawned one ahead: this config runs the engine here
     from pluginfer.server import app  # noqa: F401 - the server's own imports (no torch), while the core loads
 
     if client is None:

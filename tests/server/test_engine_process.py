@@ -362,7 +362,7 @@ def test_the_server_spawns_the_core_before_it_imports_aiohttp(tmp_path):
     ({"GOMP_SPINCOUNT": "5"}, 0, {"GOMP_SPINCOUNT": "5"}),
 ])
 def test_the_core_waits_as_core_spin_count_says_unless_the_environment_does(environ, spin_count, expected):
-    from pluginfer.server.engine_client import core_environment
+    from pluginfer.server.core_process import core_environment
 
     env = core_environment(spin_count, {"PATH": "/bin", **environ})
     assert {key: env[key] for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if key in env} == expected
