@@ -81,9 +81,9 @@ class ServerConfig(_Section):
         None, description="hermes (qwen), llama3_json, mistral or deepseek_v3 (deepseek_v31): reads the tool "
                           "calls of tool_choice auto.")
     core_spin_count: int = Field(
-        DEFAULT_CORE_SPIN_COUNT, ge=0, description="How long an idle OpenMP thread of the engine core process spins before it "
-        "sleeps (libgomp's GOMP_SPINCOUNT, ~100000 a millisecond). The default, 300000 (libgomp's own, as the "
-        "offline engine runs), keeps threads awake between a step's kernels and sleeps when the server idles: "
+        DEFAULT_CORE_SPIN_COUNT, ge=0, description="How long an idle OpenMP thread of the engine core process "
+        "spins before it sleeps (libgomp's GOMP_SPINCOUNT, ~100000 a millisecond). The default, 300000 (libgomp's "
+        "own, as the offline engine runs), keeps threads awake between a step's kernels and sleeps when the server idles: "
         "fastest on cores of the server's own. 0: they sleep at once (OMP_WAIT_POLICY=PASSIVE), which stays "
         "fast when other programs load the cores. OMP_WAIT_POLICY or GOMP_SPINCOUNT set in the environment win.")
 

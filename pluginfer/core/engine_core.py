@@ -10,16 +10,16 @@ the other end; ``LLM`` keeps its engine in the caller's process.
 config's JSON (``pluginfer.server.core_process`` spawns it, possibly before that config exists; nothing on
 stdin: it exits); ``FD`` is this end of a socket pair, ``SPAWNED`` the server's ``time.perf_counter()`` as it
 started this process.
-Each message is a frame: a 4-byte big-endian length, then a pickle. The server
-sends ``("tokenizer", tokenizer or None)`` first (the tokenizer it built without transformers while this
-process imported torch, taken here beside the weights' load instead of building a second one; None: this
-process loads its own and sends it, pickled, in its ready message), then ``("add", request_id, prompt, params)``, ``("abort", request_id)``, ``("compile", call_id,
-grammar)`` and ``("stop",)``. The core answers ``("ready", info)`` once loaded (or ``("failed",
-error type, message)``), then after every step one ``("out", deltas, stats)`` with what each request
-gained since the last one (new token ids, text, logprobs; the prompt's fields the first time), and
-``("reject", request_id, error type, message)`` for a request ``add_request`` refused,
-``("compiled", call_id, error or None)``, ``("dead", reason)`` when the loop fails. One frame per step
-whatever the number of requests: the server wakes once per step, not once per token.
+Each message is a frame: a 4-byte big-endian length, then a pickle. The server sends ``("tokenizer", tokenizer
+or None)`` first (the tokenizer it built without transformers while this process imported torch, taken here
+beside the weights' load instead of building a second one; None: this process loads its own and sends it,
+pickled, in its ready message), then ``("add", request_id, prompt, params)``, ``("abort", request_id)``,
+``("compile", call_id, grammar)`` and ``("stop",)``. The core answers ``("ready", info)`` once loaded (or
+``("failed", error type, message)``), then after every step one ``("out", deltas, stats)`` with what each
+request gained since the last one (new token ids, text, logprobs; the prompt's fields the first time), and
+``("reject", request_id, error type, message)`` for a request ``add_request`` refused, ``("compiled", call_id,
+error or None)``, ``("dead", reason)`` when the loop fails. One frame per step whatever the number of
+requests: the server wakes once per step, not once per token.
 
 A reader thread takes the server's frames off the socket as they come (so neither side can block the
 other on a full buffer) and compiles grammars there, off the step loop. The core exits when told to

@@ -31,15 +31,14 @@ logger = logging.getLogger(__name__)
 class CoreProcess:
     """One spawned engine core interpreter and the server's end of its socket."""
 
-    def __init__(self, spin_count: int = DEFAULT_CORE_SPIN_COUNT,
-                 environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, spin_count: int = DEFAULT_CORE_SPIN_COUNT) -> None:
         self.spin_count = spin_count
         self.sock, child = socket.socketpair()
         self.spawned = time.perf_counter()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pluginfer.core.engine_core", str(child.fileno()), repr(self.spawned)],
             stdin=subprocess.PIPE, pass_fds=(child.fileno(),),
-            env=core_environment(spin_count, os.environ if environ is None else environ),
+            env=core_environment(spin_count, os.environ),
             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         child.close()
 
