@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 from pluginfer.core.config import EngineConfig
-from pluginfer.core.launcher_env import external_launcher, leave_launched_rank
+from pluginfer.core.launcher_env import die_with_parent, external_launcher, leave_launched_rank
 from pluginfer.core.protocols import RankInfo
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class LocalWorkers:
             info = dataclasses.replace(rank, rank=other, local_rank=other)
             process = subprocess.Popen(
                 [sys.executable, "-m", "pluginfer.core.launch", json.dumps(dataclasses.asdict(info))],
-                stdin=subprocess.PIPE, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                stdin=subprocess.PIPE, preexec_fn=die_with_parent if sys.platform == "linux" else None)
             process.stdin.write(config.model_dump_json().encode())
             process.stdin.close()
             self.processes.append((other, process))
@@ -147,14 +147,6 @@ class LocalWorkers:
         for _, process in self.processes:
             if process.poll() is None:
                 process.kill()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the driver's process goes away."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _worker_main(argv: list[str]) -> int:

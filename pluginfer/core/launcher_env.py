@@ -41,3 +41,12 @@ def leave_launched_rank(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def die_with_parent() -> None:
+    """A child's ``preexec_fn`` (Linux): SIGTERM when the process that spawned it goes away (PR_SET_PDEATHSIG):
+    spawned ranks and the engine core process do not outlive their driver or server."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)

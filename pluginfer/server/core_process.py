@@ -8,7 +8,8 @@ and its config; ``configure`` sends them. ``EngineClient`` spawns one for its co
 ``start_engine`` takes it (``take_prespawned``) when the config runs the core in a process of its own with
 the environment it was spawned with; otherwise it is discarded, and so is one never taken.
 
-Standard library only: it runs before the server imports anything else.
+It imports the standard library and two torch- and pydantic-free core modules (``engine_core``,
+``launcher_env``) only: it runs before the server imports anything else.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 
 from pluginfer.core.engine_core import DEFAULT_CORE_SPIN_COUNT
+from pluginfer.core.launcher_env import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class CoreProcess:
             [sys.executable, "-m", "pluginfer.core.engine_core", str(child.fileno()), repr(self.spawned)],
             stdin=subprocess.PIPE, pass_fds=(child.fileno(),),
             env=core_environment(spin_count, os.environ),
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            preexec_fn=die_with_parent if sys.platform == "linux" else None)
         child.close()
 
     def configure(self, config_json: str, log_level: str) -> None:
@@ -70,12 +71,6 @@ def core_environment(spin_count: int, environ: Mapping[str, str]) -> dict[str, s
     else:
         env["GOMP_SPINCOUNT"] = str(spin_count)
     return env
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the core does not outlive the server
 
 
 # -- the one ``pluginfer serve`` spawns first thing ----------------------------------------------

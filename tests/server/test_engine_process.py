@@ -131,7 +131,6 @@ def test_a_core_that_cannot_start_raises_its_error(tiny_llama_checkpoint, tmp_pa
     client = EngineClient(build_config(model=str(tmp_path / "missing"), dtype="float32"))
     with pytest.raises(ValueError, match="missing"):
         client.start(timeout=120)
-    monkeypatch.undo()
     # Too small a KV cache for one sequence of max_model_len: both numbers and the flag to change.
     config = build_config(model=str(tiny_llama_checkpoint[0]), dtype="float32", **{"cache.kv_cache_memory": 4096})
     client = EngineClient(config)
