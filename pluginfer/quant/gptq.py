@@ -110,7 +110,7 @@ def _load_g_idx(shard: ShardSpec, param: nn.Parameter, loaded: torch.Tensor, sha
             raise ValueError(f"{name}: {exc}") from None
     if loaded.shape != param.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected {tuple(param.shape)}")
-    if getattr(param, "loaded", False) and not torch.equal(param.data, loaded.to(param.dtype)):
+    if getattr(param, "loaded", False) and not torch.equal(param.data, loaded.to(param.device, param.dtype)):
         raise ValueError(f"{name}: differs from the g_idx of the projections fused with it")
     param.data.copy_(loaded)
     param.loaded = True
