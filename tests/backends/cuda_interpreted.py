@@ -2,10 +2,11 @@
 
 ``python tests/backends/cuda_interpreted.py SPEC.json``: SPEC holds ``model``, ``backend``, ``engine``
 (LLM keyword arguments), ``prompt_groups`` (lists of token-id prompts, generated one group after the
-other in one engine, so later groups hit the prefix cache) and ``max_tokens``. For the cuda backend the
-caller sets ``TRITON_INTERPRET=1`` and ``PLUGINFER_CUDA_ON_CPU=1`` before this process starts (Triton reads
-the first once, at import). Every kernel registered into a ``KernelTable`` is counted, so the caller can
-tell which Triton kernels ran.
+other in one engine, so later groups hit the prefix cache) and ``max_tokens``. For the cuda backend on a
+machine without a GPU the caller sets ``TRITON_INTERPRET=1`` and ``PLUGINFER_CUDA_ON_CPU=1`` before this
+process starts (Triton reads the first once, at import); on a GPU it sets neither, and the kernels are
+compiled for it. Every kernel registered into a ``KernelTable`` is counted, so the caller can tell which
+Triton kernels ran, and the decode graphs' replays are reported.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def main(spec_path: str) -> None:
 
     llm = LLM(model=spec["model"], backend=spec["backend"], **spec["engine"])
     backend = llm.engine.executor.backend
-    graphs = _stand_in_decode_graphs(llm) if spec.get("decode_graphs") else None
+    # On a GPU the worker captured real CUDA graphs (unless enforce_eager); on CPU tensors, a stand-in on request.
+    graphs = _stand_in_decode_graphs(llm) if spec.get("decode_graphs") else llm.engine.executor.worker.decode_graphs
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     groups, cached = [], []
     for prompts in spec["prompt_groups"]:

@@ -51,7 +51,7 @@ def attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cach
 def paged_inputs(seq_lens: list[int], heads: int, kv_heads: int, head_dim: int, v_dim: int, block_size: int = 16,
                  seed: int = 0) -> tuple[torch.Tensor, ...]:
     """query, key cache, value cache, block tables: blocks in random order, unused blocks full of garbage."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(seed)
     per_seq = -(-max(seq_lens) // block_size)
     num_blocks = len(seq_lens) * per_seq + 2
     key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)

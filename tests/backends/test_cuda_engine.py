@@ -1,15 +1,19 @@
-"""The whole engine on the cuda backend, its Triton kernels run by Triton's interpreter on CPU tensors.
+"""The whole engine on the cuda backend: its Triton kernels run by Triton's interpreter on CPU tensors, and,
+where torch sees a CUDA device, the same cases again compiled for the GPU (target ``gpu``, decode steps
+replaying real CUDA graphs).
 
 Each case builds a tiny random Hugging Face checkpoint, asks transformers for its greedy continuations
 (the oracle), and runs ``tests/backends/cuda_interpreted.py`` in a fresh interpreter with
-``TRITON_INTERPRET=1 PLUGINFER_CUDA_ON_CPU=1`` and ``backend="cuda"``. The prompts come in two groups
+``TRITON_INTERPRET=1 PLUGINFER_CUDA_ON_CPU=1`` (on the GPU, neither) and ``backend="cuda"``. The prompts come in two groups
 generated one after the other: the second shares the first's prefix (prefix-cache hits, whose
 prefill reads the cached blocks) and the step budget of 16 tokens cuts longer prompts into chunks
 (chunked prefill over cached blocks). Decode rows and prefill rows share steps. The greedy tokens
 must equal transformers', and the Triton kernels each case needs must have run. The Marlin case
 compares against the cpu backend (same checkpoint, the torch dequantize path) instead.
 
-No GPU is involved: this proves the kernels and the backend's plumbing, not CUDA compilation or speed.
+The interpreter proves the kernels and the backend's plumbing on any machine; the ``gpu`` target proves
+CUDA compilation, native bf16/fp16 dots and graph capture, and is skipped where there is no GPU (it ran on
+an H100: docs/performance.md, "On a GPU").
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.checkpoints import hf_greedy, random_prompts, save_hf_model
 from tests.models.family_cases_deepseek import MLA
@@ -34,6 +39,9 @@ BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
 ENGINE = dict(dtype="float32", num_blocks=96, block_size=8, max_num_batched_tokens=16)
 MAX_TOKENS = 8
+# Where the cuda backend runs: Triton's interpreter on CPU tensors (any machine), or compiled for a real GPU.
+TARGETS = ["interpreter", pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                      reason="no CUDA device"))]
 # Kernels every case runs: norms, rotary, the KV write and both attention kernels.
 COMMON = {"rms_norm", "write_kv", "paged_decode_attention", "paged_prefill_attention"}
 
@@ -56,15 +64,19 @@ CASES = {
 
 
 def run_engine(tmp_path: Path, model: Path, prompt_groups: list[list[list[int]]], backend: str = "cuda",
-               decode_graphs: bool = False, **engine: object) -> dict:
+               decode_graphs: bool = False, target: str = "interpreter", **engine: object) -> dict:
     spec = tmp_path / f"spec-{backend}.json"
     spec.write_text(json.dumps({"model": str(model), "backend": backend, "engine": {**ENGINE, **engine},
                                 "prompt_groups": prompt_groups, "max_tokens": MAX_TOKENS,
                                 "decode_graphs": decode_graphs}))
     # Float activations for GGML blocks on the cpu backend too (its default for short steps quantizes them to
     # int8, which the cuda kernels do not): both backends then compute the same products.
-    env = dict(os.environ, TRITON_INTERPRET="1", PLUGINFER_CUDA_ON_CPU="1", PYTHONPATH=str(Path.cwd()),
-               PLUGINFER_QUANT_ACTIVATIONS="float")
+    path = os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, PLUGINFER_QUANT_ACTIVATIONS="float")
+    for name in ("TRITON_INTERPRET", "PLUGINFER_CUDA_ON_CPU"):
+        env.pop(name, None)
+        if target == "interpreter":
+            env[name] = "1"
     done = subprocess.run([sys.executable, str(RUNNER), str(spec)], env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -78,22 +90,26 @@ def prompt_groups(vocab: int) -> list[list[list[int]]]:
     return [first, second]
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_greedy_on_interpreted_cuda_backend_equals_transformers(name: str, tmp_path: Path,
-                                                                tiny_tokenizer_dir: Path) -> None:
+def test_greedy_on_cuda_backend_equals_transformers(name: str, target: str, tmp_path: Path,
+                                                    tiny_tokenizer_dir: Path) -> None:
     arch, overrides, kernels = CASES[name]
     model = save_hf_model(arch, {**BASE, **overrides}, tmp_path / name, tiny_tokenizer_dir)
     groups = prompt_groups(model.config.vocab_size)
     expected = [[hf_greedy(model, prompt, MAX_TOKENS) for prompt in group] for group in groups]
-    report = run_engine(tmp_path, tmp_path / name, groups)
-    assert (report["backend"], report["device"]) == ("cuda", "cpu")
+    report = run_engine(tmp_path, tmp_path / name, groups, target=target)
+    assert (report["backend"], report["device"]) == ("cuda", "cpu" if target == "interpreter" else "cuda:0")
     assert report["tokens"] == expected, name
+    if target == "gpu":  # the greedy tokens above came through real CUDA graphs' replays
+        assert report["graph_replays"] >= MAX_TOKENS - 2, report["graph_replays"]
     assert all(count >= 16 for count in report["cached_tokens"][1]), report["cached_tokens"]  # prefix hits
     missing = (COMMON | kernels) - set(report["kernel_calls"])
     assert not missing, f"{name}: Triton kernels that never ran: {sorted(missing)}"
 
 
-def test_marlin_through_the_backend_op_table(tmp_path: Path) -> None:
+@pytest.mark.parametrize("target", TARGETS)
+def test_marlin_through_the_backend_op_table(target: str, tmp_path: Path) -> None:
     """A GPTQModel checkpoint repacked to Marlin tiles: the Triton kernel (reached through
     ``DeviceBackend.op("marlin_matmul")``, no device test in the quant method) equals the cpu backend's torch path."""
     fixture = Path(__file__).parents[1] / "quant" / "fixtures" / "gptq_awq" / "gptq_b4_g128_sym"
@@ -101,21 +117,22 @@ def test_marlin_through_the_backend_op_table(tmp_path: Path) -> None:
         pytest.skip(f"GPTQModel fixture {fixture} is missing (tests/quant/fixtures/make_gptq_awq.py)")
     vocab = json.loads((fixture / "config.json").read_text())["vocab_size"]
     groups = [random_prompts(vocab, [5, 18], seed=4)]
-    on_cuda = run_engine(tmp_path, fixture, groups, quant="marlin")
+    on_cuda = run_engine(tmp_path, fixture, groups, quant="marlin", target=target)
     on_cpu = run_engine(tmp_path, fixture, groups, backend="cpu", quant="marlin")
     assert on_cuda["tokens"] == on_cpu["tokens"]
     assert on_cuda["kernel_calls"].get("marlin_matmul", 0) > 0
     assert "marlin_matmul" not in on_cpu["kernel_calls"]
 
 
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("quant", ["int8", "q4_0"])
-def test_in_situ_quantized_formats_through_the_backend_op_table(quant: str, tmp_path: Path,
+def test_in_situ_quantized_formats_through_the_backend_op_table(quant: str, target: str, tmp_path: Path,
                                                                tiny_tokenizer_dir: Path) -> None:
     """A float checkpoint quantized at load (int8 W8A16, GGUF Q4_0 blocks): the cuda backend's kernels
     (``int8_matmul``, ``ggml_q4_0_matmul``, reached through the table) give the cpu backend's greedy tokens."""
     model = save_hf_model("LlamaForCausalLM", BASE, tmp_path / "llama", tiny_tokenizer_dir)
     groups = [random_prompts(model.config.vocab_size, [5, 18], seed=4)]
-    on_cuda = run_engine(tmp_path, tmp_path / "llama", groups, quant=quant)
+    on_cuda = run_engine(tmp_path, tmp_path / "llama", groups, quant=quant, target=target)
     on_cpu = run_engine(tmp_path, tmp_path / "llama", groups, backend="cpu", quant=quant)
     assert on_cuda["tokens"] == on_cpu["tokens"]
     kernel = {"int8": "int8_matmul", "q4_0": "ggml_q4_0_matmul"}[quant]
@@ -124,7 +141,8 @@ def test_in_situ_quantized_formats_through_the_backend_op_table(quant: str, tmp_
 
 @pytest.mark.parametrize(("name", "quant"), [("gptq_b4_g128_sym", "gptq"), ("gptq_b8_gall_act_sym", "gptq"),
                                            ("awq_b4_g128", "awq")])
-def test_gptq_and_awq_through_the_backend_op_table(name: str, quant: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("target", TARGETS)
+def test_gptq_and_awq_through_the_backend_op_table(name: str, quant: str, target: str, tmp_path: Path) -> None:
     """GPTQModel checkpoints on ``--quant gptq`` (4-bit; 8-bit with act-order) and ``--quant awq``: the Triton
     ``grouped_matmul`` gives the cpu backend's greedy tokens."""
     fixture = Path(__file__).parents[1] / "quant" / "fixtures" / "gptq_awq" / name
@@ -132,13 +150,14 @@ def test_gptq_and_awq_through_the_backend_op_table(name: str, quant: str, tmp_pa
         pytest.skip(f"GPTQModel fixture {fixture} is missing (tests/quant/fixtures/make_gptq_awq.py)")
     vocab = json.loads((fixture / "config.json").read_text())["vocab_size"]
     groups = [random_prompts(vocab, [5, 18], seed=4)]
-    on_cuda = run_engine(tmp_path, fixture, groups, quant=quant)
+    on_cuda = run_engine(tmp_path, fixture, groups, quant=quant, target=target)
     on_cpu = run_engine(tmp_path, fixture, groups, backend="cpu", quant=quant)
     assert on_cuda["tokens"] == on_cpu["tokens"]
     assert on_cuda["kernel_calls"].get("grouped_matmul", 0) > 0
 
 
-def test_gguf_file_blocks_through_the_backend_op_table(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+@pytest.mark.parametrize("target", TARGETS)
+def test_gguf_file_blocks_through_the_backend_op_table(target: str, tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
     """A GGUF file of Q4_0 linears (F32 embedding and head): the cuda backend's ``ggml_q4_0_matmul`` gives the
     cpu backend's greedy tokens."""
     from pluginfer.cli.convert import convert_to_gguf
@@ -146,13 +165,14 @@ def test_gguf_file_blocks_through_the_backend_op_table(tmp_path: Path, tiny_toke
     model = save_hf_model("LlamaForCausalLM", BASE, tmp_path / "llama", tiny_tokenizer_dir)
     path = convert_to_gguf(tmp_path / "llama", tmp_path / "llama-q4_0.gguf", "q4_0", "f32")
     groups = [random_prompts(model.config.vocab_size, [5, 18], seed=4)]
-    on_cuda = run_engine(tmp_path, path, groups)
+    on_cuda = run_engine(tmp_path, path, groups, target=target)
     on_cpu = run_engine(tmp_path, path, groups, backend="cpu")
     assert on_cuda["tokens"] == on_cpu["tokens"]
     assert on_cuda["kernel_calls"].get("ggml_q4_0_matmul", 0) > 0
 
 
-def test_q4_k_m_gguf_file_through_the_backend_op_table(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+@pytest.mark.parametrize("target", TARGETS)
+def test_q4_k_m_gguf_file_through_the_backend_op_table(target: str, tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
     """A file of llama.cpp's Q4_K_M mix (Q4_K linears; Q6_K attn_v and ffn_down where its ``use_more_bits``
     picks them, here layer 1 of 2; F32 embedding and head) of a llama whose rows hold whole 256-weight
     super-blocks: the cuda backend's ``ggml_q4_k_matmul`` and ``ggml_q6_k_matmul`` (Q4_K and Q6_K groups in
@@ -168,7 +188,7 @@ def test_q4_k_m_gguf_file_through_the_backend_op_table(tmp_path: Path, tiny_toke
     path = write_gguf(tmp_path / "llama-q4_k_m.gguf", read_hf_config(directory), load_tokenizer(directory),
                       iter_weights(directory), "q4_k", embedding_type="f32", types=more_bits)
     groups = [random_prompts(model.config.vocab_size, [5, 18], seed=4)]
-    on_cuda = run_engine(tmp_path, path, groups)
+    on_cuda = run_engine(tmp_path, path, groups, target=target)
     on_cpu = run_engine(tmp_path, path, groups, backend="cpu")
     assert on_cuda["tokens"] == on_cpu["tokens"]
     assert on_cuda["kernel_calls"].get("ggml_q4_k_matmul", 0) > 0
@@ -186,3 +206,17 @@ def test_decode_steps_through_the_graph_bookkeeping_equal_transformers(tmp_path:
     report = run_engine(tmp_path, tmp_path / "llama", groups, decode_graphs=True, max_num_seqs=4, max_model_len=64)
     assert report["tokens"] == expected
     assert report["graph_replays"] >= MAX_TOKENS - 2  # every all-decode step replayed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_graph_replays_equal_eager_decode_on_the_gpu(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """Five sequences decode in the bucket of 8 (three padding rows in the scratch block): real CUDA graphs'
+    replays give the eager steps' tokens (``enforce_eager``), and both give transformers'."""
+    model = save_hf_model("LlamaForCausalLM", BASE, tmp_path / "llama", tiny_tokenizer_dir)
+    groups = [random_prompts(model.config.vocab_size, [5, 11, 3, 7, 2], seed=5)]
+    expected = [[hf_greedy(model, prompt, MAX_TOKENS) for prompt in group] for group in groups]
+    graphs = run_engine(tmp_path, tmp_path / "llama", groups, target="gpu", max_num_seqs=8, max_model_len=64)
+    eager = run_engine(tmp_path, tmp_path / "llama", groups, target="gpu", max_num_seqs=8, max_model_len=64,
+                       enforce_eager=True)
+    assert graphs["tokens"] == eager["tokens"] == expected
+    assert graphs["graph_replays"] >= MAX_TOKENS - 2 and eager["graph_replays"] is None

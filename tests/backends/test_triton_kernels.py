@@ -1,4 +1,5 @@
-"""Every Triton kernel of the cuda backend under ``TRITON_INTERPRET=1`` against its torch reference.
+"""Every Triton kernel of the cuda backend under ``TRITON_INTERPRET=1`` against its torch reference; where torch
+sees a CUDA device, every case again compiled for the GPU, on CUDA tensors.
 
 The references are the ops of ``pluginfer.core.kernels`` (``tests/core/test_kernels.py`` holds them
 equal to the layers and to the cpu backend). Triton reads ``TRITON_INTERPRET`` once, at import, so the
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.backends.triton_cases import (
     case_align_by_expert,
@@ -92,21 +94,38 @@ for _qtype in ("q4_k", "q6_k"):  # three super-blocks per row, an odd output cou
               for _rows in (1, 5) for _dtype in ("float32", "bfloat16")}
 
 
-@pytest.fixture(scope="module")
-def reports() -> dict:
-    """Every case in one interpreter process (each start imports torch and triton anew)."""
+def run_cases(interpret: bool) -> dict:
+    """Every case in one process (each start imports torch and triton anew): interpreted, or on the GPU."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install triton; the test extra has it)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path.cwd()))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")])))
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    return run_cases(interpret=True)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_kernel_equals_its_reference(reports: dict, name: str) -> None:
     report = reports[name]
     assert report["error"] is None, f"{name}: {report['error']}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_every_triton_kernel_compiled_for_the_gpu_equals_its_reference() -> None:
+    """The same cases compiled for the GPU: native bf16/fp16 ``tl.dot`` (the interpreter widens them to float32)
+    and the compiler's own code, against the torch references on the same device."""
+    reports = run_cases(interpret=False)
+    assert set(reports) == set(CASES)
+    failed = {name: report["error"] for name, report in reports.items() if report["error"] is not None}
+    assert not failed, failed
 
 
 # Ops the cuda backend leaves to the table's reference on purpose: cuBLAS reads the checkpoint's [out, in] layout.
@@ -126,7 +145,9 @@ def test_every_op_but_none_has_a_triton_kernel() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    if os.environ.get("TRITON_INTERPRET") != "1":  # compiled for the GPU: every case's tensors on it
+        assert torch.cuda.is_available(), "run with TRITON_INTERPRET=1, or where torch sees a CUDA device"
+        torch.set_default_device("cuda")
     results = {}
     for case_name, (function, *arguments) in CASES.items():
         try:

@@ -11,8 +11,8 @@ TOLERANCE = {"float32": dict(atol=2e-5, rtol=2e-5), "bfloat16": dict(atol=3e-2, 
              "float16": dict(atol=5e-3, rtol=5e-3), "exact": dict(atol=0, rtol=0)}
 
 
-def tensors(seed: int):  # a seeded random-tensor maker
-    generator = torch.Generator().manual_seed(seed)
+def tensors(seed: int):  # a seeded random-tensor maker, on torch's default device (the GPU's in a GPU run)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(seed)
 
     def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
@@ -243,7 +243,7 @@ def case_backend(dtype: str, latent: bool) -> dict:
 
     kind = getattr(torch, dtype)
     randn, _ = tensors(8)
-    backend, reference = cuda.CudaBackend(device=torch.device("cpu")), cpu.CpuBackend()
+    backend, reference = cuda.CudaBackend(device=torch.get_default_device()), cpu.CpuBackend()
     reference.native_kernels = False
     spec = KVCacheSpec(num_layers=1, num_kv_heads=1 if latent else 2, head_dim=24, v_head_dim=24,
                        value_in_key=16 if latent else None)
