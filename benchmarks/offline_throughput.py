@@ -4,6 +4,8 @@
     python benchmarks/offline_throughput.py --layers 2      # quick smoke run
     python benchmarks/offline_throughput.py --arch mixtral --layers 8 --hidden 512 --intermediate 1408
     python benchmarks/offline_throughput.py --arch deepseek --layers 4 --hidden 512 --offload 2
+    python benchmarks/offline_throughput.py --device cuda --dtype bfloat16 --batch 1 32 128 \
+        --engines pluginfer pluginfer-eager transformers   # on a GPU: the cuda backend, graphs and eager
 
 Decode tokens/s = batch * (gen_len - 1) / (time(generate gen_len) - time(generate 1 token)), so the
 prefill is not counted; prefill tokens/s = prompt_len / time(generate 1 token). Runs alternate
@@ -60,24 +62,34 @@ def build_checkpoint(out: Path, args: argparse.Namespace) -> None:
         LlamaForCausalLM(LlamaConfig(**common)).save_pretrained(out, safe_serialization=True)
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed(fn, *args) -> float:
+    synchronize()
     start = time.perf_counter()
     fn(*args)
+    synchronize()
     return time.perf_counter() - start
 
 
 class Ours:
     name = "pluginfer"
 
-    def __init__(self, path: Path, args: argparse.Namespace, max_num_seqs: int | None = None) -> None:
+    def __init__(self, path: Path, args: argparse.Namespace, max_num_seqs: int | None = None,
+                 eager: bool = False) -> None:
         from pluginfer import LLM
 
-        # The batching engine runs every batch size; an engine sized for one sequence (the dense
+        # The batching engine runs every batch size; on the CPU an engine sized for one sequence (the dense
         # layout for MKL's GEMV instead of oneDNN's packed one) is timed at batch 1 beside it.
+        self.name = "pluginfer-eager" if eager else "pluginfer"
         self.max_num_seqs = max_num_seqs or max(args.batch)
-        self.llm = LLM(model=str(path), dtype="float32", max_model_len=1024, max_num_seqs=self.max_num_seqs,
+        backend = {"backend": "cuda", "enforce_eager": eager} if args.device == "cuda" else {}
+        self.llm = LLM(model=str(path), dtype=args.dtype, max_model_len=1024, max_num_seqs=self.max_num_seqs,
                        enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.prefill_len),
-                       num_experts_offload_per_rank=args.offload)
+                       num_experts_offload_per_rank=args.offload, **backend)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         from pluginfer import SamplingParams
@@ -93,22 +105,25 @@ class Transformers:
     def __init__(self, path: Path, args: argparse.Namespace) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        self.device = torch.device(args.device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, args.dtype))
+        self.model = self.model.to(self.device).eval()
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         with torch.inference_mode():  # static batch: every prompt has the same length, no padding
-            out = self.model.generate(torch.tensor(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+            out = self.model.generate(torch.tensor(prompts, device=self.device), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out.shape[1] == len(prompts[0]) + new_tokens
 
 
-def memory_bandwidth() -> float:
-    """Bytes/s of a matrix-vector product over a 256 MiB fp32 matrix (what batch-1 decode does)."""
-    weight = torch.randn(8192, 8192)
-    vector = torch.randn(1, 8192)
+def memory_bandwidth(device: str, dtype: torch.dtype) -> float:
+    """Bytes/s of a matrix-vector product over a 256 MiB fp32 (1 GiB on a GPU) matrix: what batch-1 decode does."""
+    size = 16384 if device == "cuda" else 8192
+    weight = torch.randn(size, size, device=device).to(dtype)
+    vector = torch.randn(1, size, device=device).to(dtype)
     torch.nn.functional.linear(vector, weight)
     seconds = statistics.median(timed(lambda: torch.nn.functional.linear(vector, weight)) for _ in range(10))
-    return weight.numel() * 4 / seconds
+    return weight.numel() * weight.element_size() / seconds
 
 
 def main() -> int:
@@ -129,16 +144,26 @@ def main() -> int:
     parser.add_argument("--gen-len", type=int, default=128)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--engines", nargs="+", default=["pluginfer", "transformers"])
+    parser.add_argument("--engines", nargs="+", default=["pluginfer", "transformers"],
+                        choices=["pluginfer", "pluginfer-eager", "transformers"],
+                        help="pluginfer-eager: the cuda backend without CUDA graphs (--device cuda)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: pluginfer's cuda backend and transformers on the GPU")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     args = parser.parse_args()
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         build_checkpoint(path, args)
-        engines = [cls(path, args) for cls in (Ours, Transformers) if cls.name in args.engines]
-        single = Ours(path, args, max_num_seqs=1) if "pluginfer" in args.engines and 1 in args.batch else None
-        weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        engines = [engine for name, engine in (("pluginfer", lambda: Ours(path, args)),
+                                               ("pluginfer-eager", lambda: Ours(path, args, eager=True)),
+                                               ("transformers", lambda: Transformers(path, args)))
+                   if name in args.engines for engine in [engine()]]
+        single = (Ours(path, args, max_num_seqs=1) if "pluginfer" in args.engines and 1 in args.batch
+                  and args.device == "cpu" else None)
+        # The checkpoint is float32; the engines hold it in --dtype.
+        weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors")) * getattr(torch, args.dtype).itemsize // 4
         generator = torch.Generator().manual_seed(0)
 
         def prompts(batch: int, length: int) -> list[list[int]]:
@@ -168,16 +193,19 @@ def main() -> int:
         for name, values in samples.items():
             results[(f"prefill tok/s, {args.prefill_len} tokens", name)] = statistics.median(values)
 
-    bandwidth = memory_bandwidth()
+    bandwidth = memory_bandwidth(args.device, getattr(torch, args.dtype))
     bound = bandwidth / weight_bytes
     names = [e.name for e in engines]
-    print(f"\nmodel: {args.arch}, {args.layers} layers, hidden {args.hidden}, {weight_bytes / 2**30:.2f} GiB fp32 weights; "
-          f"medians of {args.runs} runs")
-    print(f"{'metric':<28}" + "".join(f"{n:>14}" for n in names) + ("        ratio" if len(names) == 2 else ""))
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\nmodel: {args.arch}, {args.layers} layers, hidden {args.hidden}, {weight_bytes / 2**30:.2f} GiB "
+          f"{args.dtype} weights on {device}; medians of {args.runs} runs")
+    # Ratios: each pluginfer engine against the last engine named (transformers, by default).
+    ratios = names[:-1] if len(names) > 1 else []
+    print(f"{'metric':<28}" + "".join(f"{n:>16}" for n in names) + "".join(f"{n[:12] + ' ratio':>20}" for n in ratios))
     for metric in dict.fromkeys(m for m, _ in results):
         values = [results.get((metric, n), results.get(("decode tok/s, batch 1", n))) for n in names]
-        ratio = f"{values[0] / values[1]:>12.2f}x" if len(values) == 2 else ""
-        print(f"{metric:<28}" + "".join(f"{v:>14.2f}" for v in values) + ratio)
+        print(f"{metric:<28}" + "".join(f"{v:>16.2f}" for v in values)
+              + "".join(f"{v / values[-1]:>19.2f}x" for v in values[:-1]))
     if args.arch != "llama":  # a MoE token reads only its experts: the all-weights bound does not apply
         return 0
     print(f"\nmatrix-vector bandwidth {bandwidth / 1e9:.2f} GB/s -> batch-1 decode bound {bound:.2f} tok/s")

@@ -121,7 +121,7 @@ class CudaBackend:
     def capture_decode(self, forward: Callable[[ForwardBatch], torch.Tensor], max_num_seqs: int,
                        max_blocks_per_seq: int, block_size: int) -> Callable[[ForwardBatch], torch.Tensor | None] | None:
         """CUDA graphs of ``forward`` for decode steps at bucketed batch sizes (``backends/cuda_graphs.py``;
-        never run on a GPU). None on CPU tensors (Triton's interpreter): there is nothing to capture."""
+        run on an H100). None on CPU tensors (Triton's interpreter): there is nothing to capture."""
         if self.device.type != "cuda":
             return None
         from pluginfer.backends.cuda_graphs import CudaGraph, DecodeGraphs

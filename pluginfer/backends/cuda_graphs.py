@@ -1,8 +1,9 @@
 """CUDA graphs for decode steps at bucketed batch sizes (the cuda backend's ``capture_decode``).
 
-**Never run on a GPU.** Capture and replay (``torch.cuda.CUDAGraph``) have not run on real hardware; the
-bucketing, the padding into static buffers and the replay bookkeeping are tested on the CPU with a
-stand-in graph that runs the forward eagerly on the same static buffers (``tests/backends/test_cuda_graphs.py``).
+Capture and replay (``torch.cuda.CUDAGraph``) ran on an H100 (``tests/backends/test_cuda_engine.py``, target
+``gpu``: replays give transformers' greedy tokens and the eager steps' tokens). Without a GPU, the bucketing,
+the padding into static buffers and the replay bookkeeping are tested with a stand-in graph that runs the
+forward eagerly on the same static buffers (``tests/backends/test_cuda_graphs.py``).
 
 A decode step (one query token per sequence) of ``n`` sequences runs as the graph captured for the
 smallest bucket ``>= n`` (buckets as vLLM's: 1, 2, 4, then every multiple of 8 up to ``max_num_seqs``).
@@ -46,7 +47,7 @@ class Graph(Protocol):
 
 
 class CudaGraph:
-    """``torch.cuda.CUDAGraph`` over one memory pool shared by every bucket's graph (never run on a GPU)."""
+    """``torch.cuda.CUDAGraph`` over one memory pool shared by every bucket's graph."""
 
     def __init__(self, pool: object) -> None:
         self.graph, self.pool = torch.cuda.CUDAGraph(), pool

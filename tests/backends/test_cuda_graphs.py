@@ -3,7 +3,7 @@ and replay bookkeeping, on the CPU.
 
 No GPU here: a stand-in graph runs the captured function again on replay and writes its result into the
 output tensor the capture returned, which is what a CUDA graph's replay does to its static output. The
-capture of a real ``torch.cuda.CUDAGraph`` has never run (docs/architecture.md, "Device backends").
+capture of a real ``torch.cuda.CUDAGraph`` runs in ``test_cuda_engine.py``'s ``gpu`` target, where there is a GPU.
 """
 
 from __future__ import annotations
