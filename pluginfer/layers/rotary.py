@@ -109,12 +109,17 @@ class RotaryEmbedding(nn.Module):
         return batch.extras[key]
 
     def _dynamic_freqs(self, batch: ForwardBatch) -> torch.Tensor:
-        """NTK base grown with each sequence's length, as transformers does per forward."""
-        lengths = torch.repeat_interleave(batch.seq_lens, torch.tensor(batch.query_lens)).double()
+        """NTK base grown with each sequence's length, as transformers does per forward. Computed from the
+        batch's own tensors on their device, with no host list turned into a tensor (a copy from pageable host
+        memory is refused inside a CUDA graph's capture)."""
+        device = batch.positions.device
+        tokens = torch.arange(batch.positions.shape[0], device=device)
+        rows = torch.searchsorted(batch.query_start_loc[1:], tokens, right=True)  # each token's sequence
+        lengths = batch.seq_lens[rows].double()
         limit = self.original_max_position
         scale = (self.factor * lengths.clamp(min=limit) / limit) - (self.factor - 1)
         bases = self.base * scale ** (self.rotary_dim / (self.rotary_dim - 2))
-        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).float() / self.rotary_dim
         inv_freq = 1.0 / (bases.float()[:, None] ** exponents[None, :])
         return batch.positions.float()[:, None] * inv_freq
 

@@ -136,6 +136,20 @@ def test_dynamic_beyond_max_position_matches_one_transformers_forward(context: B
     assert (static_q - ours_q[:50]).abs().max() > 0.1  # the long sequence really was rescaled
 
 
+def test_dynamic_frequencies_stay_on_the_batch_device(context: BuildContext) -> None:
+    """Dynamic NTK's per-token bases come from the batch's tensors on their device: no tensor made from a host
+    list (on a GPU that raised a device mismatch, and a pageable copy is refused inside a CUDA graph's capture).
+    The meta device stands in for the GPU: a CPU tensor meeting a meta one raises the same way."""
+    config = {"max_position_embeddings": 32, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    rope = build_rope(context, config, max_position=256)
+    batch = make_batch([50, 71, 12], [50, 1, 12])
+    expected = rope._dynamic_freqs(batch)
+    for name in ("positions", "seq_lens", "query_start_loc", "input_ids", "slot_mapping", "block_tables"):
+        setattr(batch, name, getattr(batch, name).to("meta"))
+    on_meta = rope._dynamic_freqs(batch)
+    assert on_meta.device.type == "meta" and on_meta.shape == expected.shape
+
+
 @pytest.mark.parametrize("config", [CONFIGS["default-legacy"], CONFIGS["llama3-v5"]], ids=["default", "llama3"])
 def test_partial_rotary_rotates_only_the_first_rotary_dim_features(context: BuildContext, config: dict) -> None:
     rotary_dim, head_dim = 16, 40
