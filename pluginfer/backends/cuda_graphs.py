@@ -139,7 +139,11 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self.forward(self.static_batch(size))  # warm-up: Triton compiles, allocators settle outside the capture
             graph = self.graph_factory()
-            self.outputs[size] = graph.capture(lambda size=size: self.forward(self.static_batch(size)))
+            try:
+                self.outputs[size] = graph.capture(lambda size=size: self.forward(self.static_batch(size)))
+            except RuntimeError as exc:  # a host sync or a pageable copy in the model's decode forward
+                raise RuntimeError(f"capturing the decode step of {size} sequences in a CUDA graph failed: {exc} "
+                                   "(--enforce-eager runs decode steps without graphs)") from exc
             self.graphs[size] = graph
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:

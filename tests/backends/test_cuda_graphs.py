@@ -112,6 +112,21 @@ def test_per_step_values_cached_in_the_batch_are_computed_in_each_capture() -> N
     assert graphs(batch).flatten().tolist() == [4.0, 6.0]
 
 
+class RefusingGraph(EagerGraph):
+    """A capture that fails as torch's does on a host sync or a pageable copy inside it."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+
+
+def test_a_failed_capture_names_the_batch_size_and_the_way_around_it() -> None:
+    graphs = DecodeGraphs(toy_forward([]), torch.device("cpu"), max_num_seqs=2, max_blocks_per_seq=1, block_size=4,
+                          scratch_block=5, graph_factory=RefusingGraph)
+    with pytest.raises(RuntimeError, match=r"decode step of 2 sequences in a CUDA graph failed: Cannot copy .*"
+                                           r"--enforce-eager"):
+        graphs.capture()
+
+
 def test_steps_the_graphs_do_not_cover_run_eagerly() -> None:
     graphs = DecodeGraphs(toy_forward([]), torch.device("cpu"), max_num_seqs=4, max_blocks_per_seq=2,
                           block_size=4, scratch_block=9, graph_factory=EagerGraph)

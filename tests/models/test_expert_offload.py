@@ -75,6 +75,19 @@ def test_resident_bytes_drop_by_offloaded_experts(family: tuple[str, Path, int],
     assert part.staging_bytes == expert_bytes, "one staging expert, shared by every layer"
 
 
+def test_offloaded_experts_keep_decode_steps_eager(family: tuple[str, Path, int],
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Which experts travel is decided on the host every step: no backend captures such a step (a CUDA graph's
+    capture refuses the copy; found on an H100, where the capture raised at start-up)."""
+    name, path, _ = family
+    with caplog.at_level(logging.INFO, logger="pluginfer.core.worker"):
+        llm = LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8, num_experts_offload_per_rank=OFFLOAD)
+    assert llm.engine.executor.worker.decode_graphs is None
+    assert "decode steps run eagerly: offloaded experts are brought in per step" in caplog.text
+    resident = LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8)
+    assert resident.engine.executor.worker.decode_graphs is not None  # the cpu backend records resident steps
+
+
 def test_offloading_more_experts_than_a_layer_has_is_an_error(family: tuple[str, Path, int]) -> None:
     name, path, _ = family
     with pytest.raises(ValueError, match=r"num_experts_offload_per_rank: 99"):
