@@ -76,7 +76,7 @@ def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:  # pluginfer.LLM
         plan = build_step([ScheduledSequence(seq, len(prompt) - seq.num_computed_tokens, [seq])],
                           engine.config.cache.block_size)
         plan.step.logits_indices = np.arange(plan.step.num_tokens)
-        return engine.executor.run_step(plan.step)
+        return engine.executor.run_step(plan.step).cpu()  # on the host, whatever the backend's device
     finally:
         engine.block_manager.free(seq)
 

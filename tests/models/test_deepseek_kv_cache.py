@@ -42,7 +42,9 @@ def test_kv_bytes_per_token_are_latent_plus_rope_key(checkpoint: Path, dtype: st
     itemsize = getattr(torch, dtype).itemsize
     expected = (LATENT + ROPE) * LAYERS * itemsize
     assert executor.pipeline.kv_cache_spec().bytes_per_token(getattr(torch, dtype)) == expected
-    assert allocated_bytes(executor.kv_caches) == expected * num_blocks * block_size
+    blocks = executor.kv_caches[0][0].shape[0]
+    assert blocks in (num_blocks, num_blocks + 1)  # + the scratch block of the cuda backend's graph padding rows
+    assert allocated_bytes(executor.kv_caches) == expected * blocks * block_size
     key, value = executor.kv_caches[0]
     assert key.shape == (num_blocks, block_size, 1, LATENT + ROPE)
     assert value.shape[-1] == LATENT and value.data_ptr() == key.data_ptr(), "the value is the key's latent"
