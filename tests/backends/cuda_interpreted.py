@@ -36,9 +36,26 @@ def _count_registered_kernels() -> None:
     KernelTable.register = counting
 
 
+def _poison_allocations() -> None:
+    """Every tensor ``torch.empty``/``empty_like``/``new_empty`` hands out starts as NaN (floats) or -7777
+    (integers): a kernel that leaves part of its output unwritten then shows, as it would on a GPU, whose
+    caching allocator hands back used memory, where fresh CPU pages often read as zeros."""
+    import torch
+
+    def poisoned(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.fill_(float("nan") if tensor.is_floating_point() else -7777)
+
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    torch.empty = lambda *args, **kwargs: poisoned(empty(*args, **kwargs))
+    torch.empty_like = lambda *args, **kwargs: poisoned(empty_like(*args, **kwargs))
+    torch.Tensor.new_empty = lambda self, *args, **kwargs: poisoned(new_empty(self, *args, **kwargs))
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     _count_registered_kernels()
+    if spec.get("poison_allocations"):
+        _poison_allocations()
     from pluginfer import LLM, SamplingParams
 
     llm = LLM(model=spec["model"], backend=spec["backend"], **spec["engine"])

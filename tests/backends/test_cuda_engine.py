@@ -64,11 +64,12 @@ CASES = {
 
 
 def run_engine(tmp_path: Path, model: Path, prompt_groups: list[list[list[int]]], backend: str = "cuda",
-               decode_graphs: bool = False, target: str = "interpreter", **engine: object) -> dict:
+               decode_graphs: bool = False, target: str = "interpreter", poison_allocations: bool = False,
+               **engine: object) -> dict:
     spec = tmp_path / f"spec-{backend}.json"
     spec.write_text(json.dumps({"model": str(model), "backend": backend, "engine": {**ENGINE, **engine},
                                 "prompt_groups": prompt_groups, "max_tokens": MAX_TOKENS,
-                                "decode_graphs": decode_graphs}))
+                                "decode_graphs": decode_graphs, "poison_allocations": poison_allocations}))
     # Float activations for GGML blocks on the cpu backend too (its default for short steps quantizes them to
     # int8, which the cuda kernels do not): both backends then compute the same products.
     path = os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))
@@ -220,3 +221,15 @@ def test_cuda_graph_replays_equal_eager_decode_on_the_gpu(tmp_path: Path, tiny_t
                        enforce_eager=True)
     assert graphs["tokens"] == eager["tokens"] == expected
     assert graphs["graph_replays"] >= MAX_TOKENS - 2 and eager["graph_replays"] is None
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-lite-mla", "gemma2-softcap-window"])
+def test_no_kernel_reads_memory_it_never_wrote(name: str, tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """Every fresh tensor starts as NaN (floats) or -7777 (integers), as a GPU's reused memory would hold
+    garbage: the greedy tokens stay transformers', so no kernel or layer reads output it never wrote (MLA's
+    latent cache, fused MoE's sorted pairs, split decode attention's partial results, softcap and windows)."""
+    arch, overrides, _ = CASES[name]
+    model = save_hf_model(arch, {**BASE, **overrides}, tmp_path / name, tiny_tokenizer_dir)
+    groups = prompt_groups(model.config.vocab_size)
+    expected = [[hf_greedy(model, prompt, MAX_TOKENS) for prompt in group] for group in groups]
+    assert run_engine(tmp_path, tmp_path / name, groups, poison_allocations=True)["tokens"] == expected
