@@ -42,24 +42,30 @@ MAX_TOKENS = 8
 # Where the cuda backend runs: Triton's interpreter on CPU tensors (any machine), or compiled for a real GPU.
 TARGETS = ["interpreter", pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                       reason="no CUDA device"))]
-# Kernels every case runs: norms, rotary, the KV write and both attention kernels.
-COMMON = {"rms_norm", "write_kv", "paged_decode_attention", "paged_prefill_attention"}
+# Kernels every case runs: the KV write and both attention kernels.
+COMMON = {"write_kv", "paged_decode_attention", "paged_prefill_attention"}
 
 # name: (architecture, config overrides, kernels that must have run besides COMMON)
 CASES = {
-    "llama-gqa": ("LlamaForCausalLM", {}, {"rotary_neox", "silu_and_mul"}),
-    "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 16}, {"rotary_neox", "silu_and_mul"}),
+    "llama-gqa": ("LlamaForCausalLM", {}, {"rms_norm", "rotary_neox", "silu_and_mul"}),
+    "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 16}, {"rms_norm", "rotary_neox", "silu_and_mul"}),
     "gemma2-softcap-window": ("Gemma2ForCausalLM", {
         "num_hidden_layers": 2, "head_dim": 16, "sliding_window": 12, "query_pre_attn_scalar": 24,
-        "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0}, {"rotary_neox", "gelu_and_mul"}),
+        "attn_logit_softcapping": 3.0, "final_logit_softcapping": 2.0}, {"rms_norm", "rotary_neox", "gelu_and_mul"}),
     "mixtral-window": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
-                                              "sliding_window": 16}, {"rotary_neox", "fused_moe"}),
+                                              "sliding_window": 16}, {"rms_norm", "rotary_neox", "fused_moe"}),
     "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                                          "head_dim": 16, "norm_topk_prob": True}, {"rotary_neox", "fused_moe"}),
+                                          "head_dim": 16, "norm_topk_prob": True}, {"rms_norm", "rotary_neox", "fused_moe"}),
+    # LayerNorm, q/k/v bias, a LayerNorm per head on q and k, parallel residual, rope on half of each head: on
+    # an H100 its greedy tokens left transformers' (docs/performance.md, "On a GPU"), under the interpreter not.
+    "stablelm-qk-layernorm-parallel": ("StableLmForCausalLM", {
+        "use_qkv_bias": True, "qk_layernorm": True, "use_parallel_residual": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+        {"rotary_neox", "silu_and_mul"}),
     "deepseek-v2-lite-mla": ("DeepseekV2ForCausalLM", {
         **MLA, "num_hidden_layers": 2, "q_lora_rank": None, "n_routed_experts": 6, "num_experts_per_tok": 2,
         "n_shared_experts": 1, "topk_method": "greedy", "first_k_dense_replace": 1, "moe_intermediate_size": 24},
-        {"rotary_interleaved", "silu_and_mul", "fused_moe"}),
+        {"rms_norm", "rotary_interleaved", "silu_and_mul", "fused_moe"}),
 }
 
 
