@@ -81,14 +81,14 @@ def _stand_in_decode_graphs(llm: object) -> object:
 
     from pluginfer.backends.cuda_graphs import DecodeGraphs
     from pluginfer.core.protocols import DecodeForward
-    from tests.backends.test_cuda_graphs import EagerGraph
+    from tests.backends.test_cuda_graphs import CaptureRulesGraph
 
     worker = llm.engine.executor.worker
     config = worker.config
     forward = DecodeForward(worker.pipeline.forward, worker.pipeline.compute_logits)  # as the worker hands it
     graphs = DecodeGraphs(forward, worker.backend.device, config.scheduler.max_num_seqs,
                           -(-worker.max_model_len // config.cache.block_size), config.cache.block_size,
-                          worker.backend.scratch_block, EagerGraph)
+                          worker.backend.scratch_block, CaptureRulesGraph)
     with torch.inference_mode():
         graphs.capture()
     worker.decode_graphs = graphs

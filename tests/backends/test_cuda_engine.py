@@ -202,15 +202,24 @@ def test_q4_k_m_gguf_file_through_the_backend_op_table(target: str, tmp_path: Pa
     assert on_cuda["kernel_calls"].get("ggml_q6_k_matmul", 0) > 0
 
 
-def test_decode_steps_through_the_graph_bookkeeping_equal_transformers(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+# The engine cases, and Llama with dynamic NTK rope (per-step frequencies from the sequences' lengths).
+GRAPH_CASES = {**{name: case[:2] for name, case in CASES.items()},
+               "llama-dynamic-rope": ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})}
+
+
+@pytest.mark.parametrize("name", list(GRAPH_CASES))
+def test_decode_steps_through_the_graph_bookkeeping_equal_transformers(name: str, tmp_path: Path,
+                                                                       tiny_tokenizer_dir: Path) -> None:
     """Decode steps replayed from ``DecodeGraphs``' static buffers (3 sequences padded to the bucket of 4, block
     tables at full width, the padding rows in the scratch KV block) through the real kernels give transformers'
-    greedy tokens. The graph is a stand-in that re-runs the forward (no CUDA here): the bookkeeping is proven,
-    not a CUDA capture."""
-    model = save_hf_model("LlamaForCausalLM", BASE, tmp_path / "llama", tiny_tokenizer_dir)
+    greedy tokens. The graph is a stand-in that re-runs the forward (no CUDA here), and its capture refuses what
+    a CUDA capture refuses as far as CPU tensors show it (host reads of values, tensors made from host lists:
+    ``CaptureRulesGraph``), so a model whose decode step could not be captured on a GPU fails here."""
+    arch, overrides = GRAPH_CASES[name]
+    model = save_hf_model(arch, {**BASE, **overrides}, tmp_path / name, tiny_tokenizer_dir)
     groups = [random_prompts(model.config.vocab_size, [5, 11, 3], seed=5)]
     expected = [[hf_greedy(model, prompt, MAX_TOKENS) for prompt in group] for group in groups]
-    report = run_engine(tmp_path, tmp_path / "llama", groups, decode_graphs=True, max_num_seqs=4, max_model_len=64)
+    report = run_engine(tmp_path, tmp_path / name, groups, decode_graphs=True, max_num_seqs=4, max_model_len=64)
     assert report["tokens"] == expected
     assert report["graph_replays"] >= MAX_TOKENS - 2  # every all-decode step replayed
 

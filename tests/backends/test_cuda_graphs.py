@@ -32,6 +32,27 @@ class EagerGraph:
         self.out.copy_(self.fn())
 
 
+class CaptureRulesGraph(EagerGraph):
+    """An :class:`EagerGraph` whose capture refuses what a CUDA graph's capture refuses, as far as CPU tensors
+    can show it: reading a tensor's value on the host (``.item()``, ``.tolist()``: a device sync) and making a
+    tensor of more than one element from host data (``torch.tensor(list)``: a pageable copy to the device).
+    A 0-dim host tensor passes: it reaches a GPU op as a scalar argument."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Rules(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    raise RuntimeError("a host read of a tensor's value during the capture (a device sync)")
+                if func is torch.ops.aten.lift_fresh.default and args[0].dim() > 0:
+                    raise RuntimeError("a tensor made from host data during the capture (a pageable copy)")
+                return func(*args, **(kwargs or {}))
+
+        with Rules():
+            return super().capture(fn)
+
+
 def test_capture_sizes_are_vllms_buckets_up_to_max_num_seqs() -> None:
     assert capture_sizes(1) == [1]
     assert capture_sizes(3) == [1, 2, 3]
@@ -117,6 +138,14 @@ class RefusingGraph(EagerGraph):
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+
+
+def test_the_capture_rules_stand_in_refuses_host_reads_and_host_lists_not_scalars() -> None:
+    x = torch.arange(4.0)
+    assert torch.equal(CaptureRulesGraph().capture(lambda: x * torch.tensor(2.0) + 1), x * 2 + 1)
+    for refused in (lambda: x * x.sum().item(), lambda: x[: int(x.argmax())], lambda: x + torch.tensor([1.0] * 4)):
+        with pytest.raises(RuntimeError, match="during the capture"):
+            CaptureRulesGraph().capture(refused)
 
 
 def test_a_failed_capture_names_the_batch_size_and_the_way_around_it() -> None:
