@@ -30,6 +30,8 @@ import torch
 
 from tests.checkpoints import hf_greedy, random_prompts, save_hf_model
 from tests.models.family_cases_deepseek import MLA
+from tests.models.test_families import BASE as FAMILY_BASE
+from tests.models.test_families import CASES as FAMILIES
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (the test extra has it)")
@@ -202,11 +204,15 @@ def test_q4_k_m_gguf_file_through_the_backend_op_table(target: str, tmp_path: Pa
     assert on_cuda["kernel_calls"].get("ggml_q6_k_matmul", 0) > 0
 
 
-# The engine cases, and Llama with dynamic NTK rope (per-step frequencies from the sequences' lengths).
-GRAPH_CASES = {**{name: case[:2] for name, case in CASES.items()},
-               "llama-dynamic-rope": ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})}
+# Every model family's cases (tests/models, 24 of them: windows, soft-caps, MLA, MoE routers, yarn, longrope,
+# partial and interleaved rope, per-head norms) and Llama with dynamic NTK rope (per-step frequencies from the
+# sequences' lengths): (architecture, config overrides on tests/models' BASE, weight edit before saving or None).
+GRAPH_CASES = {**{name: (case[0], case[1], case[3] if len(case) > 3 else None) for name, case in FAMILIES.items()},
+               "llama-dynamic-rope": ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+                                      None)}
 
 
+@pytest.mark.slow  # 25 interpreted engines, ~8 s each
 @pytest.mark.parametrize("name", list(GRAPH_CASES))
 def test_decode_steps_through_the_graph_bookkeeping_equal_transformers(name: str, tmp_path: Path,
                                                                        tiny_tokenizer_dir: Path) -> None:
@@ -215,8 +221,11 @@ def test_decode_steps_through_the_graph_bookkeeping_equal_transformers(name: str
     greedy tokens. The graph is a stand-in that re-runs the forward (no CUDA here), and its capture refuses what
     a CUDA capture refuses as far as CPU tensors show it (host reads of values, tensors made from host lists:
     ``CaptureRulesGraph``), so a model whose decode step could not be captured on a GPU fails here."""
-    arch, overrides = GRAPH_CASES[name]
-    model = save_hf_model(arch, {**BASE, **overrides}, tmp_path / name, tiny_tokenizer_dir)
+    arch, overrides, edit = GRAPH_CASES[name]
+    model = save_hf_model(arch, {**FAMILY_BASE, **overrides}, tmp_path / name, tiny_tokenizer_dir)
+    if edit is not None:  # a case may change the model's weights before it is saved
+        edit(model)
+        model.save_pretrained(tmp_path / name, safe_serialization=True)
     groups = [random_prompts(model.config.vocab_size, [5, 11, 3], seed=5)]
     expected = [[hf_greedy(model, prompt, MAX_TOKENS) for prompt in group] for group in groups]
     report = run_engine(tmp_path, tmp_path / name, groups, decode_graphs=True, max_num_seqs=4, max_model_len=64)
