@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_throughput.py nano-vllm            # 256 requests, Qwen3-0.6B shape, bf16
     python benchmarks/gpu_throughput.py decode --shape 8b    # batch-1 decode of a Llama-3-8B shape, bf16
+    python benchmarks/gpu_throughput.py decode --shape qwen3-0.6b --no-eager --profile 16   # where a step goes
 
 ``nano-vllm``: nano-vllm's ``bench.py`` workload (256 requests, prompt and output lengths each uniform in
 [100, 1024], random prompt ids, ``ignore_eos``) on a random-weight model of Qwen3-0.6B's shape; it prints
@@ -147,9 +148,28 @@ def decode(path: Path, weight_bytes: int, args: argparse.Namespace) -> None:
         rate = statistics.median(rates)
         label = "eager (--enforce-eager)" if eager else "CUDA graphs"
         print(f"{label:<24} {rate:8.1f} tokens/s  {rate / bound:6.1%} of the bound", flush=True)
+        if args.profile and not eager:
+            profile_generation(llm, args.profile)
         llm.close()
         del llm
         torch.cuda.empty_cache()
+
+
+def profile_generation(llm, new_tokens: int, rows: int = 20) -> None:
+    """torch's profiler over one sequence's ``new_tokens`` greedy tokens: the ops by host time, then the device's
+    kernels by their time (where the step's time goes, and how many kernels it launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pluginfer import SamplingParams
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+    with profile(activities=activities) as prof:
+        llm.generate([[9] * 128], SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    averages = prof.key_averages()
+    print(f"profile of {new_tokens} tokens at batch 1:")
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+    if torch.cuda.is_available():
+        print(averages.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
 
 
 def timed_generate(llm, prompts, params) -> float:
@@ -164,6 +184,8 @@ def main() -> int:
     parser.add_argument("--shape", choices=list(SHAPES), help="default: qwen3-0.6b for nano-vllm, 8b for decode")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--no-eager", dest="eager", action="store_false", help="skip the --enforce-eager run")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                        help="decode: also print torch's profile of TOKENS tokens through the CUDA graphs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
