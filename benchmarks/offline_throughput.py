@@ -156,10 +156,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         build_checkpoint(path, args)
-        engines = [engine for name, engine in (("pluginfer", lambda: Ours(path, args)),
-                                               ("pluginfer-eager", lambda: Ours(path, args, eager=True)),
-                                               ("transformers", lambda: Transformers(path, args)))
-                   if name in args.engines for engine in [engine()]]
+        makers = {"pluginfer": lambda: Ours(path, args), "pluginfer-eager": lambda: Ours(path, args, eager=True),
+                  "transformers": lambda: Transformers(path, args)}
+        engines = [make() for name, make in makers.items() if name in args.engines]
         single = (Ours(path, args, max_num_seqs=1) if "pluginfer" in args.engines and 1 in args.batch
                   and args.device == "cpu" else None)
         # The checkpoint is float32; the engines hold it in --dtype.

@@ -141,13 +141,14 @@ class Worker:
                                                         self.config.cache.block_size, self.kv_dtype)
         self.pipeline.bind_kv_caches(self.kv_caches)
         self.startup_times["cache"] = time.perf_counter() - started
-        # Offloaded experts are copied in as the router picks them, a host decision every step: nothing a
-        # captured step could replay (a CUDA capture refuses the copy; the cpu recorder refused it too).
-        replayable = not self.expert_memory.offloaded_experts
-        if not replayable and not self.config.enforce_eager:
+        capture = not self.config.enforce_eager and self.rank.pp_size == 1
+        if capture and self.expert_memory.offloaded_experts:
+            # Offloaded experts are copied in as the router picks them, a host decision every step: nothing a
+            # captured step could replay (a CUDA capture refuses the copy; the cpu recorder refused it too).
             logger.info("rank %d: decode steps run eagerly: offloaded experts are brought in per step",
                         self.rank.rank)
-        if not self.config.enforce_eager and self.rank.pp_size == 1 and replayable:
+            capture = False
+        if capture:
             started = time.perf_counter()
             max_blocks = -(-self.max_model_len // self.config.cache.block_size)
             with torch.inference_mode():

@@ -20,6 +20,22 @@ from collections.abc import Callable
 CALLS: Counter = Counter()
 
 
+def environment(interpret: bool) -> dict[str, str]:
+    """The environment a test runs this script (or another Triton case runner) in: the checkout importable
+    ahead of any PYTHONPATH already set, and Triton's interpreter on CPU tensors, or neither variable (the
+    kernels compiled for a GPU)."""
+    import os
+    from pathlib import Path
+
+    path = os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    for name in ("TRITON_INTERPRET", "PLUGINFER_CUDA_ON_CPU"):
+        env.pop(name, None)
+        if interpret:
+            env[name] = "1"
+    return env
+
+
 def _count_registered_kernels() -> None:
     from pluginfer.core.kernels import KernelTable
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,17 +27,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.backends.cuda_interpreted import environment
 from tests.checkpoints import hf_greedy, random_prompts, save_hf_model
 from tests.models.family_cases_deepseek import MLA
-from tests.models.test_families import BASE as FAMILY_BASE
+from tests.models.test_families import BASE
 from tests.models.test_families import CASES as FAMILIES
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (the test extra has it)")
 
 RUNNER = Path(__file__).parent / "cuda_interpreted.py"
-BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
 ENGINE = dict(dtype="float32", num_blocks=96, block_size=8, max_num_batched_tokens=16)
 MAX_TOKENS = 8
 # Where the cuda backend runs: Triton's interpreter on CPU tensors (any machine), or compiled for a real GPU.
@@ -80,12 +78,7 @@ def run_engine(tmp_path: Path, model: Path, prompt_groups: list[list[list[int]]]
                                 "decode_graphs": decode_graphs, "poison_allocations": poison_allocations}))
     # Float activations for GGML blocks on the cpu backend too (its default for short steps quantizes them to
     # int8, which the cuda kernels do not): both backends then compute the same products.
-    path = os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path, PLUGINFER_QUANT_ACTIVATIONS="float")
-    for name in ("TRITON_INTERPRET", "PLUGINFER_CUDA_ON_CPU"):
-        env.pop(name, None)
-        if target == "interpreter":
-            env[name] = "1"
+    env = dict(environment(interpret=target == "interpreter"), PLUGINFER_QUANT_ACTIVATIONS="float")
     done = subprocess.run([sys.executable, str(RUNNER), str(spec)], env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -222,7 +215,7 @@ def test_decode_steps_through_the_graph_bookkeeping_equal_transformers(name: str
     a CUDA capture refuses as far as CPU tensors show it (host reads of values, tensors made from host lists:
     ``CaptureRulesGraph``), so a model whose decode step could not be captured on a GPU fails here."""
     arch, overrides, edit = GRAPH_CASES[name]
-    model = save_hf_model(arch, {**FAMILY_BASE, **overrides}, tmp_path / name, tiny_tokenizer_dir)
+    model = save_hf_model(arch, {**BASE, **overrides}, tmp_path / name, tiny_tokenizer_dir)
     if edit is not None:  # a case may change the model's weights before it is saved
         edit(model)
         model.save_pretrained(tmp_path / name, safe_serialization=True)

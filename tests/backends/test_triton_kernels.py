@@ -17,11 +17,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.backends.cuda_interpreted import environment
 from tests.backends.triton_cases import (
     case_align_by_expert,
     case_backend,
@@ -98,11 +98,8 @@ def run_cases(interpret: bool) -> dict:
     """Every case in one process (each start imports torch and triton anew): interpreted, or on the GPU."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install triton; the test extra has it)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")])))
-    env.pop("TRITON_INTERPRET", None)
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, __file__], env=environment(interpret), capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
