@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from offline_throughput import timed  # the same timer (synchronizes the GPU before and after)
 
 SHAPES = {  # name: config.json fields
     "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
@@ -142,7 +143,7 @@ def decode(path: Path, weight_bytes: int, args: argparse.Namespace) -> None:
         prompt = [[7] * 128]
         rates = []
         for _ in range(3):
-            full, first = (timed_generate(llm, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            full, first = (timed(llm.generate, prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
                            for n in (257, 1))
             rates.append(256 / (full - first))
         rate = statistics.median(rates)
@@ -170,12 +171,6 @@ def profile_generation(llm, new_tokens: int, rows: int = 20) -> None:
     print(averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
     if torch.cuda.is_available():
         print(averages.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
-
-
-def timed_generate(llm, prompts, params) -> float:
-    start = time.perf_counter()
-    llm.generate(prompts, params)
-    return time.perf_counter() - start
 
 
 def main() -> int:
