@@ -4,6 +4,7 @@ ready answer, a free loopback port, and the CPU a process tree uses (Linux /proc
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -22,6 +23,7 @@ class Server:
                  ready_path: str = "/health") -> None:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log
         self.log = log.open("w")
         started = time.perf_counter()
         # Not in the checkout: `python -m` puts the working directory first on sys.path, before PYTHONPATH.
@@ -37,6 +39,18 @@ class Server:
                 pass
             time.sleep(0.05)
         self.startup_s = time.perf_counter() - started
+
+    def exit_description(self) -> str | None:
+        """How the server's process ended ("exited on SIGSEGV", "exited with 1"); None while it runs."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                return f"exited on {signal.Signals(-code).name}"
+            except ValueError:
+                return f"exited on signal {-code}"
+        return f"exited with {code}"
 
     def stop(self) -> None:
         self.process.terminate()

@@ -17,6 +17,8 @@ llama_cpp.server has no /health: `/v1/models` 200; `--startups N` only times N i
 - `llamacpp`: `python -m llama_cpp.server` when `llama_cpp` imports (else a note says it was skipped), with
   `--interrupt_requests False` (by default each new request cuts the running stream short); it serves one
   request at a time, so at concurrency > 1 the others queue;
+a server whose process ends mid-run is reported (how it ended, its log; for llama.cpp's SIGSEGV, the AMX build
+note) and left out of the rest of the run;
 each optionally with environment variables (`process:OMP_WAIT_POLICY=ACTIVE`, or `inprocess:PYTHONPATH=DIR`
 to run an older checkout) and `pluginfer serve` flags (`process:--core-spin-count=3000`).
 
@@ -160,6 +162,30 @@ class Offline:
 # -- servers --------------------------------------------------------------------------------------
 
 
+class ServerDied(RuntimeError):
+    """A server's process ended while a client was being served (its rows are left out, the run goes on)."""
+
+
+# llama-cpp-python 0.3.36's default build crashed on this project's AMX machines (docs/performance.md).
+_LLAMACPP_CRASH_HINT = ("; llama-cpp-python's default build crashed with SIGSEGV on quantized files on CPUs "
+                        "with AMX: rebuild it without AMX (docs/performance.md, 'Against llama.cpp on the same "
+                        "GGUF files')")
+
+
+def measure(server: Server, concurrency: int, requests: int, gen: int, kind: str = "openai") -> dict[str, float]:
+    """``run_client`` against ``server``; ServerDied (how, and its log) when the server's process ended."""
+    try:
+        return run_client(server.url, concurrency, requests, gen, kind)
+    except subprocess.CalledProcessError as exc:
+        how = server.exit_description()
+        if how is None:  # the server still runs: the client's own failure
+            raise RuntimeError(f"the {kind} client failed against {server.name}, which still runs:\n"
+                               f"{exc.stderr[-3000:]}") from None
+        hint = _LLAMACPP_CRASH_HINT if server.name.startswith("llamacpp") and how == "exited on SIGSEGV" else ""
+        raise ServerDied(f"{server.name} {how} while serving concurrency {concurrency} (its log: "
+                         f"{server.log_path}){hint}") from None
+
+
 def start_servers(args: argparse.Namespace, gguf: Path) -> Iterator[Server]:
     env = dict(os.environ)
     for spec in args.variants:
@@ -235,19 +261,11 @@ def one_at_a_time(args: argparse.Namespace, gguf: Path) -> tuple[dict, dict, dic
             for server in start_servers(args, gguf):
                 try:
                     startups.setdefault(server.name, []).append(server.startup_s)
-                    for concurrency in args.concurrency:
-                        for kind in args.clients:
-                            name = server.name if kind == "openai" else f"{server.name}+{kind}"
-                            result = run_client(server.url, concurrency, max(args.requests, concurrency), args.gen,
-                                                kind)
-                            if references.get(concurrency):
-                                result["itl_ratio"] = result["itl_ms"] / min(r["step_ms"]
-                                                                             for r in references[concurrency])
-                                result["rate_ratio"] = result["tok_s"] / max(r["tok_s"] for r in references[concurrency])
-                            samples.setdefault((name, concurrency), []).append(result)
-                            print(f"round {round_index + 1} {name:>10} c={concurrency:<3} ttft "
-                                  f"{result['ttft_ms']:8.1f} ms  itl {result['itl_ms']:7.2f} ms  "
-                                  f"{result['tok_s']:7.1f} tok/s", flush=True)
+                    try:
+                        measure_alone(args, server, references, samples, round_index)
+                    except ServerDied as exc:
+                        print(f"note: {exc}; its figures of this round are left out", flush=True)
+                        continue
                     if args.idle_seconds:
                         cores = idle_cpu(server, args.idle_seconds)
                         idle.setdefault(server.name, []).append(cores)
@@ -257,6 +275,21 @@ def one_at_a_time(args: argparse.Namespace, gguf: Path) -> tuple[dict, dict, dic
                     server.stop()
     args.variants = variants
     return samples, idle, startups
+
+
+def measure_alone(args: argparse.Namespace, server: Server, references: dict[int, list[dict[str, float]]],
+                  samples: dict[tuple[str, int], list[dict[str, float]]], round_index: int) -> None:
+    """One round of ``server`` alone: every concurrency through every client, ratios to ``references``."""
+    for concurrency in args.concurrency:
+        for kind in args.clients:
+            name = server.name if kind == "openai" else f"{server.name}+{kind}"
+            result = measure(server, concurrency, max(args.requests, concurrency), args.gen, kind)
+            if references.get(concurrency):
+                result["itl_ratio"] = result["itl_ms"] / min(r["step_ms"] for r in references[concurrency])
+                result["rate_ratio"] = result["tok_s"] / max(r["tok_s"] for r in references[concurrency])
+            samples.setdefault((name, concurrency), []).append(result)
+            print(f"round {round_index + 1} {name:>10} c={concurrency:<3} ttft {result['ttft_ms']:8.1f} ms  "
+                  f"itl {result['itl_ms']:7.2f} ms  {result['tok_s']:7.1f} tok/s", flush=True)
 
 
 def report(args: argparse.Namespace, gguf: Path, samples: dict[tuple[str, int], list[dict[str, float]]],
@@ -349,8 +382,14 @@ def main() -> int:
                           f"{reference['step_ms']:7.2f} ms  {reference['tok_s']:7.1f} tok/s", flush=True)
                 best_step = min((r["step_ms"] for r in references), default=None)
                 best_rate = max((r["tok_s"] for r in references), default=None)
-                for server in servers:
-                    result = run_client(server.url, concurrency, max(args.requests, concurrency), args.gen)
+                for server in list(servers):
+                    try:
+                        result = measure(server, concurrency, max(args.requests, concurrency), args.gen)
+                    except ServerDied as exc:
+                        print(f"note: {exc}; its figures are left out from here on", flush=True)
+                        servers.remove(server)
+                        server.stop()
+                        continue
                     if references:
                         result["itl_ratio"] = result["itl_ms"] / best_step
                         result["rate_ratio"] = result["tok_s"] / best_rate
