@@ -22,6 +22,7 @@ from pluginfer.backends import native, native_layer_ops
 from pluginfer.backends.cpu_dense import CpuDenseLayouts
 from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.config import EngineConfig
 from pluginfer.core.kernels import KernelTable
 from pluginfer.core.protocols import DecodeForward, KVCacheSpec, RankInfo
 
@@ -101,6 +102,19 @@ class CpuAttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None
 
 
+THREADS_ENV = "PLUGINFER_CPU_THREADS"
+
+
+def environment_threads() -> int | None:
+    """``PLUGINFER_CPU_THREADS`` as a thread count (None when unset or empty); ValueError naming it otherwise."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{THREADS_ENV}={value!r}: expected a positive number of threads (or use --threads)")
+    return int(value)
+
+
 class CpuBackend:
     """Runs everything with torch on the host."""
 
@@ -109,11 +123,12 @@ class CpuBackend:
     default_collective = "gloo"
     quant_kernels_required = False  # formats without a kernel here take their torch path
 
-    def __init__(self, config: object = None, rank: RankInfo | None = None, native_kernels: bool = True) -> None:
+    def __init__(self, config: EngineConfig | None = None, rank: RankInfo | None = None,
+                 native_kernels: bool = True) -> None:
         """``native_kernels`` False: the torch path only, nothing compiled or probed (the metal backend's use)."""
-        threads = os.environ.get("PLUGINFER_CPU_THREADS")
+        threads = config.threads if config is not None and config.threads else environment_threads()
         if threads:
-            torch.set_num_threads(int(threads))
+            torch.set_num_threads(threads)
         elif rank is not None and rank.local_world_size > 1:  # ranks on one machine share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world_size))
         self.rank = rank or RankInfo()

@@ -114,6 +114,9 @@ class EngineConfig(_Section):
     allow_pickle: bool = Field(
         False, description="Read a checkpoint that has only pickle weights (.bin, .pt) with "
         "torch.load(weights_only=True); refused otherwise, since a pickle can run code.")
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads of each rank's compute on the cpu backend (its torch ops and native "
+        "kernels); default: PLUGINFER_CPU_THREADS if set, else every core, divided among the ranks on one machine.")
     enforce_eager: bool = Field(
         False, description="Run every step eagerly: no replays of decode steps (the cuda backend captures CUDA "
         "graphs of them at bucketed batch sizes, the cpu backend records each batch size's first decode step "
