@@ -1,6 +1,6 @@
 """Where two backends' forward passes first part: every module's output, step by step (a script, and its helpers).
 
-    python tests/backends/first_divergence.py MODEL_DIR [--backends cpu cuda] [--prompt-len 24] [--steps 6]
+    python -m tests.backends.first_divergence MODEL_DIR [--backends cpu cuda] [--prompt-len 24] [--steps 6]
 
 The same greedy generation runs on each backend in turn, in this process, in float32 and eagerly
 (``enforce_eager``: a graph's replay calls no module's forward, so no hook would see it), with a forward hook on
@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.checkpoints import random_prompts
 
 # A module's output compared by max |a - b| / max |a|: float32 on two backends differs by ~1e-6 of it.
 DEFAULT_TOLERANCE = 1e-3
@@ -135,8 +137,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=2)
     args = parser.parse_args(argv)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(10, vocab, (args.prompt_len,), generator=generator).tolist()
+    prompt = random_prompts(vocab, [args.prompt_len], seed=args.seed)[0]
     runs = [record(args.model, backend, prompt, args.steps) for backend in args.backends]
     report = first_divergence((runs[0][0], runs[1][0]), (runs[0][1], runs[1][1]), args.tolerance)
     report["backends"] = args.backends

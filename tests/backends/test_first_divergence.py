@@ -22,8 +22,6 @@ from tests.backends.test_cuda_engine import CASES, TARGETS
 from tests.checkpoints import random_prompts, save_hf_model
 from tests.models.test_families import BASE
 
-SCRIPT = Path(__file__).parent / "first_divergence.py"
-
 
 def scale_output(module_name: str, factor: float, from_step: int = 0):
     """An ``edit`` for ``record``: ``module_name``'s output times ``factor`` from its ``from_step``-th call."""
@@ -77,7 +75,7 @@ def test_cuda_backend_agrees_with_cpu_module_by_module(name: str, target: str, t
                                                      tiny_tokenizer_dir: Path) -> None:
     arch, overrides, _ = CASES[name]
     save_hf_model(arch, {**BASE, **overrides}, tmp_path / name, tiny_tokenizer_dir)
-    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / name), "--steps", "5"],
+    done = subprocess.run([sys.executable, "-m", "tests.backends.first_divergence", str(tmp_path / name), "--steps", "5"],
                           env=environment(interpret=target == "interpreter"), capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
