@@ -123,6 +123,12 @@ def _running_sum(terms: torch.Tensor, from_first: bool = False) -> torch.Tensor:
     return total
 
 
+def _sqrt(values: torch.Tensor) -> torch.Tensor:
+    """C's correctly rounded ``sqrtf``: torch's float32 ``sqrt`` goes through MKL, whose result is
+    off by an ulp for some inputs, and for which inputs depends on the CPU."""
+    return torch.from_numpy(np.sqrt(values.cpu().numpy())).to(values.device)
+
+
 def _nearest_int(values: torch.Tensor) -> torch.Tensor:
     """ggml's ``nearest_int`` (adding 1.5 * 2^23 rounds half to even), as float."""
     return torch.round(values)
@@ -181,7 +187,7 @@ def _quantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     """``quantize_row_q4_K_ref``: 8 sub-blocks of 32, each with a 6-bit scale and min."""
     n = blocks.shape[0]
     x = blocks.reshape(n * 8, 32).t().contiguous()
-    av_x = torch.sqrt(_running_sum(x * x) / 32)
+    av_x = _sqrt(_running_sum(x * x) / 32)
     scales, mins, levels = _make_qkx2_quants(x, av_x + x.abs())
     scales, mins, levels = scales.reshape(n, 8), mins.reshape(n, 8), levels.t().reshape(n, 8, 32)
 

@@ -4,6 +4,9 @@ quantizers, llama.cpp's C library (committed fixtures) for the K-quant quantizer
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +113,19 @@ def test_quantize_matches_llama_cpp_c_library(name: str) -> None:
     fixtures = np.load(FIXTURES)
     ours = ggml_quantize.quantize(torch.from_numpy(fixtures["weight"]), T[name])
     np.testing.assert_array_equal(ours.numpy(), fixtures[name])
+
+
+@pytest.mark.parametrize("mkl_setting", ["MKL_CBWR=COMPATIBLE", "MKL_ENABLE_INSTRUCTIONS=SSE4_2"])
+def test_quantized_bytes_do_not_depend_on_the_math_library_path(mkl_setting: str) -> None:
+    """MKL picks its code path by CPU (an AMD CPU gets another than an Intel one), and torch's float32
+    ``sqrt`` goes through it: forcing another path here stands in for another CPU."""
+    variable, value = mkl_setting.split("=")
+    script = ("import numpy as np, torch; from gguf import GGMLQuantizationType as T; from pluginfer.quant import ggml_quantize; "
+              f"f = np.load({str(FIXTURES)!r}); "
+              "[np.testing.assert_array_equal(ggml_quantize.quantize(torch.from_numpy(f['weight']), getattr(T, t)).numpy(), f[t]) "
+              "for t in ('Q4_K', 'Q6_K')]")
+    env = {**os.environ, variable: value}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
 
 
 def test_fixture_inputs_are_the_scripts() -> None:
