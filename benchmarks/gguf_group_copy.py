@@ -36,7 +36,7 @@ def memory_mb() -> tuple[float, float]:
 def copy_group(handle: object, parts: list, way: str) -> object:
     import torch
 
-    from pluginfer.core.gguf_checkpoint import release_file_pages
+    from pluginfer.formats.gguf.checkpoint import release_file_pages
 
     if way == "pread":
         group = torch.empty(sum(part.data.shape[0] for part in parts), parts[0].data.shape[1], dtype=torch.uint8)
@@ -56,8 +56,8 @@ def copy_group(handle: object, parts: list, way: str) -> object:
 def build_groups(path: str, way: str) -> dict:
     import torch  # noqa: F401  (imported before the clock starts)
 
-    from pluginfer.core.gguf_checkpoint import release_file_pages  # noqa: F401
-    from pluginfer.core.gguf_reader import GGUFFile
+    from pluginfer.formats.gguf.checkpoint import release_file_pages  # noqa: F401
+    from pluginfer.formats.gguf.reader import GGUFFile
 
     file = GGUFFile(path)
     tensors = {t.name: t for t in file.tensors}

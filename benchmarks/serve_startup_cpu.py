@@ -6,7 +6,7 @@ Each run, in fresh interpreters (medians of ``--runs``):
 - `python -c pass`: the interpreter's own start and exit;
 - the server's part before it spawns the engine core: `pluginfer serve`'s parser and config (cli/serve.py);
 - `import torch` alone;
-- the engine core's steps as `core/engine_core.py` takes them (config import, torch, the engine's modules,
+- the engine core's steps as `engine/engine_core.py` takes them (config import, torch, the engine's modules,
   `LLMEngine`, the warm-up request), each by the process's CPU clock; `LLMEngine`'s own wall-clock phases
   (config, build, load, repack, cache, tokenizer) beside them.
 A whole process's CPU (interpreter start and exit included) comes from getrusage of the child.
@@ -41,9 +41,9 @@ config = build_config(model={gguf!r}, **{{"scheduler.max_num_seqs": 16}})
 mark("config (pydantic)")
 import torch
 mark("import torch")
-from pluginfer.core.engine import LLMEngine
-from pluginfer.core.gguf_tokenizer import GGUFTokenizer
-from pluginfer.core.sequence import SamplingParams
+from pluginfer.engine.engine import LLMEngine
+from pluginfer.formats.gguf.tokenizer import GGUFTokenizer
+from pluginfer.engine.sequence import SamplingParams
 mark("engine modules")
 engine = LLMEngine(config)
 mark("LLMEngine")

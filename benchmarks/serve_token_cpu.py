@@ -70,7 +70,7 @@ def process_cpu_seconds(pid: int) -> tuple[float, float]:
 
 def offline(gguf: str, requests: int, gen: int) -> dict[str, float]:
     from pluginfer import LLM, SamplingParams
-    from pluginfer.core.engine_core import EngineCore
+    from pluginfer.engine.engine_core import EngineCore
 
     engine = LLM(model=gguf, max_num_seqs=4).engine
     prompt = engine.tokenizer.encode(PROMPT)

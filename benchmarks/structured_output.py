@@ -74,7 +74,7 @@ def median_ms(values: list[float]) -> float:
 
 
 def compile_figures(tokenizer: object, vocab: int, repeats: int) -> dict[str, float]:
-    from pluginfer.core.structured import GrammarCompiler, StructuredOutputsParams
+    from pluginfer.engine.structured import GrammarCompiler, StructuredOutputsParams
 
     params = StructuredOutputsParams(json=ENDLESS)
     view, cold, cached = [], [], []
@@ -95,9 +95,9 @@ def compile_figures(tokenizer: object, vocab: int, repeats: int) -> dict[str, fl
 
 def sampler_figures(tokenizer: object, vocab: int, batch: int, steps: int) -> tuple[float, float, float]:
     """(ms per step free, ms per step constrained, of which the mask fill)."""
-    from pluginfer.core.sampler import Sampler
-    from pluginfer.core.sequence import SamplingParams, Sequence
-    from pluginfer.core.structured import (
+    from pluginfer.engine.sampler import Sampler
+    from pluginfer.engine.sequence import SamplingParams, Sequence
+    from pluginfer.engine.structured import (
         GrammarCompiler,
         StructuredOutputsParams,
         accept_token,

@@ -26,8 +26,8 @@ def timed(build) -> tuple[float, float]:
 def compare(file: str, runs: int) -> dict[str, list[tuple[float, float]]]:
     """Both ways, in turn, ``runs`` + 1 times; the first of each dropped."""
     from pluginfer.core.config import build_config
-    from pluginfer.core.executor import Executor
-    from pluginfer.core.tokenizer import TokenizerBuild, load_tokenizer
+    from pluginfer.engine.executor import Executor
+    from pluginfer.text.tokenizer import TokenizerBuild, load_tokenizer
 
     config = build_config(model=file, max_model_len=1024, **{"scheduler.max_num_seqs": 1})
     kept = []

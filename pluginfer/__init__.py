@@ -1,9 +1,9 @@
 """pluginfer: an LLM inference and serving engine built as a small core and plugins."""
 
 from pluginfer.core.hookspecs import PLUGIN_API_VERSION
-from pluginfer.core.pooling import PoolingParams
-from pluginfer.core.sequence import SamplingParams
-from pluginfer.core.structured import StructuredOutputsParams
+
+_LAZY = {"LLM": "pluginfer.llm", "PoolingParams": "pluginfer.engine.pooling",
+         "SamplingParams": "pluginfer.engine.sequence", "StructuredOutputsParams": "pluginfer.engine.structured"}
 
 
 def _version() -> str:
@@ -20,9 +20,9 @@ __version__ = _version()
 __all__ = ["LLM", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "PLUGIN_API_VERSION", "__version__"]
 
 
-def __getattr__(name: str) -> type:  # LLM pulls in the engine; keep `import pluginfer` cheap
-    if name == "LLM":
-        from pluginfer.llm import LLM
+def __getattr__(name: str) -> type:  # the engine loads on first use: `import pluginfer.core` stays contracts only
+    if name in _LAZY:
+        import importlib
 
-        return LLM
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pluginfer' has no attribute {name!r}")

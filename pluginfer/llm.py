@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
-from pluginfer.core.beam_search import Beam, BeamSearchParams
 from pluginfer.core.config import build_config
-from pluginfer.core.engine import LLMEngine
 from pluginfer.core.options import dotted_keywords
-from pluginfer.core.outputs import RequestOutput
-from pluginfer.core.pooling import PoolingParams
-from pluginfer.core.sequence import SamplingParams
-from pluginfer.core.tokenizer import render_chat
+from pluginfer.engine.beam_search import Beam, BeamSearchParams
+from pluginfer.engine.engine import LLMEngine
+from pluginfer.engine.outputs import RequestOutput
+from pluginfer.engine.pooling import PoolingParams
+from pluginfer.engine.sequence import SamplingParams
+from pluginfer.text.tokenizer import render_chat
 
 Prompt = str | list[int]
 
@@ -82,8 +82,8 @@ class LLM:
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[list[Beam]]:
         """The ``beam_width`` best continuations of each prompt, best first, found as transformers'
-        ``generate(num_beams=...)`` finds them (``pluginfer/core/beam_search.py``)."""
-        from pluginfer.core.beam_search import run_beam_search
+        ``generate(num_beams=...)`` finds them (``pluginfer/engine/beam_search.py``)."""
+        from pluginfer.engine.beam_search import run_beam_search
 
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]

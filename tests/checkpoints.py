@@ -65,9 +65,9 @@ def greedy(max_tokens: int = 32):  # SamplingParams
 
 def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:  # pluginfer.LLM
     """Logits at every prompt position through our runner (the public API only exposes the last)."""
-    from pluginfer.core.scheduler import ScheduledSequence
-    from pluginfer.core.sequence import Sequence
-    from pluginfer.core.step import build_step
+    from pluginfer.engine.scheduler import ScheduledSequence
+    from pluginfer.engine.sequence import Sequence
+    from pluginfer.engine.step import build_step
 
     engine = llm.engine
     seq = Sequence("probe", list(prompt), greedy())

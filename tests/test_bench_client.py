@@ -233,7 +233,7 @@ def test_same_seed_same_prompts(server, tmp_path):
 
 
 def test_a_tokenizer_keeps_special_tokens_out_of_prompts(server, tmp_path, tiny_tokenizer_dir):
-    from pluginfer.core.tokenizer import load_tokenizer
+    from pluginfer.text.tokenizer import load_tokenizer
 
     special = set(load_tokenizer(tiny_tokenizer_dir).all_special_ids)
     assert special and max(special) < VOCAB

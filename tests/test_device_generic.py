@@ -27,31 +27,31 @@ ALLOWED = {
     ("quant/ggml_blocks.py", 'raw.device.type == "cpu"'):
         "the cpu backend's native GGML dequantizer reads host memory: blocks elsewhere take the torch path "
         "(on the cuda backend the table's block kernels run before it is reached)",
-    ("core/loader.py", 'torch.load(file, map_location="cpu"'):
+    ("engine/loader.py", 'torch.load(file, map_location="cpu"'):
         "a pickle checkpoint is read into host memory (memory-mapped), like safetensors, before the layers' "
         "loaders copy it to the backend's device",
-    ("core/sampler.py", 'if logits.device.type == "cpu" and logits.dtype == torch.float32'):
+    ("engine/sampler.py", 'if logits.device.type == "cpu" and logits.dtype == torch.float32'):
         "the greedy shortcut hands host float32 logits to numpy's argmax; numpy reads host memory only, any "
         "other device keeps torch.argmax",
-    ("core/gguf_checkpoint.py", 'if source.device.type != "cpu" or source.numel() == 0:'):
+    ("formats/gguf/checkpoint.py", 'if source.device.type != "cpu" or source.numel() == 0:'):
         "only a tensor in host memory can lie in a GGUF file's memory mapping, whose pages release_file_pages "
         "gives back; a tensor on any other device has nothing to release",
-    ("core/gguf_checkpoint.py", 'if source.device.type != "cpu" or target.device.type != "cpu"'):
+    ("formats/gguf/checkpoint.py", 'if source.device.type != "cpu" or target.device.type != "cpu"'):
         "read_file_bytes preads file bytes into host memory; a target on another device is copied by torch",
-    ("core/step.py", 'if torch.device(device).type == "cpu":'):
+    ("engine/step.py", 'if torch.device(device).type == "cpu":'):
         "numpy's arrays are host memory: a step for a host-memory device wraps them without a copy or a .to() "
         "per array (a decode step's fixed cost); any other device gets the copy",
     ("quant/gguf.py", 'loaded.device.type == "cpu" and torch.device(device).type == "cpu"'):
         "an F16/BF16 tensor is read in place only as a view of the GGUF file's mapping, which is host memory, "
         "and only when the model's device reads host memory too; elsewhere it is copied as before",
-    ("core/sampler.py", 'if not (columns.device.type == "cpu" and columns.dtype == torch.float32'):
+    ("engine/sampler.py", 'if not (columns.device.type == "cpu" and columns.dtype == torch.float32'):
         "the greedy rows' numpy view, kept while a decode replay hands the same logits tensor again: numpy "
         "reads host memory only, any other device keeps greedy_argmax's torch path",
-    ("core/worker.py", 'shares = batch.input_ids.device.type == "cpu" and batch.input_ids.data_ptr()'):
+    ("engine/worker.py", 'shares = batch.input_ids.device.type == "cpu" and batch.input_ids.data_ptr()'):
         "a steady decode step reuses the last ForwardBatch only when its tensors are the step's numpy arrays "
         "wrapped without a copy, which happens for host memory alone; on any other device each step's "
         "arrays are copied to fresh tensors and the batch is built again",
-    ("core/sampler.py", 'sync_free = logits.device.type != "cpu"'):
+    ("engine/sampler.py", 'sync_free = logits.device.type != "cpu"'):
         "top-k/top-p's candidate shortcut reads its width back from the logits, free on host memory and a "
         "device sync anywhere else, where one full sort replaces it",
 }

@@ -270,7 +270,7 @@ def test_prompt_logprobs_match_transformers_with_chunks_and_prefix_cache(tiny_ll
 def test_chat_renders_tools_through_the_template(llm):
     """LLM.chat(tools=...) puts the tools in the prompt the template builds; a template that does not read
     tools is a ValueError, not a prompt without them."""
-    from pluginfer.core.tokenizer import render_chat
+    from pluginfer.text.tokenizer import render_chat
 
     tokenizer = llm.engine.tokenizer
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from playwright.sync_api import expect, sync_playwright
 
-from pluginfer.core.async_engine import AsyncEngine
+from pluginfer.engine.async_engine import AsyncEngine
 from pluginfer.core.config import build_config
-from pluginfer.core.engine import LLMEngine
+from pluginfer.engine.engine import LLMEngine
 from pluginfer.demo.model import with_demo_model
 from pluginfer.server.launch import BackgroundServer
 

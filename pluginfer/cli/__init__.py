@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pluginfer.core.launcher_env import external_launcher, leave_launched_rank
+    from pluginfer.engine.launcher_env import external_launcher, leave_launched_rank
 
     argv = sys.argv[1:] if argv is None else argv
     if _serves_through_a_core_process(argv, external_launcher()):

@@ -257,7 +257,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"{root}/v1/models lists no model: pass --model")
     tokenizer = None
     if args.tokenizer:
-        from pluginfer.core.tokenizer import load_tokenizer
+        from pluginfer.text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
     card = next((m for m in models if m.get("id") == model), {})

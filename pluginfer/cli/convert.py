@@ -76,8 +76,8 @@ def print_progress(index: int, total: int | None, name: str, qtype: str, shape: 
 
 def convert_to_gguf(model_dir: Path, output: Path, quant: str, embedding_type: str = "f16",
                     progress: Progress | None = None) -> Path:
-    from pluginfer.core.loader import iter_weights, read_hf_config
-    from pluginfer.core.tokenizer import load_tokenizer
+    from pluginfer.engine.loader import iter_weights, read_hf_config
+    from pluginfer.text.tokenizer import load_tokenizer
 
     config = read_hf_config(model_dir)
     if config.get("quantization_config"):
@@ -92,7 +92,7 @@ def tensor_names(model_dir: Path) -> list[str]:
     """Every tensor name of the checkpoint's safetensors files (their headers only)."""
     from safetensors import safe_open
 
-    from pluginfer.core.loader import safetensors_files
+    from pluginfer.engine.loader import safetensors_files
 
     names = []
     for file in safetensors_files(model_dir):
@@ -116,7 +116,7 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
     """
     import gguf
 
-    from pluginfer.core.gguf_checkpoint import GGMLTensor
+    from pluginfer.formats.gguf.checkpoint import GGMLTensor
     from pluginfer.models.gguf_llama import permute_rows
 
     names = [a for a in config.get("architectures") or [] if a in ARCHITECTURES]

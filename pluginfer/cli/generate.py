@@ -11,8 +11,8 @@ from pluginfer.cli.chat_loop import chat_loop
 
 if TYPE_CHECKING:
     from pluginfer.core.config import EngineConfig
-    from pluginfer.core.engine import LLMEngine
-    from pluginfer.core.sequence import SamplingParams
+    from pluginfer.engine.engine import LLMEngine
+    from pluginfer.engine.sequence import SamplingParams
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def register(commands: argparse._SubParsersAction, add_engine_arguments: Callabl
 
 
 def _params(args: argparse.Namespace, config: EngineConfig) -> SamplingParams:
-    from pluginfer.core.sequence import SamplingParams
+    from pluginfer.engine.sequence import SamplingParams
 
     defaults = config.sampling
     return SamplingParams(
@@ -61,14 +61,14 @@ def _params(args: argparse.Namespace, config: EngineConfig) -> SamplingParams:
 
 def _engine(args: argparse.Namespace) -> tuple[LLMEngine, EngineConfig]:
     from pluginfer.cli import engine_config
-    from pluginfer.core.engine import LLMEngine
+    from pluginfer.engine.engine import LLMEngine
 
     config = engine_config(args)
     return LLMEngine(config), config
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from pluginfer.core.tokenizer import render_chat
+    from pluginfer.text.tokenizer import render_chat
 
     engine, config = _engine(args)
     params = _params(args, config)
@@ -98,7 +98,7 @@ def run_chat(args: argparse.Namespace) -> int:
         from pluginfer.cli import remote_chat
 
         return remote_chat.run(args)
-    from pluginfer.core.tokenizer import render_chat
+    from pluginfer.text.tokenizer import render_chat
 
     engine, config = _engine(args)
     params = _params(args, config)

@@ -8,7 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
-from pluginfer.core.engine_core import DEFAULT_CORE_SPIN_COUNT
+# How long an idle OpenMP thread of the engine core process spins before it sleeps unless the config
+# says (``server.core_spin_count``): libgomp's own default, as the offline engine runs.
+DEFAULT_CORE_SPIN_COUNT = 300000
 
 
 class ConfigError(ValueError):

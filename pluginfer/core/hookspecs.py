@@ -33,7 +33,7 @@ class PluginSpec:
     ``config.json`` architecture names. ``priority``: among usable backends, ``backend: auto`` takes
     the highest (an accelerator over the cpu). A model spec reads GGUF files whose
     ``general.architecture`` is in ``gguf_architectures``: ``gguf_converter(checkpoint: GGUFCheckpoint)
-    -> GGUFModel`` (``pluginfer.core.gguf_checkpoint``) gives their HF config and tensor names.
+    -> GGUFModel`` (``pluginfer.formats.gguf.checkpoint``) gives their HF config and tensor names.
     ``claims`` (quant specs): ``claims(quantization_config: dict) -> bool``, whether ``quant: auto``
     should pick this method for a checkpoint with that ``quantization_config`` (before the
     ``quant_method`` the config names; the highest priority wins). ``launchers`` (collective specs):

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.pooling import is_backbone_only
 from pluginfer.core.protocols import IntermediateTensors, KVCacheSpec, stage_layers
+from pluginfer.engine.pooling import is_backbone_only
 from pluginfer.layers.attention import bind_kv_caches
 from pluginfer.layers.context import current_context, has_context
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding

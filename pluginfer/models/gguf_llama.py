@@ -1,7 +1,7 @@
 """GGUF files of the llama family (llama, mistral; qwen2, qwen3): their metadata as the ``config.json`` the
 llama and qwen pipelines accept, their tensor names as Hugging Face's (gguf-py's own name map, inverted),
 llama's q/k rows put back in Hugging Face order. The model plugin's ``gguf_converter``
-(``pluginfer.core.gguf_checkpoint`` reads the file); ``pluginfer convert`` writes what this reads.
+(``pluginfer.formats.gguf.checkpoint`` reads the file); ``pluginfer convert`` writes what this reads.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pluginfer.core.gguf_checkpoint import GGMLTensor, GGUFCheckpoint, GGUFModel
+from pluginfer.formats.gguf.checkpoint import GGMLTensor, GGUFCheckpoint, GGUFModel
 
 # GGUF general.architecture -> the Hugging Face architecture of our pipelines.
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

@@ -3,14 +3,14 @@
 A fused layer (``qkv_proj``, ``gate_up_proj``) is loaded from several checkpoint tensors, and GGUF
 files mix types (e.g. Q4_K q/k with a Q6_K v), so each shard keeps its own (type, raw blocks).
 Adjacent shards of one type are concatenated once after loading, read from the file with ``pread`` into the
-group (``gguf_checkpoint.read_file_bytes``: their pages never enter the process); the pages of any other
+group (``formats.gguf.checkpoint.read_file_bytes``: their pages never enter the process); the pages of any other
 tensor copied at load (a rank's columns, another dtype or device, llama's reordered q/k rows) are released
-after the copy (``gguf_checkpoint.release_file_pages``); the matmul runs
+after the copy (``formats.gguf.checkpoint.release_file_pages``); the matmul runs
 ``ggml_blocks.ggml_linear`` per group (a tile of rows dequantized at a time) and concatenates the
 outputs. Float shards (F32/F16/BF16 files) are plain dense weights in the model dtype, except F16/BF16 ones in a
 float32 model whose backend has the ``half_linear`` op: those stay as the file stores them, read in place by it.
 
-The checkpoint side is ``pluginfer.core.gguf_checkpoint`` (it yields ``GGMLTensor``s). The embedding and
+The checkpoint side is ``pluginfer.formats.gguf.checkpoint`` (it yields ``GGMLTensor``s). The embedding and
 the LM head stay quantized too: ``vocab_table`` gives ``layers.embedding`` a ``GGMLVocabTable`` of its
 rows (docs/quantization.md).
 
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pluginfer.core.gguf_checkpoint import read_file_bytes, release_file_pages, shares_memory
 from pluginfer.core.protocols import ShardSpec
+from pluginfer.formats.gguf.checkpoint import read_file_bytes, release_file_pages, shares_memory
 from pluginfer.layers.context import backend_op, current_context, has_context
 from pluginfer.layers.linear import projection_rows
 from pluginfer.quant.ggml_blocks import (

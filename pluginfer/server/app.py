@@ -24,7 +24,7 @@ from pluginfer.server.streaming import CLIENT_LEFT
 from pluginfer.server.tools import ToolCalling
 
 if TYPE_CHECKING:  # the server process imports no torch (tests/server/test_server_imports.py)
-    from pluginfer.core.async_engine import AsyncEngine
+    from pluginfer.engine.async_engine import AsyncEngine
 
 _OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers' probes)
 

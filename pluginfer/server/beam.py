@@ -1,4 +1,4 @@
-"""``use_beam_search: true`` on both endpoints: the search of ``core/beam_search.py`` driven through the engine.
+"""``use_beam_search: true`` on both endpoints: the search of ``engine/beam_search.py`` driven through the engine.
 
 Each step runs the running beams of every prompt as one-token requests (``run_requests``: admission,
 metrics, abort on disconnect, prefix-cached prompts). The ``n`` best beams are the choices, as in
@@ -11,8 +11,8 @@ import asyncio
 from contextlib import aclosing
 from typing import Any
 
-from pluginfer.core.beam_search import Beam, BeamSearch, BeamSearchParams
-from pluginfer.core.sequence import SamplingParams
+from pluginfer.engine.beam_search import Beam, BeamSearch, BeamSearchParams
+from pluginfer.engine.sequence import SamplingParams
 from pluginfer.server.errors import bad_request
 from pluginfer.server.state import ServerState
 from pluginfer.server.streaming import run_requests

@@ -11,11 +11,10 @@ from typing import Any
 
 from aiohttp import web
 
-from pluginfer.core.beam_search import BeamSearchParams
-from pluginfer.core.outputs import CompletionOutput, RequestOutput
-from pluginfer.core.sequence import SamplingParams
-from pluginfer.core.structured import StructuredOutputsParams
-from pluginfer.core.tokenizer import render_chat, template_renders_tools
+from pluginfer.engine.beam_search import BeamSearchParams
+from pluginfer.engine.outputs import CompletionOutput, RequestOutput
+from pluginfer.engine.sequence import SamplingParams
+from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.beam import beam_params, finish_reason, search
 from pluginfer.server.errors import bad_request
 from pluginfer.server.grammar import compile_grammar
@@ -34,6 +33,7 @@ from pluginfer.server.streaming import (
     usage,
 )
 from pluginfer.server.tools import ToolCalling, ToolCallOutput
+from pluginfer.text.tokenizer import render_chat, template_renders_tools
 
 
 def render_prompt(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool,

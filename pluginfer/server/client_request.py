@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pluginfer.core.outputs import CompletionOutput, RequestOutput
+from pluginfer.engine.outputs import CompletionOutput, RequestOutput
 
 
 class ClientRequest:

@@ -10,8 +10,8 @@ from typing import Any
 
 from aiohttp import web
 
-from pluginfer.core.beam_search import BeamSearchParams
-from pluginfer.core.outputs import CompletionOutput, RequestOutput
+from pluginfer.engine.beam_search import BeamSearchParams
+from pluginfer.engine.outputs import CompletionOutput, RequestOutput
 from pluginfer.server.beam import beam_params, finish_reason, search
 from pluginfer.server.errors import bad_request
 from pluginfer.server.grammar import compile_grammar

@@ -1,6 +1,6 @@
 """The engine core's process, spawned before its config exists: ``pluginfer serve`` starts it first thing.
 
-An interpreter for ``pluginfer.core.engine_core`` is started (with its end of a socket pair and the
+An interpreter for ``pluginfer.engine.engine_core`` is started (with its end of a socket pair and the
 environment its OpenMP threads read once, when torch loads them) and then waits on stdin for its log level
 and its config; ``configure`` sends them. ``EngineClient`` spawns one for its config; the CLI spawns one for
 ``pluginfer serve`` before it builds its parser and config (``prespawn``), so the core's interpreter, its
@@ -23,8 +23,8 @@ import sys
 import time
 from collections.abc import Mapping
 
-from pluginfer.core.engine_core import DEFAULT_CORE_SPIN_COUNT
-from pluginfer.core.launcher_env import die_with_parent
+from pluginfer.core.config import DEFAULT_CORE_SPIN_COUNT
+from pluginfer.engine.launcher_env import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class CoreProcess:
         self.sock, child = socket.socketpair()
         self.spawned = time.perf_counter()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pluginfer.core.engine_core", str(child.fileno()), repr(self.spawned)],
+            [sys.executable, "-m", "pluginfer.engine.engine_core", str(child.fileno()), repr(self.spawned)],
             stdin=subprocess.PIPE, pass_fds=(child.fileno(),),
             env=core_environment(spin_count, os.environ),
             preexec_fn=die_with_parent if sys.platform == "linux" else None)

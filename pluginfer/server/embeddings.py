@@ -1,4 +1,4 @@
-"""POST /v1/embeddings: one engine request per input, pooled as the checkpoint says (core/pooling.py).
+"""POST /v1/embeddings: one engine request per input, pooled as the checkpoint says (engine/pooling.py).
 
 The inputs run through the engine's batched path like any prompt (they share steps with chat and
 completions requests); each comes back as one vector, as floats or as base64 of little-endian float32
@@ -16,8 +16,8 @@ from typing import Any, ClassVar, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from pluginfer.core.outputs import RequestOutput
-from pluginfer.core.pooling import PoolerConfig, PoolingParams, read_pooler_config
+from pluginfer.engine.outputs import RequestOutput
+from pluginfer.engine.pooling import PoolerConfig, PoolingParams, read_pooler_config
 from pluginfer.server.errors import bad_request
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import run_requests
@@ -72,7 +72,7 @@ def pooler_of(state: ServerState) -> PoolerConfig:
     """The served checkpoint's pooling, read once (from the server's side: the engine may run elsewhere)."""
     if state.pooler is None:
         # imported here: it imports torch, which the server's process does not need to start
-        from pluginfer.core.loader import read_hf_config, resolve_model_path
+        from pluginfer.engine.loader import read_hf_config, resolve_model_path
 
         path = resolve_model_path(state.config.model, state.config.revision)
         state.pooler = read_pooler_config(path, read_hf_config(path) if path.is_dir() else {})

@@ -1,4 +1,4 @@
-"""EngineClient: the server's side of the engine core process (``pluginfer.core.engine_core``).
+"""EngineClient: the server's side of the engine core process (``pluginfer.engine.engine_core``).
 
 It offers what the handlers use of ``AsyncEngine`` (``generate``, ``abort``, ``is_alive``, ``error``,
 ``num_requests``, ``num_waiting``, ``shutdown``, and ``engine``: the tokenizer, ``max_model_len``, the
@@ -30,9 +30,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from pluginfer.core.config import EngineConfig
-from pluginfer.core.engine_core import EngineDeadError, FrameReader, encode
-from pluginfer.core.outputs import RequestOutput
-from pluginfer.core.sequence import SamplingParams
+from pluginfer.engine.engine_core import EngineDeadError, FrameReader, encode
+from pluginfer.engine.outputs import RequestOutput
+from pluginfer.engine.sequence import SamplingParams
 from pluginfer.server.client_request import ClientRequest
 from pluginfer.server.core_process import CoreProcess
 from pluginfer.server.engine_view import EngineView
@@ -76,11 +76,11 @@ class EngineClient:
         """Wait until the core has loaded the model; take its tokenizer.
 
         A tokenizer built without transformers (a GGUF file's, or a checkpoint's ``tokenizer.json``:
-        ``core.tokenizer.native_tokenizer``) is built here while the core imports torch, and sent to the core,
+        ``text.tokenizer.native_tokenizer``) is built here while the core imports torch, and sent to the core,
         which takes it beside its weights' load instead of building its own; any other comes from the core,
         pickled, once it is ready.
         Raises what the core raised when it could not start (ValueError for pluginfer's own errors)."""
-        from pluginfer.core.tokenizer import load_tokenizer, native_tokenizer
+        from pluginfer.text.tokenizer import load_tokenizer, native_tokenizer
 
         deadline = None if timeout is None else time.monotonic() + timeout
         try:

@@ -37,7 +37,7 @@ class _Grammars:
     def compile(self, grammar: Any) -> None:
         """Blocks until the core compiled it; raises StructuredOutputError with the core's reason.
         Call it off the event loop (the handlers use ``asyncio.to_thread``)."""
-        from pluginfer.core.structured import StructuredOutputError
+        from pluginfer.engine.structured import StructuredOutputError
 
         error = self._client.call("compile", grammar).result()
         if error is not None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pluginfer.core.structured import StructuredOutputError, StructuredOutputsParams
+from pluginfer.engine.structured import StructuredOutputError, StructuredOutputsParams
 from pluginfer.server.errors import bad_request
 
 if TYPE_CHECKING:

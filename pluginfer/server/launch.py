@@ -21,7 +21,7 @@ from pluginfer.server.engine_client import EngineClient
 if TYPE_CHECKING:  # imported where used: `pluginfer serve` starts the engine process before these load here
     from aiohttp import web  # ~0.1 s: the core process starts first
 
-    from pluginfer.core.async_engine import AsyncEngine
+    from pluginfer.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -124,13 +124,13 @@ def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
     The core process starts first and loads the model while this process imports the server; one that
     ``pluginfer serve`` spawned before it built the config is taken when the config allows
     (``core_process.take_prespawned``)."""
-    from pluginfer.core.launcher_env import external_launcher
+    from pluginfer.engine.launcher_env import external_launcher
     from pluginfer.server.core_process import discard_prespawned, take_prespawned
 
     parallel = config.parallel
     client = None
     one_rank = parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1
-    # core/launch.py's detect_launcher, without importing it (it imports torch): not one rank of torchrun or mpiexec
+    # engine/launch.py's detect_launcher, without importing it (it imports torch): not one rank of torchrun or mpiexec
     in_process = parallel.launcher == "inprocess" or (parallel.launcher == "auto" and
                                                       external_launcher(os.environ) is None)
     if os.environ.get("PLUGINFER_ENGINE_PROCESS", "1") != "0" and one_rank and in_process:
@@ -143,8 +143,8 @@ def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
         if "core_spin_count" in config.server.model_fields_set:  # asked for, not the default
             logger.warning("--core-spin-count applies to the engine core process only; with the engine in this "
                            "process set OMP_WAIT_POLICY or GOMP_SPINCOUNT in its environment instead")
-        from pluginfer.core.async_engine import AsyncEngine
-        from pluginfer.core.engine import LLMEngine
+        from pluginfer.engine.async_engine import AsyncEngine
+        from pluginfer.engine.engine import LLMEngine
 
         return AsyncEngine(LLMEngine(config)).start()
     client.start()

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pluginfer.core.outputs import RequestOutput
+from pluginfer.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from pluginfer.core.engine import LLMEngine
+    from pluginfer.engine.engine import LLMEngine
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pluginfer.core.config import SamplingDefaults
-from pluginfer.core.sequence import SamplingParams
-from pluginfer.core.structured import StructuredOutputsParams
+from pluginfer.engine.sequence import SamplingParams
+from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import APIError, bad_request, from_sampling_error
 from pluginfer.server.grammar import ResponseFormat, StructuredOutputsRequest, requested_grammar
 from pluginfer.server.tools import Tool, ToolChoice

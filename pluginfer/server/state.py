@@ -11,14 +11,14 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from pluginfer.core.config import EngineConfig
-from pluginfer.core.pooling import PoolerConfig
+from pluginfer.engine.pooling import PoolerConfig
 from pluginfer.server.errors import APIError, bad_request, from_validation_error
 from pluginfer.server.metrics import ServerMetrics
 from pluginfer.server.reasoning import ReasoningParser, get_reasoning_parser
 
 if TYPE_CHECKING:  # the server process imports no torch (tests/server/test_server_imports.py)
-    from pluginfer.core.async_engine import AsyncEngine
-    from pluginfer.core.engine import LLMEngine
+    from pluginfer.engine.async_engine import AsyncEngine
+    from pluginfer.engine.engine import LLMEngine
 
 Body = TypeVar("Body", bound=BaseModel)
 

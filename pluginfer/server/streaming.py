@@ -18,9 +18,9 @@ from typing import Any
 
 from aiohttp import web
 
-from pluginfer.core.engine_core import EngineDeadError
-from pluginfer.core.outputs import RequestOutput
-from pluginfer.core.sequence import SamplingParams
+from pluginfer.engine.engine_core import EngineDeadError
+from pluginfer.engine.outputs import RequestOutput
+from pluginfer.engine.sequence import SamplingParams
 from pluginfer.server.errors import APIError, bad_request, from_sampling_error, sse_error
 from pluginfer.server.state import ServerState
 

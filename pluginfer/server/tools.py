@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pluginfer.core.structured import StructuredOutputsParams
+from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import bad_request
 from pluginfer.server.tool_parsers import MarkedToolParser, get_tool_parser
 

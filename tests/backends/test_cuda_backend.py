@@ -14,8 +14,8 @@ import torch
 from pluginfer import LLM
 from pluginfer.backends import cuda
 from pluginfer.backends import plugin as backends_plugin
-from pluginfer.core.executor import _backend_name
 from pluginfer.core.registry import Registry
+from pluginfer.engine.executor import _backend_name
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 
@@ -127,7 +127,7 @@ def test_gguf_file_tensors_find_their_block_kernel_or_fail_naming_both(type_name
         pytest.skip("triton is not installed")
     from gguf import GGMLQuantizationType
 
-    from pluginfer.core.gguf_checkpoint import GGMLTensor
+    from pluginfer.formats.gguf.checkpoint import GGMLTensor
     from pluginfer.quant import ggml_quantize
 
     qtype = GGMLQuantizationType[type_name]

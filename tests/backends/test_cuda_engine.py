@@ -180,8 +180,8 @@ def test_q4_k_m_gguf_file_through_the_backend_op_table(target: str, tmp_path: Pa
     super-blocks: the cuda backend's ``ggml_q4_k_matmul`` and ``ggml_q6_k_matmul`` (Q4_K and Q6_K groups in
     one fused qkv layer) give the cpu backend's greedy tokens."""
     from pluginfer.cli.convert import write_gguf
-    from pluginfer.core.loader import iter_weights, read_hf_config
-    from pluginfer.core.tokenizer import load_tokenizer
+    from pluginfer.engine.loader import iter_weights, read_hf_config
+    from pluginfer.text.tokenizer import load_tokenizer
 
     directory = tmp_path / "llama"
     model = save_hf_model("LlamaForCausalLM", {**BASE, "hidden_size": 256, "intermediate_size": 256}, directory,

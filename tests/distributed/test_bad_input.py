@@ -11,8 +11,8 @@ import pytest
 
 from pluginfer import LLM
 from pluginfer.core.config import build_config
-from pluginfer.core.launch import free_port, rank_info
 from pluginfer.core.registry import UnknownPluginError
+from pluginfer.engine.launch import free_port, rank_info
 from tests.checkpoints import copy_with_config
 
 ENGINE = dict(dtype="float32", num_blocks=16, block_size=8, timeout_s=30.0)

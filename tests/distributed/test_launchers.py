@@ -12,7 +12,7 @@ import pytest
 
 from pluginfer import LLM
 from pluginfer.collectives.mpi import mpiexec_command
-from pluginfer.core.launch import free_port
+from pluginfer.engine.launch import free_port
 from tests.checkpoints import greedy
 
 pytestmark = pytest.mark.slow

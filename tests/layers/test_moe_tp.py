@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from pluginfer.collectives import single
-from pluginfer.core.loader import iter_weights, read_hf_config
 from pluginfer.core.protocols import BuildContext, RankInfo
 from pluginfer.core.registry import get_registry
+from pluginfer.engine.loader import iter_weights, read_hf_config
 from pluginfer.layers.context import building
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.moe import FusedExperts, SparseMoeBlock, expert_weight_names

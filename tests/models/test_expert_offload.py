@@ -63,7 +63,7 @@ def test_resident_bytes_drop_by_offloaded_experts(family: tuple[str, Path, int],
     _, _, experts, intermediate, moe_layers = FAMILIES[name]
     expert_bytes = 3 * intermediate * BASE["hidden_size"] * 4  # gate, up and down in float32
     full = LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8).engine.executor.expert_memory
-    with caplog.at_level(logging.INFO, logger="pluginfer.core.worker"):
+    with caplog.at_level(logging.INFO, logger="pluginfer.engine.worker"):
         part = LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8,
                    num_experts_offload_per_rank=OFFLOAD).engine.executor.expert_memory
     assert f"{part.resident_bytes} bytes resident" in caplog.text
@@ -80,7 +80,7 @@ def test_offloaded_experts_keep_decode_steps_eager(family: tuple[str, Path, int]
     """Which experts travel is decided on the host every step: no backend captures such a step (a CUDA graph's
     capture refuses the copy; found on an H100, where the capture raised at start-up)."""
     name, path, _ = family
-    with caplog.at_level(logging.INFO, logger="pluginfer.core.worker"):
+    with caplog.at_level(logging.INFO, logger="pluginfer.engine.worker"):
         llm = LLM(model=str(path), dtype="float32", num_blocks=16, block_size=8, num_experts_offload_per_rank=OFFLOAD)
     assert llm.engine.executor.worker.decode_graphs is None
     assert "decode steps run eagerly: offloaded experts are brought in per step" in caplog.text

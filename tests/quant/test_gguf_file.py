@@ -15,10 +15,10 @@ import torch
 
 from pluginfer import LLM
 from pluginfer.cli.convert import convert_to_gguf, write_gguf
-from pluginfer.core.gguf_checkpoint import GGMLTensor
-from pluginfer.core.loader import iter_weights, read_hf_config
-from pluginfer.core.tokenizer import load_tokenizer
+from pluginfer.engine.loader import iter_weights, read_hf_config
+from pluginfer.formats.gguf.checkpoint import GGMLTensor
 from pluginfer.models.gguf_llama import llama3_rope_factors
+from pluginfer.text.tokenizer import load_tokenizer
 from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts, save_hf_model
 from tests.quant.gguf_helpers import transformers_from_gguf
 

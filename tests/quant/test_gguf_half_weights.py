@@ -22,8 +22,8 @@ from gguf import GGMLQuantizationType as T
 from pluginfer import LLM
 from pluginfer.backends import amx_half, native, native_half_linear
 from pluginfer.collectives import single
-from pluginfer.core.gguf_checkpoint import GGMLTensor
 from pluginfer.core.protocols import BuildContext
+from pluginfer.formats.gguf.checkpoint import GGMLTensor
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.weights import load_named_weights
 from pluginfer.quant import gguf

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pluginfer import LLM
-from pluginfer.core.gguf_checkpoint import GGMLTensor
-from pluginfer.core.loader import iter_weights, read_hf_config
+from pluginfer.engine.loader import iter_weights, read_hf_config
+from pluginfer.formats.gguf.checkpoint import GGMLTensor
 from pluginfer.models.gguf_llama import llama3_rope_factors
 from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts
 from tests.quant.gguf_helpers import transformers_from_gguf

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pluginfer import LLM
-from pluginfer.core.loader import read_hf_config
+from pluginfer.engine.loader import read_hf_config
 from pluginfer.models.gguf_llama import llama3_rope_factors
 from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts
 from tests.quant.fixtures.make_gguf_fixtures import LLAMA3_CUSTOM_ROPE

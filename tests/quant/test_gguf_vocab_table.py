@@ -17,8 +17,8 @@ from gguf import GGMLQuantizationType as T
 
 from pluginfer.backends import native
 from pluginfer.collectives import single
-from pluginfer.core.gguf_checkpoint import GGMLTensor
 from pluginfer.core.protocols import BuildContext, RankInfo
+from pluginfer.formats.gguf.checkpoint import GGMLTensor
 from pluginfer.layers.embedding import LMHead, VocabParallelEmbedding
 from pluginfer.layers.weights import load_named_weights
 from pluginfer.quant import gguf, unquantized

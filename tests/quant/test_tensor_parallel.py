@@ -14,8 +14,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pluginfer.core.gguf_checkpoint import GGMLTensor
 from pluginfer.core.registry import get_registry
+from pluginfer.formats.gguf.checkpoint import GGMLTensor
 from pluginfer.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,

@@ -13,9 +13,9 @@ from typing import Any
 import openai
 import pytest
 
-from pluginfer.core.async_engine import AsyncEngine
 from pluginfer.core.config import EngineConfig, build_config
-from pluginfer.core.engine import LLMEngine
+from pluginfer.engine.async_engine import AsyncEngine
+from pluginfer.engine.engine import LLMEngine
 from pluginfer.server.engine_client import EngineClient
 from pluginfer.server.launch import BackgroundServer
 

@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from pluginfer.core.async_engine import AsyncEngine
+from pluginfer.engine.async_engine import AsyncEngine
 from tests.server.conftest import (
     MODEL_NAME,
     http,

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from pluginfer.core.config import build_config
-from pluginfer.core.engine_core import EngineCore, FrameReader, encode, receive_frame
+from pluginfer.engine.engine_core import EngineCore, FrameReader, encode, receive_frame
 from pluginfer.server.engine_client import EngineClient
 from pluginfer.server.launch import BackgroundServer
 from tests.server.conftest import MODEL_NAME, http, server_config, sse_events
@@ -127,7 +127,7 @@ def test_a_core_that_cannot_start_raises_its_error(tiny_llama_checkpoint, tmp_pa
     assert client.process.poll() is not None
     # The same while the server is still sending a tokenizer larger than the socket's buffer: the core failed
     # before it read it, and the server gets its error, not a broken pipe or a hang.
-    monkeypatch.setattr("pluginfer.core.tokenizer.native_tokenizer", lambda path: "x" * (8 << 20))
+    monkeypatch.setattr("pluginfer.text.tokenizer.native_tokenizer", lambda path: "x" * (8 << 20))
     client = EngineClient(build_config(model=str(tmp_path / "missing"), dtype="float32"))
     with pytest.raises(ValueError, match="missing"):
         client.start(timeout=120)
@@ -268,13 +268,13 @@ def test_pluginfer_serve_stopped_by_sigterm_takes_its_engine_process_along(tiny_
 def test_a_gguf_core_reports_its_start_up_phases_and_takes_the_servers_tokenizer(
         tiny_llama_checkpoint, tmp_path, monkeypatch, capfd):
     """A core on a GGUF file reports each start-up phase; the tokenizer the server built from the file with the
-    `tokenizers` library alone (core/gguf_tokenizer.py, nothing cached) is the one the core takes (it builds
+    `tokenizers` library alone (formats/gguf/tokenizer.py, nothing cached) is the one the core takes (it builds
     none), and a second start serves the same text."""
     import asyncio
 
     from pluginfer.cli.convert import convert_to_gguf
-    from pluginfer.core.gguf_tokenizer import GGUFTokenizer
-    from pluginfer.core.sequence import SamplingParams
+    from pluginfer.engine.sequence import SamplingParams
+    from pluginfer.formats.gguf.tokenizer import GGUFTokenizer
 
     path = convert_to_gguf(tiny_llama_checkpoint[0], tmp_path / "tiny.gguf", "q8_0", "f32")
     monkeypatch.setenv("PLUGINFER_CACHE", str(tmp_path / "cache"))
@@ -336,7 +336,7 @@ def test_the_server_process_imports_no_torch_nor_transformers(tmp_path):
     core hands over (unpickled; built here by a child, as the core builds it). So the server's start-up
     overlaps the core's, and its process holds ~100 MB, not torch's several hundred. sys.modules, not a timing."""
     gguf = Path(__file__).parents[1] / "quant" / "fixtures" / "llamacpp-qwen2-q8_0.gguf"
-    core = ("import pickle, sys; from pluginfer.core.tokenizer import load_tokenizer; "
+    core = ("import pickle, sys; from pluginfer.text.tokenizer import load_tokenizer; "
             "sys.stdout.buffer.write(pickle.dumps(load_tokenizer(sys.argv[1])))")
     then = ("import pluginfer.server.launch, pluginfer.server.app, pluginfer.server.engine_client\n"
             f"tokenizer = pickle.loads(subprocess.run([sys.executable, '-c', {core!r}, {str(gguf)!r}],\n"

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from pluginfer.core.async_engine import AsyncEngine
+from pluginfer.engine.async_engine import AsyncEngine
 from pluginfer.server.launch import BackgroundServer
 from tests.checkpoints import save_hf_model
 from tests.conftest import TINY_LLAMA

@@ -1,0 +1,309 @@
+"""LLMEngine: add requests, call step(), read outputs. One schedule -> forward -> sample per step."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pluginfer.core.config import EngineConfig
+from pluginfer.engine.detokenizer import IncrementalDetokenizer
+from pluginfer.engine.executor import Executor
+from pluginfer.engine.kv_cache import BlockManager
+from pluginfer.engine.launch import serve_if_worker
+from pluginfer.engine.loader import check_tokenizer_files
+from pluginfer.engine.outputs import CompletionOutput, RequestOutput
+from pluginfer.engine.pooling import PoolingParams, PoolingState, is_backbone_only, read_pooler_config
+from pluginfer.engine.sampler import Sampler
+from pluginfer.engine.scheduler import Scheduler, SchedulerOutput
+from pluginfer.engine.sequence import FinishReason, SamplingParams, Sequence
+from pluginfer.engine.stopping import check_stop
+from pluginfer.engine.structured import GrammarCompiler, accept_token
+from pluginfer.text.tokenizer import TokenizerBuild, eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    error: str | None = None
+    done: set[int] = field(default_factory=set)
+
+
+class LLMEngine:
+    """Continuous batching over one model; not thread-safe (AsyncEngine wraps it in one thread)."""
+
+    def __init__(self, config: EngineConfig,
+                 receive_tokenizer: Callable[[], Any] | None = None) -> None:
+        """``receive_tokenizer``: where this engine's tokenizer comes from instead of being built here, called in a
+        thread while the weights load (the engine core process takes its server's); None from it, and the
+        tokenizer is loaded here after the weights. One rank only."""
+        self.config = config
+        serve_if_worker(config)  # ranks other than 0 (torchrun, mpiexec) serve the driver and exit here
+        check_tokenizer_files(config.tokenizer or config.model)  # before the weights load and the cache is taken
+        # A GGUF file's tokenizer is built in a thread while the weights load (its build holds the interpreter,
+        # the load's reads and native repacks release it); other tokenizers load after the weights, and so does
+        # any with more than one rank (spawned ranks are forked with a preexec_fn, unsafe beside a thread).
+        tokenizer_path = config.tokenizer or config.model
+        one_rank = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size == 1
+        if receive_tokenizer is not None and not one_rank:
+            raise ValueError("receive_tokenizer is for an engine on one rank")
+        building = TokenizerBuild(tokenizer_path, receive_tokenizer) if receive_tokenizer is not None else \
+            TokenizerBuild(tokenizer_path) if one_rank and TokenizerBuild.applies(tokenizer_path) else None
+        try:
+            self.executor = Executor(config)
+        except BaseException:
+            if building is not None:
+                building.join()  # the engine's error is the one reported; the thread ends before it is
+            raise
+        started = time.perf_counter()
+        self.tokenizer = building.result() if building is not None else None
+        if self.tokenizer is not None:
+            logger.info("tokenizer %s in %.2f s beside the weights' load; %.2f s waited for it after them",
+                        "taken" if building.received else "built", building.seconds, time.perf_counter() - started)
+        else:
+            self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_path)
+        # Start-up phases in seconds: the executor's (config, build, load, repack, cache) and the tokenizer (what
+        # the start-up waited for it once the executor was built: all of its load, or what of a build beside
+        # the weights' load was left).
+        self.startup_times = {**self.executor.startup_times, "tokenizer": time.perf_counter() - started}
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.executor.model_path, self.executor.hf_config)
+        self.max_model_len = self.executor.max_model_len
+        self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.sampler = Sampler(self.executor.vocab_size, self.eos_token_ids, seed=config.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, self.executor.vocab_size, self.eos_token_ids)
+        self.pooler = read_pooler_config(self.executor.model_path, self.executor.hf_config)
+        # A checkpoint without an LM head (an embedding model's bare decoder) only embeds.
+        self.can_generate = not is_backbone_only(self.executor.hf_config) and \
+            self.executor.pipeline.can_generate
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.step_count = 0
+        self._fail_on_token = config.testing.fail_step_on_token_id
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids) to generate from, or to embed with ``PoolingParams``;
+        returns its request id."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            return self._add_embedding(prompt, params, request_id)
+        if not self.can_generate:
+            names = self.executor.hf_config.get("architectures")
+            raise ValueError(f"this checkpoint is a bare decoder without an LM head (architectures {names}): "
+                             "it serves embeddings only")
+        text, token_ids = self._tokenize(prompt)
+        vocab = self.executor.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"SamplingParams.logit_bias: token ids must be below the vocabulary size {vocab}")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise ValueError(f"SamplingParams.stop_token_ids: token ids must be below the vocabulary size {vocab}")
+        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_step=self.step_count)
+                for i in range(params.n)]
+        if params.structured_outputs is not None:  # a copy of the cached matcher (the server compiles it first)
+            for seq in seqs:
+                seq.grammar = self.grammars.matcher(params.structured_outputs)
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in seqs]
+        self._requests[request_id] = _Request(request_id, text, token_ids, seqs, detokenizers)
+        self.scheduler.add_request(seqs)
+        return request_id
+
+    def _add_embedding(self, prompt: str | list[int], params: PoolingParams, request_id: str) -> str:
+        """An embedding request: its prompt is prefilled like any other, pooled, and nothing is sampled."""
+        self.pooler.check(params)
+        if isinstance(prompt, str):
+            prompt = self.pooler.default_prompt + prompt
+        text, token_ids = self._tokenize(prompt)
+        seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), arrival_step=self.step_count)
+        seq.pooling = PoolingState(self.pooler.method, self.pooler.normalize, params.dimensions)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq.params)
+        self._requests[request_id] = _Request(request_id, text, token_ids, [seq], [detokenizer])
+        self.scheduler.add_request([seq])
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            token_ids, text = list(prompt), None
+            vocab = self.executor.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        return text, token_ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._output(request)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot go on (a rank was lost), or None."""
+        return self.executor.failure
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
+        """One engine step; returns the outputs of the requests that progressed or finished
+        (``only_finished``: of those that finished, the others' outputs are not built: ``LLM.generate``
+        reads nothing else, and building one copies its tokens every step)."""
+        self.step_count += 1
+        scheduled = self.scheduler.schedule()
+        touched: dict[str, _Request] = {}
+        for seq in scheduled.rejected:
+            request = self._requests.get(seq.request_id)
+            if request is not None:
+                request.error = seq.error
+                touched[seq.request_id] = request
+        if scheduled.scheduled:
+            try:
+                self._run(scheduled, touched)
+            except Exception as exc:
+                if self.executor.failure:  # a rank was lost: nothing can run any more
+                    raise
+                self._fail_step(scheduled, exc, touched)
+        for seq in self.scheduler.update(scheduled):
+            if seq.request_id in self._requests:
+                touched[seq.request_id] = self._requests[seq.request_id]
+        outputs = []
+        for request in touched.values():
+            if only_finished and not all(seq.is_finished for seq in request.seqs):
+                self._flush_finished(request)  # what _output would do for its finished completions (n > 1)
+                continue
+            output = self._output(request)
+            if output.finished:
+                del self._requests[request.request_id]
+            outputs.append(output)
+        return outputs
+
+    def _run(self, scheduled: SchedulerOutput, touched: dict[str, _Request]) -> None:
+        """Forward the scheduled rows, sample, and append each sampled token."""
+        if self._fail_on_token is not None and any(
+                self._fail_on_token in row.seq.token_ids[row.seq.num_computed_tokens:][:row.num_new_tokens]
+                for row in scheduled.scheduled):
+            raise RuntimeError(f"injected fault: the step computes token {self._fail_on_token} "
+                               "(testing.fail_step_on_token_id)")
+        logits, seqs, prompt_logits, pooled = self.executor.execute(scheduled)
+        for seq, first, rows in prompt_logits:
+            record_prompt_logprobs(seq, first, rows)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        for seq, first, hidden in pooled:
+            seq.pooling.add(first, hidden)
+        for item in scheduled.scheduled:
+            seq = item.seq
+            if seq.pooling is not None and seq.num_computed_tokens + item.num_new_tokens == len(seq):
+                seq.pooling.finish()  # the whole prompt is read: the embedding is done
+                seq.finish(FinishReason.STOP)
+                touched[seq.request_id] = self._requests[seq.request_id]
+        if seqs:
+            sampled = self.sampler(logits, seqs)
+            for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
+                request = self._requests[seq.request_id]
+                touched[seq.request_id] = request
+                self._append(request, seq, token_id, logprobs)
+
+    def _fail_step(self, scheduled: SchedulerOutput, exc: Exception, touched: dict[str, _Request]) -> None:
+        """A step raised: fail the requests it ran (their blocks are freed), log it once, and go on."""
+        failed = {row.seq.request_id for row in scheduled.scheduled}
+        logger.error("an engine step failed (%s: %s); failing its %d request(s) and going on",
+                     type(exc).__name__, exc, len(failed), exc_info=exc)
+        message = f"the engine step running this request failed: {type(exc).__name__}: {exc}"
+        for request_id in failed:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            self.scheduler.abort(request_id, FinishReason.FAILED, message)
+            for seq in request.seqs:
+                if seq.is_finished and seq.finish_reason is not FinishReason.FAILED:
+                    seq.finish(FinishReason.FAILED, message)  # one that stopped in the step that failed
+            request.error = message
+            touched[request_id] = request
+
+    def _append(self, request: _Request, seq: Sequence, token_id: int, logprobs: dict | None) -> None:
+        seq.output_token_ids.append(token_id)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        detokenizer = request.detokenizers[seq.index]
+        detokenizer.push(token_id)  # decoded now only if stop strings need it
+        reason = check_stop(seq, token_id, detokenizer, self.eos_token_ids, self.max_model_len)
+        if seq.grammar is not None and accept_token(seq.grammar, token_id):
+            reason = FinishReason.STOP  # the grammar is complete: nothing may follow
+        if reason is not None:
+            seq.finish(reason)
+
+    def _flush_finished(self, request: _Request) -> None:
+        """Flush the held-back text of the request's completions that finished since the last call."""
+        for seq, detokenizer in zip(request.seqs, request.detokenizers):
+            if seq.is_finished and seq.index not in request.done:
+                request.done.add(seq.index)
+                if detokenizer.stopped_by is None:
+                    detokenizer.finish()
+
+    def _output(self, request: _Request) -> RequestOutput:
+        self._flush_finished(request)
+        completions = []
+        for seq, detokenizer in zip(request.seqs, request.detokenizers):
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=detokenizer.text,
+                token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            ))
+        finished = all(seq.is_finished for seq in request.seqs)
+        error = request.error or next((s.error for s in request.seqs if s.error), None)
+        first = request.seqs[0]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             finished=finished, error=error, num_cached_tokens=first.num_cached_prompt_tokens,
+                             prompt_logprobs=list(first.prompt_logprobs)
+                             if first.params.prompt_logprobs is not None else None,
+                             embedding=first.pooling.embedding if first.pooling is not None else None)
+
+    def abort_all(self) -> None:
+        for request_id in list(self._requests):
+            self.abort_request(request_id)
+
+    def shutdown(self) -> None:
+        """Abort what is left and stop the other ranks (idempotent; also run at interpreter exit)."""
+        self.abort_all()
+        self.executor.shutdown()
+
+
+def record_prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:
+    """Logprob of each prompt token ``first + 1 ...`` given what precedes it, with the top alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(seq.prompt_token_ids[first + 1:first + 1 + logits.shape[0]])
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    k = seq.params.prompt_logprobs or 0
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    if not seq.prompt_logprobs:
+        seq.prompt_logprobs.append(None)  # the first prompt token has no context
+    for row, (token, value) in enumerate(zip(targets.tolist(), chosen)):
+        entry = {token: value}
+        if k:
+            entry.update(zip(top_ids[row].tolist(), top_values[row].tolist()))
+            entry[token] = value
+        seq.prompt_logprobs.append(entry)

@@ -1,0 +1,361 @@
+"""The engine core in a process of its own: LLMEngine's step loop, fed and drained over one socket.
+
+``pluginfer serve`` runs its HTTP server in one process and this loop in another, as vLLM V1 splits
+its API server from its engine core: the event loop's work (HTTP parsing, JSON, SSE writes, the
+tokenizer on prompts) and the step never take turns at one interpreter lock, and the step loop owns
+its interpreter, its OpenMP threads and its memory. ``pluginfer.server.engine_client.EngineClient`` is
+the other end; ``LLM`` keeps its engine in the caller's process.
+
+``python -m pluginfer.engine.engine_core FD [SPAWNED]``, then on stdin the log level's name, a newline and the
+config's JSON (``pluginfer.server.core_process`` spawns it, possibly before that config exists; nothing on
+stdin: it exits); ``FD`` is this end of a socket pair, ``SPAWNED`` the server's ``time.perf_counter()`` as it
+started this process.
+Each message is a frame: a 4-byte big-endian length, then a pickle. The server sends ``("tokenizer", tokenizer
+or None)`` first (the tokenizer it built without transformers while this process imported torch, taken here
+beside the weights' load instead of building a second one; None: this process loads its own and sends it,
+pickled, in its ready message), then ``("add", request_id, prompt, params)``, ``("abort", request_id)``,
+``("compile", call_id, grammar)`` and ``("stop",)``. The core answers ``("ready", info)`` once loaded (or
+``("failed", error type, message)``), then after every step one ``("out", deltas, stats)`` with what each
+request gained since the last one (new token ids, text, logprobs; the prompt's fields the first time), and
+``("reject", request_id, error type, message)`` for a request ``add_request`` refused, ``("compiled", call_id,
+error or None)``, ``("dead", reason)`` when the loop fails. One frame per step whatever the number of
+requests: the server wakes once per step, not once per token.
+
+A reader thread takes the server's frames off the socket as they come (so neither side can block the
+other on a full buffer) and compiles grammars there, off the step loop. The core exits when told to
+stop, when the server's end closes (the server died), or when its loop fails; on Linux it also gets
+SIGTERM when the server's process goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger("pluginfer.engine.engine_core")  # also when run as __main__
+
+_LENGTH = struct.Struct(">I")
+_IDLE_CHECK_S = 0.25  # how often an idle core looks at engine.failure (a lost rank) while it waits
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an error (or the engine was shut down); no request can be served any more.
+
+    Defined here, with nothing heavy imported, so that the server can start the engine core process
+    before it imports torch; ``pluginfer.engine.async_engine`` exports the same class."""
+
+
+# -- framing (both ends) ------------------------------------------------------------------------
+
+
+def encode(message: Any) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+class FrameReader:
+    """Bytes in, whole messages out (a frame may arrive in pieces)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes | memoryview) -> list[Any]:
+        self._buffer += data
+        messages = []
+        while len(self._buffer) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer)
+            end = _LENGTH.size + length
+            if len(self._buffer) < end:
+                break
+            messages.append(pickle.loads(memoryview(self._buffer)[_LENGTH.size:end]))
+            del self._buffer[:end]
+        return messages
+
+
+def receive_frame(sock: socket.socket) -> Any:
+    """One message off a blocking socket, exactly: what follows it stays there for the next reader."""
+    header = _receive_exactly(sock, _LENGTH.size)
+    (length,) = _LENGTH.unpack(header)
+    return pickle.loads(_receive_exactly(sock, length))
+
+
+def _receive_exactly(sock: socket.socket, size: int) -> bytearray:
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        count = sock.recv_into(view[got:])
+        if not count:
+            raise OSError("the server closed its end")
+        got += count
+    return buffer
+
+
+def error_name(exc: BaseException) -> str:
+    return type(exc).__name__
+
+
+def _log_timings(timings: list[tuple[float, float, float]]) -> None:
+    """DEBUG: where a run of steps spent its time (step, sending its frame, between steps)."""
+    steps = sorted(b - a for a, b, _ in timings)
+    sends = sorted(c - b for _, b, c in timings)
+    gaps = sorted(timings[i + 1][0] - timings[i][2] for i in range(len(timings) - 1))
+    logger.debug("last %d steps: median step %.2f ms, frame %.3f ms, between steps %.3f ms (max %.1f)",
+                 len(timings), steps[len(steps) // 2] * 1e3, sends[len(sends) // 2] * 1e3,
+                 gaps[len(gaps) // 2] * 1e3, gaps[-1] * 1e3)
+
+
+# -- the core -----------------------------------------------------------------------------------
+
+
+class EngineCore:
+    """Runs in the core process: the engine, the reader thread, the step loop."""
+
+    def __init__(self, config: Any, sock: socket.socket) -> None:
+        self.config = config
+        self.sock = sock
+        self._send_lock = threading.Lock()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sent: dict[str, list[list[int]]] = {}  # request id -> per choice [tokens, chars, logprobs] sent
+        self.engine: Any = None
+
+    def send(self, message: Any) -> None:
+        data = encode(message)
+        with self._send_lock:
+            self.sock.sendall(data)
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    def load(self, spawned: float | None = None) -> dict[str, Any]:
+        """Build the engine and run one short request through it; what the server needs to know.
+
+        ``spawned``: the server's ``time.perf_counter()`` when it started this process (the same clock across
+        processes on Linux); the time from it to here is the ``start`` phase (the interpreter, the config)."""
+        started = time.perf_counter()
+        times = {} if spawned is None else {"start": max(0.0, started - spawned)}
+        from pluginfer.engine.engine import LLMEngine
+        from pluginfer.engine.pooling import PoolingParams
+        from pluginfer.engine.sequence import SamplingParams
+        from pluginfer.formats.gguf.tokenizer import GGUFTokenizer
+
+        times["imports"] = time.perf_counter() - started
+        started = time.perf_counter()
+        self.engine = engine = LLMEngine(self.config, receive_tokenizer=self._receive_tokenizer)
+        built = time.perf_counter() - started
+        times.update(engine.startup_times)  # config, build, load, repack, cache, tokenizer
+        times["other"] = max(0.0, built - sum(engine.startup_times.values()))  # plugins, backend, scheduler
+        started = time.perf_counter()
+        # Warm-up: the first step pays for first touches (weight pages, kernel tables, allocator pools).
+        vocab = engine.executor.vocab_size
+        warmup = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True) if engine.can_generate else \
+            PoolingParams()  # a bare decoder (an embedding checkpoint) only embeds
+        if engine.can_generate or engine.pooler.problem is None:
+            engine.add_request([i % vocab for i in range(1, 9)], warmup, request_id="pluginfer-warmup")
+        while engine.has_unfinished_requests():
+            engine.step()
+        times["warm-up"] = time.perf_counter() - started
+        logger.info("engine core start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
+        manager = engine.block_manager
+        tokenizer = None
+        # A tokenizer built without transformers (a GGUF file's, an HFTokenizer) is the server's own.
+        if not isinstance(engine.tokenizer, GGUFTokenizer):
+            try:  # the server takes the tokenizer from here: unpickling it is ~0.1 s, loading it again seconds
+                tokenizer = pickle.dumps(engine.tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 - the server loads its own
+                logger.info("the tokenizer does not pickle (%s); the server loads its own", exc)
+        return {"pid": os.getpid(), "tokenizer": tokenizer, "model_path": str(engine.executor.model_path),
+                "max_model_len": engine.max_model_len, "vocab_size": engine.executor.vocab_size,
+                "eos_token_ids": sorted(engine.eos_token_ids), "num_blocks": manager.num_blocks,
+                "block_size": self.config.cache.block_size, "startup_times": times,
+                "kv_tokens": manager.num_blocks * self.config.cache.block_size}
+
+    def _receive_tokenizer(self) -> Any:
+        """The server's first message, its tokenizer (or None), read while the weights load."""
+        message = receive_frame(self.sock)
+        if message[0] != "tokenizer":
+            raise RuntimeError(f"the server sent {message[0]!r} before its tokenizer")
+        return message[1]
+
+    # -- the reader thread ----------------------------------------------------------------------
+
+    def _read(self) -> None:
+        reader = FrameReader()
+        inbox = memoryview(bytearray(1 << 20))  # one buffer: recv(1 MiB) would map a fresh 1 MiB every time
+        try:
+            while True:
+                size = self.sock.recv_into(inbox)
+                if not size:
+                    break
+                for message in reader.feed(inbox[:size]):
+                    if message[0] == "compile":
+                        self._compile(*message[1:])
+                    else:
+                        self._commands.put(message)
+        except OSError:
+            pass
+        self._commands.put(("eof",))
+
+    def _compile(self, call_id: int, grammar: Any) -> None:
+        try:
+            self.engine.grammars.compile(grammar)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the server turns it into a 400
+            error = (error_name(exc), str(exc))
+        try:
+            self.send(("compiled", call_id, error))
+        except OSError:
+            pass
+
+    # -- the step loop --------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until told to stop (0), the server goes away (0) or the loop fails (1)."""
+        threading.Thread(target=self._read, name="pluginfer-core-reader", daemon=True).start()
+        engine = self.engine
+        idle_reported = True
+        timings: list[tuple[float, float, float]] | None = [] if logger.isEnabledFor(logging.DEBUG) else None
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                if not busy and engine.failure:  # a rank was lost while idle: fail now, not at the next request
+                    raise RuntimeError(engine.failure)
+                if self._drain(block=not busy):
+                    return 0
+                if engine.has_unfinished_requests():
+                    started = time.perf_counter()
+                    outputs = engine.step()
+                    stepped = time.perf_counter()
+                    self._send_outputs(outputs)
+                    if timings is not None:
+                        timings.append((started, stepped, time.perf_counter()))
+                        if len(timings) == 256:
+                            _log_timings(timings)
+                            timings.clear()
+                    idle_reported = False
+                elif not idle_reported:  # the gauges go back to zero
+                    self.send(("out", [], self._stats()))
+                    idle_reported = True
+        except BaseException as exc:
+            logger.exception("engine loop died")
+            try:
+                self.send(("dead", f"{error_name(exc)}: {exc}"))
+            except OSError:
+                pass
+            return 1
+
+    def _drain(self, block: bool) -> bool:
+        """Apply the server's commands; wait for one when ``block``. True when the core should exit."""
+        while True:
+            try:
+                command = self._commands.get(timeout=_IDLE_CHECK_S) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return False
+            block = False
+            kind = command[0]
+            if kind == "add":
+                _, request_id, prompt, params = command
+                try:
+                    self.engine.add_request(prompt, params, request_id=request_id)
+                except Exception as exc:  # bad input for this request only
+                    self.send(("reject", request_id, error_name(exc), str(exc)))
+            elif kind == "abort":
+                self.engine.abort_request(command[1])
+                self._sent.pop(command[1], None)
+            elif kind in ("stop", "eof"):
+                if kind == "eof":
+                    logger.warning("the server closed its end of the channel; the engine core stops")
+                return True
+
+    def _send_outputs(self, outputs: list[Any]) -> None:
+        deltas = []
+        for output in outputs:
+            sent = self._sent.get(output.request_id)
+            first = sent is None
+            if first:
+                sent = self._sent[output.request_id] = [[0, 0, 0] for _ in output.outputs]
+            choices = []
+            for choice, counts in zip(output.outputs, sent):
+                tokens, chars, logprobs = counts
+                new_logprobs = None
+                if choice.logprobs is not None:
+                    new_logprobs = choice.logprobs[logprobs:]
+                    counts[2] = len(choice.logprobs)
+                choices.append((choice.index, choice.token_ids[tokens:], choice.text[chars:], new_logprobs,
+                                choice.finish_reason))
+                counts[0], counts[1] = len(choice.token_ids), len(choice.text)
+            head = (output.prompt, output.prompt_token_ids, output.prompt_logprobs) if first else None
+            deltas.append((output.request_id, head, choices, output.finished, output.error,
+                           output.num_cached_tokens, output.embedding))
+            if output.finished:
+                del self._sent[output.request_id]
+        self.send(("out", deltas, self._stats()))
+
+    def _stats(self) -> tuple[int, int, float, int]:
+        engine = self.engine
+        manager = engine.block_manager
+        return (engine.scheduler.num_running, engine.scheduler.num_waiting, manager.usage,
+                manager.num_free_blocks)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            try:
+                self.engine.shutdown()
+            except Exception as exc:  # noqa: BLE001 - leaving anyway
+                logger.warning("engine shutdown: %s: %s", error_name(exc), exc)
+        self.sock.close()
+
+
+def main(argv: list[str]) -> int:
+    fd, spawned = int(argv[0]), float(argv[1]) if len(argv) > 1 else None
+    os.dup2(2, 1)  # whatever prints goes to the log: the server's stdout is its own (its first line says where)
+    # Ctrl-C in a terminal reaches the whole process group: the server stops the core in order (stop message).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from pluginfer.core.config import EngineConfig  # while the server builds the config (spawned ahead)
+
+    level, _, config = sys.stdin.read().partition("\n")
+    if not config:
+        return 0  # spawned ahead for a config that runs the engine elsewhere, or never came
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s (engine core): %(message)s")
+    sock = socket.socket(fileno=fd)
+    core = EngineCore(EngineConfig.model_validate_json(config), sock)
+    try:
+        try:
+            info = core.load(spawned)
+        except Exception as exc:  # the server re-raises it: the CLI prints pluginfer's own errors in one line
+            from pluginfer.core.registry import PluginError
+
+            ours = isinstance(exc, (ValueError, KeyError, FileNotFoundError, PluginError))
+            if not ours:
+                logger.exception("the engine could not start")
+            message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+            core.send(("failed", "ValueError" if ours else error_name(exc), message))
+            return 2
+        core.send(("ready", info))
+        return core.run()
+    except OSError as exc:  # the server is gone
+        logger.warning("the engine core lost its server: %s", exc)
+        return 0
+    finally:
+        core.close()
+
+
+def _exit(code: int) -> None:
+    """Leave without the interpreter's finalization: the engine is shut down already, and native libraries'
+    exit-time destructors racing their own threads occasionally aborted the process ("terminate called
+    without an active exception", status -6) and made it take a second or more to go."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit(main(sys.argv[1:]))

@@ -1,0 +1,323 @@
+"""Executor: the driver's side of the ranks (rank 0) — starts them, sends each step, returns logits.
+
+``start_rank`` builds one rank in order: its ``RankInfo`` (from the launcher), its device backend
+(which picks the rank's device), the world collective (``parallel.collective``; ``auto`` takes the
+backend's ``default_collective``, or ``mpi`` under mpiexec), a check that every rank runs the same
+config and plugin versions, its ``Worker`` (model shard and KV cache, the block count agreed by all
+ranks). The driver then broadcasts a ``StepInput`` per step; the other ranks run ``launch.run_worker``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pluginfer.core.config import EngineConfig
+from pluginfer.core.hookspecs import PluginSpec
+from pluginfer.core.protocols import Collective, RankInfo
+from pluginfer.core.registry import Registry, get_registry
+from pluginfer.engine.launch import LocalWorkers, detect_launcher, rank_info
+from pluginfer.engine.loader import open_checkpoint, read_hf_config, resolve_model_path
+from pluginfer.engine.step import StepBuilder, StepInput, StepResult
+from pluginfer.engine.worker import Worker, build_plugin
+from pluginfer.layers.rotary import rope_parameters
+
+if TYPE_CHECKING:
+    from pluginfer.engine.scheduler import SchedulerOutput
+    from pluginfer.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CONTEXT = 2048
+
+
+@dataclass
+class StartedRank:
+    worker: Worker
+    model_path: Path
+    hf_config: dict
+    max_model_len: int
+    num_blocks: int
+    startup_times: dict[str, float]  # seconds: config (finding the checkpoint, its metadata), the worker's phases
+
+
+def start_rank(config: EngineConfig, rank: RankInfo, registry: Registry) -> StartedRank:
+    """Build this rank: backend, world collective, agreement with the other ranks, worker, KV cache."""
+    started = time.perf_counter()
+    path = model_path(config)
+    checkpoint = open_checkpoint(path)  # a GGUF file's metadata parsed once, for the config and the weights
+    hf_config = read_hf_config(checkpoint)
+    config_time = time.perf_counter() - started
+    backend = build_plugin(registry, "backend", _backend_name(config.backend, registry), config, rank)
+    world = _build_collective(config, rank, registry, backend)
+    try:
+        model_name = _model_spec(hf_config, path, registry).name
+        quant_name = _quant_name(config.quant, hf_config, registry)
+        _check_agreement(world, config, registry, rank, [("backend", backend.name), ("model", model_name),
+                                                         ("quant", quant_name)])
+        max_model_len = _max_model_len(config, hf_config)
+        worker = Worker(config, rank, world, backend, registry, checkpoint, hf_config, model_name, quant_name,
+                        max_model_len)
+        num_blocks = min(world.all_gather_object(worker.max_num_blocks(max_model_len)))
+        worker.allocate_kv_cache(num_blocks)
+    except BaseException:
+        world.close()
+        raise
+    logger.info("rank %d/%d (tp %d/%d, pp %d/%d) loaded %s (%s) on %s: %d KV blocks of %d tokens", rank.rank,
+                rank.world_size, rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, path, model_name,
+                backend.name, num_blocks, config.cache.block_size)
+    return StartedRank(worker, path, hf_config, max_model_len, num_blocks,
+                       {"config": config_time, **worker.startup_times})
+
+
+class Executor:
+    """Rank 0: its own worker plus the other ranks; one ``execute`` per engine step."""
+
+    def __init__(self, config: EngineConfig, registry: Registry | None = None) -> None:
+        registry = registry or get_registry()
+        rank = rank_info(config)
+        if not rank.is_driver:
+            raise RuntimeError(f"rank {rank.rank} is not the driver: run it with pluginfer.engine.launch.run_worker "
+                               "(`pluginfer serve` and `pluginfer generate` do so under torchrun and mpiexec)")
+        self.rank, self.config = rank, config
+        self.failure: str | None = None
+        self._lock = threading.Lock()  # one collective sequence at a time: steps and keep-alive pings
+        self._last_message = time.monotonic()
+        self.local_workers = LocalWorkers(config, rank, self._lost) if rank.launcher == "spawn" else None
+        try:
+            started = start_rank(config, rank, registry)
+        except BaseException:
+            if self.local_workers is not None:
+                self.local_workers.join(timeout=5)
+            raise
+        self.worker = started.worker
+        self.model_path, self.hf_config = started.model_path, started.hf_config
+        self.max_model_len, self.num_blocks = started.max_model_len, started.num_blocks
+        self.startup_times = started.startup_times
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.expert_memory = self.worker.expert_memory
+        self.world: Collective = self.worker.world
+        self._steps = StepBuilder(config.cache.block_size)
+        self._sampled: tuple[list | None, tuple] = (None, ())  # (a step's rows, what they sample), for the next
+        self._closed = False
+        if rank.world_size > 1:
+            atexit.register(self.shutdown)  # the other ranks leave with this process
+            threading.Thread(target=self._keep_alive, name="pluginfer-keepalive", daemon=True).start()
+
+    # The rank-0 worker's parts, for tools and tests that inspect the loaded model.
+    @property
+    def pipeline(self) -> Any:
+        return self.worker.pipeline
+
+    @property
+    def backend(self) -> Any:
+        return self.worker.backend
+
+    @property
+    def quant(self) -> Any:
+        return self.worker.quant
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.worker.dtype
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.worker.kv_caches
+
+    def _lost(self, reason: str) -> None:
+        self.failure = reason
+        logger.error("pluginfer: %s; the engine cannot go on", reason)
+
+    def _keep_alive(self) -> None:
+        """Idle ranks wait in a broadcast whose timeout is ``parallel.timeout_s``: ping them meanwhile."""
+        period = self.config.parallel.timeout_s / 4
+        while not self._closed:
+            time.sleep(min(period, 1.0))
+            if self._closed or self.failure or time.monotonic() - self._last_message < period:
+                continue
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    self.world.broadcast_object("ping", src=0)
+                    self._last_message = time.monotonic()
+                except Exception as exc:  # noqa: BLE001 - recorded; the next step raises it
+                    self.failure = self.failure or f"a rank stopped answering: {exc}"
+                    return
+
+    def run_step(self, step: Any) -> torch.Tensor:
+        """Send ``step`` to every rank and run it here; the last stage's float32 logits."""
+        return self.run(step).logits
+
+    def run(self, step: StepInput) -> StepResult:
+        """Send ``step`` to every rank and run it here; the last stage's logits and pooled hidden states."""
+        with self._lock:
+            if self.failure:
+                raise RuntimeError(f"tensor-parallel ranks lost: {self.failure}")
+            if self.rank.world_size > 1:
+                try:
+                    self.world.broadcast_object(step, src=0)
+                except Exception as exc:
+                    raise RuntimeError(f"a rank stopped answering: {self.failure or exc}") from exc
+            self._last_message = time.monotonic()
+            try:
+                return self.worker.execute(step)
+            except RuntimeError as exc:
+                if self.failure:
+                    raise RuntimeError(f"tensor-parallel ranks lost: {self.failure}") from exc
+                raise
+
+    def execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence], list[tuple], list[tuple]]:
+        """Run one step: float32 logits, one row per sequence that samples, and those sequences;
+        then (sequence, first position, logits rows) for prompt chunks whose logprobs were asked for;
+        then (sequence, first position, hidden rows) for the chunks of embedding requests."""
+        plan = self._steps.build(scheduled.scheduled, scheduled.block_copies)
+        result = self.run(plan.step)
+        logits = result.logits
+        pooled, at = [], 0
+        if plan.pooling_rows:
+            hidden = result.hidden if result.hidden is not None else torch.empty(0, self.worker.hidden_size)
+            for seq, first, count in plan.pooling_rows:
+                pooled.append((seq, first, hidden[at:at + count]))
+                at += count
+        if scheduled.scheduled is self._sampled[0]:  # the same rows as the last step (a steady decode)
+            rows, seqs, row = self._sampled[1]
+        else:
+            rows, seqs, row = [], [], 0
+            for item in scheduled.scheduled:
+                if item.sample_for:
+                    rows.extend([row] * len(item.sample_for))
+                    seqs.extend(item.sample_for)
+                    row += 1
+            self._sampled = (scheduled.scheduled, (rows, seqs, row))
+        prompt_logits, offset = [], row
+        for seq, first, count in plan.prompt_logprob_rows:
+            prompt_logits.append((seq, first, logits[offset:offset + count]))
+            offset += count
+        # (counted, not read off the tensor: a tensor's shape read right after the replay costs ~5 us in the loop)
+        if offset != row:  # rows past the sampled ones: prompt logprobs
+            logits = logits[:row]
+        if len(rows) != row:  # n > 1: children sample from their parent's row
+            logits = logits[torch.tensor(rows, dtype=torch.long)]
+        return logits, seqs, prompt_logits, pooled
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the other ranks and leave the collective (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        with self._lock:
+            if self.rank.world_size > 1 and not self.failure:
+                try:
+                    self.world.broadcast_object(None, src=0)
+                except Exception as exc:  # noqa: BLE001 - they are gone already
+                    logger.warning("stopping the ranks: %s", exc)
+            if self.local_workers is not None:
+                self.local_workers.join(timeout)
+            self.world.close()
+
+
+def _backend_name(name: str, registry: Registry) -> str:
+    if name != "auto":
+        return name
+    usable = [spec for spec in registry.specs("backend") if registry.usable(spec)[0]]
+    if not usable:
+        raise RuntimeError("backend auto: no usable device backend plugin (see `pluginfer plugins`)")
+    return max(usable, key=lambda spec: spec.priority).name
+
+
+def _build_collective(config: EngineConfig, rank: RankInfo, registry: Registry, backend: Any) -> Collective:
+    name = config.parallel.collective
+    if name == "auto":  # a collective made for this launcher, else the backend's choice
+        spec = registry.for_launcher("collective", rank.launcher)
+        name = spec.name if spec is not None else backend.default_collective
+    return build_plugin(registry, "collective", name, config, rank)
+
+
+def _check_agreement(world: Collective, config: EngineConfig, registry: Registry, rank: RankInfo,
+                     plugins: list[tuple[str, str]]) -> None:
+    """Ranks that disagree on the config or on plugin versions fail at start-up, naming what differs."""
+    from pluginfer import __version__
+
+    if world.world_size == 1:
+        return
+    settings = config.model_dump(mode="json")
+    settings.pop("server", None)  # only the driver serves
+    versions = {"pluginfer": __version__}
+    for kind, name in plugins:
+        spec = registry.resolve(kind, name)
+        versions[f"{kind} {name}"] = registry.version_of(spec)
+    mine = {"config": settings, "versions": versions}
+    everyone = world.all_gather_object(mine)
+    for other, theirs in enumerate(everyone):
+        if theirs == everyone[0]:
+            continue
+        for section in ("config", "versions"):
+            for key in sorted(set(theirs[section]) | set(everyone[0][section])):
+                ours, its = everyone[0][section].get(key), theirs[section].get(key)
+                if ours != its:
+                    raise RuntimeError(f"rank {other} disagrees with rank 0 on {section} {key}: "
+                                       f"{_short(its)} vs {_short(ours)}; start every rank with the same "
+                                       "config and the same installed plugins")
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) < 200 else hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _quant_name(name: str, hf_config: dict, registry: Registry) -> str:
+    if name != "auto":
+        return name
+    quant_config = hf_config.get("quantization_config") or {}
+    claimed = registry.claiming("quant", quant_config)  # e.g. Marlin-format GPTQ; plain weights
+    if claimed is not None:
+        return claimed.name
+    if "quant_method" not in quant_config:
+        raise ValueError("quant auto: no quant plugin serves this checkpoint's weights (quantization_config: "
+                         f"{quant_config or 'none'}); name one with --quant")
+    return quant_config["quant_method"]
+
+
+def _model_spec(hf_config: dict, path: Path, registry: Registry) -> PluginSpec:
+    names = list(hf_config.get("architectures") or [])
+    if hf_config.get("model_type"):
+        names.append(hf_config["model_type"])
+    if not names:
+        raise ValueError(f"{path / 'config.json'} names no architectures and no model_type")
+    return registry.resolve_any("model", names)
+
+
+def _max_model_len(config: EngineConfig, hf_config: dict) -> int:
+    native = int(hf_config.get("max_position_embeddings") or _DEFAULT_CONTEXT)
+    _, scaling = rope_parameters(hf_config)
+    if scaling["rope_type"] in ("linear", "dynamic"):  # as vLLM: these stretch the native context
+        native = int(native * float(scaling.get("factor", 1.0)))
+    elif scaling["rope_type"] == "yarn" and scaling.get("factor"):  # as vLLM: the original context times factor
+        original = hf_config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        native = max(native, int(int(original or native) * float(scaling["factor"])))
+    if config.max_model_len is None:
+        return native
+    if config.max_model_len > native:
+        raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({native})")
+    return config.max_model_len
+
+
+def model_path(config: EngineConfig) -> Path:
+    """The checkpoint of ``config.model`` (``LLM`` and the CLI have already made ``demo`` a directory)."""
+    return resolve_model_path(config.model, config.revision)
+
+
+__all__ = ["Executor", "StartedRank", "detect_launcher", "model_path", "start_rank"]

@@ -1,0 +1,256 @@
+"""Worker: one rank's device backend, model shard (its pipeline stage) and KV cache.
+
+Every rank builds one, the driver's included. A step reaches it as a ``StepInput`` of host
+integers; the worker moves it to its device, lets its backend build the attention metadata, runs
+its stage (receiving the previous stage's hidden states and sending its own to the next), and the
+last stage returns float32 logits (handed to the driver when the driver sits in another stage).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.config import EngineConfig
+from pluginfer.core.protocols import BuildContext, Collective, DecodeForward, IntermediateTensors, RankInfo
+from pluginfer.core.registry import Registry
+from pluginfer.engine.loader import iter_weights, resolve_dtype
+from pluginfer.engine.step import StepInput, StepResult
+from pluginfer.formats.gguf.checkpoint import GGUFCheckpoint
+from pluginfer.layers.context import building
+from pluginfer.layers.moe import expert_memory
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# dtypes an intermediate tensor may have, by their code in the header sent before it
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
+_HEADER = 64  # int64 slots of the header that describes a stage's intermediate tensors
+
+
+def build_plugin(registry: Registry, kind: str, name: str, *arguments: object) -> Any:
+    spec = registry.resolve(kind, name)
+    usable, reason = registry.usable(spec)
+    if not usable:
+        raise RuntimeError(f"{kind} plugin {spec.name!r} cannot run here: {reason}")
+    return registry.load(kind, spec.name)(*arguments)
+
+
+def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], float] = time.perf_counter) -> Iterator[T]:
+    """``items``, adding the seconds spent producing each one to ``spent[0]`` (its consumer's own time
+    is not counted): how long a lazily read checkpoint took to read, apart from what was done with it."""
+    iterator = iter(items)
+    while True:
+        started = clock()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            spent[0] += clock() - started
+            return
+        spent[0] += clock() - started
+        yield item
+
+
+class Worker:
+    """One rank of the model: built from the config, the rank and the world collective."""
+
+    def __init__(self, config: EngineConfig, rank: RankInfo, world: Collective, backend: Any,
+                 registry: Registry, checkpoint: Path | GGUFCheckpoint, hf_config: dict, model_name: str,
+                 quant_name: str, max_model_len: int) -> None:
+        self.config, self.rank, self.world, self.backend = config, rank, world, backend
+        self.max_model_len = max_model_len
+        self.decode_graphs = None  # set once the KV cache exists, where the backend captures decode steps
+        self._last_step: StepInput | None = None  # the last step and its batch (see _batch)
+        self._last_batch: ForwardBatch | None = None
+        # Every rank creates every group (collective semantics), then keeps its own.
+        self.tp_group = world.new_group(rank.tp_groups()) if rank.world_size > 1 else world
+        self.quant = build_plugin(registry, "quant", quant_name, hf_config.get("quantization_config"))
+        self.dtype = resolve_dtype(config.dtype, hf_config)
+        ctx = BuildContext(self.backend, self.quant, self.tp_group, self.dtype, max_model_len,
+                           num_experts_offload_per_rank=config.cache.num_experts_offload_per_rank,
+                           max_num_seqs=config.scheduler.max_num_seqs, rank=rank)
+        factory = registry.load("model", model_name)
+        # Start-up phases in seconds, logged and read by the server's start-up line: build (the modules), load
+        # (reading the checkpoint), repack (copying into the layers, the quant methods' re-layout), cache.
+        self.startup_times: dict[str, float] = {}
+        started = time.perf_counter()
+        with building(ctx), torch.device(self.backend.device):
+            self.pipeline = factory(hf_config, ctx)
+        self.pipeline.eval()
+        self.expert_memory = expert_memory(self.pipeline)
+        offload = config.cache.num_experts_offload_per_rank
+        if offload and not self.expert_memory.offloaded_experts:
+            raise ValueError(f"cache.num_experts_offload_per_rank: {offload}, but {model_name} built no "
+                             "mixture-of-experts layer to offload from")
+        self.startup_times["build"] = time.perf_counter() - started
+        started = time.perf_counter()
+        reading = [0.0]  # the checkpoint is read lazily: a layer is repacked as soon as its tensors arrived
+        self.pipeline.load_weights(timed_items(iter_weights(checkpoint, allow_pickle=config.allow_pickle), reading))
+        self.startup_times["load"] = reading[0]
+        self.startup_times["repack"] = time.perf_counter() - started - reading[0]
+        if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:
+            logger.info("rank %d experts: %d bytes resident on %s, %d bytes in the host store (%d experts), "
+                        "%d bytes staging", rank.rank, self.expert_memory.resident_bytes, self.backend.name,
+                        self.expert_memory.offloaded_bytes, self.expert_memory.offloaded_experts,
+                        self.expert_memory.staging_bytes)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.is_first_stage = rank.pp_rank == 0
+        self.is_last_stage = rank.pp_rank == rank.pp_size - 1
+        self.vocab_size = int(hf_config["vocab_size"])
+        self.hidden_size = int(hf_config.get("hidden_size") or 0)
+
+    def max_num_blocks(self, max_model_len: int) -> int:
+        """KV blocks this rank's memory budget holds (the driver takes the smallest over ranks)."""
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        per_block = self.pipeline.kv_cache_spec().bytes_per_token(self.kv_dtype) * cache.block_size
+        budget = self.backend.kv_cache_budget_bytes(cache.kv_cache_memory, cache.kv_cache_fraction)
+        blocks_per_seq = -(-max_model_len // cache.block_size)
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        useful = blocks_per_seq * max_num_seqs  # more could never be used at once
+        num_blocks = int(min(budget // per_block, useful))
+        given = "cache.kv_cache_memory (--kv-cache-memory)" if cache.kv_cache_memory is not None else \
+            f"the {self.backend.name} backend's default KV cache size (set --kv-cache-memory)"
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"{given}: {budget} bytes hold {num_blocks * cache.block_size} tokens of KV cache "
+                f"({per_block // cache.block_size} bytes per token), but one sequence of max_model_len "
+                f"{max_model_len} needs {blocks_per_seq * cache.block_size} tokens ({blocks_per_seq * per_block} "
+                "bytes): raise --kv-cache-memory or lower --max-model-len")
+        why = (f"max_num_seqs {max_num_seqs} x max_model_len {max_model_len}, all the scheduler can use at once"
+               if num_blocks == useful else f"what {budget} bytes from {given} hold")
+        logger.info("rank %d KV cache: %d tokens (%d blocks of %d, %.1f MiB): %s", self.rank.rank,
+                    num_blocks * cache.block_size, num_blocks, cache.block_size, num_blocks * per_block / 2**20, why)
+        return num_blocks
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        kind = self.config.cache.kv_cache_dtype
+        return self.dtype if kind == "auto" else resolve_dtype(kind, {})
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        started = time.perf_counter()
+        self.kv_caches = self.backend.allocate_kv_cache(self.pipeline.kv_cache_spec(), num_blocks,
+                                                        self.config.cache.block_size, self.kv_dtype)
+        self.pipeline.bind_kv_caches(self.kv_caches)
+        self.startup_times["cache"] = time.perf_counter() - started
+        capture = not self.config.enforce_eager and self.rank.pp_size == 1
+        if capture and self.expert_memory.offloaded_experts:
+            # Offloaded experts are copied in as the router picks them, a host decision every step: nothing a
+            # captured step could replay (a CUDA capture refuses the copy; the cpu recorder refused it too).
+            logger.info("rank %d: decode steps run eagerly: offloaded experts are brought in per step",
+                        self.rank.rank)
+            capture = False
+        if capture:
+            started = time.perf_counter()
+            max_blocks = -(-self.max_model_len // self.config.cache.block_size)
+            with torch.inference_mode():
+                self.decode_graphs = self.backend.capture_decode(
+                    DecodeForward(self.pipeline.forward, self.pipeline.compute_logits),
+                    self.config.scheduler.max_num_seqs, max_blocks, self.config.cache.block_size)
+            if self.decode_graphs is not None:
+                self.startup_times["graphs"] = time.perf_counter() - started
+        logger.info("rank %d start-up: %s", self.rank.rank,
+                    ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_times.items()))
+
+    def execute(self, step: StepInput) -> StepResult | None:
+        """Run this rank's part of the step; on the ranks of the last stage (and on the driver) float32
+        logits of the sampled rows and the final hidden states of the pooled ones, None elsewhere.
+
+        A decode step the backend replays (``decode_graphs``: the forward and the LM head) is run outside
+        ``torch.inference_mode``, which the replay enters itself where it runs torch ops (entering it costs a
+        tiny model's replayed step ~10 us); every other step runs in it."""
+        if step.block_copies:
+            with torch.inference_mode():
+                self.backend.copy_blocks(self.kv_caches, step.block_copies)
+        batch = self._batch(step)
+        # (the step's numpy arrays read, not the batch's tensors: a torch call here would be the step's first)
+        if self.decode_graphs is not None and not step.num_hidden_rows and step.logits_indices.shape[0] == \
+                step.seq_lens.shape[0]:
+            logits = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
+            if logits is not None:
+                return StepResult(logits)
+        with torch.inference_mode():
+            return self._execute_eagerly(step, batch)
+
+    def _execute_eagerly(self, step: StepInput, batch: ForwardBatch) -> StepResult | None:
+        intermediate = None
+        if not self.is_first_stage:
+            intermediate = self._recv_intermediate(self.rank.stage_rank(self.rank.pp_rank - 1))
+        batch.attention = self.backend.prepare(batch)
+        out = self.pipeline.forward(batch, intermediate)
+        if not self.is_last_stage:
+            self._send_intermediate(out, self.rank.stage_rank(self.rank.pp_rank + 1))
+            if self.rank.is_driver:  # the driver samples: the last stage's first rank sends it the results
+                logits = self._recv_rows(step.num_logits - step.num_hidden_rows, self.vocab_size)
+                hidden = self._recv_rows(step.num_hidden_rows, self.hidden_size) if step.num_hidden_rows else None
+                return StepResult(logits, hidden)
+            return None
+        hidden = None
+        if step.num_hidden_rows:  # the pooled rows come last; they need no LM head
+            split = out.shape[0] - step.num_hidden_rows
+            out, hidden = out[:split], out[split:].float()
+        if out.shape[0] == 0:
+            logits = out.new_empty(0, self.vocab_size, dtype=torch.float32)
+        else:
+            logits = self.pipeline.compute_logits(out)
+        if self.rank.pp_size > 1 and self.rank.tp_rank == 0 and not self.rank.is_driver:
+            if logits.shape[0]:
+                self.world.send(logits.contiguous(), 0)
+            if hidden is not None:
+                self.world.send(hidden.contiguous(), 0)
+        return StepResult(logits, hidden)
+
+    def _batch(self, step: StepInput) -> ForwardBatch:
+        """``step.to_batch``; the driver's ``StepBuilder`` hands the same ``StepInput`` again with its arrays
+        updated in place, and on the CPU the last batch's tensors are those arrays: that batch is reused, with
+        the step's ``max_seq_len`` and no metadata or extras of the last step."""
+        batch = self._last_batch
+        if batch is not None and step is self._last_step:
+            batch.max_seq_len, batch.attention, batch.extras = step.max_seq_len, None, {}
+            return batch
+        batch = step.to_batch(self.backend.device)
+        shares = batch.input_ids.device.type == "cpu" and batch.input_ids.data_ptr() == step.input_ids.ctypes.data
+        self._last_step, self._last_batch = (step, batch) if shares else (None, None)
+        return batch
+
+    def _recv_rows(self, rows: int, width: int) -> torch.Tensor:
+        if rows == 0:
+            return torch.empty(0, width, dtype=torch.float32, device=self.backend.device)
+        buffer = torch.empty(rows, width, dtype=torch.float32, device=self.backend.device)
+        return self.world.recv(buffer, (self.rank.pp_size - 1) * self.rank.tp_size)  # last stage, TP rank 0
+
+    def _send_intermediate(self, intermediate: IntermediateTensors, dst: int) -> None:
+        """A header (names, dtypes, shapes) then each tensor: stages need not know each other's shapes."""
+        header: list[int] = [len(intermediate.tensors)]
+        for name, tensor in intermediate.tensors.items():
+            encoded = name.encode()
+            header += [len(encoded), *encoded, _DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+        if len(header) > _HEADER:
+            raise ValueError(f"pipeline stage output needs a header of {len(header)} > {_HEADER} slots")
+        self.world.send(torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64,
+                                     device=self.backend.device), dst)
+        for tensor in intermediate.tensors.values():
+            self.world.send(tensor.contiguous(), dst)
+
+    def _recv_intermediate(self, src: int) -> IntermediateTensors:
+        header = self.world.recv(torch.empty(_HEADER, dtype=torch.int64, device=self.backend.device), src).tolist()
+        count, at, tensors = header[0], 1, {}
+        for _ in range(count):
+            length = header[at]
+            name = bytes(header[at + 1:at + 1 + length]).decode()
+            at += 1 + length
+            dtype, ndim = _DTYPES[header[at]], header[at + 1]
+            shape = header[at + 2:at + 2 + ndim]
+            at += 2 + ndim
+            tensors[name] = torch.empty(shape, dtype=dtype, device=self.backend.device)
+        for tensor in tensors.values():
+            self.world.recv(tensor, src)
+        return IntermediateTensors(tensors)

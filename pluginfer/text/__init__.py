@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers (with or without transformers) and chat templates."""
