@@ -21,13 +21,21 @@ ENV = "PLUGINFER_AMX"  # the switch of every AMX kernel
 Signature = tuple[str, object, list]
 
 
+def enabled() -> bool:
+    """``PLUGINFER_AMX``: 1 (default) uses the tiles where the CPU has them, 0 takes the AVX-512 paths."""
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: expected 1 (use AMX tiles where the CPU has them) or 0")
+    return value == "1"
+
+
 def load(name: str, sources: tuple[Path, ...], features: frozenset[str], extension: str,
          signatures: Iterable[Signature], what: str = "kernels") -> tuple[ctypes.CDLL | None, str | None]:
     """``(library, None)`` with ``signatures`` set and the tile state granted, or ``(None, why)``: ``PLUGINFER_AMX=0``,
     a CPU without ``features`` (``extension`` names them, e.g. "AMX-INT8"), ``PLUGINFER_NATIVE=0``, a build that
     failed (``what``: "kernel" or "kernels", for the message), a compiler that did not enable the instructions or
     Linux refusing the tile state."""
-    if os.environ.get(ENV, "1") == "0":
+    if not enabled():
         return None, f"{ENV}=0"
     if not features <= native_build.cpu_features():
         return None, f"this CPU has no {extension}"

@@ -18,7 +18,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, native_layer_ops
+from pluginfer.backends import amx_library, native, native_build, native_layer_ops
 from pluginfer.backends.cpu_dense import CpuDenseLayouts
 from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
@@ -126,6 +126,9 @@ class CpuBackend:
     def __init__(self, config: EngineConfig | None = None, rank: RankInfo | None = None,
                  native_kernels: bool = True) -> None:
         """``native_kernels`` False: the torch path only, nothing compiled or probed (the metal backend's use)."""
+        if native_kernels:  # a bad PLUGINFER_CPU_ISA or PLUGINFER_AMX is an error naming it, before any build
+            native_build.isa()
+            amx_library.enabled()
         threads = config.threads if config is not None and config.threads else environment_threads()
         if threads:
             torch.set_num_threads(threads)

@@ -21,10 +21,13 @@ backend's kernel table (``layers/dense.py``); nothing outside this backend knows
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from pluginfer.backends import native, native_half_linear, native_panels, onednn
+from pluginfer.backends.native_library import _log_once
 
 
 class CpuDenseLayouts:
@@ -35,7 +38,13 @@ class CpuDenseLayouts:
         self.backend = backend
 
     def _panels(self) -> bool:
-        return bool(self.backend.native_kernels) and native.op("panel_linear") is not None
+        if not self.backend.native_kernels:
+            return False
+        if native.op("panel_linear") is None:
+            _log_once(logging.INFO, "float32 linears: no native panel GEMM (it needs AVX-512F); oneDNN's "
+                                    "prepacked GEMM when batched, MKL's otherwise")
+            return False
+        return True
 
     def _half_linear(self) -> bool:
         """Whether 16-bit weights take the native GEMV (says which path once, when first asked)."""

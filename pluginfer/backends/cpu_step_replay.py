@@ -213,6 +213,11 @@ _TRANSLATED: dict[object, Callable[..., bool]] = {
 }
 
 
+def _has_storage(value: object) -> bool:
+    """A tensor with memory of its own: oneDNN's packed weights (where no panel GEMM is built) have none."""
+    return isinstance(value, torch.Tensor) and not value.is_mkldnn
+
+
 class _WatchTorchOps(TorchDispatchMode):
     """Runs every torch op and, for the recording, passes views and allocations, notes the copy-like
     ops as replay entries and refuses the rest; keeps every tensor the ops touched alive."""
@@ -235,9 +240,9 @@ class _WatchTorchOps(TorchDispatchMode):
         self.keep.extend(tensors)
         if not func.is_view:  # new memory: outputs in storages no input had (not an in-place op's target)
             inputs = {tensor.untyped_storage().data_ptr() for tensor in tree_flatten((args, kwargs))[0]
-                      if isinstance(tensor, torch.Tensor)}
+                      if _has_storage(tensor)}
             for tensor in tree_flatten(out)[0]:
-                storage = tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
+                storage = tensor.untyped_storage() if _has_storage(tensor) else None
                 if storage is not None and storage.data_ptr() not in inputs | self._storages:
                     self._storages.add(storage.data_ptr())
                     self.new_bytes += storage.nbytes()

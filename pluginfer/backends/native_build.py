@@ -31,7 +31,14 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11"]
+ISA_ENV = "PLUGINFER_CPU_ISA"
+_AVX512_AND_LATER = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10")
+# Each ISA choice: (compiler flags, the /proc/cpuinfo flags it hides from the kernels' choices).
+ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "native": (["-march=native"], ()),
+    "avx2": (["-march=x86-64-v3"], _AVX512_AND_LATER),  # what an AVX2-only CPU builds and runs
+}
 OPENMP_FLAG = "-fopenmp"
 BUILD_TIMEOUT_ENV = "PLUGINFER_NATIVE_BUILD_TIMEOUT"
 
@@ -58,7 +65,7 @@ class BuildInfo:
     flags: list[str]
     openmp: bool
     machine: str
-    features: list[str]  # the CPU features present when it was built with -march=native
+    features: list[str]  # the CPU features its code may use (the whole CPU's for -march=native)
 
 
 def _cache_dir() -> Path:
@@ -66,8 +73,20 @@ def _cache_dir() -> Path:
     return root / "native"
 
 
-@functools.cache  # asked ~130 times while a model loads (kernel choices per layer); read once
 def cpu_features() -> frozenset[str]:
+    """The instruction-set extensions the kernels may use: what this CPU reports, less what
+    ``PLUGINFER_CPU_ISA`` hides."""
+    return _features_for(isa())
+
+
+@functools.cache
+def _features_for(isa_name: str) -> frozenset[str]:
+    hidden = ISAS[isa_name][1]
+    return frozenset(f for f in reported_cpu_features() if not f.startswith(hidden)) if hidden else reported_cpu_features()
+
+
+@functools.cache  # asked ~130 times while a model loads (kernel choices per layer); read once
+def reported_cpu_features() -> frozenset[str]:
     """The instruction-set extensions this CPU reports (Linux ``/proc/cpuinfo``, macOS ``sysctl``); empty
     where neither says."""
     try:
@@ -82,6 +101,23 @@ def cpu_features() -> frozenset[str]:
     except (OSError, subprocess.SubprocessError):
         return frozenset()
     return frozenset(result.stdout.lower().split()) if result.returncode == 0 else frozenset()
+
+
+def isa() -> str:
+    """``PLUGINFER_CPU_ISA``: ``native`` (default: every extension this CPU has), or ``avx2``: the build and kernel
+    choices of a CPU without AVX-512, VNNI or AMX, so an AVX-512 machine tests the paths older ones take."""
+    name = os.environ.get(ISA_ENV, "native")
+    if name not in ISAS:
+        raise ValueError(f"{ISA_ENV}={name!r} is not one of {', '.join(ISAS)}")
+    if name != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        raise ValueError(f"{ISA_ENV}={name!r} is for x86-64 CPUs; this one is {platform.machine()}")
+    if name == "avx2" and not {"avx2", "fma", "f16c"} <= reported_cpu_features():
+        raise ValueError(f"{ISA_ENV}=avx2 needs AVX2, FMA and F16C, which this CPU lacks")
+    return name
+
+
+def _isa_flags_and_features() -> tuple[list[str], list[str]]:
+    return ISAS[isa()][0], sorted(cpu_features())
 
 
 def _compiler() -> str:
@@ -126,7 +162,8 @@ def _cache_key(sources: tuple[Path, ...], compiler: str) -> str:
     stat = os.stat(compiler)
     features = " ".join(sorted(cpu_features())) or platform.processor()
     files = (*sources, *included_headers(sources))
-    parts = [b"".join(path.read_bytes() for path in files), " ".join([*FLAGS, OPENMP_FLAG]).encode(),
+    isa_flags = _isa_flags_and_features()[0]
+    parts = [b"".join(path.read_bytes() for path in files), " ".join([*isa_flags, *FLAGS, OPENMP_FLAG]).encode(),
              f"{os.path.realpath(compiler)} {stat.st_size} {stat.st_mtime_ns}".encode(),
              platform.machine().encode(), features.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -207,12 +244,13 @@ def _compile(compiler: str, sources: tuple[Path, ...], target: Path) -> None:
         probe = _run([compiler, OPENMP_FLAG, "-shared", "-fPIC", str(work / "probe.c"), "-o", str(work / "probe.so")],
                      timeout)
         openmp = probe.returncode == 0
-        flags = [*FLAGS, OPENMP_FLAG] if openmp else list(FLAGS)
+        isa_flags, features = _isa_flags_and_features()
+        flags = [*isa_flags, *FLAGS, OPENMP_FLAG] if openmp else [*isa_flags, *FLAGS]
         if not openmp:
             logger.info("native kernels: no OpenMP with %s (%s); building them single-threaded", compiler,
                         probe.stderr.strip().splitlines()[-1:] or "no message")
             (work / "omp.h").write_text(_OMP_STUB)
-        info = BuildInfo(compiler, flags, openmp, platform.machine(), sorted(cpu_features()))
+        info = BuildInfo(compiler, flags, openmp, platform.machine(), features)
         literal = json.dumps(_INFO_MARKER + json.dumps(asdict(info)))
         (work / "build_info.c").write_text(f"const char pluginfer_build_info[] = {literal};\n")
         staging = work / target.name

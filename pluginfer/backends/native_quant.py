@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from pluginfer.backends import native_build, native_library
+from pluginfer.backends import amx_library, native_build, native_library
 from pluginfer.backends.native_library import _as, _log_once
 from pluginfer.backends.native_replay import _lib, _record_at, _state
 
@@ -267,7 +267,8 @@ TILE_DTYPE_MIN_ROWS = {torch.bfloat16: 32}
 
 def bfloat16_gemm_is_fast() -> bool:
     """Whether torch's bfloat16 GEMM runs on AMX here (AMX-BF16 and oneDNN): several times its float32 GEMM."""
-    return "amx_bf16" in native_build.cpu_features() and torch.backends.mkldnn.is_available()
+    return ("amx_bf16" in native_build.cpu_features() and amx_library.enabled()
+            and torch.backends.mkldnn.is_available())
 
 
 def tile_dtype() -> torch.dtype:

@@ -26,6 +26,9 @@ from tests.checkpoints import random_prompts, save_hf_model
 from tests.models.family_cases_gemma_phi import CASES as GEMMA_PHI_CASES
 
 pytestmark = pytest.mark.skipif(native.available() is not None, reason="the native kernels did not load")
+PANELS = native.available() is None and native.op("panel_linear") is not None
+# Without the panel GEMM (AVX-512) a float32 linear is oneDNN's, which the recorder refuses: those steps stay eager.
+needs_panels = pytest.mark.skipif(not PANELS, reason="float32 decode steps replay through the AVX-512 panel GEMM")
 
 FIXTURES = Path(__file__).parent.parent / "quant" / "fixtures"
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -89,6 +92,7 @@ def assert_replayed_like_eager(path: Path, plan: list, **options: object) -> obj
     return replay, replayed
 
 
+@needs_panels
 @pytest.mark.parametrize("name", list(MODELS))
 def test_replayed_decode_equals_eager(name: str, checkpoints: dict[str, Path]) -> None:
     replay, _ = assert_replayed_like_eager(checkpoints[name], schedule())
@@ -114,6 +118,7 @@ def test_float16_decode_equals_eager(name: str, checkpoints: dict[str, Path]) ->
     assert all("add_f16" in program[0].names for program in recorded.values())
 
 
+@needs_panels
 @pytest.mark.parametrize(("name", "head_recorded"), [("llama", True), ("gemma", False), ("gemma2", False)])
 def test_lm_head_replayed_after_the_layers(name: str, head_recorded: bool, checkpoints: dict[str, Path]) -> None:
     """The worker hands the forward with its LM head (``DecodeForward``): the head is recorded after the layers
@@ -130,6 +135,7 @@ def test_lm_head_replayed_after_the_layers(name: str, head_recorded: bool, check
         assert out.shape == (size, vocab if head_recorded else SHAPE["hidden_size"]) and out.dtype == torch.float32
 
 
+@needs_panels
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
 def test_float32_model_with_a_16_bit_kv_cache_replays_like_eager(kv_dtype: str,
                                                                 checkpoints: dict[str, Path]) -> None:
@@ -234,6 +240,7 @@ def test_16_bit_batches_on_amx_tiles_are_replayed_through_the_kernels_address(
         assert ("half_linear_at" in names) == amx_half.takes(dtype, size), (size, names)
 
 
+@needs_panels
 def test_preemption_and_prefix_caching(checkpoints: dict[str, Path]) -> None:
     """A cache too small for all requests (the newest are preempted and recomputed), then requests that
     share a cached prefix: block tables and slots change under the recorded programs."""
@@ -243,3 +250,13 @@ def test_preemption_and_prefix_caching(checkpoints: dict[str, Path]) -> None:
     prefix = random_prompts(200, [16], seed=5)[0]
     shared = [[(prefix + [11, 12], 10), (prefix + [13], 8)], [], [], [(prefix + [14, 15, 16], 6)]]
     assert_replayed_like_eager(checkpoints["qwen2"], shared, enable_prefix_caching=True, block_size=4)
+
+
+@pytest.mark.skipif(PANELS, reason="the panel GEMM is built here: float32 steps replay (the tests above)")
+def test_float32_steps_stay_eager_without_the_panel_gemm(checkpoints: dict[str, Path]) -> None:
+    """An AVX2-only CPU: the recorder refuses oneDNN's packed GEMM, so no float32 step is replayed, and the
+    tokens and logprobs are --enforce-eager's."""
+    replayed, replay = run(checkpoints["llama"], False, schedule())
+    eager, _ = run(checkpoints["llama"], True, schedule())
+    assert isinstance(replay, CpuDecodeReplay) and replay.replays == 0
+    assert replayed == eager
