@@ -89,4 +89,4 @@ def load_average() -> float:
 
 
 if __name__ == "__main__":
-    print(__doc__)  # a helper module of serve_vs_llamacpp.py and serve_token_cpu.py; nothing to run
+    print(__doc__)  # a helper module of serve_vs_llamacpp.py; nothing to run
