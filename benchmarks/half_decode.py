@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the model and files here between runs")
     args = parser.parse_args()
     args.arch, args.experts, args.top_k = "llama", 0, 0
+    args.batch_sizes = [1, 16]  # what vs_llamacpp's engines size their batches for
     if args.cpu_time:
         vs_llamacpp.clock = time.process_time  # what both engines' decode loops time with
         args.threads = 1

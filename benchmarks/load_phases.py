@@ -10,7 +10,7 @@ first run); medians over the runs. Each child times, wall clock and its own CPU 
   left: plugins, backend, scheduler), then a one-token ``generate`` of a one-token prompt (the first token);
 - llama.cpp (``--llama-cpp``, llama-cpp-python): ``import llama_cpp``, ``Llama(...)``, one ``eval``;
 - ``python -c "import torch"`` alone (the bound: what any engine that imports torch pays).
-"total" is from the child's first line to its first token (as benchmarks/gguf_footprint.py times it);
+"total" is from the child's first line to its first token;
 "process" is the parent's clock from the spawn to the child's exit, interpreter start-up included.
 Both engines get a 1,024-token context. On a shared machine the CPU times are the steadier figures.
 

@@ -113,5 +113,9 @@ def run_client(url: str, concurrency: int, requests: int, gen: int, kind: str = 
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        sys.exit(print(__doc__))
+    if len(sys.argv) != 6:
+        sys.exit(__doc__)
     url, concurrency, requests, gen, kind = sys.argv[1:6]
     print(json.dumps(asyncio.run(client_run(url, int(concurrency), int(requests), int(gen), kind))))

@@ -86,3 +86,7 @@ def idle_cpu(server: Server, seconds: float) -> float:
 
 def load_average() -> float:
     return os.getloadavg()[0]
+
+
+if __name__ == "__main__":
+    print(__doc__)  # a helper module of serve_vs_llamacpp.py; nothing to run

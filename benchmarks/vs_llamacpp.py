@@ -4,6 +4,7 @@
     python benchmarks/vs_llamacpp.py                                   # 0.5B-shaped llama, F16 Q8_0 Q4_K_M Q4_0
     python benchmarks/vs_llamacpp.py --layers 2 --formats q4_0 --runs 1  # quick smoke run
     python benchmarks/vs_llamacpp.py --cpu-time                         # a shared machine: one thread, CPU time
+    python benchmarks/vs_llamacpp.py --formats q4_k_m --batch-sizes 1 2 4 8 16 32 --plot vs_llamacpp.png
 
 On CPUs with AMX, llama.cpp 0.3.36's AMX repacking crashed in this sandbox (SIGSEGV on Q8_0/Q4_0
 files; F16 ran): build it without AMX, keeping AVX-512, for the comparison (docs/performance.md has
@@ -15,7 +16,8 @@ Measured per file, runs interleaved between the engines, medians reported with t
 - batch-1 decode tokens/s: prompt 128, then 128 greedy tokens (prefill time excluded: both engines time
   only the decode steps after each sequence's first token);
 - batch-16 decode tokens/s: 16 sequences of the same shape decoded together (llama.cpp through its
-  batch API, one `llama_decode` per step for all 16 sequences);
+  batch API, one `llama_decode` per step for all 16 sequences); `--batch-sizes` sets the batches (1 and 16
+  by default; batch 1 decodes 128 tokens, larger batches 32 each);
 - prefill tokens/s: one 512-token prompt.
 Also the file's weight bytes (what a batch-1 token reads) and the memory-bandwidth bound they imply.
 
@@ -25,6 +27,9 @@ model's activations are float32, so ``auto`` is a float32 cache); llama.cpp keep
 ``--cpu-time`` runs both engines on one thread and times each phase by the process's CPU time instead of
 the wall clock: on a machine shared with other work, a thread that waits for a core inflates wall-clock
 time (and a second thread waits at every barrier), while the CPU time of one thread is the work done.
+
+``--plot FILE.png`` draws decode tokens/s against batch size, ours and llama.cpp's, one colour per file
+(needs matplotlib).
 """
 
 from __future__ import annotations
@@ -87,7 +92,8 @@ class Ours:
 
         if kv_cache_dtype != "auto":
             self.name = f"pluginfer kv {kv_cache_dtype}"
-        self.llm = LLM(model=str(path), max_model_len=1024, max_num_seqs=16, enable_prefix_caching=False,
+        self.llm = LLM(model=str(path), max_model_len=1024, max_num_seqs=max(16, *args.batch_sizes),
+                       enable_prefix_caching=False,
                        max_num_batched_tokens=2048, kv_cache_dtype=kv_cache_dtype)
 
     def decode_rate(self, prompts: list[list[int]], new_tokens: int) -> float:
@@ -127,11 +133,12 @@ class LlamaCpp:
         llama_cpp.llama_backend_init()
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 16 * 512, 512, 512, 16
+        seqs = max(16, *args.batch_sizes)
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = seqs * 512, 512, 512, seqs
         params.n_threads = params.n_threads_batch = args.threads
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-        self.batch = llama_cpp.llama_batch_init(512, 0, 16)
+        self.batch = llama_cpp.llama_batch_init(max(512, seqs), 0, seqs)
 
     def _clear(self) -> None:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
@@ -171,6 +178,33 @@ class LlamaCpp:
         return len(prompt) / (clock() - start)
 
 
+def plot(path: Path, rates: dict[str, dict[str, dict[int, float]]], title: str) -> None:
+    """Decode tokens/s against batch size: ``rates[file][engine][batch]``, one colour per file, llama.cpp
+    dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    for color, (file, engines) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4, rates.items()):
+        for engine, by_batch in engines.items():
+            batches = sorted(by_batch)
+            ax.plot(batches, [by_batch[b] for b in batches], marker="o", color=color,
+                    linestyle="--" if engine == "llama.cpp" else "-", label=f"{file}, {engine}")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({b for engines in rates.values() for by_batch in engines.values() for b in by_batch})
+    ax.set_xticks(ticks, [str(b) for b in ticks])
+    ax.set_xlabel("batch size (sequences decoded together)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=24)
@@ -189,7 +223,15 @@ def main() -> None:
                              "its default F16 cache)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="one thread for both engines, each phase timed by the process's CPU time")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16],
+                        help="decode batch sizes to time (sequences decoded together)")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="write a PNG of decode tokens/s against batch size, ours and llama.cpp's (matplotlib)")
     args = parser.parse_args()
+    if min(args.batch_sizes) < 1:
+        parser.error("--batch-sizes must be positive")
+    if args.plot is not None:
+        import matplotlib  # noqa: F401 - fail before the runs, not after them
     if args.cpu_time:
         global clock
         clock, args.threads = time.process_time, 1
@@ -203,29 +245,39 @@ def main() -> None:
             build_checkpoint(model_dir, args)
         files = write_files(model_dir, root, args.formats)
         rng = np.random.default_rng(0)
-        prompts16 = [rng.integers(10, args.vocab - 10, 128).tolist() for _ in range(16)]
+        prompts = [rng.integers(10, args.vocab - 10, 128).tolist() for _ in range(max(args.batch_sizes))]
         long_prompt = rng.integers(10, args.vocab - 10, 512).tolist()
         bandwidth = memory_bandwidth()
         print(f"llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.threads} threads; "
               f"read bandwidth {bandwidth / 1e9:.1f} GB/s; timed by {'CPU time' if args.cpu_time else 'wall clock'}")
-        print("format   file MB  bound b1 | batch-1 tok/s ours/llama.cpp | batch-16 tok/s | prefill-512 tok/s")
+        measures = [*args.batch_sizes, "prefill"]
+        print("format   file MB  bound b1 | " + " | ".join(f"batch-{b} tok/s" for b in args.batch_sizes)
+              + " | prefill-512 tok/s   (each: ours / llama.cpp (ratio))")
+        rates: dict[str, dict[str, dict[int, float]]] = {}
         for name, path in files.items():
             engines = [*(Ours(path, args, kv) for kv in args.kv_cache_dtypes), LlamaCpp(path, args)]
-            results = {engine.name: {"b1": [], "b16": [], "prefill": []} for engine in engines}
+            results = {engine.name: {measure: [] for measure in measures} for engine in engines}
             for _ in range(args.runs):
                 for engine in engines:  # interleaved
-                    results[engine.name]["b1"].append(engine.decode_rate(prompts16[:1], 128))
-                    results[engine.name]["b16"].append(engine.decode_rate(prompts16, 32))
+                    for batch in args.batch_sizes:
+                        results[engine.name][batch].append(
+                            engine.decode_rate(prompts[:batch], 128 if batch == 1 else 32))
                     results[engine.name]["prefill"].append(engine.prefill_rate(long_prompt))
             size = path.stat().st_size
+            rates[name] = {engine: {b: statistics.median(results[engine][b]) for b in args.batch_sizes}
+                           for engine in results}
             for ours_name in (engine.name for engine in engines[:-1]):
                 cells = []
-                for measure in ("b1", "b16", "prefill"):
+                for measure in measures:
                     ours, theirs = (statistics.median(results[e][measure]) for e in (ours_name, "llama.cpp"))
                     cells.append(f"{ours:7.1f} / {theirs:7.1f} ({ours / theirs:4.2f}x)")
                 label = name if len(engines) == 2 else f"{name} ({ours_name.removeprefix('pluginfer').strip() or 'kv auto'})"
                 print(f"{label:7s} {size / 1e6:8.1f} {bandwidth / size:7.1f}  | " + " | ".join(cells), flush=True)
             del engines
+        if args.plot is not None:
+            plot(args.plot, rates, f"llama {args.layers} layers, hidden {args.hidden}; {args.threads} threads; "
+                 f"{'CPU time' if args.cpu_time else 'wall clock'}")
+            print(f"plot written to {args.plot}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Packaging (issue 19): the wheel and the sdist of pluginfer and of the example plugin install into a
+"""Packaging: the wheel and the sdist of pluginfer and of the example plugin install into a
 fresh environment that cannot see this checkout, and work there.
 
 The environment is a venv without system site packages; the heavy dependencies (torch, transformers,

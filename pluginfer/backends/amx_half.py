@@ -5,8 +5,8 @@ Where a CPU has AMX-BF16 (Sapphire Rapids and later), :func:`native_half_linear.
 ``csrc/half_linear.c`` or torch's GEMM: the checkpoint's ``[out, in]`` weight read in place as the tiles'
 A operand, products exact in float32 and summed in float32 as there; only the order of the sums differs.
 float16 weights too (from more rows), each value split exactly into two bfloat16: four products per pair,
-exact in float32, so no bit of the float16 values is lost (see the C file; docs/performance.md, "AMX
-bfloat16 tiles"). The library is built apart from ``native_library.load()``'s, so a compiler without AMX
+exact in float32, so no bit of the float16 values is lost (see the C file).
+The library is built apart from ``native_library.load()``'s, so a compiler without AMX
 support, a CPU without AMX or a kernel that refuses to build leaves the GEMV as it is, with one log line
 saying why.
 """
@@ -24,17 +24,17 @@ SOURCES = (Path(__file__).with_name("csrc") / "amx_half.c",)
 ENV = amx_library.ENV
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # Rows of x from which, and up to which, native_half_linear.half_linear takes the tiles, by weight dtype; measured on
-# this project's machine (docs/performance.md, "AMX bfloat16 tiles"; benchmarks/half_gemv.py --cpu-time, one core,
+# this project's machine (CPU time, one core,
 # 5632x1024 and 1024x2816): bfloat16 1.06-1.09x the GEMV at 4 rows (0.89-0.92x at 2-3), 1.01-1.14x torch's AMX
 # GEMM at 96 (0.95-1.07x at 128); float16, split in two, 1.05-1.15x the GEMV at 8 (0.85-1.02x at 6), and since
-# the sweeps over the weights (docs/performance.md, "float16 at 16 rows: where the time went") 1.9-2.0x torch's
+# the sweeps over the weights, 1.9-2.0x torch's
 # float16 GEMM at 256-512 rows, 1.8-2.1x at 2048 (the engine's default step budget).
 MIN_ROWS = {torch.bfloat16: 4, torch.float16: 8}
 MAX_ROWS = {torch.bfloat16: 96, torch.float16: 2048}
 # The same for float32 x against a 16-bit weight (amx_half_weight_linear: x split exactly into three bfloat16,
 # 3 products a pair for bfloat16 weights, 5 for float16), where the alternative is half_linear.c's
-# half_weight_linear up to native_half_linear.HALF_WEIGHT_MAX_ROWS rows (docs/performance.md, "float32
-# activations on the AMX tiles"; one thread, CPU time, 32000x1024, the Q4_0 file's head, medians of 7, shared
+# half_weight_linear up to native_half_linear.HALF_WEIGHT_MAX_ROWS rows
+# (one thread, CPU time, 32000x1024, the Q4_0 file's head, medians of 7, shared
 # machine): float16 0.81x at 8 rows, 1.03x at 10, 1.13x at 12, 1.41x at 16, 1.53x at 24;
 # bfloat16 0.87x at 4, 1.03x at 6, 1.44x at 8, 2.55x at 16 (ratios: the GEMV's time over the tiles'); above it,
 # quant/gguf.py's tiles of the weight widened to float32 for torch's GEMM (the prefill), which the AMX tiles beat

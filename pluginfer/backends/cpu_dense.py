@@ -1,7 +1,7 @@
 """The cpu backend's dense-weight layouts: ops ``dense_layout``, ``dense_pack`` and ``dense_linear``.
 
 On the CPU the checkpoint's ``[out, in]`` layout is replaced, once, by the one the fastest available
-kernel reads (docs/performance.md has the measurements: 0.5B-shaped llama, float32, 2 cores):
+kernel reads (measured on a 0.5B-shaped llama, float32, 2 cores):
 
 - ``panels``: the native ``panel_linear`` kernel (``backends/csrc/panel_linear.c``), float32 on an
   AVX-512 CPU, whatever the batch: ~1.3x oneDNN's prepacked GEMM at 1-32 rows, faster than MKL's

@@ -1,7 +1,7 @@
 """Decode steps replayed in one native call: the cpu backend's ``capture_decode``.
 
-A decode step of a tiny model is mostly Python between the kernels (docs/performance.md, "Fixed cost per
-decode step"). A decode step of ``n`` sequences (the cpu backend's second: ``eager_steps``) runs eagerly on
+A decode step of a tiny model is mostly Python between the kernels.
+A decode step of ``n`` sequences (the cpu backend's second: ``eager_steps``) runs eagerly on
 static input buffers while ``native_replay.recording()`` notes every native call (its C function and
 arguments) and a
 ``TorchDispatchMode`` watches every torch op: views and allocations pass, the few copy-like ops a step
@@ -274,8 +274,7 @@ class CpuDecodeReplay:
 
     ``eager_steps``: recording a step costs about twice an eager one (0.047 against 0.021 s of CPU for the
     135M Q4_1 file's first step), so the cpu backend (``capture_decode``) runs a size's first step eagerly
-    and records its second: a process's first token does not wait for a recording (docs/performance.md,
-    "Load to first token, phase by phase")."""
+    and records its second: a process's first token does not wait for a recording."""
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, memory_budget: int = MEMORY_BUDGET,

@@ -240,7 +240,7 @@ def quant_matmul_op() -> Callable | None:
 
 QUANT_TILES_ENV = "PLUGINFER_QUANT_TILES"
 # Rows of x up to which a GGML linear takes the fused int8-activation matmul, by the dtype of the tiles the
-# rows above it dequantize to; measured on one core, benchmarks/quant_tiles.py --cpu-time (docs/performance.md).
+# rows above it dequantize to; measured on one core, by CPU time.
 # Against float32 tiles the fused kernel wins up to ~128 rows. Against bfloat16 tiles on the AMX GEMM the
 # AVX-512 VNNI kernel wins up to ~48 (Q4_K, Q8_0, Q4_0: 0.86-1.1x at 48 rows, 1.0-1.4x at 64), and the AMX
 # int8 kernel (amx_quant.py) up to ~128 for Q4_0 and Q4_K (0.92-1.0x at 128, 1.2x at 192) and ~256 for Q8_0
@@ -260,7 +260,7 @@ def quant_matmul_max_rows(tile_dtype: torch.dtype) -> dict[int, int]:
 
     return {qtype: AMX_INT8_MAX_ROWS[qtype] if amx_quant.takes(qtype, AMX_INT8_MAX_ROWS.get(qtype, 0)) else limit
             for qtype in QUANT_MATMUL_TYPES}
-# Rows of float32 x from which tiles take that dtype (benchmarks/quant_tiles.py --cpu-time, float32 tiles
+# Rows of float32 x from which tiles take that dtype (one core, CPU time, float32 tiles
 # against bfloat16: 0.9-1.3x as fast at 16-24 rows, 1.1-1.6x at 32, 1.3-1.7x at 48, 3.4-3.8x at 512).
 TILE_DTYPE_MIN_ROWS = {torch.bfloat16: 32}
 

@@ -1,7 +1,7 @@
 """oneDNN's prepacked float32 linear on the CPU (``torch.ops.mkldnn``), for batched decode.
 
 MKL's GEMM spends most of a 2-64 row matmul repacking the weight at every call; oneDNN packs it
-once into its own blocked layout. Measured on this project's 2-core machine (docs/performance.md):
+once into its own blocked layout. Measured on this project's 2-core machine:
 a 16-row matmul over a 32000 x 1024 weight takes 9 ms instead of 17.5 ms with ``F.linear``; a
 single row costs ~10 % more than MKL's GEMV, so layouts are chosen per engine (``max_num_seqs``).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-# The row count oneDNN packs for; 4 ran batches of 2-64 best here (docs/performance.md).
+# The row count oneDNN packs for; 4 ran batches of 2-64 best here.
 ROWS_HINT = 4
 
 

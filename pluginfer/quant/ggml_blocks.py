@@ -237,8 +237,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Up to this many rows (tokens) of ``x`` a linear runs the backend's fused int8-activation matmul when it
 # has one; more rows dequantize tiles for the float GEMM, which is as fast from ~128 rows and faster
-# beyond (one core, 5632 x 1024: 3-8 % slower than fused at 128 rows, 4-7 % faster at 256;
-# docs/performance.md). A backend's op may set its own (``quant_matmul_max_rows``: the cpu backend's is
+# beyond (one core, 5632 x 1024: 3-8 % slower than fused at 128 rows, 4-7 % faster at 256).
+# A backend's op may set its own (``quant_matmul_max_rows``: the cpu backend's is
 # lower where its tiles are bfloat16 for an AMX GEMM).
 QUANT_MATMUL_MAX_ROWS = 128
 

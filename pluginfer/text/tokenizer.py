@@ -9,8 +9,8 @@ takes seconds for a large vocabulary; that result is pickled into ``$PLUGINFER_C
 ``~/.cache/pluginfer``) and unpickled on the next load (~0.1 s). An entry is keyed by the file (path,
 size, modification time), the transformers, tokenizers and Python versions and this module's source;
 the 16 newest entries are kept. The tokenizers built here are not cached: reading one back would save
-0.04-0.05 s of CPU (0.085 against 0.136 s for a 49k-token vocabulary with 47k added tokens,
-docs/performance.md), and ``TokenizerBuild`` builds it beside the weights' load.
+0.04-0.05 s of CPU (0.085 against 0.136 s for a 49k-token vocabulary with 47k added tokens),
+and ``TokenizerBuild`` builds it beside the weights' load.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _load_error(path: Path, exc: BaseException) -> ValueError:
 class TokenizerBuild:
     """A ``.gguf`` file's tokenizer built by ``formats/gguf/tokenizer.py`` in a thread, started before the
     weights load: the tokenizer's build holds the interpreter while the load's ``pread`` and the repack's
-    native calls release it, so on two cores the two overlap (docs/performance.md, issue 18).
+    native calls release it, so on two cores the two overlap.
 
     Only the ``tokenizers`` library's own build runs there (nothing that imports transformers, whose import
     beside the engine's could meet a module half imported); ``result()`` joins the thread and returns the

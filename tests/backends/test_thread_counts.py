@@ -1,5 +1,5 @@
 """A decode does not depend on the thread count: the C kernels keep small calls on the calling thread and split
-larger ones by outputs or by rows (docs/performance.md, "Thread-team forks per decode step"), and each output
+larger ones by outputs or by rows, and each output
 is computed the same way whichever thread takes it. So a tiny llama whose calls fall on both sides of those
 thresholds (hidden 256: a 256 x 256 projection of one row stays on one thread, the 256 x 1536 gate-up splits;
 at 16 rows the SiLU splits and the RMSNorm does not) gives the same greedy tokens and top-5 logprobs at 2

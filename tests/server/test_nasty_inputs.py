@@ -1,6 +1,6 @@
 """Hand-made hostile requests: each is a clear 4xx in OpenAI's error shape, and the next request is served.
 
-(Issue 15.) Invalid UTF-8, a 100 MB body, deeply nested JSON, NaN and Infinity, negative and huge
+Invalid UTF-8, a 100 MB body, deeply nested JSON, NaN and Infinity, negative and huge
 ``max_tokens``, ``logit_bias`` ids outside the vocabulary, 10,000 stop strings, ``n`` = 10,000, a prompt of
 the whole context plus one, a ``model`` that looks like a path, absurd stream options.
 """

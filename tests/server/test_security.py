@@ -1,5 +1,5 @@
 """Security settings of the server: CORS off unless configured, and broken plugins that a served model does
-not use never take the server down (issue 15). API keys: tests/server/test_errors.py::test_api_keys."""
+not use never take the server down. API keys: tests/server/test_errors.py::test_api_keys."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@
  * 16 outputs passes once over its weights for up to AH_GROUPS groups of 16 rows (C tiles 0..3); more rows
  * take another pass, from cache, as long as their B tiles stay within AH_SWEEP_BYTES (a sweep); the next
  * sweep's rows pass again over every block's weights (from memory: for hundreds of rows, x's B tiles
- * re-read from L2 cost more than the weights re-read; docs/performance.md). Outputs past n and inputs
+ * re-read from L2 cost more than the weights re-read). Outputs past n and inputs
  * past k (the last partial tiles) are read from a zero-padded copy of those weights; x's padding is zeros
  * too. x is packed (split, transposed) once per call, the results transposed back to rows for stores.
  *
@@ -126,8 +126,8 @@ static inline void ah_split32_float32(__m512i h, __m512i *hi, __m512i *lo) {
 }
 
 /* The same split, bit for bit, on the float16 bits in 16-bit lanes: 8 operations for 32 values where the
- * float32 route takes 17 (the weights' split is most of a float16 call's time at 16 rows; benchmarks/
- * amx_half_phases.c). For a normal float16 v (biased exponent e = 1..30, significand bits m), t = v >> 3
+ * float32 route takes 17 (the weights' split is most of a float16 call's time at 16 rows).
+ * For a normal float16 v (biased exponent e = 1..30, significand bits m), t = v >> 3
  * (arithmetic: the sign copied into bits 15..12): hi = sign | (e + 112) << 7 | m >> 3 = (t & 0x8fff) + 0x3800;
  * lo = (m & 7) 2^(e - 25) = sign | (e << 7) + ((102 + p) << 7 | (j << (7 - p)) & 0x7f) for j = m & 7 > 0
  * with its top bit p (a table indexed by v's low bits), +0 for j = 0. Zeros, subnormals, infinities and

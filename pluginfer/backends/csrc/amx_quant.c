@@ -85,7 +85,7 @@ int amx_quant_type_supported(int type) {
 }
 
 #if defined(AQ_AMX)
-/* Where a call's phases begin and end (benchmarks/amx_phases.c times them; nothing otherwise): 0 entry,
+/* Where a call's phases begin and end (for a timing probe; nothing otherwise reads them): 0 entry,
  * 1 buffers ready, per thread 2 in the parallel region, 3 activations quantized, 4 tiles configured,
  * 5 tiles done, 6 tile state released; 7 threads joined. */
 #ifndef AQ_PHASE

@@ -32,7 +32,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * the value sum holds up to 4 query heads of one KV head x 64 features in registers over 16
  * positions, each value vector loaded once for them. Every output element is the same sequence of
  * float32 operations however the heads and positions are blocked (test_native_branches checks it).
- * On a shared one-core run this path reads the float32 cache near the memory's rate (docs/performance.md). */
+ * On a shared one-core run this path reads the float32 cache near the memory's rate. */
 
 /* 16 values at element index of a float32 (kind 0), float16 (1) or bfloat16 (2) cache, widened exactly: the
  * kernels below take kind as a constant (always inlined), so the float32 kernel's code is unchanged. */
@@ -45,7 +45,7 @@ static inline __attribute__((always_inline)) __m512 load_cache_ps(const void *ca
 
 /* Software prefetch of the task's rows of positions [from, from + 8) of a 16-bit cache: without it the kv16
  * kernel read its half-size cache only ~1.15x faster than the float32 kernel its float32 one; with it ~1.6x
- * (batch 16, one thread; docs/performance.md). The float32 kernel gained nothing from it and goes without. */
+ * (batch 16, one thread). The float32 kernel gained nothing from it and goes without. */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int64_t *cache_row, int64_t from,
                                                                 int64_t count, int64_t dim, int64_t heads, int kind) {
     const int64_t elem = kind ? 2 : 4, bytes = heads * dim * elem;
@@ -425,7 +425,7 @@ int paged_decode_attention_kv16(const float *query, const uint16_t *key_cache, c
 
 /* The row-wise kernels below split their rows across the threads from about 3 us of work: under it a fork
  * costs more than the second thread saves (a hot loop at 2 threads: 16 rows of 256 took 0.93 us on one
- * thread and 1.39 on two; docs/performance.md, "Thread-team forks per decode step"). Below it they enter no
+ * thread and 1.39 on two). Below it they enter no
  * OpenMP region at all (a region whose `if` is false still costs ~0.2 us). Each row is computed by the one
  * compiled copy of its *_rows function (noinline) whichever thread takes it, so results are the same bits. */
 #define NORM_PARALLEL_VALUES (1 << 14)

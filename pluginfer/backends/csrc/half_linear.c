@@ -31,10 +31,10 @@
  * reads are followed by a prefetch of the same columns of the row HL_NO rows on, which the thread's
  * next tile reads: one tile of reads in flight ahead of the loads (one core then reads a bfloat16
  * weight at about the machine's read bandwidth, 11-15 GB/s, where a prefetch 2 KiB ahead in the row, i.e.
- * into the tile's own next row for 1024 inputs, got 8-11; benchmarks/half_gemv.py --cpu-time). The
+ * into the tile's own next row for 1024 inputs, got 8-11). The
  * prefetch goes to L2 (_MM_HINT_T1), not L1: with 1024 inputs (a tile of 8 rows of 2 KiB) an L1 prefetch
  * left one core 10-15 % under a plain sum's read rate over the same bytes (float16 12.5-13.3 GB/s against
- * 15-16), an L2 one 5-9 % (14.0-14.5); at 2816 inputs both read at the sum's rate (docs/performance.md).
+ * 15-16), an L2 one 5-9 % (14.0-14.5); at 2816 inputs both read at the sum's rate.
  */
 #include <omp.h>
 #include <stdint.h>

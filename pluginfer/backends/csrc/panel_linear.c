@@ -11,7 +11,7 @@
  * 112 rows, a decode step). x is first repacked into row groups, [groups][in][rows of the group],
  * so each broadcast reads the next float.
  *
- * Measured on this project's 2-core AVX-512 machine (docs/performance.md): 1.3x oneDNN's
+ * Measured on this project's 2-core AVX-512 machine: 1.3x oneDNN's
  * prepacked GEMM for 1-32 rows and at or above MKL's GEMV for one row; ~0.9x oneDNN for prefill.
  */
 #include <omp.h>
@@ -130,8 +130,8 @@ int panel_linear(const float *x, const float *packed, const float *bias, float *
     }
     const int64_t width = (int64_t)P * PANEL, blocks = (n + width - 1) / width;
     const int64_t row_block = PANEL_ROW_GROUPS * MR;
-    /* below 256 x 1024 weights for one row a second thread saves less than its fork costs (docs/performance.md,
-     * "Thread-team forks per decode step"); each output's sum runs over k in the same order either way */
+    /* below 256 x 1024 weights for one row a second thread saves less than its fork costs;
+     * each output's sum runs over k in the same order either way */
 #pragma omp parallel if (m * n * k >= (1 << 18))
     for (int64_t rb = 0; rb < m; rb += row_block) {
         const int64_t rb_end = m - rb < row_block ? m : rb + row_block;

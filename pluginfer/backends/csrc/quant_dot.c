@@ -1044,7 +1044,7 @@ int quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *
     const qd_tile_table *tiles = qd_tiles(type);
     const int64_t loop_units = weights == 32 ? nv : units, loop_nb = weights == 32 ? nb : units;
     /* one row of 256 x 256 or less runs on the calling thread: a second one saves less than its fork costs
-     * (docs/performance.md, "Thread-team forks per decode step"); each output's sums are the same either way */
+     * here; each output's sums are the same either way */
 #pragma omp parallel if (m * n * k > (1 << 16))
     {
 #pragma omp for schedule(static)

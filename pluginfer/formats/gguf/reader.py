@@ -2,7 +2,7 @@
 
 gguf-py's ``GGUFReader`` builds numpy views for every element of every metadata array: a 49k-token
 vocabulary with its merges, scores and token types takes it seconds, where this reader walks the
-header with ``struct`` in tens of milliseconds (docs/performance.md, issue 18) and decodes an array
+header with ``struct`` in tens of milliseconds and decodes an array
 only when it is asked for. Tensors are numpy views of the file mapped copy-on-write (torch can wrap
 them without a copy), shaped as gguf-py shapes them; each tensor's header entry is checked before its
 view is made (``check_tensor_info``). Little-endian files (what llama.cpp writes), versions 2 and 3.
