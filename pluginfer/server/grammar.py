@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as protocol.py's request bodies
 
 
 class JsonSchemaFormat(_Strict):

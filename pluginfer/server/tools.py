@@ -32,7 +32,7 @@ _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as protocol.py's request bodies
 
 
 class FunctionDefinition(_Strict):
