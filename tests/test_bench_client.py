@@ -22,6 +22,7 @@ DELAY = 0.01  # seconds before each streamed token
 VOCAB = 50  # what /v1/models reports; prompts must stay below it
 BEHAVIOURS = ["ok", "no-usage", "bundled", "http-400", "http-500", "sse-error", "no-done", "garbage", "flaky",
               "slow"]
+LOCKED_KEY = "sk-locked"
 
 
 class FakeOpenAI:
@@ -38,7 +39,20 @@ class FakeOpenAI:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        # The same server behind an API key, as `pluginfer serve --api-key` answers without it.
+        app.router.add_get("/locked/v1/models", self._locked(self.models))
+        app.router.add_post("/locked/v1/completions", self._locked(self.completions))
         return app
+
+    @staticmethod
+    def _locked(handler):
+        async def check(request: web.Request) -> web.StreamResponse:
+            if request.headers.get("Authorization") != f"Bearer {LOCKED_KEY}":
+                return web.json_response({"error": {
+                    "message": "missing or invalid API key (send Authorization: Bearer <key>)",
+                    "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}, status=401)
+            return await handler(request)
+        return check
 
     async def models(self, request: web.Request) -> web.Response:
         data = [{"id": name, "object": "model", "owned_by": "test", "vocab_size": VOCAB} for name in BEHAVIOURS]
@@ -196,6 +210,29 @@ def test_errors_are_counted_not_raised(server, tmp_path, capsys, behaviour, mess
     assert message in error and count == 5
     assert figures["ttft_ms"]["mean"] is None and figures["total_output_tokens"] == 0
     assert "Failed requests:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("key", "says"), [
+    ([], "the server refused the API key (none was sent: pass --api-key): 401 missing or invalid API key"),
+    (["--api-key", "sk-wrong"], "the server refused the API key: 401 missing or invalid API key"),
+])
+def test_a_refused_api_key_is_said_before_any_request(server, capsys, key, says):
+    flags = ["--concurrency", "2", "--input-len", "4", "--output-len", "3", "--num-prompts", "4"]
+    for model in ([], ["--model", "ok"]):  # with a model named, /v1/models is still asked first
+        status = main(["bench", "serve", "--base-url", server.url + "/locked", *model, *key, *flags])
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert status == 2 and line.startswith("pluginfer: error: ") and says in line, line
+    assert server.requests == []
+    assert main(["bench", "serve", "--base-url", server.url + "/locked", "--api-key", LOCKED_KEY, *flags]) == 0
+    assert len(server.requests) == 4
+
+
+def test_an_all_failed_run_says_why_first(server, tmp_path, capsys):
+    status, figures = bench(server, tmp_path, "--model", "http-400", "--concurrency", "2", "--input-len", "4",
+                            "--output-len", "3", "--num-prompts", "3")
+    assert status == 1 and figures["failed_requests"] == 3
+    shown = capsys.readouterr()
+    assert shown.err.splitlines()[0] == "pluginfer: all 3 requests failed: HTTP 400: fake 400"
 
 
 def test_some_failures_leave_the_rest_measured(server, tmp_path):

@@ -136,3 +136,19 @@ def test_unknown_architecture_is_one_line(unknown_architecture_checkpoint, capsy
     assert main(["generate", "--model", str(unknown_architecture_checkpoint), "--prompt", "x"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "FooForCausalLM" in line and "llama" in line
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """The port is checked first: the model named here does not exist, and the error is still the port's."""
+    import socket
+
+    monkeypatch.setenv("PLUGINFER_ENGINE_PROCESS", "0")  # no engine core process spawned ahead for this run
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert main(["serve", "--model", str(tmp_path / "no-such-model"), "--port", str(port)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"pluginfer: error: 127.0.0.1:{port} is in use"]
+    assert main(["serve", "--model", str(tmp_path / "no-such-model"), "--host", "192.0.2.1", "--port", "8000"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("pluginfer: error: cannot listen on 192.0.2.1:8000: "), line

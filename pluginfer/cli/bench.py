@@ -11,6 +11,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -271,6 +272,9 @@ def run_serve(args: argparse.Namespace) -> int:
         f"{root}/v1/completions", payloads, auth_headers(args.api_key), args.timeout,
         concurrency=args.concurrency, request_rate=args.request_rate, rng=rng))
     summary = summarize(results, duration)
+    if results and not summary["successful_requests"]:  # the reason first, not under a table of dashes
+        reason, _ = next(iter(summary["errors"].items()))
+        print(f"pluginfer: all {len(results)} requests failed: {reason}", file=sys.stderr)
     if args.json_path:  # before printing: a closed stdout (`| head`) must not lose the file
         setup = {"base_url": root, "model": model, "concurrency": args.concurrency,
                  "request_rate": args.request_rate, "input_len": args.input_len, "output_len": args.output_len,

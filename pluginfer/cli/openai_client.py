@@ -45,10 +45,15 @@ def error_message(body: object) -> str:
 
 async def list_models(session: aiohttp.ClientSession, root: str, api_key: str | None,
                       timeout: float = 30.0) -> list[dict]:
-    """The entries of ``GET /v1/models``; [] when the server answers it with an error status."""
+    """The entries of ``GET /v1/models``; [] when the server answers it with an error status other than
+    401/403, which are a ValueError saying the key was refused (every request would be)."""
     try:
         async with session.get(f"{root}/v1/models", headers=auth_headers(api_key),
                                timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            if response.status in (401, 403):
+                sent = "" if api_key else " (none was sent: pass --api-key)"
+                raise ValueError(f"the server refused the API key{sent}: {response.status} "
+                                 f"{error_message(await response.text())}")
             if response.status != 200:
                 return []
             body = await response.json(content_type=None)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,7 +35,32 @@ def serve_config(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+def check_address(host: str, port: int) -> None:
+    """A ValueError saying so when ``host:port`` cannot be listened on (in use, say), before the model loads."""
+    if port == 0:
+        return
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot listen on {shown}: {exc.strerror}") from None
+    for family, kind, protocol, _, address in addresses:
+        with socket.socket(family, kind, protocol) as probe:
+            # As asyncio's server sets it: a port left in TIME_WAIT by an earlier server is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # asyncio's too: "::" does not take the IPv4 port as well
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ValueError(f"{shown} is in use") from None
+                raise ValueError(f"cannot listen on {shown}: {exc.strerror}") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from pluginfer.server.launch import run_server
 
-    return run_server(serve_config(args))
+    config = serve_config(args)
+    check_address(config.server.host, config.server.port)
+    return run_server(config)

@@ -82,6 +82,9 @@ class ServerConfig(_Section):
     tool_call_parser: str | None = Field(
         None, description="hermes (qwen), llama3_json, mistral or deepseek_v3 (deepseek_v31): reads the tool "
                           "calls of tool_choice auto.")
+    strict_tool_schemas: bool = Field(
+        True, description="Tool arguments (named, required) hold only the keys their schema declares: an object "
+        "without additionalProperties is closed, as OpenAI and xgrammar read it; false: JSON Schema's open objects.")
     core_spin_count: int = Field(
         DEFAULT_CORE_SPIN_COUNT, ge=0, description="How long an idle OpenMP thread of the engine core process "
         "spins before it sleeps (libgomp's GOMP_SPINCOUNT, ~100000 a millisecond). The default, 300000 (libgomp's "

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from pluginfer.engine.regex_ascii import ascii_patterns, ascii_regex
+
 if TYPE_CHECKING:
     import torch
 
@@ -35,7 +37,8 @@ class StructuredOutputError(ValueError):
 class StructuredOutputsParams:
     """What the output must match: exactly one of ``json`` (a JSON schema, dict or string),
     ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark or GBNF) or ``json_object``
-    (any JSON object). Names follow vLLM's ``StructuredOutputsParams``."""
+    (any JSON object). Names follow vLLM's ``StructuredOutputsParams``. In ``regex`` and a schema's
+    ``pattern``, ``\\d``, ``\\w`` and ``\\s`` are ASCII, as in ECMAScript (``regex_ascii.py``)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -64,7 +67,7 @@ class StructuredOutputsParams:
         from llguidance import LLMatcher, grammar_from
 
         if self.regex is not None:
-            return LLMatcher.grammar_from_regex(self.regex)
+            return LLMatcher.grammar_from_regex(ascii_regex(self.regex))
         if self.choice is not None:
             return grammar_from("choice", self.choice)  # type: ignore[arg-type]
         if self.grammar is not None:
@@ -84,7 +87,7 @@ class StructuredOutputsParams:
         if self.disable_any_whitespace:
             options = {"whitespace_flexible": False}
         try:
-            return LLMatcher.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
+            return LLMatcher.grammar_from_json_schema(ascii_patterns(schema), overrides=options)  # type: ignore[arg-type]
         except (ValueError, TypeError) as exc:
             raise StructuredOutputError(f"invalid JSON schema: {exc}") from None
 

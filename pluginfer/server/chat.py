@@ -72,7 +72,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state.check_model(body.model)
     check_limits(body, state.config.server, state.engine.max_model_len)
     tools = ToolCalling.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,
-                                     state.config.server.tool_call_parser)
+                                     state.config.server.tool_call_parser, state.config.server.strict_tool_schemas)
     params = body.sampling_params(state.config.sampling, state.config.server.max_logprobs)
     params, grammars = _with_tools(state, params, body.grammar(), tools)
     for grammar, field in grammars:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pluginfer.engine.strict_schema import strict_json_schema
 from pluginfer.engine.structured import StructuredOutputError, StructuredOutputsParams
 from pluginfer.server.errors import bad_request
 
@@ -20,14 +21,14 @@ if TYPE_CHECKING:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as protocol.py's request bodies
 
 
 class JsonSchemaFormat(_Strict):
     name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None  # the schema is enforced either way
+    strict: bool | None = None  # enforced either way; true: also an object without additionalProperties is closed
 
 
 class ResponseFormat(_Strict):
@@ -42,7 +43,8 @@ class ResponseFormat(_Strict):
         if self.json_schema is None:
             raise bad_request("response_format: type json_schema needs a json_schema object",
                               "response_format.json_schema")
-        return StructuredOutputsParams(json=self.json_schema.schema_)
+        schema = self.json_schema.schema_
+        return StructuredOutputsParams(json=strict_json_schema(schema) if self.json_schema.strict else schema)
 
 
 class StructuredOutputsRequest(_Strict):

@@ -2,7 +2,8 @@
 
 A request field is honoured or refused: an unknown field, or one asking for what this server
 cannot do, is a 400 naming it (``unsupported.py``). Nested objects a client echoes back
-(messages) are lenient. ``sampling_params`` turns a request into the engine's SamplingParams.
+(messages) are lenient about extra keys. Types are strict (pydantic's strict mode): no string
+for a boolean, no 5.0 for an integer, no boolean for a number; an integer is a float. ``sampling_params`` turns a request into the engine's SamplingParams.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ _INT64_MAX = 2**63 - 1
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as OpenAI checks them: "stream": "yes" or "max_tokens": 5.0 is a 400 (an int is still a float).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
     include_obfuscation: Literal[False] = False  # padding events against length side channels: not sent

@@ -7,7 +7,9 @@ and the model's output back to ``message.tool_calls`` / streamed ``delta.tool_ca
 - ``required`` / a named function: constrained decoding makes the call valid, as vLLM does. A named
   function's output is its arguments (the grammar is the function's ``parameters``); ``required``'s
   output is a JSON array of ``{"name", "parameters"}`` (``anyOf`` over the tools). Both are read
-  here, whatever the model's own format.
+  here, whatever the model's own format. The parameters are strict (``strict_schema.py``): an object
+  that does not say ``additionalProperties`` holds only its declared keys, as OpenAI's and xgrammar's
+  strict mode read it (``server.strict_tool_schemas: false`` keeps JSON Schema's open objects).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pluginfer.engine.strict_schema import strict_json_schema
 from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import bad_request
 from pluginfer.server.tool_parsers import MarkedToolParser, get_tool_parser
@@ -29,7 +32,7 @@ _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # as protocol.py's request bodies
 
 
 class FunctionDefinition(_Strict):
@@ -66,11 +69,13 @@ class ToolCalling:
     parallel: bool = True
     parser: MarkedToolParser | None = None
     special_tokens: list[str] = field(default_factory=list)  # stripped from content when kept for the parser
+    strict_schemas: bool = True  # an object without additionalProperties holds only its declared keys
 
     @classmethod
     def from_request(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None,
-                     parser_name: str | None) -> ToolCalling | None:
-        """None when the request has no tools; a 400 naming the field for what cannot be served."""
+                     parser_name: str | None, strict_schemas: bool = True) -> ToolCalling | None:
+        """None when the request has no tools; a 400 naming the field for what cannot be served.
+        ``strict_schemas``: the server's ``strict_tool_schemas``."""
         if not tools:
             if choice is not None and choice != "none" and choice != "auto":
                 raise bad_request("tool_choice: a tool can only be chosen from tools, and none were given",
@@ -88,7 +93,7 @@ class ToolCalling:
             if choice.function.name not in names:
                 raise bad_request(f"tool_choice: no tool named {choice.function.name!r}; tools: {names}",
                                   "tool_choice")
-            return cls(tools, "named", choice.function.name, parallel is not False)
+            return cls(tools, "named", choice.function.name, parallel is not False, strict_schemas=strict_schemas)
         mode = choice or "auto"
         parser = None
         if mode == "auto":
@@ -97,18 +102,22 @@ class ToolCalling:
                                   "--tool-call-parser; required and a named function work without one",
                                   "tool_choice")
             parser = get_tool_parser(parser_name)
-        return cls(tools, mode, None, parallel is not False, parser)
+        return cls(tools, mode, None, parallel is not False, parser, strict_schemas=strict_schemas)
 
     def template_tools(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     def parameters(self, name: str) -> dict[str, Any]:
+        """The schema the arguments of function ``name`` are held to (strict unless the server says not)."""
         tool = next(tool for tool in self.tools if tool.function.name == name)
-        return tool.function.parameters or _EMPTY_PARAMETERS
+        return self._held(tool.function.parameters or _EMPTY_PARAMETERS)
+
+    def _held(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        return strict_json_schema(parameters) if self.strict_schemas else parameters
 
     def parameter_grammars(self) -> list[tuple[StructuredOutputsParams, str]]:
         """Each tool's parameters as a grammar, to compile (a schema that does not is a 400)."""
-        return [(_compact(tool.function.parameters), f"tools.{i}.function.parameters")
+        return [(_compact(self._held(tool.function.parameters)), f"tools.{i}.function.parameters")
                 for i, tool in enumerate(self.tools) if tool.function.parameters is not None]
 
     def grammar(self) -> StructuredOutputsParams | None:
@@ -120,7 +129,7 @@ class ToolCalling:
         definitions: dict[str, Any] = {}
         options = []
         for i, tool in enumerate(self.tools):
-            definitions.update(_hoisted(tool.function.parameters or _EMPTY_PARAMETERS, f"tool{i}"))
+            definitions.update(_hoisted(self.parameters(tool.function.name), f"tool{i}"))
             options.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                             "properties": {"name": {"const": tool.function.name},
                                            "parameters": {"$ref": f"#/$defs/tool{i}"}}})

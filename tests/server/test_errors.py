@@ -74,6 +74,44 @@ def test_bad_fields_are_400_naming_the_field(server, path, fields, param):
     assert error["param"] == param and error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"max_tokens": 5.0}, "max_tokens"),
+    ("/v1/chat/completions", {"n": "2"}, "n"),
+    ("/v1/chat/completions", {"temperature": True}, "temperature"),
+    ("/v1/chat/completions", {"temperature": "0.5"}, "temperature"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"seed": 3.0}, "seed"),
+    ("/v1/chat/completions", {"stop": ["x", 1]}, "stop.1"),
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": 7}]}, "messages.0.name"),
+    ("/v1/chat/completions", {"parallel_tool_calls": "false"}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": "true"}}}, "response_format.json_schema.strict"),
+    ("/v1/chat/completions", {"structured_outputs": {"choice": ["a"], "disable_any_whitespace": 1}},
+     "structured_outputs.disable_any_whitespace"),
+    ("/v1/completions", {"prompt": "hi", "echo": "true"}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1.0}, "logprobs"),
+])
+def test_types_are_strict_as_openai_checks_them(server, path, fields, param):
+    """No coercion: a string for a boolean or number, a float for an integer, a boolean for a number are 400s."""
+    body = {**(CHAT if path.endswith("chat/completions") else {}), **fields}
+    status, _, raw = http(server, "POST", path, body)
+    assert status == 400, raw
+    error = _error(400, raw)
+    assert error["param"] == param and param.rpartition(".")[2] in error["message"], error
+
+
+def test_an_integer_is_a_float(client):
+    """temperature 0 and 1, top_p 1, logit_bias values as integers: accepted, as OpenAI accepts them."""
+    for temperature in (0, 1):
+        response = client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=2,
+                                                  temperature=temperature, top_p=1, presence_penalty=0,
+                                                  logit_bias={"5": 1}, seed=1)
+        assert response.choices[0].finish_reason == "length"
+
+
 def test_temperatures_too_small_for_float32_are_greedy(server, client):
     """1e-40 would turn the logits into inf and fail the whole batch's step; it is served as greedy."""
     greedy = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=4, temperature=0)

@@ -109,3 +109,19 @@ def test_grammars_that_cannot_be_served_are_400(server, fields, param, says):
     status, _, raw = http(server, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, **fields})
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == param and says in error["message"], error
+
+
+def test_regex_classes_are_ascii(client):
+    r"""``\d``, ``\w``, ``\s`` as OpenAI documents them (ECMAScript's: ASCII); random weights try every other digit,
+    letter and space the tokenizer can spell (``tests/engine/test_regex_ascii.py`` checks the grammar itself)."""
+    regex = r"\d{4}\s\w{4}\S{2}"
+    pattern = {"type": "object", "required": ["id"], "additionalProperties": False,
+               "properties": {"id": {"type": "string", "pattern": "^" + regex + "$"}}}
+    for fields in ({"structured_outputs": {"regex": regex}},
+                   {"response_format": {"type": "json_schema", "json_schema": {"name": "id", "schema": pattern}}}):
+        response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=60, temperature=1.0,
+                                                  seed=9, n=6, extra_body=fields)
+        for choice in response.choices:
+            text = choice.message.content
+            found = text if "structured_outputs" in fields else json.loads(text)["id"]
+            assert choice.finish_reason == "stop" and re.fullmatch(regex, found, re.ASCII), text
