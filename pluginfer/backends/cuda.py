@@ -71,6 +71,12 @@ class CudaBackend(BaseDeviceBackend):
 
         triton_kernels.register(self.kernels)
 
+    def free_memory(self) -> int:
+        """What ``torch.cuda.mem_get_info`` reports free; on CPU tensors (the interpreter), the host's free pages."""
+        if self.device.type != "cuda":
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return super().free_memory()
+
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
                           dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One block more than asked for: block ``num_blocks`` is the scratch block that the padding rows of a

@@ -10,7 +10,6 @@ where it replays graphs. Attention runs the table's ``write_kv`` / ``paged_decod
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -40,10 +39,8 @@ class BaseDeviceBackend:
         return self.kernels.implementation(name)
 
     def free_memory(self) -> int:
-        """Bytes free on ``self.device`` now: the host's available pages for a CPU device, else
-        ``torch.<device type>.mem_get_info``; ValueError naming the fields to set where neither exists."""
-        if self.device.type == "cpu":
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        """Bytes free on ``self.device`` now, from ``torch.<device type>.mem_get_info``; ValueError naming the
+        fields to set where torch has none for this device."""
         mem_get_info = getattr(getattr(torch, self.device.type, None), "mem_get_info", None)
         if mem_get_info is None:
             raise ValueError(f"backend {self.name}: torch reports no free memory on {self.device} "

@@ -1,7 +1,7 @@
 """The ``gcu`` backend: tensors and the paged KV cache on ``gcu:{local_rank}``, attention through pluginfer's
 kernel table. No GCU kernels yet: every op runs its torch reference (``pluginfer.core.kernels``) on the
 device; a vendor kernel enters with ``GcuBackend.kernels.register(op, implementation)``. Everything but the
-device, the collective and the free-memory probe is ``BaseDeviceBackend``'s."""
+device and the collective is ``BaseDeviceBackend``'s (free memory from ``torch.gcu.mem_get_info``)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,6 @@ class GcuBackend(BaseDeviceBackend):
     def __init__(self, config: object = None, rank: RankInfo | None = None,
                  device: torch.device | None = None) -> None:
         super().__init__(device if device is not None else gcu.rank_device((rank or RankInfo()).local_rank))
-
-    def free_memory(self) -> int:
-        """What torch_gcu reports free on this device; there is no host fallback, even on a CPU stand-in."""
-        mem_get_info = getattr(getattr(torch, gcu.DEVICE_TYPE, None), "mem_get_info", None)
-        if mem_get_info is None:
-            raise ValueError("backend gcu: torch_gcu reports no free memory (torch.gcu.mem_get_info); set "
-                             "cache.kv_cache_memory (e.g. 8GiB) or cache.num_blocks")
-        free, _ = mem_get_info(self.device)
-        return int(free)
 
 
 def build(config: object = None, rank: RankInfo | None = None) -> GcuBackend:
