@@ -320,6 +320,8 @@ def _check_capture_decode(backend: DeviceBackend, atol: float) -> None:
             error = (got.float() - expected).abs().max().item()
             if not error <= atol * (1 + expected.abs().max().item()):
                 raise _fail(member, f"step {step}: the replay's logits differ from the eager step's by {error:.3g}")
-            if not all(torch.equal(tensor[:NUM_BLOCKS].cpu(), new.cpu()) for tensor, new in zip(toy.cache, after)):
+            # Close, not equal: a replay padded to a larger batch may round the key projection differently.
+            if not all(torch.allclose(tensor[:NUM_BLOCKS].cpu(), new.cpu(), rtol=atol, atol=atol)
+                       for tensor, new in zip(toy.cache, after)):
                 raise _fail(member, f"step {step}: the replay left the KV cache unlike the eager step")
         lengths = [n + 1 for n in lengths]
