@@ -22,9 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from pluginfer.core import kernels
+from pluginfer.core.backend_base import BaseDeviceBackend
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.kernels import KernelTable, PagedAttentionMetadata
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
 
 ON_CPU = "PLUGINFER_CUDA_ON_CPU"
@@ -47,8 +46,11 @@ def why_not_usable() -> str | None:
     return None
 
 
-class CudaBackend:
-    """One GPU (``cuda:{local_rank}``); ``device`` overrides it (a CPU device only under Triton's interpreter)."""
+class CudaBackend(BaseDeviceBackend):
+    """One GPU (``cuda:{local_rank}``); ``device`` overrides it (a CPU device only under Triton's interpreter).
+
+    Memory, paged attention through the table, block copies and ``op`` are ``BaseDeviceBackend``'s; this class
+    adds the Triton kernels, the scratch KV block and the CUDA graphs."""
 
     name = "cuda"
     # Quantized weights run only through this backend's kernels: a format without one is a build-time error
@@ -62,61 +64,25 @@ class CudaBackend:
             device = torch.device("cpu") if _on_cpu_requested() else torch.device("cuda", rank.local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL and every later allocation use this rank's GPU
-        self.device = device
+        super().__init__(device)
         # On CPU tensors (the interpreter), ranks talk over gloo: NCCL needs GPUs.
         self.default_collective = "nccl" if device.type == "cuda" else "gloo"
-        self.kernels = KernelTable(self.name)
         from pluginfer.backends import triton_kernels  # imports triton: only once the backend is chosen
 
         triton_kernels.register(self.kernels)
 
-    def op(self, name: str) -> Callable | None:
-        """The Triton kernel for a layer or quant op of ``core.kernels``; None for the cpu backend's ops."""
-        return self.kernels.implementation(name)
-
-    def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
-        """``requested``, else ``fraction`` of the device memory free now (the weights are loaded by then)."""
-        if requested is not None:
-            return requested
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return int(free * fraction)
+    def free_memory(self) -> int:
+        """What ``torch.cuda.mem_get_info`` reports free; on CPU tensors (the interpreter), the host's free pages."""
+        if self.device.type != "cuda":
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return super().free_memory()
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
                           dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One block more than asked for: block ``num_blocks`` is the scratch block that the padding rows of a
         CUDA-graph decode step read and write (the scheduler never hands it out)."""
         self.scratch_block = num_blocks
-
-        def zeros(dim: int) -> torch.Tensor:
-            return torch.zeros(num_blocks + 1, block_size, spec.num_kv_heads, dim, dtype=dtype, device=self.device)
-
-        if spec.value_in_key is not None:  # the value is the key's first features: no storage of its own
-            keys = [zeros(spec.head_dim) for _ in range(spec.num_layers)]
-            return [(key, key[..., :spec.value_in_key]) for key in keys]
-        v_dim = spec.v_head_dim or spec.head_dim
-        return [(zeros(spec.head_dim), zeros(v_dim)) for _ in range(spec.num_layers)]
-
-    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                    copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src, dst = torch.tensor(copies, device=self.device).T
-        for key_cache, value_cache in kv_caches:
-            key_cache[dst] = key_cache[src]
-            if value_cache.data_ptr() != key_cache.data_ptr():  # a value inside the key moved with it
-                value_cache[dst] = value_cache[src]
-
-    def prepare(self, batch: ForwardBatch) -> PagedAttentionMetadata:
-        return kernels.paged_attention_metadata(batch)
-
-    def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-                        kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, scale: float,
-                        sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
-        return kernels.paged_attention(self.kernels, query, key, value, kv_cache, batch, scale, sliding_window,
-                                       logit_soft_cap)
+        return super().allocate_kv_cache(spec, num_blocks + 1, block_size, dtype)
 
     def capture_decode(self, forward: Callable[[ForwardBatch], torch.Tensor], max_num_seqs: int,
                        max_blocks_per_seq: int, block_size: int) -> Callable[[ForwardBatch], torch.Tensor | None] | None:
@@ -131,10 +97,6 @@ class CudaBackend:
                               lambda: CudaGraph(pool))
         graphs.capture()
         return graphs
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def build(config: object = None, rank: RankInfo | None = None) -> CudaBackend:

@@ -10,13 +10,12 @@ Never run on Apple hardware yet: on this project's machines it is tested with it
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from pluginfer.backends.cpu import CpuAttentionMetadata, CpuBackend
+from pluginfer.core.backend_base import BaseDeviceBackend
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import KVCacheSpec, RankInfo
+from pluginfer.core.protocols import RankInfo
 
 
 def why_not_usable() -> str | None:
@@ -26,24 +25,20 @@ def why_not_usable() -> str | None:
     return None
 
 
-class MetalBackend:
-    """The ``mps`` device; ``device`` overrides it (tests run it on the CPU)."""
+class MetalBackend(BaseDeviceBackend):
+    """The ``mps`` device; ``device`` overrides it (tests run it on the CPU).
+
+    KV cache allocation, block copies, ``op`` (no kernels: every layer keeps its torch path), ``capture_decode``
+    and ``synchronize`` are ``BaseDeviceBackend``'s; attention and the memory budget are the cpu backend's
+    torch path, run with every tensor it creates on this device."""
 
     name = "metal"
-    default_collective = "gloo"
     quant_kernels_required = False  # formats without a kernel here take their torch path
 
     def __init__(self, config: object = None, rank: RankInfo | None = None,
                  device: torch.device | None = None) -> None:
-        self.device = device or torch.device("mps")
+        super().__init__(device or torch.device("mps"))
         self._torch_path = CpuBackend(config, rank, native_kernels=False)
-
-    def capture_decode(self, forward: object, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
-        """No replays here (``DeviceBackend.capture_decode``): every step runs eagerly."""
-        return None
-
-    def op(self, name: str) -> Callable | None:
-        return None  # every layer keeps its torch path
 
     def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
         if requested is not None:
@@ -52,16 +47,6 @@ class MetalBackend:
             free = torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
             return int(max(free, 0) * fraction)
         return self._torch_path.kv_cache_budget_bytes(None, fraction)
-
-    def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
-                          dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        with torch.device(self.device):
-            return self._torch_path.allocate_kv_cache(spec, num_blocks, block_size, dtype)
-
-    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                    copies: list[tuple[int, int]]) -> None:
-        with torch.device(self.device):
-            self._torch_path.copy_blocks(kv_caches, copies)
 
     def prepare(self, batch: ForwardBatch) -> CpuAttentionMetadata:
         with torch.device(self.device):
@@ -73,10 +58,6 @@ class MetalBackend:
         with torch.device(self.device):  # masks built lazily here land on the device too
             return self._torch_path.paged_attention(query, key, value, kv_cache, batch, scale, sliding_window,
                                                     logit_soft_cap)
-
-    def synchronize(self) -> None:
-        if self.device.type == "mps":
-            torch.mps.synchronize()
 
 
 def build(config: object = None, rank: RankInfo | None = None) -> MetalBackend:

@@ -281,6 +281,8 @@ class DeviceBackend(Protocol):
 
     The spec's ``check`` tells whether the device is usable on this machine. ``rank.local_rank``
     picks this rank's device; ``rank.local_world_size`` ranks share the machine (and its cores).
+    ``core.backend_base.BaseDeviceBackend`` implements every member over a ``KernelTable``: subclass it and
+    override what the device does differently. ``pluginfer.testing.backend_contract`` checks a backend.
     """
 
     name: str

@@ -1,0 +1,96 @@
+"""``BaseDeviceBackend``: the ``DeviceBackend`` members every device shares, written over a ``KernelTable``.
+
+The protocol (``core/protocols.py``) stays the contract; this class is a convenience that satisfies it. A
+subclass sets ``name`` (and ``default_collective``, ``quant_kernels_required`` where they differ), calls
+``super().__init__(device)``, registers its kernels into ``self.kernels``, and overrides what its device
+does differently: ``free_memory`` where torch has no ``torch.<device>.mem_get_info``, ``capture_decode``
+where it replays graphs. Attention runs the table's ``write_kv`` / ``paged_decode_attention`` /
+``paged_prefill_attention``: a backend without kernels of its own runs their torch references on its device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pluginfer.core import kernels
+from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.kernels import KernelTable, PagedAttentionMetadata
+from pluginfer.core.protocols import KVCacheSpec
+
+
+class BaseDeviceBackend:
+    """One device, every ``DeviceBackend`` member implemented; ``self.kernels`` holds the backend's kernels."""
+
+    name: str = ""
+    default_collective: str = "gloo"
+    quant_kernels_required: bool = False
+
+    def __init__(self, device: torch.device | str) -> None:
+        if not self.name:
+            raise TypeError(f"{type(self).__name__}: a DeviceBackend sets its plugin name (class attribute 'name')")
+        self.device = torch.device(device)
+        self.kernels = KernelTable(self.name)
+
+    def op(self, name: str) -> Callable | None:
+        """The kernel registered in ``self.kernels`` for op ``name``, else None (the layer keeps its torch path)."""
+        return self.kernels.implementation(name)
+
+    def free_memory(self) -> int:
+        """Bytes free on ``self.device`` now, from ``torch.<device type>.mem_get_info``; ValueError naming the
+        fields to set where torch has none for this device."""
+        mem_get_info = getattr(getattr(torch, self.device.type, None), "mem_get_info", None)
+        if mem_get_info is None:
+            raise ValueError(f"backend {self.name}: torch reports no free memory on {self.device} "
+                             f"(torch.{self.device.type}.mem_get_info); set cache.kv_cache_memory (e.g. 8GiB) "
+                             "or cache.num_blocks")
+        free, _ = mem_get_info(self.device)
+        return int(free)
+
+    def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
+        """``requested``, else ``fraction`` of ``free_memory()`` (the weights are loaded by then)."""
+        if requested is not None:
+            return requested
+        return int(self.free_memory() * fraction)
+
+    def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
+                          dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed ``[num_blocks, block_size, kv_heads, dim]`` keys and values per layer on ``self.device``."""
+        def zeros(dim: int) -> torch.Tensor:
+            return torch.zeros(num_blocks, block_size, spec.num_kv_heads, dim, dtype=dtype, device=self.device)
+
+        if spec.value_in_key is not None:  # the value is the key's first features: no storage of its own
+            keys = [zeros(spec.head_dim) for _ in range(spec.num_layers)]
+            return [(key, key[..., :spec.value_in_key]) for key in keys]
+        return [(zeros(spec.head_dim), zeros(spec.v_head_dim or spec.head_dim)) for _ in range(spec.num_layers)]
+
+    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src, dst = torch.tensor(copies, device=self.device).T
+        for key_cache, value_cache in kv_caches:
+            key_cache[dst] = key_cache[src]
+            if value_cache.data_ptr() != key_cache.data_ptr():  # a value inside the key moved with it
+                value_cache[dst] = value_cache[src]
+
+    def prepare(self, batch: ForwardBatch) -> PagedAttentionMetadata:
+        return kernels.paged_attention_metadata(batch)
+
+    def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, scale: float,
+                        sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
+        return kernels.paged_attention(self.kernels, query, key, value, kv_cache, batch, scale, sliding_window,
+                                       logit_soft_cap)
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work; nothing to wait for on the host (or a CPU stand-in device)."""
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if accelerator is not None and self.device.type == accelerator.type:
+            torch.accelerator.synchronize(self.device)
+
+    def capture_decode(self, forward: Any, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
+        """No replays (``DeviceBackend.capture_decode``): every step runs eagerly."""
+        return None
