@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pluginfer"
-SCANNED = ("core", "layers", "models", "quant")
+SCANNED = ("core", "engine", "text", "formats", "layers", "models", "quant")
 # A device type in quotes, a device test, or a device module of torch.
 DEVICE_NAME = re.compile(r"""["'](cuda|mps|cpu|gcu|xpu|npu|hpu)(:\d+)?["']|\bis_cuda\b|\btorch\.(cuda|mps|xpu)\b"""
                          r"""|\bbackends\.mps\b""")
