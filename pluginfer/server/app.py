@@ -11,14 +11,17 @@ from aiohttp import web
 
 from pluginfer import __version__
 from pluginfer.core.config import EngineConfig
+from pluginfer.core.registry import get_registry
 from pluginfer.server.chat import create_chat_completion, render_prompt, template_kwargs
 from pluginfer.server.chat_page import add_chat_page, is_public
 from pluginfer.server.completions import create_completion
 from pluginfer.server.cors import cors_middleware
 from pluginfer.server.embeddings import create_embedding
+from pluginfer.server.endpoints import ServerContext, attach_endpoints, builtin_routes
 from pluginfer.server.errors import APIError, bad_request, error_middleware
 from pluginfer.server.metrics import CONTENT_TYPE
 from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
+from pluginfer.server.request_processors import RequestProcessors
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import CLIENT_LEFT
 from pluginfer.server.tools import ToolCalling
@@ -53,6 +56,10 @@ def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Applicatio
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     add_chat_page(app.router)
+    registry, builtin = get_registry(), builtin_routes(app)
+    attach_endpoints(app, server.endpoints, registry)  # plugins' routes: only those the config names
+    app[STATE].processors = RequestProcessors.load(server.request_processors, registry,
+                                                   lambda name: ServerContext(app, name, builtin))
     return app
 
 
