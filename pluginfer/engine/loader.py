@@ -75,8 +75,9 @@ def open_checkpoint(path: Path, registry: Registry | None = None) -> Checkpoint:
 
 def _unclaimed(path: Path, registry: Registry) -> ModelNotFoundError:
     formats = ", ".join(spec.name for spec in registry.specs("checkpoint_format")) or "(none)"
-    return ModelNotFoundError(f"no checkpoint format reads {path} (formats: {formats}; a Hugging Face directory "
-                              "needs a config.json, a GGUF file the .gguf suffix); see `pluginfer plugins`")
+    what = "a directory" if path.is_dir() else "a file"
+    return ModelNotFoundError(f"no checkpoint format reads {path}, which is {what} (formats: {formats}; a Hugging "
+                              "Face directory needs a config.json, a GGUF file the .gguf suffix); see `pluginfer plugins`")
 
 
 def read_hf_config(path: Path | Checkpoint) -> dict:

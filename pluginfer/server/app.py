@@ -45,22 +45,27 @@ def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Applicatio
     app[STATE] = ServerState.create(async_engine, config)
     if hasattr(async_engine, "attach"):  # an EngineClient reads its engine process's frames on this loop
         app.on_startup.append(_attach_engine)
-    app.router.add_post("/v1/chat/completions", create_chat_completion)
-    app.router.add_post("/v1/completions", create_completion)
-    app.router.add_post("/v1/embeddings", create_embedding)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model_id:.+}", get_model)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/version", version)
-    add_chat_page(app.router)
-    registry, builtin = get_registry(), builtin_routes(app)
+    add_builtin_routes(app.router)
+    registry, builtin = get_registry(), builtin_routes(app.router)
     attach_endpoints(app, server.endpoints, registry)  # plugins' routes: only those the config names
     app[STATE].processors = RequestProcessors.load(server.request_processors, registry,
                                                    lambda name: ServerContext(app, name, builtin))
     return app
+
+
+def add_builtin_routes(router: web.UrlDispatcher) -> None:
+    """The OpenAI API, the small endpoints and the chat page: the routes no endpoint plugin may take."""
+    router.add_post("/v1/chat/completions", create_chat_completion)
+    router.add_post("/v1/completions", create_completion)
+    router.add_post("/v1/embeddings", create_embedding)
+    router.add_get("/v1/models", list_models)
+    router.add_get("/v1/models/{model_id:.+}", get_model)
+    router.add_post("/tokenize", tokenize)
+    router.add_post("/detokenize", detokenize)
+    router.add_get("/health", health)
+    router.add_get("/metrics", metrics)
+    router.add_get("/version", version)
+    add_chat_page(router)
 
 
 async def _attach_engine(app: web.Application) -> None:

@@ -32,6 +32,9 @@ class ServerContext:
 
     @property
     def _state(self) -> ServerState:
+        if STATE not in self._app:
+            raise RuntimeError(f"endpoint {self._plugin!r}: no engine behind this context yet (a conformance check, "
+                               "or the factory itself): use the engine and tokenizer in request handlers")
         return self._app[STATE]
 
     @property
@@ -74,14 +77,14 @@ def _answers(info: dict[str, Any], path: str) -> bool:
     return False
 
 
-def builtin_routes(app: web.Application) -> list[tuple[str, dict[str, Any]]]:
-    """(method, resource info) of every route added so far: the built-in ones."""
-    return [(route.method, route.resource.get_info()) for route in app.router.routes() if route.resource is not None]
+def builtin_routes(router: web.UrlDispatcher) -> list[tuple[str, dict[str, Any]]]:
+    """(method, resource info) of every route of ``router`` so far: the built-in ones."""
+    return [(route.method, route.resource.get_info()) for route in router.routes() if route.resource is not None]
 
 
 def attach_endpoints(app: web.Application, names: list[str], registry: Registry) -> None:
     """Add the routes of each endpoint plugin in ``names``; any failure is a start-up error naming it."""
-    builtin = builtin_routes(app)
+    builtin = builtin_routes(app.router)
     for name in names:
         factory = registry.load("endpoint", name)
         try:

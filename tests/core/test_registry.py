@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from pluginfer.core import registry as registry_module
-from pluginfer.core.hookspecs import PLUGIN_API_VERSION, BackendSpec, ModelSpec, PluginSpec, QuantSpec, hookimpl
+from pluginfer.core.hookspecs import (
+    PLUGIN_API_VERSION,
+    BackendSpec,
+    ModelSpec,
+    PluginSpec,
+    QuantSpec,
+    hookimpl,
+)
 from pluginfer.core.registry import (
     BrokenPluginError,
     DuplicatePluginError,

@@ -214,7 +214,7 @@ def test_the_built_in_formats_open_a_directory_and_refuse_what_none_claims(tmp_p
     checkpoint = open_checkpoint(tmp_path, registry)
     assert isinstance(checkpoint, SafetensorsCheckpoint) and checkpoint.hf_config() == config
     (tmp_path / "notes.txt").write_text("no model here")
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint format reads .*notes.txt \(formats: safetensors, gguf"):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint format reads .*notes.txt, which is a file \(formats: safetensors, gguf"):
         open_checkpoint(tmp_path / "notes.txt", registry)
 
 
