@@ -25,7 +25,13 @@ from pluginfer.core.hookspecs import (
     ToolParserSpec,
     hookimpl,
 )
-from pluginfer.core.registry import BrokenPluginError, PluginVersionError, Registry, UnknownPluginError
+from pluginfer.core.registry import (
+    BrokenPluginError,
+    DuplicatePluginError,
+    PluginVersionError,
+    Registry,
+    UnknownPluginError,
+)
 from pluginfer.engine.loader import open_checkpoint, read_hf_config
 from pluginfer.formats.safetensors import SafetensorsCheckpoint
 from tests.core.fake_dists import forget_modules, make_dist, plugin_source
@@ -235,3 +241,24 @@ def test_every_kind_is_listed_with_its_hook() -> None:
     for hook, spec in specs.items():
         assert f"plug-{spec.kind} (in-process)\n  hooks: {hook}\n  {spec.kind} {spec.name} - usable" in listing
     assert registry.for_launcher("collective", "mpi").name == "c"
+
+
+EXTRA = {"checkpoint_format": {"claims": "m:c"}}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_resolves_names_and_aliases_and_reports_unknown_and_broken(kind: str) -> None:
+    spec_class = SPEC_CLASSES[kind]
+    registry = Registry()
+    spec = spec_class(name="thing", aliases=("Alias",), factory="no_such_module_anywhere:build", **EXTRA.get(kind, {}))
+    registry.register(plugin(HOOKS_BY_KIND[kind], spec), name="p")
+    assert registry.resolve(kind, "ALIAS") is spec and registry.specs(kind) == [spec]
+    with pytest.raises(UnknownPluginError, match=f"no {kind} plugin named 'nope'; available: Alias, thing"):
+        registry.resolve(kind, "nope")
+    with pytest.raises(BrokenPluginError, match=f"plugin p .*cannot import factory 'no_such_module_anywhere:build' "
+                                                f"of {kind} 'thing': ModuleNotFoundError"):
+        registry.load(kind, "thing")
+    registry.register(plugin(HOOKS_BY_KIND[kind], spec_class(name="thing", factory="m:f", **EXTRA.get(kind, {}))),
+                      name="q")
+    with pytest.raises(DuplicatePluginError, match=f"{kind} name 'thing' is claimed by plugin p .* and plugin q"):
+        registry.resolve(kind, "thing")
