@@ -27,7 +27,6 @@ def _partial_tag_len(text: str, tag: str) -> int:
 class DeepSeekR1ReasoningParser:
     """DeepSeek-R1 style: the output is reasoning until ``</think>`` (the template may open ``<think>``)."""
 
-    name = "deepseek_r1"
     needs_start_tag = False  # True: without a leading <think>, the whole output is content
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
@@ -49,7 +48,6 @@ class DeepSeekR1ReasoningParser:
 class Qwen3ReasoningParser(DeepSeekR1ReasoningParser):
     """Qwen3 style: reasoning only when the output opens with ``<think>`` (thinking can be off)."""
 
-    name = "qwen3"
     needs_start_tag = True
 
 

@@ -64,7 +64,6 @@ def _json_values(text: str, separators: str = " \t\r\n") -> tuple[list[Any], str
 class MarkedToolParser:
     """Tool calls after a marker; the text before it is content. Subclasses parse what follows."""
 
-    name = ""
     marker = ""
     needs_special_tokens = False  # the marker is a special token, so the text must keep them
 
@@ -89,7 +88,6 @@ class MarkedToolParser:
 class HermesToolParser(MarkedToolParser):
     """Hermes 2 Pro, Qwen2.5, Qwen3, QwQ: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
 
-    name = "hermes"
     marker = "<tool_call>"
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -111,7 +109,6 @@ class Llama3JsonToolParser(MarkedToolParser):
     """Llama 3.1-3.3 JSON tool calling: the output is ``{"name": ..., "parameters": {...}}`` (several
     joined by ``;``), optionally after ``<|python_tag|>``; output that starts otherwise is content."""
 
-    name = "llama3_json"
     marker = "<|python_tag|>"
 
     def parse(self, text: str, final: bool) -> ToolCallText:
@@ -136,7 +133,6 @@ class MistralToolParser(MarkedToolParser):
     ``[TOOL_CALLS]`` is a control token: requests keep special tokens in the text. Ids are 9
     alphanumerics, which Mistral's chat templates require of the ids sent back."""
 
-    name = "mistral"
     marker = "[TOOL_CALLS]"
     needs_special_tokens = True
     _args = "[ARGS]"
@@ -167,7 +163,6 @@ class DeepSeekV3ToolParser(MarkedToolParser):
     inside ``<｜tool▁calls▁begin｜>…<｜tool▁calls▁end｜>``; V3.1's ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}``
     too."""
 
-    name = "deepseek_v3"
     marker = "<｜tool▁calls▁begin｜>"
     _call_re = re.compile(r"<｜tool▁call▁begin｜>(?:(?P<type>\w+)<｜tool▁sep｜>(?P<name>[^\n<]+)\n```(?:json)?\n"
                           r"(?P<fenced>.*?)\n```|(?P<name31>[^<]+?)<｜tool▁sep｜>(?P<plain>.*?))<｜tool▁call▁end｜>",
