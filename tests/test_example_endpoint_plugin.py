@@ -53,12 +53,13 @@ def test_the_installed_plugin_is_discovered_and_conformant() -> None:
     assert (after.params.max_tokens, after.params.min_tokens, after.messages) == (16, 16, MESSAGES)
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_llama_checkpoint):
-    """(plugin server, plain server) of the tiny llama, each over its own engine."""
+@pytest.fixture(scope="module", params=[False, True], ids=["thread", "engine-process"])
+def servers(request, tiny_llama_checkpoint):
+    """(plugin server, plain server) of the tiny llama, each over its own engine: in a thread, and in an engine
+    core process of its own as `pluginfer serve` runs it (the context's engine is then an EngineClient)."""
     model = str(tiny_llama_checkpoint[0])
-    with serve(model, **SETTINGS, **{"server.endpoints": ["echo-tokens"], "server.request_processors": ["shout"]}) \
-            as plugged, serve(model, **SETTINGS) as plain:
+    plugins = {"server.endpoints": ["echo-tokens"], "server.request_processors": ["shout"]}
+    with serve(model, request.param, **SETTINGS, **plugins) as plugged, serve(model, **SETTINGS) as plain:
         yield plugged, plain
 
 

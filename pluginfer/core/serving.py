@@ -79,8 +79,9 @@ class PromptRequest:
 
 class RequestProcessor(Protocol):
     """A step the server runs for every chat and completions request, in the order ``server.request_processors``
-    names them. Raise ``RequestProcessorError`` to refuse a request with a status; any other exception is
-    a 500 naming the processor, and the server goes on."""
+    names them, on the server's event loop (keep it quick: no blocking I/O). Raise ``RequestProcessorError``
+    to refuse a request with a status; any other exception is a 500 naming the processor, and the server
+    goes on."""
 
     def preprocess(self, request: PromptRequest) -> PromptRequest:
         """The request to run: ``request`` itself, or ``dataclasses.replace(request, messages=..., prompts=...,

@@ -4,9 +4,10 @@
   them a built-in route's, each handler a coroutine function; returns the ``(method, path)`` it added.
 - ``check_request_processor(processor, request, texts)``: ``preprocess`` keeps the request's endpoint,
   prompt count and ``SamplingParams``; ``postprocess`` of a growing output only grows.
-- ``serve(model, **settings)``: the model on an in-process engine behind the OpenAI server on
-  127.0.0.1 with ``server.endpoints`` / ``server.request_processors`` as given; yields the server
-  (``.url``, ``.port``). A plugin's own tests send it real requests.
+- ``serve(model, engine_process=False, **settings)``: the model behind the OpenAI server on 127.0.0.1
+  with ``server.endpoints`` / ``server.request_processors`` as given, its engine in a thread of this
+  process or (``engine_process=True``) in an engine core process of its own, as ``pluginfer serve``
+  runs it; yields the server (``.url``, ``.port``). A plugin's own tests send it real requests.
 """
 
 from __future__ import annotations
@@ -58,16 +59,17 @@ def check_request_processor(processor: RequestProcessor, request: PromptRequest,
 
 
 @contextmanager
-def serve(model: str, **settings: Any) -> Iterator[Any]:
+def serve(model: str, engine_process: bool = False, **settings: Any) -> Iterator[Any]:
     """A ``BackgroundServer`` over ``model`` (a checkpoint path) with ``settings`` as dotted config keys
     (``{"server.endpoints": ["echo"], "cache.num_blocks": 64}``); stopped, with its engine, on exit."""
     from pluginfer.core.config import build_config
     from pluginfer.engine.async_engine import AsyncEngine
     from pluginfer.engine.engine import LLMEngine
+    from pluginfer.server.engine_client import EngineClient
     from pluginfer.server.launch import BackgroundServer
 
     config = build_config(model=model, **{"server.port": 0, **settings})
-    engine = AsyncEngine(LLMEngine(config)).start()
+    engine = EngineClient(config).start() if engine_process else AsyncEngine(LLMEngine(config)).start()
     try:
         server = BackgroundServer(engine, config)
         try:
