@@ -9,4 +9,6 @@ DEFAULT_PLUGINS = {
     "builtin-quant": "pluginfer.quant.plugin",
     "builtin-backends": "pluginfer.backends.plugin",
     "builtin-collectives": "pluginfer.collectives.plugin",
+    "builtin-parsers": "pluginfer.server.plugin",
+    "builtin-formats": "pluginfer.formats.plugin",
 }

@@ -27,7 +27,7 @@ ALLOWED = {
     ("quant/ggml_blocks.py", 'raw.device.type == "cpu"'):
         "the cpu backend's native GGML dequantizer reads host memory: blocks elsewhere take the torch path "
         "(on the cuda backend the table's block kernels run before it is reached)",
-    ("engine/loader.py", 'torch.load(file, map_location="cpu"'):
+    ("formats/safetensors.py", 'torch.load(file, map_location="cpu"'):
         "a pickle checkpoint is read into host memory (memory-mapped), like safetensors, before the layers' "
         "loaders copy it to the backend's device",
     ("engine/sampler.py", 'if logits.device.type == "cpu" and logits.dtype == torch.float32'):

@@ -92,7 +92,7 @@ def tensor_names(model_dir: Path) -> list[str]:
     """Every tensor name of the checkpoint's safetensors files (their headers only)."""
     from safetensors import safe_open
 
-    from pluginfer.engine.loader import safetensors_files
+    from pluginfer.formats.safetensors import safetensors_files
 
     names = []
     for file in safetensors_files(model_dir):

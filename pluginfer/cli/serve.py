@@ -22,16 +22,21 @@ def register(commands: argparse._SubParsersAction, add_engine_arguments: Callabl
 
 
 def serve_config(args: argparse.Namespace) -> EngineConfig:
-    """--config, then the engine and server flags on top; an unknown reasoning parser fails here."""
+    """--config, then the engine and server flags on top; a parser, endpoint or request processor that no
+    plugin provides (or whose factory does not import) fails here, before the model loads."""
     from pluginfer.cli import engine_config
-    from pluginfer.server.reasoning import get_reasoning_parser
-    from pluginfer.server.tool_parsers import get_tool_parser
+    from pluginfer.core.registry import get_registry
 
     config = engine_config(args)
-    if config.server.reasoning_parser:
-        get_reasoning_parser(config.server.reasoning_parser)  # before the model loads, not after
-    if config.server.tool_call_parser:
-        get_tool_parser(config.server.tool_call_parser)
+    server, registry = config.server, get_registry()
+    if server.reasoning_parser:
+        registry.load("reasoning_parser", server.reasoning_parser)
+    if server.tool_call_parser:
+        registry.load("tool_parser", server.tool_call_parser)
+    for name in server.endpoints:
+        registry.load("endpoint", name)
+    for name in server.request_processors:
+        registry.load("request_processor", name)
     return config
 
 

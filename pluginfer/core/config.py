@@ -78,10 +78,16 @@ class ServerConfig(_Section):
         0.0, ge=0, description="On SIGTERM, seconds to let requests in flight finish (new ones get a 503) "
         "before the rest are ended; 0: end them at once.")
     reasoning_parser: str | None = Field(
-        None, description="deepseek_r1 or qwen3: <think> text to reasoning_content.")
+        None, description="A reasoning_parser plugin (built in: deepseek_r1, qwen3): its reasoning text goes to "
+                          "reasoning_content.")
     tool_call_parser: str | None = Field(
-        None, description="hermes (qwen), llama3_json, mistral or deepseek_v3 (deepseek_v31): reads the tool "
-                          "calls of tool_choice auto.")
+        None, description="A tool_parser plugin (built in: hermes (qwen), llama3_json, mistral, deepseek_v3 "
+                          "(deepseek_v31)): reads the tool calls of tool_choice auto.")
+    endpoints: list[str] = Field(
+        default_factory=list, description="endpoint plugins whose HTTP routes the server adds; none by default.")
+    request_processors: list[str] = Field(
+        default_factory=list, description="request_processor plugins run on every chat and completions request, "
+                                          "in this order; none by default.")
     strict_tool_schemas: bool = Field(
         True, description="Tool arguments (named, required) hold only the keys their schema declares: an object "
         "without additionalProperties is closed, as OpenAI and xgrammar read it; false: JSON Schema's open objects.")

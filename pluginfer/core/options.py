@@ -23,6 +23,8 @@ from pluginfer.core.config import EngineConfig
 FLAG_NAMES = {
     "parallel.timeout_s": "--distributed-timeout",
     "server.api_keys": "--api-key",  # one key per flag, repeatable
+    "server.endpoints": "--endpoint",
+    "server.request_processors": "--request-processor",
 }
 # Sections whose flags take a prefix: sampling defaults would clash with a request's --temperature.
 FLAG_PREFIXES = {"sampling": "default-"}

@@ -23,7 +23,18 @@ from importlib.metadata import entry_points
 import pluggy
 
 from pluginfer.core import hookspecs
-from pluginfer.core.hookspecs import HOOKS_BY_KIND, KINDS, PLUGIN_API_VERSION, PROJECT_NAME, PluginSpec
+from pluginfer.core.hookspecs import HOOKS_BY_KIND, PROJECT_NAME
+from pluginfer.core.specs import (
+    CLAIMING_KINDS,
+    KINDS,
+    PLUGIN_API_VERSION,
+    SPEC_CLASSES,
+    CheckpointFormatSpec,
+    CollectiveSpec,
+    ModelSpec,
+    PluginSpec,
+    QuantSpec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +170,7 @@ class Registry:
         self._plugins = [info for info in self._plugins if info.name != name]
 
     def resolve(self, kind: str, name: str) -> PluginSpec:
-        """The spec of ``kind`` whose name or alias (any case) or HF architecture (exact case) is ``name``."""
+        """The spec of ``kind`` whose name or alias (any case) or exact name (a model's HF architecture) is ``name``."""
         _check_kind(kind)
         found = self._candidates(kind, name, healthy=True)
         if found:
@@ -228,7 +239,7 @@ class Registry:
                 lines.append(f"  hooks: {', '.join(info.hooks)}")
             for spec in info.specs if info.error is None else []:
                 ok, reason = self.usable(spec)
-                extra = ", ".join((*spec.aliases, *spec.architectures))
+                extra = ", ".join(spec.names[1:])
                 about = f": {spec.description}" if spec.description else ""
                 status = "usable" if ok else f"not usable here: {reason}"
                 lines.append(f"  {spec.kind} {spec.name}{f' [{extra}]' if extra else ''}{about} - {status}")
@@ -246,32 +257,40 @@ class Registry:
 
     def claiming(self, kind: str, argument: object) -> PluginSpec | None:
         """The highest-priority usable spec of ``kind`` whose ``claims(argument)`` is true, or None."""
-        claimed = [spec for spec in self.specs(kind) if spec.claims is not None
-                   and self._claims(spec, argument) and self.usable(spec)[0]]
+        if kind not in CLAIMING_KINDS:
+            raise ValueError(f"{kind} specs claim nothing; the kinds with claims are {', '.join(CLAIMING_KINDS)}")
+        claimed = [spec for spec in self.specs(kind) if self._claims(spec, argument) and self.usable(spec)[0]]
         return max(claimed, key=lambda spec: spec.priority, default=None)
 
     def _claims(self, spec: PluginSpec, argument: object) -> bool:
         """``spec.claims(argument)``; a claims that cannot be imported or raises claims nothing (logged):
         one broken plugin never stops the others from being chosen."""
+        reference = spec.claims if isinstance(spec, (QuantSpec, CheckpointFormatSpec)) else None
+        if reference is None:
+            return False
         try:
-            return bool(self._import(spec, spec.claims, "claims")(argument))
+            return bool(self._import(spec, reference, "claims")(argument))
         except Exception as exc:
-            logger.warning("%s: claims %r failed, so it claims nothing: %s", self._owner(spec), spec.claims, exc)
+            logger.warning("%s: claims %r failed, so it claims nothing: %s", self._owner(spec), reference, exc)
             return False
 
     def for_launcher(self, kind: str, launcher: str) -> PluginSpec | None:
-        """The highest-priority usable spec of ``kind`` that names ``launcher`` in its ``launchers``."""
-        named = [spec for spec in self.specs(kind) if launcher in spec.launchers and self.usable(spec)[0]]
+        """The highest-priority usable collective spec that names ``launcher`` in its ``launchers``."""
+        if kind != CollectiveSpec.kind:
+            raise ValueError(f"only collective specs name launchers, not {kind} specs")
+        named = [spec for spec in self.specs(kind) if isinstance(spec, CollectiveSpec)
+                 and launcher in spec.launchers and self.usable(spec)[0]]
         return max(named, key=lambda spec: spec.priority, default=None)
 
     def gguf_converter(self, architecture: str) -> Callable:
         """The converter of the model plugin that reads GGUF files of ``general.architecture`` ``architecture``."""
-        specs = [spec for spec in self.specs("model") if architecture in spec.gguf_architectures]
+        models = [spec for spec in self.specs("model") if isinstance(spec, ModelSpec)]
+        specs = [spec for spec in models if architecture in spec.gguf_architectures]
         if not specs:
-            known = sorted({arch for spec in self.specs("model") for arch in spec.gguf_architectures})
+            known = sorted({arch for spec in models for arch in spec.gguf_architectures})
             raise UnknownPluginError(f"GGUF architecture {architecture!r} is not supported "
                                      f"(supported: {', '.join(known) or '(none)'})")
-        return self._import(specs[0], specs[0].gguf_converter, "gguf_converter")
+        return self._import(specs[0], specs[0].gguf_converter or "", "gguf_converter")
 
     def _add(self, plugin: object, info: PluginInfo) -> None:
         self._plugins.append(info)
@@ -315,15 +334,16 @@ class Registry:
                 errors.append(f"hook {hook_name} raised {type(exc).__name__}: {exc}")
                 continue
             for result in results:
+                wanted = SPEC_CLASSES[kind].__name__
                 if not isinstance(result, (list, tuple)):
-                    errors.append(f"hook {hook_name} must return a list of PluginSpec, got {result!r}")
+                    errors.append(f"hook {hook_name} must return a list of {wanted}, got {result!r}")
                     continue
                 for spec in result:
                     if not isinstance(spec, PluginSpec):
-                        errors.append(f"hook {hook_name} returned {spec!r}, which is not a PluginSpec")
+                        errors.append(f"hook {hook_name} returned {spec!r}, which is not a {wanted}")
                     elif spec.kind != kind:
                         right = HOOKS_BY_KIND[spec.kind]
-                        errors.append(f"{hook_name} gave {spec.kind} {spec.name!r}; return it from {right}")
+                        errors.append(f"{hook_name} gave {type(spec).__name__} {spec.name!r}; return it from {right}")
                     else:
                         info.specs.append(spec)
                         if PLUGIN_API_VERSION not in spec.api_versions:
@@ -344,7 +364,7 @@ class Registry:
             for info in pool
             for spec in info.specs
             if spec.kind == kind
-            and (lowered in (n.lower() for n in (spec.name, *spec.aliases)) or name in spec.architectures)
+            and (lowered in (n.lower() for n in (spec.name, *spec.aliases)) or name in spec.exact_names)
         ]
 
     def _pick(self, kind: str, name: str, found: list[_Claim]) -> _Claim:

@@ -1,6 +1,6 @@
 """Registers the built-in quant methods."""
 
-from pluginfer.core.hookspecs import PluginSpec, hookimpl
+from pluginfer.core.hookspecs import QuantSpec, hookimpl
 
 # In-situ block formats of llama.cpp: quantized from a floating-point checkpoint while it loads.
 _GGML_INSITU = {
@@ -15,31 +15,31 @@ _GGML_INSITU = {
 
 
 @hookimpl
-def pluginfer_quant_methods() -> list[PluginSpec]:
+def pluginfer_quant_methods() -> list[QuantSpec]:
     specs = [
-        PluginSpec(kind="quant", name="none", aliases=("unquantized", "fp"),
-                   factory="pluginfer.quant.unquantized:build", claims="pluginfer.quant.unquantized:is_unquantized",
-                   description="dense weights in the model dtype"),
-        PluginSpec(kind="quant", name="int8", aliases=("w8a16",),
-                   factory="pluginfer.quant.int8:build",
-                   description="per-channel int8 weights quantized at load (W8A16)"),
-        PluginSpec(kind="quant", name="int4", aliases=("w4a16",),
-                   factory="pluginfer.quant.int4:build",
-                   description="group-wise int4 weights quantized at load (W4A16)"),
-        PluginSpec(kind="quant", name="gguf",
-                   factory="pluginfer.quant.gguf:build",
-                   description="tensors of a .gguf file, kept in their GGML block types"),
-        PluginSpec(kind="quant", name="gptq",
-                   factory="pluginfer.quant.gptq:build",
-                   description="GPTQ checkpoints (4/8-bit, groups, act-order, sym/asym)"),
-        PluginSpec(kind="quant", name="awq",
-                   factory="pluginfer.quant.awq:build",
-                   description="AWQ GEMM checkpoints (4-bit, zero point)"),
-        PluginSpec(kind="quant", name="marlin",
-                   factory="pluginfer.quant.marlin:build", claims="pluginfer.quant.marlin_layout:is_marlin_checkpoint",
-                   description="4-bit GPTQ/AWQ repacked into Marlin tiles (Triton kernel; generic on CPU)"),
+        QuantSpec(name="none", aliases=("unquantized", "fp"),
+                  factory="pluginfer.quant.unquantized:build", claims="pluginfer.quant.unquantized:is_unquantized",
+                  description="dense weights in the model dtype"),
+        QuantSpec(name="int8", aliases=("w8a16",),
+                  factory="pluginfer.quant.int8:build",
+                  description="per-channel int8 weights quantized at load (W8A16)"),
+        QuantSpec(name="int4", aliases=("w4a16",),
+                  factory="pluginfer.quant.int4:build",
+                  description="group-wise int4 weights quantized at load (W4A16)"),
+        QuantSpec(name="gguf",
+                  factory="pluginfer.quant.gguf:build",
+                  description="tensors of a .gguf file, kept in their GGML block types"),
+        QuantSpec(name="gptq",
+                  factory="pluginfer.quant.gptq:build",
+                  description="GPTQ checkpoints (4/8-bit, groups, act-order, sym/asym)"),
+        QuantSpec(name="awq",
+                  factory="pluginfer.quant.awq:build",
+                  description="AWQ GEMM checkpoints (4-bit, zero point)"),
+        QuantSpec(name="marlin",
+                  factory="pluginfer.quant.marlin:build", claims="pluginfer.quant.marlin_layout:is_marlin_checkpoint",
+                  description="4-bit GPTQ/AWQ repacked into Marlin tiles (Triton kernel; generic on CPU)"),
     ]
-    specs += [PluginSpec(kind="quant", name=name, factory=f"pluginfer.quant.ggml_insitu:build_{name}",
-                         description=f"GGUF {name.upper()} blocks ({layout}) quantized at load")
+    specs += [QuantSpec(name=name, factory=f"pluginfer.quant.ggml_insitu:build_{name}",
+                        description=f"GGUF {name.upper()} blocks ({layout}) quantized at load")
               for name, layout in _GGML_INSITU.items()]
     return specs

@@ -11,14 +11,17 @@ from aiohttp import web
 
 from pluginfer import __version__
 from pluginfer.core.config import EngineConfig
+from pluginfer.core.registry import get_registry
 from pluginfer.server.chat import create_chat_completion, render_prompt, template_kwargs
 from pluginfer.server.chat_page import add_chat_page, is_public
 from pluginfer.server.completions import create_completion
 from pluginfer.server.cors import cors_middleware
 from pluginfer.server.embeddings import create_embedding
+from pluginfer.server.endpoints import ServerContext, attach_endpoints, builtin_routes
 from pluginfer.server.errors import APIError, bad_request, error_middleware
 from pluginfer.server.metrics import CONTENT_TYPE
 from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
+from pluginfer.server.request_processors import RequestProcessors
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import CLIENT_LEFT
 from pluginfer.server.tools import ToolCalling
@@ -42,18 +45,27 @@ def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Applicatio
     app[STATE] = ServerState.create(async_engine, config)
     if hasattr(async_engine, "attach"):  # an EngineClient reads its engine process's frames on this loop
         app.on_startup.append(_attach_engine)
-    app.router.add_post("/v1/chat/completions", create_chat_completion)
-    app.router.add_post("/v1/completions", create_completion)
-    app.router.add_post("/v1/embeddings", create_embedding)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model_id:.+}", get_model)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/version", version)
-    add_chat_page(app.router)
+    add_builtin_routes(app.router)
+    registry, builtin = get_registry(), builtin_routes(app.router)
+    attach_endpoints(app, server.endpoints, registry)  # plugins' routes: only those the config names
+    app[STATE].processors = RequestProcessors.load(server.request_processors, registry,
+                                                   lambda name: ServerContext(app, name, builtin))
     return app
+
+
+def add_builtin_routes(router: web.UrlDispatcher) -> None:
+    """The OpenAI API, the small endpoints and the chat page: the routes no endpoint plugin may take."""
+    router.add_post("/v1/chat/completions", create_chat_completion)
+    router.add_post("/v1/completions", create_completion)
+    router.add_post("/v1/embeddings", create_embedding)
+    router.add_get("/v1/models", list_models)
+    router.add_get("/v1/models/{model_id:.+}", get_model)
+    router.add_post("/tokenize", tokenize)
+    router.add_post("/detokenize", detokenize)
+    router.add_get("/health", health)
+    router.add_get("/metrics", metrics)
+    router.add_get("/version", version)
+    add_chat_page(router)
 
 
 async def _attach_engine(app: web.Application) -> None:

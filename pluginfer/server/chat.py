@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
+from pluginfer.core.parsers import ReasoningParser
+from pluginfer.core.serving import PromptRequest
 from pluginfer.engine.beam_search import BeamSearchParams
 from pluginfer.engine.outputs import CompletionOutput, RequestOutput
 from pluginfer.engine.sequence import SamplingParams
@@ -21,7 +23,7 @@ from pluginfer.server.grammar import compile_grammar
 from pluginfer.server.limits import check_limits
 from pluginfer.server.logprobs import TokenText, chat_logprobs
 from pluginfer.server.protocol import ChatCompletionRequest, TokenizeRequest
-from pluginfer.server.reasoning import ReasoningParser, ReasoningStream
+from pluginfer.server.reasoning import ReasoningStream
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import (
     HOLE,
@@ -71,19 +73,21 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, ChatCompletionRequest)
     state.check_model(body.model)
     check_limits(body, state.config.server, state.engine.max_model_len)
-    tools = ToolCalling.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,
-                                     state.config.server.tool_call_parser, state.config.server.strict_tool_schemas)
-    params = body.sampling_params(state.config.sampling, state.config.server.max_logprobs)
-    params, grammars = _with_tools(state, params, body.grammar(), tools)
+    tools = ToolCalling.from_request(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser,
+                                     state.config.server.strict_tool_schemas)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    processed = state.processors.preprocess(PromptRequest(
+        "chat", request_id, body.sampling_params(state.config.sampling, state.config.server.max_logprobs),
+        body.model, messages=[m.for_template() for m in body.messages]))
+    params, grammars = _with_tools(state, processed.params, body.grammar(), tools)
     for grammar, field in grammars:
         await compile_grammar(state, grammar, field)
-    prompt = render_prompt(state, [m.for_template() for m in body.messages], body.add_generation_prompt,
+    prompt = render_prompt(state, processed.messages or [], body.add_generation_prompt,
                            template_kwargs(state, body, tools))
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
     beam = beam_params(body, params.max_tokens)
     if beam is not None:
         return web.json_response(await _beam_chat(state, body, prompt, beam, request_id))
-    outputs = run_requests(state, [prompt], params, request_id, "messages")
+    outputs = state.processors.outputs(processed, run_requests(state, [prompt], params, request_id, "messages"))
     # A grammar holds from the first token: there is no <think> section to split off.
     reasoning = state.reasoning_parser if params.structured_outputs is None else None
     answer = _ChatAnswer(state, body, request_id, reasoning, tools)
@@ -132,7 +136,7 @@ def _with_tools(state: ServerState, params: SamplingParams, grammar: tuple[Struc
 class _ChoiceText:
     """One choice's output text as reasoning, content and tool calls: whole, or as stream deltas."""
 
-    def __init__(self, reasoning: type[ReasoningParser] | None, tools: ToolCalling | None) -> None:
+    def __init__(self, reasoning: Callable[[], ReasoningParser] | None, tools: ToolCalling | None) -> None:
         self.reasoning = ReasoningStream(reasoning()) if reasoning else None
         self.tools: ToolCallOutput | None = tools.new_output() if tools else None
         self.sent = 0
@@ -180,7 +184,7 @@ class _ChatAnswer:
     """Builds the response body, or the chunks of the stream, from the engine's outputs."""
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str,
-                 reasoning: type[ReasoningParser] | None, tools: ToolCalling | None) -> None:
+                 reasoning: Callable[[], ReasoningParser] | None, tools: ToolCalling | None) -> None:
         self.state, self.body, self.id = state, body, request_id
         self.reasoning, self.tools = reasoning, tools
         self.created = int(time.time())

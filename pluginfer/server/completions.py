@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pluginfer.core.serving import PromptRequest
 from pluginfer.engine.beam_search import BeamSearchParams
 from pluginfer.engine.outputs import CompletionOutput, RequestOutput
 from pluginfer.server.beam import beam_params, finish_reason, search
@@ -36,7 +37,13 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state.check_model(body.model)
     check_limits(body, state.config.server, state.engine.max_model_len, len(body.prompt))
     body.check_supported()
-    params = body.sampling_params(state.config.sampling, state.config.server.max_logprobs)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    processed = state.processors.preprocess(PromptRequest(
+        "completions", request_id, body.sampling_params(state.config.sampling, state.config.server.max_logprobs),
+        body.model, prompts=list(body.prompt)))
+    if processed.prompts != body.prompt:  # a request processor rewrote them: echo shows what ran
+        body = body.model_copy(update={"prompt": processed.prompts})
+    params = processed.params
     grammar = body.grammar()
     if grammar is not None:
         await compile_grammar(state, *grammar)
@@ -45,11 +52,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     bad = [t for p in body.prompt if not isinstance(p, str) for t in p if not 0 <= t < vocab_size]
     if bad:
         raise bad_request(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}", "prompt")
-    request_id = f"cmpl-{uuid.uuid4().hex}"
     beam = beam_params(body, params.max_tokens)
     if beam is not None:
         return web.json_response(await _beam_completion(state, body, prompts, beam, request_id))
-    outputs = run_requests(state, prompts, params, request_id, "prompt")
+    outputs = state.processors.outputs(processed, run_requests(state, prompts, params, request_id, "prompt"))
     answer = _CompletionAnswer(state, body, request_id, prompts)
     if body.stream:
         return await stream_response(request, answer.chunks(outputs))

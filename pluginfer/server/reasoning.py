@@ -2,10 +2,16 @@
 
 A parser splits the whole output text so far into (reasoning, content). While the output is
 still growing it holds back a tail that may be the start of a tag, so the split only ever
-grows: streamed deltas are the difference from the previous split.
+grows: streamed deltas are the difference from the previous split. Chosen with ``--reasoning-parser``
+(``server.reasoning_parser``): these are the built-in plugin's parsers (``pluginfer/server/plugin.py``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+from pluginfer.core.parsers import ReasoningParser
+from pluginfer.core.registry import Registry, get_registry
 
 _START, _END = "<think>", "</think>"
 
@@ -18,10 +24,9 @@ def _partial_tag_len(text: str, tag: str) -> int:
     return 0
 
 
-class ReasoningParser:
+class DeepSeekR1ReasoningParser:
     """DeepSeek-R1 style: the output is reasoning until ``</think>`` (the template may open ``<think>``)."""
 
-    name = "deepseek_r1"
     needs_start_tag = False  # True: without a leading <think>, the whole output is content
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
@@ -40,10 +45,9 @@ class ReasoningParser:
         return text[: len(text) - _partial_tag_len(text, _END)], ""
 
 
-class Qwen3ReasoningParser(ReasoningParser):
+class Qwen3ReasoningParser(DeepSeekR1ReasoningParser):
     """Qwen3 style: reasoning only when the output opens with ``<think>`` (thinking can be off)."""
 
-    name = "qwen3"
     needs_start_tag = True
 
 
@@ -62,13 +66,7 @@ class ReasoningStream:
         return reasoning_delta, content_delta
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    parser.name: parser for parser in (ReasoningParser, Qwen3ReasoningParser)
-}
-
-
-def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {sorted(REASONING_PARSERS)}") from None
+def get_reasoning_parser(name: str, registry: Registry | None = None) -> Callable[[], ReasoningParser]:
+    """The factory of the reasoning_parser plugin ``name`` (one parser per choice); an unknown name lists
+    the available ones."""
+    return (registry or get_registry()).load("reasoning_parser", name)

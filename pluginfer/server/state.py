@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -11,10 +12,12 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from pluginfer.core.config import EngineConfig
+from pluginfer.core.parsers import ReasoningParser, ToolCallParser
+from pluginfer.core.registry import get_registry
 from pluginfer.engine.pooling import PoolerConfig
 from pluginfer.server.errors import APIError, bad_request, from_validation_error
 from pluginfer.server.metrics import ServerMetrics
-from pluginfer.server.reasoning import ReasoningParser, get_reasoning_parser
+from pluginfer.server.request_processors import RequestProcessors
 
 if TYPE_CHECKING:  # the server process imports no torch (tests/server/test_server_imports.py)
     from pluginfer.engine.async_engine import AsyncEngine
@@ -31,7 +34,9 @@ class ServerState:
     config: EngineConfig
     model_name: str
     metrics: ServerMetrics
-    reasoning_parser: type[ReasoningParser] | None = None
+    reasoning_parser: Callable[[], ReasoningParser] | None = None  # the plugin's factory: one parser per choice
+    tool_parser: Callable[[], ToolCallParser] | None = None  # the plugin's factory: one parser per request
+    processors: RequestProcessors = field(default_factory=RequestProcessors)  # build_app loads the selected ones
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM with server.shutdown_timeout: requests in flight finish, new ones get a 503
     pooler: PoolerConfig | None = None  # the checkpoint's pooling, read at the first /v1/embeddings request
@@ -39,10 +44,11 @@ class ServerState:
 
     @classmethod
     def create(cls, async_engine: AsyncEngine, config: EngineConfig) -> ServerState:
-        server = config.server
-        parser = get_reasoning_parser(server.reasoning_parser) if server.reasoning_parser else None
+        server, registry = config.server, get_registry()
+        reasoning = registry.load("reasoning_parser", server.reasoning_parser) if server.reasoning_parser else None
+        tools = registry.load("tool_parser", server.tool_call_parser) if server.tool_call_parser else None
         return cls(async_engine, config, server.served_model_name or config.model,
-                   ServerMetrics(async_engine.engine), parser)
+                   ServerMetrics(async_engine.engine), reasoning, tools)
 
     @property
     def engine(self) -> LLMEngine:

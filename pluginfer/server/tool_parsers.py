@@ -5,9 +5,8 @@ complete calls. While the output still grows (``final`` False) it holds back a t
 the start of its marker, so the content only ever grows and streamed deltas are differences.
 A block that does not parse leaves the whole text as content, as vLLM does.
 
-Chosen with ``--tool-call-parser`` (``server.tool_call_parser``). They are a registry of
-functions here rather than a plugin kind: each is a few lines of text handling tied to a chat
-format, not to a model implementation, and the server is their only user.
+Chosen with ``--tool-call-parser`` (``server.tool_call_parser``): these are the built-in plugin's
+parsers (``pluginfer/server/plugin.py``), looked up by name in the registry like a third party's.
 """
 
 from __future__ import annotations
@@ -16,21 +15,10 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class FunctionCall:
-    name: str
-    arguments: str  # a JSON object, as text (OpenAI's ``function.arguments``)
-
-
-@dataclass
-class ToolCallText:
-    content: str
-    calls: list[FunctionCall] = field(default_factory=list)
+from pluginfer.core.parsers import FunctionCall, ToolCallParser, ToolCallText
+from pluginfer.core.registry import Registry, get_registry
 
 
 def _partial_marker_len(text: str, marker: str) -> int:
@@ -76,7 +64,6 @@ def _json_values(text: str, separators: str = " \t\r\n") -> tuple[list[Any], str
 class MarkedToolParser:
     """Tool calls after a marker; the text before it is content. Subclasses parse what follows."""
 
-    name = ""
     marker = ""
     needs_special_tokens = False  # the marker is a special token, so the text must keep them
 
@@ -101,7 +88,6 @@ class MarkedToolParser:
 class HermesToolParser(MarkedToolParser):
     """Hermes 2 Pro, Qwen2.5, Qwen3, QwQ: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
 
-    name = "hermes"
     marker = "<tool_call>"
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -123,7 +109,6 @@ class Llama3JsonToolParser(MarkedToolParser):
     """Llama 3.1-3.3 JSON tool calling: the output is ``{"name": ..., "parameters": {...}}`` (several
     joined by ``;``), optionally after ``<|python_tag|>``; output that starts otherwise is content."""
 
-    name = "llama3_json"
     marker = "<|python_tag|>"
 
     def parse(self, text: str, final: bool) -> ToolCallText:
@@ -148,7 +133,6 @@ class MistralToolParser(MarkedToolParser):
     ``[TOOL_CALLS]`` is a control token: requests keep special tokens in the text. Ids are 9
     alphanumerics, which Mistral's chat templates require of the ids sent back."""
 
-    name = "mistral"
     marker = "[TOOL_CALLS]"
     needs_special_tokens = True
     _args = "[ARGS]"
@@ -179,7 +163,6 @@ class DeepSeekV3ToolParser(MarkedToolParser):
     inside ``<｜tool▁calls▁begin｜>…<｜tool▁calls▁end｜>``; V3.1's ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}``
     too."""
 
-    name = "deepseek_v3"
     marker = "<｜tool▁calls▁begin｜>"
     _call_re = re.compile(r"<｜tool▁call▁begin｜>(?:(?P<type>\w+)<｜tool▁sep｜>(?P<name>[^\n<]+)\n```(?:json)?\n"
                           r"(?P<fenced>.*?)\n```|(?P<name31>[^<]+?)<｜tool▁sep｜>(?P<plain>.*?))<｜tool▁call▁end｜>",
@@ -195,15 +178,6 @@ class DeepSeekV3ToolParser(MarkedToolParser):
         return calls
 
 
-TOOL_PARSERS: dict[str, Callable[[], MarkedToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                       DeepSeekV3ToolParser)
-}
-TOOL_PARSERS.update(qwen=HermesToolParser, deepseek_v31=DeepSeekV3ToolParser)  # the names users look for
-
-
-def get_tool_parser(name: str) -> MarkedToolParser:
-    try:
-        return TOOL_PARSERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown tool call parser {name!r}; choose one of {sorted(TOOL_PARSERS)}") from None
+def get_tool_parser(name: str, registry: Registry | None = None) -> ToolCallParser:
+    """A new parser of the tool_parser plugin ``name``; an unknown name lists the available ones."""
+    return (registry or get_registry()).load("tool_parser", name)()

@@ -18,15 +18,16 @@ import copy
 import json
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pluginfer.engine.strict_schema import strict_json_schema
+from pluginfer.core.parsers import ToolCallParser
 from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import bad_request
-from pluginfer.server.tool_parsers import MarkedToolParser, get_tool_parser
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -67,14 +68,15 @@ class ToolCalling:
     mode: Literal["none", "auto", "required", "named"]
     name: str | None = None  # the named function
     parallel: bool = True
-    parser: MarkedToolParser | None = None
+    parser: ToolCallParser | None = None
     special_tokens: list[str] = field(default_factory=list)  # stripped from content when kept for the parser
     strict_schemas: bool = True  # an object without additionalProperties holds only its declared keys
 
     @classmethod
     def from_request(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None,
-                     parser_name: str | None, strict_schemas: bool = True) -> ToolCalling | None:
-        """None when the request has no tools; a 400 naming the field for what cannot be served.
+                     parser: Callable[[], ToolCallParser] | None, strict_schemas: bool = True) -> ToolCalling | None:
+        """None when the request has no tools; a 400 naming the field for what cannot be served. ``parser``: the
+        server's tool_parser plugin factory (``--tool-call-parser``), called for ``tool_choice: auto``;
         ``strict_schemas``: the server's ``strict_tool_schemas``."""
         if not tools:
             if choice is not None and choice != "none" and choice != "auto":
@@ -95,14 +97,14 @@ class ToolCalling:
                                   "tool_choice")
             return cls(tools, "named", choice.function.name, parallel is not False, strict_schemas=strict_schemas)
         mode = choice or "auto"
-        parser = None
+        made = None
         if mode == "auto":
-            if parser_name is None:
+            if parser is None:
                 raise bad_request("tool_choice: auto (the default with tools) needs the server started with "
                                   "--tool-call-parser; required and a named function work without one",
                                   "tool_choice")
-            parser = get_tool_parser(parser_name)
-        return cls(tools, mode, None, parallel is not False, parser, strict_schemas=strict_schemas)
+            made = parser()
+        return cls(tools, mode, None, parallel is not False, made, strict_schemas=strict_schemas)
 
     def template_tools(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools]

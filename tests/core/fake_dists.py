@@ -51,6 +51,7 @@ def forget_modules(site: Path) -> None:
 def plugin_source(specs: str, hook: str = "pluginfer_models") -> str:
     """Source of a plugin module whose ``hook`` returns ``specs`` (a Python list expression)."""
     return (
-        "from pluginfer.core.hookspecs import PLUGIN_API_VERSION, PluginSpec, hookimpl\n\n\n"
+        "from pluginfer.core.hookspecs import (PLUGIN_API_VERSION, BackendSpec, CheckpointFormatSpec, CollectiveSpec,\n"
+        "    EndpointSpec, ModelSpec, QuantSpec, ReasoningParserSpec, RequestProcessorSpec, ToolParserSpec, hookimpl)\n\n\n"
         f"@hookimpl\ndef {hook}():\n    return {specs}\n"
     )

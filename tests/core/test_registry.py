@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from pluginfer.core import registry as registry_module
-from pluginfer.core.hookspecs import PLUGIN_API_VERSION, PluginSpec, hookimpl
+from pluginfer.core.hookspecs import (
+    PLUGIN_API_VERSION,
+    BackendSpec,
+    ModelSpec,
+    PluginSpec,
+    QuantSpec,
+    hookimpl,
+)
 from pluginfer.core.registry import (
     BrokenPluginError,
     DuplicatePluginError,
@@ -21,9 +28,10 @@ from pluginfer.core.registry import (
 )
 from tests.core.fake_dists import forget_modules, make_dist, plugin_source
 
-BUILTINS = ("builtin-models", "builtin-quant", "builtin-backends", "builtin-collectives")
-GOOD_SPECS = """[PluginSpec(
-    kind="model", name="fakellama", factory="fakeplug_good_factory:build",
+BUILTINS = ("builtin-models", "builtin-quant", "builtin-backends", "builtin-collectives", "builtin-parsers",
+            "builtin-formats")
+GOOD_SPECS = """[ModelSpec(
+    name="fakellama", factory="fakeplug_good_factory:build",
     aliases=("fakellama3",), architectures=("FakeLlamaForCausalLM",),
 )]"""
 FACTORY = "def build(hf_config, ctx):\n    return ('built', hf_config)\n"
@@ -64,8 +72,8 @@ def plugin_with(*specs: PluginSpec, hook: str = "pluginfer_models") -> object:
     return type("InProcessPlugin", (), {hook: hookimpl(lambda self: list(specs))})()
 
 
-def model(name: str, factory: str = "nowhere_at_all:build", **kwargs) -> PluginSpec:
-    return PluginSpec(kind="model", name=name, factory=factory, **kwargs)
+def model(name: str, factory: str = "nowhere_at_all:build", **kwargs) -> ModelSpec:
+    return ModelSpec(name=name, factory=factory, **kwargs)
 
 
 def test_third_party_dist_is_discovered_and_resolves(good_dist: Path) -> None:
@@ -146,14 +154,14 @@ def test_hook_that_raises_or_returns_garbage_is_broken() -> None:
 
     registry = Registry()
     registry.register(Raising(), name="raising")
-    wrong_kind = plugin_with(model("fine"), PluginSpec(kind="quant", name="int8", factory="m:f"))
+    wrong_kind = plugin_with(model("fine"), QuantSpec(name="int8", factory="m:f"))
     registry.register(wrong_kind, name="wrongkind")
     registry.register(plugin_with(hook="pluginfer_backends"), name="empty")  # an empty list is fine
     registry.register(type("P", (), {"pluginfer_models": hookimpl(lambda self: model("x"))})(), name="lone")
     assert info_of(registry, "raising").error == "hook pluginfer_models raised RuntimeError: boom"
     assert "return it from pluginfer_quant_methods" in info_of(registry, "wrongkind").error
     assert info_of(registry, "empty").error is None
-    assert "must return a list of PluginSpec" in info_of(registry, "lone").error
+    assert "must return a list of ModelSpec" in info_of(registry, "lone").error
     assert registry.specs("quant") == [] and registry.specs("model") == []
     with pytest.raises(BrokenPluginError, match="plugin wrongkind .*which is broken"):
         registry.resolve("model", "fine")  # its spec is known, but its plugin is broken
@@ -202,7 +210,7 @@ def test_api_version_mismatch_names_the_plugin() -> None:
 def test_allow_list_from_env_excludes_others(good_dist: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make_dist(
         good_dist, "fake-other", "1.0",
-        modules={"fakeplug_other": plugin_source('[PluginSpec(kind="model", name="other", factory="m:f")]')},
+        modules={"fakeplug_other": plugin_source('[ModelSpec(name="other", factory="m:f")]')},
         entry_points={"fakeother": "fakeplug_other"},
     )
     monkeypatch.setenv("PLUGINFER_PLUGINS", "fake_good, nosuchplugin")  # distribution names match normalized
@@ -219,7 +227,7 @@ def test_allow_list_from_env_excludes_others(good_dist: Path, monkeypatch: pytes
 
 
 def test_factory_that_fails_on_import_is_a_broken_plugin_error(site: Path) -> None:
-    specs = '[PluginSpec(kind="model", name="crashy", factory="fakeplug_crashy_factory:build")]'
+    specs = '[ModelSpec(name="crashy", factory="fakeplug_crashy_factory:build")]'
     make_dist(
         site, "fake-crashy", "3.1",
         modules={
@@ -257,8 +265,8 @@ def test_usable_runs_the_check(site: Path) -> None:
     """
     make_dist(site, "fake-checks", modules={"fakeplug_checks": checks})
 
-    def backend(check: str | None) -> PluginSpec:
-        return PluginSpec(kind="backend", name="fakeaccel", factory="m:f", check=check)
+    def backend(check: str | None) -> BackendSpec:
+        return BackendSpec(name="fakeaccel", factory="m:f", check=check)
 
     registry = Registry()
     absent = backend("fakeplug_checks:no_device")
@@ -331,15 +339,14 @@ def test_builtins_load_once_from_their_entry_points_and_match_pyproject() -> Non
 
 def test_listing_shows_hooks_descriptions_and_details(site: Path) -> None:
     make_dist(site, "fake-details", modules={"fakeplug_details": "def report():\n    return 'kernels: 3 loaded'\n"})
-    spec = PluginSpec(kind="backend", name="fakedev", factory="m:f", description="a fake device",
-                      details="fakeplug_details:report")
+    spec = BackendSpec(name="fakedev", factory="m:f", description="a fake device", details="fakeplug_details:report")
     registry = Registry()
     registry.register(plugin_with(spec, hook="pluginfer_backends"), name="dev")
     listing = registry.describe()
     assert "dev (in-process)\n  hooks: pluginfer_backends\n  backend fakedev: a fake device - usable\n" \
            "    kernels: 3 loaded" in listing
     with pytest.raises(ValueError, match="details must be 'module:attr'"):
-        PluginSpec(kind="backend", name="x", factory="m:f", details="nocolon")
+        BackendSpec(name="x", factory="m:f", details="nocolon")
 
 
 def test_gguf_architectures_resolve_to_the_model_plugins_converter(site: Path) -> None:

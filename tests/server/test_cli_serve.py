@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pluginfer.cli import build_parser, main
 from pluginfer.cli.serve import serve_config
+from pluginfer.core.config import build_config
+from pluginfer.core.options import overrides
+from pluginfer.core.registry import UnknownPluginError
 
 
 def test_flags_override_the_config_file(tmp_path):
@@ -12,9 +17,12 @@ def test_flags_override_the_config_file(tmp_path):
     args = build_parser().parse_args([
         "serve", "--config", str(deploy), "--host", "0.0.0.0", "--served-model-name", "m",
         "--api-key", "a", "--api-key", "b", "--reasoning-parser", "qwen3", "--max-num-seqs", "4",
-        "--tool-call-parser", "hermes"])
-    config = serve_config(args)
+        "--tool-call-parser", "hermes", "--endpoint", "a", "--endpoint", "b", "--request-processor", "c"])
+    with pytest.raises(UnknownPluginError, match="no endpoint plugin named 'a'"):
+        serve_config(args)  # the names are checked before anything loads
+    config = build_config(deploy, **overrides(args))
     server = config.server
+    assert (server.endpoints, server.request_processors) == (["a", "b"], ["c"])
     assert (server.host, server.port, server.max_waiting) == ("0.0.0.0", 9000, 7)
     assert server.api_keys == ["a", "b"] and server.served_model_name == "m"
     assert server.reasoning_parser == "qwen3" and config.scheduler.max_num_seqs == 4
@@ -27,6 +35,11 @@ def test_bad_flags_fail_before_the_model_loads(capsys):
     assert main(["serve", "--model", "/no/such/model", "--reasoning-parser", "nope"]) == 2
     assert "deepseek_r1" in capsys.readouterr().err
     assert main(["serve", "--model", "/no/such/model", "--tool-call-parser", "nope"]) == 2
-    assert "llama3_json" in capsys.readouterr().err
+    assert "no tool_parser plugin named 'nope'; available: deepseek_v3, deepseek_v31, hermes, llama3_json" \
+        in capsys.readouterr().err
+    assert main(["serve", "--model", "/no/such/model", "--endpoint", "nope"]) == 2
+    assert "no endpoint plugin named 'nope'" in capsys.readouterr().err
+    assert main(["serve", "--model", "/no/such/model", "--request-processor", "nope"]) == 2
+    assert "no request_processor plugin named 'nope'" in capsys.readouterr().err
     assert main(["serve", "--model", "/no/such/model", "--port", "70000"]) == 2
     assert "server.port" in capsys.readouterr().err

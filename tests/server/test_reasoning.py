@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pluginfer.core.registry import UnknownPluginError
 from pluginfer.server.reasoning import (
+    DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
-    ReasoningParser,
     ReasoningStream,
     get_reasoning_parser,
 )
@@ -20,11 +21,11 @@ from pluginfer.server.reasoning import (
     ("", ("", ""), ("", "")),
 ])
 def test_split_of_a_finished_output(text, deepseek, qwen3):
-    assert ReasoningParser().split(text, final=True) == deepseek
+    assert DeepSeekR1ReasoningParser().split(text, final=True) == deepseek
     assert Qwen3ReasoningParser().split(text, final=True) == qwen3
 
 
-@pytest.mark.parametrize("parser", [ReasoningParser, Qwen3ReasoningParser])
+@pytest.mark.parametrize("parser", [DeepSeekR1ReasoningParser, Qwen3ReasoningParser])
 @pytest.mark.parametrize("text", ["<think>a <b> c</thi</think>\nanswer </think> x", "<thin", "x</think",
                                   "<think></think>", "plain <think> text"])
 def test_streamed_deltas_add_up_at_every_cut(parser, text):
@@ -38,7 +39,7 @@ def test_streamed_deltas_add_up_at_every_cut(parser, text):
         assert (reasoning, content) == expected, step
 
 
-def test_unknown_parser_is_named():
+def test_parsers_resolve_through_the_registry_and_an_unknown_one_lists_them():
     assert get_reasoning_parser("qwen3") is Qwen3ReasoningParser
-    with pytest.raises(ValueError, match="deepseek_r1"):
+    with pytest.raises(UnknownPluginError, match="no reasoning_parser plugin named 'nope'; available: deepseek_r1, qwen3"):
         get_reasoning_parser("nope")

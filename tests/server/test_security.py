@@ -57,22 +57,22 @@ BROKEN_PLUGINS = {
             raise ValueError('boom in the hook')
         """)}, {"brkhook": "brk_hook"}),
     "broken-factory": ({"brk_factory": textwrap.dedent("""
-        from pluginfer.core.hookspecs import PluginSpec, hookimpl
+        from pluginfer.core.hookspecs import BackendSpec, ModelSpec, QuantSpec, hookimpl
 
         @hookimpl
         def pluginfer_models():
-            return [PluginSpec(kind="model", name="brokenmodel", factory="brk_factory_impl:build",
-                               architectures=("BrokenForCausalLM",))]
+            return [ModelSpec(name="brokenmodel", factory="brk_factory_impl:build",
+                              architectures=("BrokenForCausalLM",))]
 
         @hookimpl
         def pluginfer_quant_methods():
-            return [PluginSpec(kind="quant", name="brokenquant", factory="brk_factory_impl:build",
-                               claims="brk_factory_impl:claims")]
+            return [QuantSpec(name="brokenquant", factory="brk_factory_impl:build",
+                              claims="brk_factory_impl:claims")]
 
         @hookimpl
         def pluginfer_backends():
-            return [PluginSpec(kind="backend", name="brokenbackend", factory="brk_factory_impl:build",
-                               check="brk_factory_impl:check", priority=1000)]
+            return [BackendSpec(name="brokenbackend", factory="brk_factory_impl:build",
+                                check="brk_factory_impl:check", priority=1000)]
         """), "brk_factory_impl": "raise ImportError('boom when the factory module is imported')"},
         {"brkfactory": "brk_factory"}),
 }

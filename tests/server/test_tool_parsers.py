@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from pluginfer.server.tool_parsers import TOOL_PARSERS, FunctionCall, get_tool_parser
+from pluginfer.core.registry import UnknownPluginError, get_registry
+from pluginfer.server.tool_parsers import FunctionCall, get_tool_parser
 
 WEATHER = '{"location": "San Francisco, CA, USA", "unit": "celsius"}'
 DATE = '{"location": "San Francisco, CA, USA", "date": "2024-10-01"}'
@@ -76,7 +77,9 @@ def test_mistral_ids_are_nine_alphanumerics_others_are_call_ids():
 
 
 def test_registry_names_and_unknown_parser():
-    assert {"hermes", "qwen", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31"} <= set(TOOL_PARSERS)
-    with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
+    names = {name for spec in get_registry().specs("tool_parser") for name in spec.names}
+    assert {"hermes", "qwen", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31"} <= names
+    with pytest.raises(UnknownPluginError, match="no tool_parser plugin named 'nope'; available: deepseek_v3, "
+                                                 "deepseek_v31, hermes, llama3_json, mistral, qwen"):
         get_tool_parser("nope")
     assert FunctionCall("f", "{}") == FunctionCall("f", "{}")

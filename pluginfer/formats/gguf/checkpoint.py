@@ -29,6 +29,7 @@ import torch
 
 
 def is_gguf_file(path: str | Path) -> bool:
+    """Whether ``path`` is a ``.gguf`` file: the ``claims`` of the built-in ``gguf`` checkpoint format."""
     path = Path(path)
     return path.suffix.lower() == ".gguf" and path.is_file()
 
@@ -146,8 +147,15 @@ class GGUFCheckpoint:
             names[tensor_name] = f"{to_hf[base]}.{suffix}"
         return names
 
-    def iter_weights(self, progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
-        """(Hugging Face name, tensor): plain tensors for float types, ``GGMLTensor`` for block types."""
+    def load_tokenizer(self) -> Any:
+        from pluginfer.text.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.path)
+
+    def iter_weights(self, progress: bool | None = None,
+                     allow_pickle: bool = False) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
+        """(Hugging Face name, tensor): plain tensors for float types, ``GGMLTensor`` for block types (a GGUF
+        file holds no pickles: ``allow_pickle`` changes nothing)."""
         from tqdm import tqdm
 
         names = self.hf_names()

@@ -1,21 +1,21 @@
 """Registration only: cheap to import, never touches torch_gcu (the checks and factories do, when asked)."""
 
-from pluginfer.core.hookspecs import PluginSpec, hookimpl
+from pluginfer.core.hookspecs import BackendSpec, CollectiveSpec, hookimpl
 
 
 @hookimpl
-def pluginfer_backends() -> list[PluginSpec]:
+def pluginfer_backends() -> list[BackendSpec]:
     return [
-        PluginSpec(kind="backend", name="gcu", factory="pluginfer_gcu.backend:build",
-                   check="pluginfer_gcu.device:why_not_usable", priority=15, api_versions=(2, 3),
-                   description="Enflame GCUs through torch_gcu (gcu:local_rank), torch attention"),
+        BackendSpec(name="gcu", factory="pluginfer_gcu.backend:build",
+                    check="pluginfer_gcu.device:why_not_usable", priority=15, api_versions=(4,),
+                    description="Enflame GCUs through torch_gcu (gcu:local_rank), torch attention"),
     ]
 
 
 @hookimpl
-def pluginfer_collectives() -> list[PluginSpec]:
+def pluginfer_collectives() -> list[CollectiveSpec]:
     return [
-        PluginSpec(kind="collective", name="eccl", factory="pluginfer_gcu.collective:build",
-                   check="pluginfer_gcu.collective:why_not_usable", api_versions=(2, 3),
-                   description="Enflame ECCL through torch.distributed (the process group torch_gcu registers)"),
+        CollectiveSpec(name="eccl", factory="pluginfer_gcu.collective:build",
+                       check="pluginfer_gcu.collective:why_not_usable", api_versions=(4,),
+                       description="Enflame ECCL through torch.distributed (the process group torch_gcu registers)"),
     ]
