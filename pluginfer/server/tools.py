@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pluginfer.engine.strict_schema import strict_json_schema
 from pluginfer.core.parsers import ToolCallParser
+from pluginfer.engine.strict_schema import strict_json_schema
 from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import bad_request
 
