@@ -4,7 +4,7 @@
 (which picks the rank's device), the world collective (``parallel.collective``; ``auto`` takes the
 backend's ``default_collective``, or ``mpi`` under mpiexec), a check that every rank runs the same
 config and plugin versions, its ``Worker`` (model shard and KV cache, the block count agreed by all
-ranks). The driver then broadcasts a ``StepInput`` per step; the other ranks run ``launch.run_worker``.
+ranks). The driver then broadcasts a ``StepData`` per step; the other ranks run ``launch.run_worker``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pluginfer.core.protocols import Collective, RankInfo
 from pluginfer.core.registry import Registry, get_registry
 from pluginfer.engine.launch import LocalWorkers, detect_launcher, rank_info
 from pluginfer.engine.loader import open_checkpoint, read_hf_config, resolve_model_path
-from pluginfer.engine.step import StepBuilder, StepInput, StepResult
+from pluginfer.engine.step import StepData, StepDataBuilder, StepResult
 from pluginfer.engine.worker import Worker, build_plugin
 from pluginfer.layers.rotary import rope_parameters
 
@@ -106,8 +106,7 @@ class Executor:
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.expert_memory = self.worker.expert_memory
         self.world: Collective = self.worker.world
-        self._steps = StepBuilder(config.cache.block_size)
-        self._sampled: tuple[list | None, tuple] = (None, ())  # (a step's rows, what they sample), for the next
+        self._steps = StepDataBuilder(config.cache.block_size)
         self._closed = False
         if rank.world_size > 1:
             atexit.register(self.shutdown)  # the other ranks leave with this process
@@ -155,11 +154,13 @@ class Executor:
                     self.failure = self.failure or f"a rank stopped answering: {exc}"
                     return
 
-    def run_step(self, step: Any) -> torch.Tensor:
-        """Send ``step`` to every rank and run it here; the last stage's float32 logits."""
+    def run_step(self, step: StepData) -> torch.Tensor:
+        """Send a step built apart from the engine's to every rank and run it here; the last stage's float32
+        logits. The workers' batch is then that step's: the engine's next step starts it over."""
+        self._steps.forget()
         return self.run(step).logits
 
-    def run(self, step: StepInput) -> StepResult:
+    def run(self, step: StepData) -> StepResult:
         """Send ``step`` to every rank and run it here; the last stage's logits and pooled hidden states."""
         with self._lock:
             if self.failure:
@@ -181,8 +182,12 @@ class Executor:
         """Run one step: float32 logits, one row per sequence that samples, and those sequences;
         then (sequence, first position, logits rows) for prompt chunks whose logprobs were asked for;
         then (sequence, first position, hidden rows) for the chunks of embedding requests."""
-        plan = self._steps.build(scheduled.scheduled, scheduled.block_copies)
-        result = self.run(plan.step)
+        plan = self._steps.build(scheduled)
+        try:
+            result = self.run(plan.data)
+        except BaseException:
+            self._steps.forget()  # the workers may hold part of this step's rows
+            raise
         logits = result.logits
         pooled, at = [], 0
         if plan.pooling_rows:
@@ -190,16 +195,7 @@ class Executor:
             for seq, first, count in plan.pooling_rows:
                 pooled.append((seq, first, hidden[at:at + count]))
                 at += count
-        if scheduled.scheduled is self._sampled[0]:  # the same rows as the last step (a steady decode)
-            rows, seqs, row = self._sampled[1]
-        else:
-            rows, seqs, row = [], [], 0
-            for item in scheduled.scheduled:
-                if item.sample_for:
-                    rows.extend([row] * len(item.sample_for))
-                    seqs.extend(item.sample_for)
-                    row += 1
-            self._sampled = (scheduled.scheduled, (rows, seqs, row))
+        rows, seqs, row = plan.sample_rows, plan.sample_seqs, plan.num_sampled_rows
         prompt_logits, offset = [], row
         for seq, first, count in plan.prompt_logprob_rows:
             prompt_logits.append((seq, first, logits[offset:offset + count]))

@@ -1,7 +1,8 @@
 """Worker: one rank's device backend, model shard (its pipeline stage) and KV cache.
 
-Every rank builds one, the driver's included. A step reaches it as a ``StepInput`` of host
-integers; the worker moves it to its device, lets its backend build the attention metadata, runs
+Every rank builds one, the driver's included. A step reaches it as a ``StepData`` of host
+integers; the worker applies it to its ``InputBatch`` (the rows and block tables it keeps between steps),
+moves the arrays to its device, lets its backend build the attention metadata, runs
 its stage (receiving the previous stage's hidden states and sending its own to the next), and the
 last stage returns float32 logits (handed to the driver when the driver sits in another stage).
 """
@@ -20,8 +21,9 @@ from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.protocols import BuildContext, Collective, DecodeForward, IntermediateTensors, RankInfo
 from pluginfer.core.registry import Registry
+from pluginfer.engine.input_batch import InputBatch
 from pluginfer.engine.loader import iter_weights, resolve_dtype
-from pluginfer.engine.step import StepInput, StepResult
+from pluginfer.engine.step import StepData, StepResult
 from pluginfer.formats.gguf.checkpoint import GGUFCheckpoint
 from pluginfer.layers.context import building
 from pluginfer.layers.moe import expert_memory
@@ -66,8 +68,8 @@ class Worker:
         self.config, self.rank, self.world, self.backend = config, rank, world, backend
         self.max_model_len = max_model_len
         self.decode_graphs = None  # set once the KV cache exists, where the backend captures decode steps
-        self._last_step: StepInput | None = None  # the last step and its batch (see _batch)
-        self._last_batch: ForwardBatch | None = None
+        self.inputs = InputBatch(config.cache.block_size)
+        self._last_batch: ForwardBatch | None = None  # the last step's batch over the inputs' arrays (see _batch)
         # Every rank creates every group (collective semantics), then keeps its own.
         self.tp_group = world.new_group(rank.tp_groups()) if rank.world_size > 1 else world
         self.quant = build_plugin(registry, "quant", quant_name, hf_config.get("quantization_config"))
@@ -160,7 +162,7 @@ class Worker:
         logger.info("rank %d start-up: %s", self.rank.rank,
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_times.items()))
 
-    def execute(self, step: StepInput) -> StepResult | None:
+    def execute(self, step: StepData) -> StepResult | None:
         """Run this rank's part of the step; on the ranks of the last stage (and on the driver) float32
         logits of the sampled rows and the final hidden states of the pooled ones, None elsewhere.
 
@@ -170,17 +172,16 @@ class Worker:
         if step.block_copies:
             with torch.inference_mode():
                 self.backend.copy_blocks(self.kv_caches, step.block_copies)
-        batch = self._batch(step)
-        # (the step's numpy arrays read, not the batch's tensors: a torch call here would be the step's first)
-        if self.decode_graphs is not None and not step.num_hidden_rows and step.logits_indices.shape[0] == \
-                step.seq_lens.shape[0]:
+        batch = self._batch(self.inputs.update(step))
+        if self.decode_graphs is not None and step.is_plain_decode:
             logits = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
             if logits is not None:
                 return StepResult(logits)
         with torch.inference_mode():
-            return self._execute_eagerly(step, batch)
+            return self._execute_eagerly(batch)
 
-    def _execute_eagerly(self, step: StepInput, batch: ForwardBatch) -> StepResult | None:
+    def _execute_eagerly(self, batch: ForwardBatch) -> StepResult | None:
+        num_hidden_rows = self.inputs.num_hidden_rows
         intermediate = None
         if not self.is_first_stage:
             intermediate = self._recv_intermediate(self.rank.stage_rank(self.rank.pp_rank - 1))
@@ -189,13 +190,13 @@ class Worker:
         if not self.is_last_stage:
             self._send_intermediate(out, self.rank.stage_rank(self.rank.pp_rank + 1))
             if self.rank.is_driver:  # the driver samples: the last stage's first rank sends it the results
-                logits = self._recv_rows(step.num_logits - step.num_hidden_rows, self.vocab_size)
-                hidden = self._recv_rows(step.num_hidden_rows, self.hidden_size) if step.num_hidden_rows else None
+                logits = self._recv_rows(self.inputs.num_logits - num_hidden_rows, self.vocab_size)
+                hidden = self._recv_rows(num_hidden_rows, self.hidden_size) if num_hidden_rows else None
                 return StepResult(logits, hidden)
             return None
         hidden = None
-        if step.num_hidden_rows:  # the pooled rows come last; they need no LM head
-            split = out.shape[0] - step.num_hidden_rows
+        if num_hidden_rows:  # the pooled rows come last; they need no LM head
+            split = out.shape[0] - num_hidden_rows
             out, hidden = out[:split], out[split:].float()
         if out.shape[0] == 0:
             logits = out.new_empty(0, self.vocab_size, dtype=torch.float32)
@@ -208,17 +209,16 @@ class Worker:
                 self.world.send(hidden.contiguous(), 0)
         return StepResult(logits, hidden)
 
-    def _batch(self, step: StepInput) -> ForwardBatch:
-        """``step.to_batch``; the driver's ``StepBuilder`` hands the same ``StepInput`` again with its arrays
-        updated in place, and on the CPU the last batch's tensors are those arrays: that batch is reused, with
-        the step's ``max_seq_len`` and no metadata or extras of the last step."""
+    def _batch(self, arrays_reused: bool) -> ForwardBatch:
+        """The inputs as a ``ForwardBatch``. On the CPU a batch's tensors are the inputs' arrays: when the
+        step wrote over the last step's arrays (``InputBatch.update`` says so), the last batch is handed
+        again, with this step's ``max_seq_len`` and no metadata or extras of the last step."""
         batch = self._last_batch
-        if batch is not None and step is self._last_step:
-            batch.max_seq_len, batch.attention, batch.extras = step.max_seq_len, None, {}
+        if arrays_reused and batch is not None:
+            batch.max_seq_len, batch.attention, batch.extras = self.inputs.max_seq_len, None, {}
             return batch
-        batch = step.to_batch(self.backend.device)
-        shares = batch.input_ids.device.type == "cpu" and batch.input_ids.data_ptr() == step.input_ids.ctypes.data
-        self._last_step, self._last_batch = (step, batch) if shares else (None, None)
+        batch = self.inputs.to_batch(self.backend.device)
+        self._last_batch = batch if batch.input_ids.device.type == "cpu" else None
         return batch
 
     def _recv_rows(self, rows: int, width: int) -> torch.Tensor:
