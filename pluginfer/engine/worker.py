@@ -12,19 +12,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.config import EngineConfig
 from pluginfer.core.protocols import BuildContext, Collective, DecodeForward, IntermediateTensors, RankInfo
 from pluginfer.core.registry import Registry
 from pluginfer.engine.input_batch import InputBatch
-from pluginfer.engine.loader import iter_weights, resolve_dtype
+from pluginfer.engine.loader import iter_weights
+from pluginfer.engine.plan import RankPlan, build_plugin
 from pluginfer.engine.step import StepData, StepResult
-from pluginfer.formats.gguf.checkpoint import GGUFCheckpoint
 from pluginfer.layers.context import building
 from pluginfer.layers.moe import expert_memory
 
@@ -34,14 +32,6 @@ T = TypeVar("T")
 # dtypes an intermediate tensor may have, by their code in the header sent before it
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 _HEADER = 64  # int64 slots of the header that describes a stage's intermediate tensors
-
-
-def build_plugin(registry: Registry, kind: str, name: str, *arguments: object) -> Any:
-    spec = registry.resolve(kind, name)
-    usable, reason = registry.usable(spec)
-    if not usable:
-        raise RuntimeError(f"{kind} plugin {spec.name!r} cannot run here: {reason}")
-    return registry.load(kind, spec.name)(*arguments)
 
 
 def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], float] = time.perf_counter) -> Iterator[T]:
@@ -60,24 +50,25 @@ def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], floa
 
 
 class Worker:
-    """One rank of the model: built from the config, the rank and the world collective."""
+    """One rank of the model: built from its plan (every choice the config leaves, already made), the rank,
+    the world collective and the backend."""
 
-    def __init__(self, config: EngineConfig, rank: RankInfo, world: Collective, backend: Any,
-                 registry: Registry, checkpoint: Path | GGUFCheckpoint, hf_config: dict, model_name: str,
-                 quant_name: str, max_model_len: int) -> None:
-        self.config, self.rank, self.world, self.backend = config, rank, world, backend
-        self.max_model_len = max_model_len
+    def __init__(self, plan: RankPlan, rank: RankInfo, world: Collective, backend: Any, registry: Registry) -> None:
+        config, hf_config = plan.config, plan.hf_config
+        self.plan, self.config, self.rank, self.world, self.backend = plan, config, rank, world, backend
+        self.max_model_len = plan.max_model_len
+        self.kv_dtype = plan.kv_cache_dtype
         self.decode_graphs = None  # set once the KV cache exists, where the backend captures decode steps
         self.inputs = InputBatch(config.cache.block_size)
         self._last_batch: ForwardBatch | None = None  # the last step's batch over the inputs' arrays (see _batch)
         # Every rank creates every group (collective semantics), then keeps its own.
         self.tp_group = world.new_group(rank.tp_groups()) if rank.world_size > 1 else world
-        self.quant = build_plugin(registry, "quant", quant_name, hf_config.get("quantization_config"))
-        self.dtype = resolve_dtype(config.dtype, hf_config)
-        ctx = BuildContext(self.backend, self.quant, self.tp_group, self.dtype, max_model_len,
+        self.quant = build_plugin(registry, "quant", plan.quant, hf_config.get("quantization_config"))
+        self.dtype = plan.dtype
+        ctx = BuildContext(self.backend, self.quant, self.tp_group, self.dtype, plan.max_model_len,
                            num_experts_offload_per_rank=config.cache.num_experts_offload_per_rank,
                            max_num_seqs=config.scheduler.max_num_seqs, rank=rank)
-        factory = registry.load("model", model_name)
+        factory = registry.load("model", plan.model)
         # Start-up phases in seconds, logged and read by the server's start-up line: build (the modules), load
         # (reading the checkpoint), repack (copying into the layers, the quant methods' re-layout), cache.
         self.startup_times: dict[str, float] = {}
@@ -88,12 +79,12 @@ class Worker:
         self.expert_memory = expert_memory(self.pipeline)
         offload = config.cache.num_experts_offload_per_rank
         if offload and not self.expert_memory.offloaded_experts:
-            raise ValueError(f"cache.num_experts_offload_per_rank: {offload}, but {model_name} built no "
+            raise ValueError(f"cache.num_experts_offload_per_rank: {offload}, but {plan.model} built no "
                              "mixture-of-experts layer to offload from")
         self.startup_times["build"] = time.perf_counter() - started
         started = time.perf_counter()
         reading = [0.0]  # the checkpoint is read lazily: a layer is repacked as soon as its tensors arrived
-        self.pipeline.load_weights(timed_items(iter_weights(checkpoint, allow_pickle=config.allow_pickle), reading))
+        self.pipeline.load_weights(timed_items(iter_weights(plan.checkpoint, allow_pickle=config.allow_pickle), reading))
         self.startup_times["load"] = reading[0]
         self.startup_times["repack"] = time.perf_counter() - started - reading[0]
         if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:
@@ -107,14 +98,14 @@ class Worker:
         self.vocab_size = int(hf_config["vocab_size"])
         self.hidden_size = int(hf_config.get("hidden_size") or 0)
 
-    def max_num_blocks(self, max_model_len: int) -> int:
+    def max_num_blocks(self) -> int:
         """KV blocks this rank's memory budget holds (the driver takes the smallest over ranks)."""
-        cache = self.config.cache
+        cache, max_model_len = self.config.cache, self.max_model_len
         if cache.num_blocks is not None:
             return cache.num_blocks
         per_block = self.pipeline.kv_cache_spec().bytes_per_token(self.kv_dtype) * cache.block_size
         budget = self.backend.kv_cache_budget_bytes(cache.kv_cache_memory, cache.kv_cache_fraction)
-        blocks_per_seq = -(-max_model_len // cache.block_size)
+        blocks_per_seq = self.plan.max_blocks_per_seq
         max_num_seqs = self.config.scheduler.max_num_seqs
         useful = blocks_per_seq * max_num_seqs  # more could never be used at once
         num_blocks = int(min(budget // per_block, useful))
@@ -132,11 +123,6 @@ class Worker:
                     num_blocks * cache.block_size, num_blocks, cache.block_size, num_blocks * per_block / 2**20, why)
         return num_blocks
 
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        kind = self.config.cache.kv_cache_dtype
-        return self.dtype if kind == "auto" else resolve_dtype(kind, {})
-
     def allocate_kv_cache(self, num_blocks: int) -> None:
         started = time.perf_counter()
         self.kv_caches = self.backend.allocate_kv_cache(self.pipeline.kv_cache_spec(), num_blocks,
@@ -152,7 +138,7 @@ class Worker:
             capture = False
         if capture:
             started = time.perf_counter()
-            max_blocks = -(-self.max_model_len // self.config.cache.block_size)
+            max_blocks = self.plan.max_blocks_per_seq
             with torch.inference_mode():
                 self.decode_graphs = self.backend.capture_decode(
                     DecodeForward(self.pipeline.forward, self.pipeline.compute_logits),
