@@ -39,6 +39,19 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class ExecutedStep:
+    """A step's results on the driver: float32 logits, one row per sequence that samples, and those
+    sequences; (sequence, first position, logits rows) for prompt chunks whose logprobs were asked for;
+    (sequence, first position, hidden rows) for the chunks of embedding requests."""
+
+    logits: torch.Tensor
+    sample_seqs: list[Sequence]
+    prompt_logits: list[tuple]
+    pooled: list[tuple]
+    same_seqs: bool  # the last step's sampling sequences again, in order (a repeated decode step)
+
+
+@dataclass
 class StartedRank:
     worker: Worker
     model_path: Path
@@ -167,10 +180,8 @@ class Executor:
                     raise RuntimeError(f"tensor-parallel ranks lost: {self.failure}") from exc
                 raise
 
-    def execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence], list[tuple], list[tuple]]:
-        """Run one step: float32 logits, one row per sequence that samples, and those sequences;
-        then (sequence, first position, logits rows) for prompt chunks whose logprobs were asked for;
-        then (sequence, first position, hidden rows) for the chunks of embedding requests."""
+    def execute(self, scheduled: SchedulerOutput) -> ExecutedStep:
+        """Run one step on every rank; what its logits and hidden rows mean."""
         plan = self._steps.build(scheduled)
         try:
             result = self.run(plan.data)
@@ -194,7 +205,7 @@ class Executor:
             logits = logits[:row]
         if len(rows) != row:  # n > 1: children sample from their parent's row
             logits = logits[torch.tensor(rows, dtype=torch.long)]
-        return logits, seqs, prompt_logits, pooled
+        return ExecutedStep(logits, seqs, prompt_logits, pooled, plan.repeated)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the other ranks and leave the collective (idempotent)."""
@@ -250,4 +261,4 @@ def model_path(config: EngineConfig) -> Path:
     return resolve_model_path(config.model, config.revision)
 
 
-__all__ = ["Executor", "StartedRank", "detect_launcher", "model_path", "start_rank"]
+__all__ = ["ExecutedStep", "Executor", "StartedRank", "detect_launcher", "model_path", "start_rank"]

@@ -88,6 +88,7 @@ class StepPlan:
     num_sampled_rows: int  # logits rows that are sampled; the prompt logprob rows follow them
     prompt_logprob_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, first position, rows)
     pooling_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, first position, rows)
+    repeated: bool = False  # the last step's rows again: the same sequences sample, in the same order
 
 
 class StepDataBuilder:
@@ -122,7 +123,7 @@ class StepDataBuilder:
         data = StepData(token_ids=[row.seq.last_token_id for row in scheduled],
                         num_computed_tokens=[row.seq.num_computed_tokens for row in scheduled],
                         block_size=self.block_size, same_rows=True)
-        return StepPlan(data, last.sample_rows, last.sample_seqs, last.num_sampled_rows)
+        return StepPlan(data, last.sample_rows, last.sample_seqs, last.num_sampled_rows, repeated=True)
 
     def _compare(self, output: SchedulerOutput) -> StepPlan:
         scheduled = output.scheduled
