@@ -74,9 +74,15 @@ class InputBatch:
         if len(held) != len(seq_ids):  # a held row neither scheduled nor removed: the driver lost count
             stray = sorted(set(held) - set(seq_ids))
             raise RuntimeError(f"step data neither schedules nor removes held sequences {stray}")
-        for seq_id, extra in data.new_block_ids:
-            held[seq_id].extend(extra)
         self.seq_ids, self._blocks, self._blocks_of = list(seq_ids), blocks, held
+        self._grow(data.new_block_ids)
+
+    def _grow(self, new_block_ids: list[tuple[int, list[int]]]) -> None:
+        for seq_id, extra in new_block_ids:
+            blocks = self._blocks_of.get(seq_id)
+            if blocks is None:
+                raise RuntimeError(f"step data gives new blocks to sequence {seq_id}, which this worker does not hold")
+            blocks.extend(extra)
 
     def _tables(self, width: int) -> np.ndarray:
         """The rows' block tables cut (or 0-padded) to ``width`` blocks."""
@@ -131,8 +137,7 @@ class InputBatch:
         if len(computed) != len(self._blocks):
             raise RuntimeError(f"step data repeats the last step's {len(self._blocks)} rows with "
                                f"{len(computed)} rows' positions")
-        for seq_id, extra in data.new_block_ids:
-            self._blocks_of[seq_id].extend(extra)
+        self._grow(data.new_block_ids)
         longest = max(computed) + 1
         block_size = self.block_size
         width = -(-longest // block_size)

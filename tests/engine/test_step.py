@@ -156,6 +156,9 @@ def test_a_step_the_worker_cannot_apply_is_a_clear_error_and_a_reset_starts_over
         batch.update(StepData(token_ids=[4], num_computed_tokens=[3], block_size=BLOCK, seq_ids=[8]))
     with pytest.raises(RuntimeError, match="removes sequence 9"):
         batch.update(StepData(token_ids=[4], num_computed_tokens=[3], block_size=BLOCK, seq_ids=[7], removed_ids=[9]))
+    with pytest.raises(RuntimeError, match="new blocks to sequence 6"):
+        batch.update(StepData(token_ids=[4], num_computed_tokens=[3], block_size=BLOCK, seq_ids=[7],
+                              new_block_ids=[(6, [1])]))
     with pytest.raises(RuntimeError, match="sequence 7 reaches position 4, past the 1 blocks"):
         batch.update(StepData(token_ids=[4, 5], num_computed_tokens=[3], block_size=BLOCK, num_new_tokens=[2],
                               seq_ids=[7]))
