@@ -24,8 +24,10 @@ class InputBatch:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.seq_ids: list[int] = []  # row -> seq id
-        self._blocks: list[list[int]] = []  # row -> every block the row holds (kept as lists: a decode step
-        self._blocks_of: dict[int, list[int]] = {}  # reads one entry per row, cheaper from a list than numpy)
+        # Every block each row holds, by row and by seq id (the same lists); lists, not numpy, since a decode
+        # step reads one entry per row.
+        self._blocks: list[list[int]] = []
+        self._blocks_of: dict[int, list[int]] = {}
         self._plain_decode = False  # the arrays below are a plain decode step's over the rows
         self.input_ids = self.positions = self.slot_mapping = self.seq_lens = self.logits_indices = _EMPTY
         self.query_start_loc = np.zeros(1, np.int64)
