@@ -41,7 +41,7 @@ class StepData:
     num_computed_tokens: list[int]
     block_size: int
     num_new_tokens: list[int] | None = None
-    seq_ids: list[int] = field(default_factory=list)  # the rows in order; empty with same_rows (the last step's)
+    seq_ids: list[int] = field(default_factory=list)  # the rows in order (may be empty with same_rows: the last step's)
     new_rows: list[NewRow] = field(default_factory=list)  # rows the workers do not hold
     new_block_ids: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq id, blocks appended) of held rows
     removed_ids: list[int] = field(default_factory=list)  # held rows that leave the batch
