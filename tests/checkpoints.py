@@ -7,7 +7,6 @@ import random
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -65,18 +64,19 @@ def greedy(max_tokens: int = 32):  # SamplingParams
 
 def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:  # pluginfer.LLM
     """Logits at every prompt position through our runner (the public API only exposes the last)."""
-    from pluginfer.engine.scheduler import ScheduledSequence
     from pluginfer.engine.sequence import Sequence
-    from pluginfer.engine.step import build_step
+    from pluginfer.engine.step import NewRow, StepData
 
     engine = llm.engine
     seq = Sequence("probe", list(prompt), greedy())
     assert engine.block_manager.allocate_prompt(seq) and engine.block_manager.ensure_slots(seq, len(prompt))
     try:
-        plan = build_step([ScheduledSequence(seq, len(prompt) - seq.num_computed_tokens, [seq])],
-                          engine.config.cache.block_size)
-        plan.step.logits_indices = np.arange(plan.step.num_tokens)
-        return engine.executor.run_step(plan.step).cpu()  # on the host, whatever the backend's device
+        start = seq.num_computed_tokens
+        step = StepData(token_ids=list(prompt[start:]), num_computed_tokens=[start],
+                        block_size=engine.config.cache.block_size, num_new_tokens=[len(prompt) - start],
+                        seq_ids=[seq.seq_id], new_rows=[NewRow(seq.seq_id, list(seq.block_table))], reset=True,
+                        sampled_rows=[], extra_rows=[(0, len(prompt) - start)])
+        return engine.executor.run_step(step).cpu()  # on the host, whatever the backend's device
     finally:
         engine.block_manager.free(seq)
 

@@ -206,11 +206,11 @@ class LLMEngine:
                 for row in scheduled.scheduled):
             raise RuntimeError(f"injected fault: the step computes token {self._fail_on_token} "
                                "(testing.fail_step_on_token_id)")
-        logits, seqs, prompt_logits, pooled = self.executor.execute(scheduled)
-        for seq, first, rows in prompt_logits:
+        executed = self.executor.execute(scheduled)
+        for seq, first, rows in executed.prompt_logits:
             record_prompt_logprobs(seq, first, rows)
             touched[seq.request_id] = self._requests[seq.request_id]
-        for seq, first, hidden in pooled:
+        for seq, first, hidden in executed.pooled:
             seq.pooling.add(first, hidden)
         for item in scheduled.scheduled:
             seq = item.seq
@@ -218,8 +218,9 @@ class LLMEngine:
                 seq.pooling.finish()  # the whole prompt is read: the embedding is done
                 seq.finish(FinishReason.STOP)
                 touched[seq.request_id] = self._requests[seq.request_id]
+        seqs = executed.sample_seqs
         if seqs:
-            sampled = self.sampler(logits, seqs)
+            sampled = self.sampler(executed.logits, seqs, same_seqs=executed.same_seqs)
             for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
                 request = self._requests[seq.request_id]
                 touched[seq.request_id] = request

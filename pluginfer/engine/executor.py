@@ -1,10 +1,11 @@
 """Executor: the driver's side of the ranks (rank 0) — starts them, sends each step, returns logits.
 
-``start_rank`` builds one rank in order: its ``RankInfo`` (from the launcher), its device backend
+``start_rank`` builds one rank in order: its ``RankInfo`` (from the launcher), its ``RankPlan`` (every
+choice the config leaves: checkpoint, plugins, dtypes, context; ``plan.resolve_plan``), its device backend
 (which picks the rank's device), the world collective (``parallel.collective``; ``auto`` takes the
 backend's ``default_collective``, or ``mpi`` under mpiexec), a check that every rank runs the same
 config and plugin versions, its ``Worker`` (model shard and KV cache, the block count agreed by all
-ranks). The driver then broadcasts a ``StepInput`` per step; the other ranks run ``launch.run_worker``.
+ranks). The driver then broadcasts a ``StepData`` per step; the other ranks run ``launch.run_worker``.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pluginfer.core.config import EngineConfig
-from pluginfer.core.hookspecs import PluginSpec
 from pluginfer.core.protocols import Collective, RankInfo
 from pluginfer.core.registry import Registry, get_registry
 from pluginfer.engine.launch import LocalWorkers, detect_launcher, rank_info
-from pluginfer.engine.loader import open_checkpoint, read_hf_config, resolve_model_path
-from pluginfer.engine.step import StepBuilder, StepInput, StepResult
-from pluginfer.engine.worker import Worker, build_plugin
-from pluginfer.layers.rotary import rope_parameters
+from pluginfer.engine.loader import resolve_model_path
+from pluginfer.engine.plan import build_plugin, resolve_plan
+from pluginfer.engine.step import StepData, StepDataBuilder, StepResult
+from pluginfer.engine.worker import Worker
 
 if TYPE_CHECKING:
     from pluginfer.engine.scheduler import SchedulerOutput
@@ -37,7 +37,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_CONTEXT = 2048
+
+@dataclass
+class ExecutedStep:
+    """A step's results on the driver: float32 logits, one row per sequence that samples, and those
+    sequences; (sequence, first position, logits rows) for prompt chunks whose logprobs were asked for;
+    (sequence, first position, hidden rows) for the chunks of embedding requests."""
+
+    logits: torch.Tensor
+    sample_seqs: list[Sequence]
+    prompt_logits: list[tuple]
+    pooled: list[tuple]
+    same_seqs: bool  # the last step's sampling sequences again, in order (a repeated decode step)
 
 
 @dataclass
@@ -47,36 +58,27 @@ class StartedRank:
     hf_config: dict
     max_model_len: int
     num_blocks: int
-    startup_times: dict[str, float]  # seconds: config (finding the checkpoint, its metadata), the worker's phases
+    startup_times: dict[str, float]  # seconds: config (the plan: checkpoint, metadata, plugin choice), the worker's phases
 
 
 def start_rank(config: EngineConfig, rank: RankInfo, registry: Registry) -> StartedRank:
-    """Build this rank: backend, world collective, agreement with the other ranks, worker, KV cache."""
-    started = time.perf_counter()
-    path = model_path(config)
-    checkpoint = open_checkpoint(path)  # a GGUF file's metadata parsed once, for the config and the weights
-    hf_config = read_hf_config(checkpoint)
-    config_time = time.perf_counter() - started
-    backend = build_plugin(registry, "backend", _backend_name(config.backend, registry), config, rank)
-    world = _build_collective(config, rank, registry, backend)
+    """Build this rank from its plan: backend, world collective, agreement with the other ranks, worker, KV cache."""
+    plan = resolve_plan(config, rank, registry)  # every choice made before anything is built
+    backend = build_plugin(registry, "backend", plan.backend, config, rank)
+    world = build_plugin(registry, "collective", plan.collective or backend.default_collective, config, rank)
     try:
-        model_name = _model_spec(hf_config, path, registry).name
-        quant_name = _quant_name(config.quant, hf_config, registry)
-        _check_agreement(world, config, registry, rank, [("backend", backend.name), ("model", model_name),
-                                                         ("quant", quant_name)])
-        max_model_len = _max_model_len(config, hf_config)
-        worker = Worker(config, rank, world, backend, registry, checkpoint, hf_config, model_name, quant_name,
-                        max_model_len)
-        num_blocks = min(world.all_gather_object(worker.max_num_blocks(max_model_len)))
+        _check_agreement(world, config, registry, rank, plan.plugins)
+        worker = Worker(plan, rank, world, backend, registry)
+        num_blocks = min(world.all_gather_object(worker.max_num_blocks()))
         worker.allocate_kv_cache(num_blocks)
     except BaseException:
         world.close()
         raise
     logger.info("rank %d/%d (tp %d/%d, pp %d/%d) loaded %s (%s) on %s: %d KV blocks of %d tokens", rank.rank,
-                rank.world_size, rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, path, model_name,
+                rank.world_size, rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, plan.model_path, plan.model,
                 backend.name, num_blocks, config.cache.block_size)
-    return StartedRank(worker, path, hf_config, max_model_len, num_blocks,
-                       {"config": config_time, **worker.startup_times})
+    return StartedRank(worker, plan.model_path, plan.hf_config, plan.max_model_len, num_blocks,
+                       {"config": plan.seconds, **worker.startup_times})
 
 
 class Executor:
@@ -106,8 +108,7 @@ class Executor:
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.expert_memory = self.worker.expert_memory
         self.world: Collective = self.worker.world
-        self._steps = StepBuilder(config.cache.block_size)
-        self._sampled: tuple[list | None, tuple] = (None, ())  # (a step's rows, what they sample), for the next
+        self._steps = StepDataBuilder(config.cache.block_size)
         self._closed = False
         if rank.world_size > 1:
             atexit.register(self.shutdown)  # the other ranks leave with this process
@@ -155,11 +156,13 @@ class Executor:
                     self.failure = self.failure or f"a rank stopped answering: {exc}"
                     return
 
-    def run_step(self, step: Any) -> torch.Tensor:
-        """Send ``step`` to every rank and run it here; the last stage's float32 logits."""
+    def run_step(self, step: StepData) -> torch.Tensor:
+        """Send a step built apart from the engine's to every rank and run it here; the last stage's float32
+        logits. The workers' batch is then that step's: the engine's next step starts it over."""
+        self._steps.forget()
         return self.run(step).logits
 
-    def run(self, step: StepInput) -> StepResult:
+    def run(self, step: StepData) -> StepResult:
         """Send ``step`` to every rank and run it here; the last stage's logits and pooled hidden states."""
         with self._lock:
             if self.failure:
@@ -177,12 +180,14 @@ class Executor:
                     raise RuntimeError(f"tensor-parallel ranks lost: {self.failure}") from exc
                 raise
 
-    def execute(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence], list[tuple], list[tuple]]:
-        """Run one step: float32 logits, one row per sequence that samples, and those sequences;
-        then (sequence, first position, logits rows) for prompt chunks whose logprobs were asked for;
-        then (sequence, first position, hidden rows) for the chunks of embedding requests."""
-        plan = self._steps.build(scheduled.scheduled, scheduled.block_copies)
-        result = self.run(plan.step)
+    def execute(self, scheduled: SchedulerOutput) -> ExecutedStep:
+        """Run one step on every rank; what its logits and hidden rows mean."""
+        plan = self._steps.build(scheduled)
+        try:
+            result = self.run(plan.data)
+        except BaseException:
+            self._steps.forget()  # the workers may hold part of this step's rows
+            raise
         logits = result.logits
         pooled, at = [], 0
         if plan.pooling_rows:
@@ -190,16 +195,7 @@ class Executor:
             for seq, first, count in plan.pooling_rows:
                 pooled.append((seq, first, hidden[at:at + count]))
                 at += count
-        if scheduled.scheduled is self._sampled[0]:  # the same rows as the last step (a steady decode)
-            rows, seqs, row = self._sampled[1]
-        else:
-            rows, seqs, row = [], [], 0
-            for item in scheduled.scheduled:
-                if item.sample_for:
-                    rows.extend([row] * len(item.sample_for))
-                    seqs.extend(item.sample_for)
-                    row += 1
-            self._sampled = (scheduled.scheduled, (rows, seqs, row))
+        rows, seqs, row = plan.sample_rows, plan.sample_seqs, plan.num_sampled_rows
         prompt_logits, offset = [], row
         for seq, first, count in plan.prompt_logprob_rows:
             prompt_logits.append((seq, first, logits[offset:offset + count]))
@@ -209,7 +205,7 @@ class Executor:
             logits = logits[:row]
         if len(rows) != row:  # n > 1: children sample from their parent's row
             logits = logits[torch.tensor(rows, dtype=torch.long)]
-        return logits, seqs, prompt_logits, pooled
+        return ExecutedStep(logits, seqs, prompt_logits, pooled, plan.repeated)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the other ranks and leave the collective (idempotent)."""
@@ -226,23 +222,6 @@ class Executor:
             if self.local_workers is not None:
                 self.local_workers.join(timeout)
             self.world.close()
-
-
-def _backend_name(name: str, registry: Registry) -> str:
-    if name != "auto":
-        return name
-    usable = [spec for spec in registry.specs("backend") if registry.usable(spec)[0]]
-    if not usable:
-        raise RuntimeError("backend auto: no usable device backend plugin (see `pluginfer plugins`)")
-    return max(usable, key=lambda spec: spec.priority).name
-
-
-def _build_collective(config: EngineConfig, rank: RankInfo, registry: Registry, backend: Any) -> Collective:
-    name = config.parallel.collective
-    if name == "auto":  # a collective made for this launcher, else the backend's choice
-        spec = registry.for_launcher("collective", rank.launcher)
-        name = spec.name if spec is not None else backend.default_collective
-    return build_plugin(registry, "collective", name, config, rank)
 
 
 def _check_agreement(world: Collective, config: EngineConfig, registry: Registry, rank: RankInfo,
@@ -277,47 +256,9 @@ def _short(value: object) -> str:
     return text if len(text) < 200 else hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _quant_name(name: str, hf_config: dict, registry: Registry) -> str:
-    if name != "auto":
-        return name
-    quant_config = hf_config.get("quantization_config") or {}
-    claimed = registry.claiming("quant", quant_config)  # e.g. Marlin-format GPTQ; plain weights
-    if claimed is not None:
-        return claimed.name
-    if "quant_method" not in quant_config:
-        raise ValueError("quant auto: no quant plugin serves this checkpoint's weights (quantization_config: "
-                         f"{quant_config or 'none'}); name one with --quant")
-    return quant_config["quant_method"]
-
-
-def _model_spec(hf_config: dict, path: Path, registry: Registry) -> PluginSpec:
-    names = list(hf_config.get("architectures") or [])
-    if hf_config.get("model_type"):
-        names.append(hf_config["model_type"])
-    if not names:
-        raise ValueError(f"{path / 'config.json'} names no architectures and no model_type")
-    return registry.resolve_any("model", names)
-
-
-def _max_model_len(config: EngineConfig, hf_config: dict) -> int:
-    native = int(hf_config.get("max_position_embeddings") or _DEFAULT_CONTEXT)
-    _, scaling = rope_parameters(hf_config)
-    if scaling["rope_type"] in ("linear", "dynamic"):  # as vLLM: these stretch the native context
-        native = int(native * float(scaling.get("factor", 1.0)))
-    elif scaling["rope_type"] == "yarn" and scaling.get("factor"):  # as vLLM: the original context times factor
-        original = hf_config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-        native = max(native, int(int(original or native) * float(scaling["factor"])))
-    if config.max_model_len is None:
-        return native
-    if config.max_model_len > native:
-        raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings ({native})")
-    return config.max_model_len
-
-
 def model_path(config: EngineConfig) -> Path:
     """The checkpoint of ``config.model`` (``LLM`` and the CLI have already made ``demo`` a directory)."""
     return resolve_model_path(config.model, config.revision)
 
 
-__all__ = ["Executor", "StartedRank", "detect_launcher", "model_path", "start_rank"]
+__all__ = ["ExecutedStep", "Executor", "StartedRank", "detect_launcher", "model_path", "start_rank"]

@@ -174,20 +174,20 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
         # None: decided by the logits' device (no host reads but the sampled ids off the CPU; tests set it)
         self.sync_free: bool | None = None
-        # The last list of sequences found all plain greedy: a sequence that is stays so (its params and grammar
-        # are fixed, its outputs only grow past min_tokens), and the executor hands the same list again while
-        # the same rows decode.
-        self._plain_seqs: list[Sequence] | None = None
+        # The last call's sequences were all plain greedy: a sequence that is stays so (its params and grammar
+        # are fixed, its outputs only grow past min_tokens), so a call with the same sequences need not check.
+        self._last_plain = False
         self._greedy_view: tuple[torch.Tensor | None, np.ndarray | None] = (None, None)  # (logits, their numpy view)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """Sample a token for each ``seqs[i]`` from ``logits[i]``. ``seqs`` is not changed after the call (the
-        engine's list of a step's sampled sequences: the same list again means the same sequences)."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], same_seqs: bool = False) -> SamplerOutput:
+        """Sample a token for each ``seqs[i]`` from ``logits[i]``. ``same_seqs``: these are the last call's
+        sequences, in order (the engine says so when a step repeats the last step's rows)."""
         assert logits.shape[0] == len(seqs), (logits.shape, len(seqs))
-        if seqs is self._plain_seqs or all(map(_plain_greedy, seqs)):  # nothing but an argmax to do
-            self._plain_seqs = seqs
+        if (same_seqs and self._last_plain) or all(map(_plain_greedy, seqs)):  # nothing but an argmax to do
+            self._last_plain = True
             token_ids = self._greedy_ids(logits)
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))
+        self._last_plain = False
         logits = logits[:, : self.vocab_size].float()  # models may pad the vocabulary
         params = [seq.params for seq in seqs]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]

@@ -35,6 +35,10 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
     preempted: list[Sequence] = field(default_factory=list)
     rejected: list[Sequence] = field(default_factory=list)  # finished with FinishReason.ERROR
+    step_id: int = 0  # this output's number, counted by schedule()
+    # The step_id of the last output when these are its rows again, each decoding one more token within the
+    # blocks it held (nothing added, removed or moved): the workers then only need each row's token and position.
+    repeats: int | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -78,7 +82,9 @@ class Scheduler:
         self._finished: list[Sequence] = []
         self._block_copies: list[tuple[int, int]] = []
         self.num_preemptions = 0  # since start, for metrics and tests
-        self._decodes: list[ScheduledSequence] | None = None  # the last step's rows when all ran decodes only
+        # The last step's rows when every running sequence ran a decode; None once the running set changed.
+        self._decodes: list[ScheduledSequence] | None = None
+        self._step_id = 0
 
     # -- requests --------------------------------------------------------------------------
 
@@ -116,6 +122,7 @@ class Scheduler:
             seq.finish(reason, error)
         ids = {seq.seq_id for seq in aborted}
         self.running = [seq for seq in self.running if seq.seq_id not in ids]
+        self._decodes = None
         self._finished.extend(aborted)
         return aborted
 
@@ -135,10 +142,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's rows: decodes, then running chunked prefills, then new prefills."""
+        self._step_id += 1
         steady = self._steady_decodes()
         if steady is not None:
             return steady
-        output = SchedulerOutput(block_copies=self._block_copies, rejected=self._rejected)
+        output = SchedulerOutput(block_copies=self._block_copies, rejected=self._rejected, step_id=self._step_id)
         self._block_copies, self._rejected = [], []
         self._finished.extend(output.rejected)
         step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs, output)
@@ -155,21 +163,21 @@ class Scheduler:
 
     def _steady_decodes(self) -> SchedulerOutput | None:
         """The last step's rows again, when it ran every running sequence as a decode and nothing changed
-        since but one more token each: nothing waits, was rejected or awaits a block copy, the running
-        sequences are the same, and each still fits the context and its blocks (no block to take, so nobody
-        to preempt). What the phases would schedule then, without them (the steady state of generation);
-        None: schedule by the phases."""
+        since but one more token each: nothing waits, was rejected or awaits a block copy, no running
+        sequence was added or removed (``_decodes`` is dropped when one is), and each still fits the context
+        and its blocks (no block to take, so nobody to preempt). What the phases would schedule then, without
+        them (the steady state of generation); None: schedule by the phases."""
         rows = self._decodes
-        if rows is None or self.waiting or self._rejected or self._block_copies or len(rows) != len(self.running):
+        if rows is None or self.waiting or self._rejected or self._block_copies:
             return None
         manager = self.block_manager
         block_size, max_len = manager.block_size, min(self.max_model_len, manager.num_blocks * manager.block_size)
-        for row, seq in zip(rows, self.running):
+        for row in rows:
+            seq = row.seq
             length = len(seq)
-            if row.seq is not seq or length - seq.num_computed_tokens != 1 or length > max_len \
-                    or length > len(seq.block_table) * block_size:
+            if length - seq.num_computed_tokens != 1 or length > max_len or length > len(seq.block_table) * block_size:
                 return None
-        return SchedulerOutput(scheduled=rows)
+        return SchedulerOutput(scheduled=rows, step_id=self._step_id, repeats=self._step_id - 1)
 
     def update(self, output: SchedulerOutput) -> list[Sequence]:
         """Account for a finished forward; return the sequences finished since the last call."""
@@ -183,6 +191,7 @@ class Scheduler:
                 self._fork_children(seq, row.sample_for[1:])
         done = [seq for seq in self.running if seq.is_finished]
         if done:
+            self._decodes = None
             self.running = [seq for seq in self.running if not seq.is_finished]
             for seq in done:
                 self._retire(seq)
@@ -312,6 +321,7 @@ class Scheduler:
 
     def _fork_children(self, parent: Sequence, children: list[Sequence]) -> None:
         """After the parent's prompt is computed, give each child a share of its blocks."""
+        self._decodes = None
         self._children.pop(parent.seq_id, None)
         for child in children:
             if child.is_finished:

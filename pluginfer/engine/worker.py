@@ -1,7 +1,8 @@
 """Worker: one rank's device backend, model shard (its pipeline stage) and KV cache.
 
-Every rank builds one, the driver's included. A step reaches it as a ``StepInput`` of host
-integers; the worker moves it to its device, lets its backend build the attention metadata, runs
+Every rank builds one, the driver's included. A step reaches it as a ``StepData`` of host
+integers; the worker applies it to its ``InputBatch`` (the rows and block tables it keeps between steps),
+moves the arrays to its device, lets its backend build the attention metadata, runs
 its stage (receiving the previous stage's hidden states and sending its own to the next), and the
 last stage returns float32 logits (handed to the driver when the driver sits in another stage).
 """
@@ -11,18 +12,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.config import EngineConfig
 from pluginfer.core.protocols import BuildContext, Collective, DecodeForward, IntermediateTensors, RankInfo
 from pluginfer.core.registry import Registry
-from pluginfer.engine.loader import iter_weights, resolve_dtype
-from pluginfer.engine.step import StepInput, StepResult
-from pluginfer.formats.gguf.checkpoint import GGUFCheckpoint
+from pluginfer.engine.input_batch import InputBatch
+from pluginfer.engine.loader import iter_weights
+from pluginfer.engine.plan import RankPlan, build_plugin
+from pluginfer.engine.step import StepData, StepResult
 from pluginfer.layers.context import building
 from pluginfer.layers.moe import expert_memory
 
@@ -32,14 +32,6 @@ T = TypeVar("T")
 # dtypes an intermediate tensor may have, by their code in the header sent before it
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 _HEADER = 64  # int64 slots of the header that describes a stage's intermediate tensors
-
-
-def build_plugin(registry: Registry, kind: str, name: str, *arguments: object) -> Any:
-    spec = registry.resolve(kind, name)
-    usable, reason = registry.usable(spec)
-    if not usable:
-        raise RuntimeError(f"{kind} plugin {spec.name!r} cannot run here: {reason}")
-    return registry.load(kind, spec.name)(*arguments)
 
 
 def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], float] = time.perf_counter) -> Iterator[T]:
@@ -58,24 +50,25 @@ def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], floa
 
 
 class Worker:
-    """One rank of the model: built from the config, the rank and the world collective."""
+    """One rank of the model: built from its plan (every choice the config leaves, already made), the rank,
+    the world collective and the backend."""
 
-    def __init__(self, config: EngineConfig, rank: RankInfo, world: Collective, backend: Any,
-                 registry: Registry, checkpoint: Path | GGUFCheckpoint, hf_config: dict, model_name: str,
-                 quant_name: str, max_model_len: int) -> None:
-        self.config, self.rank, self.world, self.backend = config, rank, world, backend
-        self.max_model_len = max_model_len
+    def __init__(self, plan: RankPlan, rank: RankInfo, world: Collective, backend: Any, registry: Registry) -> None:
+        config, hf_config = plan.config, plan.hf_config
+        self.plan, self.config, self.rank, self.world, self.backend = plan, config, rank, world, backend
+        self.max_model_len = plan.max_model_len
+        self.kv_dtype = plan.kv_cache_dtype
         self.decode_graphs = None  # set once the KV cache exists, where the backend captures decode steps
-        self._last_step: StepInput | None = None  # the last step and its batch (see _batch)
-        self._last_batch: ForwardBatch | None = None
+        self.inputs = InputBatch(config.cache.block_size)
+        self._last_batch: ForwardBatch | None = None  # the last step's batch over the inputs' arrays (see _batch)
         # Every rank creates every group (collective semantics), then keeps its own.
         self.tp_group = world.new_group(rank.tp_groups()) if rank.world_size > 1 else world
-        self.quant = build_plugin(registry, "quant", quant_name, hf_config.get("quantization_config"))
-        self.dtype = resolve_dtype(config.dtype, hf_config)
-        ctx = BuildContext(self.backend, self.quant, self.tp_group, self.dtype, max_model_len,
+        self.quant = build_plugin(registry, "quant", plan.quant, hf_config.get("quantization_config"))
+        self.dtype = plan.dtype
+        ctx = BuildContext(self.backend, self.quant, self.tp_group, self.dtype, plan.max_model_len,
                            num_experts_offload_per_rank=config.cache.num_experts_offload_per_rank,
                            max_num_seqs=config.scheduler.max_num_seqs, rank=rank)
-        factory = registry.load("model", model_name)
+        factory = registry.load("model", plan.model)
         # Start-up phases in seconds, logged and read by the server's start-up line: build (the modules), load
         # (reading the checkpoint), repack (copying into the layers, the quant methods' re-layout), cache.
         self.startup_times: dict[str, float] = {}
@@ -86,12 +79,12 @@ class Worker:
         self.expert_memory = expert_memory(self.pipeline)
         offload = config.cache.num_experts_offload_per_rank
         if offload and not self.expert_memory.offloaded_experts:
-            raise ValueError(f"cache.num_experts_offload_per_rank: {offload}, but {model_name} built no "
+            raise ValueError(f"cache.num_experts_offload_per_rank: {offload}, but {plan.model} built no "
                              "mixture-of-experts layer to offload from")
         self.startup_times["build"] = time.perf_counter() - started
         started = time.perf_counter()
         reading = [0.0]  # the checkpoint is read lazily: a layer is repacked as soon as its tensors arrived
-        self.pipeline.load_weights(timed_items(iter_weights(checkpoint, allow_pickle=config.allow_pickle), reading))
+        self.pipeline.load_weights(timed_items(iter_weights(plan.checkpoint, allow_pickle=config.allow_pickle), reading))
         self.startup_times["load"] = reading[0]
         self.startup_times["repack"] = time.perf_counter() - started - reading[0]
         if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:
@@ -105,14 +98,14 @@ class Worker:
         self.vocab_size = int(hf_config["vocab_size"])
         self.hidden_size = int(hf_config.get("hidden_size") or 0)
 
-    def max_num_blocks(self, max_model_len: int) -> int:
+    def max_num_blocks(self) -> int:
         """KV blocks this rank's memory budget holds (the driver takes the smallest over ranks)."""
-        cache = self.config.cache
+        cache, max_model_len = self.config.cache, self.max_model_len
         if cache.num_blocks is not None:
             return cache.num_blocks
         per_block = self.pipeline.kv_cache_spec().bytes_per_token(self.kv_dtype) * cache.block_size
         budget = self.backend.kv_cache_budget_bytes(cache.kv_cache_memory, cache.kv_cache_fraction)
-        blocks_per_seq = -(-max_model_len // cache.block_size)
+        blocks_per_seq = self.plan.max_blocks_per_seq
         max_num_seqs = self.config.scheduler.max_num_seqs
         useful = blocks_per_seq * max_num_seqs  # more could never be used at once
         num_blocks = int(min(budget // per_block, useful))
@@ -130,11 +123,6 @@ class Worker:
                     num_blocks * cache.block_size, num_blocks, cache.block_size, num_blocks * per_block / 2**20, why)
         return num_blocks
 
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        kind = self.config.cache.kv_cache_dtype
-        return self.dtype if kind == "auto" else resolve_dtype(kind, {})
-
     def allocate_kv_cache(self, num_blocks: int) -> None:
         started = time.perf_counter()
         self.kv_caches = self.backend.allocate_kv_cache(self.pipeline.kv_cache_spec(), num_blocks,
@@ -150,7 +138,7 @@ class Worker:
             capture = False
         if capture:
             started = time.perf_counter()
-            max_blocks = -(-self.max_model_len // self.config.cache.block_size)
+            max_blocks = self.plan.max_blocks_per_seq
             with torch.inference_mode():
                 self.decode_graphs = self.backend.capture_decode(
                     DecodeForward(self.pipeline.forward, self.pipeline.compute_logits),
@@ -160,7 +148,7 @@ class Worker:
         logger.info("rank %d start-up: %s", self.rank.rank,
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.startup_times.items()))
 
-    def execute(self, step: StepInput) -> StepResult | None:
+    def execute(self, step: StepData) -> StepResult | None:
         """Run this rank's part of the step; on the ranks of the last stage (and on the driver) float32
         logits of the sampled rows and the final hidden states of the pooled ones, None elsewhere.
 
@@ -170,17 +158,16 @@ class Worker:
         if step.block_copies:
             with torch.inference_mode():
                 self.backend.copy_blocks(self.kv_caches, step.block_copies)
-        batch = self._batch(step)
-        # (the step's numpy arrays read, not the batch's tensors: a torch call here would be the step's first)
-        if self.decode_graphs is not None and not step.num_hidden_rows and step.logits_indices.shape[0] == \
-                step.seq_lens.shape[0]:
+        batch = self._batch(self.inputs.update(step))
+        if self.decode_graphs is not None and step.is_plain_decode:
             logits = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
             if logits is not None:
                 return StepResult(logits)
         with torch.inference_mode():
-            return self._execute_eagerly(step, batch)
+            return self._execute_eagerly(batch)
 
-    def _execute_eagerly(self, step: StepInput, batch: ForwardBatch) -> StepResult | None:
+    def _execute_eagerly(self, batch: ForwardBatch) -> StepResult | None:
+        num_hidden_rows = self.inputs.num_hidden_rows
         intermediate = None
         if not self.is_first_stage:
             intermediate = self._recv_intermediate(self.rank.stage_rank(self.rank.pp_rank - 1))
@@ -189,13 +176,13 @@ class Worker:
         if not self.is_last_stage:
             self._send_intermediate(out, self.rank.stage_rank(self.rank.pp_rank + 1))
             if self.rank.is_driver:  # the driver samples: the last stage's first rank sends it the results
-                logits = self._recv_rows(step.num_logits - step.num_hidden_rows, self.vocab_size)
-                hidden = self._recv_rows(step.num_hidden_rows, self.hidden_size) if step.num_hidden_rows else None
+                logits = self._recv_rows(self.inputs.num_logits - num_hidden_rows, self.vocab_size)
+                hidden = self._recv_rows(num_hidden_rows, self.hidden_size) if num_hidden_rows else None
                 return StepResult(logits, hidden)
             return None
         hidden = None
-        if step.num_hidden_rows:  # the pooled rows come last; they need no LM head
-            split = out.shape[0] - step.num_hidden_rows
+        if num_hidden_rows:  # the pooled rows come last; they need no LM head
+            split = out.shape[0] - num_hidden_rows
             out, hidden = out[:split], out[split:].float()
         if out.shape[0] == 0:
             logits = out.new_empty(0, self.vocab_size, dtype=torch.float32)
@@ -208,17 +195,16 @@ class Worker:
                 self.world.send(hidden.contiguous(), 0)
         return StepResult(logits, hidden)
 
-    def _batch(self, step: StepInput) -> ForwardBatch:
-        """``step.to_batch``; the driver's ``StepBuilder`` hands the same ``StepInput`` again with its arrays
-        updated in place, and on the CPU the last batch's tensors are those arrays: that batch is reused, with
-        the step's ``max_seq_len`` and no metadata or extras of the last step."""
+    def _batch(self, arrays_reused: bool) -> ForwardBatch:
+        """The inputs as a ``ForwardBatch``. On the CPU a batch's tensors are the inputs' arrays: when the
+        step wrote over the last step's arrays (``InputBatch.update`` says so), the last batch is handed
+        again, with this step's ``max_seq_len`` and no metadata or extras of the last step."""
         batch = self._last_batch
-        if batch is not None and step is self._last_step:
-            batch.max_seq_len, batch.attention, batch.extras = step.max_seq_len, None, {}
+        if arrays_reused and batch is not None:
+            batch.max_seq_len, batch.attention, batch.extras = self.inputs.max_seq_len, None, {}
             return batch
-        batch = step.to_batch(self.backend.device)
-        shares = batch.input_ids.device.type == "cpu" and batch.input_ids.data_ptr() == step.input_ids.ctypes.data
-        self._last_step, self._last_batch = (step, batch) if shares else (None, None)
+        batch = self.inputs.to_batch(self.backend.device)
+        self._last_batch = batch if batch.input_ids.device.type == "cpu" else None
         return batch
 
     def _recv_rows(self, rows: int, width: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from pluginfer import LLM
 from pluginfer.backends import cuda
 from pluginfer.backends import plugin as backends_plugin
 from pluginfer.core.registry import Registry
-from pluginfer.engine.executor import _backend_name
+from pluginfer.engine.plan import _backend_name
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 

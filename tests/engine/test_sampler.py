@@ -324,23 +324,25 @@ def test_a_sync_free_sampler_reads_back_only_the_sampled_ids():
     assert free == Sampler(300, {EOS}, seed=0)(logits.clone(), batch()).token_ids
 
 
-def test_a_list_found_plain_greedy_is_remembered_and_a_new_one_checked() -> None:
-    """The sampler remembers the last list of sequences it found all plain greedy (the engine hands the same
-    list again while the same rows decode): a row masked by min_tokens is sampled with its mask until it has
-    its tokens, then by the plain argmax, the remembered list again by the argmax of the new logits, and a
-    new list with a row that asks for logprobs by the general path."""
+def test_sequences_found_plain_greedy_are_remembered_when_said_the_same_and_others_checked() -> None:
+    """The sampler remembers whether the last call's sequences were all plain greedy, for a call that says it
+    has the same ones (``same_seqs``: the engine's steady decode): a row masked by min_tokens is sampled with
+    its mask until it has its tokens, even when said the same, then by the plain argmax, the same sequences
+    again by the argmax of the new logits, and new sequences with a row that asks for logprobs by the general
+    path."""
     sampler = Sampler(4, {EOS})
     eos_first = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     waiting = seq(temperature=0.0, min_tokens=1)
     seqs = [waiting]
     assert sampler(eos_first, seqs).token_ids == [1]  # EOS masked: fewer outputs than min_tokens
+    assert sampler(eos_first, seqs, same_seqs=True).token_ids == [1]  # not plain last time: still checked
     waiting.output_token_ids.append(1)
-    assert sampler(eos_first, seqs).token_ids == [0]  # now plain greedy
-    assert sampler(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), seqs).token_ids == [3]  # the same list, remembered
+    assert sampler(eos_first, seqs, same_seqs=True).token_ids == [0]  # now plain greedy
+    assert sampler(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), seqs, same_seqs=True).token_ids == [3]  # remembered
     replayed = torch.tensor([[0.0, 1.0, 2.0, 3.0]])  # a replay's output, written over every step
-    assert sampler(replayed, seqs).token_ids == [3]
+    assert sampler(replayed, seqs, same_seqs=True).token_ids == [3]
     replayed[0, 1] = 9.0
-    assert sampler(replayed, seqs).token_ids == [1]  # the kept numpy view sees the new values
+    assert sampler(replayed, seqs, same_seqs=True).token_ids == [1]  # the kept numpy view sees the new values
     padded = torch.tensor([[0.0, 1.0, 2.0, 3.0, 7.0]])  # a padded vocabulary: its extra column is not a token
     assert sampler(padded, seqs).token_ids == [3]
     with_logprobs = [waiting, seq(temperature=0.0, logprobs=1)]

@@ -283,16 +283,16 @@ def _described(scheduler: Scheduler, output: SchedulerOutput) -> tuple:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_steady_decodes_schedule_what_the_phases_schedule(seed: int) -> None:
-    """``schedule()`` hands the last step's rows again while every running sequence only decodes within its
-    blocks (``_steady_decodes``); at every step of a mixed load (requests joining mid-decode, n > 1 forks,
-    block boundaries crossed, a cache small enough to preempt, contexts that fill, an abort) a deep copy
+    """``schedule()`` hands the last step's rows again, saying so (``repeats``: the last output's ``step_id``),
+    while every running sequence only decodes within its blocks (``_steady_decodes``); at every step of a
+    mixed load (requests joining mid-decode, n > 1 forks, block boundaries crossed, a cache small enough to preempt, contexts that fill, an abort) a deep copy
     scheduled by the phases alone gives the same rows, copies, preemptions and state."""
     import copy
 
     rng = random.Random(seed)
     scheduler = make_scheduler(num_blocks=14, budget=24, max_seqs=4, max_model_len=40)
     steady = phases = 0
-    last_rows = None
+    last_id = None
     for index in range(160):
         if index % 9 == 0 and index < 120:
             prompt = [rng.randrange(10, 500) for _ in range(rng.randrange(1, 10))]
@@ -305,11 +305,13 @@ def test_steady_decodes_schedule_what_the_phases_schedule(seed: int) -> None:
         output = scheduler.schedule()
         expected = reference.schedule()
         assert _described(scheduler, output) == _described(reference, expected), index
-        if output.scheduled and output.scheduled is last_rows:
+        assert output.step_id != last_id and expected.repeats is None
+        if output.repeats is not None:
+            assert output.repeats == last_id and output.scheduled
             steady += 1
         else:
             phases += 1
-        last_rows = output.scheduled
+        last_id = output.step_id
         for row in output.scheduled:
             for seq in row.sample_for:
                 seq.output_token_ids.append(1000 + len(seq))

@@ -1,6 +1,7 @@
-"""The steady decode step's shortcuts (``Scheduler._steady_decodes``: the last step's rows again;
-``StepBuilder``: the last step's arrays written over; ``Worker._batch``: the last batch over those arrays) give
-the engine's outputs exactly as the general path does: greedy tokens with logprobs, seeded sampling with
+"""The steady decode step's shortcuts (``Scheduler._steady_decodes``: the last step's rows again, said by
+``repeats``; ``StepDataBuilder``: only each row's token and position sent; ``InputBatch``: the last step's
+arrays written over, and the worker's last batch over them handed again) give the engine's outputs exactly as
+the general path does: greedy tokens with logprobs, seeded sampling with
 n > 1, stop strings, max_tokens, requests joining mid-decode, blocks of 4 tokens crossed every few steps,
 and a cache small enough to preempt."""
 
@@ -8,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from pluginfer.engine import step as step_module
 from pluginfer.engine.engine import LLMEngine
+from pluginfer.engine.input_batch import InputBatch
 from pluginfer.engine.scheduler import Scheduler
 from pluginfer.engine.sequence import SamplingParams
+from pluginfer.engine.step import StepDataBuilder
 from pluginfer.engine.worker import Worker
 from tests.server.conftest import server_config
 
@@ -49,38 +51,45 @@ def _run(checkpoint: object, enforce_eager: bool) -> tuple[dict, int, int]:
 @pytest.mark.parametrize("enforce_eager", [False, True])  # decode steps replayed, or every step eager
 def test_steady_decode_shortcuts_give_the_general_paths_outputs(tiny_llama_checkpoint, monkeypatch,
                                                                 enforce_eager: bool) -> None:
-    steady = {"schedules": 0, "steps": 0, "batches": 0}
-    original_decodes, original_build, original_batch = (Scheduler._steady_decodes, step_module.StepBuilder.build,
-                                                        Worker._batch)
+    steady = {"schedules": 0, "steps": 0, "arrays": 0, "batches": 0}
+    original_schedule, original_repeat, original_update, original_batch = (
+        Scheduler.schedule, StepDataBuilder._repeat, InputBatch.update, Worker._batch)
 
-    def counted_decodes(self: Scheduler) -> object:
-        output = original_decodes(self)
-        steady["schedules"] += output is not None
+    def counted_schedule(self: Scheduler) -> object:
+        output = original_schedule(self)
+        steady["schedules"] += output.repeats is not None
         return output
 
-    def counted_build(self: object, scheduled: list, block_copies: object = None) -> object:
-        last = self._plan
-        plan = original_build(self, scheduled, block_copies)
-        steady["steps"] += plan is last
-        return plan
+    def counted_repeat(self: StepDataBuilder, *arguments: object) -> object:
+        steady["steps"] += 1
+        return original_repeat(self, *arguments)
 
-    def counted_batch(self: Worker, step: object) -> object:
+    def counted_update(self: InputBatch, data: object) -> bool:
+        reused = original_update(self, data)
+        steady["arrays"] += reused
+        return reused
+
+    def counted_batch(self: Worker, arrays_reused: bool) -> object:
         last = self._last_batch
-        batch = original_batch(self, step)
-        steady["batches"] += batch is last
+        batch = original_batch(self, arrays_reused)
+        steady["batches"] += batch is last  # (the test's own count of the reuse the flag asked for)
         return batch
 
+    def rebuilt(self: InputBatch, data: object) -> bool:
+        self._apply_rows(data)
+        self._build_arrays(data)
+        return False
+
     with monkeypatch.context() as patch:  # the shortcuts as they run, counted
-        patch.setattr(Scheduler, "_steady_decodes", counted_decodes)
-        patch.setattr(step_module.StepBuilder, "build", counted_build)
+        patch.setattr(Scheduler, "schedule", counted_schedule)
+        patch.setattr(StepDataBuilder, "_repeat", counted_repeat)
+        patch.setattr(InputBatch, "update", counted_update)
         patch.setattr(Worker, "_batch", counted_batch)
         shortcut, shortcut_preemptions, shortcut_steps = _run(tiny_llama_checkpoint[0], enforce_eager)
-    with monkeypatch.context() as patch:  # the general path only
+    with monkeypatch.context() as patch:  # the general path only: every row compared, every array built anew
         patch.setattr(Scheduler, "_steady_decodes", lambda self: None)
-        patch.setattr(step_module.StepBuilder, "build",
-                      lambda self, scheduled, block_copies=None: step_module.build_step(scheduled, self.block_size,
-                                                                                       block_copies))
-        patch.setattr(Worker, "_batch", lambda self, step: step.to_batch(self.backend.device))
+        patch.setattr(StepDataBuilder, "build", lambda self, output: self._compare(output))
+        patch.setattr(InputBatch, "update", rebuilt)
         general, general_preemptions, general_steps = _run(tiny_llama_checkpoint[0], enforce_eager)
     assert set(shortcut) == set(REQUESTS)
     assert shortcut == general
