@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from pluginfer.core.protocols import KVCacheSpec, ModelPipeline
@@ -176,18 +175,19 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> li
 
 def prefill_logits(llm: Any, prompt: list[int]) -> torch.Tensor:
     """Float32 logits at every prompt position, through the engine's own step (the public API gives the last)."""
-    from pluginfer.engine.scheduler import ScheduledSequence
     from pluginfer.engine.sequence import SamplingParams, Sequence
-    from pluginfer.engine.step import build_step
+    from pluginfer.engine.step import NewRow, StepData
 
     engine = llm.engine
     seq = Sequence("model-contract-probe", list(prompt), SamplingParams(temperature=0.0, max_tokens=1))
     if not (engine.block_manager.allocate_prompt(seq) and engine.block_manager.ensure_slots(seq, len(prompt))):
         raise ValueError(f"the engine has no cache blocks for a prompt of {len(prompt)} tokens: raise num_blocks")
     try:
-        plan = build_step([ScheduledSequence(seq, len(prompt) - seq.num_computed_tokens, [seq])],
-                          engine.config.cache.block_size)
-        plan.step.logits_indices = np.arange(plan.step.num_tokens)
-        return engine.executor.run_step(plan.step).cpu()
+        start = seq.num_computed_tokens
+        step = StepData(token_ids=list(prompt[start:]), num_computed_tokens=[start],
+                        block_size=engine.config.cache.block_size, num_new_tokens=[len(prompt) - start],
+                        seq_ids=[seq.seq_id], new_rows=[NewRow(seq.seq_id, list(seq.block_table))], reset=True,
+                        sampled_rows=[], extra_rows=[(0, len(prompt) - start)])
+        return engine.executor.run_step(step).cpu()
     finally:
         engine.block_manager.free(seq)

@@ -11,7 +11,8 @@ import pytest
 import torch
 import transformers
 
-from pluginfer.core.hookspecs import PluginSpec, hookimpl
+from pluginfer.core.hookspecs import hookimpl
+from pluginfer.core.specs import ModelSpec
 from pluginfer.core.registry import get_registry
 from pluginfer.testing.model_contract import check_model_pipeline
 from tests.conftest import TINY_LLAMA
@@ -46,7 +47,7 @@ def build_with_warm_logits(hf_config: dict, ctx: Any) -> torch.nn.Module:
 @pytest.fixture
 def broken_llama() -> Iterator[None]:
     """An in-process model plugin that overrides the llama architecture, unregistered afterwards."""
-    spec = PluginSpec(kind="model", name="warm-llama", architectures=("LlamaForCausalLM",), overrides=True,
+    spec = ModelSpec(name="warm-llama", architectures=("LlamaForCausalLM",), overrides=True,
                       factory=f"{__name__}:build_with_warm_logits")
     plugin = type("WarmLlamaPlugin", (), {"pluginfer_models": hookimpl(lambda self: [spec])})()
     registry = get_registry()
