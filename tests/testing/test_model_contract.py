@@ -12,8 +12,8 @@ import torch
 import transformers
 
 from pluginfer.core.hookspecs import hookimpl
-from pluginfer.core.specs import ModelSpec
 from pluginfer.core.registry import get_registry
+from pluginfer.core.specs import ModelSpec
 from pluginfer.testing.model_contract import check_model_pipeline
 from tests.conftest import TINY_LLAMA
 from tests.test_example_plugin import GRANITE
