@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from pluginfer.cli import _serves_through_a_core_process
+from pluginfer.core.config import DEFAULT_CORE_SPIN_COUNT
 from pluginfer.engine.async_engine import AsyncEngine
-from pluginfer.engine.engine_core import DEFAULT_CORE_SPIN_COUNT
 from pluginfer.server import core_process
 from pluginfer.server.core_process import CoreProcess, prespawn
 from pluginfer.server.engine_client import EngineClient
