@@ -22,7 +22,10 @@ import time
 import torch
 from gguf import GGMLQuantizationType
 
-from pluginfer.backends import amx_quant, native, native_library, native_quant
+from pluginfer.backends.cpu import amx_quant
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
 
 T = GGMLQuantizationType

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pluginfer.backends import native_build
+from pluginfer.backends.cpu import build as native_build
 
 SOURCE = Path(native_build.__file__).with_name("csrc") / "cpu_kernels.c"
 

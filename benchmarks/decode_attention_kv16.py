@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from pluginfer.backends import native_layer_ops
+from pluginfer.backends.cpu import layer_ops as native_layer_ops
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pluginfer.backends import cpu
+from pluginfer.backends.cpu import backend as cpu
 from pluginfer.layers import dense
 
 

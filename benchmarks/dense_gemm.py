@@ -20,7 +20,9 @@ import time
 
 import torch
 
-from pluginfer.backends import native, native_panels, onednn
+from pluginfer.backends.cpu import onednn
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import panels as native_panels
 
 
 def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> list[tuple[int, int]]:

@@ -30,7 +30,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import quant_gemv  # noqa: E402
 from quant_gemv import interleaved_medians, read_bandwidth  # noqa: E402
 
-from pluginfer.backends import amx_half, native, native_half_linear, native_panels  # noqa: E402
+from pluginfer.backends.cpu import amx_half  # noqa: E402
+from pluginfer.backends.cpu import half_linear as native_half_linear
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import panels as native_panels
 
 # The linears of the 0.5B-shaped benchmark llama (benchmarks/offline_throughput.py): qkv, o, gate_up, down, lm_head.
 SHAPES = ["2048x1024", "1024x1024", "5632x1024", "1024x2816", "32000x1024"]

@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from pluginfer.backends import amx_half, native_half_linear
-from pluginfer.backends.native_replay import _lib
+from pluginfer.backends.cpu import amx_half
+from pluginfer.backends.cpu import half_linear as native_half_linear
+from pluginfer.backends.cpu.replay import _lib
 
 
 def main() -> None:

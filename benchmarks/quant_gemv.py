@@ -26,7 +26,10 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pluginfer.backends import native, native_library, native_panels, native_quant
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import panels as native_panels
+from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
 
 T = GGMLQuantizationType

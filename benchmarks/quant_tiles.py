@@ -29,7 +29,8 @@ from gguf import GGMLQuantizationType
 sys.path.insert(0, str(Path(__file__).parent))
 import quant_gemv  # noqa: E402
 
-from pluginfer.backends import native, native_quant  # noqa: E402
+from pluginfer.backends.cpu import ops as native  # noqa: E402
+from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.quant import ggml_blocks  # noqa: E402
 
 T = GGMLQuantizationType

@@ -39,7 +39,8 @@ def main() -> int:
     counter = load_counter()
     import torch
 
-    from pluginfer.backends import native_build, native_library
+    from pluginfer.backends.cpu import build as native_build
+    from pluginfer.backends.cpu import library as native_library
 
     llm, recorded = recorded_step(args.model, args.batch)  # llm keeps the recording's tensors alive
     if recorded is None:

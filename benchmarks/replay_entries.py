@@ -91,8 +91,8 @@ def main() -> int:
     counter = load_counter()
     import torch
 
-    from pluginfer.backends import native_library
-    from pluginfer.backends.native_replay import REPLAY_OPS
+    from pluginfer.backends.cpu import library as native_library
+    from pluginfer.backends.cpu.replay import REPLAY_OPS
 
     llm, recorded = recorded_step(args.model, args.batch)  # llm keeps the recording's tensors alive
     if recorded is None:

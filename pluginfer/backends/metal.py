@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from pluginfer.backends.cpu import CpuAttentionMetadata, CpuBackend
+from pluginfer.backends.cpu.backend import CpuAttentionMetadata, CpuBackend
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
 

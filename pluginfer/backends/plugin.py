@@ -6,8 +6,8 @@ from pluginfer.core.hookspecs import PluginSpec, hookimpl
 @hookimpl
 def pluginfer_backends() -> list[PluginSpec]:
     return [
-        PluginSpec(kind="backend", name="cpu", factory="pluginfer.backends.cpu:build",
-                   description="torch on the host CPU", details="pluginfer.backends.native:report"),
+        PluginSpec(kind="backend", name="cpu", factory="pluginfer.backends.cpu.backend:build",
+                   description="torch on the host CPU", details="pluginfer.backends.cpu.ops:report"),
         PluginSpec(kind="backend", name="cuda", factory="pluginfer.backends.cuda:build",
                    check="pluginfer.backends.cuda:why_not_usable", priority=20,
                    description="NVIDIA GPUs (cuda:local_rank): Triton kernels, KV cache in device memory"),

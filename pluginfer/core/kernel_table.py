@@ -122,15 +122,21 @@ class KernelTable:
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self._implementations: dict[str, Callable] = {}
+        self._choices: dict[str, Callable[[], Callable | None]] = {}
         self._checked: set[str] = set()
 
     def register(self, name: str, implementation: Callable) -> None:
         """Offer ``implementation`` for op ``name``; its parameters must be named as the reference's.
         Checked now if the op is defined, else at its first lookup (module docstring)."""
+        if name in OPS:
+            check_signature(self.owner, OPS[name], implementation)
         self._implementations[name] = implementation
         self._checked.discard(name)
-        if name in OPS:
-            self._check(name)
+
+    def register_choice(self, name: str, choose: Callable[[], Callable | None]) -> None:
+        """Offer a kernel for op ``name`` picked at each lookup by ``choose()`` (it returns the kernel or None):
+        for a backend whose kernel depends on the machine or on settings read when a layer asks."""
+        self._choices[name] = choose
 
     def _check(self, name: str) -> None:
         if name not in self._checked:
@@ -143,6 +149,10 @@ class KernelTable:
         if name in self._implementations:
             self._check(name)
             return self._implementations[name]
+        chosen = self._choices[name]() if name in self._choices else None
+        if chosen is not None:
+            check_signature(self.owner, OPS[name], chosen)
+            return chosen
         supplied = _SUPPLIED.get((self.owner, name))
         if supplied is not None:
             check_signature(f"kernel supplied for backend {self.owner!r}", OPS[name], supplied)
@@ -160,14 +170,18 @@ class KernelTable:
 
     def check(self) -> None:
         """Check every registered name and signature now (every op's module must be imported first)."""
-        for name in self._implementations:
+        for name in {*self._implementations, *self._choices}:
+            if name in self._choices and name not in OPS:
+                raise KeyError(f"{self.owner}: kernel registered for an undefined op: {unknown_op_message(name)}")
+            if name not in self._implementations:
+                continue
             try:
                 self._check(name)
             except KeyError as exc:
                 raise KeyError(f"{self.owner}: kernel registered for an undefined op: {exc.args[0]}") from None
 
     def __contains__(self, name: object) -> bool:
-        return name in self._implementations
+        return name in self._implementations or name in self._choices
 
     def names(self) -> list[str]:
-        return sorted(self._implementations)
+        return sorted({*self._implementations, *self._choices})

@@ -25,7 +25,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pluginfer.backends import cpu, native, native_layer_ops, native_library, native_panels
+from pluginfer.backends.cpu import backend as cpu
+from pluginfer.backends.cpu import layer_ops as native_layer_ops
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import panels as native_panels
 from tests import native_usage
 from tests.backends.paged import attention_reference, paged_inputs
 
@@ -146,7 +150,7 @@ WATCH = textwrap.dedent("""
     import json, os, sys, threading, time
     import numpy as np
     import torch
-    from pluginfer.backends import native, native_layer_ops, native_library, native_panels
+    from pluginfer.backends.cpu import ops as native, layer_ops as native_layer_ops, library as native_library, panels as native_panels
 
     def tasks():
         return set(os.listdir("/proc/self/task"))

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from pluginfer import LLM
-from pluginfer.backends import native, native_quant
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.quant import int4
 from pluginfer.quant.packing import GroupQuantLinear
 from pluginfer.quant.tiled import replace_weight

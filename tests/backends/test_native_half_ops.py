@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native_layer_ops, native_library
+from pluginfer.backends.cpu import layer_ops as native_layer_ops
+from pluginfer.backends.cpu import library as native_library
 from tests.backends.paged import paged_inputs
 
 DTYPES = [torch.bfloat16, torch.float16]
