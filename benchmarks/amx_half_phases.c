@@ -4,7 +4,7 @@
  * products alone (the A tiles already split, in L1: 4 tdpbf16ps a step and group for float16, 1 for
  * bfloat16). One thread, CPU time (a shared machine), medians over the calls, in microseconds.
  *
- *     gcc -O3 -march=native -fopenmp -std=c11 -I pluginfer/backends/csrc benchmarks/amx_half_phases.c -o /tmp/amx_half_phases
+ *     gcc -O3 -march=native -fopenmp -std=c11 -I pluginfer/backends/cpu/csrc benchmarks/amx_half_phases.c -o /tmp/amx_half_phases
  *     /tmp/amx_half_phases DTYPE OUT IN ROWS     # DTYPE 1 float16, 0 bfloat16
  *     /tmp/amx_half_phases 1 5632 1024 16        # the benchmark llama's gate and up, 16 rows
  *     /tmp/amx_half_phases 1 512 1024 16 cached  # the same weights every call (1 MiB, in L2): no memory reads
@@ -17,7 +17,7 @@
  */
 #define _GNU_SOURCE
 #ifndef AH_SOURCE
-#define AH_SOURCE "../pluginfer/backends/csrc/amx_half.c"
+#define AH_SOURCE "../pluginfer/backends/cpu/csrc/amx_half.c"
 #endif
 #include AH_SOURCE
 

@@ -4,7 +4,7 @@
  * phase is reported as its 10th and 50th percentile over the calls (on a shared machine the low
  * percentiles are the kernel, the high ones the other processes).
  *
- *     gcc -O3 -march=native -fopenmp -std=c11 -I pluginfer/backends/csrc benchmarks/amx_phases.c -o /tmp/amx_phases -lm
+ *     gcc -O3 -march=native -fopenmp -std=c11 -I pluginfer/backends/cpu/csrc benchmarks/amx_phases.c -o /tmp/amx_phases -lm
  *     /tmp/amx_phases TYPE OUT IN ROWS THREADS      # TYPE: GGML type, 2 Q4_0, 8 Q8_0, 12 Q4_K, 14 Q6_K
  *     /tmp/amx_phases 2 1024 2816 16 2              # the 0.5B llama's down projection, 16 rows, 2 threads
  *
@@ -18,7 +18,7 @@
 static unsigned long long aq_stamps[64][8];
 #define AQ_PHASE(thread, phase) (aq_stamps[(thread) & 63][phase] = __rdtsc())
 #ifndef AQ_SOURCE
-#define AQ_SOURCE "../pluginfer/backends/csrc/amx_quant.c"
+#define AQ_SOURCE "../pluginfer/backends/cpu/csrc/amx_quant.c"
 #endif
 #include AQ_SOURCE
 

@@ -1,6 +1,6 @@
 """Paged decode attention (float32), the native kernel of a git revision against the working tree's.
 
-Both sources of ``pluginfer/backends/csrc/cpu_kernels.c`` are compiled here with native_build.py's flags into
+Both sources of ``pluginfer/backends/cpu/csrc/attention.c`` are compiled here with native_build.py's flags into
 two libraries loaded side by side, then called in turn within each run on the same inputs (one thread,
 CPU time of the calling thread, medians). By default the shape of ``benchmarks/vs_llamacpp.py``'s
 0.5B-shaped llama: 16 query heads over 8 KV heads of 64, blocks of 16 positions, and one cache per layer
@@ -22,13 +22,13 @@ import torch
 
 from pluginfer.backends.cpu import build as native_build
 
-SOURCE = Path(native_build.__file__).with_name("csrc") / "cpu_kernels.c"
+SOURCE = Path(native_build.__file__).with_name("csrc") / "attention.c"
 
 
 def build(source_text: str, work: Path, name: str) -> ctypes.CDLL:
     source, target = work / f"{name}.c", work / f"{name}.so"
     source.write_text(source_text)
-    subprocess.run(["cc", *native_build.FLAGS, native_build.OPENMP_FLAG, str(source), "-o", str(target), "-lm"], check=True)
+    subprocess.run(["cc", *native_build.FLAGS, native_build.OPENMP_FLAG, f"-I{SOURCE.parent}", str(source), "-o", str(target), "-lm"], check=True)
     library = ctypes.CDLL(str(target))
     library.paged_decode_attention.restype = ctypes.c_int
     library.paged_decode_attention.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7
@@ -52,8 +52,8 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    repo = SOURCE.parents[3]
-    before_text = subprocess.run(["git", "show", f"{args.before}:pluginfer/backends/csrc/cpu_kernels.c"], cwd=repo,
+    repo = SOURCE.parents[4]
+    before_text = subprocess.run(["git", "show", f"{args.before}:pluginfer/backends/cpu/csrc/attention.c"], cwd=repo,
                                  check=True, capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
         libraries = {"before": build(before_text, Path(tmp), "before"),

@@ -5,7 +5,7 @@
 The step is recorded with this checkout (``cpu_step_replay``, as the engine records it); the same program (its
 entries are op codes and addresses of tensors, no function addresses at batch 1 and at batch 16 without AMX
 tiles) is then run by this checkout's ``step_replay`` and by the one built from ``--before``'s
-``pluginfer/backends/csrc`` (loaded apart, RTLD_LOCAL: each library calls its own kernels). Rounds alternate
+``pluginfer/backends/cpu/csrc`` (loaded apart, RTLD_LOCAL: each library calls its own kernels). Rounds alternate
 library (which one goes first, too) and thread count every ``--steps`` replays, so that both builds meet the same
 noise on a shared machine; reported: the 10th percentile and the median of the per-step wall clock and CPU time
 (the process's, all threads) over the rounds, and the ratio this / before. The forks a step makes (regions run on
@@ -49,7 +49,7 @@ def main() -> int:
     if "quant_matmul_at" in recorded[0].names or "half_linear_at" in recorded[0].names:
         print("the step calls another library's kernel by address: not comparable", file=sys.stderr)
         return 1
-    sources = tuple(args.before / "pluginfer" / "backends" / "csrc" / path.name for path in native_library.SOURCES)
+    sources = tuple(args.before / "pluginfer" / "backends" / "cpu" / "csrc" / path.name for path in native_library.SOURCES)
     before, _, _ = native_build.build_library("cpu_kernels_before", sources)
     libraries = {"before": before, "this": native_library.load()}
     status = ctypes.c_int64(0)

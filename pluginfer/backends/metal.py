@@ -16,6 +16,7 @@ import torch
 
 from pluginfer.backends.cpu.backend import CpuAttentionMetadata, CpuBackend
 from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.kernels import KernelTable
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
 
 
@@ -37,13 +38,16 @@ class MetalBackend:
                  device: torch.device | None = None) -> None:
         self.device = device or torch.device("mps")
         self._torch_path = CpuBackend(config, rank, native_kernels=False)
+        # No kernels of its own: a plugin's enter through kernels.implement("metal", op, fn).
+        self.kernels = KernelTable(self.name)
 
     def capture_decode(self, forward: object, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
         """No replays here (``DeviceBackend.capture_decode``): every step runs eagerly."""
         return None
 
     def op(self, name: str) -> Callable | None:
-        return None  # every layer keeps its torch path
+        """A kernel a plugin supplied for op ``name`` here, else None (the layer keeps its torch path)."""
+        return self.kernels.implementation(name)
 
     def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
         if requested is not None:

@@ -1,7 +1,7 @@
 """Every branch of the cpu backend's C kernels runs, at one thread and at several, on non-finite inputs too,
 and the native path is really the one taken.
 
-- Decode attention (``csrc/cpu_kernels.c``) goes multi-threaded above 2**20 multiply-adds
+- Decode attention (``csrc/attention.c``) goes multi-threaded above 2**20 multiply-adds
   (``total_len * num_heads * (head_dim + v_dim)``); with fewer sequences than threads it splits each
   sequence's KV heads between threads (``splits = ceil(threads / seqs)``, capped at the KV heads). Cases above
   the threshold, at 1, 2 and 4 threads, equal a float64 reference and equal the one-thread result bit for bit
@@ -34,7 +34,7 @@ from tests import native_usage
 from tests.backends.paged import attention_reference, paged_inputs
 
 REPO = Path(__file__).resolve().parents[2]
-THRESHOLD = 1 << 20  # cpu_kernels.c: parallel = total_len * num_heads * (head_dim + v_dim) > (1 << 20)
+THRESHOLD = 1 << 20  # attention.c: parallel = total_len * num_heads * (head_dim + v_dim) > (1 << 20)
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 

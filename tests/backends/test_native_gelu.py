@@ -1,5 +1,5 @@
 """The cpu backend's GELU(tanh)-and-mul kernels (``gelu_tanh_and_mul`` and ``gelu_tanh_and_mul_16`` in
-csrc/cpu_kernels.c, Gemma's activation) against torch's ``F.gelu(gate, approximate="tanh") * up``.
+csrc/activation.c, Gemma's activation) against torch's ``F.gelu(gate, approximate="tanh") * up``.
 
 The kernel computes 0.5 g (1 + tanh(u)) as g / (1 + exp(-2u)) with its own expf (exp512); torch computes
 1 + tanh(u) literally, which keeps only an absolute accuracy of about 2^-24 there (for u below about -2 the

@@ -89,15 +89,15 @@ def test_dequantize_to_bfloat16_rounds_the_float32_values_as_torch_does(qtype: G
 
 @pytest.fixture(scope="module")
 def portable_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """cpu_kernels.c built without AVX-512: the generic bfloat16 dequantization a CPU without it runs (this
+    """dequant.c built without AVX-512: the generic bfloat16 dequantization a CPU without it runs (this
     one takes AVX-512 versions for Q4_0, Q8_0, Q4_K and Q6_K)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PLUGINFER_CACHE", str(tmp_path_factory.mktemp("no_avx512")))
         patch.setattr(native_build, "FLAGS", [*native_build.FLAGS, "-mno-avx512f"])
         try:
-            library, _, _ = native_build.build_library("cpu_kernels_no_avx512", (native_library.SOURCES[0],))
+            library, _, _ = native_build.build_library("dequant_no_avx512", (native_library.SOURCES[0].with_name("dequant.c"),))
         except native_build.NativeKernelsUnavailable as exc:
-            pytest.skip(f"cannot build cpu_kernels.c without AVX-512 here: {exc}")
+            pytest.skip(f"cannot build dequant.c without AVX-512 here: {exc}")
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.ggml_dequantize_rows_bf16.argtypes = [ctypes.c_int, pointer, i64, i64, i64, pointer]
     return library

@@ -1,5 +1,5 @@
 """The cpu backend's RMSNorm, SiLU-and-mul, rotary and decode attention kernels on float16 and bfloat16
-tensors (``*_16`` in csrc/cpu_kernels.c): values widened to float32 as they are loaded, float32 arithmetic,
+tensors (``*_16`` in csrc/attention.c, norm.c, activation.c, rotary.c): values widened to float32 as they are loaded, float32 arithmetic,
 results rounded to nearest even.
 
 - rotary: equal bit for bit to the float32 rotation of the widened values, rounded once;
