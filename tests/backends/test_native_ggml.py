@@ -154,7 +154,7 @@ def test_out_buffer_and_declined_types() -> None:
         native_quant.ggml_dequantize(raw, T.Q4_K, 256, torch.empty(6 * 256), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="writes float32 or bfloat16, not torch.float16"):
         native_quant.ggml_dequantize(raw, T.Q4_K, 256, dtype=torch.float16)
-    assert native.OPS["ggml_dequantize"] is native_quant.ggml_dequantize
+    assert native.NATIVE["ggml_dequantize"] is native_quant.ggml_dequantize
 
 
 def finite_raw(qtype: GGMLQuantizationType, rows: int, cols: int) -> torch.Tensor:
@@ -231,7 +231,7 @@ def test_q4_k_llama_logits_with_and_without_the_native_dequantization(
 
     # The same native backend without this one op: identical logits (the tiles are the same bits).
     with monkeypatch.context() as patch:
-        patch.delitem(native.OPS, "ggml_dequantize")
+        patch.delitem(native.NATIVE, "ggml_dequantize")
         without_op, kernels = q4_k_logits(k_llama, prompt)
     assert kernels == {None}
     assert torch.equal(logits, without_op)
