@@ -23,9 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.kernel_table import OPS, KernelOp, KernelTable, define_op, implement, lookup, withdraw
 
-__all__ = ["OPS", "KernelOp", "KernelTable", "define_op", "implement", "lookup", "withdraw"]
+# The table's public calls, re-exported: ``kernels.define_op(fn)``, ``kernels.implement(...)``, ``kernels.OPS``.
+from pluginfer.core.kernel_table import OPS as OPS
+from pluginfer.core.kernel_table import KernelOp as KernelOp
+from pluginfer.core.kernel_table import KernelTable as KernelTable
+from pluginfer.core.kernel_table import define_op as define_op
+from pluginfer.core.kernel_table import implement as implement
+from pluginfer.core.kernel_table import lookup as lookup
+from pluginfer.core.kernel_table import withdraw as withdraw
 
 
 # -- norms and activations --------------------------------------------------------------------------

@@ -1,15 +1,13 @@
 """Every op the cpu backend implements, registered in its kernel table: the one place to look.
 
-Each op name below maps to the Python wrapper that calls its C kernel; the wrapper's module docstring names
-the C file (``layer_ops.py``: ``csrc/attention.c``, ``norm.c``, ``activation.c``, ``rotary.c``;
-``quant.py``: ``csrc/dequant.c`` and ``quant_dot.c``; ``half_linear.py``: ``half_linear.c``; ``panels.py``:
-``panel_linear.c``; the AMX tiles: ``amx_quant.c``, ``amx_half.c``). The dense layouts (``dense.py``) are
-registered always; the native kernels only where the library loads, and chosen at each lookup
-(``KernelTable.register_choice``): a kernel depends on this CPU and on settings read when a layer asks
-(``PLUGINFER_QUANT_TILES``, ``PLUGINFER_QUANT_ACTIVATIONS``), and tests switch a backend's native kernels off
-after building it. The table checks each name against the op a module defined: the core's
-(``core/kernels.py``), a quant format's (``quant/ggml_ops.py``, ``packing.py``, ``int4.py``), or the two this
-backend defines itself below (its panel GEMM, which its dense layouts use).
+:data:`NATIVE` maps each op name to the Python wrapper that calls its C kernel, and names the C file in
+``csrc/`` beside it (one file per op family: attention, norm, activation, rotary, dequant, ...). The dense
+layouts (``dense.py``) are registered always; the native kernels only where the library loads, and chosen
+at each lookup (``KernelTable.register_choice``): a kernel depends on this CPU and on settings read when a
+layer asks (``PLUGINFER_QUANT_TILES``, ``PLUGINFER_QUANT_ACTIVATIONS``), and tests switch a backend's native
+kernels off after building it. The table checks each name against the op a module defined: the core's
+(``core/kernels.py``), a quant format's (``quant/ggml_ops.py``, ``packing.py``, ``int4.py``), or the two
+this backend defines itself below (its panel GEMM, which its dense layouts use).
 
 The library is C compiled on first use with the system compiler (``build.py``) and loaded through ctypes
 (``library.py``); step recording is ``replay.py``. When no library can be had (or ``PLUGINFER_NATIVE=0``)
@@ -113,10 +111,18 @@ def op(name: str) -> Callable | None:
     return quant.GGMLDequantize(kernel, quant_matmul, dtype)
 
 
-# op name -> its native wrapper (op() then picks the variant for this CPU and the settings)
-NATIVE = {"rms_norm": layer_ops.rms_norm, "silu_and_mul": layer_ops.silu_and_mul,
-          "gelu_and_mul": layer_ops.gelu_and_mul,
-          "rotary_neox": layer_ops.rotary_neox, "ggml_dequantize": quant.ggml_dequantize,
-          "grouped_dequantize": quant.grouped_dequantize, "int4_dequantize": quant.int4_dequantize,
-          "pack_panels": panels.pack_panels, "panel_linear": panels.panel_linear,
-          "ggml_quant_matmul": quant.ggml_quant_matmul, "half_linear": half_linear.half_linear}
+# op name -> its native wrapper (op() then picks the variant for this CPU and the settings), and its C file in csrc/
+NATIVE = {
+    "rms_norm": layer_ops.rms_norm,  # norm.c
+    "silu_and_mul": layer_ops.silu_and_mul,  # activation.c
+    "gelu_and_mul": layer_ops.gelu_and_mul,  # activation.c
+    "rotary_neox": layer_ops.rotary_neox,  # rotary.c
+    "ggml_dequantize": quant.ggml_dequantize,  # dequant.c
+    "grouped_dequantize": quant.grouped_dequantize,  # dequant.c
+    "int4_dequantize": quant.int4_dequantize,  # dequant.c
+    "ggml_quant_matmul": quant.ggml_quant_matmul,  # quant_dot.c, amx_quant.c
+    "half_linear": half_linear.half_linear,  # half_linear.c, amx_half.c
+    "pack_panels": panels.pack_panels,  # panel_linear.c
+    "panel_linear": panels.panel_linear,  # panel_linear.c
+}
+# paged_decode_attention (attention.c) is called by the backend's own paged_attention (backend.py), not looked up.
