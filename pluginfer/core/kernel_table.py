@@ -144,41 +144,34 @@ class KernelTable:
             check_signature(self.owner, op, self._implementations[name])
             self._checked.add(name)
 
-    def _own_or_supplied(self, name: str) -> Callable | None:
-        lookup(name)
+    def implementation(self, name: str) -> Callable | None:
+        """The backend's own kernel for op ``name`` (registered, or chosen now), else one a plugin supplied for
+        this backend (:func:`implement`), else None. KeyError for a name no module defined."""
+        op = lookup(name)
         if name in self._implementations:
             self._check(name)
             return self._implementations[name]
         chosen = self._choices[name]() if name in self._choices else None
         if chosen is not None:
-            check_signature(self.owner, OPS[name], chosen)
+            check_signature(self.owner, op, chosen)
             return chosen
         supplied = _SUPPLIED.get((self.owner, name))
         if supplied is not None:
-            check_signature(f"kernel supplied for backend {self.owner!r}", OPS[name], supplied)
+            check_signature(f"kernel supplied for backend {self.owner!r}", op, supplied)
         return supplied
-
-    def implementation(self, name: str) -> Callable | None:
-        """The backend's own kernel for op ``name``, else one a plugin supplied for this backend
-        (:func:`implement`), else None. KeyError for a name no module defined."""
-        return self._own_or_supplied(name)
 
     def get(self, name: str) -> Callable:
         """The backend's kernel for ``name``, else the reference."""
-        kernel = self._own_or_supplied(name)
+        kernel = self.implementation(name)
         return kernel if kernel is not None else OPS[name].reference
 
     def check(self) -> None:
         """Check every registered name and signature now (every op's module must be imported first)."""
-        for name in {*self._implementations, *self._choices}:
-            if name in self._choices and name not in OPS:
+        for name in sorted({*self._implementations, *self._choices}):
+            if name not in OPS:
                 raise KeyError(f"{self.owner}: kernel registered for an undefined op: {unknown_op_message(name)}")
-            if name not in self._implementations:
-                continue
-            try:
+            if name in self._implementations:
                 self._check(name)
-            except KeyError as exc:
-                raise KeyError(f"{self.owner}: kernel registered for an undefined op: {exc.args[0]}") from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._implementations or name in self._choices
