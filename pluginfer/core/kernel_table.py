@@ -10,7 +10,7 @@ docstring are the contract, its body the oracle every device kernel is tested ag
   error; the same function again (a module imported twice) is not.
 - **Implementing an op.** A backend keeps a :class:`KernelTable` and registers its kernels into it
   (:meth:`KernelTable.register`). A plugin can also supply a kernel for its own op on a backend that has
-  never heard of it: :func:`implement` (``kernels.implement("cpu", "my_op", fn)``), which every table of
+  never heard of it: :func:`implement` (``kernels.implement(backend_name, "my_op", fn)``), which every table of
   that backend consults after its own registrations.
 - **When the names are checked.** A backend may register a kernel for an op whose defining module is
   not imported yet (the cpu backend implements GGML dequantization, which the gguf plugin defines; a

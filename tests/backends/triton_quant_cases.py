@@ -72,15 +72,14 @@ def case_ggml(dtype: str, qtype_name: str, rows: int = 5, outputs: int = 72, col
     from gguf import GGMLQuantizationType
 
     from pluginfer.backends.triton_kernels import ggml_k_matmul, ggml_matmul
-    from pluginfer.core import kernels
-    from pluginfer.quant import ggml_blocks, ggml_quantize
+    from pluginfer.quant import ggml_blocks, ggml_ops, ggml_quantize
 
     randn, _ = tensors(12)
     qtype = GGMLQuantizationType[qtype_name.upper()]
     raw = ggml_quantize.quantize(randn(outputs, cols), qtype)
     x = randn(rows, cols, dtype=getattr(torch, dtype))
     name = f"ggml_{qtype_name}_matmul"
-    expected = getattr(kernels, name)(x, raw, cols, None)
+    expected = getattr(ggml_ops, name)(x, raw, cols, None)
     ours = getattr(ggml_k_matmul if qtype_name.endswith("_k") else ggml_matmul, name)(x, raw, cols, None)
     report = compare_truncated(ours, expected, 1e-2) if dtype == "bfloat16" else compare(ours, expected, dtype)
     layer_path = (x.float() @ ggml_blocks.dequantize(raw, qtype, cols, x.dtype).float().t()).to(x.dtype)
