@@ -39,7 +39,8 @@ import vs_llamacpp  # noqa: E402
 from offline_throughput import build_checkpoint  # noqa: E402
 from vs_llamacpp import LlamaCpp, write_files  # noqa: E402
 
-from pluginfer.backends import amx_half, native_half_linear  # noqa: E402
+from pluginfer.backends.cpu import amx_half  # noqa: E402
+from pluginfer.backends.cpu import half_linear as native_half_linear
 
 
 class Ours(vs_llamacpp.Ours):

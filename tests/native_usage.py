@@ -58,7 +58,8 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    from pluginfer.backends import native_library, onednn
+    from pluginfer.backends.cpu import library as native_library
+    from pluginfer.backends.cpu import onednn
 
     unwrapped = native_library.load.__wrapped__
     counted_names = [name for functions, _ in FAMILIES.values() for name in functions]
@@ -91,7 +92,7 @@ def ran(family: str) -> int:
 
 
 def cpu_flags() -> frozenset[str]:
-    from pluginfer.backends import native_build
+    from pluginfer.backends.cpu import build as native_build
 
     return native_build.cpu_features()
 
@@ -115,7 +116,7 @@ def missing_flags(family: str) -> list[str]:
 
 
 def onednn_available() -> bool:
-    from pluginfer.backends import onednn
+    from pluginfer.backends.cpu import onednn
 
     return onednn.available()
 
@@ -205,14 +206,14 @@ def required(reason: str) -> str | None:
 @functools.cache
 def _load_failure() -> str | None:
     """Why the native library does not load (asked once: a failing build is not retried per test)."""
-    from pluginfer.backends import native
+    from pluginfer.backends.cpu import ops as native
 
     return native.available()
 
 
 def summary_lines() -> list[str]:
     """The terminal summary: the library, then each family and whether it ran."""
-    from pluginfer.backends import native_library
+    from pluginfer.backends.cpu import library as native_library
 
     lines = []
     if "info" in native_library._loaded:

@@ -117,7 +117,9 @@ def test_backend_attention_on_the_cpu_equals_the_reference() -> None:
     tables, seq_lens, query_lens = [[3, 1], [7, 2, 9], [0, 4, 5, 6]], [6, 9, 14], [1, 1, 6]
     query = torch.randn(8, 4, 16, generator=generator)
     key, value = torch.randn(8, 2, 16, generator=generator), torch.randn(8, 2, 16, generator=generator)
-    from pluginfer.backends.cpu import CpuBackend  # the test's oracle; the plugin itself never imports it
+    from pluginfer.backends.cpu.backend import (
+        CpuBackend,  # the test's oracle; the plugin itself never imports it
+    )
 
     reference = CpuBackend(native_kernels=False)
     expected = reference.paged_attention(query, key, value, (key_cache.clone(), value_cache.clone()),

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = Path("plugins") / "pluginfer-example-granite"
-C_SOURCES = sorted(p.name for p in (ROOT / "pluginfer" / "backends" / "csrc").iterdir() if p.suffix in (".c", ".h"))
+C_SOURCES = sorted(p.name for p in (ROOT / "pluginfer" / "backends" / "cpu" / "csrc").iterdir() if p.suffix in (".c", ".h"))
 WEB_FILES = sorted(p.name for p in (ROOT / "pluginfer" / "server" / "web").iterdir())  # the chat page at /
 # What a build must not see of the working tree: the same as .gitignore.
 UNTRACKED = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".venv", ".pytest_cache",
@@ -37,7 +37,7 @@ UNTRACKED = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pyc
 # native kernels load (compiled from the installed sources into $PLUGINFER_CACHE).
 PROBE = """
 import importlib.metadata, importlib.util, json, pluginfer
-from pluginfer.backends import native, native_library
+from pluginfer.backends.cpu import ops as native, library as native_library
 dists = [d for d in importlib.metadata.distributions() if (d.metadata["Name"] or "").lower().startswith("pluginfer")]
 granite = importlib.util.find_spec("pluginfer_granite")
 print(json.dumps({
@@ -51,7 +51,7 @@ print(json.dumps({
 # Without a compiler: the cpu backend still builds, and says once how to get the kernels.
 NO_COMPILER = """
 import logging
-from pluginfer.backends import cpu
+from pluginfer.backends.cpu import backend as cpu
 logging.basicConfig(level=logging.WARNING)
 assert not cpu.build().native_kernels and not cpu.build().native_kernels
 """
@@ -150,14 +150,14 @@ def _artifacts(dist: Path, kind: str) -> list[Path]:
 
 def test_the_wheel_and_the_sdist_carry_the_c_sources(built: tuple[Path, Path]) -> None:
     dist, _ = built
-    assert C_SOURCES, "pluginfer/backends/csrc has no C sources"
+    assert C_SOURCES, "pluginfer/backends/cpu/csrc has no C sources"
     (wheel, _), (sdist, _) = _artifacts(dist, "wheel"), _artifacts(dist, "sdist")
     in_wheel = zipfile.ZipFile(wheel).namelist()
     with tarfile.open(sdist) as archive:
         in_sdist = archive.getnames()
     for name in C_SOURCES:
-        assert f"pluginfer/backends/csrc/{name}" in in_wheel
-        assert any(n.endswith(f"/pluginfer/backends/csrc/{name}") for n in in_sdist), name
+        assert f"pluginfer/backends/cpu/csrc/{name}" in in_wheel
+        assert any(n.endswith(f"/pluginfer/backends/cpu/csrc/{name}") for n in in_sdist), name
     assert "pluginfer/demo/corpus.txt" in in_wheel
     assert {"index.html", "chat.js", "chat.css", "markdown.js"} <= set(WEB_FILES), WEB_FILES
     for name in WEB_FILES:
@@ -168,7 +168,7 @@ def test_the_wheel_and_the_sdist_carry_the_c_sources(built: tuple[Path, Path]) -
 @pytest.mark.parametrize("kind", ["wheel", "sdist"])
 def test_installed_package_works_without_the_checkout(built: tuple[Path, Path], kind: str,
                                                       tmp_path: Path) -> None:
-    from pluginfer.backends import native
+    from pluginfer.backends.cpu import ops as native
 
     dist, dependencies = built
     env = Env(tmp_path / kind, dependencies)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pluginfer.backends.cpu import CpuAttentionMetadata, CpuBackend
+from pluginfer.backends.cpu.backend import CpuAttentionMetadata, CpuBackend
 from pluginfer.core.backend_base import BaseDeviceBackend
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import RankInfo

@@ -6,8 +6,8 @@ from pluginfer.core.hookspecs import BackendSpec, hookimpl
 @hookimpl
 def pluginfer_backends() -> list[BackendSpec]:
     return [
-        BackendSpec(name="cpu", factory="pluginfer.backends.cpu:build",
-                    description="torch on the host CPU", details="pluginfer.backends.native:report"),
+        BackendSpec(name="cpu", factory="pluginfer.backends.cpu.backend:build",
+                    description="torch on the host CPU", details="pluginfer.backends.cpu.ops:report"),
         BackendSpec(name="cuda", factory="pluginfer.backends.cuda:build",
                     check="pluginfer.backends.cuda:why_not_usable", priority=20,
                     description="NVIDIA GPUs (cuda:local_rank): Triton kernels, KV cache in device memory"),

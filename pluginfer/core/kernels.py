@@ -1,11 +1,13 @@
-"""The typed table of device kernels: each op's name, signature and plain torch reference.
+"""The core's kernel ops (norms, activations, rotary, paged attention, MoE, dense linears) and the open
+table's public calls (``core/kernel_table.py``: :func:`define_op`, :func:`implement`, :class:`KernelTable`).
 
-The reference functions below (and the quantized matmuls' in ``core/quant_kernels.py``) *are* the
-table: an op is named by its reference function, its signature and docstring are the contract, and its
-body is the oracle every device kernel is tested against. A backend keeps a :class:`KernelTable` and registers its implementations into it (the cuda
-backend its Triton kernels); a lookup of an op the backend did not implement falls back to the
-reference. ``DeviceBackend.op(name)`` hands layers and quant methods the backend's implementation
-(or None: they keep their own torch path, which equals the reference).
+Each reference function below is defined as an op with ``define_op``, the call a plugin uses for its own
+ops (a quant format defines its matmul in its module, ``quant/ggml_ops.py`` for instance): the function's
+name is the op's, its signature and docstring the contract, its body the oracle every device kernel is
+tested against. A backend keeps a :class:`KernelTable` and registers its implementations into it (the cpu
+backend in ``backends/cpu/ops.py``, the cuda backend its Triton kernels); a lookup of an op the backend did
+not implement falls back to the reference. ``DeviceBackend.op(name)`` hands layers and quant methods the
+backend's implementation (or None: they keep their own torch path, which equals the reference).
 
 Conventions shared by every op: tensors live on one device; an implementation may return None
 (False for the in-place rotary ops) for inputs it does not handle, and the caller then runs its
@@ -15,23 +17,21 @@ of the key cache's first features (multi-head latent attention), which every op 
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.quant_kernels import (
-    ggml_q4_0_matmul,
-    ggml_q4_k_matmul,
-    ggml_q6_k_matmul,
-    ggml_q8_0_matmul,
-    grouped_matmul,
-    int8_matmul,
-    marlin_matmul,
-)
+
+# The table's public calls, re-exported: ``kernels.define_op(fn)``, ``kernels.implement(...)``, ``kernels.OPS``.
+from pluginfer.core.kernel_table import OPS as OPS
+from pluginfer.core.kernel_table import KernelOp as KernelOp
+from pluginfer.core.kernel_table import KernelTable as KernelTable
+from pluginfer.core.kernel_table import define_op as define_op
+from pluginfer.core.kernel_table import implement as implement
+from pluginfer.core.kernel_table import lookup as lookup
+from pluginfer.core.kernel_table import withdraw as withdraw
 
 
 # -- norms and activations --------------------------------------------------------------------------
@@ -231,67 +231,22 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
-# -- the table --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class KernelOp:
-    """One op of the table: its name, its reference (whose signature and docstring are the contract)."""
-
-    name: str
-    reference: Callable
-
-    @property
-    def parameters(self) -> tuple[str, ...]:
-        return tuple(inspect.signature(self.reference).parameters)
-
-    @property
-    def doc(self) -> str:
-        return inspect.getdoc(self.reference) or ""
+def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ W^T + bias`` for a bfloat16/float16 weight ``[out, in]`` (the checkpoint's layout) and ``x
+    [..., in]`` of its dtype, or float32 ``x`` (a GGUF file's F16/BF16 tensor in a float32 model): products
+    exact in float32, summed in float32, the result rounded once to ``x``'s dtype. None from a kernel: rows,
+    dtypes or layouts it does not take (the caller runs ``F.linear``)."""
+    out = x.float() @ weight.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
 
 
-OPS: dict[str, KernelOp] = {fn.__name__: KernelOp(fn.__name__, fn) for fn in (
-    rms_norm, silu_and_mul, gelu_and_mul, rotary_neox, rotary_interleaved, write_kv,
-    paged_decode_attention, paged_prefill_attention, fused_moe, dense_layout, dense_pack, dense_linear, marlin_matmul,
-    grouped_matmul, int8_matmul, ggml_q8_0_matmul, ggml_q4_0_matmul, ggml_q4_k_matmul, ggml_q6_k_matmul,
-)}
-
-
-class KernelTable:
-    """One backend's implementations of the ops in :data:`OPS`; what it lacks, the reference does."""
-
-    def __init__(self, owner: str) -> None:
-        self.owner = owner
-        self._implementations: dict[str, Callable] = {}
-
-    def register(self, name: str, implementation: Callable) -> None:
-        """Offer ``implementation`` for op ``name``; its parameters must be named as the reference's."""
-        op = OPS.get(name)
-        if op is None:
-            raise KeyError(f"{self.owner}: no kernel op named {name!r}; the ops are {', '.join(sorted(OPS))}")
-        try:
-            parameters = tuple(inspect.signature(implementation).parameters)
-        except (TypeError, ValueError):  # a builtin without a signature: trust it
-            parameters = op.parameters
-        if parameters != op.parameters:
-            raise TypeError(f"{self.owner}: kernel for {name!r} takes ({', '.join(parameters)}); "
-                            f"the op's signature is ({', '.join(op.parameters)})")
-        self._implementations[name] = implementation
-
-    def implementation(self, name: str) -> Callable | None:
-        """The backend's own kernel for ``name``, or None."""
-        return self._implementations.get(name)
-
-    def get(self, name: str) -> Callable:
-        """The backend's kernel for ``name``, else the reference."""
-        if name not in OPS:
-            raise KeyError(f"no kernel op named {name!r}; the ops are {', '.join(sorted(OPS))}")
-        return self._implementations.get(name, OPS[name].reference)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._implementations
-
-    def names(self) -> list[str]:
-        return sorted(self._implementations)
-
+# -- the built-in ops: defined through the same call a plugin uses ------------------------------------
+for _reference in (rms_norm, silu_and_mul, gelu_and_mul, rotary_neox, rotary_interleaved, write_kv,
+                   paged_decode_attention, paged_prefill_attention, fused_moe, dense_layout, dense_pack,
+                   dense_linear, half_linear):
+    define_op(_reference)
 
 
 # -- a backend's paged attention through its table ---------------------------------------------------

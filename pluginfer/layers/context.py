@@ -26,8 +26,9 @@ def backend_op(backend: object, name: str) -> Callable | None:
     return backend.op(name)
 
 
-def quant_kernel(op_name: str, quant_format: str) -> Callable | None:
-    """The current backend's kernel for a quant format's matmul (an op of ``core/kernels.py``), or None.
+def quant_kernel(op_name: str | None, quant_format: str) -> Callable | None:
+    """The current backend's kernel for a quant format's matmul (an op the format's module defined), or None;
+    ``op_name`` None: the format has no such op (a GGML type no device kernel reads).
 
     A backend whose quantized weights run only through its own kernels (``quant_kernels_required``: the cuda
     backend) and that has none for this format makes that a build-time error naming both, instead of a
@@ -36,9 +37,10 @@ def quant_kernel(op_name: str, quant_format: str) -> Callable | None:
     if not has_context():
         return None
     backend = current_context().backend
-    kernel = backend.op(op_name)
+    kernel = backend.op(op_name) if op_name is not None else None
     if kernel is None and backend.quant_kernels_required:
-        raise ValueError(f"backend {backend.name!r} has no kernel for quant format {quant_format!r} (op {op_name}); "
+        raise ValueError(f"backend {backend.name!r} has no kernel for quant format {quant_format!r} "
+                         f"(op {op_name or 'none defined'}); "
                          "choose another --quant, or another --backend")
     return kernel
 

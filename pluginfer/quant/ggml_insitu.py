@@ -19,6 +19,7 @@ from torch import nn
 from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context, quant_kernel
 from pluginfer.quant import ggml_blocks, ggml_quantize
+from pluginfer.quant.ggml_ops import MATMUL_OPS
 from pluginfer.quant.sharding import UNSPLIT, check_input_split
 from pluginfer.quant.tiled import InSituQuantMethod, replace_weight
 
@@ -40,7 +41,7 @@ class GGMLInSituLinear(InSituQuantMethod):
         # The backend's native tile dequantization, if it has one (None: the torch path).
         layer.ggml_dequantize = backend_op(current_context().backend, "ggml_dequantize") if has_context() else None
         # A device kernel reading the blocks (the cuda backend's Q8_0 and Q4_0), if the backend has one.
-        layer.ggml_matmul = quant_kernel(f"ggml_{self.name}_matmul", self.name)
+        layer.ggml_matmul = quant_kernel(MATMUL_OPS.get(self.qtype), self.name)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if "weight" not in layer._parameters:

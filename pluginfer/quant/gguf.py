@@ -44,6 +44,7 @@ from pluginfer.quant.ggml_blocks import (
     ggml_linear,
     row_bytes,
 )
+from pluginfer.quant.ggml_ops import MATMUL_OPS
 from pluginfer.quant.sharding import UNSPLIT, column_split, row_split, split_error
 from pluginfer.quant.tiled import tiled_linear
 
@@ -128,11 +129,12 @@ class GGUFLinear:
         backend = getattr(layer, "gguf_backend", None)
         if backend is None or qtype in layer.gguf_matmuls:
             return
-        op_name = f"ggml_{qtype.name.lower()}_matmul"
-        kernel = backend.op(op_name)
+        op_name = MATMUL_OPS.get(qtype)
+        kernel = backend.op(op_name) if op_name is not None else None
         if kernel is None and backend.quant_kernels_required:
             raise ValueError(f"{name}: backend {backend.name!r} has no kernel for quant format 'gguf' {qtype.name} "
-                             f"(op {op_name}); choose another --backend, or a file of other types")
+                             f"(op {op_name or 'none defined for this type'}); choose another --backend, or a file "
+                             "of other types")
         layer.gguf_matmuls[qtype] = kernel
 
     @staticmethod

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pluginfer.core.kernels import define_op
 from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context, quant_kernel
 from pluginfer.quant.sharding import UNSPLIT, check_input_split
@@ -59,6 +60,29 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return dense.reshape(rows, groups * GROUP_SIZE).to(dtype)
 
 
+@define_op
+def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Rows of this method's layout (``qweight`` uint8 ``[rows, in / 2]``, low nibble first; float16 ``scales``
+    and ``zeros`` ``[rows, groups]``) as float32 ``[rows, in]``, ``q * scale + zero`` (into ``out`` when given:
+    a contiguous float32 or bfloat16 tensor of at least that many elements, whose dtype the result takes).
+    None from a kernel: dtypes, strides or shapes it does not take (the caller runs :func:`dequantize_int4`)."""
+    dense = dequantize_int4(qweight, scales, zeros)
+    if out is None:
+        return dense
+    return out.view(-1)[:dense.numel()].view(dense.shape).copy_(dense)
+
+
+@define_op
+def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for ``W = dequantize_int4(qweight, scales, zeros)`` rounded to ``x``'s dtype,
+    products summed in float32. No backend implements it yet: one that runs quantized weights only through its
+    own kernels (``quant_kernels_required``) refuses int4."""
+    out = (x.float() @ dequantize_int4(qweight, scales, zeros, x.dtype).float().t()).to(x.dtype)
+    return out if bias is None else out + bias
+
+
 class Int4Linear(InSituQuantMethod):
     name = "int4"
 
@@ -70,7 +94,7 @@ class Int4Linear(InSituQuantMethod):
         super().create_weights(layer, input_size, output_size, dtype, shard)
         # The backend's native tile dequantization, if it has one (None: the torch path).
         layer.int4_dequantize = backend_op(current_context().backend, "int4_dequantize") if has_context() else None
-        quant_kernel("int4_matmul", self.name)  # no device kernel exists: a backend that needs one refuses int4
+        quant_kernel("int4_matmul", self.name)  # no backend has one: a backend that needs one refuses int4
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if "weight" not in layer._parameters:

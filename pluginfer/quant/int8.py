@@ -16,6 +16,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from pluginfer.core.kernels import define_op
 from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import quant_kernel
 from pluginfer.quant.sharding import UNSPLIT, row_split
@@ -37,6 +38,17 @@ def quantize_int8(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tu
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+@define_op
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for per-output-row int8 (W8A16, this method's layout): ``qweight`` int8 ``[n, k]``,
+    ``weight_scale`` float32 ``[n]``. The int8 products are summed in float32 and rounded to ``x``'s dtype,
+    then scaled (in float32) and rounded again, as the layer's torch path."""
+    out = (x.float() @ qweight.float().t()).to(x.dtype)
+    out = (out * weight_scale).to(x.dtype)
+    return out if bias is None else out + bias
 
 
 def _load_row_split(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from pluginfer.core.kernels import define_op
+
 TILE = 16  # the tile is 16 input rows x 16 output columns
 CHUNK_COLUMNS = 64  # the weight permutation acts on runs of four tiles: 64 output columns
 INTERLEAVE_4BIT = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -205,3 +207,40 @@ def matmul_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
 def is_marlin_checkpoint(quantization_config: dict) -> bool:
     """GPTQ tensors already in Marlin tiles (``checkpoint_format: marlin``, or AutoGPTQ's ``is_marlin_format``)."""
     return quantization_config.get("checkpoint_format") == "marlin" or bool(quantization_config.get("is_marlin_format"))
+
+
+@define_op
+def marlin_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
+                  zeros: torch.Tensor | None, bias: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    """``x @ W (+ bias)`` for a 4-bit weight in the Marlin layout (the layout above); ``x`` ``[..., k]``.
+
+    ``packed``: int32 ``[k / 16, 2n]``; ``scales``: permuted ``[groups, n]``; ``zeros``: AWQ zero points
+    ``[groups, n / 8]`` in the Marlin order, None for symmetric (zero 8); ``positions``: int32 ``[1024]``,
+    where the code of tile row ``r``, run column ``c`` sits in its run (``marlin_layout.position_table``).
+    Each weight is dequantized in float32, rounded to ``x``'s dtype, and products summed in float32.
+    """
+    size_k, size_n = packed.shape[0] * 16, packed.shape[1] // 2
+    grouped = group_size != -1 and group_size < size_k
+    k = torch.arange(size_k, device=x.device)[:, None]
+    n = torch.arange(size_n, device=x.device)[None, :]
+    run, column = n // 64, n % 64
+    position = positions.long()[(k % 16) * 64 + column]
+    word = packed.long()[k // 16, run * 128 + position // 8]
+    code = (word >> ((position % 8) * 4)) & 0xF
+    if grouped:
+        scale_column = run * 64 + 8 * (column % 8) + column // 8
+    else:
+        c32 = n % 32
+        scale_column = (n // 32) * 32 + 8 * ((c32 % 8) // 2) + 2 * (c32 // 8) + c32 % 2
+    group = k // (group_size if grouped else size_k)
+    scale = scales.float()[group, scale_column]
+    zero = 8
+    if zeros is not None:
+        p = 8 * (column % 8) + column // 8
+        slot = run * 64 + (p // 8) * 8 + (p % 2) * 4 + (p % 8) // 2
+        zero = (zeros.long()[group, slot // 8] >> ((slot % 8) * 4)) & 0xF
+    weight = ((code - zero).float() * scale).to(x.dtype)
+    out = (x.reshape(-1, size_k).float() @ weight.float()).to(x.dtype)
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], size_n)

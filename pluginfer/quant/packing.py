@@ -16,6 +16,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from pluginfer.core.kernels import define_op
 from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import backend_op, current_context, has_context, quant_kernel
 from pluginfer.quant.sharding import column_split, row_split, split_error
@@ -77,6 +78,47 @@ def dequantize_grouped(weights: torch.Tensor, zeros: torch.Tensor, scales: torch
     """
     g = g_idx.long()
     return ((weights - zeros[g]).float() * scales[g].float()).to(dtype).t()
+
+
+@define_op
+def grouped_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                       bits: int, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Output columns ``start:stop`` (multiples of the pack) of the layout above as float32 ``[in, stop - start]``
+    (into ``out`` when given, a contiguous float32 or bfloat16 tensor of at least that many elements, whose
+    dtype the result takes): ``(q - zero) * scale`` in float32, where it is exact, rounded once. None from a
+    kernel: bits, dtypes or strides it does not take (the caller runs its torch path)."""
+    pack = 32 // bits
+    weights = unpack_int32(qweight[:, start:stop], bits, dim=0)  # [in, rows]
+    zeros = unpack_int32(qzeros[:, start // pack:stop // pack], bits, dim=1)
+    groups = (g_idx.long() if g_idx is not None
+              else torch.arange(weights.shape[0]) // (weights.shape[0] // scales.shape[0]))
+    dense = (weights - zeros[groups]).float() * scales[:, start:stop].float()[groups]
+    if out is None:
+        return dense
+    return out.view(-1)[:dense.numel()].view(dense.shape).copy_(dense)
+
+
+@define_op
+def grouped_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   g_idx: torch.Tensor | None, bits: int, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for GPTQ's packing (AWQ repacked into it): ``x`` ``[..., k]``, ``bits`` 4 or 8.
+
+    ``qweight`` int32 ``[k * bits / 32, n]`` (packed along the inputs, lowest bits first); ``qzeros`` int32
+    ``[groups, n * bits / 32]`` (the real zero points, packed along the outputs); ``scales`` ``[groups, n]``;
+    ``g_idx`` int32 ``[k]``: each input's group (act-order), None for ``k // group_size``.
+    ``W[o, i] = (q[i, o] - zero[g, o]) * scale[g, o]`` in float32, rounded to ``x``'s dtype, products
+    summed in float32.
+    """
+    mask = (1 << bits) - 1
+    shifts = torch.arange(0, 32, bits, device=x.device, dtype=torch.int32)
+    codes = ((qweight[:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, qweight.shape[1])  # [k, n]
+    zeros = ((qzeros[:, :, None] >> shifts[None, None, :]) & mask).reshape(qzeros.shape[0], -1)[:, :scales.shape[1]]
+    groups = g_idx.long() if g_idx is not None else torch.arange(codes.shape[0], device=x.device) // group_size
+    weight = ((codes - zeros[groups]).float() * scales.float()[groups]).to(x.dtype)  # [k, n]
+    out = (x.reshape(-1, codes.shape[0]).float() @ weight.float()).to(x.dtype)
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], -1)
 
 
 def _load_in_checkpoint_dtype(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,

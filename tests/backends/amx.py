@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from pluginfer.backends import amx_library, native, native_build
+from pluginfer.backends.cpu import amx_library
+from pluginfer.backends.cpu import build as native_build
+from pluginfer.backends.cpu import ops as native
 
 
 def require_amx(library: Callable[[], object], features: set[str], extension: str, otherwise: str, what: str) -> None:
@@ -23,4 +25,4 @@ def require_amx(library: Callable[[], object], features: set[str], extension: st
         pytest.skip("PLUGINFER_AMX=0 turns the AMX kernels off")
     if library() is None:
         pytest.fail(f"{what} did not load on a CPU with {extension} (the compiler, or Linux refused the tile "
-                    "state): the log line of pluginfer.backends.native_library says which")
+                    "state): the log line of pluginfer.backends.cpu.library says which")

@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from pluginfer.backends import native, native_library
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import ops as native
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from pluginfer.backends import amx_half, amx_library, native_build
+from pluginfer.backends.cpu import amx_half, amx_library
+from pluginfer.backends.cpu import build as native_build
 
 
 def test_the_switch_comes_first(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,7 +51,7 @@ def test_load_once_logs_once_and_caches(monkeypatch: pytest.MonkeyPatch, caplog:
     monkeypatch.setenv(amx_library.ENV, "0")
     cache: list = []
     message = "test_load_once: no tiles ({why}) " + str(id(cache))
-    with caplog.at_level(logging.INFO, logger="pluginfer.backends.native_library"):
+    with caplog.at_level(logging.INFO, logger="pluginfer.backends.cpu.library"):
         for _ in range(2):
             assert amx_library.load_once(cache, message, "ready", "amx_half", amx_half.SOURCES, frozenset(), "X",
                                          []) is None

@@ -21,7 +21,9 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pluginfer import LLM
-from pluginfer.backends import native, native_library, native_quant
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.quant import ggml_blocks, int4
 from pluginfer.quant.tiled import replace_weight
 from tests.backends.test_native_grouped import random_int4, random_layer

@@ -11,8 +11,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pluginfer.backends import cpu, native, native_layer_ops, native_library
-from pluginfer.backends.cpu import CpuBackend
+from pluginfer.backends.cpu import backend as cpu
+from pluginfer.backends.cpu import layer_ops as native_layer_ops
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu.backend import CpuBackend
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import KVCacheSpec
 from tests.backends.paged import paged_batch

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pluginfer.backends.cpu import CpuBackend
+from pluginfer.backends.cpu.backend import CpuBackend
 from pluginfer.core.protocols import KVCacheSpec
 from tests.backends import test_cpu_attention as dense
 from tests.backends.paged import paged_batch

@@ -15,9 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, native_layer_ops, native_quant, native_replay
-from pluginfer.backends.cpu import CpuBackend
-from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
+from pluginfer.backends.cpu import layer_ops as native_layer_ops
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import quant as native_quant
+from pluginfer.backends.cpu import replay as native_replay
+from pluginfer.backends.cpu.backend import CpuBackend
+from pluginfer.backends.cpu.step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(native.available() is not None, reason="the native kernels did not load")
@@ -182,7 +185,7 @@ def test_an_untranslated_torch_op_keeps_that_size_eager(caplog: pytest.LogCaptur
         return torch.sin(batch.positions.float())
 
     replay = CpuDecodeReplay(forward, max_num_seqs=4, max_blocks_per_seq=2, block_size=4)
-    with caplog.at_level(logging.DEBUG, logger="pluginfer.backends.cpu_step_replay"):
+    with caplog.at_level(logging.DEBUG, logger="pluginfer.backends.cpu.step_replay"):
         first = replay(decode_batch([1, 2], [3, 4], [0, 1]))  # the recording run is the eager step itself
     assert torch.equal(first, torch.sin(torch.tensor([3.0, 4.0])))
     assert replay.programs == {2: None}
@@ -194,7 +197,7 @@ def test_recordings_past_the_memory_budget_stay_eager(caplog: pytest.LogCaptureF
     replay = CpuDecodeReplay(StandIn(), max_num_seqs=4, max_blocks_per_seq=8, block_size=4, memory_budget=5000)
     replay(decode_batch([1, 2], [4, 9], [0, 5]))  # a step of 2 rows allocates ~1.9 KiB, one of 4 ~3.9 KiB
     assert replay.programs[2] is not None and 0 < replay.held_bytes < 5000
-    with caplog.at_level(logging.DEBUG, logger="pluginfer.backends.cpu_step_replay"):
+    with caplog.at_level(logging.DEBUG, logger="pluginfer.backends.cpu.step_replay"):
         replay(decode_batch([1, 2, 3, 4], [4, 9, 30, 31], [0, 5, 9, 12]))
         replay(decode_batch([1, 2, 3, 4], [5, 10, 31, 32], [1, 6, 10, 13]))
     assert replay.programs[4] is None and "past the 0 MiB the recordings may hold" in caplog.text

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from pluginfer import LLM, SamplingParams
-from pluginfer.backends import native, native_half_linear
-from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
+from pluginfer.backends.cpu import half_linear as native_half_linear
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu.step_replay import CpuDecodeReplay
 from tests.checkpoints import random_prompts, save_hf_model
 from tests.models.family_cases_gemma_phi import CASES as GEMMA_PHI_CASES
 
@@ -192,7 +193,7 @@ def test_gguf_f16_decode_in_a_16_bit_model_equals_eager(dtype: str) -> None:
 def test_batches_on_amx_tiles_are_replayed_through_the_kernels_address(checkpoints: dict[str, Path]) -> None:
     """From amx_quant.MIN_ROWS rows the fused matmul runs on AMX tiles, a kernel of another library: the
     program calls it through its address (``quant_matmul_at``); batches of 8 down to 1 all replay."""
-    from pluginfer.backends import amx_quant
+    from pluginfer.backends.cpu import amx_quant
 
     if not amx_quant.takes(2, 8):
         pytest.skip("no AMX int8 tiles here (or PLUGINFER_AMX=0)")
@@ -209,7 +210,7 @@ def test_float32_batches_against_f16_weights_on_amx_tiles_are_replayed_through_t
     AMX bfloat16 tiles with x split in two (``amx_half_weight_linear``, another library): the program calls it
     through its address (``half_linear_at``), half_weight_linear below; batches of 16 down to 1 replay and
     equal --enforce-eager."""
-    from pluginfer.backends import amx_half
+    from pluginfer.backends.cpu import amx_half
 
     if not amx_half.takes_float_x(torch.float16, 16):
         pytest.skip("no AMX bfloat16 tiles here (or PLUGINFER_AMX=0)")
@@ -228,7 +229,7 @@ def test_16_bit_batches_on_amx_tiles_are_replayed_through_the_kernels_address(
     """From amx_half.MIN_ROWS rows a 16-bit linear runs on AMX bfloat16 tiles (csrc/amx_half.c, a library of
     its own; float16 split in two): the program calls it through its address (``half_linear_at``); batches
     of 8 down to 1 all replay, and equal --enforce-eager."""
-    from pluginfer.backends import amx_half
+    from pluginfer.backends.cpu import amx_half
 
     if not amx_half.takes(dtype, 8):
         pytest.skip("no AMX bfloat16 tiles here (or PLUGINFER_AMX=0)")

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from pluginfer.backends.cpu import THREADS_ENV, CpuBackend
+from pluginfer.backends.cpu.backend import THREADS_ENV, CpuBackend
 from pluginfer.core.config import build_config
 from pluginfer.core.protocols import RankInfo
 

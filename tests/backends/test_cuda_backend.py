@@ -112,7 +112,7 @@ def test_a_quant_format_without_a_cuda_kernel_fails_at_build_naming_both(quant_n
 
 
 def test_the_cpu_backend_keeps_its_torch_paths_for_the_same_formats() -> None:
-    from pluginfer.backends import cpu
+    from pluginfer.backends.cpu import backend as cpu
 
     for quant_name in ("int4", "q4_k", "int8"):
         layer = _build_linear(cpu.CpuBackend(native_kernels=False), quant_name)

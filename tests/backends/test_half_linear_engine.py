@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from pluginfer import LLM
-from pluginfer.backends import amx_half, native, native_half_linear
+from pluginfer.backends.cpu import amx_half
+from pluginfer.backends.cpu import half_linear as native_half_linear
+from pluginfer.backends.cpu import ops as native
 from tests.checkpoints import greedy, hf_logits, prefill_logits, random_prompts, save_hf_model
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native_half_linear.half_linear_isa() is None,

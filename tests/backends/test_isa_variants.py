@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pluginfer.backends import cpu, native_build
+from pluginfer.backends.cpu import backend as cpu
+from pluginfer.backends.cpu import build as native_build
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "backends").glob("test_native_*.py")) + [
+    "tests/backends/test_cpu_ops.py",
     "tests/backends/test_cpu_attention.py", "tests/backends/test_cpu_latent_attention.py",
     "tests/backends/test_cpu_step_replay.py", "tests/backends/test_cpu_step_recorder.py",
     "tests/backends/test_bf16_tiles.py", "tests/backends/test_half_linear_engine.py",

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from pluginfer import LLM
-from pluginfer.backends import cpu, metal
+from pluginfer.backends import metal
 from pluginfer.backends import plugin as backends_plugin
+from pluginfer.backends.cpu import backend as cpu
 from pluginfer.core import kernels
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
 from pluginfer.core.registry import Registry, get_registry

@@ -19,7 +19,9 @@ import logging
 import pytest
 import torch
 
-from pluginfer.backends import amx_half, native_half_linear, native_library
+from pluginfer.backends.cpu import amx_half
+from pluginfer.backends.cpu import half_linear as native_half_linear
+from pluginfer.backends.cpu import library as native_library
 from tests.backends.amx import require_amx
 from tests.backends.half_linear_cases import exact, inputs
 

@@ -16,7 +16,8 @@ import functools
 import pytest
 import torch
 
-from pluginfer.backends import amx_half, native_half_linear
+from pluginfer.backends.cpu import amx_half
+from pluginfer.backends.cpu import half_linear as native_half_linear
 from tests.backends import half_linear_cases
 from tests.backends.amx import require_amx
 

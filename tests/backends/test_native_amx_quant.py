@@ -21,7 +21,9 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pluginfer.backends import amx_quant, native_library, native_quant
+from pluginfer.backends.cpu import amx_quant
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
 from tests.backends.amx import require_amx
 from tests.backends.test_native_quant_dot import cols_for, rounded_activations, weight_bytes
@@ -195,7 +197,7 @@ def test_the_tiles_and_torchs_bfloat16_gemm_take_turns_in_one_thread() -> None:
 
 def test_pluginfer_amx_0_keeps_the_vnni_kernel_and_says_so() -> None:
     script = ("import logging, torch; logging.basicConfig(level=logging.INFO)\n"
-              "from pluginfer.backends import amx_quant, native\n"
+              "from pluginfer.backends.cpu import amx_quant, ops as native\n"
               "assert amx_quant.library() is None and not amx_quant.takes(8, 16)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                             env={**os.environ, amx_quant.ENV: "0"})

@@ -1,7 +1,7 @@
 """Every branch of the cpu backend's C kernels runs, at one thread and at several, on non-finite inputs too,
 and the native path is really the one taken.
 
-- Decode attention (``csrc/cpu_kernels.c``) goes multi-threaded above 2**20 multiply-adds
+- Decode attention (``csrc/attention.c``) goes multi-threaded above 2**20 multiply-adds
   (``total_len * num_heads * (head_dim + v_dim)``); with fewer sequences than threads it splits each
   sequence's KV heads between threads (``splits = ceil(threads / seqs)``, capped at the KV heads). Cases above
   the threshold, at 1, 2 and 4 threads, equal a float64 reference and equal the one-thread result bit for bit
@@ -25,12 +25,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pluginfer.backends import cpu, native, native_layer_ops, native_library, native_panels
+from pluginfer.backends.cpu import backend as cpu
+from pluginfer.backends.cpu import layer_ops as native_layer_ops
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import panels as native_panels
 from tests import native_usage
 from tests.backends.paged import attention_reference, paged_inputs
 
 REPO = Path(__file__).resolve().parents[2]
-THRESHOLD = 1 << 20  # cpu_kernels.c: parallel = total_len * num_heads * (head_dim + v_dim) > (1 << 20)
+THRESHOLD = 1 << 20  # attention.c: parallel = total_len * num_heads * (head_dim + v_dim) > (1 << 20)
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 
@@ -146,7 +150,7 @@ WATCH = textwrap.dedent("""
     import json, os, sys, threading, time
     import numpy as np
     import torch
-    from pluginfer.backends import native, native_layer_ops, native_library, native_panels
+    from pluginfer.backends.cpu import ops as native, layer_ops as native_layer_ops, library as native_library, panels as native_panels
 
     def tasks():
         return set(os.listdir("/proc/self/task"))

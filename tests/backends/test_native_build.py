@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from pluginfer.backends import cpu, native, native_build, native_library
+from pluginfer.backends.cpu import backend as cpu
+from pluginfer.backends.cpu import build as native_build
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import ops as native
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -66,7 +69,7 @@ def test_an_edit_of_an_included_header_rebuilds(cache: Path, tmp_path: Path) -> 
 
 
 def test_the_shipped_libraries_keys_cover_their_shared_header() -> None:
-    from pluginfer.backends import amx_quant
+    from pluginfer.backends.cpu import amx_quant
 
     header = native_library.SOURCES[0].with_name("q8_block_avx512.h")
     assert header in native_build.included_headers(native_library.SOURCES)
@@ -115,7 +118,7 @@ def test_two_processes_building_at_once_get_one_library(cache: Path, tiny: tuple
     # Slow enough that both processes are inside build_library before the first compile ends.
     compiler = script(tmp_path / "cc", f'case "$*" in *build_info.c*) echo "$$" >> {calls}; sleep 2;; esac\n'
                                        f'exec {shutil.which("cc")} "$@"')
-    code = ("import sys; from pathlib import Path; from pluginfer.backends import native_build; "
+    code = ("import sys; from pathlib import Path; from pluginfer.backends.cpu import build as native_build; "
             "library, info, path = native_build.build_library('tiny', (Path(sys.argv[1]),)); "
             "print(path, library.threads())")
     env = dict(os.environ, CC=compiler, PLUGINFER_CACHE=str(cache.parent))

@@ -1,5 +1,5 @@
 """The cpu backend's GELU(tanh)-and-mul kernels (``gelu_tanh_and_mul`` and ``gelu_tanh_and_mul_16`` in
-csrc/cpu_kernels.c, Gemma's activation) against torch's ``F.gelu(gate, approximate="tanh") * up``.
+csrc/activation.c, Gemma's activation) against torch's ``F.gelu(gate, approximate="tanh") * up``.
 
 The kernel computes 0.5 g (1 + tanh(u)) as g / (1 + exp(-2u)) with its own expf (exp512); torch computes
 1 + tanh(u) literally, which keeps only an absolute accuracy of about 2^-24 there (for u below about -2 the
@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, native_layer_ops
+from pluginfer.backends.cpu import layer_ops as native_layer_ops
+from pluginfer.backends.cpu import ops as native
 
 pytestmark = pytest.mark.usefixtures("native_kernels")  # threads: tests/backends/conftest.py, 1 and 2
 

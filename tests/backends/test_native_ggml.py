@@ -15,7 +15,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pluginfer import LLM
-from pluginfer.backends import native, native_build, native_library, native_quant
+from pluginfer.backends.cpu import build as native_build
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
 from pluginfer.quant.tiled import TILE_ROWS
 from tests.checkpoints import prefill_logits, random_prompts, save_hf_model
@@ -86,15 +89,15 @@ def test_dequantize_to_bfloat16_rounds_the_float32_values_as_torch_does(qtype: G
 
 @pytest.fixture(scope="module")
 def portable_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """cpu_kernels.c built without AVX-512: the generic bfloat16 dequantization a CPU without it runs (this
+    """dequant.c built without AVX-512: the generic bfloat16 dequantization a CPU without it runs (this
     one takes AVX-512 versions for Q4_0, Q8_0, Q4_K and Q6_K)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PLUGINFER_CACHE", str(tmp_path_factory.mktemp("no_avx512")))
         patch.setattr(native_build, "FLAGS", [*native_build.FLAGS, "-mno-avx512f"])
         try:
-            library, _, _ = native_build.build_library("cpu_kernels_no_avx512", (native_library.SOURCES[0],))
+            library, _, _ = native_build.build_library("dequant_no_avx512", (native_library.SOURCES[0].with_name("dequant.c"),))
         except native_build.NativeKernelsUnavailable as exc:
-            pytest.skip(f"cannot build cpu_kernels.c without AVX-512 here: {exc}")
+            pytest.skip(f"cannot build dequant.c without AVX-512 here: {exc}")
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.ggml_dequantize_rows_bf16.argtypes = [ctypes.c_int, pointer, i64, i64, i64, pointer]
     return library
@@ -151,7 +154,7 @@ def test_out_buffer_and_declined_types() -> None:
         native_quant.ggml_dequantize(raw, T.Q4_K, 256, torch.empty(6 * 256), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="writes float32 or bfloat16, not torch.float16"):
         native_quant.ggml_dequantize(raw, T.Q4_K, 256, dtype=torch.float16)
-    assert native.OPS["ggml_dequantize"] is native_quant.ggml_dequantize
+    assert native.NATIVE["ggml_dequantize"] is native_quant.ggml_dequantize
 
 
 def finite_raw(qtype: GGMLQuantizationType, rows: int, cols: int) -> torch.Tensor:
@@ -228,7 +231,7 @@ def test_q4_k_llama_logits_with_and_without_the_native_dequantization(
 
     # The same native backend without this one op: identical logits (the tiles are the same bits).
     with monkeypatch.context() as patch:
-        patch.delitem(native.OPS, "ggml_dequantize")
+        patch.delitem(native.NATIVE, "ggml_dequantize")
         without_op, kernels = q4_k_logits(k_llama, prompt)
     assert kernels == {None}
     assert torch.equal(logits, without_op)

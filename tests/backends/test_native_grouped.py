@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from pluginfer import LLM
-from pluginfer.backends import native, native_quant
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.quant import int4
 from pluginfer.quant.packing import GroupQuantLinear
 from pluginfer.quant.tiled import replace_weight
@@ -147,7 +148,7 @@ def test_checkpoint_logits_with_and_without_the_native_dequantization(
     logits, kernels = gptq_logits(name, prompt)
     assert kernels == {native_quant.grouped_dequantize}
     # The same native backend without this one op: identical logits (the tiles are the same bits).
-    monkeypatch.delitem(native.OPS, "grouped_dequantize")
+    monkeypatch.delitem(native.NATIVE, "grouped_dequantize")
     without_op, kernels = gptq_logits(name, prompt)
     assert kernels == {None}
     assert torch.equal(logits, without_op)
@@ -209,7 +210,7 @@ def test_int4_llama_logits_with_and_without_the_native_dequantization(
     prompt = random_prompts(200, [24], seed=6)[0]
     logits, kernels = int4_logits(tmp_path, prompt)
     assert kernels == {native_quant.int4_dequantize}
-    monkeypatch.delitem(native.OPS, "int4_dequantize")
+    monkeypatch.delitem(native.NATIVE, "int4_dequantize")
     without_op, kernels = int4_logits(tmp_path, prompt)
     assert kernels == {None}
     assert torch.equal(logits, without_op)

@@ -19,7 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import amx_half, native, native_build, native_half_linear, native_library
+from pluginfer.backends.cpu import amx_half
+from pluginfer.backends.cpu import build as native_build
+from pluginfer.backends.cpu import half_linear as native_half_linear
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import ops as native
 from tests.backends.half_linear_cases import assert_nonfinite_as_exact, exact, inputs, plant_nonfinite
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native_half_linear.half_linear_isa() is None,

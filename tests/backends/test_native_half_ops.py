@@ -1,5 +1,5 @@
 """The cpu backend's RMSNorm, SiLU-and-mul, rotary and decode attention kernels on float16 and bfloat16
-tensors (``*_16`` in csrc/cpu_kernels.c): values widened to float32 as they are loaded, float32 arithmetic,
+tensors (``*_16`` in csrc/attention.c, norm.c, activation.c, rotary.c): values widened to float32 as they are loaded, float32 arithmetic,
 results rounded to nearest even.
 
 - rotary: equal bit for bit to the float32 rotation of the widened values, rounded once;
@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native_layer_ops, native_library
+from pluginfer.backends.cpu import layer_ops as native_layer_ops
+from pluginfer.backends.cpu import library as native_library
 from tests.backends.paged import paged_inputs
 
 DTYPES = [torch.bfloat16, torch.float16]

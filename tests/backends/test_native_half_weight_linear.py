@@ -16,7 +16,9 @@ import functools
 import pytest
 import torch
 
-from pluginfer.backends import amx_half, native, native_half_linear
+from pluginfer.backends.cpu import amx_half
+from pluginfer.backends.cpu import half_linear as native_half_linear
+from pluginfer.backends.cpu import ops as native
 from tests.backends import half_linear_cases
 from tests.backends.half_linear_cases import assert_nonfinite_as_exact, exact, plant_nonfinite
 

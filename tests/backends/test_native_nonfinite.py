@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, native_layer_ops, native_panels
+from pluginfer.backends.cpu import layer_ops as native_layer_ops
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import panels as native_panels
 from tests.backends.paged import attention_reference, paged_inputs
 
 pytestmark = pytest.mark.usefixtures("native_kernels")

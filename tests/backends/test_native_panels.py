@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, native_panels
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import panels as native_panels
 
 pytestmark = pytest.mark.skipif(native.available() is not None or native.op("panel_linear") is None,
                                 reason="the panel kernel needs the native library on an AVX-512 CPU")

@@ -25,7 +25,10 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pluginfer import LLM
-from pluginfer.backends import native, native_build, native_library, native_quant
+from pluginfer.backends.cpu import build as native_build
+from pluginfer.backends.cpu import library as native_library
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
 from tests.checkpoints import greedy, prefill_logits, random_prompts, save_hf_model
 from tests.quant.test_ggml_blocks import FP16_FIELDS

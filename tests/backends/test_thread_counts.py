@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pluginfer import LLM, SamplingParams
-from pluginfer.backends import native
+from pluginfer.backends.cpu import ops as native
 from tests.checkpoints import random_prompts, save_hf_model
 
 pytestmark = pytest.mark.skipif(native.available() is not None, reason="the native kernels did not load")

@@ -126,19 +126,27 @@ def test_every_triton_kernel_compiled_for_the_gpu_equals_its_reference() -> None
 
 
 # Ops the cuda backend leaves to the table's reference on purpose: cuBLAS reads the checkpoint's [out, in] layout.
-REFERENCE_ON_CUDA = {"dense_layout", "dense_pack", "dense_linear"}
+REFERENCE_ON_CUDA = {"dense_layout", "dense_pack", "dense_linear", "half_linear"}
+# The quant formats' ops it implements (defined by their modules: quant/marlin_layout.py, packing.py, int8.py,
+# ggml_ops.py); their dequantize-to-tiles ops are the cpu backend's.
+QUANT_MATMULS = {"marlin_matmul", "grouped_matmul", "int8_matmul", "ggml_q8_0_matmul", "ggml_q4_0_matmul",
+                 "ggml_q4_k_matmul", "ggml_q6_k_matmul"}
 
 
 def test_every_op_but_none_has_a_triton_kernel() -> None:
-    """The cuda backend's table covers every op of core/kernels.py but the dense layouts (cuBLAS)."""
+    """The cuda backend's table covers every op of core/kernels.py but the dense layouts (cuBLAS), and every quant
+    format's matmul; each kernel's parameters are its op's (``KernelTable.check``, once the formats defined them)."""
     from pluginfer.core import kernels
 
     done = subprocess.run([sys.executable, "-c", "from pluginfer.core.kernels import KernelTable; "
                            "from pluginfer.backends import triton_kernels; t = KernelTable('cuda'); "
-                           "triton_kernels.register(t); print(','.join(t.names()))"],
+                           "triton_kernels.register(t); "
+                           "from pluginfer.quant import ggml_ops, int8, marlin_layout, packing; t.check(); "
+                           "print(','.join(t.names()))"],
                           env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert set(done.stdout.strip().split(",")) == set(kernels.OPS) - REFERENCE_ON_CUDA
+    core_ops = {name for name, op in kernels.OPS.items() if op.reference.__module__ == "pluginfer.core.kernels"}
+    assert set(done.stdout.strip().split(",")) == (core_ops - REFERENCE_ON_CUDA) | QUANT_MATMULS
 
 
 if __name__ == "__main__":

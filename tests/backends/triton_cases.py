@@ -237,7 +237,8 @@ def case_align_by_expert() -> dict:
 def case_backend(dtype: str, latent: bool) -> dict:
     """CudaBackend end to end on one mixed step (decodes, a chunk over cached blocks, a fresh prompt), against
     the cpu backend; then ``copy_blocks`` and the latent cache's value view."""
-    from pluginfer.backends import cpu, cuda
+    from pluginfer.backends import cuda
+    from pluginfer.backends.cpu import backend as cpu
     from pluginfer.core.protocols import KVCacheSpec
     from tests.backends.paged import paged_batch
 

@@ -1,6 +1,6 @@
 """The cases of tests/backends/test_triton_kernels.py for the quantized matmuls (Marlin, GPTQ/AWQ grouped,
 int8, GGML): each runs a Triton kernel under ``TRITON_INTERPRET=1`` against its reference in
-``pluginfer.core.quant_kernels`` and returns a report (``error`` None when they agree).
+the quant formats' modules and returns a report (``error`` None when they agree).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from tests.backends.triton_cases import compare, compare_truncated, tensors
 
 def case_marlin_via_table(dtype: str, zero_points: bool) -> dict:
     from pluginfer.backends.triton_kernels import marlin_matmul
-    from pluginfer.core import quant_kernels
     from pluginfer.quant import marlin_layout as layout
 
     randn, generator = tensors(7)
@@ -23,15 +22,15 @@ def case_marlin_via_table(dtype: str, zero_points: bool) -> dict:
                                                   dtype=torch.int32)) if zero_points else None
     x = randn(3, size_k, dtype=getattr(torch, dtype))
     arguments = (x, packed, scales.to(x.dtype), group_size, zeros, None, layout.position_table(x.device))
-    return compare(marlin_matmul.marlin_matmul(*arguments), quant_kernels.marlin_matmul(*arguments), dtype)
+    return compare(marlin_matmul.marlin_matmul(*arguments), layout.marlin_matmul(*arguments), dtype)
 
 
 def case_grouped(dtype: str, bits: int, act_order: bool) -> dict:
     """GPTQ's packing (and AWQ's, repacked into it): the kernel, the table's reference, and the quant
     method's own dequantization (``packing.dequantize_grouped``) times x."""
     from pluginfer.backends.triton_kernels import grouped_matmul
-    from pluginfer.core import quant_kernels
     from pluginfer.quant.packing import dequantize_grouped, pack_int32
+    from pluginfer.quant.packing import grouped_matmul as grouped_reference
 
     randn, generator = tensors(10)
     size_k, size_n, group_size = 128, 96, 32
@@ -43,7 +42,7 @@ def case_grouped(dtype: str, bits: int, act_order: bool) -> dict:
     x = randn(3, size_k, dtype=getattr(torch, dtype))
     arguments = (x, pack_int32(codes, bits, dim=0), pack_int32(zeros, bits, dim=1), scales, g_idx, bits, group_size,
                  randn(size_n, dtype=x.dtype))
-    expected = quant_kernels.grouped_matmul(*arguments)
+    expected = grouped_reference(*arguments)
     groups_of = g_idx if g_idx is not None else torch.arange(size_k) // group_size
     dense = dequantize_grouped(codes, zeros, scales, groups_of, x.dtype)
     layer_path = (x.float() @ dense.float().t()).to(x.dtype) + arguments[-1]
@@ -56,14 +55,14 @@ def case_grouped(dtype: str, bits: int, act_order: bool) -> dict:
 
 def case_int8(dtype: str) -> dict:
     from pluginfer.backends.triton_kernels import int8_matmul
-    from pluginfer.core import quant_kernels
+    from pluginfer.quant.int8 import int8_matmul as int8_reference
     from pluginfer.quant.int8 import quantize_int8
 
     randn, _ = tensors(11)
     q, scale = quantize_int8(randn(80, 96))
     x = randn(2, 3, 96, dtype=getattr(torch, dtype))
     arguments = (x, q, scale, randn(80, dtype=x.dtype))
-    ours, expected = int8_matmul.int8_matmul(*arguments), quant_kernels.int8_matmul(*arguments)
+    ours, expected = int8_matmul.int8_matmul(*arguments), int8_reference(*arguments)
     return compare_truncated(ours, expected, 1e-2) if dtype == "bfloat16" else compare(ours, expected, dtype)
 
 
@@ -73,15 +72,14 @@ def case_ggml(dtype: str, qtype_name: str, rows: int = 5, outputs: int = 72, col
     from gguf import GGMLQuantizationType
 
     from pluginfer.backends.triton_kernels import ggml_k_matmul, ggml_matmul
-    from pluginfer.core import kernels
-    from pluginfer.quant import ggml_blocks, ggml_quantize
+    from pluginfer.quant import ggml_blocks, ggml_ops, ggml_quantize
 
     randn, _ = tensors(12)
     qtype = GGMLQuantizationType[qtype_name.upper()]
     raw = ggml_quantize.quantize(randn(outputs, cols), qtype)
     x = randn(rows, cols, dtype=getattr(torch, dtype))
     name = f"ggml_{qtype_name}_matmul"
-    expected = getattr(kernels, name)(x, raw, cols, None)
+    expected = getattr(ggml_ops, name)(x, raw, cols, None)
     ours = getattr(ggml_k_matmul if qtype_name.endswith("_k") else ggml_matmul, name)(x, raw, cols, None)
     report = compare_truncated(ours, expected, 1e-2) if dtype == "bfloat16" else compare(ours, expected, dtype)
     layer_path = (x.float() @ ggml_blocks.dequantize(raw, qtype, cols, x.dtype).float().t()).to(x.dtype)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pluginfer.backends import cpu
-from pluginfer.core import kernels, quant_kernels
+from pluginfer.backends.cpu import backend as cpu
+from pluginfer.core import kernels
 from pluginfer.core.kernels import KernelTable
 from pluginfer.layers.activation import GeluAndMul, SiluAndMul
 from pluginfer.layers.context import building
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.rotary import RotaryEmbedding
+from pluginfer.quant import int8
 from pluginfer.quant import marlin_layout as layout
 from tests.backends.paged import paged_batch
 from tests.layers.conftest import backend_with, make_context
@@ -187,7 +188,7 @@ def test_marlin_matmul_reference_equals_layout_oracle(group_size: int, zero_poin
         zeros = layout.pack_zero_points(torch.randint(0, 16, (groups, size_n), generator=generator, dtype=torch.int32))
     x = torch.randn(2, 3, size_k, generator=generator)
     bias = torch.randn(size_n, generator=generator)
-    ours = quant_kernels.marlin_matmul(x, packed, permuted, group_size, zeros, bias, layout.position_table(x.device))
+    ours = layout.marlin_matmul(x, packed, permuted, group_size, zeros, bias, layout.position_table(x.device))
     expected = layout.matmul_reference(x, packed, permuted, group_size, zeros, bias)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
 
@@ -203,10 +204,11 @@ def test_table_falls_back_to_reference_and_checks_signatures() -> None:
     assert table.get("silu_and_mul") is silu_and_mul and "silu_and_mul" in table and table.names() == ["silu_and_mul"]
     with pytest.raises(TypeError, match=r"takes \(y\); the op's signature is \(x\)"):
         table.register("silu_and_mul", lambda y: y)
-    with pytest.raises(KeyError, match="no kernel op named 'softmax'"):
-        table.register("softmax", silu_and_mul)
+    table.register("softmax", silu_and_mul)  # an op whose module is not imported yet: checked when looked up
     with pytest.raises(KeyError, match="no kernel op named 'softmax'"):
         table.get("softmax")
+    with pytest.raises(KeyError, match="undefined op: no kernel op named 'softmax'"):
+        table.check()
 
 
 def test_every_op_documents_its_contract() -> None:
@@ -243,7 +245,6 @@ def test_fused_moe_reference_equals_the_experts_layer(dtype: torch.dtype, hidden
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_matmul_reference_equals_the_int8_method(dtype: torch.dtype) -> None:
     from pluginfer.layers.linear import ReplicatedLinear
-    from pluginfer.quant import int8
 
     generator = torch.Generator().manual_seed(8)
     context = make_context(backend_with(False), dtype)
@@ -254,5 +255,5 @@ def test_int8_matmul_reference_equals_the_int8_method(dtype: torch.dtype) -> Non
     layer.bias.data.copy_(torch.randn(40, generator=generator).to(dtype))
     layer.quant_method.process_weights_after_loading(layer)
     x = torch.randn(2, 5, 64, generator=generator).to(dtype)
-    torch.testing.assert_close(quant_kernels.int8_matmul(x, layer.qweight, layer.weight_scale, layer.bias), layer(x),
+    torch.testing.assert_close(int8.int8_matmul(x, layer.qweight, layer.weight_scale, layer.bias), layer(x),
                                **_exact_or_half(dtype))

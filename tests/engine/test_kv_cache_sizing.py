@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pluginfer import LLM, SamplingParams
-from pluginfer.backends import cpu
-from pluginfer.backends.cpu import CpuBackend
+from pluginfer.backends.cpu import backend as cpu
+from pluginfer.backends.cpu.backend import CpuBackend
 from pluginfer.core.protocols import KVCacheSpec
 
 BYTES_PER_TOKEN = 2 * 2 * 16 * 2 * 4  # the tiny llama: 2 layers x 2 KV heads x dim 16 x (K, V) x float32

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pluginfer.backends import cpu, native
-from pluginfer.backends.cpu import CpuBackend
+from pluginfer.backends.cpu import backend as cpu
+from pluginfer.backends.cpu import ops as native
+from pluginfer.backends.cpu.backend import CpuBackend
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
 from pluginfer.quant import unquantized

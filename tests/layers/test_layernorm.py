@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pluginfer.backends.cpu import CpuBackend
+from pluginfer.backends.cpu.backend import CpuBackend
 from pluginfer.layers.context import building
 from pluginfer.layers.norm import LayerNorm
 from tests.layers.conftest import make_context

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import cpu
+from pluginfer.backends.cpu import backend as cpu
 from pluginfer.layers.context import building
 from pluginfer.layers.moe import SparseMoeBlock, expert_weight_names
 from pluginfer.layers.weights import load_named_weights

@@ -169,7 +169,7 @@ def test_moe_block_with_shared_experts_matches_transformers(case: str) -> None:
     """Our SparseMoeBlock loaded from the state dict of transformers' DeepseekV2Moe / DeepseekV3MoE."""
     import importlib
 
-    from pluginfer.backends import cpu
+    from pluginfer.backends.cpu import backend as cpu
     from pluginfer.layers.context import building
     from pluginfer.layers.mlp import GatedMLP
     from pluginfer.layers.moe import SparseMoeBlock

@@ -11,7 +11,7 @@ from transformers.activations import ACT2FN
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from pluginfer.backends.cpu import CpuBackend
+from pluginfer.backends.cpu.backend import CpuBackend
 from pluginfer.core.protocols import BuildContext
 from pluginfer.layers.activation import GeluAndMul, SiluAndMul, gated_activation
 from pluginfer.layers.context import building

@@ -10,7 +10,7 @@ import torch
 from transformers import Glm4Config
 from transformers.models.glm4.modeling_glm4 import Glm4RotaryEmbedding, apply_rotary_pos_emb
 
-from pluginfer.backends.cpu import CpuBackend
+from pluginfer.backends.cpu.backend import CpuBackend
 from pluginfer.layers.context import building
 from pluginfer.layers.rotary import get_rope, partial_rotary_dim
 from tests.layers.conftest import make_context

@@ -7,7 +7,7 @@ import torch
 from transformers import DeepseekV3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from pluginfer.backends import cpu
+from pluginfer.backends.cpu import backend as cpu
 from pluginfer.layers.context import building
 from pluginfer.layers.rotary import YarnRotaryEmbedding
 from tests.layers.conftest import make_context

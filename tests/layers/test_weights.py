@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pluginfer.backends import cpu
+from pluginfer.backends.cpu import backend as cpu
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext, ShardSpec
 from pluginfer.layers.context import building

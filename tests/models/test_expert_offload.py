@@ -96,7 +96,7 @@ def test_offloading_more_experts_than_a_layer_has_is_an_error(family: tuple[str,
 
 def test_every_expert_offloaded_still_matches() -> None:
     """The extreme: no expert resident; each routed one is staged."""
-    from pluginfer.backends import cpu
+    from pluginfer.backends.cpu import backend as cpu
     from pluginfer.layers.context import building
     from pluginfer.layers.moe import SparseMoeBlock
     from tests.layers.conftest import make_context

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pluginfer.backends import cpu
+from pluginfer.backends.cpu import backend as cpu
 from pluginfer.layers.context import building
 from pluginfer.models import gemma, phi
 from tests.layers.conftest import make_context

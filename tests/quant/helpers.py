@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pluginfer.backends import cpu
+from pluginfer.backends.cpu import backend as cpu
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
 from pluginfer.core.registry import get_registry

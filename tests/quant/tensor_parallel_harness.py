@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from pluginfer.backends import cpu
+from pluginfer.backends.cpu import backend as cpu
 from pluginfer.core.protocols import BuildContext, RankInfo
 from pluginfer.core.registry import get_registry
 from pluginfer.layers.context import building

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pluginfer import LLM
-from pluginfer.backends import cpu
+from pluginfer.backends.cpu import backend as cpu
 from pluginfer.core.protocols import BuildContext
 from pluginfer.layers.context import building
 from pluginfer.layers.linear import QKVParallelLinear, RowParallelLinear

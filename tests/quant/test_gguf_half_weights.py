@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from pluginfer import LLM
-from pluginfer.backends import amx_half, native, native_half_linear
+from pluginfer.backends.cpu import amx_half
+from pluginfer.backends.cpu import half_linear as native_half_linear
+from pluginfer.backends.cpu import ops as native
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
 from pluginfer.formats.gguf.checkpoint import GGMLTensor

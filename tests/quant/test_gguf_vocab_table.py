@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from pluginfer.backends import native
+from pluginfer.backends.cpu import ops as native
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext, RankInfo
 from pluginfer.formats.gguf.checkpoint import GGMLTensor

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, onednn
+from pluginfer.backends.cpu import onednn
+from pluginfer.backends.cpu import ops as native
 from pluginfer.collectives import single
 from pluginfer.core.protocols import BuildContext
 from pluginfer.layers.context import building

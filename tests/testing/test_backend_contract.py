@@ -54,9 +54,10 @@ def test_gcu_plugin_backend_on_a_cpu_stand_in() -> None:
 _CUDA = """
 import sys, torch
 from pluginfer.backends.cuda import CudaBackend
-from pluginfer.core.kernels import OPS
+from pluginfer.quant import ggml_ops, int8, marlin_layout, packing  # the modules that define the quant ops
 from pluginfer.testing.backend_contract import check_backend
-ops = sorted(set(OPS) - {"dense_layout", "dense_pack", "dense_linear"})  # cuBLAS reads the checkpoint's layout
+ops = CudaBackend().kernels.names()  # every op it registers a Triton kernel for
+assert "rms_norm" in ops and "ggml_q4_k_matmul" in ops, ops
 backend = check_backend(CudaBackend, ops=ops, dtypes=(torch.float32, torch.bfloat16, torch.float16))
 print("checked", backend.device)
 """
@@ -175,7 +176,7 @@ class Unnamed(Reference):
                          r"\[>= 16, 4, 2, 16\]"),
     (CopiesBackwards, r"DeviceBackend\.copy_blocks: .*after copies \[\(3, 12\), \(5, 0\), \(9, 14\)\]"),
     (KeysOnly, r"DeviceBackend\.copy_blocks: KVCacheSpec\(num_layers=2, num_kv_heads=2, .*layer 0"),
-    (AnswersEveryOp, r"DeviceBackend\.op\('no_backend_has_this_op'\): an op name no backend knows must give None"),
+    (AnswersEveryOp, r"DeviceBackend\.op\('no_backend_has_this_op'\): an op name no plugin defined must raise KeyError"),
     (IgnoresTheRequest, r"DeviceBackend\.kv_cache_budget_bytes: a requested budget of 12345 bytes came back as "
                         r"1073741824"),
     (StaleReplay, r"DeviceBackend\.capture_decode: step 1: the replay's logits differ from the eager step's"),

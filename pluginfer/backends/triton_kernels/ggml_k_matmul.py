@@ -13,7 +13,7 @@ accumulates in float32. No float copy of W is made.
   Group ``g`` = half ``g // 4``, quarter ``r = g % 4``: nibble plane ``r // 2`` of bytes ``64h + 32(r % 2)``,
   bits ``2r`` of ``qh`` bytes ``32h``. Weight = ``(q - 32) * (d * scale)``.
 
-References: ``core.quant_kernels.ggml_q4_k_matmul`` / ``ggml_q6_k_matmul``.
+References: ``quant.ggml_ops.ggml_q4_k_matmul`` / ``ggml_q6_k_matmul``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A k-step of the kernel is one GGML block of 32 inputs: for each of its ``BLOCK_N`` output rows it reads
 the block's fp16 scale (two bytes, assembled and bit-cast) and the 32 levels (Q8_0: int8 bytes; Q4_0:
 16 bytes, low nibbles first, minus 8), dequantizes in float32, rounds to ``x``'s dtype and accumulates
-in float32. No float copy of W is made. References: ``core.quant_kernels.ggml_q8_0_matmul`` / ``ggml_q4_0_matmul``.
+in float32. No float copy of W is made. References: ``quant.ggml_ops.ggml_q8_0_matmul`` / ``ggml_q4_0_matmul``.
 """
 
 from __future__ import annotations

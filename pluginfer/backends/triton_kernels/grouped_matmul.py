@@ -4,7 +4,7 @@ For each ``[BLOCK_K, BLOCK_N]`` tile the kernel takes every weight's code from i
 ``qweight`` (packed along the inputs), its group from ``g_idx`` (act-order) or ``k // group_size``,
 that group's zero point (packed along the outputs) and scale, dequantizes in float32 registers,
 rounds to ``x``'s dtype and accumulates ``x @ w`` in float32. 4- and 8-bit. Reference:
-``core.quant_kernels.grouped_matmul``.
+``quant.packing.grouped_matmul``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each ``[BLOCK_K, BLOCK_N]`` tile of the int8 ``qweight`` ``[n, k]`` is converted to ``x``'s dtype in
 registers (every level up to 127 is exact there) and multiplied with float32 accumulation; the sum is
 rounded to ``x``'s dtype, multiplied by the row's float32 scale and rounded again, as the layer's torch
-path. Reference: ``core.quant_kernels.int8_matmul``.
+path. Reference: ``quant.int8.int8_matmul``.
 """
 
 from __future__ import annotations

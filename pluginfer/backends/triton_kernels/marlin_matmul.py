@@ -4,7 +4,7 @@ The kernel never builds ``W``: for each ``[BLOCK_K, BLOCK_N]`` tile it finds eve
 word and nibble in ``B`` through ``positions`` (the inverse of the Marlin permutation, a 16x64 table
 the quant method hands over), its scale in the permuted scales (closed form) and, for AWQ, its zero
 point, dequantizes in registers and accumulates ``x @ w`` in float32. Its references: the table's
-``core.quant_kernels.marlin_matmul`` and the layout's own ``marlin_layout.matmul_reference``.
+``quant.marlin_layout.marlin_matmul`` and the layout's own ``marlin_layout.matmul_reference``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """AMX bfloat16 tile kernel for 16-bit dense linears (``csrc/amx_half.c``), a library of its own.
 
-Where a CPU has AMX-BF16 (Sapphire Rapids and later), :func:`native_half_linear.half_linear` hands a matmul of
+Where a CPU has AMX-BF16 (Sapphire Rapids and later), :func:`half_linear.half_linear` hands a matmul of
 :data:`MIN_ROWS` to :data:`MAX_ROWS` rows of a bfloat16 weight to this kernel instead of the AVX-512 GEMV of
 ``csrc/half_linear.c`` or torch's GEMM: the checkpoint's ``[out, in]`` weight read in place as the tiles'
 A operand, products exact in float32 and summed in float32 as there; only the order of the sums differs.
 float16 weights too (from more rows), each value split exactly into two bfloat16: four products per pair,
 exact in float32, so no bit of the float16 values is lost (see the C file).
-The library is built apart from ``native_library.load()``'s, so a compiler without AMX
+The library is built apart from ``library.py``'s, so a compiler without AMX
 support, a CPU without AMX or a kernel that refuses to build leaves the GEMV as it is, with one log line
 saying why.
 """
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from pluginfer.backends import amx_library
+from pluginfer.backends.cpu import amx_library
 
 SOURCES = (Path(__file__).with_name("csrc") / "amx_half.c",)
 ENV = amx_library.ENV
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-# Rows of x from which, and up to which, native_half_linear.half_linear takes the tiles, by weight dtype; measured on
+# Rows of x from which, and up to which, half_linear.half_linear takes the tiles, by weight dtype; measured on
 # this project's machine (CPU time, one core,
 # 5632x1024 and 1024x2816): bfloat16 1.06-1.09x the GEMV at 4 rows (0.89-0.92x at 2-3), 1.01-1.14x torch's AMX
 # GEMM at 96 (0.95-1.07x at 128); float16, split in two, 1.05-1.15x the GEMV at 8 (0.85-1.02x at 6), and since
@@ -33,7 +33,7 @@ MIN_ROWS = {torch.bfloat16: 4, torch.float16: 8}
 MAX_ROWS = {torch.bfloat16: 96, torch.float16: 2048}
 # The same for float32 x against a 16-bit weight (amx_half_weight_linear: x split exactly into three bfloat16,
 # 3 products a pair for bfloat16 weights, 5 for float16), where the alternative is half_linear.c's
-# half_weight_linear up to native_half_linear.HALF_WEIGHT_MAX_ROWS rows
+# half_weight_linear up to half_linear.HALF_WEIGHT_MAX_ROWS rows
 # (one thread, CPU time, 32000x1024, the Q4_0 file's head, medians of 7, shared
 # machine): float16 0.81x at 8 rows, 1.03x at 10, 1.13x at 12, 1.41x at 16, 1.53x at 24;
 # bfloat16 0.87x at 4, 1.03x at 6, 1.44x at 8, 2.55x at 16 (ratios: the GEMV's time over the tiles'); above it,
@@ -64,13 +64,13 @@ def library() -> ctypes.CDLL | None:
 
 
 def takes(dtype: torch.dtype, rows: int) -> bool:
-    """Whether ``native_half_linear.half_linear`` hands ``rows`` rows of this weight dtype to the tiles here."""
+    """Whether ``half_linear.half_linear`` hands ``rows`` rows of this weight dtype to the tiles here."""
     return (MIN_ROWS.get(dtype, 1 << 62) <= rows <= MAX_ROWS.get(dtype, 0)
             and (_library[0] if _library else library()) is not None)
 
 
 def takes_float_x(dtype: torch.dtype, rows: int) -> bool:
-    """Whether ``native_half_linear.half_linear`` hands ``rows`` float32 rows against this weight dtype to the
+    """Whether ``half_linear.half_linear`` hands ``rows`` float32 rows against this weight dtype to the
     tiles (:func:`call_float_x`)."""
     return (FLOAT_X_MIN_ROWS.get(dtype, 1 << 62) <= rows <= FLOAT_X_MAX_ROWS.get(dtype, 0)
             and (_library[0] if _library else library()) is not None)
@@ -112,7 +112,7 @@ def call(dtype: torch.dtype, flat: torch.Tensor, rows: int, weight: torch.Tensor
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """``x @ W^T + bias`` on the tiles whatever the row count (tests and benchmarks; the engine gets here
-    through ``native_half_linear.half_linear`` within :data:`MIN_ROWS`..:data:`MAX_ROWS`). None: no AMX here, or
+    through ``half_linear.half_linear`` within :data:`MIN_ROWS`..:data:`MAX_ROWS`). None: no AMX here, or
     dtypes, devices or layouts the kernel does not handle."""
     dtype = weight.dtype
     if (library() is None or dtype not in DTYPES or x.dtype != dtype or weight.dim() != 2 or x.dim() == 0
@@ -133,7 +133,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_float_x(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """``x @ W^T + bias`` for float32 ``x`` (and bias) against a 16-bit weight on the tiles whatever the row
-    count, float32 out (tests and benchmarks; the engine gets here through ``native_half_linear.half_linear``
+    count, float32 out (tests and benchmarks; the engine gets here through ``half_linear.half_linear``
     within :data:`FLOAT_X_MIN_ROWS`..:data:`FLOAT_X_MAX_ROWS`). None: no AMX here, or dtypes, devices or
     layouts the kernel does not handle."""
     dtype = weight.dtype

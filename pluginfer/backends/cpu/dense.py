@@ -3,14 +3,14 @@
 On the CPU the checkpoint's ``[out, in]`` layout is replaced, once, by the one the fastest available
 kernel reads (measured on a 0.5B-shaped llama, float32, 2 cores):
 
-- ``panels``: the native ``panel_linear`` kernel (``backends/csrc/panel_linear.c``), float32 on an
+- ``panels``: the native ``panel_linear`` kernel (``csrc/panel_linear.c``), float32 on an
   AVX-512 CPU, whatever the batch: ~1.3x oneDNN's prepacked GEMM at 1-32 rows, faster than MKL's
   GEMV at one, ~0.9x oneDNN at prefill sizes.
 - ``onednn``: oneDNN's prepacked layout (``backends/onednn.py``) where that kernel is unavailable and
   the engine batches several sequences (~1.3x MKL at 16 rows, ~10% slower at one).
 - ``half``: bfloat16/float16 weights keep ``[out, in]`` for the native 16-bit GEMV
-  (``backends/csrc/half_linear.c``, AVX512-BF16 / AVX-512 / AVX2 + F16C) up to
-  ``native_half_linear.HALF_LINEAR_MAX_ROWS`` rows, and for ``F.linear`` (torch's GEMM) above.
+  (``csrc/half_linear.c``, AVX512-BF16 / AVX-512 / AVX2 + F16C) up to
+  ``half_linear.HALF_LINEAR_MAX_ROWS`` rows, and for ``F.linear`` (torch's GEMM) above.
 - ``transposed``: ``[in, out]``, which MKL's GEMV reads fastest, otherwise (and for half precision
   where the 16-bit GEMV is unavailable).
 - ``checkpoint``: weights off the CPU (a composing backend's device) keep ``[out, in]`` for ``F.linear``.
@@ -26,8 +26,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import native, native_half_linear, native_panels, onednn
-from pluginfer.backends.native_library import _log_once
+from pluginfer.backends.cpu import half_linear, onednn, ops, panels
+from pluginfer.backends.cpu.library import _log_once
 
 
 class CpuDenseLayouts:
@@ -40,7 +40,7 @@ class CpuDenseLayouts:
     def _panels(self) -> bool:
         if not self.backend.native_kernels:
             return False
-        if native.op("panel_linear") is None:
+        if ops.op("panel_linear") is None:
             _log_once(logging.INFO, "float32 linears: no native panel GEMM (it needs AVX-512F); oneDNN's "
                                     "prepacked GEMM when batched, MKL's otherwise")
             return False
@@ -48,7 +48,7 @@ class CpuDenseLayouts:
 
     def _half_linear(self) -> bool:
         """Whether 16-bit weights take the native GEMV (says which path once, when first asked)."""
-        return bool(self.backend.native_kernels) and native.op("half_linear") is not None
+        return bool(self.backend.native_kernels) and ops.op("half_linear") is not None
 
     def dense_layout(self, weight: torch.Tensor, batched: bool, packed_only: bool) -> str:
         if weight.device.type != "cpu":
@@ -58,13 +58,13 @@ class CpuDenseLayouts:
                 return "panels"
             if onednn.worth_packing(weight, batched):
                 return "onednn"
-        if weight.dtype in native_half_linear.HALF_LINEAR_DTYPES and not packed_only and self._half_linear():
+        if weight.dtype in half_linear.HALF_LINEAR_DTYPES and not packed_only and self._half_linear():
             return "half"
         return "checkpoint" if packed_only else "transposed"
 
     def dense_pack(self, weight: torch.Tensor, layout: str) -> torch.Tensor:
         if layout == "panels":
-            return native_panels.pack_panels(weight)
+            return panels.pack_panels(weight)
         if layout == "onednn":
             return onednn.pack(weight)
         if layout == "transposed":
@@ -78,11 +78,11 @@ class CpuDenseLayouts:
     def dense_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str,
                      out_features: int) -> torch.Tensor:
         if layout == "panels":
-            return native_panels.panel_linear(x, weight, out_features, bias)
+            return panels.panel_linear(x, weight, out_features, bias)
         if layout == "onednn":
             return onednn.linear(x, weight, bias)
         if layout == "half":
-            out = native_half_linear.half_linear(x, weight, bias)
+            out = half_linear.half_linear(x, weight, bias)
             return F.linear(x, weight, bias) if out is None else out
         if layout == "checkpoint":
             return F.linear(x, weight, bias)

@@ -18,9 +18,9 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import amx_library, native, native_build, native_layer_ops
-from pluginfer.backends.cpu_dense import CpuDenseLayouts
-from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
+from pluginfer.backends.cpu import amx_library, layer_ops, ops
+from pluginfer.backends.cpu import build as native_build
+from pluginfer.backends.cpu.step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.kernels import KernelTable
@@ -41,7 +41,7 @@ def _report_unavailable(reason: str) -> None:
         logger.info("cpu backend: native kernels off (PLUGINFER_NATIVE=0); using the torch path")
     else:
         logger.warning("cpu backend: native kernels unavailable (%s); using the slower torch path. To get them: %s",
-                       reason, native.HOW_TO_GET)
+                       reason, ops.HOW_TO_GET)
 
 
 @dataclass
@@ -135,20 +135,18 @@ class CpuBackend:
         elif rank is not None and rank.local_world_size > 1:  # ranks on one machine share its cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.local_world_size))
         self.rank = rank or RankInfo()
-        reason = native.available() if native_kernels else "not asked for"
+        reason = ops.available() if native_kernels else "not asked for"
         self.native_kernels = reason is None
         if reason is not None and native_kernels:
             _report_unavailable(reason)
         # The weight-layout policy (native panels, oneDNN, MKL's transposed GEMV) enters through the table.
         self.kernels = KernelTable(self.name)
-        layouts = CpuDenseLayouts(self)
-        for name in ("dense_layout", "dense_pack", "dense_linear"):
-            self.kernels.register(name, getattr(layouts, name))
+        ops.register(self.kernels, self)
 
     def capture_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int,
                        block_size: int) -> CpuDecodeReplay | None:
         """Decode steps recorded once per batch size and replayed in one native call
-        (``DeviceBackend.capture_decode``, ``cpu_step_replay``); None without the native kernels, and under
+        (``DeviceBackend.capture_decode``, ``step_replay.py``); None without the native kernels, and under
         tensor parallelism (a collective's all-reduce is no native call a program could hold). A batch size's
         first step runs eagerly, its second is recorded: a recording costs about two eager steps, and the
         first token of a process would wait for it."""
@@ -160,12 +158,9 @@ class CpuBackend:
         return CpuDecodeReplay(forward, max_num_seqs, max_blocks_per_seq, block_size, eager_steps=1)
 
     def op(self, name: str) -> Callable | None:
-        """The table's cpu kernel for ``name`` (the dense layouts), else a native float32 kernel for a layer
-        or format op, or None (the layer keeps its torch reference)."""
-        kernel = self.kernels.implementation(name)
-        if kernel is not None:
-            return kernel
-        return native.op(name) if self.native_kernels else None
+        """The table's cpu kernel for op ``name`` (``ops.py`` registered them), or None (the layer keeps its
+        torch reference)."""
+        return self.kernels.implementation(name)
 
     def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
         """``requested``, else a fixed default (as vLLM's CPU backend: 4 GiB), never more than ``fraction``
@@ -219,7 +214,7 @@ class CpuBackend:
         flat_keys = key_cache.view(-1, *key_cache.shape[2:])
         flat_values = value_cache.view(-1, *value_cache.shape[2:])
         # Another dtype (a float32 model's 16-bit cache): rows made contiguous first, so that a recorded step
-        # notes the rounding as one from_f32 entry (cpu_step_replay); the same rounding as torch's copy_.
+        # notes the rounding as one from_f32 entry (step_replay.py); the same rounding as torch's copy_.
         flat_keys.index_copy_(0, batch.slot_mapping,
                               key if key.dtype == flat_keys.dtype else key.contiguous().to(flat_keys.dtype))
         if value is not None:
@@ -234,13 +229,13 @@ class CpuBackend:
             and (key_cache.dtype == torch.float32 or query.dtype in (key_cache.dtype, torch.float32))
         if native_decodes and decodes == query.shape[0] and query.dtype in (key_cache.dtype, torch.float32):
             # Every row decodes (the steady state): the kernel's output (in the query's dtype) is the result.
-            return native_layer_ops.paged_decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
+            return layer_ops.paged_decode_attention(query, key_cache, value_cache, meta.decode_block_tables,
                                                            meta.decode_seq_lens, scale, sliding_window,
                                                            logit_soft_cap)
         out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
         if native_decodes:
             decode_query = query[:decodes] if query.dtype == torch.float32 else query[:decodes].to(key_cache.dtype)
-            out[:decodes] = native_layer_ops.paged_decode_attention(
+            out[:decodes] = layer_ops.paged_decode_attention(
                 decode_query, key_cache, value_cache, meta.decode_block_tables,
                 meta.decode_seq_lens, scale, sliding_window, logit_soft_cap).to(out.dtype)
         elif decodes:  # the kernel takes float32, float16, bfloat16 caches; others take the torch path

@@ -1,5 +1,5 @@
 """Step recording: the native calls of one eager step noted as a program that ``csrc/step_replay.c`` runs
-again in one C call (``cpu_step_replay``), and the library as the wrappers reach it (:func:`_lib`).
+again in one C call (``step_replay.py``), and the library as the wrappers reach it (:func:`_lib`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from pluginfer.backends import native_library
-from pluginfer.backends.native_library import REPLAY_SIGNATURES, SIGNATURES, _f32, _pointer
+from pluginfer.backends.cpu import library
+from pluginfer.backends.cpu.library import REPLAY_SIGNATURES, SIGNATURES, _f32, _pointer
 
 # Kernels a recorded step may call, by their code in csrc/step_replay.c (its enum, in this order).
 REPLAY_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_neox", "ggml_dequantize_rows",
@@ -28,11 +28,11 @@ _REPLAY_CODES = {name: code for code, name in enumerate(REPLAY_OPS, start=1)}
 class StepRecording:
     """The native calls of one eager step, as a program ``step_replay`` runs again in one C call.
 
-    While it is active (:func:`recording`, in this thread) the native_* wrappers reach the library
+    While it is active (:func:`recording`, in this thread) the kernel wrappers reach the library
     through it: each call runs as usual and is appended to :attr:`program` with its arguments (pointers
     as addresses: the caller keeps the tensors alive); a call of a kernel ``step_replay`` cannot run
     refuses the recording, and :attr:`refused` says which. :meth:`append` also takes the copy-like ops
-    of ``csrc/step_replay.c`` that stand in for torch ops (``cpu_step_replay``)."""
+    of ``csrc/step_replay.c`` that stand in for torch ops (``step_replay.py``)."""
 
     def __init__(self) -> None:
         self.program: list[int] = []
@@ -54,7 +54,7 @@ class StepRecording:
         self.names.append(name)
 
     def __getattr__(self, name: str) -> Callable:
-        function = getattr(native_library.load(), name)
+        function = getattr(library.load(), name)
 
         def call(*args: object) -> object:
             result = function(*args)
@@ -70,7 +70,7 @@ _state = threading.local()  # .recording: the StepRecording of this thread, if o
 def _lib() -> ctypes.CDLL | StepRecording:
     """The library, or this thread's active recording in front of it."""
     recorder = getattr(_state, "recording", None)
-    return native_library.load() if recorder is None else recorder
+    return library.load() if recorder is None else recorder
 
 
 @contextlib.contextmanager
@@ -101,7 +101,7 @@ class StepProgram:
         return len(self.names)
 
     def run(self) -> None:
-        failed = native_library.load().step_replay(*self._arguments)
+        failed = library.load().step_replay(*self._arguments)
         if failed:
             raise RuntimeError(f"step replay: entry {failed - 1} ({self.names[failed - 1]}) failed with status "
                                f"{self._status.value}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pluginfer.backends import native_library
-from pluginfer.backends.native_replay import _lib
+from pluginfer.backends.cpu import library
+from pluginfer.backends.cpu.replay import _lib
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -16,7 +16,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
                          f"on {weight.device}")
     out_features, in_features = weight.shape
     weight = weight.contiguous()
-    padded = native_library.load().panel_padded_outputs(out_features)
+    padded = library.load().panel_padded_outputs(out_features)
     packed = torch.empty(padded // 16, in_features, 16, dtype=torch.float32)
     _lib().pack_panels(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
     return packed

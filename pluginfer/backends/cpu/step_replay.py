@@ -2,7 +2,7 @@
 
 A decode step of a tiny model is mostly Python between the kernels.
 A decode step of ``n`` sequences (the cpu backend's second: ``eager_steps``) runs eagerly on
-static input buffers while ``native_replay.recording()`` notes every native call (its C function and
+static input buffers while ``replay.recording()`` notes every native call (its C function and
 arguments) and a
 ``TorchDispatchMode`` watches every torch op: views and allocations pass, the few copy-like ops a step
 makes between the kernels (the embedding's row gather, the KV cache's ``index_copy_``, residual adds,
@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from pluginfer.backends import native_replay
+from pluginfer.backends.cpu import replay
 from pluginfer.core.batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def _index(index: object) -> bool:
         and index.is_contiguous()
 
 
-def _gather(recorder: native_replay.StepRecording, source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:
+def _gather(recorder: replay.StepRecording, source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> bool:
     """``out = source[index]`` along the first axis."""
     if not (_index(index) and source.dim() >= 1 and _inner_contiguous(source) and out.is_contiguous()
             and out.dtype == source.dtype and out.shape[0] == index.shape[0]):
@@ -73,22 +73,22 @@ def _gather(recorder: native_replay.StepRecording, source: torch.Tensor, index: 
     return True
 
 
-def _embedding(recorder: native_replay.StepRecording, out: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor,
+def _embedding(recorder: replay.StepRecording, out: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor,
                *rest: object) -> bool:
     return weight.dim() == 2 and _gather(recorder, weight, indices, out)
 
 
-def _index_select(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, dim: int,
+def _index_select(recorder: replay.StepRecording, out: torch.Tensor, source: torch.Tensor, dim: int,
                   index: torch.Tensor) -> bool:
     return dim == 0 and _gather(recorder, source, index, out)
 
 
-def _index_tensor(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor,
+def _index_tensor(recorder: replay.StepRecording, out: torch.Tensor, source: torch.Tensor,
                   indices: list) -> bool:
     return len(indices) == 1 and _gather(recorder, source, indices[0], out)
 
 
-def _index_copy(recorder: native_replay.StepRecording, out: torch.Tensor, target: torch.Tensor, dim: int,
+def _index_copy(recorder: replay.StepRecording, out: torch.Tensor, target: torch.Tensor, dim: int,
                 index: torch.Tensor, source: torch.Tensor) -> bool:
     """``target[index] = source`` along the first axis (the KV cache write)."""
     if not (dim == 0 and _index(index) and target.is_contiguous() and source.dtype == target.dtype
@@ -105,7 +105,7 @@ def _index_copy(recorder: native_replay.StepRecording, out: torch.Tensor, target
 _ADDS = {torch.float32: "add_f32", torch.bfloat16: "add_bf16", torch.float16: "add_f16"}
 
 
-def _add(recorder: native_replay.StepRecording, out: torch.Tensor, a: torch.Tensor, b: object, alpha: object = 1) -> bool:
+def _add(recorder: replay.StepRecording, out: torch.Tensor, a: torch.Tensor, b: object, alpha: object = 1) -> bool:
     """``a + b`` in float32, bfloat16 or float16: ``b`` of ``a``'s shape, or one row added to every row of
     ``a``."""
     if not (isinstance(b, torch.Tensor) and alpha == 1 and a.dtype == b.dtype == out.dtype and a.dtype in _ADDS
@@ -128,7 +128,7 @@ def _add(recorder: native_replay.StepRecording, out: torch.Tensor, a: torch.Tens
 _MUL_SCALAR = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def _mul(recorder: native_replay.StepRecording, out: torch.Tensor, a: torch.Tensor, b: object) -> bool:
+def _mul(recorder: replay.StepRecording, out: torch.Tensor, a: torch.Tensor, b: object) -> bool:
     """``a * s`` for a 0-dim tensor ``s`` of ``a``'s dtype (Gemma's embedding scale), as torch rounds it."""
     if not (isinstance(b, torch.Tensor) and b.dim() == 0 and a.dtype == b.dtype == out.dtype
             and a.dtype in _MUL_SCALAR and a.is_contiguous() and out.is_contiguous() and a.shape == out.shape):
@@ -137,7 +137,7 @@ def _mul(recorder: native_replay.StepRecording, out: torch.Tensor, a: torch.Tens
     return True
 
 
-def _to_copy(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, **kwargs: object) -> bool:
+def _to_copy(recorder: replay.StepRecording, out: torch.Tensor, source: torch.Tensor, **kwargs: object) -> bool:
     """A bfloat16/float16 tensor as float32 (exact), or a float32 one as bfloat16/float16 (rounded to nearest
     even, as torch rounds: a GGUF file's F16 embedding rows, widened, in a 16-bit model)."""
     if not (source.is_contiguous() and out.is_contiguous() and out.numel() == source.numel()):
@@ -151,14 +151,14 @@ def _to_copy(recorder: native_replay.StepRecording, out: torch.Tensor, source: t
     return False
 
 
-def _to_dtype(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, dtype: torch.dtype,
+def _to_dtype(recorder: replay.StepRecording, out: torch.Tensor, source: torch.Tensor, dtype: torch.dtype,
               *rest: object, **kwargs: object) -> bool:
     """``tensor.to(dtype)`` / ``.float()`` as it reaches the dispatcher for a tensor made outside inference
     mode (a GGUF file's F16 embedding rows): where it copies, the same conversion as ``_to_copy``."""
     return _to_copy(recorder, out, source)
 
 
-def _copy(recorder: native_replay.StepRecording, out: torch.Tensor, source: torch.Tensor, *rest: object,
+def _copy(recorder: replay.StepRecording, out: torch.Tensor, source: torch.Tensor, *rest: object,
           **kwargs: object) -> bool:
     """``contiguous()`` / ``reshape`` / ``clone`` of a tensor whose rows may be strided: its rows back to back."""
     if not (isinstance(out, torch.Tensor) and out.is_contiguous() and out.dtype == source.dtype
@@ -169,7 +169,7 @@ def _copy(recorder: native_replay.StepRecording, out: torch.Tensor, source: torc
     return True
 
 
-def _cat(recorder: native_replay.StepRecording, out: torch.Tensor, parts: list, dim: int = 0) -> bool:
+def _cat(recorder: replay.StepRecording, out: torch.Tensor, parts: list, dim: int = 0) -> bool:
     """``torch.cat`` of 2-d tensors with contiguous rows, along either axis (a GGUF projection whose
     parts have two quant types is two matmuls concatenated)."""
     if not (out.dim() == 2 and out.is_contiguous() and dim in (0, 1, -1, -2)
@@ -222,7 +222,7 @@ class _WatchTorchOps(TorchDispatchMode):
     """Runs every torch op and, for the recording, passes views and allocations, notes the copy-like
     ops as replay entries and refuses the rest; keeps every tensor the ops touched alive."""
 
-    def __init__(self, recorder: native_replay.StepRecording, keep: list[torch.Tensor]) -> None:
+    def __init__(self, recorder: replay.StepRecording, keep: list[torch.Tensor]) -> None:
         super().__init__()
         self.recorder, self.keep = recorder, keep
         self.new_bytes = 0  # memory the step's ops allocated, which the recording holds from now on
@@ -300,12 +300,12 @@ class CpuDecodeReplay:
         self._host_tables = self.block_tables.numpy()
         self._views: tuple[tuple, list] = ((None,) * 5, [])  # the last batch's input tensors and their numpy views
         self._max_rows, self._max_width = max_num_seqs, max_blocks_per_seq
-        self.programs: dict[int, tuple[native_replay.StepProgram, torch.Tensor, list[torch.Tensor]] | None] = {}
+        self.programs: dict[int, tuple[replay.StepProgram, torch.Tensor, list[torch.Tensor]] | None] = {}
         self.replays = 0
 
     def static_batch(self, size: int) -> ForwardBatch:
         """The first ``size`` rows of the static buffers as a decode batch, with the cpu backend's metadata."""
-        from pluginfer.backends.cpu import CpuAttentionMetadata
+        from pluginfer.backends.cpu.backend import CpuAttentionMetadata
 
         tables, seq_lens = self.block_tables[:size], self.seq_lens[:size]
         batch = ForwardBatch(
@@ -346,11 +346,11 @@ class CpuDecodeReplay:
         """Run the step eagerly on the static buffers, noting it; its output is this step's result."""
         keep: list[torch.Tensor] = []
         forward_only = None  # (the recording of the forward alone, its output) when the head follows
-        with torch.inference_mode(), native_replay.recording() as recorder, _WatchTorchOps(recorder, keep) as watch:
+        with torch.inference_mode(), replay.recording() as recorder, _WatchTorchOps(recorder, keep) as watch:
             out = self.forward(self.static_batch(size))
             if self.head is not None and isinstance(out, torch.Tensor):
                 if recorder.refused is None:
-                    forward_only = native_replay.StepRecording()
+                    forward_only = replay.StepRecording()
                     forward_only.program, forward_only.names = list(recorder.program), list(recorder.names)
                     forward_only = (forward_only, out)
                 out = self.head(out)
@@ -365,7 +365,7 @@ class CpuDecodeReplay:
         self._keep(size, recorder, out, keep, watch.new_bytes)
         return out
 
-    def _keep(self, size: int, recorder: native_replay.StepRecording, out: torch.Tensor, keep: list[torch.Tensor],
+    def _keep(self, size: int, recorder: replay.StepRecording, out: torch.Tensor, keep: list[torch.Tensor],
               new_bytes: int) -> None:
         """Keep the recording of ``size`` as its program, or note that size eager (refused, or past the budget)."""
         if self.held_bytes + new_bytes > self.memory_budget:
@@ -376,7 +376,7 @@ class CpuDecodeReplay:
             logger.debug("cpu decode replay: batches of %d stay eager (%s)", size, recorder.refused)
             self.programs[size] = None
         else:
-            self.programs[size] = (native_replay.StepProgram(recorder), out, keep)
+            self.programs[size] = (replay.StepProgram(recorder), out, keep)
             self.held_bytes += new_bytes
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor | None:

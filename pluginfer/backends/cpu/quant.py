@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from pluginfer.backends import amx_library, native_build, native_library
-from pluginfer.backends.native_library import _as, _log_once
-from pluginfer.backends.native_replay import _lib, _record_at, _state
+from pluginfer.backends.cpu import amx_library, build, library
+from pluginfer.backends.cpu.library import _as, _log_once
+from pluginfer.backends.cpu.replay import _lib, _record_at, _state
 
 # The dtypes the dequantization kernels write: float32, or bfloat16 rounded to nearest even from it.
 TILE_DTYPES = (torch.float32, torch.bfloat16)
@@ -140,7 +140,7 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
         flat = _as(x.reshape(rows, cols), torch.float32)
         out = torch.empty(*x.shape[:-1], raw.shape[0], dtype=torch.float32)
     if rows >= 2:  # AMX int8 tiles from amx_quant.MIN_ROWS rows, where the CPU has them
-        from pluginfer.backends import amx_quant
+        from pluginfer.backends.cpu import amx_quant
         if amx_quant.takes(qtype, rows):
             amx_quant.call(qtype, flat, rows, cols, raw, out)
             recorder = getattr(_state, "recording", None)
@@ -211,7 +211,7 @@ QUANT_DOT_ISAS = {1: "AVX-512 VNNI", 2: "AVX2 + AVX-VNNI", 3: "AVX2"}
 def quant_dot_isa() -> str | None:
     """The instruction set the fused quantized matmul runs with here (``csrc/quant_dot.c``), or None
     where the library was built for a CPU without AVX2."""
-    return QUANT_DOT_ISAS.get(native_library.load().quant_dot_supported())
+    return QUANT_DOT_ISAS.get(library.load().quant_dot_supported())
 
 
 def quant_dot_supported() -> bool:
@@ -256,7 +256,7 @@ def quant_matmul_max_rows(tile_dtype: torch.dtype) -> dict[int, int]:
     limit = QUANT_MATMUL_MAX_ROWS[tile_dtype]
     if tile_dtype == torch.float32:
         return dict.fromkeys(QUANT_MATMUL_TYPES, limit)
-    from pluginfer.backends import amx_quant
+    from pluginfer.backends.cpu import amx_quant
 
     return {qtype: AMX_INT8_MAX_ROWS[qtype] if amx_quant.takes(qtype, AMX_INT8_MAX_ROWS.get(qtype, 0)) else limit
             for qtype in QUANT_MATMUL_TYPES}
@@ -267,7 +267,7 @@ TILE_DTYPE_MIN_ROWS = {torch.bfloat16: 32}
 
 def bfloat16_gemm_is_fast() -> bool:
     """Whether torch's bfloat16 GEMM runs on AMX here (AMX-BF16 and oneDNN): several times its float32 GEMM."""
-    return ("amx_bf16" in native_build.cpu_features() and amx_library.enabled()
+    return ("amx_bf16" in build.cpu_features() and amx_library.enabled()
             and torch.backends.mkldnn.is_available())
 
 

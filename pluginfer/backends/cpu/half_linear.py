@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import torch
 
-from pluginfer.backends import amx_half, native_library, native_replay
-from pluginfer.backends.native_library import _log_once
-from pluginfer.backends.native_replay import _lib
+from pluginfer.backends.cpu import amx_half, library, replay
+from pluginfer.backends.cpu.library import _log_once
+from pluginfer.backends.cpu.replay import _lib
 
 # What half_linear_supported() returns in C: the instruction set of the 16-bit GEMV.
 HALF_LINEAR_ISAS = {1: "AVX512-BF16", 2: "AVX-512", 3: "AVX2 + F16C"}
@@ -31,7 +31,7 @@ HALF_WEIGHT_MAX_ROWS = 24
 def half_linear_isa() -> str | None:
     """The instruction set the 16-bit GEMV runs with here (``csrc/half_linear.c``), or None where the
     library was built for a CPU without AVX2 + F16C."""
-    return HALF_LINEAR_ISAS.get(native_library.load().half_linear_supported())
+    return HALF_LINEAR_ISAS.get(library.load().half_linear_supported())
 
 
 def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -90,9 +90,9 @@ def _on_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32 if out_float else dtype)
     args = amx_half.call(dtype, x.reshape(rows, x.shape[-1]).contiguous(), rows, weight,
                          bias.contiguous() if bias is not None else None, out, out_float)
-    recorder = getattr(native_replay._state, "recording", None)
+    recorder = getattr(replay._state, "recording", None)
     if recorder is not None:
-        native_replay._record_at(recorder, amx_half.library().amx_half_linear, *args, entry="half_linear_at")
+        replay._record_at(recorder, amx_half.library().amx_half_linear, *args, entry="half_linear_at")
     return out
 
 
@@ -103,9 +103,9 @@ def _float_x_on_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
     args = amx_half.call_float_x(weight.dtype, x.reshape(rows, x.shape[-1]).contiguous(), rows, weight,
                                  bias.contiguous() if bias is not None else None, out)
-    recorder = getattr(native_replay._state, "recording", None)
+    recorder = getattr(replay._state, "recording", None)
     if recorder is not None:
-        native_replay._record_at(recorder, amx_half.library().amx_half_weight_linear, *args, entry="half_linear_at")
+        replay._record_at(recorder, amx_half.library().amx_half_weight_linear, *args, entry="half_linear_at")
     return out
 
 

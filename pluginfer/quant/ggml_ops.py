@@ -1,80 +1,43 @@
-"""The quantized-matmul ops of the kernel table (``core/kernels.py``): one plain torch reference per weight
-format (Marlin, GPTQ/AWQ grouped, int8, GGML Q8_0 / Q4_0 / Q4_K / Q6_K). As for every op, the function's
-name, signature and docstring are the contract and its body the oracle a device kernel is tested against.
+"""The kernel ops of llama.cpp's GGML blocks, defined at import: the whole-tile dequantization, the fused
+int8-activation matmul, and one matmul per block type a device kernel reads (Q8_0, Q4_0, Q4_K, Q6_K).
+
+The gguf and in-situ GGML methods ask their backend for these (``DeviceBackend.op``); importing them from
+here defines them first. Each reference's body is the oracle of the backends' kernels (the cpu backend's C,
+the cuda backend's Triton).
 """
 
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType
+
+from pluginfer.core.kernels import define_op
+from pluginfer.quant.ggml_blocks import dequantize, quantize_activations
 
 
-def marlin_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int,
-                  zeros: torch.Tensor | None, bias: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
-    """``x @ W (+ bias)`` for a 4-bit weight in the Marlin layout (``quant/marlin_layout.py``); ``x`` ``[..., k]``.
-
-    ``packed``: int32 ``[k / 16, 2n]``; ``scales``: permuted ``[groups, n]``; ``zeros``: AWQ zero points
-    ``[groups, n / 8]`` in the Marlin order, None for symmetric (zero 8); ``positions``: int32 ``[1024]``,
-    where the code of tile row ``r``, run column ``c`` sits in its run (``marlin_layout.position_table``).
-    Each weight is dequantized in float32, rounded to ``x``'s dtype, and products summed in float32.
-    """
-    size_k, size_n = packed.shape[0] * 16, packed.shape[1] // 2
-    grouped = group_size != -1 and group_size < size_k
-    k = torch.arange(size_k, device=x.device)[:, None]
-    n = torch.arange(size_n, device=x.device)[None, :]
-    run, column = n // 64, n % 64
-    position = positions.long()[(k % 16) * 64 + column]
-    word = packed.long()[k // 16, run * 128 + position // 8]
-    code = (word >> ((position % 8) * 4)) & 0xF
-    if grouped:
-        scale_column = run * 64 + 8 * (column % 8) + column // 8
-    else:
-        c32 = n % 32
-        scale_column = (n // 32) * 32 + 8 * ((c32 % 8) // 2) + 2 * (c32 // 8) + c32 % 2
-    group = k // (group_size if grouped else size_k)
-    scale = scales.float()[group, scale_column]
-    zero = 8
-    if zeros is not None:
-        p = 8 * (column % 8) + column // 8
-        slot = run * 64 + (p // 8) * 8 + (p % 2) * 4 + (p % 8) // 2
-        zero = (zeros.long()[group, slot // 8] >> ((slot % 8) * 4)) & 0xF
-    weight = ((code - zero).float() * scale).to(x.dtype)
-    out = (x.reshape(-1, size_k).float() @ weight.float()).to(x.dtype)
-    if bias is not None:
-        out += bias
-    return out.reshape(*x.shape[:-1], size_n)
+@define_op
+def ggml_dequantize(raw: torch.Tensor, qtype: int, cols: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Raw GGML blocks uint8 ``[rows, row_bytes]`` of type ``qtype`` (a ``GGMLQuantizationType`` value) to
+    float32 ``[rows, cols]`` (into ``out`` when given: a contiguous float32 or bfloat16 tensor of at least
+    ``rows * cols`` elements, whose dtype the result takes, each value the float32 one rounded to nearest
+    even). None from a kernel: a type or layout it does not take (the caller runs ``ggml_blocks.dequantize``).
+    A kernel may carry ``quant_matmul`` (its ``ggml_quant_matmul``) and ``quant_matmul_max_rows``, which
+    ``ggml_blocks.ggml_linear`` reads."""
+    dense = dequantize(raw, int(qtype), cols)
+    if out is None:
+        return dense
+    return out.view(-1)[:dense.numel()].view(dense.shape).copy_(dense)
 
 
-
-def grouped_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                   g_idx: torch.Tensor | None, bits: int, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T (+ bias)`` for GPTQ's packing (AWQ repacked into it): ``x`` ``[..., k]``, ``bits`` 4 or 8.
-
-    ``qweight`` int32 ``[k * bits / 32, n]`` (packed along the inputs, lowest bits first); ``qzeros`` int32
-    ``[groups, n * bits / 32]`` (the real zero points, packed along the outputs); ``scales`` ``[groups, n]``;
-    ``g_idx`` int32 ``[k]``: each input's group (act-order), None for ``k // group_size``.
-    ``W[o, i] = (q[i, o] - zero[g, o]) * scale[g, o]`` in float32, rounded to ``x``'s dtype, products
-    summed in float32.
-    """
-    mask = (1 << bits) - 1
-    shifts = torch.arange(0, 32, bits, device=x.device, dtype=torch.int32)
-    codes = ((qweight[:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, qweight.shape[1])  # [k, n]
-    zeros = ((qzeros[:, :, None] >> shifts[None, None, :]) & mask).reshape(qzeros.shape[0], -1)[:, :scales.shape[1]]
-    groups = g_idx.long() if g_idx is not None else torch.arange(codes.shape[0], device=x.device) // group_size
-    weight = ((codes - zeros[groups]).float() * scales.float()[groups]).to(x.dtype)  # [k, n]
-    out = (x.reshape(-1, codes.shape[0]).float() @ weight.float()).to(x.dtype)
-    if bias is not None:
-        out += bias
-    return out.reshape(*x.shape[:-1], -1)
-
-
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W^T (+ bias)`` for per-output-row int8 (W8A16, ``quant/int8.py``): ``qweight`` int8 ``[n, k]``,
-    ``weight_scale`` float32 ``[n]``. The int8 products are summed in float32 and rounded to ``x``'s dtype,
-    then scaled (in float32) and rounded again, as the layer's torch path."""
-    out = (x.float() @ qweight.float().t()).to(x.dtype)
-    out = (out * weight_scale).to(x.dtype)
-    return out if bias is None else out + bias
+@define_op
+def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor | None:
+    """``x @ W^T`` for float ``x [..., cols]`` and ``W`` the raw GGML blocks uint8 ``[rows, row_bytes]``, with
+    ``x`` quantized per block of 32 to int8 levels and float32 scales as llama.cpp's Q8_0
+    (``ggml_blocks.quantize_activations``): ``(levels * scales) @ W^T`` in float32 up to the order of the sum,
+    in ``x``'s dtype. None from a kernel: a type, dtype or layout it does not take."""
+    levels, scales = quantize_activations(x)
+    activations = (levels.float().unflatten(-1, (-1, 32)) * scales[..., None]).flatten(-2)
+    return (activations @ dequantize(raw, int(qtype), cols).t()).to(x.dtype)
 
 
 def _ggml_matmul(x: torch.Tensor, blocks: torch.Tensor, levels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -85,6 +48,7 @@ def _ggml_matmul(x: torch.Tensor, blocks: torch.Tensor, levels: torch.Tensor, bi
     return out if bias is None else out + bias
 
 
+@define_op
 def ggml_q8_0_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for W in llama.cpp's Q8_0 blocks: ``raw`` uint8 ``[n, cols / 32 * 34]``, each block
     an fp16 scale then 32 int8 levels. Weights dequantized in float32, rounded to ``x``'s dtype, products
@@ -93,6 +57,7 @@ def ggml_q8_0_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.
     return _ggml_matmul(x, blocks, blocks[..., 2:].contiguous().view(torch.int8).float(), bias)
 
 
+@define_op
 def ggml_q4_0_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
     """As :func:`ggml_q8_0_matmul` for Q4_0 blocks (``[n, cols / 32 * 18]``: an fp16 scale, then 16 bytes
     whose low nibbles are weights 0-15 and high nibbles 16-31, each ``(nibble - 8) * scale``)."""
@@ -112,6 +77,7 @@ def _ggml_k_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if bias is None else out + bias
 
 
+@define_op
 def ggml_q4_k_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
     """As :func:`ggml_q8_0_matmul` for Q4_K super-blocks (``[n, cols / 256 * 144]``): fp16 ``d`` and ``dmin``,
     12 bytes packing eight 6-bit scales and mins (llama.cpp's ``get_scale_min_k4``), then 128 bytes whose
@@ -128,6 +94,7 @@ def ggml_q4_k_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.
     return _ggml_k_matmul(x, weight, bias)
 
 
+@define_op
 def ggml_q6_k_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
     """As :func:`ggml_q8_0_matmul` for Q6_K super-blocks (``[n, cols / 256 * 210]``): 128 bytes of low nibbles,
     64 of 2-bit high parts, 16 int8 scales (one per 16 weights), fp16 ``d``. Each half of 128 weights takes
@@ -144,3 +111,8 @@ def ggml_q6_k_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.
     scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
     weight = levels * (_f16_at(blocks, 208) * scales).unsqueeze(-1)
     return _ggml_k_matmul(x, weight, bias)
+
+
+# GGML type -> the op of a device kernel reading its blocks; the other types have none.
+MATMUL_OPS = {GGMLQuantizationType.Q8_0: "ggml_q8_0_matmul", GGMLQuantizationType.Q4_0: "ggml_q4_0_matmul",
+              GGMLQuantizationType.Q4_K: "ggml_q4_k_matmul", GGMLQuantizationType.Q6_K: "ggml_q6_k_matmul"}

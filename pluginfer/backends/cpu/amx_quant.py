@@ -1,11 +1,11 @@
 """AMX int8 tile kernels for quantized matmuls (``csrc/amx_quant.c``), a library of their own.
 
-Where a CPU has AMX-INT8 (Sapphire Rapids and later), :func:`native_quant.ggml_quant_matmul` hands a matmul of
+Where a CPU has AMX-INT8 (Sapphire Rapids and later), :func:`quant.ggml_quant_matmul` hands a matmul of
 at least :data:`MIN_ROWS` rows of a Q4_0, Q8_0, Q4_K or Q6_K weight to these kernels instead of the
 AVX-512 VNNI kernel of ``csrc/quant_dot.c``: the same activation quantization (per block of 32 to int8, bit
 for bit) and the same exact integer block dot products, on 16 x 16 tiles; only the float32 sums of the
 scaled block products are grouped differently (docs/quantization.md, "AMX"). The library is built apart
-from ``native_library.load()``'s, so a compiler without AMX support, a CPU without AMX or a kernel that refuses to
+from ``library.py``'s, so a compiler without AMX support, a CPU without AMX or a kernel that refuses to
 build leaves the VNNI kernels as they are, with one log line saying why.
 """
 
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from pluginfer.backends import amx_library, native_library
+from pluginfer.backends.cpu import amx_library
+from pluginfer.backends.cpu.library import _as
 
 SOURCES = (Path(__file__).with_name("csrc") / "amx_quant.c",)
 ENV = amx_library.ENV
@@ -44,7 +45,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def takes(qtype: int, rows: int) -> bool:
-    """Whether ``native_quant.ggml_quant_matmul`` hands ``rows`` rows of this GGML type to the tiles here."""
+    """Whether ``quant.ggml_quant_matmul`` hands ``rows`` rows of this GGML type to the tiles here."""
     return rows >= MIN_ROWS.get(qtype, 1 << 62) and (_library[0] if _library else library()) is not None
 
 
@@ -62,7 +63,7 @@ def call(qtype: int, flat: torch.Tensor, rows: int, cols: int, raw: torch.Tensor
 
 def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor | None:
     """``x @ W^T`` on the tiles whatever the row count (tests and benchmarks; the engine gets there
-    through ``native_quant.ggml_quant_matmul`` from :data:`MIN_ROWS` rows). None: no AMX here, or a type, dtype,
+    through ``quant.ggml_quant_matmul`` from :data:`MIN_ROWS` rows). None: no AMX here, or a type, dtype,
     device or layout the kernels do not handle."""
     qtype = int(qtype)
     if (library() is None or qtype not in MIN_ROWS or raw.dtype != torch.uint8 or raw.dim() != 2
@@ -70,7 +71,7 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> t
             or x.shape[-1] != cols):
         return None
     rows = x.numel() // cols if cols else 0
-    flat = native_library._as(x.reshape(rows, cols), torch.float32)
+    flat = _as(x.reshape(rows, cols), torch.float32)
     out = torch.empty(*x.shape[:-1], raw.shape[0], dtype=torch.float32)
     call(qtype, flat, rows, cols, raw, out)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -78,7 +79,7 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> t
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The kernels' own activation quantization as int8 ``[rows, cols]`` and float32 ``[rows, cols / 32]``
-    (tests: it equals ``native_quant.quantize_activations`` bit for bit), or None without AMX."""
+    (tests: it equals ``quant.quantize_activations`` bit for bit), or None without AMX."""
     if library() is None:
         return None
     x = x.to(torch.float32).contiguous()

@@ -1,13 +1,14 @@
 """Native kernels of the layers' float ops: paged decode attention, RMSNorm, SiLU-and-mul, GELU(tanh)-and-mul
-and NeoX rotary, on float32 or float16/bfloat16 tensors (``csrc/cpu_kernels.c``).
+and NeoX rotary, on float32 or float16/bfloat16 tensors (``csrc/attention.c``, ``norm.c``,
+``activation.c``, ``rotary.c``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pluginfer.backends.native_library import HALF_CODES, _as, _fits, _fits_half
-from pluginfer.backends.native_replay import _lib
+from pluginfer.backends.cpu.library import HALF_CODES, _as, _fits, _fits_half
+from pluginfer.backends.cpu.replay import _lib
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -80,7 +81,7 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
 
 
 def _gated_and_mul(x: torch.Tensor, kernel: str) -> torch.Tensor | None:
-    """``activation(x[:, :n]) * x[:, n:]`` by the float32 ``kernel`` of csrc/cpu_kernels.c, or for float16/bfloat16
+    """``activation(x[:, :n]) * x[:, n:]`` by the float32 ``kernel`` of csrc/activation.c, or for float16/bfloat16
     its ``kernel_16`` (rounded where torch's ``activation(gate) * up`` rounds). None: use the torch path."""
     if x.dtype != torch.float32:
         half = _fits_half(x.dtype, x)

@@ -1,6 +1,6 @@
-"""The native CPU kernel library (``csrc/``): its sources, the C signatures, loading it once per process,
-and the checks the wrappers of every kernel family share (``native_layer_ops``, ``native_panels``,
-``native_quant``, ``native_half_linear``; ``native`` hands them to the cpu backend).
+"""The native CPU kernel library (``csrc/``, one C file per op family): its sources, the C signatures, loading it
+once per process, and the checks the wrappers of every kernel family share (``layer_ops``, ``panels``,
+``quant``, ``half_linear``; ``ops`` registers them in the cpu backend's kernel table).
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from pluginfer.backends.native_build import NativeKernelsUnavailable, build_library
+from pluginfer.backends.cpu.build import NativeKernelsUnavailable, build_library
 
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("cpu_kernels.c", "panel_linear.c", "quant_dot.c", "half_linear.c", "step_replay.c"))
+                for name in ("attention.c", "norm.c", "activation.c", "rotary.c", "dequant.c", "panel_linear.c",
+                             "quant_dot.c", "half_linear.c", "step_replay.c"))
 
 _pointer, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Every C function the wrappers call: (restype, argtypes); a recording packs arguments by these.
@@ -63,7 +64,7 @@ SIGNATURES = {
     "gelu_tanh_and_mul_16": (None, [_pointer, _pointer, _i64, _i64, ctypes.c_int]),
     "rotary_neox_16": (None, [_pointer] * 4 + [_i64] * 7 + [ctypes.c_int]),
 }
-# The 16-bit dtypes the norm, activation, rotary and decode attention kernels also take (csrc/cpu_kernels.c).
+# The 16-bit dtypes the norm, activation, rotary and decode attention kernels also take (csrc/half_values.h).
 HALF_CODES = {torch.float16: 1, torch.bfloat16: 2}
 # Entries of step_replay that are no function of this library: quant_matmul's (half_linear's) arguments behind the
 # address of another library's kernel of that signature (amx_quant.c's tiles; amx_half.c's).

@@ -1,5 +1,5 @@
 """What the AMX tile libraries (``amx_half.py``, ``amx_quant.py``) share: building one apart from
-``native_library.load()``'s and asking Linux for the tile state, or saying why not.
+``library.load()``'s and asking Linux for the tile state, or saying why not.
 
 Each library exports ``<name>_compiled()`` (1 where the compiler enabled the AMX instructions) and
 ``<name>_init()`` (0, or the errno of arch_prctl ``ARCH_REQ_XCOMP_PERM``); the caller logs the outcome.
@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from pluginfer.backends import native_build, native_library
+from pluginfer.backends.cpu import build, library
 
 ENV = "PLUGINFER_AMX"  # the switch of every AMX kernel
 
@@ -37,13 +37,13 @@ def load(name: str, sources: tuple[Path, ...], features: frozenset[str], extensi
     Linux refusing the tile state."""
     if not enabled():
         return None, f"{ENV}=0"
-    if not features <= native_build.cpu_features():
+    if not features <= build.cpu_features():
         return None, f"this CPU has no {extension}"
     if os.environ.get("PLUGINFER_NATIVE", "1") == "0":
         return None, "PLUGINFER_NATIVE=0"
     try:
-        loaded = native_build.build_library(name, sources)[0]
-    except (native_build.NativeKernelsUnavailable, OSError) as exc:
+        loaded = build.build_library(name, sources)[0]
+    except (build.NativeKernelsUnavailable, OSError) as exc:
         return None, f"the AMX {what} did not build: {str(exc)[:300]}"
     for function_name, restype, argtypes in (
             (f"{name}_compiled", ctypes.c_int, []), (f"{name}_init", ctypes.c_int, []), *signatures):
@@ -62,6 +62,6 @@ def load_once(cache: list, unavailable: str, available: str, *args, **kwargs) ->
     line: ``unavailable`` with ``{why}`` filled in, or ``available``; later calls give ``cache[0]``."""
     if not cache:
         loaded, why = load(*args, **kwargs)
-        native_library._log_once(logging.INFO, unavailable.format(why=why) if loaded is None else available)
+        library._log_once(logging.INFO, unavailable.format(why=why) if loaded is None else available)
         cache.append(loaded)
     return cache[0]

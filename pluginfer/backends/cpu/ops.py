@@ -1,0 +1,128 @@
+"""Every op the cpu backend implements, registered in its kernel table: the one place to look.
+
+:data:`NATIVE` maps each op name to the Python wrapper that calls its C kernel, and names the C file in
+``csrc/`` beside it (one file per op family: attention, norm, activation, rotary, dequant, ...). The dense
+layouts (``dense.py``) are registered always; the native kernels only where the library loads, and chosen
+at each lookup (``KernelTable.register_choice``): a kernel depends on this CPU and on settings read when a
+layer asks (``PLUGINFER_QUANT_TILES``, ``PLUGINFER_QUANT_ACTIVATIONS``), and tests switch a backend's native
+kernels off after building it. The table checks each name against the op a module defined: the core's
+(``core/kernels.py``), a quant format's (``quant/ggml_ops.py``, ``packing.py``, ``int4.py``), or the two
+this backend defines itself below (its panel GEMM, which its dense layouts use).
+
+The library is C compiled on first use with the system compiler (``build.py``) and loaded through ctypes
+(``library.py``); step recording is ``replay.py``. When no library can be had (or ``PLUGINFER_NATIVE=0``)
+the cpu backend keeps its torch path and logs once why, and how to get them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pluginfer.backends.cpu import build, half_linear, layer_ops, library, panels, quant
+from pluginfer.core.kernels import KernelTable, define_op
+
+# What a log line about missing kernels tells the user to do.
+HOW_TO_GET = "install a C compiler (gcc or clang; CC picks one) and restart; PLUGINFER_NATIVE=0 silences this"
+
+
+@define_op
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` float32 weight -> panels of 16 outputs ``[padded out / 16, in, 16]``, zero rows padding
+    ``out`` to a multiple of 64 (the cpu backend's own layout for :func:`panel_linear`)."""
+    out_features, in_features = weight.shape
+    padded = torch.zeros(-(-out_features // 64) * 64, in_features, dtype=weight.dtype)
+    padded[:out_features] = weight
+    return padded.view(-1, 16, in_features).transpose(1, 2).contiguous()
+
+
+@define_op
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + bias`` over any leading dims of float32 ``x``, W packed by :func:`pack_panels`."""
+    weight = packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features]
+    return F.linear(x, weight, bias)
+
+
+def register(table: KernelTable, backend: object) -> None:
+    """Fill ``table`` with the cpu backend's kernels: its dense layouts, and the native kernels chosen at each
+    lookup while ``backend.native_kernels`` is on."""
+    from pluginfer.backends.cpu.dense import CpuDenseLayouts
+
+    layouts = CpuDenseLayouts(backend)
+    table.register("dense_layout", layouts.dense_layout)
+    table.register("dense_pack", layouts.dense_pack)
+    table.register("dense_linear", layouts.dense_linear)
+    for name in NATIVE:
+        table.register_choice(name, functools.partial(_native_while_on, backend, name))
+
+
+def _native_while_on(backend: object, name: str) -> Callable | None:
+    return op(name) if backend.native_kernels else None
+
+
+def report() -> str:
+    """One line for `pluginfer plugins`: which kernels loaded, for which instruction set, or why not."""
+    reason = available()
+    if reason is not None:
+        return f"native kernels: not loaded ({reason}); torch path"
+    loaded, info = library.load(), library._loaded["info"]
+    isa = "AVX-512" if loaded.panel_linear_supported() else info.machine
+    fused_isa = quant.QUANT_DOT_ISAS.get(loaded.quant_dot_supported())
+    fused = f"int8 GGML matmul ({fused_isa})" if fused_isa else "no fused int8 GGML matmul"
+    half_isa = half_linear.HALF_LINEAR_ISAS.get(loaded.half_linear_supported())
+    fused += f"; 16-bit GEMV ({half_isa})" if half_isa else "; no 16-bit GEMV"
+    threads = "OpenMP" if info.openmp else "single-threaded (no OpenMP)"
+    path = library._loaded["path"]
+    return (f"native kernels: loaded for {info.machine} {isa} (attention, norms, rotary, dequantization"
+            f"{', panel GEMM' if isa == 'AVX-512' else ''}; {fused}), {threads}, from {path}")
+
+
+def available() -> str | None:
+    """None when the kernels load, else the reason they do not."""
+    try:
+        library.load()
+    except (build.NativeKernelsUnavailable, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def op(name: str) -> Callable | None:
+    """The native kernel for op ``name`` on this CPU now, or None; the panel ops need a CPU with AVX-512, the
+    fused quantized matmul AVX2 (fastest with AVX-512 VNNI)."""
+    if name in ("pack_panels", "panel_linear") and not library.load().panel_linear_supported():
+        return None
+    if name == "half_linear":
+        return half_linear.half_linear_op()
+    kernel = NATIVE.get(name)
+    if name in ("grouped_dequantize", "int4_dequantize"):
+        dtype = quant.tile_dtype()
+        return kernel if dtype == torch.float32 else quant.TileDequantize(kernel, dtype)
+    if kernel is None or name not in ("ggml_quant_matmul", "ggml_dequantize"):
+        return kernel
+    quant_matmul = quant.quant_matmul_op()
+    if name == "ggml_quant_matmul":
+        return quant_matmul
+    dtype = quant.tile_dtype()
+    if quant_matmul is None and dtype == torch.float32:
+        return kernel
+    return quant.GGMLDequantize(kernel, quant_matmul, dtype)
+
+
+# op name -> its native wrapper (op() then picks the variant for this CPU and the settings), and its C file in csrc/
+NATIVE = {
+    "rms_norm": layer_ops.rms_norm,  # norm.c
+    "silu_and_mul": layer_ops.silu_and_mul,  # activation.c
+    "gelu_and_mul": layer_ops.gelu_and_mul,  # activation.c
+    "rotary_neox": layer_ops.rotary_neox,  # rotary.c
+    "ggml_dequantize": quant.ggml_dequantize,  # dequant.c
+    "grouped_dequantize": quant.grouped_dequantize,  # dequant.c
+    "int4_dequantize": quant.int4_dequantize,  # dequant.c
+    "ggml_quant_matmul": quant.ggml_quant_matmul,  # quant_dot.c, amx_quant.c
+    "half_linear": half_linear.half_linear,  # half_linear.c, amx_half.c
+    "pack_panels": panels.pack_panels,  # panel_linear.c
+    "panel_linear": panels.panel_linear,  # panel_linear.c
+}
+# paged_decode_attention (attention.c) is called by the backend's own paged_attention (backend.py), not looked up.
