@@ -27,7 +27,7 @@ class ToolCallSyntax:
 
     The model writes free text until ``trigger`` (a prefix of ``begin``, e.g. ``<tool_call>``) appears;
     from there the output is held to a call of one of the request's tools, up to ``end``, and free text
-    may follow. With ``opens_output`` a call can only open the output (calls may follow each other), and
+    may follow. With ``opens_output`` a call can only open the output (and is then the whole output), and
     output that does not open with ``trigger`` is free text. Pieces of ``begin`` and ``end`` that are
     special tokens of the model's tokenizer are matched as those tokens."""
 

@@ -63,7 +63,7 @@ def auto_tool_grammar(syntaxes: tuple[ToolCallSyntax, ...], tools: list[tuple[st
         if text_triggers:
             plain += rf" & ~/[ \t\r\n]*({'|'.join(text_triggers)})(?s:.*)/"
         lines.append(f"PLAIN: {plain}")
-        lines.append(f"start: PLAIN | ({any_call})+")
+        lines.append(f"start: PLAIN | {any_call}")
     else:
         lines.append(f"start: ({any_call})* TEXT")
     return "\n".join(lines) + "\n"
