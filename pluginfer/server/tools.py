@@ -239,11 +239,13 @@ class ToolCallOutput:
         return content, calls if calling.parallel else calls[:1]
 
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of a finished choice; content None when there are only calls."""
+        """(content, tool_calls) of a finished choice; content None when there are only calls (required and
+        named: always)."""
         content, calls = self._split(text, final=True)
         tool_calls = [{"id": self._id(i), "type": "function", "function": {"name": name, "arguments": arguments}}
                       for i, (name, arguments) in enumerate(calls)]
-        return (content or None) if tool_calls else content, tool_calls
+        constrained = self.calling.mode in ("required", "named")  # calls only, even when cut short
+        return (content or None) if tool_calls or constrained else content, tool_calls
 
     def delta(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """(content delta, delta.tool_calls entries) since the last call."""

@@ -11,7 +11,6 @@ LangChain sends them).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import jsonschema
 import pytest
@@ -44,13 +43,29 @@ def checkpoint(tmp_path_factory, tiny_tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def hermes_server(checkpoint) -> Iterator[BackgroundServer]:
-    config = server_config(checkpoint[0], **{"server.tool_call_parser": "hermes"})
-    engine = start_engine(config)
-    server = BackgroundServer(engine, config)
-    yield server
-    server.stop()
+def hermes_engine(checkpoint):
+    engine = start_engine(server_config(checkpoint[0]))
+    yield engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def make_hermes_server(checkpoint, hermes_engine):
+    servers: list[BackgroundServer] = []
+
+    def make(**overrides) -> BackgroundServer:
+        servers.append(BackgroundServer(hermes_engine, server_config(
+            checkpoint[0], **{"server.tool_call_parser": "hermes", **overrides})))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def hermes_server(make_hermes_server) -> BackgroundServer:
+    return make_hermes_server()
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +122,15 @@ def test_plain_text_answers_come_back_as_content(auto_client, call_token, seed):
     streamed, calls, reasons = _streamed_calls(
         auto_client.chat.completions.create(**_request(seed, bias, max_tokens=40), stream=True))
     assert streamed == choice.message.content and not calls and reasons == [choice.finish_reason]
+
+
+def test_a_reasoning_parser_keeps_auto_unconstrained(make_hermes_server, call_token):
+    """With a reasoning parser no grammar holds auto (it would forbid <think> from the first token): the
+    reasoning is split off as without tools. deepseek_r1 reads an output without ``</think>`` as all reasoning."""
+    with make_client(make_hermes_server(**{"server.reasoning_parser": "deepseek_r1"})) as client:
+        answer = client.chat.completions.create(**_request(1, {call_token: -100.0}, max_tokens=30)).choices[0]
+        plain = client.chat.completions.create(**_request(1, {call_token: -100.0}, max_tokens=30,
+                                                          tool_choice="none")).choices[0]
+    reasoning = answer.message.model_extra["reasoning_content"]
+    assert reasoning and not answer.message.content and not answer.message.tool_calls
+    assert reasoning == plain.message.model_extra["reasoning_content"]  # the same sampling: no grammar
