@@ -29,7 +29,7 @@ class ToolCallSyntax:
     from there the output is held to a call of one of the request's tools, up to ``end``, and free text
     may follow. With ``opens_output`` a call can only open the output (and is then the whole output), and
     output that does not open with ``trigger`` is free text. Pieces of ``begin`` and ``end`` that are
-    special tokens of the model's tokenizer are matched as those tokens."""
+    added tokens of the model's tokenizer (``<tool_call>``, ``[TOOL_CALLS]``) are matched as those tokens."""
 
     trigger: str
     begin: str

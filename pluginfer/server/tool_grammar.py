@@ -1,10 +1,11 @@
 """The grammar that holds ``tool_choice: auto`` calls: free text, and once a parser's call trigger appears,
 a call of one of the request's tools in the parser's own syntax, its arguments held to the tool's schema.
 
-Written as an llguidance Lark grammar (its "tool calling" pattern, which its ``StructTag`` and xgrammar's
-structural tags also compile to): a text trigger is a lazy lexeme (free text ends at its first
-occurrence); a trigger that is an added token of the tokenizer (``special_tokens``) is matched as that
-token, which free text cannot hold, and free text may not spell it out either. The arguments are ``%json``, at most one space between tokens, as models write calls.
+Written as an llguidance Lark grammar, in the pattern its ``StructTag`` compiles to (as vLLM's structural
+tags do on xgrammar): a text trigger is a lazy lexeme (free text ends at its first occurrence); a trigger
+that is an added token of the tokenizer (``special_tokens``) is matched as that token, which free text
+cannot hold, and free text may not spell it out either. The arguments are ``%json`` with at most one space
+between tokens, as models write calls.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _regex(text: str) -> str:
 
 
 def _pieces(text: str, special_tokens: dict[str, int]) -> str:
-    """``text`` as Lark: string literals, and ``<[id]>`` for each special token it holds."""
+    """``text`` as Lark: string literals, and ``<[id]>`` for each added token it holds."""
     out = []
     while text:
         found = [(text.find(token), token) for token in special_tokens if token and token in text]
