@@ -20,6 +20,23 @@ class FunctionCall:
     arguments: str  # a JSON object, as text (OpenAI's ``function.arguments``)
 
 
+@dataclass(frozen=True)
+class ToolCallSyntax:
+    """How a model writes one call, for the grammar that holds calls under ``tool_choice: auto``: ``begin``
+    (``{name}`` where the function's name goes), the arguments as one JSON object, then ``end``.
+
+    The model writes free text until ``trigger`` (a prefix of ``begin``, e.g. ``<tool_call>``) appears;
+    from there the output is held to a call of one of the request's tools, up to ``end``, and free text
+    may follow. With ``opens_output`` a call can only open the output (and is then the whole output), and
+    output that does not open with ``trigger`` is free text. Pieces of ``begin`` and ``end`` that are
+    added tokens of the model's tokenizer (``<tool_call>``, ``[TOOL_CALLS]``) are matched as those tokens."""
+
+    trigger: str
+    begin: str
+    end: str
+    opens_output: bool = False
+
+
 @dataclass
 class ToolCallText:
     """An output text split into content (the text outside tool calls) and the complete calls."""
@@ -36,6 +53,11 @@ class ToolCallParser(Protocol):
     """True when a marker is a special token: the server then keeps special tokens in the output text
     (and strips them from the content it returns)."""
 
+    call_syntax: tuple[ToolCallSyntax, ...]
+    """Optional (absent: ``()``). The ways this parser's model writes a call, each a call this parser reads
+    back; with ``tool_choice: auto`` the server then holds a call, once its trigger appears, to a declared
+    tool and its schema. Read it with :func:`call_syntax_of`."""
+
     def parse(self, text: str, final: bool) -> ToolCallText:
         """The content and the complete calls of ``text``. Text that holds no call, or a call that does
         not parse once ``final``, is content. Never raises on any text."""
@@ -44,6 +66,11 @@ class ToolCallParser(Protocol):
     def new_id(self) -> str:
         """A fresh tool-call id (``call_...``; some chat templates require their own shape)."""
         ...
+
+
+def call_syntax_of(parser: ToolCallParser) -> tuple[ToolCallSyntax, ...]:
+    """``parser.call_syntax``, or ``()`` for a parser written before the member existed (it is optional)."""
+    return tuple(getattr(parser, "call_syntax", ()))
 
 
 class ReasoningParser(Protocol):

@@ -34,6 +34,7 @@ from pluginfer.server.streaming import (
     stream_response,
     usage,
 )
+from pluginfer.server.tool_grammar import special_tokens
 from pluginfer.server.tools import ToolCalling, ToolCallOutput
 from pluginfer.text.tokenizer import render_chat, template_renders_tools
 
@@ -121,6 +122,9 @@ def _with_tools(state: ServerState, params: SamplingParams, grammar: tuple[Struc
     if tools is None:
         return params, grammars
     tool_grammar = tools.grammar()
+    if tool_grammar is None and grammar is None and state.reasoning_parser is None:
+        # auto: not under a reasoning parser, whose <think> section a grammar from the first token would forbid
+        tool_grammar = tools.auto_grammar(special_tokens(state.tokenizer))
     if tool_grammar is not None:
         if grammar is not None:
             raise bad_request(f"tool_choice {tools.mode} constrains the output itself; it cannot be combined "

@@ -17,7 +17,7 @@ import secrets
 import string
 from typing import Any
 
-from pluginfer.core.parsers import FunctionCall, ToolCallParser, ToolCallText
+from pluginfer.core.parsers import FunctionCall, ToolCallParser, ToolCallSyntax, ToolCallText
 from pluginfer.core.registry import Registry, get_registry
 
 
@@ -66,6 +66,7 @@ class MarkedToolParser:
 
     marker = ""
     needs_special_tokens = False  # the marker is a special token, so the text must keep them
+    call_syntax: tuple[ToolCallSyntax, ...] = ()  # how the model writes a call, for the grammar under auto
 
     def parse(self, text: str, final: bool) -> ToolCallText:
         start = text.find(self.marker)
@@ -89,6 +90,7 @@ class HermesToolParser(MarkedToolParser):
     """Hermes 2 Pro, Qwen2.5, Qwen3, QwQ: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
 
     marker = "<tool_call>"
+    call_syntax = (ToolCallSyntax(marker, '<tool_call>\n{"name": "{name}", "arguments": ', "}\n</tool_call>"),)
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def calls(self, text: str, final: bool) -> list[FunctionCall]:
@@ -110,6 +112,8 @@ class Llama3JsonToolParser(MarkedToolParser):
     joined by ``;``), optionally after ``<|python_tag|>``; output that starts otherwise is content."""
 
     marker = "<|python_tag|>"
+    call_syntax = (ToolCallSyntax("{", '{"name": "{name}", "parameters": ', "}", opens_output=True),
+                   ToolCallSyntax(marker, '<|python_tag|>{"name": "{name}", "parameters": ', "}", opens_output=True))
 
     def parse(self, text: str, final: bool) -> ToolCallText:
         body = text.lstrip()
@@ -136,6 +140,8 @@ class MistralToolParser(MarkedToolParser):
     marker = "[TOOL_CALLS]"
     needs_special_tokens = True
     _args = "[ARGS]"
+    call_syntax = (ToolCallSyntax(marker, '[TOOL_CALLS] [{"name": "{name}", "arguments": ', "}]"),
+                   ToolCallSyntax(marker, "[TOOL_CALLS]{name}[ARGS]", ""))
 
     def calls(self, text: str, final: bool) -> list[FunctionCall]:
         pieces = [piece.strip() for piece in text.split(self.marker)[1:]]
@@ -164,6 +170,10 @@ class DeepSeekV3ToolParser(MarkedToolParser):
     too."""
 
     marker = "<｜tool▁calls▁begin｜>"
+    call_syntax = (ToolCallSyntax(marker, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
+                                  "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+                   ToolCallSyntax(marker, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
+                                  "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"))
     _call_re = re.compile(r"<｜tool▁call▁begin｜>(?:(?P<type>\w+)<｜tool▁sep｜>(?P<name>[^\n<]+)\n```(?:json)?\n"
                           r"(?P<fenced>.*?)\n```|(?P<name31>[^<]+?)<｜tool▁sep｜>(?P<plain>.*?))<｜tool▁call▁end｜>",
                           re.DOTALL)

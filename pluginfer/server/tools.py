@@ -3,7 +3,9 @@ and the model's output back to ``message.tool_calls`` / streamed ``delta.tool_ca
 
 - ``none``: the tools are rendered by the chat template; the output is plain content.
 - ``auto`` (the default with tools): the model writes calls in its own format, which the server's
-  ``--tool-call-parser`` reads (``tool_parsers.py``).
+  ``--tool-call-parser`` reads (``tool_parsers.py``). Where the parser says how its calls look
+  (``call_syntax``), a grammar lets the model write free text and holds a call, once its trigger
+  appears, to a declared tool and its (strict) parameters (``tool_grammar.py``).
 - ``required`` / a named function: constrained decoding makes the call valid, as vLLM does. A named
   function's output is its arguments (the grammar is the function's ``parameters``); ``required``'s
   output is a JSON array of ``{"name", "parameters"}`` (``anyOf`` over the tools). Both are read
@@ -24,10 +26,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pluginfer.core.parsers import ToolCallParser
+from pluginfer.core.parsers import ToolCallParser, call_syntax_of
 from pluginfer.engine.strict_schema import strict_json_schema
 from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import bad_request
+from pluginfer.server.tool_grammar import auto_tool_grammar
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -40,7 +43,7 @@ class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # required / named: enforced either way; auto: the parser reads what comes
+    strict: bool | None = None  # enforced either way (auto: where the parser says how its calls look)
 
 
 class Tool(_Strict):
@@ -140,6 +143,18 @@ class ToolCalling:
             schema["maxItems"] = 1
         return _compact(schema)
 
+    def auto_grammar(self, special_tokens: dict[str, int]) -> StructuredOutputsParams | None:
+        """Under auto, with a parser that says how its calls look: free text, and once a call's trigger
+        appears, a call of a declared tool with arguments held to its parameters. ``special_tokens``: the
+        tokenizer's, matched as tokens where the parser's syntax writes them."""
+        if self.mode != "auto" or self.parser is None:
+            return None
+        syntax = call_syntax_of(self.parser)
+        if not syntax:
+            return None
+        tools = [(tool.function.name, self.parameters(tool.function.name)) for tool in self.tools]
+        return StructuredOutputsParams(grammar=auto_tool_grammar(syntax, tools, special_tokens))
+
     def new_output(self) -> ToolCallOutput:
         return ToolCallOutput(self)
 
@@ -172,6 +187,25 @@ def _hoisted(schema: dict[str, Any], name: str) -> dict[str, Any]:
     return hoisted
 
 
+_CALL_HEAD = re.compile(r'\{"name":"([^"]+)","parameters":')
+
+
+def _required_calls(text: str) -> list[tuple[str, str]]:
+    """The calls of ``required``'s array (compact JSON, as its grammar writes it), each call's arguments as
+    written. Cut short by ``max_tokens``: the last call's arguments as far as they came, as a named call's
+    are; a call cut before its name is left out. Never the array itself as content."""
+    calls: list[tuple[str, str]] = []
+    position, decoder = 1, json.JSONDecoder()
+    while text.startswith("[") and (head := _CALL_HEAD.match(text, position)) is not None:
+        try:
+            _, end = decoder.raw_decode(text, head.end())
+        except ValueError:
+            return [*calls, (head.group(1), text[head.end():])]
+        calls.append((head.group(1), text[head.end():end]))
+        position = end + 1 + text.startswith(",", end + 1)  # past the call's "}" and a ","
+    return calls
+
+
 class ToolCallOutput:
     """One choice's output text as content and tool calls: whole (``message``) or as stream deltas."""
 
@@ -194,13 +228,7 @@ class ToolCallOutput:
         if calling.mode == "named":
             return "", [(calling.name, text)]  # type: ignore[list-item]
         if calling.mode == "required":
-            if not final:
-                return "", []
-            try:
-                calls = json.loads(text)
-                return "", [(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in calls]
-            except (ValueError, TypeError, KeyError):
-                return text, []  # cut short (finish_reason "length"): what came is content
+            return "", _required_calls(text) if final else []
         if calling.mode == "none" or calling.parser is None:
             return text, []
         parsed = calling.parser.parse(text, final)
@@ -211,11 +239,13 @@ class ToolCallOutput:
         return content, calls if calling.parallel else calls[:1]
 
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool_calls) of a finished choice; content None when there are only calls."""
+        """(content, tool_calls) of a finished choice; content None when there are only calls (required and
+        named: always)."""
         content, calls = self._split(text, final=True)
         tool_calls = [{"id": self._id(i), "type": "function", "function": {"name": name, "arguments": arguments}}
                       for i, (name, arguments) in enumerate(calls)]
-        return (content or None) if tool_calls else content, tool_calls
+        constrained = self.calling.mode in ("required", "named")  # calls only, even when cut short
+        return (content or None) if tool_calls or constrained else content, tool_calls
 
     def delta(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """(content delta, delta.tool_calls entries) since the last call."""

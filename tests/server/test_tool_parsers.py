@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
+import torch
 
 from pluginfer.core.registry import UnknownPluginError, get_registry
+from pluginfer.engine.strict_schema import strict_json_schema
+from pluginfer.engine.structured import (
+    GrammarCompiler,
+    StructuredOutputsParams,
+    accept_token,
+    fill_token_bitmask,
+)
+from pluginfer.server.tool_grammar import auto_tool_grammar, special_tokens
 from pluginfer.server.tool_parsers import FunctionCall, get_tool_parser
 
 WEATHER = '{"location": "San Francisco, CA, USA", "unit": "celsius"}'
@@ -79,7 +89,53 @@ def test_mistral_ids_are_nine_alphanumerics_others_are_call_ids():
 def test_registry_names_and_unknown_parser():
     names = {name for spec in get_registry().specs("tool_parser") for name in spec.names}
     assert {"hermes", "qwen", "llama3_json", "mistral", "deepseek_v3", "deepseek_v31"} <= names
-    with pytest.raises(UnknownPluginError, match="no tool_parser plugin named 'nope'; available: deepseek_v3, "
-                                                 "deepseek_v31, hermes, llama3_json, mistral, qwen"):
+    with pytest.raises(UnknownPluginError, match="no tool_parser plugin named 'nope'; available: ") as raised:
         get_tool_parser("nope")
+    listed = str(raised.value).split("available: ")[1].split(".")[0].split(", ")
+    assert listed == sorted(names) and {"deepseek_v3", "hermes", "llama3_json", "mistral", "qwen"} <= set(listed)
     assert FunctionCall("f", "{}") == FunctionCall("f", "{}")
+
+
+CALL_TOOLS = [("get_weather", strict_json_schema({"type": "object", "required": ["city"], "properties": {
+    "city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}}})),
+              ("get_time", strict_json_schema({"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}}))]
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "deepseek_v3"])
+def test_each_call_syntax_reads_back_as_a_valid_call(tiny_tokenizer_dir, name):
+    """Random logits sampled under the auto grammar of each built-in parser's call syntax: once the trigger is
+    written (given as the first tokens), what follows is a call the parser reads back, of a declared tool,
+    with arguments that validate (jsonschema), and every syntax of the parser is reached over the seeds."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    parser = get_tool_parser(name)
+    grammar = StructuredOutputsParams(grammar=auto_tool_grammar(parser.call_syntax, CALL_TOOLS,
+                                                                special_tokens(tokenizer)))
+    begins = set()
+    for seed in range(12):
+        syntax = parser.call_syntax[seed % len(parser.call_syntax)]
+        prompt = ("" if syntax.opens_output else "Let me check. ") + syntax.trigger
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        matcher = compiler.matcher(grammar)
+        generator = torch.Generator().manual_seed(seed)
+        for token in ids:
+            assert matcher.consume_token(token), matcher.get_error()
+        for _ in range(150):
+            logits = torch.randn(len(tokenizer), generator=generator)
+            logits[~fill_token_bitmask([matcher], len(tokenizer))[0]] = -float("inf")
+            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+            if token == tokenizer.eos_token_id:
+                break
+            ids.append(token)
+            if accept_token(matcher, token):
+                break
+        text = tokenizer.decode(ids)
+        calls = parser.parse(text, final=True).calls
+        assert calls, text
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), dict(CALL_TOOLS)[call.name])
+        begins.add(next(s.begin for s in parser.call_syntax if text[len(prompt) - len(syntax.trigger):].startswith(
+            s.begin.split("{name}")[0])))
+    assert begins == {syntax.begin for syntax in parser.call_syntax}

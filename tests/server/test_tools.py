@@ -139,6 +139,46 @@ def test_required_calls_validate_against_their_tools(client, parallel, temperatu
     assert [json.loads(c["arguments"]) for c in calls.values()] == [json.loads(c.function.arguments) for c in first]
 
 
+def test_required_cut_by_max_tokens_returns_the_partial_call(client):
+    """Cut by max_tokens, ``required`` answers "length" with the calls as far as they came, never its internal
+    array as content: greedy, a cut output is a prefix of the whole one, so each call is the whole answer's
+    call and the last one's arguments a prefix of that call's."""
+    request = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0)
+    whole = client.chat.completions.create(**request, max_tokens=150)
+    [full] = whole.choices
+    expected = [(call.function.name, call.function.arguments) for call in full.message.tool_calls]
+    length = whole.usage.completion_tokens
+    for max_tokens in (3, length // 2, length - 2):
+        answer = client.chat.completions.create(**request, max_tokens=max_tokens).choices[0]
+        streamed, deltas, reasons = _streamed_calls(client.chat.completions.create(**request, max_tokens=max_tokens,
+                                                                                     stream=True))
+        assert answer.finish_reason == "length" and reasons == ["length"]
+        assert answer.message.content is None and streamed == ""
+        calls = [(call.function.name, call.function.arguments) for call in answer.message.tool_calls or []]
+        assert [(c["name"], c["arguments"]) for c in deltas.values()] == calls
+        assert len(calls) <= len(expected) and (calls or max_tokens == 3), (max_tokens, calls)
+        for i, (name, arguments) in enumerate(calls):
+            assert name == expected[i][0]
+            assert expected[i][1].startswith(arguments) and (arguments == expected[i][1] or i == len(calls) - 1)
+
+
+def test_auto_answer_cut_after_a_call_says_length(hermes_server):
+    """An answer cut by max_tokens says "length" though it carries a complete call (docs/server.md)."""
+    request = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, temperature=0,
+                   extra_body={"structured_outputs": {"choice": [HERMES_TEXT + " Then I tell you what it says."]}})
+    with make_client(hermes_server) as client:
+        whole = client.chat.completions.create(**request, max_tokens=100)
+        assert whole.choices[0].finish_reason == "tool_calls"
+        cut = client.chat.completions.create(**request, max_tokens=whole.usage.completion_tokens - 3).choices[0]
+        content, calls, reasons = _streamed_calls(client.chat.completions.create(
+            **request, max_tokens=whole.usage.completion_tokens - 3, stream=True))
+    assert cut.finish_reason == "length" and reasons == ["length"]
+    assert cut.message.content == content == "I check."
+    assert _check_calls(cut.message.tool_calls) == [("get_weather", {"city": "Paris", "unit": "c"})]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})]
+
+
 class Item(pydantic.BaseModel):
     sku: str = pydantic.Field(max_length=4)
     count: int = pydantic.Field(ge=1, le=9)
