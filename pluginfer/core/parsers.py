@@ -54,9 +54,9 @@ class ToolCallParser(Protocol):
     (and strips them from the content it returns)."""
 
     call_syntax: tuple[ToolCallSyntax, ...]
-    """Optional (absent: ``()``). The ways this parser's model writes a call, each a call this parser reads
-    back; with ``tool_choice: auto`` the server then holds a call, once its trigger appears, to a declared
-    tool and its schema. Read it with :func:`call_syntax_of`."""
+    """The ways this parser's model writes a call, each a call this parser reads back (``()``: none declared,
+    the output under ``tool_choice: auto`` is then not held by a grammar); with ``tool_choice: auto`` the
+    server holds a call, once its trigger appears, to a declared tool and its schema."""
 
     def parse(self, text: str, final: bool) -> ToolCallText:
         """The content and the complete calls of ``text``. Text that holds no call, or a call that does
@@ -66,11 +66,6 @@ class ToolCallParser(Protocol):
     def new_id(self) -> str:
         """A fresh tool-call id (``call_...``; some chat templates require their own shape)."""
         ...
-
-
-def call_syntax_of(parser: ToolCallParser) -> tuple[ToolCallSyntax, ...]:
-    """``parser.call_syntax``, or ``()`` for a parser written before the member existed (it is optional)."""
-    return tuple(getattr(parser, "call_syntax", ()))
 
 
 class ReasoningParser(Protocol):

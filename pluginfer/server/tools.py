@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pluginfer.core.parsers import ToolCallParser, call_syntax_of
+from pluginfer.core.parsers import ToolCallParser
 from pluginfer.engine.strict_schema import strict_json_schema
 from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import bad_request
@@ -149,7 +149,7 @@ class ToolCalling:
         tokenizer's, matched as tokens where the parser's syntax writes them."""
         if self.mode != "auto" or self.parser is None:
             return None
-        syntax = call_syntax_of(self.parser)
+        syntax = tuple(self.parser.call_syntax)
         if not syntax:
             return None
         tools = [(tool.function.name, self.parameters(tool.function.name)) for tool in self.tools]

@@ -17,7 +17,7 @@ import json
 import random
 from collections.abc import Callable, Sequence
 
-from pluginfer.core.parsers import FunctionCall, ReasoningParser, ToolCallParser
+from pluginfer.core.parsers import FunctionCall, ReasoningParser, ToolCallParser, ToolCallSyntax
 
 NOISE = ("", " ", "\n", "{", "}", "[", "]", "<", ">", '"', "{}", "[]", "null", "\\", "\x00", "é", "😀", "``", ":")
 
@@ -40,6 +40,8 @@ def check_tool_parser(factory: Callable[[], ToolCallParser],
     the format's marker strings, mixed into random texts the parser must survive."""
     parser = factory()
     assert isinstance(parser.needs_special_tokens, bool), "needs_special_tokens must be a bool"
+    assert isinstance(parser.call_syntax, tuple) and all(isinstance(s, ToolCallSyntax) for s in parser.call_syntax), \
+        "call_syntax must be a tuple of ToolCallSyntax (empty: no grammar under tool_choice auto)"
     ids = [parser.new_id() for _ in range(8)]
     assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == len(ids), f"ids must be fresh: {ids}"
     for text, content, calls in samples:

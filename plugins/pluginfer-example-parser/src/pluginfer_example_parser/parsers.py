@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import secrets
 
-from pluginfer.core.parsers import FunctionCall, ToolCallText
+from pluginfer.core.parsers import FunctionCall, ToolCallSyntax, ToolCallText
 
 CALL, END = "<<call ", ">>"
 THINK = "~~"
@@ -24,6 +24,7 @@ class MemoToolParser:
     """``<<call NAME {json}>>``: the text before the first call is content, each complete block a call."""
 
     needs_special_tokens = False  # the markers are plain text
+    call_syntax = (ToolCallSyntax(CALL, CALL + "{name} ", END),)  # what parse() reads back, for tool_choice: auto
 
     def parse(self, text: str, final: bool) -> ToolCallText:
         start = text.find(CALL)
