@@ -10,18 +10,21 @@ from typing import TYPE_CHECKING
 from pluginfer.cli.chat_loop import chat_loop
 
 if TYPE_CHECKING:
-    from pluginfer.core.config import EngineConfig
+    from pluginfer.core.config import EngineConfig, SamplingDefaults
     from pluginfer.engine.engine import LLMEngine
     from pluginfer.engine.sequence import SamplingParams
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=None, help="default from the config's sampling")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    unset = "; unset: --default-{} or the config's sampling section, else the model's generation_config.json"
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature" +
+                        unset.format("temperature") + ", else 1.0")
+    parser.add_argument("--top-p", type=float, default=None, help="top-p" + unset.format("top-p") + ", else 1.0")
+    parser.add_argument("--top-k", type=int, default=None, help="top-k" + unset.format("top-k") + ", else 0: off")
+    parser.add_argument("--min-p", type=float, default=None, help="min-p" + unset.format("min-p") + ", else 0")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="repetition penalty" + unset.format("repetition-penalty") + ", else 1.0")
     parser.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler for this request")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
@@ -45,16 +48,16 @@ def register(commands: argparse._SubParsersAction, add_engine_arguments: Callabl
     chat.set_defaults(run=run_chat)
 
 
-def _params(args: argparse.Namespace, config: EngineConfig) -> SamplingParams:
+def _params(args: argparse.Namespace, defaults: SamplingDefaults) -> SamplingParams:
     from pluginfer.engine.sequence import SamplingParams
 
-    defaults = config.sampling
+    def pick(name: str) -> float | int:
+        given = getattr(args, name)
+        return getattr(defaults, name) if given is None else given
+
     return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=defaults.temperature if args.temperature is None else args.temperature,
-        top_p=defaults.top_p if args.top_p is None else args.top_p,
-        top_k=defaults.top_k if args.top_k is None else args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
+        max_tokens=args.max_tokens, temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
+        min_p=pick("min_p"), repetition_penalty=pick("repetition_penalty"), seed=args.sampling_seed,
         stop=args.stop, ignore_eos=args.ignore_eos,
     )
 
@@ -71,7 +74,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from pluginfer.text.tokenizer import render_chat
 
     engine, config = _engine(args)
-    params = _params(args, config)
+    params = _params(args, engine.sampling_defaults)
     order = []
     for prompt in args.prompt:
         if args.chat_template:
@@ -101,7 +104,7 @@ def run_chat(args: argparse.Namespace) -> int:
     from pluginfer.text.tokenizer import render_chat
 
     engine, config = _engine(args)
-    params = _params(args, config)
+    params = _params(args, engine.sampling_defaults)
 
     def answer(messages: list[dict]) -> Iterator[str]:
         prompt = engine.tokenizer.encode(render_chat(engine.tokenizer, messages), add_special_tokens=False)

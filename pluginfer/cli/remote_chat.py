@@ -18,13 +18,10 @@ READ_TIMEOUT_S = 600.0
 
 def _payload(args: argparse.Namespace, model: str, messages: list[dict]) -> dict:
     payload = {"model": model, "messages": messages, "stream": True, "max_tokens": args.max_tokens}
-    optional = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                "seed": args.sampling_seed, "stop": args.stop}
+    # unset: the server's defaults (its config's, else the model's generation_config.json)
+    optional = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+                "repetition_penalty": args.repetition_penalty, "seed": args.sampling_seed, "stop": args.stop}
     payload.update({key: value for key, value in optional.items() if value is not None})
-    if args.min_p:
-        payload["min_p"] = args.min_p
-    if args.repetition_penalty != 1.0:
-        payload["repetition_penalty"] = args.repetition_penalty
     if args.ignore_eos:
         payload["ignore_eos"] = True
     return payload

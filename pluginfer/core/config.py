@@ -99,11 +99,35 @@ class ServerConfig(_Section):
         "fast when other programs load the cores. OMP_WAIT_POLICY or GOMP_SPINCOUNT set in the environment win.")
 
 
+# What a request that sets a sampling field gets when neither the deployment nor the model's
+# generation_config.json sets it either.
+BUILTIN_SAMPLING: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class SamplingDefaults(_Section):
-    temperature: float = Field(1.0, ge=0, description="Temperature of requests that set none.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Top-p of requests that set none.")
-    top_k: int = Field(0, ge=-1, description="Top-k of requests that set none (0 or -1: off).")
+    """Defaults of requests that set none; an unset field takes the model's generation_config.json, else the
+    built-in value (``BUILTIN_SAMPLING``), as vLLM does."""
+
+    temperature: float | None = Field(None, ge=0, description="Temperature of requests that set none; unset: "
+                                      "the model's generation_config.json, else 1.0.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Top-p of requests that set none; unset: the "
+                                "model's generation_config.json, else 1.0.")
+    top_k: int | None = Field(None, ge=-1, description="Top-k of requests that set none (0 or -1: off); unset: "
+                              "the model's generation_config.json, else 0.")
+    min_p: float | None = Field(None, ge=0, le=1, description="Min-p of requests that set none; unset: the "
+                                "model's generation_config.json, else 0.")
+    repetition_penalty: float | None = Field(
+        None, ge=1e-6, le=1e6, description="Repetition penalty of requests that set none; unset: the model's "
+        "generation_config.json, else 1.0.")
     max_tokens: int = Field(256, ge=1, description="Tokens to generate for requests that set no limit.")
+
+    def over(self, model: dict[str, Any]) -> SamplingDefaults:
+        """Every field set: this deployment's value, else the model's (``model``: valid values read from its
+        generation_config.json), else the built-in one."""
+        filled = {name: value for name, value in {**BUILTIN_SAMPLING, **model}.items()
+                  if getattr(self, name) is None}
+        return self.model_copy(update=filled)
 
 
 class TestingConfig(_Section):
@@ -113,7 +137,7 @@ class TestingConfig(_Section):
 
 
 class EngineConfig(_Section):
-    model: str = Field(..., description="HF directory, hub id, or 'demo'.")
+    model: str = Field(..., description="A Hugging Face checkpoint directory, a hub id, a .gguf file, or 'demo'.")
     tokenizer: str | None = Field(None, description="Tokenizer directory if not the model's.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     backend: str = Field("auto", description="Device backend plugin, or auto.")

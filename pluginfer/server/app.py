@@ -108,7 +108,8 @@ def _auth_middleware(api_keys: list[str]) -> Any:
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pluginfer",
             "root": state.config.model, "max_model_len": state.engine.max_model_len,
-            "vocab_size": state.vocab_size}  # token ids below it are valid prompts (`pluginfer bench serve`)
+            "vocab_size": state.vocab_size,  # token ids below it are valid prompts (`pluginfer bench serve`)
+            "sampling_defaults": state.sampling.model_dump()}  # what a request that sets none of them gets
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -47,10 +47,15 @@ async def stop_site(runner: web.AppRunner, site: web.TCPSite,
 
 
 async def _serve(async_engine: AsyncEngine, config: EngineConfig) -> int:
+    from pluginfer.engine.generation_config import describe, model_sampling_defaults
     from pluginfer.server.app import build_app
+    from pluginfer.server.state import STATE
 
     app = build_app(async_engine, config)
     runner, site, port = await start_site(app, config.server.host, config.server.port)
+    state = app[STATE]
+    print(f"pluginfer: {describe(state.sampling, config.sampling, model_sampling_defaults(state.engine.model_path))}",
+          file=sys.stderr, flush=True)
     stop = asyncio.Event()
     terminated: list[int] = []  # SIGTERM (an orchestrator's stop) drains; SIGINT (Ctrl-C) stops at once
     loop = asyncio.get_running_loop()

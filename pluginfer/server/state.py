@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from pluginfer.core.config import EngineConfig
+from pluginfer.core.config import EngineConfig, SamplingDefaults
 from pluginfer.core.parsers import ReasoningParser, ToolCallParser
 from pluginfer.core.registry import get_registry
+from pluginfer.engine.generation_config import sampling_defaults
 from pluginfer.engine.pooling import PoolerConfig
 from pluginfer.server.errors import APIError, bad_request, from_validation_error
 from pluginfer.server.metrics import ServerMetrics
@@ -37,6 +38,7 @@ class ServerState:
     reasoning_parser: Callable[[], ReasoningParser] | None = None  # the plugin's factory: one parser per choice
     tool_parser: Callable[[], ToolCallParser] | None = None  # the plugin's factory: one parser per request
     processors: RequestProcessors = field(default_factory=RequestProcessors)  # build_app loads the selected ones
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # every field set: what requests default to
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM with server.shutdown_timeout: requests in flight finish, new ones get a 503
     pooler: PoolerConfig | None = None  # the checkpoint's pooling, read at the first /v1/embeddings request
@@ -48,7 +50,8 @@ class ServerState:
         reasoning = registry.load("reasoning_parser", server.reasoning_parser) if server.reasoning_parser else None
         tools = registry.load("tool_parser", server.tool_call_parser) if server.tool_call_parser else None
         return cls(async_engine, config, server.served_model_name or config.model,
-                   ServerMetrics(async_engine.engine), reasoning, tools)
+                   ServerMetrics(async_engine.engine), reasoning, tools,
+                   sampling=sampling_defaults(config.sampling, async_engine.engine.model_path))
 
     @property
     def engine(self) -> LLMEngine:
