@@ -63,7 +63,7 @@ class ServerConfig(_Section):
     port: int = Field(8000, ge=0, le=65535, description="Port; 0 picks a free one.")
     api_keys: list[str] = Field(default_factory=list,
                                 description="Bearer keys the server accepts; none: no key needed.")
-    served_model_name: str | None = Field(None, description="Model name clients use; default the model.")
+    served_model_name: str | None = Field(None, description="Model name clients use; default the model (a GGUF file: its stem).")
     max_waiting: int = Field(1024, ge=1, description="Queued requests before 429/503.")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body (413 beyond).")
     max_logprobs: int = Field(20, ge=0, le=20, description="Most top logprobs a request may ask for.")

@@ -107,7 +107,7 @@ def _auth_middleware(api_keys: list[str]) -> Any:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pluginfer",
-            "root": state.config.model, "max_model_len": state.engine.max_model_len,
+            "root": state.root, "max_model_len": state.engine.max_model_len,
             "vocab_size": state.vocab_size,  # token ids below it are valid prompts (`pluginfer bench serve`)
             "sampling_defaults": state.sampling.model_dump()}  # what a request that sets none of them gets
 

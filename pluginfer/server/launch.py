@@ -61,7 +61,7 @@ async def _serve(async_engine: AsyncEngine, config: EngineConfig) -> int:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGTERM, lambda: (terminated.append(signal.SIGTERM), stop.set()))
-    print(f"pluginfer: serving {config.server.served_model_name or config.model} "
+    print(f"pluginfer: serving {state.model_name} "
           f"on http://{config.server.host}:{port}", flush=True)
     watcher = asyncio.create_task(_watch_engine(async_engine, stop))
     await stop.wait()
