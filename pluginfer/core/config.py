@@ -77,6 +77,9 @@ class ServerConfig(_Section):
     shutdown_timeout: float = Field(
         0.0, ge=0, description="On SIGTERM, seconds to let requests in flight finish (new ones get a 503) "
         "before the rest are ended; 0: end them at once.")
+    access_log: bool = Field(
+        True, description="One INFO line per request (method, path, status, request id, prompt and completion "
+        "tokens, milliseconds) on the pluginfer.access logger.")
     reasoning_parser: str | None = Field(
         None, description="A reasoning_parser plugin (built in: deepseek_r1, qwen3): its reasoning text goes to "
                           "reasoning_content.")
