@@ -152,3 +152,40 @@ def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(tmp_path, cap
     assert main(["serve", "--model", str(tmp_path / "no-such-model"), "--host", "192.0.2.1", "--port", "8000"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("pluginfer: error: cannot listen on 192.0.2.1:8000: "), line
+
+
+def _help(*command: str, capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([*command, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def _group(text: str, title: str) -> str:
+    """The lines of one --help group: from its title to the next unindented line."""
+    start = text.index(f"\n{title}:\n") + len(title) + 3
+    end = re.search(r"^\S", text[start:], re.MULTILINE)
+    return text[start:start + end.start()] if end else text[start:]
+
+
+def test_serve_help_groups_the_flags_by_config_section_and_hides_the_test_only_ones(capsys):
+    from pluginfer.core.options import options
+
+    text = _help("serve", capsys=capsys)
+    assert text.startswith("usage: pluginfer serve --model MODEL [--config FILE] [options]\n")
+    titles = {"": "model and engine", "parallel": "parallel (config section parallel:)",
+              "cache": "KV cache (config section cache:)", "scheduler": "scheduler (config section scheduler:)",
+              "sampling": "request defaults (config section sampling:; what a request that sets none gets)",
+              "server": "server (config section server:)"}
+    for option in options():
+        if option.section == "testing":  # fault injection: accepted, not shown
+            assert option.flag not in text
+            assert build_parser().parse_args(["serve", option.flag, "5"]).__dict__[option.dotted] == 5
+        else:
+            assert re.search(rf"^  {option.flag}\b", _group(text, titles[option.section]), re.MULTILINE), option.flag
+    model = " ".join(_group(text, "model and engine").split())
+    assert "--model MODEL A Hugging Face checkpoint directory, a hub id, a .gguf file, or 'demo'" in model
+    sampling = " ".join(_group(_help("generate", capsys=capsys),
+                                "this command's requests (over the request defaults)").split())
+    assert ("--temperature TEMPERATURE sampling temperature; unset: --default-temperature or the config's sampling "
+            "section, else the model's generation_config.json, else 1.0") in sampling

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser = parser.add_argument_group("this command's requests (over the request defaults)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     unset = "; unset: --default-{} or the config's sampling section, else the model's generation_config.json"
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature" +
                         unset.format("temperature") + ", else 1.0")
@@ -31,14 +32,16 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(commands: argparse._SubParsersAction, add_engine_arguments: Callable) -> None:
-    generate = commands.add_parser("generate", help="complete one or more prompts and print the text")
+    generate = commands.add_parser("generate", help="complete one or more prompts and print the text",
+                                   usage="%(prog)s --model MODEL --prompt TEXT [--prompt TEXT ...] [options]")
     add_engine_arguments(generate)
     generate.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     generate.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user message")
     _sampling_arguments(generate)
     generate.set_defaults(run=run_generate)
 
-    chat = commands.add_parser("chat", help="interactive chat with streamed answers (empty line or Ctrl-D ends)")
+    chat = commands.add_parser("chat", help="interactive chat with streamed answers (empty line or Ctrl-D ends)",
+                               usage="%(prog)s (--model MODEL | --base-url URL [--model NAME]) [options]")
     add_engine_arguments(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--base-url", default=None,
