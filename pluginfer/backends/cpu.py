@@ -18,7 +18,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends import amx_library, native, native_build, native_layer_ops
+from pluginfer.backends import amx_library, native, native_build, native_layer_ops, native_quant
 from pluginfer.backends.cpu_dense import CpuDenseLayouts
 from pluginfer.backends.cpu_step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
@@ -129,6 +129,9 @@ class CpuBackend:
         if native_kernels:  # a bad PLUGINFER_CPU_ISA or PLUGINFER_AMX is an error naming it, before any build
             native_build.isa()
             amx_library.enabled()
+        # GGUF linears' activations: the config's, else PLUGINFER_QUANT_ACTIVATIONS (a bad value fails here)
+        native_quant.configure_quant_activations(config.quant_activations if config is not None else None)
+        native_quant.quant_activations()
         threads = config.threads if config is not None and config.threads else environment_threads()
         if threads:
             torch.set_num_threads(threads)

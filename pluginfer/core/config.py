@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -139,6 +141,22 @@ class TestingConfig(_Section):
         "the requests of that step (a 500) while the engine goes on. Never set it in a deployment.")
 
 
+QUANT_ACTIVATIONS_ENV = "PLUGINFER_QUANT_ACTIVATIONS"
+
+
+def quant_activations(configured: str | None, environ: Mapping[str, str] = os.environ) -> tuple[str, str]:
+    """(``int8`` or ``float``, what chose it): ``quant_activations`` of the config, else PLUGINFER_QUANT_ACTIVATIONS,
+    else the default int8; a bad value of the variable is a ConfigError naming it."""
+    if configured is not None:
+        return configured, "quant_activations"
+    if QUANT_ACTIVATIONS_ENV not in environ:
+        return "int8", "default"
+    mode = environ[QUANT_ACTIVATIONS_ENV].lower()
+    if mode not in ("int8", "float"):
+        raise ConfigError(f"{QUANT_ACTIVATIONS_ENV}={mode!r}: expected 'int8' (the default) or 'float'")
+    return mode, QUANT_ACTIVATIONS_ENV
+
+
 class EngineConfig(_Section):
     model: str = Field(..., description="A Hugging Face checkpoint directory, a hub id, a .gguf file, or 'demo'.")
     tokenizer: str | None = Field(None, description="Tokenizer directory if not the model's.")
@@ -147,6 +165,10 @@ class EngineConfig(_Section):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and activations; auto: the checkpoint's.")
     quant: str = Field("auto", description="Quant method plugin; auto reads the checkpoint.")
+    quant_activations: Literal["int8", "float"] | None = Field(
+        None, description="Activations of GGUF-quantized linears on the cpu backend: int8 (quantized per block of "
+        "32, as llama.cpp: fast) or float (float32 against dequantized weights: exact, as transformers); unset: "
+        "PLUGINFER_QUANT_ACTIVATIONS, else int8.")
     max_model_len: int | None = Field(None, ge=1, description="Context length; default the model's.")
     seed: int = Field(0, description="Engine seed.")
     allow_pickle: bool = Field(

@@ -66,9 +66,10 @@ def test_no_access_log_writes_none(servers, caplog):
     assert _lines(caplog) == []
 
 
-def test_pluginfer_serve_logs_its_request_defaults_and_each_request_by_default(tiny_llama_checkpoint):
+def test_pluginfer_serve_logs_its_defaults_activations_and_each_request_by_default(tiny_llama_checkpoint):
     command = [sys.executable, "-m", "pluginfer", "serve", "--model", str(tiny_llama_checkpoint[0]), "--dtype",
-               "float32", "--num-blocks", "64", "--block-size", "8", "--port", "0", "--default-top-k", "5"]
+               "float32", "--num-blocks", "64", "--block-size", "8", "--port", "0", "--default-top-k", "5",
+               "--quant-activations", "float"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stderr: list[str] = []
     reader = threading.Thread(target=lambda: stderr.extend(server.stderr), daemon=True)
@@ -85,5 +86,7 @@ def test_pluginfer_serve_logs_its_request_defaults_and_each_request_by_default(t
     text = "".join(stderr)
     assert ("pluginfer: request defaults: temperature=1 (built-in), top_p=1 (built-in), top_k=5 (config), "
             "min_p=0 (built-in), repetition_penalty=1 (built-in), max_tokens=256 (config)") in text, text
+    assert ("pluginfer: GGUF-quantized linears take float activations (quant_activations; --quant-activations "
+            "float: float32, exact as transformers; int8: as llama.cpp)") in text
     assert re.search(r"^INFO pluginfer\.access: GET /v1/models 200 - prompt_tokens=0 completion_tokens=0 [\d.]+ ms$",
                      text, re.MULTILINE), text
