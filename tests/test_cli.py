@@ -65,6 +65,16 @@ def test_generate_prints_the_text(cache_dir, tiny_llama_checkpoint, llm):
     assert result.stdout == expected.outputs[0].text + "\n"
 
 
+def test_generate_prints_each_prompt_and_its_text(cache_dir, tiny_llama_checkpoint, llm):
+    prompts = ["hello", "the cat sat"]
+    result = run_cli("generate", "--model", str(tiny_llama_checkpoint[0]), "--prompt", prompts[0], "--prompt",
+                     prompts[1], "--max-tokens", "4", "--temperature", "0", "--ignore-eos", cache=cache_dir)
+    assert result.returncode == 0, result.stderr
+    expected = [o.outputs[0].text for o in llm.generate(prompts, _greedy(4))]
+    assert result.stdout == (f"--- prompt 1: hello\n{expected[0]}\n"
+                             f"--- prompt 2: the cat sat\n{expected[1]}\n")
+
+
 def test_chat_answers_each_line_of_stdin(cache_dir, tiny_llama_checkpoint, llm):
     result = run_cli("chat", "--model", str(tiny_llama_checkpoint[0]), "--max-tokens", "5",
                      "--temperature", "0", "--ignore-eos", cache=cache_dir, stdin="Hello\nTell me more\n")

@@ -89,13 +89,15 @@ def run_generate(args: argparse.Namespace) -> int:
         for output in engine.step():
             if output.finished:
                 done[output.request_id] = output
-    for request_id, prompt in zip(order, args.prompt):
+    for index, (request_id, prompt) in enumerate(zip(order, args.prompt), 1):
         output = done[request_id]
+        if len(order) > 1:  # several prompts: each answer under a line naming its prompt
+            print(f"--- prompt {index}: {prompt}")
         if output.error:
             print(f"pluginfer: error: {output.error}", file=sys.stderr)
             continue
         for choice in output.outputs:
-            print(choice.text if len(order) == 1 else f"[{prompt!r}] {choice.text}")
+            print(choice.text)
     return 1 if any(done[r].error for r in order) else 0
 
 
