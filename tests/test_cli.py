@@ -199,3 +199,73 @@ def test_serve_help_groups_the_flags_by_config_section_and_hides_the_test_only_o
                                 "this command's requests (over the request defaults)").split())
     assert ("--temperature TEMPERATURE sampling temperature; unset: --default-temperature or the config's sampling "
             "section, else the model's generation_config.json, else 1.0") in sampling
+
+
+class _Terminal:
+    """``pluginfer`` on a pseudo-terminal, as a user types at it: what it writes, with the terminal's escape
+    sequences and carriage returns taken out."""
+
+    def __init__(self, *args: str, cache: Path) -> None:
+        import pty
+
+        self.master, worker = pty.openpty()
+        env = {**os.environ, "PLUGINFER_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TERM": "xterm",
+               "PYTHONIOENCODING": "utf-8"}
+        env.pop("PLUGINFER_PLUGINS", None)
+        self.process = subprocess.Popen([sys.executable, "-m", "pluginfer", *args], stdin=worker, stdout=worker,
+                                        stderr=worker, env=env, cwd=cache, close_fds=True)
+        os.close(worker)
+        self.seen = ""
+
+    def read_until(self, text: str, timeout: float = 120, after: int = 0) -> str:
+        """Read until ``text`` shows past the first ``after`` characters seen."""
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout
+        while text not in self.seen[after:]:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"{text!r} never came: {self.seen!r}"
+            if select.select([self.master], [], [], remaining)[0]:
+                try:
+                    chunk = os.read(self.master, 4096).decode("utf-8", "replace")
+                except OSError:  # the process closed the terminal
+                    break
+                self.seen += re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\r", "", chunk)
+        return self.seen
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def close(self) -> int:
+        try:
+            return self.process.wait(timeout=60)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            os.close(self.master)
+
+
+def test_chat_on_a_terminal_has_a_banner_history_and_marks_a_cut_answer(cache_dir, tiny_llama_checkpoint, llm):
+    checkpoint = tiny_llama_checkpoint[0]
+    terminal = _Terminal("chat", "--model", str(checkpoint), "--max-tokens", "3", "--temperature", "0",
+                         "--ignore-eos", cache=cache_dir)
+    try:
+        terminal.read_until("\n> ")
+        assert (f"pluginfer chat with {checkpoint.name}: an empty line or Ctrl-D ends, Ctrl-C stops an answer; "
+                "up and down arrows recall earlier lines") in terminal.seen
+        terminal.type("Hello\n")
+        terminal.read_until("(--max-tokens 3)]\n> ")
+        terminal.type("\x1b[A\n")  # the up arrow recalls "Hello" (readline's history), sent again
+        terminal.read_until("(--max-tokens 3)]\n> ", after=terminal.seen.rindex("> "))
+        terminal.type("\n")
+    finally:
+        code = terminal.close()
+    conversation = [{"role": "user", "content": "Hello"}]
+    first = llm.chat(conversation, _greedy(3))[0].outputs[0].text
+    conversation += [{"role": "assistant", "content": first}, {"role": "user", "content": "Hello"}]
+    second = llm.chat(conversation, _greedy(3))[0].outputs[0].text
+    assert code == 0
+    assert (f"> Hello\n{first}\n[stopped at the token limit (--max-tokens 3)]\n"
+            f"> Hello\n{second}\n[stopped at the token limit (--max-tokens 3)]\n> ") in terminal.seen, terminal.seen

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pluginfer.cli.chat_loop import chat_loop
+from pluginfer.cli.chat_loop import TurnEnd, chat_loop
 
 if TYPE_CHECKING:
     from pluginfer.core.config import EngineConfig, SamplingDefaults
@@ -111,7 +112,7 @@ def run_chat(args: argparse.Namespace) -> int:
     engine, config = _engine(args)
     params = _params(args, engine.sampling_defaults)
 
-    def answer(messages: list[dict]) -> Iterator[str]:
+    def answer(messages: list[dict]) -> Iterator[str | TurnEnd]:
         prompt = engine.tokenizer.encode(render_chat(engine.tokenizer, messages), add_special_tokens=False)
         request_id = engine.add_request(prompt, params)
         printed = 0
@@ -123,7 +124,10 @@ def run_chat(args: argparse.Namespace) -> int:
                     printed = len(text)
                     if output.finished and output.error:
                         raise ValueError(output.error)
+                    if output.finished:
+                        yield TurnEnd(output.outputs[0].finish_reason)
         finally:
             engine.abort_request(request_id)  # Ctrl-C mid-answer: free its blocks (no-op once finished)
 
-    return chat_loop(args.system, answer)
+    name = config.server.served_model_name or Path(config.model).name
+    return chat_loop(args.system, answer, model=name, max_tokens=args.max_tokens)

@@ -6,10 +6,11 @@ import argparse
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from typing import TypeVar
 
 import aiohttp
 
-from pluginfer.cli.chat_loop import chat_loop
+from pluginfer.cli.chat_loop import TurnEnd, chat_loop
 from pluginfer.cli.openai_client import api_root, list_models, stream_chat
 
 # the longest wait for the next piece of an answer (not for the whole answer)
@@ -27,7 +28,10 @@ def _payload(args: argparse.Namespace, model: str, messages: list[dict]) -> dict
     return payload
 
 
-def _iterate(loop: asyncio.AbstractEventLoop, pieces: AsyncIterator[str]) -> Iterator[str]:
+Item = TypeVar("Item")
+
+
+def _iterate(loop: asyncio.AbstractEventLoop, pieces: AsyncIterator[Item]) -> Iterator[Item]:
     """An async iterator driven one item at a time on ``loop``, for the synchronous chat loop."""
     try:
         while True:
@@ -57,11 +61,11 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"{root}/v1/models lists no model: pass --model")
             model = models[0]["id"]
 
-        def answer(messages: list[dict]) -> Iterator[str]:
+        def answer(messages: list[dict]) -> Iterator[str | TurnEnd]:
             return _iterate(loop, stream_chat(session, root, _payload(args, model, messages), args.api_key,
                                               READ_TIMEOUT_S))
 
-        return chat_loop(args.system, answer)
+        return chat_loop(args.system, answer, model=model, max_tokens=args.max_tokens)
     finally:
         loop.run_until_complete(session.close())
         loop.close()
