@@ -253,8 +253,9 @@ def test_chat_on_a_terminal_has_a_banner_history_and_marks_a_cut_answer(cache_di
                          "--ignore-eos", cache=cache_dir)
     try:
         terminal.read_until("\n> ")
-        assert (f"pluginfer chat with {checkpoint.name}: an empty line or Ctrl-D ends, Ctrl-C stops an answer; "
-                "up and down arrows recall earlier lines") in terminal.seen
+        assert (f"pluginfer chat with {checkpoint.name} (temperature 0, top_p 1, top_k 0, min_p 0, repetition_penalty "
+                "1): an empty line or Ctrl-D ends, Ctrl-C stops an answer; up and down arrows recall earlier lines"
+                ) in terminal.seen
         terminal.type("Hello\n")
         terminal.read_until("(--max-tokens 3)]\n> ")
         terminal.type("\x1b[A\n")  # the up arrow recalls "Hello" (readline's history), sent again

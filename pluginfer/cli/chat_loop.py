@@ -25,11 +25,19 @@ def _line_editing() -> None:
         pass
 
 
+def sampling_note(values: dict[str, object]) -> str:
+    """`` (temperature 0.6, top_p 0.95)`` for the banner: the sampling the answers take; empty when none is known."""
+    known = [f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+             for name, value in values.items() if value is not None]
+    return f" ({', '.join(known)})" if known else ""
+
+
 def chat_loop(system: str | None, answer: Callable[[list[dict]], Iterator[str | TurnEnd]],
-              model: str | None = None, max_tokens: int | None = None) -> int:
+              model: str | None = None, max_tokens: int | None = None, sampling: str = "") -> int:
     """Read user turns until an empty line or EOF; stream each answer's pieces to stdout.
 
-    On a terminal: line editing and history, a banner naming ``model`` and how to quit (on stderr). An answer
+    On a terminal: line editing and history, a banner naming ``model``, its ``sampling`` (``sampling_note``)
+    and how to quit (on stderr). An answer
     cut at ``max_tokens`` is marked on stderr, so stdout holds the answers alone. A turn that fails prints the
     reason, is dropped from the history, and makes the exit status 1; Ctrl-C stops the answer being streamed
     and keeps what arrived.
@@ -38,7 +46,7 @@ def chat_loop(system: str | None, answer: Callable[[list[dict]], Iterator[str | 
     interactive = sys.stdin.isatty()
     if interactive:
         _line_editing()
-        print(f"pluginfer chat with {model or 'the model'}: an empty line or Ctrl-D ends, Ctrl-C stops an "
+        print(f"pluginfer chat with {model or 'the model'}{sampling}: an empty line or Ctrl-D ends, Ctrl-C stops an "
               "answer; up and down arrows recall earlier lines", file=sys.stderr, flush=True)
     status = 0
     while True:

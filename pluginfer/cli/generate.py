@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pluginfer.cli.chat_loop import TurnEnd, chat_loop
+from pluginfer.cli.chat_loop import TurnEnd, chat_loop, sampling_note
 
 if TYPE_CHECKING:
     from pluginfer.core.config import EngineConfig, SamplingDefaults
@@ -130,4 +130,6 @@ def run_chat(args: argparse.Namespace) -> int:
             engine.abort_request(request_id)  # Ctrl-C mid-answer: free its blocks (no-op once finished)
 
     name = config.server.served_model_name or Path(config.model).name
-    return chat_loop(args.system, answer, model=name, max_tokens=args.max_tokens)
+    sampling = sampling_note({"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                              "min_p": params.min_p, "repetition_penalty": params.repetition_penalty})
+    return chat_loop(args.system, answer, model=name, max_tokens=args.max_tokens, sampling=sampling)

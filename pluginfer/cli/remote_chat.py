@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import aiohttp
 
-from pluginfer.cli.chat_loop import TurnEnd, chat_loop
+from pluginfer.cli.chat_loop import TurnEnd, chat_loop, sampling_note
 from pluginfer.cli.openai_client import api_root, list_models, stream_chat
 
 # the longest wait for the next piece of an answer (not for the whole answer)
@@ -54,18 +54,22 @@ def run(args: argparse.Namespace) -> int:
     loop = asyncio.new_event_loop()
     session = loop.run_until_complete(open_session())
     try:
-        model = args.model
+        model, defaults = args.model, {}
         if model is None:
             models = loop.run_until_complete(list_models(session, root, args.api_key))
             if not models:
                 raise ValueError(f"{root}/v1/models lists no model: pass --model")
             model = models[0]["id"]
+            defaults = models[0].get("sampling_defaults") or {}  # what the server gives fields left out
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        sampling = sampling_note({name: getattr(args, name) if getattr(args, name) is not None else defaults.get(name)
+                                  for name in names})
 
         def answer(messages: list[dict]) -> Iterator[str | TurnEnd]:
             return _iterate(loop, stream_chat(session, root, _payload(args, model, messages), args.api_key,
                                               READ_TIMEOUT_S))
 
-        return chat_loop(args.system, answer, model=model, max_tokens=args.max_tokens)
+        return chat_loop(args.system, answer, model=model, max_tokens=args.max_tokens, sampling=sampling)
     finally:
         loop.run_until_complete(session.close())
         loop.close()
