@@ -20,6 +20,12 @@ from tests.quant.gguf_helpers import transformers_from_gguf
 ENV = "PLUGINFER_QUANT_ACTIVATIONS"
 
 
+@pytest.fixture(autouse=True)
+def _configured_activations_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engines built here set the process's configured activations; later tests find them as they were."""
+    monkeypatch.setattr(native_quant, "_CONFIGURED_ACTIVATIONS", [None])
+
+
 def _logits(path: Path, prompt: list[int], **kwargs: object) -> torch.Tensor:
     llm = LLM(model=str(path), num_blocks=64, block_size=8, **kwargs)
     try:
@@ -57,7 +63,6 @@ def test_a_bad_value_names_the_field_or_the_variable() -> None:
 def test_plugins_says_which_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     if native.available() is not None:
         pytest.skip(f"no native kernels here: {native.available()}")
-    monkeypatch.setattr(native_quant, "_CONFIGURED_ACTIVATIONS", [None])
     monkeypatch.delenv(ENV, raising=False)
     assert "GGUF linears take int8 activations (default; --quant-activations int8 or float)" in native.report()
     monkeypatch.setenv(ENV, "float")
