@@ -97,7 +97,7 @@ class ServerState:
 
 def served_names(config: EngineConfig) -> tuple[str, ...]:
     """The model's name for clients (``server.served_model_name``, else a GGUF file's stem, else ``model``), then
-    the other names a request may use: a GGUF file's name and path. Clients never see the server's path."""
+    the other names a request may use: a GGUF file's name and path (its directory stays off the API)."""
     if config.server.served_model_name:
         return (config.server.served_model_name,)
     path = Path(config.model)
