@@ -51,7 +51,9 @@ def sampling_defaults(deployment: SamplingDefaults, model_path: Path) -> Samplin
 def describe(defaults: SamplingDefaults, deployment: SamplingDefaults, model: dict[str, Any]) -> str:
     """One line for the start-up log: each default and where it comes from."""
     def source(name: str) -> str:
-        if name == "max_tokens" or getattr(deployment, name) is not None:
+        if name == "max_tokens":  # never from the model: the config's, or its default
+            return "config" if name in deployment.model_fields_set else "built-in"
+        if getattr(deployment, name) is not None:
             return "config"
         return "generation_config.json" if name in model else "built-in"
 

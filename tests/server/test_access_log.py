@@ -85,7 +85,7 @@ def test_pluginfer_serve_logs_its_defaults_activations_and_each_request_by_defau
         reader.join(10)
     text = "".join(stderr)
     assert ("pluginfer: request defaults: temperature=1 (built-in), top_p=1 (built-in), top_k=5 (config), "
-            "min_p=0 (built-in), repetition_penalty=1 (built-in), max_tokens=256 (config)") in text, text
+            "min_p=0 (built-in), repetition_penalty=1 (built-in), max_tokens=256 (built-in)") in text, text
     assert ("pluginfer: GGUF-quantized linears take float activations (quant_activations; --quant-activations "
             "float: float32, exact as transformers; int8: as llama.cpp)") in text
     assert re.search(r"^INFO pluginfer\.access: GET /v1/models 200 - prompt_tokens=0 completion_tokens=0 [\d.]+ ms$",
