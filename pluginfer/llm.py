@@ -41,12 +41,22 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no SamplingParams: temperature, top_p, top_k, min_p and
+        repetition_penalty from the config's ``sampling`` section, else the model's generation_config.json,
+        else SamplingParams' own (as vLLM's); the rest SamplingParams' defaults."""
+        defaults = self.engine.sampling_defaults
+        return SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k,
+                              min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty)
+
     def generate(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Outputs in prompt order. A request that cannot run (e.g. too long) gets finish_reason "error"."""
+        """Outputs in prompt order (``params`` None: ``get_default_sampling_params()``). A request that cannot
+        run (e.g. too long) gets finish_reason "error"."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = params if isinstance(params, list) else \
+            [params or self.get_default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         ids: list[str] = []

@@ -65,6 +65,16 @@ def test_generate_prints_the_text(cache_dir, tiny_llama_checkpoint, llm):
     assert result.stdout == expected.outputs[0].text + "\n"
 
 
+def test_generate_prints_each_prompt_and_its_text(cache_dir, tiny_llama_checkpoint, llm):
+    prompts = ["hello", "the cat sat"]
+    result = run_cli("generate", "--model", str(tiny_llama_checkpoint[0]), "--prompt", prompts[0], "--prompt",
+                     prompts[1], "--max-tokens", "4", "--temperature", "0", "--ignore-eos", cache=cache_dir)
+    assert result.returncode == 0, result.stderr
+    expected = [o.outputs[0].text for o in llm.generate(prompts, _greedy(4))]
+    assert result.stdout == (f"--- prompt 1: hello\n{expected[0]}\n"
+                             f"--- prompt 2: the cat sat\n{expected[1]}\n")
+
+
 def test_chat_answers_each_line_of_stdin(cache_dir, tiny_llama_checkpoint, llm):
     result = run_cli("chat", "--model", str(tiny_llama_checkpoint[0]), "--max-tokens", "5",
                      "--temperature", "0", "--ignore-eos", cache=cache_dir, stdin="Hello\nTell me more\n")
@@ -152,3 +162,111 @@ def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(tmp_path, cap
     assert main(["serve", "--model", str(tmp_path / "no-such-model"), "--host", "192.0.2.1", "--port", "8000"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("pluginfer: error: cannot listen on 192.0.2.1:8000: "), line
+
+
+def _help(*command: str, capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([*command, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def _group(text: str, title: str) -> str:
+    """The lines of one --help group: from its title to the next unindented line."""
+    start = text.index(f"\n{title}:\n") + len(title) + 3
+    end = re.search(r"^\S", text[start:], re.MULTILINE)
+    return text[start:start + end.start()] if end else text[start:]
+
+
+def test_serve_help_groups_the_flags_by_config_section_and_hides_the_test_only_ones(capsys):
+    from pluginfer.core.options import options
+
+    text = _help("serve", capsys=capsys)
+    assert text.startswith("usage: pluginfer serve --model MODEL [--config FILE] [options]\n")
+    titles = {"": "model and engine", "parallel": "parallel (config section parallel:)",
+              "cache": "KV cache (config section cache:)", "scheduler": "scheduler (config section scheduler:)",
+              "sampling": "request defaults (config section sampling:; what a request that sets none gets)",
+              "server": "server (config section server:)"}
+    for option in options():
+        if option.section == "testing":  # fault injection: accepted, not shown
+            assert option.flag not in text
+            assert build_parser().parse_args(["serve", option.flag, "5"]).__dict__[option.dotted] == 5
+        else:
+            assert re.search(rf"^  {option.flag}\b", _group(text, titles[option.section]), re.MULTILINE), option.flag
+    model = " ".join(_group(text, "model and engine").split())
+    assert "--model MODEL A Hugging Face checkpoint directory, a hub id, a .gguf file, or 'demo'" in model
+    sampling = " ".join(_group(_help("generate", capsys=capsys),
+                                "this command's requests (over the request defaults)").split())
+    assert ("--temperature TEMPERATURE sampling temperature; unset: --default-temperature or the config's sampling "
+            "section, else the model's generation_config.json, else 1.0") in sampling
+
+
+class _Terminal:
+    """``pluginfer`` on a pseudo-terminal, as a user types at it: what it writes, with the terminal's escape
+    sequences and carriage returns taken out."""
+
+    def __init__(self, *args: str, cache: Path) -> None:
+        import pty
+
+        self.master, worker = pty.openpty()
+        env = {**os.environ, "PLUGINFER_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TERM": "xterm",
+               "PYTHONIOENCODING": "utf-8"}
+        env.pop("PLUGINFER_PLUGINS", None)
+        self.process = subprocess.Popen([sys.executable, "-m", "pluginfer", *args], stdin=worker, stdout=worker,
+                                        stderr=worker, env=env, cwd=cache, close_fds=True)
+        os.close(worker)
+        self.seen = ""
+
+    def read_until(self, text: str, timeout: float = 120, after: int = 0) -> str:
+        """Read until ``text`` shows past the first ``after`` characters seen."""
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout
+        while text not in self.seen[after:]:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"{text!r} never came: {self.seen!r}"
+            if select.select([self.master], [], [], remaining)[0]:
+                try:
+                    chunk = os.read(self.master, 4096).decode("utf-8", "replace")
+                except OSError:  # the process closed the terminal
+                    break
+                self.seen += re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\r", "", chunk)
+        return self.seen
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def close(self) -> int:
+        try:
+            return self.process.wait(timeout=60)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            os.close(self.master)
+
+
+def test_chat_on_a_terminal_has_a_banner_history_and_marks_a_cut_answer(cache_dir, tiny_llama_checkpoint, llm):
+    checkpoint = tiny_llama_checkpoint[0]
+    terminal = _Terminal("chat", "--model", str(checkpoint), "--max-tokens", "3", "--temperature", "0",
+                         "--ignore-eos", cache=cache_dir)
+    try:
+        terminal.read_until("\n> ")
+        assert (f"pluginfer chat with {checkpoint.name} (temperature 0, top_p 1, top_k 0, min_p 0, repetition_penalty "
+                "1): an empty line or Ctrl-D ends, Ctrl-C stops an answer; up and down arrows recall earlier lines"
+                ) in terminal.seen
+        terminal.type("Hello\n")
+        terminal.read_until("(--max-tokens 3)]\n> ")
+        terminal.type("\x1b[A\n")  # the up arrow recalls "Hello" (readline's history), sent again
+        terminal.read_until("(--max-tokens 3)]\n> ", after=terminal.seen.rindex("> "))
+        terminal.type("\n")
+    finally:
+        code = terminal.close()
+    conversation = [{"role": "user", "content": "Hello"}]
+    first = llm.chat(conversation, _greedy(3))[0].outputs[0].text
+    conversation += [{"role": "assistant", "content": first}, {"role": "user", "content": "Hello"}]
+    second = llm.chat(conversation, _greedy(3))[0].outputs[0].text
+    assert code == 0
+    assert (f"> Hello\n{first}\n[stopped at the token limit (--max-tokens 3)]\n"
+            f"> Hello\n{second}\n[stopped at the token limit (--max-tokens 3)]\n> ") in terminal.seen, terminal.seen

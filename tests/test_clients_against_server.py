@@ -74,3 +74,19 @@ def test_remote_chat_talks_to_a_real_server(served, monkeypatch, capsys):
             answers.append(reply.choices[0].message.content)
             messages.append({"role": "assistant", "content": answers[-1]})
     assert printed == "".join(f"{answer}\n" for answer in answers)
+
+
+def test_remote_chat_on_a_terminal_names_the_model_its_sampling_and_a_cut_answer(served, monkeypatch, capsys):
+    """The banner shows the sampling the answers take: the flags given, else the server's defaults (its
+    /v1/models ``sampling_defaults``, read here with the official client); the cut answer is marked."""
+    stdin = io.StringIO("hello there\n\n")
+    stdin.isatty = lambda: True  # as on a terminal: banner and marks
+    monkeypatch.setattr("sys.stdin", stdin)
+    status = main(["chat", "--base-url", served, "--max-tokens", "2", "--temperature", "0.5", "--ignore-eos"])
+    assert status == 0
+    with openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0, timeout=120) as client:
+        defaults = client.models.list().data[0].model_extra["sampling_defaults"]
+    err = capsys.readouterr().err
+    assert (f"pluginfer chat with {MODEL} (temperature 0.5, top_p {defaults['top_p']:g}, top_k {defaults['top_k']}, "
+            f"min_p {defaults['min_p']:g}, repetition_penalty {defaults['repetition_penalty']:g}): an empty line") in err
+    assert "[stopped at the token limit (--max-tokens 2)]" in err

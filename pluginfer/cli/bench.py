@@ -60,7 +60,8 @@ def register(commands: argparse._SubParsersAction, add_engine_arguments: Callabl
     serve.add_argument("--timeout", type=_positive(float), default=1800.0, help="seconds per request at most")
     serve.set_defaults(run=run_serve)
 
-    throughput = kinds.add_parser("throughput", help="offline: generate for all prompts at once, report tokens/s")
+    throughput = kinds.add_parser("throughput", help="offline: generate for all prompts at once, report tokens/s",
+                                  usage="%(prog)s --model MODEL --input-len N --output-len N [options]")
     add_engine_arguments(throughput)  # its --seed seeds the engine and the prompts
     _workload_arguments(throughput)
     throughput.set_defaults(run=run_throughput)

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterable, AsyncIterator
 
 import aiohttp
 
+from pluginfer.cli.chat_loop import TurnEnd
+
 # Errors of a request that did not get through (refused connection, timeout, broken stream).
 REQUEST_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
@@ -91,9 +93,9 @@ async def sse_data(stream: AsyncIterable[bytes]) -> AsyncIterator[str]:
 
 
 async def stream_chat(session: aiohttp.ClientSession, root: str, payload: dict, api_key: str | None,
-                      read_timeout: float) -> AsyncIterator[str]:
-    """Pieces of the assistant's answer as the server streams them (``read_timeout``: the longest wait for
-    the next piece, not for the whole answer)."""
+                      read_timeout: float) -> AsyncIterator[str | TurnEnd]:
+    """Pieces of the assistant's answer as the server streams them, then its ``TurnEnd`` (the finish_reason),
+    if the server sent one (``read_timeout``: the longest wait for the next piece, not for the whole answer)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=read_timeout)
     try:
         async with session.post(f"{root}/v1/chat/completions", json=payload, headers=auth_headers(api_key),
@@ -110,5 +112,7 @@ async def stream_chat(session: aiohttp.ClientSession, root: str, payload: dict, 
                     piece = (choice.get("delta") or {}).get("content")
                     if piece:
                         yield piece
+                    if choice.get("finish_reason"):
+                        yield TurnEnd(choice["finish_reason"])
     except REQUEST_ERRORS as exc:
         raise ServerError(f"cannot reach {root}: {type(exc).__name__}: {exc}") from None

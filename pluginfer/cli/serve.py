@@ -15,7 +15,12 @@ if TYPE_CHECKING:
 def register(commands: argparse._SubParsersAction, add_engine_arguments: Callable) -> None:
     from pluginfer.core.options import add_arguments
 
-    serve = commands.add_parser("serve", help="serve the OpenAI API (chat, completions, models, metrics) and a chat page at /")
+    serve = commands.add_parser(
+        "serve", help="serve the OpenAI API (chat, completions, models, metrics) and a chat page at /",
+        usage="%(prog)s --model MODEL [--config FILE] [options]",
+        description="Serve --model (a Hugging Face checkpoint directory, a hub id, a .gguf file, or demo) over the "
+                    "OpenAI API. Each flag sets a field of the deployment config and overrides --config "
+                    "(`pluginfer config-schema` lists them).")
     add_engine_arguments(serve)
     add_arguments(serve, sections=("server",))
     serve.set_defaults(run=run_serve)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,7 +65,7 @@ class ServerConfig(_Section):
     port: int = Field(8000, ge=0, le=65535, description="Port; 0 picks a free one.")
     api_keys: list[str] = Field(default_factory=list,
                                 description="Bearer keys the server accepts; none: no key needed.")
-    served_model_name: str | None = Field(None, description="Model name clients use; default the model.")
+    served_model_name: str | None = Field(None, description="Model name clients use; default the model (a GGUF file: its stem).")
     max_waiting: int = Field(1024, ge=1, description="Queued requests before 429/503.")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body (413 beyond).")
     max_logprobs: int = Field(20, ge=0, le=20, description="Most top logprobs a request may ask for.")
@@ -77,6 +79,9 @@ class ServerConfig(_Section):
     shutdown_timeout: float = Field(
         0.0, ge=0, description="On SIGTERM, seconds to let requests in flight finish (new ones get a 503) "
         "before the rest are ended; 0: end them at once.")
+    access_log: bool = Field(
+        True, description="One INFO line per request (method, path, status, request id, prompt and completion "
+        "tokens, milliseconds) on the pluginfer.access logger.")
     reasoning_parser: str | None = Field(
         None, description="A reasoning_parser plugin (built in: deepseek_r1, qwen3): its reasoning text goes to "
                           "reasoning_content.")
@@ -99,11 +104,35 @@ class ServerConfig(_Section):
         "fast when other programs load the cores. OMP_WAIT_POLICY or GOMP_SPINCOUNT set in the environment win.")
 
 
+# What a request that sets a sampling field gets when neither the deployment nor the model's
+# generation_config.json sets it either.
+BUILTIN_SAMPLING: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class SamplingDefaults(_Section):
-    temperature: float = Field(1.0, ge=0, description="Temperature of requests that set none.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Top-p of requests that set none.")
-    top_k: int = Field(0, ge=-1, description="Top-k of requests that set none (0 or -1: off).")
+    """Defaults of requests that set none; an unset field takes the model's generation_config.json, else the
+    built-in value (``BUILTIN_SAMPLING``), as vLLM does."""
+
+    temperature: float | None = Field(None, ge=0, description="Temperature of requests that set none; unset: "
+                                      "the model's generation_config.json, else 1.0.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Top-p of requests that set none; unset: the "
+                                "model's generation_config.json, else 1.0.")
+    top_k: int | None = Field(None, ge=-1, description="Top-k of requests that set none (0 or -1: off); unset: "
+                              "the model's generation_config.json, else 0.")
+    min_p: float | None = Field(None, ge=0, le=1, description="Min-p of requests that set none; unset: the "
+                                "model's generation_config.json, else 0.")
+    repetition_penalty: float | None = Field(
+        None, ge=1e-6, le=1e6, description="Repetition penalty of requests that set none; unset: the model's "
+        "generation_config.json, else 1.0.")
     max_tokens: int = Field(256, ge=1, description="Tokens to generate for requests that set no limit.")
+
+    def over(self, model: dict[str, Any]) -> SamplingDefaults:
+        """Every field set: this deployment's value, else the model's (``model``: valid values read from its
+        generation_config.json), else the built-in one."""
+        filled = {name: value for name, value in {**BUILTIN_SAMPLING, **model}.items()
+                  if getattr(self, name) is None}
+        return self.model_copy(update=filled)
 
 
 class TestingConfig(_Section):
@@ -112,14 +141,34 @@ class TestingConfig(_Section):
         "the requests of that step (a 500) while the engine goes on. Never set it in a deployment.")
 
 
+QUANT_ACTIVATIONS_ENV = "PLUGINFER_QUANT_ACTIVATIONS"
+
+
+def quant_activations(configured: str | None, environ: Mapping[str, str] = os.environ) -> tuple[str, str]:
+    """(``int8`` or ``float``, what chose it): ``quant_activations`` of the config, else PLUGINFER_QUANT_ACTIVATIONS,
+    else the default int8; a bad value of the variable is a ConfigError naming it."""
+    if configured is not None:
+        return configured, "quant_activations"
+    if QUANT_ACTIVATIONS_ENV not in environ:
+        return "int8", "default"
+    mode = environ[QUANT_ACTIVATIONS_ENV].lower()
+    if mode not in ("int8", "float"):
+        raise ConfigError(f"{QUANT_ACTIVATIONS_ENV}={mode!r}: expected 'int8' (the default) or 'float'")
+    return mode, QUANT_ACTIVATIONS_ENV
+
+
 class EngineConfig(_Section):
-    model: str = Field(..., description="HF directory, hub id, or 'demo'.")
+    model: str = Field(..., description="A Hugging Face checkpoint directory, a hub id, a .gguf file, or 'demo'.")
     tokenizer: str | None = Field(None, description="Tokenizer directory if not the model's.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     backend: str = Field("auto", description="Device backend plugin, or auto.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and activations; auto: the checkpoint's.")
     quant: str = Field("auto", description="Quant method plugin; auto reads the checkpoint.")
+    quant_activations: Literal["int8", "float"] | None = Field(
+        None, description="Activations of GGUF-quantized linears on the cpu backend: int8 (quantized per block of "
+        "32, as llama.cpp: fast) or float (float32 against dequantized weights: exact, as transformers); unset: "
+        "PLUGINFER_QUANT_ACTIVATIONS, else int8.")
     max_model_len: int | None = Field(None, ge=1, description="Context length; default the model's.")
     seed: int = Field(0, description="Engine seed.")
     allow_pickle: bool = Field(

@@ -30,6 +30,15 @@ FLAG_NAMES = {
 FLAG_PREFIXES = {"sampling": "default-"}
 # Sections every engine command takes; ``serve`` adds ``server``.
 ENGINE_SECTIONS = ("", "parallel", "cache", "scheduler", "sampling", "testing")
+# The --help group of each section's flags; a section not here (testing: fault injection) is left out of --help.
+SECTION_TITLES = {
+    "": "model and engine",
+    "parallel": "parallel (config section parallel:)",
+    "cache": "KV cache (config section cache:)",
+    "scheduler": "scheduler (config section scheduler:)",
+    "sampling": "request defaults (config section sampling:; what a request that sets none gets)",
+    "server": "server (config section server:)",
+}
 
 
 @dataclass(frozen=True)
@@ -100,20 +109,27 @@ def options() -> tuple[Option, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = ENGINE_SECTIONS) -> None:
-    """The flags of every field in ``sections`` (``""``: the top-level fields); each defaults to None."""
+    """The flags of every field in ``sections`` (``""``: the top-level fields), one --help group per section
+    (a section without a title in ``SECTION_TITLES`` is accepted but not shown); each defaults to None."""
+    groups: dict[str, Any] = {}
     for option in options():
         if option.section not in sections:
             continue
+        title = SECTION_TITLES.get(option.section)
+        if title is not None and option.section not in groups:
+            groups[option.section] = parser.add_argument_group(title)
+        group = groups.get(option.section, parser)
+        shown = option.help if title is not None else argparse.SUPPRESS
         metavar = option.flag[2:].upper().replace("-", "_")
         if option.boolean:
-            parser.add_argument(option.flag, dest=option.dotted, action=argparse.BooleanOptionalAction,
-                                default=None, help=option.help)
+            group.add_argument(option.flag, dest=option.dotted, action=argparse.BooleanOptionalAction,
+                               default=None, help=shown)
         elif option.repeatable:
-            parser.add_argument(option.flag, dest=option.dotted, type=option.kind, action="append", default=None,
-                                metavar=metavar, help=f"{option.help} (repeatable)")
+            group.add_argument(option.flag, dest=option.dotted, type=option.kind, action="append", default=None,
+                               metavar=metavar, help=shown if title is None else f"{option.help} (repeatable)")
         else:
-            parser.add_argument(option.flag, dest=option.dotted, type=option.kind, choices=option.choices,
-                                default=None, metavar=None if option.choices else metavar, help=option.help)
+            group.add_argument(option.flag, dest=option.dotted, type=option.kind, choices=option.choices,
+                               default=None, metavar=None if option.choices else metavar, help=shown)
 
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:

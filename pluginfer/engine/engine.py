@@ -14,6 +14,7 @@ import torch
 from pluginfer.core.config import EngineConfig
 from pluginfer.engine.detokenizer import IncrementalDetokenizer
 from pluginfer.engine.executor import Executor
+from pluginfer.engine.generation_config import sampling_defaults
 from pluginfer.engine.kv_cache import BlockManager
 from pluginfer.engine.launch import serve_if_worker
 from pluginfer.engine.loader import check_tokenizer_files
@@ -77,7 +78,9 @@ class LLMEngine:
         # the start-up waited for it once the executor was built: all of its load, or what of a build beside
         # the weights' load was left).
         self.startup_times = {**self.executor.startup_times, "tokenizer": time.perf_counter() - started}
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.executor.model_path, self.executor.hf_config)
+        self.model_path = self.executor.model_path
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_path, self.executor.hf_config)
+        self.sampling_defaults = sampling_defaults(config.sampling, self.model_path)  # every field set
         self.max_model_len = self.executor.max_model_len
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)

@@ -93,32 +93,34 @@ def read_pooler_config(model_path: Path, hf_config: dict) -> PoolerConfig:
                       "need a checkpoint directory with modules.json and a Pooling module's config.json")
     modules_file = model_path / "modules.json"
     if not modules_file.is_file():
-        return refuse(f"this model has no pooling config: {modules_file} is missing (sentence-transformers' "
+        return refuse("this model has no pooling config: modules.json is missing (sentence-transformers' "
                       "module list, naming a Pooling module whose config.json says last-token, mean or CLS "
                       "pooling); embeddings are served only for checkpoints that say how to pool")
     try:
         modules = json.loads(modules_file.read_text())
         types = [(str(m.get("type", "")), str(m.get("path", ""))) for m in modules]
     except (ValueError, AttributeError, TypeError) as exc:
-        return refuse(f"{modules_file}: not a sentence-transformers module list: {exc}")
+        return refuse(f"modules.json: not a sentence-transformers module list: {exc}")
     kinds = [kind.rpartition(".")[2] for kind, _ in types]
     if kinds[:2] != [_TRANSFORMER, _POOLING] or kinds[2:] not in ([], [_NORMALIZE]):
-        return refuse(f"{modules_file}: modules {', '.join(kinds)} are not supported (supported: "
+        return refuse(f"modules.json: modules {', '.join(kinds)} are not supported (supported: "
                       f"{_TRANSFORMER}, {_POOLING}, then optionally {_NORMALIZE})")
-    pooling_file = model_path / types[1][1] / "config.json"
+    # Messages name files inside the checkpoint, never the server's path: clients read them (a 400).
+    pooling_file, shown = model_path / types[1][1] / "config.json", f"{types[1][1]}/config.json"
     try:
         pooling = json.loads(pooling_file.read_text())
     except (OSError, ValueError) as exc:
-        return refuse(f"{pooling_file}: cannot read the Pooling module's config: {exc}")
+        why = exc.strerror if isinstance(exc, OSError) else exc
+        return refuse(f"{shown}: cannot read the Pooling module's config: {why}")
     if pooling.get("include_prompt") is False:
-        return refuse(f"{pooling_file}: include_prompt false (pooling that leaves out the instruction) is not "
+        return refuse(f"{shown}: include_prompt false (pooling that leaves out the instruction) is not "
                       "supported")
     method, problem = _pooling_method(pooling)
     if problem is not None:
-        return refuse(f"{pooling_file}: {problem}")
+        return refuse(f"{shown}: {problem}")
     dimension = pooling.get("embedding_dimension", pooling.get("word_embedding_dimension"))
     if dimension is not None and hidden and int(dimension) != hidden:
-        return refuse(f"{pooling_file}: embedding dimension {dimension} is not the model's hidden_size {hidden}")
+        return refuse(f"{shown}: embedding dimension {dimension} is not the model's hidden_size {hidden}")
     default_prompt, problem = _default_prompt(model_path / "config_sentence_transformers.json")
     if problem is not None:
         return refuse(problem)
@@ -134,11 +136,11 @@ def _default_prompt(path: Path) -> tuple[str, str | None]:
         settings = json.loads(path.read_text())
         name, prompts = settings.get("default_prompt_name"), settings.get("prompts") or {}
     except (OSError, ValueError, AttributeError) as exc:
-        return "", f"{path}: cannot read it: {exc}"
+        return "", f"{path.name}: cannot read it: {exc.strerror if isinstance(exc, OSError) else exc}"
     if name is None:
         return "", None
     if not isinstance(prompts, dict) or not isinstance(prompts.get(name), str):
-        return "", f"{path}: default_prompt_name {name!r} names no prompt in prompts"
+        return "", f"{path.name}: default_prompt_name {name!r} names no prompt in prompts"
     return prompts[name], None
 
 

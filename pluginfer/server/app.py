@@ -12,6 +12,7 @@ from aiohttp import web
 from pluginfer import __version__
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.registry import get_registry
+from pluginfer.server.access_log import access_log_middleware
 from pluginfer.server.chat import create_chat_completion, render_prompt, template_kwargs
 from pluginfer.server.chat_page import add_chat_page, is_public
 from pluginfer.server.completions import create_completion
@@ -39,7 +40,8 @@ def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Applicatio
     cancels its handler, which aborts its engine requests.
     """
     server = config.server
-    app = web.Application(middlewares=[cors_middleware(server.allowed_origins), _metrics_middleware,
+    access = [access_log_middleware()] if server.access_log else []
+    app = web.Application(middlewares=[cors_middleware(server.allowed_origins), *access, _metrics_middleware,
                                        error_middleware, _auth_middleware(server.api_keys)],
                           client_max_size=server.max_request_bytes)
     app[STATE] = ServerState.create(async_engine, config)
@@ -107,8 +109,9 @@ def _auth_middleware(api_keys: list[str]) -> Any:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pluginfer",
-            "root": state.config.model, "max_model_len": state.engine.max_model_len,
-            "vocab_size": state.vocab_size}  # token ids below it are valid prompts (`pluginfer bench serve`)
+            "root": state.root, "max_model_len": state.engine.max_model_len,
+            "vocab_size": state.vocab_size,  # token ids below it are valid prompts (`pluginfer bench serve`)
+            "sampling_defaults": state.sampling.model_dump()}  # what a request that sets none of them gets
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -78,7 +78,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                      state.config.server.strict_tool_schemas)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     processed = state.processors.preprocess(PromptRequest(
-        "chat", request_id, body.sampling_params(state.config.sampling, state.config.server.max_logprobs),
+        "chat", request_id, body.sampling_params(state.sampling, state.config.server.max_logprobs),
         body.model, messages=[m.for_template() for m in body.messages]))
     params, grammars = _with_tools(state, processed.params, body.grammar(), tools)
     for grammar, field in grammars:

@@ -39,7 +39,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     body.check_supported()
     request_id = f"cmpl-{uuid.uuid4().hex}"
     processed = state.processors.preprocess(PromptRequest(
-        "completions", request_id, body.sampling_params(state.config.sampling, state.config.server.max_logprobs),
+        "completions", request_id, body.sampling_params(state.sampling, state.config.server.max_logprobs),
         body.model, prompts=list(body.prompt)))
     if processed.prompts != body.prompt:  # a request processor rewrote them: echo shows what ran
         body = body.model_copy(update={"prompt": processed.prompts})

@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from pluginfer.core.config import EngineConfig
+from pluginfer.core.config import EngineConfig, quant_activations
 from pluginfer.server.engine_client import EngineClient
 
 if TYPE_CHECKING:  # imported where used: `pluginfer serve` starts the engine process before these load here
@@ -47,16 +47,25 @@ async def stop_site(runner: web.AppRunner, site: web.TCPSite,
 
 
 async def _serve(async_engine: AsyncEngine, config: EngineConfig) -> int:
+    from pluginfer.engine.generation_config import describe, model_sampling_defaults
     from pluginfer.server.app import build_app
+    from pluginfer.server.state import STATE
 
     app = build_app(async_engine, config)
     runner, site, port = await start_site(app, config.server.host, config.server.port)
+    state = app[STATE]
+    print(f"pluginfer: {describe(state.sampling, config.sampling, model_sampling_defaults(state.engine.model_path))}",
+          file=sys.stderr, flush=True)
+    if config.quant_activations is not None or config.quant not in ("auto", "none") or config.model.endswith(".gguf"):
+        mode, source = quant_activations(config.quant_activations)
+        print(f"pluginfer: GGUF-quantized linears take {mode} activations ({source}; --quant-activations float: "
+              "float32, exact as transformers; int8: as llama.cpp)", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     terminated: list[int] = []  # SIGTERM (an orchestrator's stop) drains; SIGINT (Ctrl-C) stops at once
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGTERM, lambda: (terminated.append(signal.SIGTERM), stop.set()))
-    print(f"pluginfer: serving {config.server.served_model_name or config.model} "
+    print(f"pluginfer: serving {state.model_name} "
           f"on http://{config.server.host}:{port}", flush=True)
     watcher = asyncio.create_task(_watch_engine(async_engine, stop))
     await stop.wait()

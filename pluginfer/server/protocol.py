@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pluginfer.core.config import SamplingDefaults
+from pluginfer.core.config import BUILTIN_SAMPLING, SamplingDefaults
 from pluginfer.engine.sequence import SamplingParams
 from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import APIError, bad_request, from_sampling_error
@@ -171,16 +171,19 @@ class SamplingRequest(_Body):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+        def pick(value: Any, default: Any, name: str = "") -> Any:
+            if value is None:  # the request's, else the defaults' (the model's already laid in), else built in
+                value = default
+            return BUILTIN_SAMPLING[name] if value is None else value
 
         grammar = self.grammar()
 
         try:
             return SamplingParams(
-                n=self.n, temperature=pick(self.temperature, defaults.temperature),
-                top_p=pick(self.top_p, defaults.top_p), top_k=pick(self.top_k, defaults.top_k),
-                min_p=pick(self.min_p, 0.0), repetition_penalty=pick(self.repetition_penalty, 1.0),
+                n=self.n, temperature=pick(self.temperature, defaults.temperature, "temperature"),
+                top_p=pick(self.top_p, defaults.top_p, "top_p"), top_k=pick(self.top_k, defaults.top_k, "top_k"),
+                min_p=pick(self.min_p, defaults.min_p, "min_p"),
+                repetition_penalty=pick(self.repetition_penalty, defaults.repetition_penalty, "repetition_penalty"),
                 presence_penalty=pick(self.presence_penalty, 0.0),
                 frequency_penalty=pick(self.frequency_penalty, 0.0), seed=self.seed, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, max_tokens=pick(max_tokens, defaults.max_tokens),

@@ -6,14 +6,16 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from pluginfer.core.config import EngineConfig
+from pluginfer.core.config import EngineConfig, SamplingDefaults
 from pluginfer.core.parsers import ReasoningParser, ToolCallParser
 from pluginfer.core.registry import get_registry
+from pluginfer.engine.generation_config import sampling_defaults
 from pluginfer.engine.pooling import PoolerConfig
 from pluginfer.server.errors import APIError, bad_request, from_validation_error
 from pluginfer.server.metrics import ServerMetrics
@@ -37,6 +39,8 @@ class ServerState:
     reasoning_parser: Callable[[], ReasoningParser] | None = None  # the plugin's factory: one parser per choice
     tool_parser: Callable[[], ToolCallParser] | None = None  # the plugin's factory: one parser per request
     processors: RequestProcessors = field(default_factory=RequestProcessors)  # build_app loads the selected ones
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # every field set: what requests default to
+    aliases: tuple[str, ...] = ()  # other names a request may give the model (a GGUF file's name and path)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM with server.shutdown_timeout: requests in flight finish, new ones get a 503
     pooler: PoolerConfig | None = None  # the checkpoint's pooling, read at the first /v1/embeddings request
@@ -47,8 +51,10 @@ class ServerState:
         server, registry = config.server, get_registry()
         reasoning = registry.load("reasoning_parser", server.reasoning_parser) if server.reasoning_parser else None
         tools = registry.load("tool_parser", server.tool_call_parser) if server.tool_call_parser else None
-        return cls(async_engine, config, server.served_model_name or config.model,
-                   ServerMetrics(async_engine.engine), reasoning, tools)
+        name, *aliases = served_names(config)
+        return cls(async_engine, config, name, ServerMetrics(async_engine.engine), reasoning, tools,
+                   sampling=sampling_defaults(config.sampling, async_engine.engine.model_path),
+                   aliases=tuple(aliases))
 
     @property
     def engine(self) -> LLMEngine:
@@ -57,6 +63,11 @@ class ServerState:
     @property
     def tokenizer(self) -> Any:
         return self.async_engine.engine.tokenizer
+
+    @property
+    def root(self) -> str:
+        """What ``/v1/models`` says the model is: a hub id as given; a local checkpoint by its served name."""
+        return self.model_name if Path(self.config.model).expanduser().exists() else self.config.model
 
     @property
     def vocab_size(self) -> int:
@@ -68,7 +79,7 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         """An absent (or empty) model means the served one; any other name is a 404, as in OpenAI."""
-        if model and model != self.model_name:
+        if model and model != self.model_name and model not in self.aliases:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
@@ -82,6 +93,15 @@ class ServerState:
         if self.async_engine.num_waiting >= limit:
             raise APIError(429, f"too many requests waiting ({self.async_engine.num_waiting}, at most {limit}); "
                            "retry later", code="rate_limit_exceeded")
+
+
+def served_names(config: EngineConfig) -> tuple[str, ...]:
+    """The model's name for clients (``server.served_model_name``, else a GGUF file's stem, else ``model``), then
+    the other names a request may use: a GGUF file's name and path (its directory stays off the API)."""
+    if config.server.served_model_name:
+        return (config.server.served_model_name,)
+    path = Path(config.model)
+    return (path.stem, path.name, config.model) if path.suffix == ".gguf" else (config.model,)
 
 
 STATE = web.AppKey("pluginfer_state", ServerState)

@@ -21,6 +21,7 @@ from aiohttp import web
 from pluginfer.engine.engine_core import EngineDeadError
 from pluginfer.engine.outputs import RequestOutput
 from pluginfer.engine.sequence import SamplingParams
+from pluginfer.server.access_log import count_tokens
 from pluginfer.server.errors import APIError, bad_request, from_sampling_error, sse_error
 from pluginfer.server.state import ServerState
 
@@ -160,6 +161,7 @@ async def run_requests(state: ServerState, prompts: list[list[int]], params: Sam
     finally:
         for timer in timers:
             timer.close()
+        count_tokens(request_id, sum(t.num_prompt_tokens for t in timers), sum(t.num_generated for t in timers))
 
 
 def _check_finished(output: RequestOutput, prompt_field: str) -> None:

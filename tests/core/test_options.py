@@ -34,7 +34,7 @@ def flag_words(option) -> tuple[list[str], object]:
         return [option.flag, "a", option.flag, "b"], ["a", "b"]
     if default is not None:
         return [option.flag, str(default)], default
-    for text in ("8", "x"):  # the first the field accepts
+    for text in ("8", "0.5", "x"):  # the first the field accepts
         try:
             return [option.flag, text], value_at(build_config(model="m", **{option.dotted: text}), option.dotted)
         except ValueError:

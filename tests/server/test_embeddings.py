@@ -174,6 +174,7 @@ def test_a_model_without_pooling_config_is_400_saying_what_is_missing(tiny_llama
         error = json.loads(raw)["error"]
         assert status == 400 and error["param"] == "model", raw
         assert "this model has no pooling config" in error["message"] and "modules.json is missing" in error["message"]
+        assert str(tiny_llama_checkpoint[0]) not in error["message"]  # the server's paths stay on the server
         status, _, raw = http(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert status == 200, raw  # the model still generates
     finally:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from pluginfer.backends.cpu import amx_library, layer_ops, ops
 from pluginfer.backends.cpu import build as native_build
+from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.backends.cpu.step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.config import EngineConfig
@@ -129,6 +130,9 @@ class CpuBackend:
         if native_kernels:  # a bad PLUGINFER_CPU_ISA or PLUGINFER_AMX is an error naming it, before any build
             native_build.isa()
             amx_library.enabled()
+        # GGUF linears' activations: the config's, else PLUGINFER_QUANT_ACTIVATIONS (a bad value fails here)
+        native_quant.configure_quant_activations(config.quant_activations if config is not None else None)
+        native_quant.quant_activations()
         threads = config.threads if config is not None and config.threads else environment_threads()
         if threads:
             torch.set_num_threads(threads)

@@ -74,6 +74,8 @@ def report() -> str:
     fused = f"int8 GGML matmul ({fused_isa})" if fused_isa else "no fused int8 GGML matmul"
     half_isa = half_linear.HALF_LINEAR_ISAS.get(loaded.half_linear_supported())
     fused += f"; 16-bit GEMV ({half_isa})" if half_isa else "; no 16-bit GEMV"
+    mode, source = quant.quant_activations()
+    fused += f"; GGUF linears take {mode} activations ({source}; --quant-activations int8 or float)"
     threads = "OpenMP" if info.openmp else "single-threaded (no OpenMP)"
     path = library._loaded["path"]
     return (f"native kernels: loaded for {info.machine} {isa} (attention, norms, rotary, dequantization"

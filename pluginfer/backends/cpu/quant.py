@@ -14,6 +14,8 @@ import torch
 from pluginfer.backends.cpu import amx_library, build, library
 from pluginfer.backends.cpu.library import _as, _log_once
 from pluginfer.backends.cpu.replay import _lib, _record_at, _state
+from pluginfer.core.config import QUANT_ACTIVATIONS_ENV  # noqa: F401 - read here by the tests
+from pluginfer.core.config import quant_activations as resolve_quant_activations
 
 # The dtypes the dequantization kernels write: float32, or bfloat16 rounded to nearest even from it.
 TILE_DTYPES = (torch.float32, torch.bfloat16)
@@ -116,7 +118,17 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 # gguf.GGMLQuantizationType values quant_matmul handles (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
 QUANT_MATMUL_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
-QUANT_ACTIVATIONS_ENV = "PLUGINFER_QUANT_ACTIVATIONS"
+_CONFIGURED_ACTIVATIONS: list[str | None] = [None]  # the engine config's quant_activations, as CpuBackend sets it
+
+
+def configure_quant_activations(mode: str | None) -> None:
+    """The engine config's ``quant_activations`` (None: ``PLUGINFER_QUANT_ACTIVATIONS``, else int8)."""
+    _CONFIGURED_ACTIVATIONS[0] = mode
+
+
+def quant_activations() -> tuple[str, str]:
+    """(``int8`` or ``float``, what chose it): the config's, else ``PLUGINFER_QUANT_ACTIVATIONS``, else int8."""
+    return resolve_quant_activations(_CONFIGURED_ACTIVATIONS[0])
 
 
 def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> torch.Tensor | None:
@@ -222,12 +234,9 @@ def quant_dot_supported() -> bool:
 def quant_matmul_op() -> Callable | None:
     """:func:`ggml_quant_matmul` where this CPU runs it and ``PLUGINFER_QUANT_ACTIVATIONS`` is not
     ``float``; else None. Says which, once per process."""
-    mode = os.environ.get(QUANT_ACTIVATIONS_ENV, "int8").lower()
-    if mode not in ("int8", "float"):
-        raise ValueError(f"{QUANT_ACTIVATIONS_ENV}={mode!r}: expected 'int8' (the default) or 'float'")
+    mode, source = quant_activations()
     if mode == "float":
-        _log_once(logging.INFO, f"quantized linears: {QUANT_ACTIVATIONS_ENV}=float, float32 activations "
-                                "against dequantized tiles")
+        _log_once(logging.INFO, f"quantized linears: {source}=float, float32 activations against dequantized tiles")
         return None
     if not quant_dot_supported():
         _log_once(logging.WARNING, "quantized linears: no fused int8-activation kernel for this CPU (it needs "
@@ -279,7 +288,7 @@ def tile_dtype() -> torch.dtype:
     mode = os.environ.get(QUANT_TILES_ENV, "auto").lower()
     if mode not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"{QUANT_TILES_ENV}={mode!r}: expected 'auto' (the default), 'float32' or 'bfloat16'")
-    if os.environ.get(QUANT_ACTIVATIONS_ENV, "int8").lower() == "float":
+    if quant_activations()[0] == "float":
         return torch.float32
     if mode == "float32" or (mode == "auto" and not bfloat16_gemm_is_fast()):
         why = f"{QUANT_TILES_ENV}=float32" if mode == "float32" else "no AMX-BF16 for torch's bfloat16 GEMM"
