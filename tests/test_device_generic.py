@@ -38,7 +38,7 @@ ALLOWED = {
         "gives back; a tensor on any other device has nothing to release",
     ("formats/gguf/checkpoint.py", 'if source.device.type != "cpu" or target.device.type != "cpu"'):
         "read_file_bytes preads file bytes into host memory; a target on another device is copied by torch",
-    ("engine/step.py", 'if torch.device(device).type == "cpu":'):
+    ("engine/input_batch.py", 'if torch.device(device).type == "cpu":'):
         "numpy's arrays are host memory: a step for a host-memory device wraps them without a copy or a .to() "
         "per array (a decode step's fixed cost); any other device gets the copy",
     ("quant/gguf.py", 'loaded.device.type == "cpu" and torch.device(device).type == "cpu"'):
@@ -47,10 +47,10 @@ ALLOWED = {
     ("engine/sampler.py", 'if not (columns.device.type == "cpu" and columns.dtype == torch.float32'):
         "the greedy rows' numpy view, kept while a decode replay hands the same logits tensor again: numpy "
         "reads host memory only, any other device keeps greedy_argmax's torch path",
-    ("engine/worker.py", 'shares = batch.input_ids.device.type == "cpu" and batch.input_ids.data_ptr()'):
-        "a steady decode step reuses the last ForwardBatch only when its tensors are the step's numpy arrays "
-        "wrapped without a copy, which happens for host memory alone; on any other device each step's "
-        "arrays are copied to fresh tensors and the batch is built again",
+    ("engine/worker.py", 'self._last_batch = batch if batch.input_ids.device.type == "cpu" else None'):
+        "a repeated decode step hands the last ForwardBatch again only when its tensors are the input batch's "
+        "numpy arrays wrapped without a copy, which happens for host memory alone; on any other device each "
+        "step's arrays are copied to fresh tensors and the batch is built again",
     ("engine/sampler.py", 'sync_free = logits.device.type != "cpu"'):
         "top-k/top-p's candidate shortcut reads its width back from the logits, free on host memory and a "
         "device sync anywhere else, where one full sort replaces it",
