@@ -64,21 +64,9 @@ def greedy(max_tokens: int = 32):  # SamplingParams
 
 def prefill_logits(llm, prompt: list[int]) -> torch.Tensor:  # pluginfer.LLM
     """Logits at every prompt position through our runner (the public API only exposes the last)."""
-    from pluginfer.engine.sequence import Sequence
-    from pluginfer.engine.step import NewRow, StepData
+    from pluginfer.testing.model_contract import prefill_logits
 
-    engine = llm.engine
-    seq = Sequence("probe", list(prompt), greedy())
-    assert engine.block_manager.allocate_prompt(seq) and engine.block_manager.ensure_slots(seq, len(prompt))
-    try:
-        start = seq.num_computed_tokens
-        step = StepData(token_ids=list(prompt[start:]), num_computed_tokens=[start],
-                        block_size=engine.config.cache.block_size, num_new_tokens=[len(prompt) - start],
-                        seq_ids=[seq.seq_id], new_rows=[NewRow(seq.seq_id, list(seq.block_table))], reset=True,
-                        sampled_rows=[], extra_rows=[(0, len(prompt) - start)])
-        return engine.executor.run_step(step).cpu()  # on the host, whatever the backend's device
-    finally:
-        engine.block_manager.free(seq)
+    return prefill_logits(llm, prompt)
 
 
 def save_family_checkpoints(out_root: Path, tokenizer_dir: Path, architectures: dict[str, tuple[str, dict]],
