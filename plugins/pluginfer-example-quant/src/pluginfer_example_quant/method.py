@@ -21,6 +21,7 @@ from pluginfer_example_quant.ops import example_int8_rowwise_matmul
 from pluginfer_example_quant.plugin import NAME
 
 OP = "example_int8_rowwise_matmul"
+UNSPLIT = ShardSpec()  # one rank holds the whole weight
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +52,7 @@ class Int8RowwiseLinear:
         self.prequantized = prequantized
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
-                       shard: ShardSpec = ShardSpec()) -> None:
+                       shard: ShardSpec = UNSPLIT) -> None:
         if self.prequantized:
             _register(layer, "qweight", torch.zeros(output_size, input_size, dtype=torch.int8), 1)
             _register(layer, "scale", torch.zeros(output_size, dtype=torch.float32), None)
