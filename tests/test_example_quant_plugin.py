@@ -1,9 +1,10 @@
 """The worked out-of-tree quant plugin (plugins/pluginfer-example-quant): its own kernel op with a cpu kernel,
 conformant to the quant kit, listed, and a tiny llama quantized at load by it equal to transformers running the
-same int8 weights dequantized."""
+same int8 weights dequantized; sharded by the layers' loaders across tensor-parallel ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import shutil
@@ -128,3 +129,24 @@ def test_a_checkpoint_of_this_format_is_claimed_and_loads_the_same_codes(
     saved = load(out)  # quant: auto, through the spec's claims
     assert saved.engine.executor.quant.name == NAME
     assert torch.equal(prefill_logits(saved, prompt), prefill_logits(load(source, quant=NAME), prompt))
+
+
+@pytest.mark.parametrize("kind", ["column", "merged", "qkv-gqa", "qkv-one-kv-head", "row"])
+def test_tensor_parallel_ranks_equal_one_rank(kind: str) -> None:
+    """The parameters' ``output_dim`` / ``input_dim`` let the layers' own loaders shard this format: 2 thread ranks
+    hold exactly the one-rank layer's rows (a row-parallel rank its columns, every scale whole)."""
+    from tests.quant.tensor_parallel_harness import assert_tensor_parallel_equals_one_rank, float_cases
+
+    case = float_cases(256, 512, lambda w: w, seed=0)[kind]
+    saved = [(suffix, tensor, shard) for name, weight, shard in case.tensors
+             for suffix, tensor in (zip(("qweight", "scale"), quantize(weight), strict=True)
+                                    if name == "weight" else [(name, weight)])]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the thread ranks share torch's intra-op pool
+    try:
+        assert_tensor_parallel_equals_one_rank(lambda: build({"quant_method": NAME}),
+                                               dataclasses.replace(case, tensors=saved), 2)
+        if kind != "row":  # quantized at load, a rank holding whole rows quantizes them as one rank does
+            assert_tensor_parallel_equals_one_rank(build, case, 2)
+    finally:
+        torch.set_num_threads(threads)
