@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import re
+import sys
 import threading
 
 import pytest
@@ -232,7 +235,50 @@ def test_an_all_failed_run_says_why_first(server, tmp_path, capsys):
                             "--output-len", "3", "--num-prompts", "3")
     assert status == 1 and figures["failed_requests"] == 3
     shown = capsys.readouterr()
-    assert shown.err.splitlines()[0] == "pluginfer: all 3 requests failed: HTTP 400: fake 400"
+    said = [line for line in shown.err.splitlines() if not PROGRESS.fullmatch(line)]
+    assert said[0] == "pluginfer: all 3 requests failed: HTTP 400: fake 400"
+
+
+PROGRESS = re.compile(r"pluginfer: (\d+)/(\d+) requests done \((\d+) failed\), \d+\.\d s")
+
+
+def test_the_settings_are_shown_first_and_progress_while_it_runs(server, tmp_path, capsys):
+    status, figures = bench(server, tmp_path, "--model", "flaky", "--concurrency", "2", "--input-len", "4",
+                            "--output-len", "3", "--num-prompts", "6")
+    assert status == 1 and figures["failed_requests"] == 3
+    shown = capsys.readouterr()
+    assert shown.out.splitlines()[0] == (f"pluginfer bench serve: {server.url}, model flaky, 6 requests, "
+                                         "concurrency 2, input 4 tokens, output 3 tokens")
+    progress = [PROGRESS.fullmatch(line) for line in shown.err.splitlines()]
+    assert all(progress), shown.err  # not a terminal: one plain line per completed request (6 < 10 * 1)
+    counts = [(int(m[1]), int(m[2]), int(m[3])) for m in progress]
+    assert [done for done, _, _ in counts] == [1, 2, 3, 4, 5, 6] and {total for _, total, _ in counts} == {6}
+    failed = [f for _, _, f in counts]
+    assert failed == sorted(failed) and failed[-1] == 3
+
+    bench(server, tmp_path, "--request-rate", "500", "--input-len", "2", "--output-len", "2", "--num-prompts", "30")
+    shown = capsys.readouterr()
+    assert "30 requests, 500 requests/s, input 2 tokens" in shown.out.splitlines()[0]
+    lines = shown.err.splitlines()  # every 3rd of 30 requests
+    assert [int(PROGRESS.fullmatch(line)[1]) for line in lines] == list(range(3, 31, 3))
+
+
+def test_progress_on_a_terminal_is_one_rewritten_line(server, tmp_path, monkeypatch):
+    controller, terminal = os.openpty()
+    with open(terminal, "w") as stream:
+        monkeypatch.setattr(sys, "stderr", stream)
+        status, _ = bench(server, tmp_path, "--concurrency", "2", "--input-len", "3", "--output-len", "2",
+                          "--num-prompts", "4")
+        monkeypatch.undo()
+    assert status == 0
+    shown = b""
+    while not shown.endswith(b"\n"):
+        shown += os.read(controller, 4096)
+    os.close(controller)
+    text = shown.decode().replace("\r\n", "\n")  # the terminal writes a newline as \r\n
+    assert text.startswith("\r") and text.endswith("\n") and text.count("\n") == 1
+    updates = text.rstrip("\n").split("\r")[1:]
+    assert [int(PROGRESS.fullmatch(update)[1]) for update in updates] == [1, 2, 3, 4]
 
 
 def test_some_failures_leave_the_rest_measured(server, tmp_path):

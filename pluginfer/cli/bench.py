@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     import aiohttp
@@ -154,20 +154,49 @@ async def send_completion(session: aiohttp.ClientSession, url: str, payload: dic
 # ---------------------------------------------------------------- serve: the load
 
 
+class Progress:
+    """Completed requests on a stream: a ``\r`` counter on a terminal, else a line every ``every`` requests."""
+
+    def __init__(self, total: int, stream: TextIO, every: int | None = None) -> None:
+        self.total, self.stream, self.done, self.failed = total, stream, 0, 0
+        self.tty = stream.isatty()
+        self.every = every or max(1, total // 10)
+        self.start = time.perf_counter()
+
+    def __call__(self, result: RequestResult) -> None:
+        self.done += 1
+        self.failed += not result.ok
+        if not self.tty and self.done % self.every and self.done != self.total:
+            return
+        line = (f"pluginfer: {self.done}/{self.total} requests done ({self.failed} failed), "
+                f"{time.perf_counter() - self.start:.1f} s")
+        end = "\n" if not self.tty or self.done == self.total else ""
+        print(("\r" if self.tty else "") + line, end=end, file=self.stream, flush=True)
+
+
 async def run_load(url: str, payloads: list[dict], headers: dict[str, str], timeout: float, *,
                    concurrency: int | None = None, request_rate: float | None = None,
-                   rng: random.Random | None = None) -> tuple[list[RequestResult], float]:
-    """Send every payload, ``concurrency`` at a time or at Poisson arrivals; (results, seconds)."""
+                   rng: random.Random | None = None,
+                   on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every payload, ``concurrency`` at a time or at Poisson arrivals; (results, seconds). ``on_done``
+    is called with each result as it completes."""
     import aiohttp
 
     rng = rng or random.Random(0)
+
+    async def send(session: aiohttp.ClientSession, payload: dict) -> RequestResult:
+        result = await send_completion(session, url, payload, headers, timeout)
+        if on_done is not None:
+            on_done(result)
+        return result
+
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         start = time.perf_counter()
         if concurrency:
             queue: Iterator[dict] = iter(payloads)  # shared by the workers: each takes the next payload
 
             async def worker() -> list[RequestResult]:
-                return [await send_completion(session, url, payload, headers, timeout) for payload in queue]
+                return [await send(session, payload) for payload in queue]
 
             groups = await asyncio.gather(*(worker() for _ in range(min(concurrency, len(payloads)))))
             results = [result for group in groups for result in group]
@@ -177,7 +206,7 @@ async def run_load(url: str, payloads: list[dict], headers: dict[str, str], time
             for index, payload in enumerate(payloads):
                 if index:
                     await asyncio.sleep(rng.expovariate(request_rate))
-                tasks.append(asyncio.create_task(send_completion(session, url, payload, headers, timeout)))
+                tasks.append(asyncio.create_task(send(session, payload)))
             results = list(await asyncio.gather(*tasks))
         return results, time.perf_counter() - start
 
@@ -269,9 +298,13 @@ def run_serve(args: argparse.Namespace) -> int:
     prompts = random_prompts(token_pool(vocab_size, tokenizer), args.input_len, args.num_prompts, rng)
     payloads = [{"model": model, "prompt": prompt, "max_tokens": args.output_len, "stream": True,
                  "stream_options": {"include_usage": True}, "ignore_eos": True} for prompt in prompts]
+    load = f"concurrency {args.concurrency}" if args.concurrency else f"{args.request_rate:g} requests/s"
+    print(f"pluginfer bench serve: {root}, model {model}, {args.num_prompts} requests, {load}, "
+          f"input {args.input_len} tokens, output {args.output_len} tokens", flush=True)
     results, duration = asyncio.run(run_load(
         f"{root}/v1/completions", payloads, auth_headers(args.api_key), args.timeout,
-        concurrency=args.concurrency, request_rate=args.request_rate, rng=rng))
+        concurrency=args.concurrency, request_rate=args.request_rate, rng=rng,
+        on_done=Progress(len(payloads), sys.stderr)))
     summary = summarize(results, duration)
     if results and not summary["successful_requests"]:  # the reason first, not under a table of dashes
         reason, _ = next(iter(summary["errors"].items()))

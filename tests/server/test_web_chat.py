@@ -1,8 +1,9 @@
 """The web chat page at ``/`` (pluginfer/server/web/), driven in headless Chromium by playwright.
 
 A real server over a tiny random llama answers: the test types a prompt, reads the streamed answer, stops a
-long one, signs in with an API key, and reads a reasoning model's answer folded away. The markdown renderer
-is checked in the page on hostile text, and through the page on a canned stream.
+long one, signs in with an API key (typed: the model label fills), reads a reasoning model's answer folded
+away, sees the first screen and the server's defaults in Settings, and copies a code block. The markdown
+renderer is checked in the page on hostile text, and through the page on a canned stream.
 
 The browser: $PLUGINFER_CHROMIUM, else Debian's ``chromium`` on PATH, else playwright's own (``playwright
 install chromium``). Without any the tests skip, which tests/native_usage.py turns into a failure under CI
@@ -289,6 +290,72 @@ def test_reasoning_is_shown_collapsed(page: object, engine: AsyncEngine, endless
         server.stop()
 
 
+
+def test_the_first_screen_says_what_to_do(page: object, open_server: BackgroundServer) -> None:
+    page.goto(open_server.url + "/")
+    empty = page.locator("#empty")
+    sync_api.expect(empty).to_be_visible()
+    sync_api.expect(page.locator("#empty-model")).to_have_text(MODEL_NAME)
+    assert "press Enter to send" in empty.inner_text()
+    sync_api.expect(page.locator("#empty-key")).to_be_hidden()
+    page.click("#toggle-settings")
+    page.fill("#temperature", "-1")  # refused: the conversation stays empty, so does the first screen
+    send(page, "Hello")
+    sync_api.expect(page.locator("#error")).to_contain_text("400: ")
+    sync_api.expect(empty).to_be_visible()
+    page.fill("#temperature", "")
+    page.fill("#max-tokens", "4")
+    send(page, "Hello")
+    finished(page)
+    sync_api.expect(empty).to_be_hidden()
+    page.click("#new-chat")
+    sync_api.expect(empty).to_be_visible()
+    assert page.locator(".message").count() == 0
+    assert not [e for e in page.errors if "400" not in e], page.errors  # the refused request's console line
+
+
+def test_settings_show_the_servers_defaults(page: object, engine: AsyncEngine, endless_llama: Path) -> None:
+    server = serve(engine, endless_llama, **{"sampling.temperature": 0.3, "sampling.max_tokens": 77})
+    try:
+        _, _, body = http(server, "GET", "/v1/models")
+        defaults = json.loads(body)["data"][0]["sampling_defaults"]
+        assert defaults["temperature"] == 0.3 and defaults["max_tokens"] == 77  # the deployment's values win
+        page.goto(server.url + "/")
+        page.click("#toggle-settings")
+        for field, value in [("temperature", 0.3), ("top-p", defaults["top_p"]), ("max-tokens", 77)]:
+            sync_api.expect(page.locator(f"#{field}")).to_have_attribute("placeholder", f"{value:g}")
+        shown = page.locator("#defaults")
+        for name, value in defaults.items():
+            sync_api.expect(shown).to_contain_text(f"{name} {value:g}")
+        with page.expect_response("**/v1/chat/completions") as response_info:
+            send(page, "Hello")  # the fields stay empty: nothing is sent, the defaults shown apply
+        request = json.loads(response_info.value.request.post_data)
+        assert not {"temperature", "top_p", "max_tokens"} & request.keys()
+        assert "token limit" in finished(page).locator(".status").inner_text()  # 77 tokens, never EOS
+    finally:
+        server.stop()
+
+
+def test_a_typed_api_key_fills_the_model_label(page: object, engine: AsyncEngine, endless_llama: Path) -> None:
+    """The key counts once typed, without leaving the field: the label, the first screen and the defaults."""
+    server = serve(engine, endless_llama, **{"server.api_keys": [API_KEY]})
+    try:
+        page.goto(server.url + "/")
+        sync_api.expect(page.locator("#error")).to_contain_text("401")
+        sync_api.expect(page.locator("#empty-key")).to_be_visible()
+        assert page.locator("#model").inner_text() == ""
+        page.fill("#api-key", API_KEY)  # an input event only: the focus stays in the field
+        sync_api.expect(page.locator("#model")).to_contain_text(MODEL_NAME)
+        assert page.evaluate("document.activeElement.id") == "api-key"
+        sync_api.expect(page.locator("#empty-model")).to_have_text(MODEL_NAME)
+        sync_api.expect(page.locator("#empty-key")).to_be_hidden()
+        sync_api.expect(page.locator("#error")).to_be_hidden()
+        _, _, body = http(server, "GET", "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+        temperature = json.loads(body)["data"][0]["sampling_defaults"]["temperature"]
+        sync_api.expect(page.locator("#temperature")).to_have_attribute("placeholder", f"{temperature:g}")
+    finally:
+        server.stop()
+
 @pytest.mark.slow  # a pluginfer serve process: the engine core's start-up
 def test_the_page_through_pluginfer_serve(browser: object, endless_llama: Path, tmp_path: Path) -> None:
     """As a user runs it: ``pluginfer serve`` (the engine in its own process) answers the page, and Stop reaches
@@ -402,3 +469,30 @@ def test_an_error_event_mid_stream_is_shown(page: object, open_server: Backgroun
     assert message.locator(".status").inner_text() == "failed: the engine process 42 died (SIGKILL)"
     sync_api.expect(page.locator("#error")).to_have_text("the engine process 42 died (SIGKILL)")
     sync_api.expect(page.locator("#send")).to_be_enabled()
+
+
+def test_a_code_block_is_copied_by_its_button(page: object, open_server: BackgroundServer) -> None:
+    """The Copy button puts the block's text, as written (markup characters, indentation, trailing spaces), on
+    the clipboard; read back through Chromium's clipboard with the permission granted."""
+    first = 'if a < b && c:\n    print("<b>&amp;</b>")  '
+    answer = f"Two blocks:\n```python\n{first}\n```\nand\n```\nsecond `block`\n```"
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL_NAME,
+             "choices": [{"index": 0, "delta": {"content": answer}, "finish_reason": "stop"}]}
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"},
+        body=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"))
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=open_server.url)
+    page.goto(open_server.url + "/")
+    send(page, "Show me code")
+    message = finished(page)
+    buttons = message.locator("pre button.copy")
+    sync_api.expect(buttons).to_have_count(2)
+    sync_api.expect(message.locator("pre code").first).to_have_text(first)  # the button is not part of the code
+    buttons.first.click()
+    sync_api.expect(buttons.first).to_have_text("Copied")
+    assert page.evaluate("navigator.clipboard.readText()") == first
+    buttons.nth(1).click()
+    sync_api.expect(buttons.nth(1)).to_have_text("Copied")
+    assert page.evaluate("navigator.clipboard.readText()") == "second `block`"
+    sync_api.expect(buttons.first).to_have_text("Copy")  # back to its label after a moment
+    assert not page.errors, page.errors

@@ -3,7 +3,9 @@
 
 const KEY_STORAGE = "pluginfer.apiKey";
 const $ = (id) => document.getElementById(id);
-const state = { history: [], controller: null, model: null };
+const state = { history: [], controller: null, model: null, modelsAsked: 0, empty: null, keyTimer: 0 };
+// The settings fields and the /v1/models sampling_defaults entry each shows as its placeholder.
+const SAMPLING_FIELDS = [["temperature", "temperature"], ["top_p", "top-p"], ["max_tokens", "max-tokens"]];
 
 function requestHeaders() {
   const headers = { "Content-Type": "application/json" };
@@ -51,28 +53,92 @@ function saveKeyChoice() {
   }
 }
 
+// Empty fields are not sent: the placeholders show what the server then applies.
+function showDefaults(defaults) {
+  if (!defaults) return;
+  for (const [field, id] of SAMPLING_FIELDS) {
+    if (defaults[field] !== undefined && defaults[field] !== null) $(id).placeholder = String(defaults[field]);
+  }
+  const shown = Object.entries(defaults).map(([name, value]) => `${name} ${value}`).join(", ");
+  $("defaults").textContent = `Empty fields take the server's defaults: ${shown}.`;
+}
+
 async function loadModel() {
+  const asked = ++state.modelsAsked;  // only the answer to the latest key counts
   try {
     const response = await fetch("v1/models", { headers: requestHeaders() });
+    if (asked !== state.modelsAsked) return;
     if (!response.ok) {
       $("model").textContent = "";
+      $("empty-key").hidden = response.status !== 401;
       showError(await errorText(response), response.status);
       return;
     }
     const models = (await response.json()).data || [];
+    if (asked !== state.modelsAsked) return;
     if (models.length) {
       state.model = models[0].id;
       $("model").textContent = `${models[0].id} · context ${models[0].max_model_len ?? "?"} tokens`;
+      $("empty-model").textContent = models[0].id;
+      showDefaults(models[0].sampling_defaults);
     }
+    $("empty-key").hidden = true;
     $("api-key-box").classList.remove("needed");
     clearError();
   } catch (error) {
-    showError(`cannot reach the server: ${error.message}`);
+    if (asked === state.modelsAsked) showError(`cannot reach the server: ${error.message}`);
+  }
+}
+
+// A key typed or pasted counts without leaving the field: the model is asked for once typing pauses.
+function keyTyped() {
+  clearTimeout(state.keyTimer);
+  state.keyTimer = setTimeout(loadModel, 400);
+}
+
+async function copyText(text) {
+  if (navigator.clipboard && window.isSecureContext) {
+    await navigator.clipboard.writeText(text);
+    return;
+  }
+  const area = document.createElement("textarea");  // a page not served as a secure context has no clipboard API
+  area.value = text;
+  area.setAttribute("readonly", "");
+  area.style.position = "fixed";
+  area.style.opacity = "0";
+  document.body.append(area);
+  area.select();
+  const copied = document.execCommand("copy");
+  area.remove();
+  if (!copied) throw new Error("the browser refused to copy");
+}
+
+// A Copy button on each code block; it copies the code's text as written.
+function addCopyButtons(content) {
+  for (const pre of content.querySelectorAll("pre")) {
+    const code = pre.querySelector("code");
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "copy";
+    button.textContent = "Copy";
+    button.setAttribute("aria-label", "Copy the code");
+    button.addEventListener("click", async () => {
+      try {
+        await copyText(code.textContent);
+        button.textContent = "Copied";
+      } catch (error) {
+        button.textContent = "Copy failed";
+        showError(`cannot copy: ${error.message}`);
+      }
+      setTimeout(() => { button.textContent = "Copy"; }, 1500);
+    });
+    pre.append(button);
   }
 }
 
 // One message in the conversation; an assistant's has a collapsed reasoning section and a status line.
 function addMessage(role, text) {
+  state.empty.remove();
   const root = document.createElement("div");
   root.className = `message ${role}`;
   const label = document.createElement("div");
@@ -107,6 +173,7 @@ function render(view, content, reasoning, streaming) {
     view.reasoningText.textContent = reasoning;
   }
   view.content.innerHTML = renderMarkdown(content);  // renderMarkdown escapes the text first
+  addCopyButtons(view.content);
   const list = $("messages");
   if (list.scrollHeight - list.scrollTop - list.clientHeight < 80) list.scrollTop = list.scrollHeight;
 }
@@ -128,7 +195,7 @@ function requestBody() {
   if (system) messages.push({ role: "system", content: system });
   const body = { messages: messages.concat(state.history), stream: true };
   if (state.model) body.model = state.model;
-  for (const [field, id] of [["temperature", "temperature"], ["top_p", "top-p"], ["max_tokens", "max-tokens"]]) {
+  for (const [field, id] of SAMPLING_FIELDS) {
     const value = numberField(id);
     if (value !== undefined) body[field] = value;
   }
@@ -190,6 +257,7 @@ async function send(text) {
       state.history.pop();  // not answered: the text goes back to the box to send again
       userView.root.remove();
       view.root.remove();
+      if (!$("messages").children.length) $("messages").append(state.empty);
       $("prompt").value = text;
       showError(message, response.status);
       return;
@@ -205,6 +273,7 @@ async function send(text) {
       schedule();
     });
     renderFinal();
+    if (!state.model) loadModel();  // the request went through: the label can be filled now
     finish(view, "done", finishReason === "length" ? "stopped at the token limit" : "");
   } catch (error) {
     renderFinal();
@@ -228,17 +297,19 @@ async function send(text) {
 function newChat() {
   if (state.controller) state.controller.abort();
   state.history = [];
-  $("messages").replaceChildren();
+  $("messages").replaceChildren(state.empty);
   clearError();
 }
 
 function start() {
+  state.empty = $("empty");
   const saved = localStorage.getItem(KEY_STORAGE);
   if (saved) {
     $("api-key").value = saved;
     $("remember-key").checked = true;
   }
-  $("api-key").addEventListener("change", () => { saveKeyChoice(); loadModel(); });
+  $("api-key").addEventListener("change", () => { clearTimeout(state.keyTimer); saveKeyChoice(); loadModel(); });
+  $("api-key").addEventListener("input", keyTyped);
   $("remember-key").addEventListener("change", saveKeyChoice);
   $("toggle-settings").addEventListener("click", () => showSettings($("settings").hidden));
   $("new-chat").addEventListener("click", newChat);
