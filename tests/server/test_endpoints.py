@@ -14,7 +14,7 @@ def test_models(client):
 
 
 def test_tokenize_and_detokenize_round_trip(server, async_engine):
-    tokenizer = async_engine.engine.tokenizer
+    tokenizer = async_engine.tokenizer
     status, _, raw = http(server, "POST", "/tokenize", {"prompt": "hello world", "model": MODEL_NAME})
     body = json.loads(raw)
     assert status == 200 and body["tokens"] == tokenizer.encode("hello world")
