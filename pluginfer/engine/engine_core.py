@@ -137,7 +137,8 @@ class EngineCore:
                 tokenizer = pickle.dumps(engine.tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001 - the server loads its own
                 logger.info("the tokenizer does not pickle (%s); the server loads its own", exc)
-        return Ready(pid=os.getpid(), model_info=engine.model_info(), tokenizer=tokenizer, startup_times=times)
+        return Ready(pid=os.getpid(), model_info=engine.model_info(), tokenizer=tokenizer, startup_times=times,
+                     stats=engine.stats())
 
     def _receive_tokenizer(self) -> Any:
         """The server's first message, its tokenizer (or None), read while the weights load."""

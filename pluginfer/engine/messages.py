@@ -71,6 +71,7 @@ class Ready:
     model_info: ModelInfo
     tokenizer: bytes | None  # pickled; None: the server builds its own (or sent it)
     startup_times: dict[str, float]
+    stats: EngineStats  # after the warm-up request
 
 
 @dataclass(frozen=True)

@@ -122,9 +122,7 @@ class CoreProcessClient:
         except BaseException:
             self._kill()
             raise
-        self._tokenizer, self._model_info = tokenizer, ready.model_info
-        info = ready.model_info
-        self._stats = EngineStats(num_free_blocks=info.num_blocks, num_blocks=info.num_blocks)
+        self._tokenizer, self._model_info, self._stats = tokenizer, ready.model_info, ready.stats
         self.startup_times = dict(ready.startup_times)
         self.startup_times["total"] = time.perf_counter() - self._spawned  # from the spawn: its phases overlap ours
         return self
@@ -330,7 +328,10 @@ class CoreProcessClient:
 
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the core's frames on the first event loop that serves a request (the socket stays
-        blocking for sends; reads ask for what is there with MSG_DONTWAIT)."""
+        blocking for sends; reads ask for what is there with MSG_DONTWAIT), or on this one if that loop
+        was closed since (one ``asyncio.run`` after another)."""
+        if self._loop is not None and self._loop.is_closed():
+            self._loop = None
         if self._loop is None and not self._closed:
             self._loop = loop
             loop.add_reader(self._sock.fileno(), self._on_readable)

@@ -62,7 +62,7 @@ MESSAGES = [
     AbortRequest("cmpl-1"),
     Call(4, "compile_grammar", (StructuredOutputsParams(json={"type": "object"}),)),
     Stop(),
-    Ready(pid=1234, model_info=INFO, tokenizer=pickle.dumps(["a", "b"]), startup_times={"load": 0.5}),
+    Ready(pid=1234, model_info=INFO, tokenizer=pickle.dumps(["a", "b"]), startup_times={"load": 0.5}, stats=STATS),
     StartFailed("ValueError", "no config.json in /models/missing"),
     Outputs(DELTAS, STATS),
     Outputs([], EngineStats()),
