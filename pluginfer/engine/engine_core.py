@@ -172,18 +172,24 @@ class EngineCore:
 
     def _call(self, call: Call) -> None:
         """A utility the server asked for, answered here, off the step loop."""
-        methods = {"compile_grammar": self.engine.grammars.compile}
+        methods = {"compile_grammar": self._compile_grammar}
         try:
             method = methods.get(call.method)
             if method is None:
                 raise ValueError(f"no engine call {call.method!r}; there are {', '.join(methods)}")
             result = CallResult(call.call_id, method(*call.arguments))
+            frame = encode(result)
         except Exception as exc:  # noqa: BLE001 - the server raises it (a grammar's error is a 400 there)
-            result = CallResult(call.call_id, error_type=error_name(exc), message=str(exc))
+            frame = encode(CallResult(call.call_id, error_type=error_name(exc), message=str(exc)))
         try:
-            self.send(result)
+            with self._send_lock:
+                self.sock.sendall(frame)
         except OSError:
             pass
+
+    def _compile_grammar(self, grammar: Any) -> None:
+        """Compiled into the engine's cache; the compiled matcher stays here (it does not pickle)."""
+        self.engine.grammars.compile(grammar)
 
     # -- the step loop --------------------------------------------------------------------------
 
