@@ -67,7 +67,7 @@ def servers(tiny_llama_checkpoint):
     with serve(model, **SETTINGS, **{"server.tool_call_parser": "memo", "server.reasoning_parser": "memo"}) as memo, \
             serve(model, **SETTINGS) as plain:
         for server in (memo, plain):  # the same prompt on both
-            server.async_engine.engine.tokenizer.chat_template = MEMO_TEMPLATE
+            server.engine.tokenizer.chat_template = MEMO_TEMPLATE
         yield memo, plain
 
 

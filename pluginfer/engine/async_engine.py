@@ -1,8 +1,9 @@
-"""AsyncEngine: LLMEngine's step loop in its own thread, one asyncio queue per request.
+"""AsyncEngine: LLMEngine's step loop in its own thread, one asyncio queue per request; an ``EngineClient``.
 
-The engine is touched only by the loop thread. Coroutines hand it commands (add, abort)
+The engine is touched only by the loop thread. Coroutines hand it commands (``AddRequest``, ``AbortRequest``)
 through a thread-safe queue and receive RequestOutputs through ``loop.call_soon_threadsafe``, once per
-step for all the requests of one event loop.
+step for all the requests of one event loop; the loop thread publishes the engine's ``EngineStats`` after
+every step.
 Leaving ``generate`` early (a client that disconnects cancels its handler) aborts the request,
 whose KV blocks are freed before the next step.
 """
@@ -16,11 +17,15 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
+from pluginfer.engine.client import EngineDeadError, EngineStats, ModelInfo
 from pluginfer.engine.engine import LLMEngine
-from pluginfer.engine.engine_core import EngineDeadError
+from pluginfer.engine.messages import AbortRequest, AddRequest
 from pluginfer.engine.outputs import RequestOutput
+from pluginfer.engine.pooling import PoolingParams
 from pluginfer.engine.sequence import SamplingParams
+from pluginfer.engine.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,9 @@ class AsyncEngine:
         self._idle_wait_s = idle_wait_s
         self._ids = itertools.count()
         self._not_started: set[str] = set()  # accepted, no output yet (read by coroutines only)
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
+        self._model_info = engine.model_info()
+        self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="pluginfer-engine", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -64,6 +71,9 @@ class AsyncEngine:
     def start(self) -> AsyncEngine:
         self._thread.start()
         return self
+
+    def attach(self) -> None:
+        """Nothing to do: the loop thread delivers to whichever event loop a request came from."""
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop; requests still running are aborted; the other ranks are stopped."""
@@ -75,7 +85,12 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None and not self._stop.is_set()
+        return self._thread.is_alive() and self._error is None and not self._stop.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the loop died (None while it runs or after a clean shutdown)."""
+        return self._error
 
     @property
     def num_requests(self) -> int:
@@ -87,9 +102,32 @@ class AsyncEngine:
         """Requests accepted that have produced no output yet (queued, or their prompt is being read)."""
         return len(self._not_started)
 
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    @property
+    def stats(self) -> EngineStats:
+        """As of the last step (published by the loop thread)."""
+        return self._stats
+
+    def compile_grammar(self, grammar: StructuredOutputsParams) -> None:
+        """Compile (or find cached) ``grammar``; StructuredOutputError says why not. Blocks: call it off the
+        event loop."""
+        self.engine.grammars.compile(grammar)
+
     # -- requests -----------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
+    def encode(self, prompt: str | list[int], params: PoolingParams,
+               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """An embedding request: its output once finished (``RequestOutput.embedding``)."""
+        return self.generate(prompt, params, request_id)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | PoolingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that changed it; the last one is finished."""
         if not self.is_alive:
@@ -101,7 +139,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._not_started.add(request_id)
-        self._commands.put(("add", request_id, prompt, params))
+        self._commands.put(AddRequest(request_id, prompt, params))
         self._wakeup.set()
         finished = False
         try:
@@ -122,7 +160,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
         self._wakeup.set()
 
     # -- the loop thread ----------------------------------------------------------------------
@@ -133,16 +171,19 @@ class AsyncEngine:
                 self._wakeup.clear()  # before draining, so a command queued meanwhile is not slept through
                 self._drain_commands()
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                    outputs = self.engine.step()
+                    self._stats = self.engine.stats()
+                    self._deliver(outputs)
                 else:
                     if self.engine.failure:  # a rank was lost while idle: fail now, not at the next request
                         raise RuntimeError(self.engine.failure)
+                    self._stats = self.engine.stats()  # requests aborted while idle free their blocks
                     self._wakeup.wait(self._idle_wait_s)
             self.engine.abort_all()
             reason: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as exc:  # the loop dies; every waiting request learns why
             logger.exception("engine loop died")
-            self.error = exc
+            self._error = exc
             reason = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
         for stream in list(self._streams.values()):
             stream.put(reason)
@@ -166,14 +207,13 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                _, request_id, prompt, params = command
-                stream = self._streams.get(request_id)
+            if isinstance(command, AddRequest):
+                stream = self._streams.get(command.request_id)
                 if stream is None:  # abandoned before it was added
                     continue
                 try:
-                    self.engine.add_request(prompt, params, request_id=request_id)
+                    self.engine.add_request(command.prompt, command.params, request_id=command.request_id)
                 except Exception as exc:  # bad input for this request only
                     stream.put(exc)
             else:
-                self.engine.abort_request(command[1])
+                self.engine.abort_request(command.request_id)

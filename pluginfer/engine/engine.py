@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pluginfer.core.config import EngineConfig
+from pluginfer.engine.client import EngineStats, ModelInfo
 from pluginfer.engine.detokenizer import IncrementalDetokenizer
 from pluginfer.engine.executor import Executor
 from pluginfer.engine.generation_config import sampling_defaults
@@ -168,6 +169,21 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def model_info(self) -> ModelInfo:
+        """What a client of this engine knows of its model (``pluginfer.engine.client``)."""
+        return ModelInfo(model_path=str(self.executor.model_path), max_model_len=self.max_model_len,
+                         vocab_size=self.executor.vocab_size, eos_token_ids=frozenset(self.eos_token_ids),
+                         num_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size)
+
+    def stats(self) -> EngineStats:
+        """The gauges and counters now; call it from the thread that steps the engine."""
+        scheduler, manager = self.scheduler, self.block_manager
+        return EngineStats(num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+                           kv_cache_usage=manager.usage, num_free_blocks=manager.num_free_blocks,
+                           num_blocks=manager.num_blocks, num_preemptions=scheduler.num_preemptions,
+                           prefix_cache_queries=manager.prefix_cache_queries,
+                           prefix_cache_hits=manager.prefix_cache_hits)
 
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """One engine step; returns the outputs of the requests that progressed or finished

@@ -3,23 +3,22 @@
 ``pluginfer serve`` runs its HTTP server in one process and this loop in another, as vLLM V1 splits
 its API server from its engine core: the event loop's work (HTTP parsing, JSON, SSE writes, the
 tokenizer on prompts) and the step never take turns at one interpreter lock, and the step loop owns
-its interpreter, its OpenMP threads and its memory. ``pluginfer.server.engine_client.EngineClient`` is
+its interpreter, its OpenMP threads and its memory. ``pluginfer.server.core_client.CoreProcessClient`` is
 the other end; ``LLM`` keeps its engine in the caller's process.
 
 ``python -m pluginfer.engine.engine_core FD [SPAWNED]``, then on stdin the log level's name, a newline and the
 config's JSON (``pluginfer.server.core_process`` spawns it, possibly before that config exists; nothing on
 stdin: it exits); ``FD`` is this end of a socket pair, ``SPAWNED`` the server's ``time.perf_counter()`` as it
 started this process.
-Each message is a frame: a 4-byte big-endian length, then a pickle. The server sends ``("tokenizer", tokenizer
-or None)`` first (the tokenizer it built without transformers while this process imported torch, taken here
-beside the weights' load instead of building a second one; None: this process loads its own and sends it,
-pickled, in its ready message), then ``("add", request_id, prompt, params)``, ``("abort", request_id)``,
-``("compile", call_id, grammar)`` and ``("stop",)``. The core answers ``("ready", info)`` once loaded (or
-``("failed", error type, message)``), then after every step one ``("out", deltas, stats)`` with what each
-request gained since the last one (new token ids, text, logprobs; the prompt's fields the first time), and
-``("reject", request_id, error type, message)`` for a request ``add_request`` refused, ``("compiled", call_id,
-error or None)``, ``("dead", reason)`` when the loop fails. One frame per step whatever the number of
-requests: the server wakes once per step, not once per token.
+The messages are ``pluginfer.engine.messages``' typed dataclasses, one frame each: the server sends
+``ServerTokenizer`` first (the tokenizer it built without transformers while this process imported torch, taken
+here beside the weights' load instead of building a second one; None: this process loads its own and sends it,
+pickled, in ``Ready``), then ``AddRequest``, ``AbortRequest``, ``Call`` and ``Stop``; the core answers ``Ready``
+once loaded (or ``StartFailed``), then after every step one ``Outputs`` with what each request gained since the
+last one (``RequestDelta``: new token ids, text, logprobs; the prompt the first time) and the engine's
+``EngineStats``, ``Rejected`` for a request ``add_request`` refused, ``CallResult`` for each ``Call``, and
+``Failure`` when the loop fails. One frame per step whatever the number of requests: the server wakes once per
+step, not once per token.
 
 A reader thread takes the server's frames off the socket as they come (so neither side can block the
 other on a full buffer) and compiles grammars there, off the step loop. The core exits when told to
@@ -35,68 +34,36 @@ import pickle
 import queue
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
 from typing import Any
 
+from pluginfer.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    Call,
+    CallResult,
+    ChoiceDelta,
+    CoreMessage,
+    Failure,
+    FrameReader,
+    MalformedFrame,
+    Outputs,
+    PromptInfo,
+    Ready,
+    Rejected,
+    RequestDelta,
+    ServerTokenizer,
+    StartFailed,
+    Stop,
+    encode,
+    receive_frame,
+)
+
 logger = logging.getLogger("pluginfer.engine.engine_core")  # also when run as __main__
 
-_LENGTH = struct.Struct(">I")
 _IDLE_CHECK_S = 0.25  # how often an idle core looks at engine.failure (a lost rank) while it waits
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop stopped on an error (or the engine was shut down); no request can be served any more.
-
-    Defined here, with nothing heavy imported, so that the server can start the engine core process
-    before it imports torch; ``pluginfer.engine.async_engine`` exports the same class."""
-
-
-# -- framing (both ends) ------------------------------------------------------------------------
-
-
-def encode(message: Any) -> bytes:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LENGTH.pack(len(payload)) + payload
-
-
-class FrameReader:
-    """Bytes in, whole messages out (a frame may arrive in pieces)."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-
-    def feed(self, data: bytes | memoryview) -> list[Any]:
-        self._buffer += data
-        messages = []
-        while len(self._buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer)
-            end = _LENGTH.size + length
-            if len(self._buffer) < end:
-                break
-            messages.append(pickle.loads(memoryview(self._buffer)[_LENGTH.size:end]))
-            del self._buffer[:end]
-        return messages
-
-
-def receive_frame(sock: socket.socket) -> Any:
-    """One message off a blocking socket, exactly: what follows it stays there for the next reader."""
-    header = _receive_exactly(sock, _LENGTH.size)
-    (length,) = _LENGTH.unpack(header)
-    return pickle.loads(_receive_exactly(sock, length))
-
-
-def _receive_exactly(sock: socket.socket, size: int) -> bytearray:
-    buffer = bytearray(size)
-    view, got = memoryview(buffer), 0
-    while got < size:
-        count = sock.recv_into(view[got:])
-        if not count:
-            raise OSError("the server closed its end")
-        got += count
-    return buffer
 
 
 def error_name(exc: BaseException) -> str:
@@ -127,14 +94,14 @@ class EngineCore:
         self._sent: dict[str, list[list[int]]] = {}  # request id -> per choice [tokens, chars, logprobs] sent
         self.engine: Any = None
 
-    def send(self, message: Any) -> None:
+    def send(self, message: CoreMessage) -> None:
         data = encode(message)
         with self._send_lock:
             self.sock.sendall(data)
 
     # -- start-up -------------------------------------------------------------------------------
 
-    def load(self, spawned: float | None = None) -> dict[str, Any]:
+    def load(self, spawned: float | None = None) -> Ready:
         """Build the engine and run one short request through it; what the server needs to know.
 
         ``spawned``: the server's ``time.perf_counter()`` when it started this process (the same clock across
@@ -163,7 +130,6 @@ class EngineCore:
             engine.step()
         times["warm-up"] = time.perf_counter() - started
         logger.info("engine core start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in times.items()))
-        manager = engine.block_manager
         tokenizer = None
         # A tokenizer built without transformers (a GGUF file's, an HFTokenizer) is the server's own.
         if not isinstance(engine.tokenizer, GGUFTokenizer):
@@ -171,23 +137,20 @@ class EngineCore:
                 tokenizer = pickle.dumps(engine.tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001 - the server loads its own
                 logger.info("the tokenizer does not pickle (%s); the server loads its own", exc)
-        return {"pid": os.getpid(), "tokenizer": tokenizer, "model_path": str(engine.executor.model_path),
-                "max_model_len": engine.max_model_len, "vocab_size": engine.executor.vocab_size,
-                "eos_token_ids": sorted(engine.eos_token_ids), "num_blocks": manager.num_blocks,
-                "block_size": self.config.cache.block_size, "startup_times": times,
-                "kv_tokens": manager.num_blocks * self.config.cache.block_size}
+        return Ready(pid=os.getpid(), model_info=engine.model_info(), tokenizer=tokenizer, startup_times=times,
+                     stats=engine.stats())
 
     def _receive_tokenizer(self) -> Any:
         """The server's first message, its tokenizer (or None), read while the weights load."""
         message = receive_frame(self.sock)
-        if message[0] != "tokenizer":
-            raise RuntimeError(f"the server sent {message[0]!r} before its tokenizer")
-        return message[1]
+        if not isinstance(message, ServerTokenizer):
+            raise RuntimeError(f"the server sent {type(message).__name__} before its tokenizer")
+        return message.tokenizer
 
     # -- the reader thread ----------------------------------------------------------------------
 
     def _read(self) -> None:
-        reader = FrameReader()
+        reader = FrameReader(on_malformed=self._malformed)
         inbox = memoryview(bytearray(1 << 20))  # one buffer: recv(1 MiB) would map a fresh 1 MiB every time
         try:
             while True:
@@ -195,24 +158,38 @@ class EngineCore:
                 if not size:
                     break
                 for message in reader.feed(inbox[:size]):
-                    if message[0] == "compile":
-                        self._compile(*message[1:])
+                    if isinstance(message, Call):
+                        self._call(message)
                     else:
                         self._commands.put(message)
         except OSError:
             pass
-        self._commands.put(("eof",))
+        self._commands.put(None)  # the server's end closed
 
-    def _compile(self, call_id: int, grammar: Any) -> None:
+    @staticmethod
+    def _malformed(exc: MalformedFrame) -> None:
+        logger.error("the server sent a malformed frame, dropped: %s", exc)
+
+    def _call(self, call: Call) -> None:
+        """A utility the server asked for, answered here, off the step loop."""
+        methods = {"compile_grammar": self._compile_grammar}
         try:
-            self.engine.grammars.compile(grammar)
-            error = None
-        except Exception as exc:  # noqa: BLE001 - the server turns it into a 400
-            error = (error_name(exc), str(exc))
+            method = methods.get(call.method)
+            if method is None:
+                raise ValueError(f"no engine call {call.method!r}; there are {', '.join(methods)}")
+            result = CallResult(call.call_id, method(*call.arguments))
+            frame = encode(result)
+        except Exception as exc:  # noqa: BLE001 - the server raises it (a grammar's error is a 400 there)
+            frame = encode(CallResult(call.call_id, error_type=error_name(exc), message=str(exc)))
         try:
-            self.send(("compiled", call_id, error))
+            with self._send_lock:
+                self.sock.sendall(frame)
         except OSError:
             pass
+
+    def _compile_grammar(self, grammar: Any) -> None:
+        """Compiled into the engine's cache; the compiled matcher stays here (it does not pickle)."""
+        self.engine.grammars.compile(grammar)
 
     # -- the step loop --------------------------------------------------------------------------
 
@@ -241,12 +218,12 @@ class EngineCore:
                             timings.clear()
                     idle_reported = False
                 elif not idle_reported:  # the gauges go back to zero
-                    self.send(("out", [], self._stats()))
+                    self.send(Outputs([], engine.stats()))
                     idle_reported = True
         except BaseException as exc:
             logger.exception("engine loop died")
             try:
-                self.send(("dead", f"{error_name(exc)}: {exc}"))
+                self.send(Failure(f"{error_name(exc)}: {exc}"))
             except OSError:
                 pass
             return 1
@@ -259,20 +236,21 @@ class EngineCore:
             except queue.Empty:
                 return False
             block = False
-            kind = command[0]
-            if kind == "add":
-                _, request_id, prompt, params = command
+            if isinstance(command, AddRequest):
                 try:
-                    self.engine.add_request(prompt, params, request_id=request_id)
+                    self.engine.add_request(command.prompt, command.params, request_id=command.request_id)
                 except Exception as exc:  # bad input for this request only
-                    self.send(("reject", request_id, error_name(exc), str(exc)))
-            elif kind == "abort":
-                self.engine.abort_request(command[1])
-                self._sent.pop(command[1], None)
-            elif kind in ("stop", "eof"):
-                if kind == "eof":
-                    logger.warning("the server closed its end of the channel; the engine core stops")
+                    self.send(Rejected(command.request_id, error_name(exc), str(exc)))
+            elif isinstance(command, AbortRequest):
+                self.engine.abort_request(command.request_id)
+                self._sent.pop(command.request_id, None)
+            elif isinstance(command, Stop):
                 return True
+            elif command is None:
+                logger.warning("the server closed its end of the channel; the engine core stops")
+                return True
+            else:  # a ServerTokenizer after the first: nothing to do with it
+                logger.error("the server sent %s out of turn; ignored", type(command).__name__)
 
     def _send_outputs(self, outputs: list[Any]) -> None:
         deltas = []
@@ -288,21 +266,15 @@ class EngineCore:
                 if choice.logprobs is not None:
                     new_logprobs = choice.logprobs[logprobs:]
                     counts[2] = len(choice.logprobs)
-                choices.append((choice.index, choice.token_ids[tokens:], choice.text[chars:], new_logprobs,
-                                choice.finish_reason))
+                choices.append(ChoiceDelta(choice.index, choice.token_ids[tokens:], choice.text[chars:],
+                                           new_logprobs, choice.finish_reason))
                 counts[0], counts[1] = len(choice.token_ids), len(choice.text)
-            head = (output.prompt, output.prompt_token_ids, output.prompt_logprobs) if first else None
-            deltas.append((output.request_id, head, choices, output.finished, output.error,
-                           output.num_cached_tokens, output.embedding))
+            prompt = PromptInfo(output.prompt, output.prompt_token_ids, output.prompt_logprobs) if first else None
+            deltas.append(RequestDelta(output.request_id, prompt, choices, output.finished, output.error,
+                                       output.num_cached_tokens, output.embedding))
             if output.finished:
                 del self._sent[output.request_id]
-        self.send(("out", deltas, self._stats()))
-
-    def _stats(self) -> tuple[int, int, float, int]:
-        engine = self.engine
-        manager = engine.block_manager
-        return (engine.scheduler.num_running, engine.scheduler.num_waiting, manager.usage,
-                manager.num_free_blocks)
+        self.send(Outputs(deltas, self.engine.stats()))
 
     def close(self) -> None:
         if self.engine is not None:
@@ -336,9 +308,9 @@ def main(argv: list[str]) -> int:
             if not ours:
                 logger.exception("the engine could not start")
             message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-            core.send(("failed", "ValueError" if ours else error_name(exc), message))
+            core.send(StartFailed("ValueError" if ours else error_name(exc), message))
             return 2
-        core.send(("ready", info))
+        core.send(info)
         return core.run()
     except OSError as exc:  # the server is gone
         logger.warning("the engine core lost its server: %s", exc)

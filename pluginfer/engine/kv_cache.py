@@ -40,6 +40,8 @@ class BlockManager:
         self._block_of_hash: dict[bytes, int] = {}
         self._free_fresh: deque[int] = deque(range(num_blocks))  # hold no reusable content
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        self.prefix_cache_queries = 0  # prompt tokens looked up since the start
+        self.prefix_cache_hits = 0  # of those, tokens found cached
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -110,6 +112,9 @@ class BlockManager:
         num_cached = max(0, min(len(matched) * self.block_size, len(seq) - 1))
         seq.num_computed_tokens = num_cached
         seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
+        if use_cache:
+            self.prefix_cache_queries += len(seq)
+            self.prefix_cache_hits += num_cached
         return True
 
     def ensure_slots(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from pluginfer import __version__
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.registry import get_registry
+from pluginfer.engine.client import EngineClient
 from pluginfer.server.access_log import access_log_middleware
 from pluginfer.server.chat import create_chat_completion, render_prompt, template_kwargs
 from pluginfer.server.chat_page import add_chat_page, is_public
@@ -27,14 +28,11 @@ from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import CLIENT_LEFT
 from pluginfer.server.tools import ToolCalling
 
-if TYPE_CHECKING:  # the server process imports no torch (tests/server/test_server_imports.py)
-    from pluginfer.engine.async_engine import AsyncEngine
-
 _OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers' probes)
 
 
-def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Application:
-    """The OpenAI-compatible app over a started AsyncEngine; ``config.server`` sets keys and limits.
+def build_app(engine: EngineClient, config: EngineConfig) -> web.Application:
+    """The OpenAI-compatible app over a started engine client; ``config.server`` sets keys and limits.
 
     Run it with ``web.AppRunner(app, handler_cancellation=True)`` so a client that disconnects
     cancels its handler, which aborts its engine requests.
@@ -44,9 +42,8 @@ def build_app(async_engine: AsyncEngine, config: EngineConfig) -> web.Applicatio
     app = web.Application(middlewares=[cors_middleware(server.allowed_origins), *access, _metrics_middleware,
                                        error_middleware, _auth_middleware(server.api_keys)],
                           client_max_size=server.max_request_bytes)
-    app[STATE] = ServerState.create(async_engine, config)
-    if hasattr(async_engine, "attach"):  # an EngineClient reads its engine process's frames on this loop
-        app.on_startup.append(_attach_engine)
+    app[STATE] = ServerState.create(engine, config)
+    app.on_startup.append(_attach_engine)
     add_builtin_routes(app.router)
     registry, builtin = get_registry(), builtin_routes(app.router)
     attach_endpoints(app, server.endpoints, registry)  # plugins' routes: only those the config names
@@ -71,7 +68,7 @@ def add_builtin_routes(router: web.UrlDispatcher) -> None:
 
 
 async def _attach_engine(app: web.Application) -> None:
-    app[STATE].async_engine.attach()
+    app[STATE].engine.attach()
 
 
 @web.middleware
@@ -109,7 +106,7 @@ def _auth_middleware(api_keys: list[str]) -> Any:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pluginfer",
-            "root": state.root, "max_model_len": state.engine.max_model_len,
+            "root": state.root, "max_model_len": state.model_info.max_model_len,
             "vocab_size": state.vocab_size,  # token ids below it are valid prompts (`pluginfer bench serve`)
             "sampling_defaults": state.sampling.model_dump()}  # what a request that sets none of them gets
 
@@ -138,7 +135,7 @@ async def tokenize(request: web.Request) -> web.Response:
         tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         raise bad_request("give prompt or messages", "prompt")
-    return web.json_response({"count": len(tokens), "max_model_len": state.engine.max_model_len,
+    return web.json_response({"count": len(tokens), "max_model_len": state.model_info.max_model_len,
                               "tokens": tokens})
 
 
@@ -155,8 +152,8 @@ async def detokenize(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if not state.async_engine.is_alive:
-        error = state.async_engine.error
+    if not state.engine.is_alive:
+        error = state.engine.error
         why = f": {type(error).__name__}: {error}" if error else ""
         raise APIError(503, f"the engine loop is not running{why}", code="engine_unavailable")
     if state.draining:

@@ -46,15 +46,15 @@ def beam_params(body: Any, max_tokens: int) -> BeamSearchParams | None:
 async def search(state: ServerState, prompts: list[list[int]], params: BeamSearchParams, request_id: str,
                  prompt_field: str) -> list[list[Beam]]:
     """The beams of each prompt, best first; their text decoded with the tokenizer."""
-    engine = state.engine
+    info = state.model_info
     try:
-        searches = [BeamSearch(list(prompt), params, engine.eos_token_ids) for prompt in prompts]
+        searches = [BeamSearch(list(prompt), params, info.eos_token_ids) for prompt in prompts]
     except ValueError as exc:
         raise bad_request(str(exc), "n") from None
     for prompt in prompts:
-        if len(prompt) + params.max_tokens > engine.max_model_len:
+        if len(prompt) + params.max_tokens > info.max_model_len:
             raise bad_request(f"a prompt of {len(prompt)} tokens plus max_tokens {params.max_tokens} is over the "
-                              f"context of {engine.max_model_len}", prompt_field)
+                              f"context of {info.max_model_len}", prompt_field)
     step = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=searches[0].candidates)
     number = 0
     while live := [s for s in searches if not s.done]:

@@ -73,7 +73,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request, ChatCompletionRequest)
     state.check_model(body.model)
-    check_limits(body, state.config.server, state.engine.max_model_len)
+    check_limits(body, state.config.server, state.model_info.max_model_len)
     tools = ToolCalling.from_request(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser,
                                      state.config.server.strict_tool_schemas)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -107,7 +107,7 @@ async def _beam_chat(state: ServerState, body: ChatCompletionRequest, prompt: li
     if body.stream:
         raise bad_request("stream: beam search answers once the search ends; use stream: false", "stream")
     [beams] = await search(state, [prompt], beam, request_id, "messages")
-    eos = state.engine.eos_token_ids
+    eos = state.model_info.eos_token_ids
     choices = [{"index": i, "message": {"role": "assistant", "content": b.text}, "logprobs": None,
                 "finish_reason": finish_reason(b, eos)} for i, b in enumerate(beams)]
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,

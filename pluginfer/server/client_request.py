@@ -1,5 +1,5 @@
-"""ClientRequest: one request's output on the server's side of the engine core process (``EngineClient``),
-grown by the deltas of the core's step frames; its consumer takes snapshots (``RequestOutput``).
+"""ClientRequest: one request's output on the server's side of the engine core process (``CoreProcessClient``),
+grown by the ``RequestDelta``s of the core's step frames; its consumer takes snapshots (``RequestOutput``).
 """
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pluginfer.engine.messages import RequestDelta
 from pluginfer.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -31,21 +32,21 @@ class ClientRequest:
         self.failure: BaseException | None = None
         self.embedding: list[float] | None = None
 
-    def apply(self, head: tuple | None, choices: list[tuple], finished: bool, error: str | None,
-              num_cached_tokens: int, embedding: list[float] | None = None) -> None:
-        if head is not None:
-            self.prompt, self.prompt_token_ids, self.prompt_logprobs = head
-        for index, tokens, text, logprobs, finish_reason in choices:
-            choice = self.choices[index]
-            choice[0] += tokens
-            if text:
-                choice[1] += text
-            if logprobs is not None:
-                choice[2] = (choice[2] or []) + logprobs
-            choice[3] = finish_reason
-        self.finished, self.error, self.num_cached_tokens = finished, error, num_cached_tokens
-        if embedding is not None:
-            self.embedding = embedding
+    def apply(self, delta: RequestDelta) -> None:
+        prompt = delta.prompt
+        if prompt is not None:
+            self.prompt, self.prompt_token_ids, self.prompt_logprobs = prompt.prompt, prompt.token_ids, prompt.logprobs
+        for change in delta.choices:
+            choice = self.choices[change.index]
+            choice[0] += change.token_ids
+            if change.text:
+                choice[1] += change.text
+            if change.logprobs is not None:
+                choice[2] = (choice[2] or []) + change.logprobs
+            choice[3] = change.finish_reason
+        self.finished, self.error, self.num_cached_tokens = delta.finished, delta.error, delta.num_cached_tokens
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         self.fresh = True
         self.wake()
 

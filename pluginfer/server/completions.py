@@ -35,7 +35,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request, CompletionRequest)
     state.check_model(body.model)
-    check_limits(body, state.config.server, state.engine.max_model_len, len(body.prompt))
+    check_limits(body, state.config.server, state.model_info.max_model_len, len(body.prompt))
     body.check_supported()
     request_id = f"cmpl-{uuid.uuid4().hex}"
     processed = state.processors.preprocess(PromptRequest(
@@ -72,7 +72,7 @@ async def _beam_completion(state: ServerState, body: CompletionRequest, prompts:
     if body.stream:
         raise bad_request("stream: beam search answers once the search ends; use stream: false", "stream")
     results = await search(state, prompts, beam, request_id, "prompt")
-    eos = state.engine.eos_token_ids
+    eos = state.model_info.eos_token_ids
     choices = [{"index": i * body.n + j, "text": b.text, "logprobs": None, "finish_reason": finish_reason(b, eos)}
                for i, beams in enumerate(results) for j, b in enumerate(beams)]
     return {"id": request_id, "object": "text_completion", "created": int(time.time()),

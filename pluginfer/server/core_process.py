@@ -2,7 +2,7 @@
 
 An interpreter for ``pluginfer.engine.engine_core`` is started (with its end of a socket pair and the
 environment its OpenMP threads read once, when torch loads them) and then waits on stdin for its log level
-and its config; ``configure`` sends them. ``EngineClient`` spawns one for its config; the CLI spawns one for
+and its config; ``configure`` sends them. ``CoreProcessClient`` spawns one for its config; the CLI spawns one for
 ``pluginfer serve`` before it builds its parser and config (``prespawn``), so the core's interpreter, its
 ``pluginfer`` and pydantic imports overlap the server's own (~0.1 s of the start), and
 ``start_engine`` takes it (``take_prespawned``) when the config runs the core in a process of its own with

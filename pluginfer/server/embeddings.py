@@ -115,7 +115,7 @@ def _pooling_params(pooler: PoolerConfig, dimensions: int | None) -> PoolingPara
 
 def _tokens(state: ServerState, given: str | list[int], index: int) -> list[int]:
     tokens = state.tokenizer.encode(given) if isinstance(given, str) else list(given)
-    limit = state.engine.max_model_len
+    limit = state.model_info.max_model_len
     if not tokens:
         raise bad_request(f"input {index} has no tokens", "input")
     if len(tokens) > limit:

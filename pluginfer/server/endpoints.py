@@ -39,7 +39,7 @@ class ServerContext:
 
     @property
     def engine(self) -> ServingEngine:
-        return self._state.async_engine
+        return self._state.engine
 
     @property
     def tokenizer(self) -> Any:

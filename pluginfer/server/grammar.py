@@ -85,6 +85,6 @@ async def compile_grammar(state: ServerState, params: StructuredOutputsParams, f
     """Compile (or find in the cache) off the event loop and the engine's step loop; a 400 naming
     ``field`` when the grammar does not compile."""
     try:
-        await asyncio.to_thread(state.engine.grammars.compile, params)
+        await asyncio.to_thread(state.engine.compile_grammar, params)
     except StructuredOutputError as exc:
         raise bad_request(f"{field}: {exc}", field) from None

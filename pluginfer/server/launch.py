@@ -16,12 +16,11 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from pluginfer.core.config import EngineConfig, quant_activations
-from pluginfer.server.engine_client import EngineClient
+from pluginfer.engine.client import EngineClient
+from pluginfer.server.core_client import CoreProcessClient
 
 if TYPE_CHECKING:  # imported where used: `pluginfer serve` starts the engine process before these load here
     from aiohttp import web  # ~0.1 s: the core process starts first
-
-    from pluginfer.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -38,24 +37,24 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
 
 
 async def stop_site(runner: web.AppRunner, site: web.TCPSite,
-                    async_engine: AsyncEngine | EngineClient | None) -> None:
+                    engine: EngineClient | None) -> None:
     """Stop listening; stop the engine (if given), which ends in-flight requests; close the rest."""
     await site.stop()
-    if async_engine is not None:
-        await asyncio.to_thread(async_engine.shutdown)
+    if engine is not None:
+        await asyncio.to_thread(engine.shutdown)
     await runner.cleanup()
 
 
-async def _serve(async_engine: AsyncEngine, config: EngineConfig) -> int:
+async def _serve(engine: EngineClient, config: EngineConfig) -> int:
     from pluginfer.engine.generation_config import describe, model_sampling_defaults
     from pluginfer.server.app import build_app
     from pluginfer.server.state import STATE
 
-    app = build_app(async_engine, config)
+    app = build_app(engine, config)
     runner, site, port = await start_site(app, config.server.host, config.server.port)
     state = app[STATE]
-    print(f"pluginfer: {describe(state.sampling, config.sampling, model_sampling_defaults(state.engine.model_path))}",
-          file=sys.stderr, flush=True)
+    defaults = model_sampling_defaults(state.model_info.model_path)
+    print(f"pluginfer: {describe(state.sampling, config.sampling, defaults)}", file=sys.stderr, flush=True)
     if config.quant_activations is not None or config.quant not in ("auto", "none") or config.model.endswith(".gguf"):
         mode, source = quant_activations(config.quant_activations)
         print(f"pluginfer: GGUF-quantized linears take {mode} activations ({source}; --quant-activations float: "
@@ -67,18 +66,18 @@ async def _serve(async_engine: AsyncEngine, config: EngineConfig) -> int:
     loop.add_signal_handler(signal.SIGTERM, lambda: (terminated.append(signal.SIGTERM), stop.set()))
     print(f"pluginfer: serving {state.model_name} "
           f"on http://{config.server.host}:{port}", flush=True)
-    watcher = asyncio.create_task(_watch_engine(async_engine, stop))
+    watcher = asyncio.create_task(_watch_engine(engine, stop))
     await stop.wait()
     died = watcher.done() and watcher.result()
     watcher.cancel()
     if terminated and not died and config.server.shutdown_timeout > 0:
-        await _drain(app, async_engine, config.server.shutdown_timeout)
+        await _drain(app, engine, config.server.shutdown_timeout)
     print("pluginfer: shutting down", file=sys.stderr, flush=True)
-    await stop_site(runner, site, async_engine)
+    await stop_site(runner, site, engine)
     return 1 if died else 0
 
 
-async def _drain(app: web.Application, async_engine: AsyncEngine | EngineClient, timeout: float) -> None:
+async def _drain(app: web.Application, engine: EngineClient, timeout: float) -> None:
     """Let the requests in flight finish, for at most ``timeout`` seconds or until a second signal; meanwhile
     new generation requests and /health get a 503 (a load balancer stops sending work here)."""
     from pluginfer.server.state import STATE
@@ -88,27 +87,27 @@ async def _drain(app: web.Application, async_engine: AsyncEngine | EngineClient,
     force = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, force.set)
-    print(f"pluginfer: draining {async_engine.num_requests} request(s) in flight for at most {timeout:g} s "
+    print(f"pluginfer: draining {engine.num_requests} request(s) in flight for at most {timeout:g} s "
           "(a second signal stops at once)", file=sys.stderr, flush=True)
     deadline = loop.time() + timeout
-    while async_engine.num_requests and async_engine.is_alive and not force.is_set() and loop.time() < deadline:
+    while engine.num_requests and engine.is_alive and not force.is_set() and loop.time() < deadline:
         try:
             await asyncio.wait_for(force.wait(), 0.05)
         except TimeoutError:
             pass
-    if async_engine.num_requests:
-        print(f"pluginfer: {async_engine.num_requests} request(s) still in flight are ended", file=sys.stderr,
+    if engine.num_requests:
+        print(f"pluginfer: {engine.num_requests} request(s) still in flight are ended", file=sys.stderr,
               flush=True)
 
 
-async def _watch_engine(async_engine: AsyncEngine, stop: asyncio.Event, grace_s: float = 1.0) -> bool:
+async def _watch_engine(engine: EngineClient, stop: asyncio.Event, grace_s: float = 1.0) -> bool:
     """When the engine dies (e.g. a rank is lost): say why in one line, keep answering 503 for
     ``grace_s`` (load balancers see it), then stop the server; True if that happened."""
-    while async_engine.is_alive:
+    while engine.is_alive:
         await asyncio.sleep(0.2)
     if stop.is_set():
         return False
-    error = async_engine.error
+    error = engine.error
     why = f"{type(error).__name__}: {error}" if error else "it stopped"
     print(f"pluginfer: the engine died ({why}); exiting", file=sys.stderr, flush=True)
     await asyncio.sleep(grace_s)
@@ -118,15 +117,15 @@ async def _watch_engine(async_engine: AsyncEngine, stop: asyncio.Event, grace_s:
 
 def run_server(config: EngineConfig) -> int:
     """Load the model, serve until SIGINT or SIGTERM (0) or until the engine dies (1)."""
-    async_engine = start_engine(config)
+    engine = start_engine(config)
     try:
-        return asyncio.run(_serve(async_engine, config))
+        return asyncio.run(_serve(engine, config))
     finally:
-        async_engine.shutdown()
+        engine.shutdown()
 
 
-def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
-    """The engine core in a process of its own (``EngineClient``) when it runs on one rank; else, and with
+def start_engine(config: EngineConfig) -> EngineClient:
+    """The engine core in a process of its own (``CoreProcessClient``) when it runs on one rank; else, and with
     ``PLUGINFER_ENGINE_PROCESS=0``, the step loop in a thread of this process (``AsyncEngine``).
 
     Several ranks stay in this process: the driver (rank 0) is this process, its workers its children.
@@ -143,7 +142,7 @@ def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
     in_process = parallel.launcher == "inprocess" or (parallel.launcher == "auto" and
                                                       external_launcher(os.environ) is None)
     if os.environ.get("PLUGINFER_ENGINE_PROCESS", "1") != "0" and one_rank and in_process:
-        client = EngineClient(config, process=take_prespawned(config.server.core_spin_count))
+        client = CoreProcessClient(config, process=take_prespawned(config.server.core_spin_count))
     else:
         discard_prespawned()  # `pluginfer serve` spawned one ahead: this config runs the engine here
     from pluginfer.server import app  # noqa: F401 - the server's own imports (no torch), while the core loads
@@ -160,7 +159,7 @@ def start_engine(config: EngineConfig) -> AsyncEngine | EngineClient:
     times = client.startup_times
     phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in times.items() if name != "total")
     print(f"pluginfer: engine process {client.process.pid} ready in {times['total']:.2f} s ({phases}); "
-          f"KV cache for {client.kv_tokens} tokens", file=sys.stderr, flush=True)
+          f"KV cache for {client.model_info.kv_tokens} tokens", file=sys.stderr, flush=True)
     return client
 
 
@@ -170,13 +169,13 @@ class BackgroundServer:
     The engine stays the caller's: several servers (e.g. with different keys) may share one.
     """
 
-    def __init__(self, async_engine: AsyncEngine, config: EngineConfig) -> None:
-        self.async_engine = async_engine
+    def __init__(self, engine: EngineClient, config: EngineConfig) -> None:
+        self.engine = engine
         self.config = config
         from pluginfer.server.app import build_app
 
         self.loop = asyncio.new_event_loop()
-        self.app = build_app(async_engine, config)
+        self.app = build_app(engine, config)
         self._thread = threading.Thread(target=self.loop.run_forever, name="pluginfer-server", daemon=True)
         self._thread.start()
         self.runner, self.site, self.port = self._call(start_site(self.app, config.server.host,

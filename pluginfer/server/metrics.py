@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
+from pluginfer.engine.client import EngineClient
 from pluginfer.engine.outputs import RequestOutput
-
-if TYPE_CHECKING:
-    from pluginfer.engine.engine import LLMEngine
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -20,9 +20,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
-    """Counters and histograms the handlers feed; gauges read from the engine when scraped."""
+    """Counters and histograms the handlers feed; the engine's ``EngineStats`` read when scraped."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         self.requests = Counter("pluginfer_requests", "HTTP requests answered, by route and status code",
@@ -36,23 +36,39 @@ class ServerMetrics:
         self.inter_token_latency = Histogram(
             "pluginfer_inter_token_latency_seconds", "Between two outputs of one request",
             buckets=_LATENCY_BUCKETS, registry=registry)
-        # Read racily from the engine thread's objects: each is one attribute read, good enough for a gauge.
         Gauge("pluginfer_num_requests_running", "Sequences in the running batch",
-              registry=registry).set_function(lambda: engine.scheduler.num_running)
+              registry=registry).set_function(lambda: engine.stats.num_running)
         Gauge("pluginfer_num_requests_waiting", "Sequences waiting to be scheduled",
-              registry=registry).set_function(lambda: engine.scheduler.num_waiting)
+              registry=registry).set_function(lambda: engine.stats.num_waiting)
         Gauge("pluginfer_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1)",
-              registry=registry).set_function(lambda: engine.block_manager.usage)
+              registry=registry).set_function(lambda: engine.stats.kv_cache_usage)
         Gauge("pluginfer_kv_cache_free_blocks", "KV-cache blocks no sequence holds (prefix-cached ones included)",
-              registry=registry).set_function(lambda: engine.block_manager.num_free_blocks)
+              registry=registry).set_function(lambda: engine.stats.num_free_blocks)
         Gauge("pluginfer_kv_cache_blocks", "KV-cache blocks in all",
-              registry=registry).set_function(lambda: engine.block_manager.num_blocks)
+              registry=registry).set_function(lambda: engine.stats.num_blocks)
+        registry.register(_EngineCounters(engine))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
+
+
+class _EngineCounters(Collector):
+    """The engine's counters (kept by the engine, so not prometheus_client Counters this process increments)."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.engine.stats
+        yield CounterMetricFamily("pluginfer_num_preemptions", "Sequences preempted (their KV blocks given up)",
+                                  value=stats.num_preemptions)
+        yield CounterMetricFamily("pluginfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=stats.prefix_cache_queries)
+        yield CounterMetricFamily("pluginfer_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=stats.prefix_cache_hits)
 
 
 class RequestTimer:

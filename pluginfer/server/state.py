@@ -1,4 +1,4 @@
-"""What every handler needs: the engine, the configuration, the metrics; and reading a request body."""
+"""What every handler needs: the engine client, the configuration, the metrics; and reading a request body."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -15,24 +15,21 @@ from pydantic import BaseModel, ValidationError
 from pluginfer.core.config import EngineConfig, SamplingDefaults
 from pluginfer.core.parsers import ReasoningParser, ToolCallParser
 from pluginfer.core.registry import get_registry
+from pluginfer.engine.client import EngineClient, ModelInfo
 from pluginfer.engine.generation_config import sampling_defaults
 from pluginfer.engine.pooling import PoolerConfig
 from pluginfer.server.errors import APIError, bad_request, from_validation_error
 from pluginfer.server.metrics import ServerMetrics
 from pluginfer.server.request_processors import RequestProcessors
 
-if TYPE_CHECKING:  # the server process imports no torch (tests/server/test_server_imports.py)
-    from pluginfer.engine.async_engine import AsyncEngine
-    from pluginfer.engine.engine import LLMEngine
-
 Body = TypeVar("Body", bound=BaseModel)
 
 
 @dataclass
 class ServerState:
-    """One served model; the engine thread owns ``engine``, handlers only read its counters."""
+    """One served model, and the engine that serves it (only through the ``EngineClient`` protocol)."""
 
-    async_engine: AsyncEngine
+    engine: EngineClient
     config: EngineConfig
     model_name: str
     metrics: ServerMetrics
@@ -47,22 +44,22 @@ class ServerState:
     _vocab_size: int | None = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, async_engine: AsyncEngine, config: EngineConfig) -> ServerState:
+    def create(cls, engine: EngineClient, config: EngineConfig) -> ServerState:
         server, registry = config.server, get_registry()
         reasoning = registry.load("reasoning_parser", server.reasoning_parser) if server.reasoning_parser else None
         tools = registry.load("tool_parser", server.tool_call_parser) if server.tool_call_parser else None
         name, *aliases = served_names(config)
-        return cls(async_engine, config, name, ServerMetrics(async_engine.engine), reasoning, tools,
-                   sampling=sampling_defaults(config.sampling, async_engine.engine.model_path),
+        return cls(engine, config, name, ServerMetrics(engine), reasoning, tools,
+                   sampling=sampling_defaults(config.sampling, engine.model_info.model_path),
                    aliases=tuple(aliases))
 
     @property
-    def engine(self) -> LLMEngine:
-        return self.async_engine.engine
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info
 
     @property
     def tokenizer(self) -> Any:
-        return self.async_engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def root(self) -> str:
@@ -85,13 +82,13 @@ class ServerState:
 
     def admit(self) -> None:
         """Refuse work the engine cannot take: 503 once its loop died, 429 while too many wait."""
-        if not self.async_engine.is_alive:
+        if not self.engine.is_alive:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
         limit = self.config.server.max_waiting
-        if self.async_engine.num_waiting >= limit:
-            raise APIError(429, f"too many requests waiting ({self.async_engine.num_waiting}, at most {limit}); "
+        if self.engine.num_waiting >= limit:
+            raise APIError(429, f"too many requests waiting ({self.engine.num_waiting}, at most {limit}); "
                            "retry later", code="rate_limit_exceeded")
 
 

@@ -18,8 +18,9 @@ from typing import Any
 
 from aiohttp import web
 
-from pluginfer.engine.engine_core import EngineDeadError
+from pluginfer.engine.client import EngineDeadError
 from pluginfer.engine.outputs import RequestOutput
+from pluginfer.engine.pooling import PoolingParams
 from pluginfer.engine.sequence import SamplingParams
 from pluginfer.server.access_log import count_tokens
 from pluginfer.server.errors import APIError, bad_request, from_sampling_error, sse_error
@@ -133,17 +134,17 @@ async def stream_response(request: web.Request, chunks: AsyncIterator[dict[str, 
         return events.response
 
 
-async def run_requests(state: ServerState, prompts: list[list[int]], params: SamplingParams,
+async def run_requests(state: ServerState, prompts: list[list[int]], params: SamplingParams | PoolingParams,
                        request_id: str, prompt_field: str) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) as the engine makes progress; raises APIError if a request fails.
 
     ``prompt_field`` is the request field a prompt the engine refuses is blamed on.
     """
     state.admit()
-    engine = state.async_engine
     ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
     timers = [state.metrics.timer() for _ in prompts]
-    streams = [engine.generate(prompt, params, rid) for prompt, rid in zip(prompts, ids)]
+    run = state.engine.encode if isinstance(params, PoolingParams) else state.engine.generate
+    streams = [run(prompt, params, rid) for prompt, rid in zip(prompts, ids)]
     single = len(streams) == 1  # the common case: its outputs as they come, without a merging layer per token
     try:
         async with aclosing(streams[0] if single else _merge(streams)) as source:

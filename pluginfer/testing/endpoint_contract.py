@@ -65,11 +65,11 @@ def serve(model: str, engine_process: bool = False, **settings: Any) -> Iterator
     from pluginfer.core.config import build_config
     from pluginfer.engine.async_engine import AsyncEngine
     from pluginfer.engine.engine import LLMEngine
-    from pluginfer.server.engine_client import EngineClient
+    from pluginfer.server.core_client import CoreProcessClient
     from pluginfer.server.launch import BackgroundServer
 
     config = build_config(model=model, **{"server.port": 0, **settings})
-    engine = EngineClient(config).start() if engine_process else AsyncEngine(LLMEngine(config)).start()
+    engine = CoreProcessClient(config).start() if engine_process else AsyncEngine(LLMEngine(config)).start()
     try:
         server = BackgroundServer(engine, config)
         try:

@@ -30,7 +30,7 @@ def test_outputs_grow_until_the_last_is_finished(engine):
     outputs = asyncio.run(_collect(engine, "hello world", _greedy(5)))
     assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     assert len(outputs[-1].outputs[0].token_ids) == 5
-    offline = engine.engine.tokenizer.decode(outputs[-1].outputs[0].token_ids)
+    offline = engine.tokenizer.decode(outputs[-1].outputs[0].token_ids)
     assert outputs[-1].outputs[0].text == offline
     wait_until_idle(engine)
 

@@ -15,8 +15,9 @@ import pytest
 
 from pluginfer.core.config import EngineConfig, build_config
 from pluginfer.engine.async_engine import AsyncEngine
+from pluginfer.engine.client import EngineClient, EngineStats
 from pluginfer.engine.engine import LLMEngine
-from pluginfer.server.engine_client import EngineClient
+from pluginfer.server.core_client import CoreProcessClient
 from pluginfer.server.launch import BackgroundServer
 
 NUM_BLOCKS = 256
@@ -34,25 +35,29 @@ def start_engine(config: EngineConfig) -> AsyncEngine:
     return AsyncEngine(LLMEngine(config)).start()
 
 
-def wait_until_idle(async_engine: AsyncEngine, timeout: float = 5.0) -> None:
-    """Until no request is left and every KV block is free again (aborts land one step later)."""
-    manager = async_engine.engine.block_manager
+def wait_until_idle(engine: EngineClient, timeout: float = 5.0) -> None:
+    """Until no request is left and every KV block is free again (aborts land one step later), as the
+    engine's stats say."""
     deadline = time.monotonic() + timeout
-    while async_engine.num_requests or manager.num_free_blocks != manager.num_blocks:
+    while engine.num_requests or _busy(engine.stats):
+        stats = engine.stats
         assert time.monotonic() < deadline, (
-            f"not idle after {timeout}s: {async_engine.num_requests} requests, "
-            f"{manager.num_free_blocks}/{manager.num_blocks} blocks free")
+            f"not idle after {timeout}s: {engine.num_requests} requests, {stats.num_running} running, "
+            f"{stats.num_waiting} waiting, {stats.num_free_blocks}/{stats.num_blocks} blocks free")
         time.sleep(0.01)
-    assert not async_engine.engine.has_unfinished_requests()
+
+
+def _busy(stats: EngineStats) -> bool:
+    return bool(stats.num_running or stats.num_waiting or stats.num_free_blocks != stats.num_blocks)
 
 
 @pytest.fixture(scope="package", params=[1, 2, "core"], ids=["tp1", "tp2", "core"])
-def async_engine(request, tiny_llama_checkpoint) -> Iterator[AsyncEngine]:
+def async_engine(request, tiny_llama_checkpoint) -> Iterator[EngineClient]:
     """The shared engine: every server test runs on one rank, again on two tensor-parallel ranks
     (spawned processes over gloo), so the whole API is checked through the distributed engine, and
-    again through the engine core process ``pluginfer serve`` runs (``EngineClient``, one rank)."""
+    again through the engine core process ``pluginfer serve`` runs (``CoreProcessClient``, one rank)."""
     if request.param == "core":
-        engine = EngineClient(server_config(tiny_llama_checkpoint[0])).start()
+        engine = CoreProcessClient(server_config(tiny_llama_checkpoint[0])).start()
     else:
         engine = start_engine(server_config(tiny_llama_checkpoint[0],
                                             **{"parallel.tensor_parallel_size": request.param}))
@@ -65,7 +70,7 @@ def make_server(tiny_llama_checkpoint, async_engine) -> Iterator[Callable[..., B
     """Servers over the shared engine with other server settings (``server.api_keys=[...]``)."""
     servers: list[BackgroundServer] = []
 
-    def make(engine: AsyncEngine | None = None, **overrides: Any) -> BackgroundServer:
+    def make(engine: EngineClient | None = None, **overrides: Any) -> BackgroundServer:
         config = server_config(tiny_llama_checkpoint[0], **overrides)
         servers.append(BackgroundServer(engine or async_engine, config))
         return servers[-1]

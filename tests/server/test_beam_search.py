@@ -18,7 +18,7 @@ def test_completion_beams_equal_transformers(client, tiny_llama_checkpoint, asyn
     with torch.inference_mode():
         expected = model.generate(torch.tensor([PROMPT]), num_beams=3, num_return_sequences=3, max_new_tokens=8,
                                   do_sample=False, eos_token_id=eos, pad_token_id=eos)
-    tokenizer = async_engine.engine.tokenizer
+    tokenizer = async_engine.tokenizer
     texts = [tokenizer.decode(row[len(PROMPT):], skip_special_tokens=True) for row in expected.tolist()]
     response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, n=3, max_tokens=8, temperature=0,
                                          extra_body={"use_beam_search": True, "length_penalty": 1.0})

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from pluginfer.engine.messages import ChoiceDelta, PromptInfo, RequestDelta
 from pluginfer.server.client_request import ClientRequest
 
 
@@ -18,8 +19,12 @@ def loop():
     loop.close()
 
 
+def _delta(choices: list[ChoiceDelta], finished: bool = False, prompt: PromptInfo | None = None) -> RequestDelta:
+    return RequestDelta("r", prompt, choices, finished, None, 0, None)
+
+
 def _step(request: ClientRequest, tokens: list[int], text: str, finished: bool = False) -> None:
-    request.apply(None, [(0, tokens, text, None, "stop" if finished else None)], finished, None, 0)
+    request.apply(_delta([ChoiceDelta(0, tokens, text, None, "stop" if finished else None)], finished))
 
 
 def test_a_consumer_that_keeps_up_sees_each_step(loop):
@@ -46,9 +51,9 @@ def test_a_consumer_that_falls_behind_gets_one_output_with_all_that_is_new(loop)
 
 def test_a_snapshot_is_not_changed_by_later_steps(loop):
     request = ClientRequest(loop, [1], n=2)
-    request.apply(None, [(0, [5], "a", None, None), (1, [9], "z", None, None)], False, None, 0)
+    request.apply(_delta([ChoiceDelta(0, [5], "a", None, None), ChoiceDelta(1, [9], "z", None, None)]))
     first = request.snapshot("r")
-    request.apply(None, [(1, [8], "y", None, "length")], True, None, 0)
+    request.apply(_delta([ChoiceDelta(1, [8], "y", None, "length")], finished=True))
     assert [c.token_ids for c in first.outputs] == [[5], [9]] and not first.finished
     assert [c.text for c in request.snapshot("r").outputs] == ["a", "zy"]
 
@@ -64,3 +69,13 @@ def test_a_waiting_consumer_is_woken(event):
         assert (request.fresh, request.failure is None) == ((True, True) if event == "delta" else (False, False))
 
     asyncio.run(wait())
+
+
+def test_the_first_delta_brings_the_prompt_and_logprobs_accumulate(loop):
+    request = ClientRequest(loop, "hi there", n=1)
+    prompt = PromptInfo("hi there", [7, 8], [None, {8: -0.5}])
+    request.apply(_delta([ChoiceDelta(0, [5], "a", [{5: -0.1}], None)], prompt=prompt))
+    request.apply(_delta([ChoiceDelta(0, [6], "b", [{6: -0.2}], "length")], finished=True))
+    output = request.snapshot("r")
+    assert output.prompt_token_ids == [7, 8] and output.prompt_logprobs == [None, {8: -0.5}]
+    assert output.outputs[0].logprobs == [{5: -0.1}, {6: -0.2}] and output.outputs[0].text == "ab"

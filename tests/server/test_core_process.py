@@ -16,8 +16,8 @@ from pluginfer.cli import _serves_through_a_core_process
 from pluginfer.core.config import DEFAULT_CORE_SPIN_COUNT
 from pluginfer.engine.async_engine import AsyncEngine
 from pluginfer.server import core_process
+from pluginfer.server.core_client import CoreProcessClient
 from pluginfer.server.core_process import CoreProcess, prespawn
-from pluginfer.server.engine_client import EngineClient
 from pluginfer.server.launch import start_engine
 from tests.server.conftest import server_config
 
@@ -35,7 +35,7 @@ def spawned_ahead():
 def test_a_core_spawned_ahead_is_the_one_the_server_starts(tiny_llama_checkpoint, spawned_ahead):
     client = start_engine(server_config(tiny_llama_checkpoint[0]))
     try:
-        assert isinstance(client, EngineClient) and client.process is spawned_ahead and client.is_alive
+        assert isinstance(client, CoreProcessClient) and client.process is spawned_ahead and client.is_alive
         assert core_process._prespawned is None and client.startup_times["start"] >= 0
     finally:
         client.shutdown()

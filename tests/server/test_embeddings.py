@@ -14,8 +14,8 @@ import openai
 import pytest
 import torch
 
+from pluginfer.server.core_client import CoreProcessClient
 from pluginfer.server.embeddings import EmbeddingRequest
-from pluginfer.server.engine_client import EngineClient
 from pluginfer.server.launch import BackgroundServer
 from tests.embedding_models import QWEN3_MATRYOSHKA, sentence_transformer
 from tests.server.conftest import (
@@ -46,7 +46,7 @@ def embedding_server(request, embedding_checkpoints) -> Iterator[BackgroundServe
     """A server over the tiny Qwen3 embedding checkpoint (last-token pooling, Normalize, Matryoshka)."""
     config = server_config(embedding_checkpoints["qwen3"], **{"parallel.tensor_parallel_size": 1
                                                              if request.param == "core" else request.param})
-    engine = EngineClient(config).start() if request.param == "core" else start_engine(config)
+    engine = CoreProcessClient(config).start() if request.param == "core" else start_engine(config)
     server = BackgroundServer(engine, config)
     yield server
     server.stop()
@@ -75,7 +75,7 @@ def test_sync_client_equals_sentence_transformers(embedding_server, expected):
     assert response.object == "list" and response.model == MODEL_NAME
     assert response.data[0].object == "embedding"
     torch.testing.assert_close(_vectors(one)[0], expected[1], atol=ATOL, rtol=0)
-    tokens = [len(embedding_server.async_engine.engine.tokenizer.encode(t)) for t in TEXTS]
+    tokens = [len(embedding_server.engine.tokenizer.encode(t)) for t in TEXTS]
     assert response.usage.prompt_tokens == response.usage.total_tokens == sum(tokens)
 
 
@@ -90,7 +90,7 @@ def test_async_client_concurrent_requests(embedding_server, expected):
 
 
 def test_token_arrays_equal_text(embedding_server, expected):
-    tokenizer = embedding_server.async_engine.engine.tokenizer
+    tokenizer = embedding_server.engine.tokenizer
     ids = [tokenizer.encode(t) for t in TEXTS]
     with make_client(embedding_server) as client:
         batch = client.embeddings.create(model=MODEL_NAME, input=ids, encoding_format="float")

@@ -14,7 +14,7 @@ def test_models(client):
 
 
 def test_tokenize_and_detokenize_round_trip(server, async_engine):
-    tokenizer = async_engine.engine.tokenizer
+    tokenizer = async_engine.tokenizer
     status, _, raw = http(server, "POST", "/tokenize", {"prompt": "hello world", "model": MODEL_NAME})
     body = json.loads(raw)
     assert status == 200 and body["tokens"] == tokenizer.encode("hello world")
@@ -53,7 +53,7 @@ def _sample(text: str, name: str) -> float:
 
 def test_metrics_count_requests_tokens_and_latency(server, client):
     before = http(server, "GET", "/metrics")[2].decode()
-    client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=4, temperature=0,
+    reply = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=4, temperature=0,
                               extra_body={"ignore_eos": True})
     http(server, "POST", "/v1/completions", {"prompt": "x", "seed": 2**64})
     status, headers, raw = http(server, "GET", "/metrics")
@@ -68,6 +68,9 @@ def test_metrics_count_requests_tokens_and_latency(server, client):
     for gauge in ("pluginfer_num_requests_running", "pluginfer_num_requests_waiting",
                   "pluginfer_kv_cache_usage_ratio"):
         assert f"\n{gauge} " in after
+    queried = _sample(after, "pluginfer_prefix_cache_queries_total") - _sample(before, "pluginfer_prefix_cache_queries_total")
+    assert queried == reply.usage.prompt_tokens  # the engine's counter, through the client's EngineStats
+    assert "\npluginfer_num_preemptions_total " in after and "\npluginfer_prefix_cache_hits_total " in after
 
 
 def test_developer_messages_are_system_messages(server):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -24,10 +26,21 @@ from pathlib import Path
 import pytest
 
 from pluginfer.core.config import build_config
-from pluginfer.engine.engine_core import EngineCore, FrameReader, encode, receive_frame
-from pluginfer.server.engine_client import EngineClient
+from pluginfer.engine.client import EngineStats
+from pluginfer.engine.engine_core import EngineCore
+from pluginfer.engine.messages import (
+    AddRequest,
+    Failure,
+    FrameReader,
+    Outputs,
+    ServerTokenizer,
+    Stop,
+    encode,
+    receive_frame,
+)
+from pluginfer.server.core_client import CoreProcessClient
 from pluginfer.server.launch import BackgroundServer
-from tests.server.conftest import MODEL_NAME, http, server_config, sse_events
+from tests.server.conftest import MODEL_NAME, NUM_BLOCKS, http, server_config, sse_events
 
 
 def _gone(pid: int) -> bool:
@@ -49,7 +62,7 @@ def _wait_for(condition, timeout: float, what: str) -> None:  # noqa: ANN001
 @pytest.fixture
 def core_server(tiny_llama_checkpoint):
     """An engine core process of its own and a server over it; both stopped afterwards."""
-    client = EngineClient(server_config(tiny_llama_checkpoint[0])).start()
+    client = CoreProcessClient(server_config(tiny_llama_checkpoint[0])).start()
     server = BackgroundServer(client, server_config(tiny_llama_checkpoint[0]))
     yield client, server
     server.stop()
@@ -70,7 +83,7 @@ def _open_stream(server: BackgroundServer):  # noqa: ANN202
 
 def test_a_killed_engine_process_is_503_logged_and_ends_open_streams(core_server, caplog):
     client, server = core_server
-    caplog.set_level(logging.ERROR, logger="pluginfer.server.engine_client")
+    caplog.set_level(logging.ERROR, logger="pluginfer.server.core_client")
     pid = client.process.pid
     assert http(server, "GET", "/health")[0] == 200
     response = _open_stream(server)
@@ -121,31 +134,29 @@ def test_requests_the_core_refuses_are_400s_and_leave_it_running(core_server):
 
 
 def test_a_core_that_cannot_start_raises_its_error(tiny_llama_checkpoint, tmp_path, monkeypatch):
-    client = EngineClient(build_config(model=str(tmp_path / "missing"), dtype="float32"))
+    client = CoreProcessClient(build_config(model=str(tmp_path / "missing"), dtype="float32"))
     with pytest.raises(ValueError, match="missing"):
         client.start(timeout=120)
     assert client.process.poll() is not None
     # The same while the server is still sending a tokenizer larger than the socket's buffer: the core failed
     # before it read it, and the server gets its error, not a broken pipe or a hang.
     monkeypatch.setattr("pluginfer.text.tokenizer.native_tokenizer", lambda path: "x" * (8 << 20))
-    client = EngineClient(build_config(model=str(tmp_path / "missing"), dtype="float32"))
+    client = CoreProcessClient(build_config(model=str(tmp_path / "missing"), dtype="float32"))
     with pytest.raises(ValueError, match="missing"):
         client.start(timeout=120)
     # Too small a KV cache for one sequence of max_model_len: both numbers and the flag to change.
     config = build_config(model=str(tiny_llama_checkpoint[0]), dtype="float32", **{"cache.kv_cache_memory": 4096})
-    client = EngineClient(config)
+    client = CoreProcessClient(config)
     with pytest.raises(ValueError, match=r"4096 bytes hold 0 tokens.*max_model_len 256 needs 256 tokens.*"
                                          r"--kv-cache-memory"):
         client.start(timeout=120)
 
 
 def test_the_engine_loop_failing_in_the_core_is_sent_as_its_reason():
-    """EngineCore's loop over a stand-in engine whose step raises: one ("dead", reason) frame, exit 1."""
+    """EngineCore's loop over a stand-in engine whose step raises: one Failure with the reason, exit 1."""
 
     class FailingEngine:
         failure = None
-        scheduler = type("S", (), {"num_running": 0, "num_waiting": 0})()
-        block_manager = type("B", (), {"usage": 0.0, "num_free_blocks": 1})()
 
         def __init__(self) -> None:
             self.requests: list[str] = []
@@ -159,6 +170,9 @@ def test_the_engine_loop_failing_in_the_core_is_sent_as_its_reason():
         def step(self):  # noqa: ANN202
             raise RuntimeError("device lost")
 
+        def stats(self) -> EngineStats:
+            return EngineStats()
+
         def shutdown(self) -> None:
             pass
 
@@ -168,20 +182,20 @@ def test_the_engine_loop_failing_in_the_core_is_sent_as_its_reason():
     result: list[int] = []
     runner = threading.Thread(target=lambda: result.append(core.run()))
     runner.start()
-    ours.sendall(encode(("add", "r1", [1, 2], None)))
+    ours.sendall(encode(AddRequest("r1", [1, 2], None)))
     runner.join(10)
     assert result == [1]
     ours.settimeout(10)
-    assert FrameReader().feed(ours.recv(1 << 16)) == [("dead", "RuntimeError: device lost")]
+    assert FrameReader().feed(ours.recv(1 << 16)) == [Failure("RuntimeError: device lost")]
     ours.close()
     theirs.close()
 
 
 def test_a_dead_engine_loop_reported_by_the_core_fails_requests(core_server):
-    """The client's side of a ("dead", reason) frame: the reason is the error, streams end with it."""
+    """The client's side of a Failure: the reason is the error, streams end with it."""
     client, server = core_server
     response = _open_stream(server)
-    client._on_loop(client._dispatch, ("dead", "RuntimeError: device lost"))
+    client._on_loop(client._dispatch, Failure("RuntimeError: device lost"))
     events = sse_events(response.read())
     assert events[-1] == "[DONE]" and "device lost" in events[-2]["error"]["message"]
     status, _, raw = http(server, "GET", "/health")
@@ -191,8 +205,8 @@ def test_a_dead_engine_loop_reported_by_the_core_fails_requests(core_server):
 _SERVER_SCRIPT = """
 import sys, time
 from pluginfer.core.config import build_config
-from pluginfer.server.engine_client import EngineClient
-client = EngineClient(build_config(model=sys.argv[1], dtype="float32", **{"cache.num_blocks": 32})).start()
+from pluginfer.server.core_client import CoreProcessClient
+client = CoreProcessClient(build_config(model=sys.argv[1], dtype="float32", **{"cache.num_blocks": 32})).start()
 print(client.process.pid, flush=True)
 time.sleep(600)
 """
@@ -281,18 +295,18 @@ def test_a_gguf_core_reports_its_start_up_phases_and_takes_the_servers_tokenizer
     config = build_config(model=str(path), dtype="float32", **{"cache.num_blocks": 32, "cache.block_size": 8})
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
-    async def text(client: EngineClient) -> str:
+    async def text(client: CoreProcessClient) -> str:
         return [o async for o in client.generate("hello world", params)][-1].outputs[0].text
 
     texts = []
     for _ in range(2):
-        client = EngineClient(config, log_level="INFO").start(timeout=300)
+        client = CoreProcessClient(config, log_level="INFO").start(timeout=300)
         try:
             assert "(engine core): tokenizer taken in" in capfd.readouterr().err
             assert set(client.startup_times) - {"graphs"} == {"start", "imports", "config", "build", "load", "repack",
                                                               "cache", "tokenizer", "other", "warm-up", "total"}
             assert all(seconds >= 0 for seconds in client.startup_times.values())
-            assert isinstance(client.engine.tokenizer, GGUFTokenizer)
+            assert isinstance(client.tokenizer, GGUFTokenizer)
             texts.append(asyncio.run(text(client)))
         finally:
             client.shutdown()
@@ -304,13 +318,13 @@ def test_the_core_reads_exactly_one_frame_and_wants_the_tokenizer_first():
     server, core = socket.socketpair()
     with server, core:
         big = "x" * (3 << 20)  # larger than the socket's buffer: it arrives in pieces
-        sender = threading.Thread(target=server.sendall, args=(encode(("tokenizer", big)) + encode(("stop",)),))
+        sender = threading.Thread(target=server.sendall, args=(encode(ServerTokenizer(big)) + encode(Stop()),))
         sender.start()
         assert EngineCore(None, core)._receive_tokenizer() == big
         sender.join()
-        assert receive_frame(core) == ("stop",)  # the frame after it stays for the reader
-        server.sendall(encode(("add", "r", "hi", None)))
-        with pytest.raises(RuntimeError, match="the server sent 'add' before its tokenizer"):
+        assert receive_frame(core) == Stop()  # the frame after it stays for the reader
+        server.sendall(encode(AddRequest("r", "hi", None)))
+        with pytest.raises(RuntimeError, match="the server sent AddRequest before its tokenizer"):
             EngineCore(None, core)._receive_tokenizer()
         server.close()
         with pytest.raises(OSError, match="the server closed its end"):
@@ -338,7 +352,7 @@ def test_the_server_process_imports_no_torch_nor_transformers(tmp_path):
     gguf = Path(__file__).parents[1] / "quant" / "fixtures" / "llamacpp-qwen2-q8_0.gguf"
     core = ("import pickle, sys; from pluginfer.text.tokenizer import load_tokenizer; "
             "sys.stdout.buffer.write(pickle.dumps(load_tokenizer(sys.argv[1])))")
-    then = ("import pluginfer.server.launch, pluginfer.server.app, pluginfer.server.engine_client\n"
+    then = ("import pluginfer.server.launch, pluginfer.server.app, pluginfer.server.core_client\n"
             f"tokenizer = pickle.loads(subprocess.run([sys.executable, '-c', {core!r}, {str(gguf)!r}],\n"
             "                                         capture_output=True, check=True).stdout)\n"
             "tokenizer.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
@@ -350,7 +364,7 @@ def test_the_server_spawns_the_core_before_it_imports_aiohttp(tmp_path):
     """`pluginfer serve` starts the core from server/launch.py's start_engine; what it imports up to there
     (the CLI, the config, launch.py, the engine client) leaves aiohttp (~0.1 s) for after the spawn, so the
     core's start does not wait for it. sys.modules, not a timing."""
-    then = "import pluginfer.server.launch, pluginfer.server.engine_client\nprint('aiohttp' in sys.modules)\n"
+    then = "import pluginfer.server.launch, pluginfer.server.core_client\nprint('aiohttp' in sys.modules)\n"
     assert _in_a_server_process(tmp_path, then) == "False"
 
 
@@ -374,7 +388,7 @@ def test_core_spin_count_reaches_the_engine_core_process(tiny_llama_checkpoint, 
     it once, when it loads)."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    client = EngineClient(server_config(tiny_llama_checkpoint[0], **{"server.core_spin_count": 123456})).start()
+    client = CoreProcessClient(server_config(tiny_llama_checkpoint[0], **{"server.core_spin_count": 123456})).start()
     try:
         environ = Path(f"/proc/{client.process.pid}/environ").read_bytes().split(b"\0")
         assert b"GOMP_SPINCOUNT=123456" in environ
@@ -419,3 +433,58 @@ def test_the_default_spin_count_with_the_engine_in_the_server_process_says_nothi
         assert "--core-spin-count" not in caplog.text
     finally:
         engine.shutdown()
+
+
+def test_a_malformed_frame_from_the_core_is_named_dropped_and_the_server_goes_on(core_server, caplog):
+    """A frame that is not a message (an old core's string-tagged tuple, bytes that are no pickle) is one error
+    line naming what it held; the frames after it read normally and the server keeps serving."""
+    client, server = core_server
+    caplog.set_level(logging.ERROR, logger="pluginfer.server.core_client")
+    old = pickle.dumps(("out", [], (0, 0, 0.0, 0)))
+    frames = [struct.pack(">I", len(old)) + old, struct.pack(">I", 12) + b"not a pickle",
+              encode(Outputs([], EngineStats(num_blocks=NUM_BLOCKS, num_free_blocks=NUM_BLOCKS, num_preemptions=7)))]
+    client._on_loop(client._receive, b"".join(frames))
+    _wait_for(lambda: client.stats.num_preemptions == 7, 10, "the frame after the malformed ones read")
+    errors = [r.getMessage() for r in caplog.records if "malformed frame" in r.getMessage()]
+    assert len(errors) == 2 and "holds a tuple, not an engine message: ('out'" in errors[0], errors
+    assert "does not decode" in errors[1] and "b'not a pickle'" in errors[1], errors
+    assert http(server, "GET", "/health")[0] == 200 and client.is_alive
+    status, _, raw = http(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 3
+
+
+def test_a_malformed_frame_from_the_server_is_named_and_the_core_goes_on(caplog):
+    """The core's reader drops a frame that is no message (logging what it held) and applies the next ones."""
+
+    class IdleEngine:
+        failure = None
+
+        def __init__(self) -> None:
+            self.requests: list[str] = []
+
+        def add_request(self, prompt, params, request_id):  # noqa: ANN001, ANN202
+            self.requests.append(request_id)
+
+        def abort_request(self, request_id: str) -> None:
+            self.requests.remove(request_id)
+
+        def has_unfinished_requests(self) -> bool:
+            return False  # never steps: the test is about reading
+
+        def shutdown(self) -> None:
+            pass
+
+    caplog.set_level(logging.ERROR, logger="pluginfer.engine.engine_core")
+    ours, theirs = socket.socketpair()
+    core = EngineCore(None, theirs)
+    core.engine = engine = IdleEngine()
+    result: list[int] = []
+    runner = threading.Thread(target=lambda: result.append(core.run()))
+    runner.start()
+    junk = pickle.dumps({"add": "r0"})
+    ours.sendall(struct.pack(">I", len(junk)) + junk + encode(AddRequest("r1", [1, 2], None)) + encode(Stop()))
+    runner.join(10)
+    assert result == [0] and engine.requests == ["r1"]
+    assert any("malformed frame" in r.getMessage() and "holds a dict" in r.getMessage() for r in caplog.records)
+    ours.close()
+    theirs.close()

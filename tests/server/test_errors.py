@@ -198,7 +198,7 @@ def test_too_many_waiting_is_429(tiny_llama_checkpoint, make_server):
     try:
         with make_client(busy) as client:
             runner.start()
-            _wait_for(lambda: engine.engine.scheduler.num_running)
+            _wait_for(lambda: engine.engine.scheduler.num_running)  # stats come after the held step
             waiter.start()
             _wait_for(lambda: engine.num_waiting)
             with pytest.raises(openai.RateLimitError) as caught:

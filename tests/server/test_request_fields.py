@@ -169,7 +169,7 @@ def test_reasoning_effort_goes_to_templates_that_read_it(server, async_engine):
     body = {**BASE["CreateChatCompletionRequest"], "reasoning_effort": "low"}
     status, _, raw = http(server, "POST", "/v1/chat/completions", body)
     assert status == 400 and json.loads(raw)["error"]["param"] == "reasoning_effort"  # the tiny template
-    tokenizer = async_engine.engine.tokenizer
+    tokenizer = async_engine.tokenizer
     plain = tokenizer.chat_template
     tokenizer.chat_template = plain + "{{- 'effort=' + reasoning_effort if reasoning_effort is defined }}"
     try:

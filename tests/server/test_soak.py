@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pluginfer.server.engine_client import EngineClient
+from pluginfer.server.core_client import CoreProcessClient
 from pluginfer.server.launch import BackgroundServer
 from tests.server.conftest import server_config
 
@@ -30,7 +30,7 @@ def _soak_module():
 def test_a_30_second_soak_loses_nothing(tiny_llama_checkpoint):
     soak = _soak_module()
     config = server_config(tiny_llama_checkpoint[0], **{"scheduler.max_num_seqs": 64, "cache.num_blocks": 512})
-    engine = EngineClient(config).start()
+    engine = CoreProcessClient(config).start()
     server = BackgroundServer(engine, config)
     try:
         args = soak.parse_args(["--url", server.url, "--duration", "30", "--clients", "64", "--max-prompt", "80",

@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 
-from pluginfer.server.engine_client import EngineClient
+from pluginfer.server.core_client import CoreProcessClient
 from tests.server.conftest import MODEL_NAME, http, make_async_client, make_client
 
 TOOL_TEMPLATE = (
@@ -44,7 +44,7 @@ HERMES_TEXT = 'I check.<tool_call>\n{"name": "get_weather", "arguments": {"city"
 
 @pytest.fixture(scope="module", autouse=True)
 def tool_template(async_engine):
-    tokenizer = async_engine.engine.tokenizer
+    tokenizer = async_engine.tokenizer
     plain, tokenizer.chat_template = tokenizer.chat_template, TOOL_TEMPLATE
     yield
     tokenizer.chat_template = plain
@@ -107,7 +107,7 @@ def test_named_function_streams_its_arguments(server, client):
     [call] = whole.choices[0].message.tool_calls
     assert content == "" and reasons == ["tool_calls"] and list(calls) == [0]
     assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
-    if isinstance(server.async_engine, EngineClient):
+    if isinstance(server.engine, CoreProcessClient):
         # Through the engine core process a request's deltas of several steps are merged into one event when the
         # HTTP side is behind the core (by design, as vLLM's output processor does: a server never queues stale
         # per-token events). How many events a stream gets there depends on the timing of this tiny model's ~1 ms
@@ -276,7 +276,7 @@ def test_tools_that_cannot_be_served_are_400(server, fields, param, says):
 
 
 def test_a_template_without_tools_is_400(server, async_engine):
-    tokenizer = async_engine.engine.tokenizer
+    tokenizer = async_engine.tokenizer
     tokenizer.chat_template, kept = "{% for m in messages %}{{ m.content }}{% endfor %}", tokenizer.chat_template
     try:
         status, _, raw = http(server, "POST", "/v1/chat/completions",

@@ -1,8 +1,9 @@
-"""EngineClient: the server's side of the engine core process (``pluginfer.engine.engine_core``).
+"""CoreProcessClient: the server's side of the engine core process (``pluginfer.engine.engine_core``).
 
-It offers what the handlers use of ``AsyncEngine`` (``generate``, ``abort``, ``is_alive``, ``error``,
-``num_requests``, ``num_waiting``, ``shutdown``, and ``engine``: the tokenizer, ``max_model_len``, the
-gauges and grammar compilation, read from an ``EngineView``), with the engine in another process.
+An ``EngineClient`` (``pluginfer.engine.client``), as ``AsyncEngine`` is, with the engine in another process:
+requests go there as ``AddRequest``/``AbortRequest`` messages, grammars are compiled there through ``Call``,
+and what comes back (``pluginfer.engine.messages``) is the model's ``ModelInfo`` once, then every step's
+``Outputs``: the requests' deltas and the engine's ``EngineStats``.
 
 The core's frames are read on the server's event loop (``loop.add_reader``: no thread, no
 ``call_soon_threadsafe`` per token); one frame per engine step carries every request's new tokens and
@@ -27,15 +28,36 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pluginfer.core.config import EngineConfig
-from pluginfer.engine.engine_core import EngineDeadError, FrameReader, encode
+from pluginfer.engine.client import EngineDeadError, EngineStats, ModelInfo
+from pluginfer.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    Call,
+    CallResult,
+    CoreMessage,
+    Failure,
+    FrameReader,
+    MalformedFrame,
+    Outputs,
+    Ready,
+    Rejected,
+    ServerMessage,
+    ServerTokenizer,
+    StartFailed,
+    Stop,
+    encode,
+)
 from pluginfer.engine.outputs import RequestOutput
-from pluginfer.engine.sequence import SamplingParams
 from pluginfer.server.client_request import ClientRequest
 from pluginfer.server.core_process import CoreProcess
-from pluginfer.server.engine_view import EngineView
+
+if TYPE_CHECKING:
+    from pluginfer.engine.pooling import PoolingParams
+    from pluginfer.engine.sequence import SamplingParams
+    from pluginfer.engine.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 _RECV_BYTES = 1 << 20  # one read of the core's frames: a shorter read emptied the socket
@@ -43,23 +65,25 @@ _RECV_BYTES = 1 << 20  # one read of the core's frames: a shorter read emptied t
 # time, ~10 us a frame against ~1 us for ``recv_into``)
 
 
-class EngineClient:
-    """Start the engine core process; serve coroutines' requests through it (AsyncEngine's interface)."""
+class CoreProcessClient:
+    """Start the engine core process; serve coroutines' requests through it (an ``EngineClient``)."""
 
     def __init__(self, config: EngineConfig, log_level: str | None = None,
                  process: CoreProcess | None = None) -> None:
         """Spawn the core process for ``config`` (or configure ``process``, one spawned ahead with the
         environment ``config.server.core_spin_count`` asks for: ``core_process.take_prespawned``)."""
         self.config = config
-        self.engine: EngineView | None = None
         self.startup_times: dict[str, float] = {}
+        self._tokenizer: Any = None
+        self._model_info: ModelInfo | None = None
+        self._stats = EngineStats()
         self._requests: dict[str, ClientRequest] = {}
         self._not_started: set[str] = set()
         self._ids = itertools.count()
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._send_lock = threading.Lock()
-        self._reader = FrameReader()
+        self._reader = FrameReader(on_malformed=self._malformed)
         self._inbox = memoryview(bytearray(_RECV_BYTES))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
@@ -72,7 +96,7 @@ class EngineClient:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def start(self, timeout: float | None = None) -> EngineClient:
+    def start(self, timeout: float | None = None) -> CoreProcessClient:
         """Wait until the core has loaded the model; take its tokenizer.
 
         A tokenizer built without transformers (a GGUF file's, or a checkpoint's ``tokenizer.json``:
@@ -90,27 +114,26 @@ class EngineClient:
                 logger.info("no tokenizer built in the server (%s: %s)", type(exc).__name__, exc)
                 tokenizer = None
             self._send_tokenizer(tokenizer, deadline)
-            info = self._wait_ready(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if info["tokenizer"] is not None:  # not one built here (the core sends none of those: same file, code)
-                tokenizer = pickle.loads(info["tokenizer"])
+            ready = self._wait_ready(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if ready.tokenizer is not None:  # not one built here (the core sends none of those: same file, code)
+                tokenizer = pickle.loads(ready.tokenizer)
             elif tokenizer is None:
-                tokenizer = load_tokenizer(self.config.tokenizer or info["model_path"])
+                tokenizer = load_tokenizer(self.config.tokenizer or ready.model_info.model_path)
         except BaseException:
             self._kill()
             raise
-        self.engine = EngineView(self, self.config, info, tokenizer)
-        self.startup_times = dict(info["startup_times"])
+        self._tokenizer, self._model_info, self._stats = tokenizer, ready.model_info, ready.stats
+        self.startup_times = dict(ready.startup_times)
         self.startup_times["total"] = time.perf_counter() - self._spawned  # from the spawn: its phases overlap ours
-        self.kv_tokens = info["kv_tokens"]
         return self
 
     def _send_tokenizer(self, tokenizer: Any, deadline: float | None) -> None:
         """The core's first message: the tokenizer built here, or None (the core loads its own)."""
         try:
-            frame = encode(("tokenizer", tokenizer))
+            frame = encode(ServerTokenizer(tokenizer))
         except Exception as exc:  # noqa: BLE001 - a tokenizer that does not pickle: the core loads its own
             logger.info("the tokenizer does not pickle (%s); the engine process loads its own", exc)
-            frame = encode(("tokenizer", None))
+            frame = encode(ServerTokenizer(None))
         self._sock.settimeout(None if deadline is None else max(0.001, deadline - time.monotonic()))
         try:
             self._sock.sendall(frame)  # the core reads it while its weights load
@@ -121,7 +144,7 @@ class EngineClient:
         finally:
             self._sock.settimeout(None)
 
-    def _wait_ready(self, timeout: float | None) -> dict[str, Any]:
+    def _wait_ready(self, timeout: float | None) -> Ready:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -137,12 +160,13 @@ class EngineClient:
                 raise RuntimeError(f"the engine process (pid {self.process.pid}) exited {_how(code)} while "
                                    "loading the model (its log is above)")
             for message in self._reader.feed(data):
-                if message[0] == "ready":
-                    return message[1]
-                if message[0] == "failed":
-                    _, kind, text = message
+                if isinstance(message, Ready):
+                    return message
+                if isinstance(message, StartFailed):
                     self._exit_code(10.0)
-                    raise ValueError(text) if kind == "ValueError" else RuntimeError(f"{kind}: {text}")
+                    if message.error_type == "ValueError":
+                        raise ValueError(message.message)
+                    raise RuntimeError(f"{message.error_type}: {message.message}")
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core (requests still running are aborted there, and end here with EngineDeadError);
@@ -151,7 +175,7 @@ class EngineClient:
             return
         self._stopping = True
         try:
-            self._send(("stop",))
+            self._send(Stop())
         except OSError:
             pass
         code = self._exit_code(timeout)
@@ -173,9 +197,14 @@ class EngineClient:
         except subprocess.TimeoutExpired:
             return None
 
+    def attach(self) -> None:
+        """Read the core's frames on the running event loop from now on (the server calls it as it starts;
+        else the first request does): a core that dies while idle is then noticed at once."""
+        self._attach(asyncio.get_running_loop())
+
     @property
     def is_alive(self) -> bool:
-        return (self._error is None and not self._stopping and self.engine is not None
+        return (self._error is None and not self._stopping and self._model_info is not None
                 and self.process.poll() is None)
 
     @property
@@ -194,9 +223,40 @@ class EngineClient:
     def num_waiting(self) -> int:
         return len(self._not_started)
 
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        if self._model_info is None:
+            raise RuntimeError("the engine process has not started yet (call start())")
+        return self._model_info
+
+    @property
+    def stats(self) -> EngineStats:
+        """As of the core's last frame."""
+        return self._stats
+
+    def compile_grammar(self, grammar: StructuredOutputsParams) -> None:
+        """Compiled (and cached) in the core, off its step loop; blocks until it answers: call it off the event
+        loop. Raises StructuredOutputError with the core's reason."""
+        from pluginfer.engine.structured import StructuredOutputError
+
+        result: CallResult = self.call("compile_grammar", grammar).result()
+        if result.error_type is not None:
+            if result.error_type == "StructuredOutputError":
+                raise StructuredOutputError(result.message)
+            raise RuntimeError(f"{result.error_type}: {result.message}")
+
     # -- requests -----------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
+    def encode(self, prompt: str | list[int], params: PoolingParams,
+               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """An embedding request: its output once finished (``RequestOutput.embedding``)."""
+        return self.generate(prompt, params, request_id)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | PoolingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's output as it grows; the last one is finished."""
         if not self.is_alive:
@@ -213,7 +273,7 @@ class EngineClient:
         self._not_started.add(request_id)
         finished = False
         try:
-            self._send(("add", request_id, prompt, params))
+            self._send(AddRequest(request_id, prompt, params))
             while True:
                 if not request.fresh and request.failure is None:
                     request.waiter = loop.create_future()
@@ -239,12 +299,13 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         try:
-            self._send(("abort", request_id))
+            self._send(AbortRequest(request_id))
         except OSError:
             pass  # the core is gone: so is the request
 
-    def call(self, kind: str, *arguments: Any) -> Future:
-        """Ask the core something answered off its step loop (``compile``); a Future of the answer."""
+    def call(self, method: str, *arguments: Any) -> Future:
+        """Ask the core something answered off its step loop (``compile_grammar``); a Future of its
+        ``CallResult``."""
         future: Future = Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = future
@@ -252,7 +313,7 @@ class EngineClient:
             future.set_exception(EngineDeadError("the engine is not running"))
             return future
         try:
-            self._send((kind, call_id, *arguments))
+            self._send(Call(call_id, method, arguments))
         except OSError as exc:
             self._calls.pop(call_id, None)
             future.set_exception(EngineDeadError(f"the engine is not running: {exc}"))
@@ -260,19 +321,17 @@ class EngineClient:
 
     # -- the channel --------------------------------------------------------------------------
 
-    def _send(self, message: Any) -> None:
+    def _send(self, message: ServerMessage) -> None:
         data = encode(message)
         with self._send_lock:  # the core's reader thread always drains its end: this does not block long
             self._sock.sendall(data)
 
-    def attach(self) -> None:
-        """Read the core's frames on the running event loop from now on (the server calls it as it starts;
-        else the first request does): a core that dies while idle is then noticed at once."""
-        self._attach(asyncio.get_running_loop())
-
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read the core's frames on the first event loop that serves a request (the socket stays
-        blocking for sends; reads ask for what is there with MSG_DONTWAIT)."""
+        blocking for sends; reads ask for what is there with MSG_DONTWAIT), or on this one if that loop
+        was closed since (one ``asyncio.run`` after another)."""
+        if self._loop is not None and self._loop.is_closed():
+            self._loop = None
         if self._loop is None and not self._closed:
             self._loop = loop
             loop.add_reader(self._sock.fileno(), self._on_readable)
@@ -306,48 +365,48 @@ class EngineClient:
             if not size:
                 self._lost(None)
                 return
-            for message in self._reader.feed(self._inbox[:size]):
-                self._dispatch(message)
+            self._receive(self._inbox[:size])
             if size < _RECV_BYTES:  # the socket is drained: no second recv to hear EAGAIN (once a token)
                 return
 
-    def _dispatch(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "out":
-            _, deltas, stats = message
-            for request_id, head, choices, finished, error, cached, embedding in deltas:
-                request = self._requests.get(request_id)
+    def _receive(self, data: bytes | memoryview) -> None:
+        for message in self._reader.feed(data):
+            self._dispatch(message)
+
+    def _dispatch(self, message: CoreMessage) -> None:
+        if isinstance(message, Outputs):
+            for delta in message.deltas:
+                request = self._requests.get(delta.request_id)
                 if request is None:
                     continue  # its consumer left; the abort is on its way
                 if request.loop is self._loop:
-                    request.apply(head, choices, finished, error, cached, embedding)
+                    request.apply(delta)
                 else:  # a request from another event loop (several servers over one client)
-                    request.loop.call_soon_threadsafe(request.apply, head, choices, finished, error, cached,
-                                                      embedding)
-            self._update_stats(stats)
-        elif kind == "reject":
-            _, request_id, error_kind, text = message
-            request = self._requests.get(request_id)
+                    request.loop.call_soon_threadsafe(request.apply, delta)
+            self._stats = message.stats
+        elif isinstance(message, Rejected):
+            request = self._requests.get(message.request_id)
             if request is not None:
-                failure = ValueError(text) if error_kind in ("ValueError", "StructuredOutputError") else \
-                    RuntimeError(f"{error_kind}: {text}")
+                kind, text = message.error_type, message.message
+                failure = ValueError(text) if kind in ("ValueError", "StructuredOutputError") else \
+                    RuntimeError(f"{kind}: {text}")
                 self._deliver_failure(request, failure)
-        elif kind == "compiled":
-            _, call_id, error = message
-            future = self._calls.pop(call_id, None)
+        elif isinstance(message, CallResult):
+            future = self._calls.pop(message.call_id, None)
             if future is not None and not future.done():
-                future.set_result(error)
-        elif kind == "dead":
-            self._error = RuntimeError(message[1])
-            logger.error("pluginfer: the engine loop died in its process (pid %d): %s", self.process.pid, message[1])
-            self._fail_all(EngineDeadError(f"the engine loop died: {message[1]}"))
+                future.set_result(message)
+        elif isinstance(message, Failure):
+            self._error = RuntimeError(message.reason)
+            logger.error("pluginfer: the engine loop died in its process (pid %d): %s", self.process.pid,
+                         message.reason)
+            self._fail_all(EngineDeadError(f"the engine loop died: {message.reason}"))
+        else:
+            logger.error("pluginfer: the engine process sent %s out of turn; ignored", type(message).__name__)
 
-    def _update_stats(self, stats: tuple[int, int, float, int]) -> None:
-        if self.engine is None:
-            return
-        running, waiting, usage, free = stats
-        self.engine.scheduler.num_running, self.engine.scheduler.num_waiting = running, waiting
-        self.engine.block_manager.usage, self.engine.block_manager.num_free_blocks = usage, free
+    def _malformed(self, exc: MalformedFrame) -> None:
+        """A frame that is no message: dropped (the requests it was for wait on the next step's frame)."""
+        logger.error("pluginfer: the engine process (pid %d) sent a malformed frame, dropped: %s",
+                     self.process.pid, exc)
 
     def _deliver_failure(self, request: ClientRequest, failure: BaseException) -> None:
         if request.loop is self._loop or request.loop.is_closed():
