@@ -26,7 +26,7 @@ MESSAGES = [{"role": "user", "content": "weather in Oslo?"}]
 
 @pytest.fixture(scope="module", autouse=True)
 def tool_template(async_engine):
-    tokenizer = async_engine.engine.tokenizer
+    tokenizer = async_engine.tokenizer
     plain, tokenizer.chat_template = tokenizer.chat_template, TOOL_TEMPLATE
     yield
     tokenizer.chat_template = plain
