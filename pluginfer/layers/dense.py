@@ -2,7 +2,7 @@
 
 The backend decides, through its kernel table (ops ``dense_layout``, ``dense_pack``, ``dense_linear`` of
 ``core/kernels.py``): the cpu backend packs float32 weights for its native panel kernel or oneDNN, or
-transposes them for MKL's GEMV (``backends/cpu_dense.py``); a backend that registers none keeps the
+transposes them for MKL's GEMV (``backends/cpu/dense.py``); a backend that registers none keeps the
 checkpoint's layout and ``F.linear``. Layers only carry the layout's name from the one op to the others.
 """
 

@@ -135,7 +135,7 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
     """``x @ W^T`` for float ``x [..., cols]`` and ``W`` the raw GGML blocks uint8 ``[rows, row_bytes]``,
     without a float copy of ``W`` (``csrc/quant_dot.c``): each row of ``x`` is quantized per block of
     32 to int8 with a float32 scale, as llama.cpp's Q8_0, and multiplied with the weights' levels in
-    integers; from a few rows up, on a CPU with AMX, on int8 tiles (``backends/amx_quant.py``).
+    integers; from a few rows up, on a CPU with AMX, on int8 tiles (``backends/cpu/amx_quant.py``).
     The result has ``x``'s dtype (float16/bfloat16 ``x`` is converted to float32 and back).
     None: a type, dtype, device or layout it does not handle; use the dequantizing path."""
     qtype = int(qtype)
