@@ -5,6 +5,7 @@ tests/test_protocol_reference.py fails while it is out of date."""
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parents[1] / "pluginfer" / "core"
@@ -28,9 +29,9 @@ a test fails while this page is out of date). How to register each kind: `docs/p
 """
 
 
-def _doc(node: ast.AST) -> str:
-    text = ast.get_docstring(node, clean=True) or ""
-    return "\n".join(f"  {line}" if line else "" for line in text.splitlines())
+def _indented(text: str) -> str:
+    """A docstring as a member's indented paragraph under its list item."""
+    return "\n".join(f"  {line}" if line else "" for line in inspect.cleandoc(text).splitlines())
 
 
 def _members(cls: ast.ClassDef) -> list[str]:
@@ -44,22 +45,16 @@ def _members(cls: ast.ClassDef) -> list[str]:
             entry = f"- `{node.target.id}: {ast.unparse(node.annotation)}`"
             if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) \
                     and isinstance(following.value.value, str):
-                entry += "\n" + _text(following.value.value)
+                entry += "\n" + _indented(following.value.value)
             lines.append(entry)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
             is_property = any(isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list)
             returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
             signature = f"{node.name}{returns}" if is_property else f"{node.name}({ast.unparse(node.args)}){returns}"
             entry = f"- `{signature}`"
-            doc = _doc(node)
-            lines.append(entry + ("\n" + doc if doc else ""))
+            doc = ast.get_docstring(node, clean=True)
+            lines.append(entry + ("\n" + _indented(doc) if doc else ""))
     return lines
-
-
-def _text(value: str) -> str:
-    import inspect
-
-    return "\n".join(f"  {line}" if line else "" for line in inspect.cleandoc(value).splitlines())
 
 
 def render() -> str:

@@ -291,7 +291,8 @@ def tile_dtype() -> torch.dtype:
     if quant_activations()[0] == "float":
         return torch.float32
     if mode == "float32" or (mode == "auto" and not bfloat16_gemm_is_fast()):
-        why = f"{QUANT_TILES_ENV}=float32" if mode == "float32" else "no AMX-BF16 for torch's bfloat16 GEMM"
+        why = (f"{QUANT_TILES_ENV}=float32" if mode == "float32" else
+               f"{amx_library.ENV}=0" if not amx_library.enabled() else "no AMX-BF16 for torch's bfloat16 GEMM")
         _log_once(logging.INFO, f"quantized linears: tiles dequantized to float32 for torch's float32 GEMM ({why})")
         return torch.float32
     why = f"{QUANT_TILES_ENV}=bfloat16" if mode == "bfloat16" else "AMX-BF16"
