@@ -282,15 +282,15 @@ class Registry:
                  and launcher in spec.launchers and self.usable(spec)[0]]
         return max(named, key=lambda spec: spec.priority, default=None)
 
-    def gguf_converter(self, architecture: str) -> Callable:
-        """The converter of the model plugin that reads GGUF files of ``general.architecture`` ``architecture``."""
+    def converter(self, format_name: str, architecture: str) -> Callable:
+        """The function of the model plugin that reads ``format_name`` checkpoints of ``architecture``."""
         models = [spec for spec in self.specs("model") if isinstance(spec, ModelSpec)]
-        specs = [spec for spec in models if architecture in spec.gguf_architectures]
-        if not specs:
-            known = sorted({arch for spec in models for arch in spec.gguf_architectures})
-            raise UnknownPluginError(f"GGUF architecture {architecture!r} is not supported "
-                                     f"(supported: {', '.join(known) or '(none)'})")
-        return self._import(specs[0], specs[0].gguf_converter or "", "gguf_converter")
+        owners = [spec for spec in models if architecture in spec.converters.get(format_name, {})]
+        if not owners:
+            known = sorted({arch for spec in models for arch in spec.converters.get(format_name, {})})
+            raise UnknownPluginError(f"{format_name} architecture {architecture!r} is not supported by any model "
+                                     f"plugin (supported: {', '.join(known) or '(none)'})")
+        return self._import(owners[0], owners[0].converters[format_name][architecture], "converter")
 
     def _add(self, plugin: object, info: PluginInfo) -> None:
         self._plugins.append(info)

@@ -7,10 +7,11 @@ subclass (``ModelSpec`` from ``pluginfer_models``, ``QuantSpec`` from ``pluginfe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-PLUGIN_API_VERSION = 4
+PLUGIN_API_VERSION = 5
 """Bump when a protocol or a spec changes incompatibly; a spec lists the versions it was written for."""
 
 
@@ -61,24 +62,32 @@ class PluginSpec:
         return (self.name, *self.aliases, *self.exact_names)
 
 
-_REFERENCES = frozenset({"factory", "check", "details", "claims", "gguf_converter"})
+_REFERENCES = frozenset({"factory", "check", "details", "claims"})
 
 
 @dataclass(frozen=True)
 class ModelSpec(PluginSpec):
-    """A model pipeline. ``architectures``: HF ``config.json`` architecture names (exact case). A GGUF file
-    whose ``general.architecture`` is in ``gguf_architectures`` is read through ``gguf_converter(checkpoint:
-    GGUFCheckpoint) -> GGUFModel`` (``pluginfer.formats.gguf.checkpoint``): its HF config and tensor names."""
+    """A model pipeline. ``architectures``: HF ``config.json`` architecture names (exact case).
+
+    ``converters``: for each checkpoint format, the format's own architecture names this plugin reads and
+    the ``"module:attr"`` function that reads them, e.g. ``{"gguf": {"gemma3": "my_plugin.gguf:convert"}}``.
+    What that function is given and returns is the format plugin's contract (docs/plugins.md).
+    """
 
     kind: ClassVar[str] = "model"
     architectures: tuple[str, ...] = ()
-    gguf_architectures: tuple[str, ...] = ()
-    gguf_converter: str | None = None
+    converters: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if bool(self.gguf_architectures) != (self.gguf_converter is not None):
-            raise ValueError("ModelSpec.gguf_architectures and gguf_converter go together")
+        for format_name, table in self.converters.items():
+            for architecture, ref in table.items():
+                if not isinstance(ref, str) or ":" not in ref:
+                    raise ValueError(f"ModelSpec.converters[{format_name!r}][{architecture!r}] must be "
+                                     f"'module:attr', got {ref!r}")
+
+    def __hash__(self) -> int:  # converters is a dict; a spec is identified by its kind and name
+        return hash((self.kind, self.name))
 
     @property
     def exact_names(self) -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """GGUF files of the llama family (llama, mistral; qwen2, qwen3): their metadata as the ``config.json`` the
 llama and qwen pipelines accept, their tensor names as Hugging Face's (gguf-py's own name map, inverted),
-llama's q/k rows put back in Hugging Face order. The model plugin's ``gguf_converter``
+llama's q/k rows put back in Hugging Face order. The model plugin's ``converters["gguf"]``
 (``pluginfer.formats.gguf.checkpoint`` reads the file); ``pluginfer convert`` writes what this reads.
 """
 
@@ -31,7 +31,7 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 
 def convert(checkpoint: GGUFCheckpoint) -> GGUFModel:
-    """The model in a llama/qwen2/qwen3 GGUF file (the llama and qwen specs' ``gguf_converter``)."""
+    """The model in a llama/qwen2/qwen3 GGUF file (the llama and qwen specs' ``converters["gguf"]``)."""
     config = hf_config(checkpoint)
     fix = None
     if checkpoint.arch == "llama":

@@ -349,13 +349,16 @@ def test_listing_shows_hooks_descriptions_and_details(site: Path) -> None:
         BackendSpec(name="x", factory="m:f", details="nocolon")
 
 
-def test_gguf_architectures_resolve_to_the_model_plugins_converter(site: Path) -> None:
+def test_format_architectures_resolve_to_the_model_plugins_converter(site: Path) -> None:
     make_dist(site, "fake-gguf", modules={"fakeplug_gguf": "def convert(checkpoint):\n    return 'converted'\n"})
-    spec = model("fakemamba", gguf_architectures=("mamba",), gguf_converter="fakeplug_gguf:convert")
+    spec = model("fakemamba", converters={"gguf": {"mamba": "fakeplug_gguf:convert"}})
     registry = Registry()
     registry.register(plugin_with(spec), name="mamba")
-    assert registry.gguf_converter("mamba")(None) == "converted"
-    with pytest.raises(UnknownPluginError, match=r"GGUF architecture 'rwkv' is not supported \(supported: mamba\)"):
-        registry.gguf_converter("rwkv")
-    with pytest.raises(ValueError, match="go together"):
-        model("half", gguf_architectures=("llama",))
+    assert registry.converter("gguf", "mamba")(None) == "converted"
+    with pytest.raises(UnknownPluginError, match=r"gguf architecture 'rwkv' is not supported by any model plugin "
+                                                 r"\(supported: mamba\)"):
+        registry.converter("gguf", "rwkv")
+    with pytest.raises(UnknownPluginError, match=r"\(supported: \(none\)\)"):
+        registry.converter("onnx", "mamba")
+    with pytest.raises(ValueError, match=r"converters\['gguf'\]\['llama'\] must be 'module:attr'"):
+        model("half", converters={"gguf": {"llama": "nocolon"}})

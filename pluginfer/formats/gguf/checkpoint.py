@@ -1,7 +1,7 @@
 """Read a ``.gguf`` file (llama.cpp's format) as a checkpoint: an HF-style config and named weights.
 
 What an architecture's metadata and tensors mean is the model plugin's: the spec whose
-``gguf_architectures`` holds the file's ``general.architecture`` names a ``gguf_converter`` that turns
+``converters["gguf"]`` holds the file's ``general.architecture`` names the function that turns
 this checkpoint into a ``GGUFModel`` (the ``config.json`` its pipeline accepts, the HF modules whose
 GGUF names gguf-py's name map gives, and any fix-up of tensors). Quantized tensors stay in their raw
 GGML blocks (``GGMLTensor``, memory-mapped from the file) for the ``gguf`` quant method, the embedding
@@ -62,7 +62,7 @@ class GGMLTensor:
 
 @dataclass
 class GGUFModel:
-    """What a model plugin's ``gguf_converter`` makes of a GGUF file.
+    """What a model plugin's ``converters["gguf"]`` function makes of a GGUF file.
 
     ``hf_config``: the ``config.json`` of the same model; ``hf_modules``: HF module names (``{bid}`` for
     the block index) whose GGUF names gguf-py's name map gives; ``ignored_tensors``: GGUF tensors read
@@ -93,7 +93,7 @@ class GGUFCheckpoint:
             raise ValueError(f"{self.path} is not a readable GGUF file: {type(exc).__name__}: {exc}") from None
         self.arch = str(self.field("general.architecture", ""))
         try:
-            self._converter = (registry or get_registry()).gguf_converter(self.arch)
+            self._converter = (registry or get_registry()).converter("gguf", self.arch)
         except UnknownPluginError as exc:
             raise ValueError(f"{self.path}: {exc}") from None
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
