@@ -11,4 +11,5 @@ DEFAULT_PLUGINS = {
     "builtin-collectives": "pluginfer.collectives.plugin",
     "builtin-parsers": "pluginfer.server.plugin",
     "builtin-formats": "pluginfer.formats.plugin",
+    "builtin-proposers": "pluginfer.speculative.plugin",
 }

@@ -20,16 +20,36 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     from pluginfer.core.options import add_arguments
 
     parser.add_argument("--config", help="deployment file (YAML or JSON); flags override it")
+    parser.add_argument("--speculative-config", type=_json_object, metavar="JSON",
+                        help='speculative decoding as vLLM takes it, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\'; the speculative flags override its keys')
     add_arguments(parser)
+
+
+def engine_overrides(args: argparse.Namespace) -> dict:
+    """The dotted fields the flags set, ``--speculative-config`` under the flags of its section."""
+    from pluginfer.core.options import overrides
+
+    flags = overrides(args)
+    return {"speculative_config": args.speculative_config, **flags} if args.speculative_config else flags
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """--config, then the flags given on top; ``--model demo`` becomes the built demo checkpoint."""
     from pluginfer.core.config import build_config
-    from pluginfer.core.options import overrides
     from pluginfer.demo.model import with_demo_model
 
-    return with_demo_model(build_config(args.config, **overrides(args)))
+    return with_demo_model(build_config(args.config, **engine_overrides(args)))
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _plugins(args: argparse.Namespace) -> int:

@@ -325,9 +325,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_throughput(args: argparse.Namespace) -> int:
     from pluginfer import LLM, SamplingParams
-    from pluginfer.core.options import overrides
+    from pluginfer.cli import engine_overrides
 
-    llm = LLM(args.model, args.config, **{k: v for k, v in overrides(args).items() if k != "model"})
+    llm = LLM(args.model, args.config, **{k: v for k, v in engine_overrides(args).items() if k != "model"})
     pool = token_pool(llm.engine.executor.vocab_size, llm.get_tokenizer())
     rng = random.Random(args.seed or 0)
     prompts = random_prompts(pool, args.input_len, args.num_prompts, rng)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 # How long an idle OpenMP thread of the engine core process spins before it sleeps unless the config
 # says (``server.core_spin_count``): libgomp's own default, as the offline engine runs.
@@ -135,6 +135,23 @@ class SamplingDefaults(_Section):
         return self.model_copy(update=filled)
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding: a proposer drafts tokens, one model pass checks them all (docs/speculative.md)."""
+
+    method: str = Field("ngram", description="Proposer plugin (`pluginfer plugins`): ngram looks the last tokens "
+                        "up in the prompt and output and drafts what followed them.")
+    num_speculative_tokens: int = Field(..., ge=1, le=32, description="Draft tokens per step and sequence.")
+    prompt_lookup_max: int = Field(4, ge=1, le=64, description="ngram: the longest suffix looked up.")
+    prompt_lookup_min: int = Field(2, ge=1, le=64, description="ngram: the shortest suffix looked up.")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+
 class TestingConfig(_Section):
     fail_step_on_token_id: int | None = Field(
         None, ge=0, description="Fault injection for tests: a step that computes this token id raises, which fails "
@@ -186,6 +203,7 @@ class EngineConfig(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    speculative_config: SpeculativeConfig | None = Field(None, description="Speculative decoding; off when unset.")
     testing: TestingConfig = Field(default_factory=TestingConfig)
 
 

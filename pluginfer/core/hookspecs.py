@@ -20,6 +20,7 @@ from pluginfer.core.specs import (
     EndpointSpec,
     ModelSpec,
     PluginSpec,
+    ProposerSpec,
     QuantSpec,
     ReasoningParserSpec,
     RequestProcessorSpec,
@@ -77,6 +78,11 @@ def pluginfer_checkpoint_formats() -> list[CheckpointFormatSpec]:
     """Checkpoint formats: factory(path: Path) -> Checkpoint (``pluginfer.core.checkpoint``)."""
 
 
+@hookspec
+def pluginfer_proposers() -> list[ProposerSpec]:
+    """Speculative proposers: factory(config: SpeculativeConfig, engine: EngineConfig) -> Proposer."""
+
+
 HOOKS_BY_KIND = {
     "model": "pluginfer_models",
     "quant": "pluginfer_quant_methods",
@@ -87,10 +93,11 @@ HOOKS_BY_KIND = {
     "endpoint": "pluginfer_endpoints",
     "request_processor": "pluginfer_request_processors",
     "checkpoint_format": "pluginfer_checkpoint_formats",
+    "proposer": "pluginfer_proposers",
 }
 
 __all__ = [
     "HOOKS_BY_KIND", "KINDS", "PLUGIN_API_VERSION", "PROJECT_NAME", "SPEC_CLASSES", "BackendSpec",
-    "CheckpointFormatSpec", "CollectiveSpec", "EndpointSpec", "ModelSpec", "PluginSpec", "QuantSpec",
+    "CheckpointFormatSpec", "CollectiveSpec", "EndpointSpec", "ModelSpec", "PluginSpec", "ProposerSpec", "QuantSpec",
     "ReasoningParserSpec", "RequestProcessorSpec", "ToolParserSpec", "hookimpl", "hookspec",
 ]

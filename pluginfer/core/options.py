@@ -25,11 +25,12 @@ FLAG_NAMES = {
     "server.api_keys": "--api-key",  # one key per flag, repeatable
     "server.endpoints": "--endpoint",
     "server.request_processors": "--request-processor",
+    "speculative_config.method": "--speculative-method",
 }
 # Sections whose flags take a prefix: sampling defaults would clash with a request's --temperature.
 FLAG_PREFIXES = {"sampling": "default-"}
 # Sections every engine command takes; ``serve`` adds ``server``.
-ENGINE_SECTIONS = ("", "parallel", "cache", "scheduler", "sampling", "testing")
+ENGINE_SECTIONS = ("", "parallel", "cache", "scheduler", "sampling", "speculative_config", "testing")
 # The --help group of each section's flags; a section not here (testing: fault injection) is left out of --help.
 SECTION_TITLES = {
     "": "model and engine",
@@ -37,6 +38,7 @@ SECTION_TITLES = {
     "cache": "KV cache (config section cache:)",
     "scheduler": "scheduler (config section scheduler:)",
     "sampling": "request defaults (config section sampling:; what a request that sets none gets)",
+    "speculative_config": "speculative decoding (config section speculative_config:)",
     "server": "server (config section server:)",
 }
 

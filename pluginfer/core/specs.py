@@ -161,9 +161,17 @@ class CheckpointFormatSpec(PluginSpec):
             raise ValueError(f"CheckpointFormatSpec.claims must be 'module:attr', got {self.claims!r}")
 
 
+@dataclass(frozen=True)
+class ProposerSpec(PluginSpec):
+    """A speculative-decoding proposer, chosen by ``speculative_config.method``."""
+
+    kind: ClassVar[str] = "proposer"
+
+
 SPEC_CLASSES: dict[str, type[PluginSpec]] = {
     cls.kind: cls for cls in (ModelSpec, QuantSpec, BackendSpec, CollectiveSpec, ToolParserSpec,
-                              ReasoningParserSpec, EndpointSpec, RequestProcessorSpec, CheckpointFormatSpec)
+                              ReasoningParserSpec, EndpointSpec, RequestProcessorSpec, CheckpointFormatSpec,
+                              ProposerSpec)
 }
 KINDS = tuple(SPEC_CLASSES)
 CLAIMING_KINDS = ("quant", "checkpoint_format")

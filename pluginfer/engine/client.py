@@ -55,6 +55,9 @@ class EngineStats:
     num_preemptions: int = 0  # since the engine started
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since the start
     prefix_cache_hits: int = 0  # of those, tokens found there
+    spec_drafts: int = 0  # speculative decoding: decodes given draft tokens since the start
+    spec_draft_tokens: int = 0  # the draft tokens they were given
+    spec_accepted_tokens: int = 0  # of those, the ones the model agreed with
 
 
 # What the server calls; tests/engine/test_client.py checks both implementations have each one.

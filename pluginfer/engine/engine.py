@@ -14,7 +14,7 @@ import torch
 from pluginfer.core.config import EngineConfig
 from pluginfer.engine.client import EngineStats, ModelInfo
 from pluginfer.engine.detokenizer import IncrementalDetokenizer
-from pluginfer.engine.executor import Executor
+from pluginfer.engine.executor import ExecutedStep, Executor
 from pluginfer.engine.generation_config import sampling_defaults
 from pluginfer.engine.kv_cache import BlockManager
 from pluginfer.engine.launch import serve_if_worker
@@ -85,7 +85,8 @@ class LLMEngine:
         self.max_model_len = self.executor.max_model_len
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   *speculation(config), vocab_size=self.executor.vocab_size)
         self.sampler = Sampler(self.executor.vocab_size, self.eos_token_ids, seed=config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.executor.vocab_size, self.eos_token_ids)
         self.pooler = read_pooler_config(self.executor.model_path, self.executor.hf_config)
@@ -95,6 +96,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.step_count = 0
+        self.num_accepted_tokens = 0  # draft tokens the model agreed with, since the start
         self._fail_on_token = config.testing.fail_step_on_token_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
@@ -183,7 +185,9 @@ class LLMEngine:
                            kv_cache_usage=manager.usage, num_free_blocks=manager.num_free_blocks,
                            num_blocks=manager.num_blocks, num_preemptions=scheduler.num_preemptions,
                            prefix_cache_queries=manager.prefix_cache_queries,
-                           prefix_cache_hits=manager.prefix_cache_hits)
+                           prefix_cache_hits=manager.prefix_cache_hits, spec_drafts=scheduler.num_drafts,
+                           spec_draft_tokens=scheduler.num_draft_tokens,
+                           spec_accepted_tokens=self.num_accepted_tokens)
 
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """One engine step; returns the outputs of the requests that progressed or finished
@@ -238,12 +242,45 @@ class LLMEngine:
                 seq.finish(FinishReason.STOP)
                 touched[seq.request_id] = self._requests[seq.request_id]
         seqs = executed.sample_seqs
-        if seqs:
+        if executed.drafts:
+            self._verify(executed, scheduled, touched)
+        elif seqs:
             sampled = self.sampler(executed.logits, seqs, same_seqs=executed.same_seqs)
             for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
                 request = self._requests[seq.request_id]
                 touched[seq.request_id] = request
                 self._append(request, seq, token_id, logprobs)
+
+    def _verify(self, executed: ExecutedStep, scheduled: SchedulerOutput, touched: dict[str, _Request]) -> None:
+        """Sample each sequence's tokens position by position, as decoding one at a time would, while they
+        equal its drafts: position ``j``'s logits are exact once the drafts before it were accepted. A
+        sequence's last token (its mismatch, or the one after all its drafts) is always kept. Each kept
+        token is sampled once, from the model's distribution, with the sequence's own generator: the output
+        is the one without speculation (Leviathan et al.'s rejection sampling, for a proposer whose draft
+        distribution puts all its mass on one token)."""
+        rows = {row.seq.seq_id: row for row in scheduled.scheduled if row.draft_token_ids}
+        seqs, logits, drafts = executed.sample_seqs, executed.logits, executed.drafts
+        active, position = list(range(len(seqs))), 0
+        while active:
+            picked = []
+            for i in active:
+                row = rows.get(seqs[i].seq_id)
+                checks = row is not None and position < len(row.draft_token_ids)
+                picked.append(drafts[seqs[i].seq_id][position] if checks else logits[i])
+            sampled = self.sampler(torch.stack(picked), [seqs[i] for i in active])
+            still = []
+            for i, token_id, logprobs in zip(active, sampled.token_ids, sampled.logprobs):
+                seq = seqs[i]
+                request = self._requests[seq.request_id]
+                touched[seq.request_id] = request
+                self._append(request, seq, token_id, logprobs)
+                row = rows.get(seq.seq_id)
+                if row is not None and position < len(row.draft_token_ids) and \
+                        token_id == row.draft_token_ids[position] and not seq.is_finished:
+                    row.num_accepted += 1
+                    still.append(i)
+            active, position = still, position + 1
+        self.num_accepted_tokens += sum(row.num_accepted for row in rows.values())
 
     def _fail_step(self, scheduled: SchedulerOutput, exc: Exception, touched: dict[str, _Request]) -> None:
         """A step raised: fail the requests it ran (their blocks are freed), log it once, and go on."""
@@ -310,6 +347,17 @@ class LLMEngine:
         """Abort what is left and stop the other ranks (idempotent; also run at interpreter exit)."""
         self.abort_all()
         self.executor.shutdown()
+
+
+def speculation(config: EngineConfig) -> tuple[Any, int]:
+    """(the proposer, draft tokens per step) of ``speculative_config``; (None, 0) when it is unset."""
+    spec = config.speculative_config
+    if spec is None:
+        return None, 0
+    from pluginfer.core.registry import get_registry
+
+    build = get_registry().load("proposer", spec.method)
+    return build(spec, config), spec.num_speculative_tokens
 
 
 def record_prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,7 @@ class ExecutedStep:
     prompt_logits: list[tuple]
     pooled: list[tuple]
     same_seqs: bool  # the last step's sampling sequences again, in order (a repeated decode step)
+    drafts: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> logits of its last token and drafts
 
 
 @dataclass
@@ -200,12 +201,16 @@ class Executor:
         for seq, first, count in plan.prompt_logprob_rows:
             prompt_logits.append((seq, first, logits[offset:offset + count]))
             offset += count
+        drafts = {}
+        for seq, count in plan.draft_rows:
+            drafts[seq.seq_id] = logits[offset:offset + count]
+            offset += count
         # (counted, not read off the tensor: a tensor's shape read right after the replay costs ~5 us in the loop)
-        if offset != row:  # rows past the sampled ones: prompt logprobs
+        if offset != row:  # rows past the sampled ones: prompt logprobs, draft checks
             logits = logits[:row]
         if len(rows) != row:  # n > 1: children sample from their parent's row
             logits = logits[torch.tensor(rows, dtype=torch.long)]
-        return ExecutedStep(logits, seqs, prompt_logits, pooled, plan.repeated)
+        return ExecutedStep(logits, seqs, prompt_logits, pooled, plan.repeated, drafts)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the other ranks and leave the collective (idempotent)."""

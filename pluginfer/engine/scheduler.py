@@ -8,12 +8,16 @@ waiting sequences are admitted in arrival order until blocks or budget run out.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from pluginfer.core.config import SchedulerConfig
+from pluginfer.core.speculative import DraftRequest, Proposer
 from pluginfer.engine.kv_cache import BlockManager
 from pluginfer.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,6 +29,10 @@ class ScheduledSequence:
     # Sequences that get a token sampled from this row's logits: [] for a chunk that does
     # not reach the end; [parent, child, ...] when an n > 1 request finishes its prompt.
     sample_for: list[Sequence]
+    # A decode's speculative tokens, computed after its last token (num_new_tokens = 1 + len), and how many
+    # of them the model agreed with (set by the engine once it has sampled).
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_accepted: int = 0
 
 
 @dataclass
@@ -69,7 +77,8 @@ class _Step:
 class Scheduler:
     """Decides each step's batch; owns the waiting queue and the running list."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0, vocab_size: int = 0) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -85,6 +94,8 @@ class Scheduler:
         # The last step's rows when every running sequence ran a decode; None once the running set changed.
         self._decodes: list[ScheduledSequence] | None = None
         self._step_id = 0
+        self.proposer, self.num_speculative_tokens, self.vocab_size = proposer, num_speculative_tokens, vocab_size
+        self.num_drafts = self.num_draft_tokens = 0  # since start: decodes given drafts, and their draft tokens
 
     # -- requests --------------------------------------------------------------------------
 
@@ -121,6 +132,8 @@ class Scheduler:
             self.block_manager.free(seq)
             seq.finish(reason, error)
         ids = {seq.seq_id for seq in aborted}
+        if self.proposer is not None and ids:
+            self.proposer.forget(list(ids))
         self.running = [seq for seq in self.running if seq.seq_id not in ids]
         self._decodes = None
         self._finished.extend(aborted)
@@ -151,6 +164,8 @@ class Scheduler:
         self._finished.extend(output.rejected)
         step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs, output)
         unfinished_prefills = self._schedule_decodes(step)
+        if self.proposer is not None and output.scheduled:
+            self._draft(step)
         self._schedule_running_prefills(step, unfinished_prefills)
         if not output.preempted:  # admitting now would only take back what was just freed
             self._admit_waiting(step)
@@ -158,7 +173,8 @@ class Scheduler:
         if not output.scheduled:  # no forward runs this step: keep the copies for the next one
             self._block_copies, output.block_copies = output.block_copies, []
         every_decode = output.scheduled and not step.prefills and len(output.scheduled) == len(self.running)
-        self._decodes = output.scheduled if every_decode and not output.preempted else None
+        steady = every_decode and not output.preempted and self.proposer is None  # drafts change every step
+        self._decodes = output.scheduled if steady else None
         return output
 
     def _steady_decodes(self) -> SchedulerOutput | None:
@@ -185,7 +201,8 @@ class Scheduler:
             seq = row.seq
             if seq.finish_reason in (FinishReason.ABORT, FinishReason.FAILED):
                 continue  # abort() already freed it
-            seq.num_computed_tokens += row.num_new_tokens
+            # a draft the model disagreed with leaves its KV in slots the next tokens write over
+            seq.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids) + row.num_accepted
             self.block_manager.commit_full_blocks(seq)
             if len(row.sample_for) > 1:
                 self._fork_children(seq, row.sample_for[1:])
@@ -224,6 +241,49 @@ class Scheduler:
                 break  # seq itself was the newest and has been preempted
             index += 1
         return unfinished_prefills
+
+    def _draft(self, step: _Step) -> None:
+        """Ask the proposer for draft tokens of this step's decodes, each cut to what its output, the context,
+        the step's budget and the free blocks leave room for (speculation never preempts)."""
+        manager, rows, requests = self.block_manager, [], []
+        for row in step.output.scheduled:
+            seq = row.seq
+            left = seq.params.max_tokens
+            room = min(self.num_speculative_tokens, self.max_model_len - len(seq),
+                       self.num_speculative_tokens if left is None else left - len(seq.output_token_ids) - 1)
+            if room > 0:
+                rows.append(row)
+                requests.append(DraftRequest(seq.seq_id, seq.token_ids, room))
+        if not requests:
+            return
+        name = type(self.proposer).__name__
+        try:  # drafts only save model passes: a proposer that fails costs its speedup, never a request
+            proposals = self.proposer.propose(requests)
+            if len(proposals) != len(requests):
+                raise ValueError(f"{len(proposals)} drafts for {len(requests)} sequences")
+        except Exception as exc:
+            logger.error("speculative proposer %s failed, this step decodes without drafts: %s: %s",
+                         name, type(exc).__name__, exc)
+            return
+        for row, request, draft in zip(rows, requests, proposals):
+            try:
+                draft = [int(token) for token in draft[:min(request.max_tokens, step.budget)]]
+            except (TypeError, ValueError):
+                draft = [-1]
+            if any(not 0 <= token < self.vocab_size for token in draft):
+                logger.error("speculative proposer %s drafted something other than token ids below the "
+                             "vocabulary size %d; dropped", name, self.vocab_size)
+                continue
+            free = manager.num_free_blocks - step.reserved_blocks
+            while draft and manager.num_blocks_needed(row.seq, 1 + len(draft)) > free:
+                draft.pop()
+            if draft:
+                manager.ensure_slots(row.seq, 1 + len(draft))
+                row.num_new_tokens += len(draft)
+                row.draft_token_ids = draft
+                step.budget -= len(draft)
+                self.num_drafts += 1
+                self.num_draft_tokens += len(draft)
 
     def _schedule_running_prefills(self, step: _Step, seqs: list[Sequence]) -> None:
         """Continue prefills that chunking cut short, oldest first."""
@@ -314,6 +374,8 @@ class Scheduler:
         self.running.pop()
         self.block_manager.free(seq)
         seq.reset_for_recompute()
+        if self.proposer is not None:
+            self.proposer.forget([seq.seq_id])
         self.waiting.appendleft(seq)
         self._num_waiting += 1
         step.output.preempted.append(seq)
@@ -339,6 +401,8 @@ class Scheduler:
     def _retire(self, seq: Sequence) -> None:
         """Free a finished sequence and report it at the next update()."""
         self.block_manager.free(seq)
+        if self.proposer is not None:
+            self.proposer.forget([seq.seq_id])
         self._finished.append(seq)
         seqs = self._requests.get(seq.request_id)
         if seqs is not None and all(other.is_finished for other in seqs):

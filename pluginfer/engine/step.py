@@ -49,7 +49,7 @@ class StepData:
     reset: bool = False  # the workers drop every row they hold first (the driver lost track of them)
     sampled_rows: list[int] | None = None  # rows whose last token's logits are sampled; None: every row
     # (flat token row, count) of extra rows whose outputs come back after the sampled ones: prompt logprobs,
-    # then the pooled rows (embeddings), the last ``num_hidden_rows`` of them, whose final hidden states come
+    # then speculative decoding's checks of draft tokens, then the pooled rows (embeddings), the last ``num_hidden_rows`` of them, whose final hidden states come
     # back instead of logits.
     extra_rows: list[tuple[int, int]] = field(default_factory=list)
     num_hidden_rows: int = 0
@@ -88,6 +88,7 @@ class StepPlan:
     num_sampled_rows: int  # logits rows that are sampled; the prompt logprob rows follow them
     prompt_logprob_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, first position, rows)
     pooling_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, first position, rows)
+    draft_rows: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, its draft tokens' logits rows)
     repeated: bool = False  # the last step's rows again: the same sequences sample, in the same order
 
 
@@ -145,9 +146,10 @@ class StepDataBuilder:
         decode = all(n == 1 for n in lens)
         if decode:
             token_ids = [row.seq.last_token_id for row in scheduled]
-        else:
+        else:  # a decode's drafts follow its last token
             token_ids = [token for row, start, n in zip(scheduled, starts, lens)
-                         for token in row.seq.token_slice(start, start + n)]
+                         for token in row.seq.token_slice(start, start + n - len(row.draft_token_ids))
+                         + row.draft_token_ids]
         sample_rows, sample_seqs, sampled = [], [], []
         for index, row in enumerate(scheduled):
             if row.sample_for:
@@ -157,17 +159,22 @@ class StepDataBuilder:
         row_starts = [0, *accumulate(lens)]
         prompt_rows = _prompt_logprob_rows(scheduled, starts, lens, row_starts)
         pooling_rows = _pooling_rows(scheduled, starts, lens, row_starts)
+        # the logits of a decode's last token and its drafts but the last: each checks the draft after it
+        draft_rows = [(row.seq, row_starts[index], len(row.draft_token_ids))
+                      for index, row in enumerate(scheduled) if row.draft_token_ids]
         same_rows = not new_rows and not removed and not self._reset and seq_ids == self._order
         data = StepData(token_ids=token_ids, num_computed_tokens=starts, block_size=self.block_size,
                         num_new_tokens=None if decode else lens, seq_ids=seq_ids, new_rows=new_rows,
                         new_block_ids=new_blocks, removed_ids=removed, same_rows=same_rows, reset=self._reset,
                         sampled_rows=None if len(sampled) == len(scheduled) else sampled,
-                        extra_rows=[(r, n) for _, _, r, n in prompt_rows] + [(r, n) for _, _, r, n in pooling_rows],
+                        extra_rows=[(r, n) for _, _, r, n in prompt_rows] + [(r, n) for _, r, n in draft_rows]
+                        + [(r, n) for _, _, r, n in pooling_rows],
                         num_hidden_rows=sum(n for _, _, _, n in pooling_rows), block_copies=list(output.block_copies))
         self._held, self._order, self._reset = held, seq_ids, False
         return StepPlan(data, sample_rows, sample_seqs, len(sampled),
                         [(seq, first, n) for seq, first, _, n in prompt_rows],
-                        [(seq, first, n) for seq, first, _, n in pooling_rows])
+                        [(seq, first, n) for seq, first, _, n in pooling_rows],
+                        [(seq, n) for seq, _, n in draft_rows])
 
 
 def _pooling_rows(scheduled: list[ScheduledSequence], starts: list[int], lens: list[int],

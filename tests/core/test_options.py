@@ -17,7 +17,9 @@ def value_at(config: EngineConfig, dotted: str) -> object:
 
 
 def default_of(dotted: str) -> object:
-    return value_at(build_config(model="m"), dotted)
+    # speculative_config is unset by default; its fields' defaults are those of a section that names its one required field
+    section = {"speculative_config.num_speculative_tokens": 1} if dotted.startswith("speculative_config.") else {}
+    return value_at(build_config(model="m", **section), dotted)
 
 
 def flag_words(option) -> tuple[list[str], object]:

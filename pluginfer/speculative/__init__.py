@@ -1,0 +1,1 @@
+"""Speculative proposers shipped with pluginfer (the ``proposer`` plugin kind)."""

@@ -1,0 +1,9 @@
+"""Registers the built-in speculative proposers (cheap: a proposer's module loads only when selected)."""
+
+from pluginfer.core.hookspecs import ProposerSpec, hookimpl
+
+
+@hookimpl
+def pluginfer_proposers() -> list[ProposerSpec]:
+    return [ProposerSpec(name="ngram", aliases=("prompt_lookup",), factory="pluginfer.speculative.ngram:build",
+                         description="prompt lookup: drafts what followed the last tokens where they appeared before")]
