@@ -186,6 +186,7 @@ def test_serve_help_groups_the_flags_by_config_section_and_hides_the_test_only_o
     titles = {"": "model and engine", "parallel": "parallel (config section parallel:)",
               "cache": "KV cache (config section cache:)", "scheduler": "scheduler (config section scheduler:)",
               "sampling": "request defaults (config section sampling:; what a request that sets none gets)",
+              "speculative_config": "speculative decoding (config section speculative_config:)",
               "server": "server (config section server:)"}
     for option in options():
         if option.section == "testing":  # fault injection: accepted, not shown

@@ -268,6 +268,7 @@ def print_serve_summary(summary: dict) -> None:
         ("Request throughput (req/s)", summary["request_throughput"]),
         ("Input token throughput (tok/s)", summary["input_token_throughput"]),
         ("Output token throughput (tok/s)", summary["output_token_throughput"]),
+        *_speculation_rows(summary),
     ]
     for key, name in [("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("tpot_ms", "TPOT"), ("e2e_latency_ms", "E2E latency")]:
         rows.append((f"--{name}", None))
@@ -301,11 +302,13 @@ def run_serve(args: argparse.Namespace) -> int:
     load = f"concurrency {args.concurrency}" if args.concurrency else f"{args.request_rate:g} requests/s"
     print(f"pluginfer bench serve: {root}, model {model}, {args.num_prompts} requests, {load}, "
           f"input {args.input_len} tokens, output {args.output_len} tokens", flush=True)
+    before = spec_counters(root, args.api_key)
     results, duration = asyncio.run(run_load(
         f"{root}/v1/completions", payloads, auth_headers(args.api_key), args.timeout,
         concurrency=args.concurrency, request_rate=args.request_rate, rng=rng,
         on_done=Progress(len(payloads), sys.stderr)))
     summary = summarize(results, duration)
+    summary.update(speculation_summary(before, spec_counters(root, args.api_key)))
     if results and not summary["successful_requests"]:  # the reason first, not under a table of dashes
         reason, _ = next(iter(summary["errors"].items()))
         print(f"pluginfer: all {len(results)} requests failed: {reason}", file=sys.stderr)
@@ -318,6 +321,41 @@ def run_serve(args: argparse.Namespace) -> int:
             json.dump({**setup, **summary, "requests": requests}, out, indent=2)
     print_serve_summary(summary)
     return 1 if summary["failed_requests"] else 0
+
+
+SPEC_COUNTERS = ("pluginfer_spec_decode_num_drafts_total", "pluginfer_spec_decode_num_draft_tokens_total",
+                 "pluginfer_spec_decode_num_accepted_tokens_total")
+
+
+def spec_counters(root: str, api_key: str | None) -> tuple[float, ...] | None:
+    """The server's speculative-decoding counters from /metrics (drafts, draft tokens, accepted), or None."""
+    import urllib.request
+
+    from pluginfer.cli.openai_client import auth_headers
+
+    try:
+        request = urllib.request.Request(f"{root}/metrics", headers=auth_headers(api_key))
+        with urllib.request.urlopen(request, timeout=10) as response:
+            text = response.read().decode()
+    except Exception:  # noqa: BLE001 - a server without /metrics still gets its load figures
+        return None
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(SPEC_COUNTERS))
+    return tuple(float(values[name]) for name in SPEC_COUNTERS) if len(values) == 3 else None
+
+
+def speculation_summary(before: tuple | None, after: tuple | None) -> dict:
+    """Acceptance rate and mean accepted length over the run, when drafts were made in it."""
+    if before is None or after is None or after[0] == before[0]:
+        return {}
+    drafts, tokens, accepted = (a - b for a, b in zip(after, before))
+    return {"spec_acceptance_rate": accepted / tokens, "spec_mean_accepted_length": 1 + accepted / drafts}
+
+
+def _speculation_rows(summary: dict) -> list[tuple[str, object]]:
+    if "spec_acceptance_rate" not in summary:
+        return []
+    return [("Draft acceptance rate", summary["spec_acceptance_rate"]),
+            ("Mean accepted length (tokens/step)", summary["spec_mean_accepted_length"])]
 
 
 # ---------------------------------------------------------------- throughput (offline)
@@ -349,6 +387,9 @@ def run_throughput(args: argparse.Namespace) -> int:
         "total_token_throughput": (input_tokens + output_tokens) / elapsed,
         "errors": dict(Counter(o.error for o in failed)),
     }
+    stats = llm.engine.stats()
+    summary.update(speculation_summary((0, 0, 0), (stats.spec_drafts, stats.spec_draft_tokens,
+                                                   stats.spec_accepted_tokens)))
     if args.json_path:
         with open(args.json_path, "w") as out:
             json.dump(summary, out, indent=2)
@@ -358,6 +399,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         ("Request throughput (req/s)", summary["request_throughput"]),
         ("Output token throughput (tok/s)", summary["output_token_throughput"]),
         ("Total token throughput (tok/s)", summary["total_token_throughput"]),
+        *_speculation_rows(summary),
     ])
     for message, count in summary["errors"].items():
         print(f"{count} failed: {message}")

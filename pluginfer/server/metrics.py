@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -69,6 +69,21 @@ class _EngineCounters(Collector):
                                   value=stats.prefix_cache_queries)
         yield CounterMetricFamily("pluginfer_prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                   value=stats.prefix_cache_hits)
+        yield CounterMetricFamily("pluginfer_spec_decode_num_drafts", "Speculative decoding: decodes given drafts",
+                                  value=stats.spec_drafts)
+        yield CounterMetricFamily("pluginfer_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens",
+                                  value=stats.spec_draft_tokens)
+        yield CounterMetricFamily("pluginfer_spec_decode_num_accepted_tokens",
+                                  "Speculative decoding: draft tokens the model agreed with",
+                                  value=stats.spec_accepted_tokens)
+        drafts, tokens, accepted = stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens
+        yield GaugeMetricFamily("pluginfer_spec_decode_acceptance_rate",
+                                "Speculative decoding: accepted draft tokens over draft tokens, since the start",
+                                value=accepted / tokens if tokens else 0.0)
+        yield GaugeMetricFamily("pluginfer_spec_decode_mean_accepted_length",
+                                "Speculative decoding: tokens a drafted decode step produced on average (its accepted "
+                                "drafts and the model's own next token), since the start",
+                                value=1 + accepted / drafts if drafts else 0.0)
 
 
 class RequestTimer:

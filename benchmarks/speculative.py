@@ -1,0 +1,105 @@
+"""Speculative decoding's batch-1 decode speed against plain decoding, same random llama, one session.
+
+    python benchmarks/speculative.py                       # ~0.5B shape, bf16, k = 4, acceptance 1.0 0.8 0.6 0
+    python benchmarks/speculative.py --layers 2 --runs 1   # quick smoke run
+
+A random model repeats nothing, so the prompt-lookup proposer would draft nothing it accepts. This tool
+instead drafts the model's own greedy continuation (found by a plain run first), each draft token replaced
+by a wrong one with probability 1 - ``--acceptance``: it measures what a step that checks ``k`` drafts costs
+and what speculation gains at a given acceptance rate, on the engine's real path (scheduling, the
+multi-token pass, verification). What acceptance the ngram proposer reaches depends on the model and the
+text (a trained model editing code repeats most of its prompt); that needs a trained checkpoint.
+Decode tokens/s = (gen_len - 1) / (time(gen_len tokens) - time(1 token)); medians of ``--runs`` runs,
+the engines interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from offline_throughput import build_checkpoint
+
+from pluginfer import LLM, SamplingParams
+from pluginfer.speculative.ngram import NgramProposer
+
+
+def decode_rate(llm: LLM, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    tokens = llm.generate(prompt, params)[0].outputs[0].token_ids
+    return (gen_len - 1) / (time.perf_counter() - start - first), tokens
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--gen-len", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    parser.add_argument("--acceptance", type=float, nargs="+", default=[1.0, 0.8, 0.6, 0.0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--work-dir", type=Path, help="keep the checkpoint here (default: a temp dir)")
+    args = parser.parse_args()
+    args.arch = "llama"
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="pluginfer-spec-"))
+    if not (work / "config.json").exists():
+        build_checkpoint(work, args)
+    prompt = random.Random(0).choices(range(1000, args.vocab), k=args.prompt_len)
+    common = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=1, enable_prefix_caching=False)
+    plain = LLM(str(work), **common)
+    _, continuation = decode_rate(plain, prompt, args.gen_len)  # warm-up, and the drafts to come
+
+    acceptance = {"rate": 1.0}
+    rng = random.Random(1)
+
+    def oracle(self: NgramProposer, requests: list) -> list[list[int]]:
+        drafts = []
+        for request in requests:
+            done = len(request.token_ids) - len(prompt)
+            drafts.append([token if rng.random() < acceptance["rate"] else (token + 1) % args.vocab
+                           for token in continuation[done:done + request.max_tokens]])
+        return drafts
+
+    NgramProposer.propose = oracle
+    spec = LLM(str(work), **common, speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
+    rows = []
+    for rate in args.acceptance:
+        acceptance["rate"] = rate
+        ours, theirs, accepted = [], [], []
+        for _ in range(args.runs):
+            theirs.append(decode_rate(plain, prompt, args.gen_len)[0])
+            before = spec.engine.stats()
+            speed, tokens = decode_rate(spec, prompt, args.gen_len)
+            after = spec.engine.stats()
+            assert tokens == continuation, "speculative decoding changed the greedy output"
+            ours.append(speed)
+            drafted = after.spec_draft_tokens - before.spec_draft_tokens
+            accepted.append((after.spec_accepted_tokens - before.spec_accepted_tokens) / max(1, drafted))
+        rows.append((rate, statistics.median(accepted), statistics.median(theirs), statistics.median(ours)))
+    print(f"batch-1 decode, {args.layers} layers, hidden {args.hidden}, {args.dtype}, prompt {args.prompt_len}, "
+          f"{args.gen_len} tokens, k = {args.k}, medians of {args.runs}")
+    print(f"{'draft acceptance':>16} {'measured':>9} {'plain tok/s':>12} {'speculative tok/s':>18} {'ratio':>6}")
+    for rate, measured, theirs, ours in rows:
+        print(f"{rate:>16.2f} {measured:>9.2f} {theirs:>12.1f} {ours:>18.1f} {ours / theirs:>5.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
