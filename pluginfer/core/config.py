@@ -139,13 +139,21 @@ class SpeculativeConfig(_Section):
     """Speculative decoding: a proposer drafts tokens, one model pass checks them all (docs/speculative.md)."""
 
     method: str = Field("ngram", description="Proposer plugin (`pluginfer plugins`): ngram looks the last tokens "
-                        "up in the prompt and output and drafts what followed them.")
+                        "up in the prompt and output and drafts what followed them; draft_model decodes a small "
+                        "model with the same tokenizer (the default when a model is given).")
     num_speculative_tokens: int = Field(..., ge=1, le=32, description="Draft tokens per step and sequence.")
+    model: str | None = Field(None, description="draft_model: the draft model's checkpoint directory or .gguf file.")
     prompt_lookup_max: int = Field(4, ge=1, le=64, description="ngram: the longest suffix looked up.")
     prompt_lookup_min: int = Field(2, ge=1, le=64, description="ngram: the shortest suffix looked up.")
 
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeConfig:
+        if self.model is not None and "method" not in self.model_fields_set:
+            self.method = "draft_model"
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("method draft_model needs model, the draft model's checkpoint")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("method ngram takes no model (the draft model's method is draft_model)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                              f"({self.prompt_lookup_max})")

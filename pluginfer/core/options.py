@@ -26,6 +26,7 @@ FLAG_NAMES = {
     "server.endpoints": "--endpoint",
     "server.request_processors": "--request-processor",
     "speculative_config.method": "--speculative-method",
+    "speculative_config.model": "--speculative-model",
 }
 # Sections whose flags take a prefix: sampling defaults would clash with a request's --temperature.
 FLAG_PREFIXES = {"sampling": "default-"}
@@ -61,6 +62,8 @@ class Option:
         """The ``LLM()`` keywords besides the dotted name: the field's own name and the flag's."""
         leaf = self.dotted.rpartition(".")[2]
         from_flag = self.flag[2:].replace("-", "_")
+        if "." in self.dotted and leaf in EngineConfig.model_fields:  # speculative_config.model: not LLM(model=)
+            return (from_flag,)
         return (leaf,) if from_flag == leaf else (leaf, from_flag)
 
 

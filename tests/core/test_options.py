@@ -26,6 +26,9 @@ def flag_words(option) -> tuple[list[str], object]:
     """Flags that set ``option`` and the value the config should then hold (not the default where it can)."""
     if option.dotted == "model":
         return [option.flag, "m2"], "m2"
+    if option.dotted.startswith("speculative_config.m"):  # the draft model and its method go together
+        value = "draft" if option.dotted.endswith("model") else "draft_model"
+        return [option.flag, value], value
     default = default_of(option.dotted)
     if option.boolean:
         return ([f"--no-{option.flag[2:]}"] if default else [option.flag]), not default

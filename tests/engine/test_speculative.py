@@ -163,3 +163,28 @@ def test_bad_speculative_configs_name_the_field(checkpoint) -> None:
     with pytest.raises(Exception, match="ngramm.*ngram"):
         LLMEngine(server_config(checkpoint, speculative_config={"method": "ngramm",
                                                                            "num_speculative_tokens": 2}))
+
+
+def test_a_draft_model_drafts_and_the_output_stays(checkpoint, tmp_path) -> None:
+    """The target itself as its draft model: its greedy drafts are the target's own tokens (up to the
+    rounding of a different batch shape), so nearly all are taken; the outputs stay those of plain decoding."""
+    draft = {"model": str(checkpoint), "num_speculative_tokens": 3}
+    plain, _ = _run(checkpoint, None)
+    spec, engine = _run(checkpoint, draft)
+    assert {k: [c[:3] for c in v] for k, v in spec.items()} == {k: [c[:3] for c in v] for k, v in plain.items()}
+    stats = engine.stats()
+    assert stats.spec_draft_tokens > 20 and stats.spec_accepted_tokens > 0
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(checkpoint, tmp_path) -> None:
+    from pluginfer.demo.tokenizer import train_tokenizer
+    from tests.checkpoints import save_hf_model
+    from tests.conftest import TINY_LLAMA
+
+    other = save_hf_model("LlamaForCausalLM", TINY_LLAMA, tmp_path / "other", train_tokenizer(tmp_path / "tok", 1500))
+    assert other is not None
+    with pytest.raises(ValueError, match=r"speculative_config.model .*other: its tokenizer's vocabulary is not"):
+        LLMEngine(server_config(checkpoint, speculative_config={"model": str(tmp_path / "other"),
+                                                                "num_speculative_tokens": 2}))
+    with pytest.raises(ConfigError, match="method draft_model needs model"):
+        server_config(checkpoint, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
