@@ -12,6 +12,7 @@ import json
 import uuid
 from collections.abc import Callable
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -61,11 +62,14 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     try:
         check_limits(sampling, state.config.server, state.model_info.max_model_len)
         params = sampling.sampling_params(state.sampling, state.config.server.max_logprobs)
+        grammar = body.grammar()
+        if grammar is not None:
+            params = replace(params, structured_outputs=grammar[0])
         tools = _tool_calling(state, body)
         request_id = f"msg_{uuid.uuid4().hex}"
         processed = state.processors.preprocess(PromptRequest("chat", request_id, params, body.model,
                                                               messages=body.template_messages()))
-        params, grammars = with_tools(state, processed.params, None, tools)
+        params, grammars = with_tools(state, processed.params, grammar, tools)
         for grammar, field in grammars:
             await compile_grammar(state, grammar, field)
     except APIError as exc:

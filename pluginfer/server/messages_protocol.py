@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pluginfer.engine.strict_schema import strict_json_schema
+from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import APIError, bad_request
 from pluginfer.server.protocol import SamplingRequest
 from pluginfer.server.tools import FunctionDefinition, NamedToolChoice, Tool, ToolChoice
@@ -147,6 +149,24 @@ class AnthropicToolChoice(BaseModel):
         return {"any": "required"}.get(self.type, self.type)  # type: ignore[return-value]
 
 
+class JsonOutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: JsonOutputFormat | None = None
+    effort: None = None
+
+    @field_validator("effort", mode="before")
+    @classmethod
+    def _no_effort(cls, effort: Any) -> None:
+        if effort is not None:
+            raise ValueError("reasoning effort is not served")
+
+
 class Metadata(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     user_id: str | None = Field(None, max_length=256)  # informational: identifies the end user; no effect here
@@ -156,7 +176,6 @@ _NOT_SERVED = "is not served by this server"
 _SHARED: dict[str, Unsupported] = {
     "thinking": Unsupported("thinking budgets and switches are not served; with --reasoning-parser the model's "
                             "reasoning comes back as thinking blocks", (None,)),
-    "output_config": Unsupported(f"output_config {_NOT_SERVED}", (None, {})),
     "speed": Unsupported("this server has one speed", (None, "standard")),
     "mcp_servers": Unsupported(f"mcp_servers {_NOT_SERVED}", (None, [])),
     "context_management": Unsupported(f"context_management {_NOT_SERVED}"),
@@ -181,6 +200,7 @@ class CountTokensRequest(_Body):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     cache_control: CacheControl | None = None
+    output_config: OutputConfig | None = None
 
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = _SHARED
 
@@ -235,6 +255,13 @@ class MessagesRequest(CountTokensRequest):
 
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = MESSAGES
 
+    def grammar(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The grammar ``output_config.format`` asks for (its schema strict, as Anthropic holds it), or None."""
+        output_format = self.output_config.format if self.output_config else None
+        if output_format is None:
+            return None
+        return StructuredOutputsParams(json=strict_json_schema(output_format.schema_)), "output_config.format"
+
     def sampling_request(self) -> SamplingRequest:
         """The sampling fields as the OpenAI routes read them. The stop string is kept in the engine's text so
         the answer can say which one matched (``stop_sequence``); the answer strips it."""
@@ -245,13 +272,15 @@ class MessagesRequest(CountTokensRequest):
 
 _OPENAI_FIELDS = ((re.compile(r"\bstop string(s?)\b"), r"stop sequence\1"),
                   (re.compile(r"\bstop\b(?![_ ]sequence)"), "stop_sequences"),
-                  (re.compile(r"\b(tools\.\d+)\.function\.parameters\b"), r"\1.input_schema"))
+                  (re.compile(r"\b(tools\.\d+)\.function\.parameters\b"), r"\1.input_schema"),
+                  (re.compile(r"\btool_choice required\b"), "tool_choice any"),
+                  (re.compile(r"\btool_choice named\b"), "tool_choice tool"))
 
 
 def renamed(error: APIError) -> APIError:
-    """An error of the code shared with the OpenAI routes, naming this API's fields (``stop`` is ``stop_sequences``,
-    a tool's ``function.parameters`` its ``input_schema``)."""
-    if not error.param or not (error.param == "stop" or error.param.startswith("tools.")):
+    """An error of the code shared with the OpenAI routes, in this API's words: ``stop`` is ``stop_sequences``,
+    a tool's ``function.parameters`` its ``input_schema``, tool_choice ``required`` is ``any``."""
+    if not error.param or not (error.param in ("stop", "tool_choice") or error.param.startswith("tools.")):
         return error
     message, param = error.message, error.param
     for pattern, name in _OPENAI_FIELDS:

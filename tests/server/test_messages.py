@@ -223,7 +223,7 @@ def test_every_request_field_is_honoured_or_refused(server):
     refused = {"thinking": {"type": "adaptive"}, "output_config": {"effort": "low"}, "speed": "fast",
                "container": "c", "diagnostics": {}, "inference_geo": "us", "service_tier": "priority",
                "user_profile_id": "u", "workspace_id": "w", "mcp_servers": [{}], "context_management": {}}
-    assert set(MESSAGES) == set(refused)
+    assert set(MESSAGES) | {"output_config"} == set(refused)
     for name, value in refused.items():
         status, _, raw = http(server, "POST", "/v1/messages", {"model": MODEL_NAME, "max_tokens": 2,
                                                                 "messages": TURNS, name: value})
@@ -233,6 +233,27 @@ def test_every_request_field_is_honoured_or_refused(server):
     status, _, raw = http(server, "POST", "/v1/messages", {"model": MODEL_NAME, "max_tokens": 2, "messages": TURNS,
                                                             **accepted})
     assert status == 200, raw
+
+
+def test_output_config_format_holds_the_text_to_its_schema(claude):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    output_config = {"format": {"type": "json_schema", "schema": schema}}
+    reply = claude.messages.create(model=MODEL_NAME, max_tokens=60, messages=ASK, output_config=output_config)
+    jsonschema.validate(json.loads(_text(reply)), schema)
+    assert reply.stop_reason == "end_turn"
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice any .* output_config.format"):
+        claude.messages.create(model=MODEL_NAME, max_tokens=60, messages=ASK, output_config=output_config,
+                               tools=TOOLS, tool_choice={"type": "any"})
+    broken = {"format": {"type": "json_schema", "schema": {"type": "strng"}}}
+    with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
+        claude.messages.create(model=MODEL_NAME, max_tokens=60, messages=ASK, output_config=broken)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(claude):
+    with claude.messages.stream(model=MODEL_NAME, max_tokens=200, messages=TURNS, **GREEDY) as stream:
+        first = next(iter(stream))
+    assert first.type == "message_start"  # closing the stream here aborts the request (the autouse fixture checks)
 
 
 def test_reasoning_comes_as_thinking_blocks(make_server):
