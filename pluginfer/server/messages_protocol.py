@@ -223,9 +223,27 @@ class CountTokensRequest(_Body):
                               "assistant's turn", f"messages.{len(self.messages) - 1}.role")
         system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system or [])
         out = [{"role": "system", "content": system}] if self.system is not None else []
-        for message in self.messages:
+        for message in _merged(self.messages):
             out += _for_template(message)
         return out
+
+
+def _merged(messages: list[Message]) -> list[Message]:
+    """Consecutive turns of one role as one turn, as Anthropic combines them (templates may want roles to alternate)."""
+    merged: list[Message] = []
+    for message in messages:
+        if merged and merged[-1].role == message.role:
+            blocks = [*_blocks(merged[-1]), *_blocks(message)]
+            merged[-1] = Message.model_construct(role=message.role, content=blocks)
+        else:
+            merged.append(message)
+    return merged
+
+
+def _blocks(message: Message) -> list[Any]:
+    if isinstance(message.content, str):
+        return [TextBlock(type="text", text=message.content)]
+    return message.content
 
 
 def _for_template(message: Message) -> list[dict[str, Any]]:

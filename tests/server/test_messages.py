@@ -21,7 +21,8 @@ GREEDY = {"extra_body": {"temperature": 0}}
 SYSTEM = "be brief"
 TURNS = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "hi there"},
          {"role": "user", "content": "what is new"}]
-TOOLS = [{"name": "get_weather", "description": "weather now", "input_schema": WEATHER},
+TOOLS = [{"name": "get_weather", "description": "weather now",
+          "input_schema": {"$schema": "http://json-schema.org/draft-07/schema#", **WEATHER}},
          {"name": "get_time", "input_schema": SCHEMAS["get_time"]}]
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
@@ -71,6 +72,12 @@ def test_message_equals_the_chat_completion(server, claude):
     assert again.content == reply.content and again.usage.cache_read_input_tokens > 0  # the prefix cache's
     count = claude.messages.count_tokens(model=MODEL_NAME, system=SYSTEM, messages=TURNS)
     assert count.input_tokens == chat.usage.prompt_tokens
+    # Consecutive turns of one role are one turn, as Anthropic combines them: text blocks joined by newlines.
+    split = [*TURNS[:2], {"role": "user", "content": "what"}, {"role": "user", "content": [{"type": "text", "text": "is new"}]}]
+    joined = [*TURNS[:2], {"role": "user", "content": "what\nis new"}]
+    assert (claude.messages.count_tokens(model=MODEL_NAME, messages=split).input_tokens
+            == claude.messages.count_tokens(model=MODEL_NAME, messages=joined).input_tokens
+            == _chat(server, joined, max_tokens=1).usage.prompt_tokens)
 
 
 def test_stream_events_build_the_same_message(server, claude):
