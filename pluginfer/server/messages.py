@@ -70,8 +70,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         processed = state.processors.preprocess(PromptRequest("chat", request_id, params, body.model,
                                                               messages=body.template_messages()))
         params, grammars = with_tools(state, processed.params, grammar, tools)
-        for grammar, field in grammars:
-            await compile_grammar(state, grammar, field)
+        for compiled, field in grammars:
+            await compile_grammar(state, compiled, field)
     except APIError as exc:
         raise renamed(exc) from None
     prompt = render_prompt(state, processed.messages or [], True, _template_kwargs(state, tools))

@@ -169,7 +169,7 @@ class OutputConfig(BaseModel):
 
 class Metadata(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    user_id: str | None = Field(None, max_length=256)  # informational: identifies the end user; no effect here
+    user_id: str | None = None  # informational: identifies the end user; no effect here
 
 
 _NOT_SERVED = "is not served by this server"
