@@ -117,6 +117,7 @@ class AnthropicTool(BaseModel):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None  # server tools (bash, web search, ...) have other types: refused
     cache_control: CacheControl | None = None
+    strict: bool | None = None  # inputs are held to the schema either way (server.strict_tool_schemas)
 
     @model_validator(mode="before")
     @classmethod

@@ -23,7 +23,7 @@ TURNS = [{"role": "user", "content": "hello world"}, {"role": "assistant", "cont
          {"role": "user", "content": "what is new"}]
 TOOLS = [{"name": "get_weather", "description": "weather now",
           "input_schema": {"$schema": "http://json-schema.org/draft-07/schema#", **WEATHER}},
-         {"name": "get_time", "input_schema": SCHEMAS["get_time"]}]
+         {"name": "get_time", "input_schema": SCHEMAS["get_time"], "strict": True}]
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 
