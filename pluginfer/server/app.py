@@ -21,6 +21,7 @@ from pluginfer.server.cors import cors_middleware
 from pluginfer.server.embeddings import create_embedding
 from pluginfer.server.endpoints import ServerContext, attach_endpoints, builtin_routes
 from pluginfer.server.errors import APIError, bad_request, error_middleware
+from pluginfer.server.messages import count_message_tokens, create_message
 from pluginfer.server.metrics import CONTENT_TYPE
 from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from pluginfer.server.request_processors import RequestProcessors
@@ -57,6 +58,8 @@ def add_builtin_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/chat/completions", create_chat_completion)
     router.add_post("/v1/completions", create_completion)
     router.add_post("/v1/embeddings", create_embedding)
+    router.add_post("/v1/messages", create_message)  # Anthropic's Messages API
+    router.add_post("/v1/messages/count_tokens", count_message_tokens)
     router.add_get("/v1/models", list_models)
     router.add_get("/v1/models/{model_id:.+}", get_model)
     router.add_post("/tokenize", tokenize)
@@ -93,12 +96,13 @@ def _auth_middleware(api_keys: list[str]) -> Any:
     async def check_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
         if keys and request.path not in _OPEN_PATHS and not is_public(request.path):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            digest = hashlib.sha256(given.strip().encode()).digest()
-            matches = [hmac.compare_digest(digest, key) for key in keys]
-            valid = scheme.lower() == "bearer" and any(matches)
-            if not valid:
-                raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                               code="invalid_api_key")
+            # Anthropic's clients send the key as x-api-key.
+            offered = [given if scheme.lower() == "bearer" else "", request.headers.get("x-api-key", "")]
+            digests = [hashlib.sha256(key.strip().encode()).digest() for key in offered]
+            matches = [hmac.compare_digest(digest, key) for digest in digests for key in keys]
+            if not any(matches):
+                raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>, or "
+                               "x-api-key: <key>)", code="invalid_api_key")
         return await handler(request)
 
     return check_api_key

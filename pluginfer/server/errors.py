@@ -1,7 +1,8 @@
 """Errors in the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``, with their status.
 
 Handlers raise :class:`APIError`; the middleware turns it, aiohttp's own HTTP errors
-(unknown route, oversized body) and anything unexpected (a 500, logged) into that shape.
+(unknown route, oversized body) and anything unexpected (a 500, logged) into that shape, or into the
+shape of another API where the route's handler says so (``answers_errors_as``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -20,6 +22,7 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           500: "server_error", 503: "server_error"}
 _SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+): ")
+Handler = TypeVar("Handler", bound=Callable[..., Any])
 
 
 class APIError(Exception):
@@ -75,24 +78,37 @@ def _from_http_exception(exc: web.HTTPException, request: web.Request) -> APIErr
     return APIError(exc.status, exc.text or exc.reason or "HTTP error")
 
 
+def answers_errors_as(body: Callable[[APIError], dict[str, Any]]) -> Callable[[Handler], Handler]:
+    """Mark a route's handler: its errors, the middlewares' included (a missing API key), leave as ``body(error)``."""
+    def mark(handler: Handler) -> Handler:
+        handler.error_body = body  # type: ignore[attr-defined]
+        return handler
+    return mark
+
+
+def _response(request: web.Request, error: APIError) -> web.Response:
+    body = getattr(request.match_info.handler, "error_body", None)
+    return web.json_response(body(error), status=error.status) if body else error.response()
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every error leaves in the OpenAI shape; bad input never becomes a 500."""
     try:
         return await handler(request)
     except APIError as exc:
-        return exc.response()
+        return _response(request, exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _from_http_exception(exc, request).response()
+        return _response(request, _from_http_exception(exc, request))
     except ValidationError as exc:
-        return from_validation_error(exc).response()
+        return _response(request, from_validation_error(exc))
     except ConnectionError:  # the client went away mid-response: nobody to answer
         raise
     except Exception as exc:
         logger.exception("unexpected error serving %s %s", request.method, request.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+        return _response(request, APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
 
 
 def sse_error(error: APIError) -> bytes:
