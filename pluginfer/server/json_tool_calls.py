@@ -5,7 +5,8 @@ Qwen2.5-Coder under ``tool_choice: auto`` writes its call this way although its 
 ``<tool_call>`` tags, and other models do too; so the server reads it whatever the ``--tool-call-parser``,
 in the content the parser leaves. Only a value that names a declared tool, with no keys but ``name``,
 ``arguments``/``parameters`` and ``type: "function"``, is a call: any other JSON stays content, and so does
-JSON inside a Markdown code fence (code the model shows). Text before and after a call stays content.
+JSON inside a Markdown code fence (code the model shows), unless that fenced block is the whole output
+(Qwen2.5-Coder's other habit). Text before and after a call stays content.
 
 While the output still grows, the text from a ``{`` or ``[`` that may still become a call is held back (and
 so is trailing whitespace, which may precede one), so the content only ever grows.
@@ -24,6 +25,7 @@ _CALL_KEYS = {"name", "arguments", "parameters", "type"}
 _FIRST_KEYS = ('"name"', '"arguments"', '"parameters"', '"type"')
 _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)(")?')
 _START = re.compile(r"[{\[]")
+_FENCE = "```"
 _DECODER = json.JSONDecoder()
 
 
@@ -76,9 +78,43 @@ def _may_become_call(text: str, at: int, names: set[str]) -> bool:
     return name in names if closed else any(declared.startswith(name) for declared in names)
 
 
+def _fenced_output(text: str, names: set[str], final: bool) -> list[FunctionCall] | None:
+    """The calls of an output that is one fenced JSON block of calls and nothing else but whitespace (how
+    Qwen2.5-Coder often answers); ``[]`` while the output may still become one; None when it is not one."""
+    head = text.lstrip()
+    if not final and _FENCE.startswith(head):
+        return []
+    if not head.startswith(_FENCE):
+        return None
+    body = head[len(_FENCE):]
+    tag = re.match(r"j(?:s(?:on?)?)?", body)
+    if tag is not None and not final and tag.end() == len(body):
+        return []  # the language tag as far as it came
+    body = body[len("json"):] if body.startswith("json") else body
+    start = _skip_space(body, 0)
+    if start == len(body):
+        return None if final else []
+    if body[start] not in "{[" or not _may_become_call(body, start, names):
+        return None
+    try:
+        value, after = _DECODER.raw_decode(body, start)
+    except ValueError:
+        return None if final else []
+    calls, rest = _as_calls(value, names), body[after:].strip()
+    if not calls:
+        return None
+    if final:
+        return calls if rest == _FENCE else None
+    return [] if _FENCE.startswith(rest) else None  # the closing fence as far as it came
+
+
 def json_tool_calls(text: str, names: set[str], final: bool) -> tuple[str, list[FunctionCall]]:
     """(content, calls) of ``text``: each bare JSON call of a tool in ``names``, outside code fences, taken out of
-    the content. With ``final`` False, a possible call's unfinished text and trailing whitespace are held back."""
+    the content, or the calls of an output that is one fenced block of them. With ``final`` False, a possible
+    call's unfinished text and trailing whitespace are held back."""
+    fenced = _fenced_output(text, names, final)
+    if fenced is not None:
+        return "", fenced
     content: list[str] = []
     calls: list[FunctionCall] = []
     kept = 0  # text[kept:] is not content yet

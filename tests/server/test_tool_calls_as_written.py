@@ -1,7 +1,7 @@
 """``tool_choice: auto`` on what real models write: tagged calls, bare JSON naming a declared tool (with
 ``arguments`` or Llama 3's ``parameters``), JSON lists of parallel calls, Mistral's ``[TOOL_CALLS]``, with text
-before them; and what is not a call (JSON naming no declared tool, calls shown in a Markdown code fence, a call
-inside ``<think>`` reasoning). Each output is read whole and streamed in random cuts (one character at a time
+before them, or fenced as the whole answer; and what is not a call (JSON naming no declared tool, calls shown in
+a Markdown code fence within other text, a call inside ``<think>`` reasoning). Each output is read whole and streamed in random cuts (one character at a time
 too): the content, reasoning and calls are the same. Then through the ``openai`` client against a served model
 whose output a grammar forces.
 
@@ -47,6 +47,10 @@ CASES = [
     ("hermes", None, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
                      '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>', "", None,
      [("get_weather", PARIS), ("get_time", '{"zone": "utc"}')]),
+    # Qwen2.5-Coder-7B-Instruct: the call as the whole answer, fenced (as vLLM issue 32926 finds it most often)
+    ("hermes", None, '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', "", None,
+     [("get_weather", PARIS)]),
+    ("hermes", None, '\n```\n[{"name": "get_time", "arguments": {}}]\n```\n', "", None, [("get_time", "{}")]),
     # Llama 3.1 8B Instruct (JSON tool calling, model card): "parameters", also under hermes
     ("hermes", None, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", None, [("get_weather", PARIS)]),
     ("llama3_json", None, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", None,
@@ -121,8 +125,9 @@ SERVED = [  # (forced output, content, [(name, arguments)]) through the openai c
     ('Both:\n[{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}, {"name": "get_time", '
      '"arguments": {"zone": "cet"}}]', "Both:\n",
      [("get_weather", {"city": "Oslo", "unit": "c"}), ("get_time", {"zone": "cet"})]),
-    ('```json\n{"name": "get_time", "arguments": {"zone": "utc"}}\n```',
-     '```json\n{"name": "get_time", "arguments": {"zone": "utc"}}\n```', []),
+    ('```json\n{"name": "get_time", "arguments": {"zone": "utc"}}\n```', None, [("get_time", {"zone": "utc"})]),
+    ('Like this:\n```json\n{"name": "get_time", "arguments": {"zone": "utc"}}\n```',
+     'Like this:\n```json\n{"name": "get_time", "arguments": {"zone": "utc"}}\n```', []),
     ('{"name": "get_stock", "arguments": {}}', '{"name": "get_stock", "arguments": {}}', []),
 ]
 
@@ -151,3 +156,14 @@ def test_served_calls_through_the_openai_client(hermes_client, text, content, ca
     streamed, pieces, reasons = _streamed_calls(hermes_client.chat.completions.create(**request, stream=True))
     assert streamed == (content or "") and reasons == [reason]
     assert [(c["name"], json.loads(c["arguments"])) for c in pieces.values()] == calls
+
+
+@pytest.mark.parametrize("text", [
+    '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\nThat is the call.',
+    '```python\nprint({"name": "get_time"})\n```', "```", "``", '```json\n{"name": "get_weather"', "```js",
+    '```json\n{"name": "get_weather", "arguments": {}}\n``',
+])
+def test_fenced_text_that_is_not_one_whole_call_is_content(text):
+    """A fence with more after it, code, or a fence cut short: content, whole and streamed."""
+    assert _whole("hermes", None, text) == (text, None, [])
+    assert _streamed("hermes", None, text, list(range(1, len(text)))) == (text, None, [])
