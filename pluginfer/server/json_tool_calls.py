@@ -132,13 +132,19 @@ def json_tool_calls(text: str, names: set[str], final: bool) -> tuple[str, list[
                 continue
             found = _as_calls(value, names) if after <= end else []
             if found:
-                content.append(text[kept:at])
+                content.append(_between(text[kept:at], bool(calls)))
                 calls += found
                 kept = position = after
         if held is not None:
             break
-    content.append(text[kept:held])
+    content.append(_between(text[kept:held], bool(calls)))
     joined = "".join(content)
     if not final:
         return joined.rstrip(), calls
     return (joined if joined.strip() else ""), calls
+
+
+def _between(text: str, after_call: bool) -> str:
+    """Text after a call that is only separators (``;`` ``,`` and whitespace: Llama 3 joins calls with ``; ``)
+    belongs to the calls, not the content."""
+    return "" if after_call and not text.strip(" \t\r\n;,") else text

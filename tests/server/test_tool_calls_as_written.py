@@ -55,6 +55,9 @@ CASES = [
     ("hermes", None, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", None, [("get_weather", PARIS)]),
     ("llama3_json", None, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", None,
      [("get_weather", PARIS)]),
+    # Llama 3.3 70B Instruct: several calls joined by "; ", read alike under hermes
+    ("hermes", None, '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": '
+                     '{"zone": "cet"}};', "", None, [("get_weather", PARIS), ("get_time", '{"zone": "cet"}')]),
     # Llama 3.2 3B Instruct: a "type" key first, after some words
     ("llama3_json", None, 'Let me look that up. {"type": "function", "name": "get_weather", "parameters": '
                           '{"city": "Paris"}}', "Let me look that up. ", None, [("get_weather", PARIS)]),
