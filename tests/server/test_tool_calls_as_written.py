@@ -170,3 +170,13 @@ def test_fenced_text_that_is_not_one_whole_call_is_content(text):
     """A fence with more after it, code, or a fence cut short: content, whole and streamed."""
     assert _whole("hermes", None, text) == (text, None, [])
     assert _streamed("hermes", None, text, list(range(1, len(text)))) == (text, None, [])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_of_a_list():
+    registry = get_registry()
+    calling = ToolCalling.from_request(TOOLS, "auto", False, registry.load("tool_parser", "hermes"))
+    text = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+    message = _ChoiceText(None, calling).message(text)
+    assert message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", PARIS)]
