@@ -1,4 +1,5 @@
-"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + choice index."""
+"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n + choice index.
+With ``suffix`` each prompt is the prefix of a fill-in-the-middle prompt (``text/fim.py``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +31,7 @@ from pluginfer.server.streaming import (
     stream_response,
     usage,
 )
+from pluginfer.text.fim import FORMATS, FimTokens, fim_prompt
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -47,7 +50,12 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     grammar = body.grammar()
     if grammar is not None:
         await compile_grammar(state, *grammar)
-    prompts = [state.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompt]
+    if body.suffix:
+        fim = _fim(state)
+        prompts = [fim_prompt(state.tokenizer, fim, p, body.suffix) for p in body.prompt]  # type: ignore[arg-type]
+        params = replace(params, stop_token_ids=[*params.stop_token_ids, *fim.stop_token_ids])
+    else:
+        prompts = [state.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompt]
     vocab_size = state.vocab_size  # as /v1/models and /detokenize say; checked before echo decodes them
     bad = [t for p in body.prompt if not isinstance(p, str) for t in p if not 0 <= t < vocab_size]
     if bad:
@@ -65,6 +73,16 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             if output.finished:
                 finals[index] = output
     return web.json_response(answer.completion([finals[i] for i in range(len(prompts))]))
+
+
+def _fim(state: ServerState) -> FimTokens:
+    fim = state.fim
+    if fim is None:
+        formats = ", ".join(f"{f.name} ({f.prefix} {f.suffix} {f.middle})" for f in FORMATS)
+        raise bad_request("suffix: this model's tokenizer has no fill-in-the-middle tokens; suffix needs a model "
+                          f"whose tokenizer has them ({formats}, or a GGUF file's fim_pre/fim_suf/fim_mid ids)",
+                          "suffix")
+    return fim
 
 
 async def _beam_completion(state: ServerState, body: CompletionRequest, prompts: list[list[int]],

@@ -262,6 +262,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: list[Prompt]
+    suffix: str | None = None  # fill-in-the-middle (text/fim.py): the text the completion goes before
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -296,6 +297,10 @@ class CompletionRequest(SamplingRequest):
     def check_supported(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported", "best_of")
+        if self.suffix and self.echo:  # OpenAI's insert mode answered the middle alone
+            raise APIError(400, "echo is not supported with suffix: the text is the middle alone", "echo")
+        if self.suffix and not all(isinstance(p, str) for p in self.prompt):
+            raise APIError(400, "suffix needs the prompt as text (the prefix), not token ids", "prompt")
 
 
 class TokenizeRequest(_Body):

@@ -21,6 +21,7 @@ from pluginfer.engine.pooling import PoolerConfig
 from pluginfer.server.errors import APIError, bad_request, from_validation_error
 from pluginfer.server.metrics import ServerMetrics
 from pluginfer.server.request_processors import RequestProcessors
+from pluginfer.text.fim import FimTokens, fim_tokens
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -42,6 +43,7 @@ class ServerState:
     draining: bool = False  # SIGTERM with server.shutdown_timeout: requests in flight finish, new ones get a 503
     pooler: PoolerConfig | None = None  # the checkpoint's pooling, read at the first /v1/embeddings request
     _vocab_size: int | None = field(default=None, repr=False)
+    _fim: tuple[FimTokens | None] | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, engine: EngineClient, config: EngineConfig) -> ServerState:
@@ -73,6 +75,13 @@ class ServerState:
         if self._vocab_size is None:
             self._vocab_size = len(self.tokenizer)
         return self._vocab_size
+
+    @property
+    def fim(self) -> FimTokens | None:
+        """The tokenizer's fill-in-the-middle ids (None: it has none), read once: it walks the vocabulary."""
+        if self._fim is None:
+            self._fim = (fim_tokens(self.tokenizer),)
+        return self._fim[0]
 
     def check_model(self, model: str | None) -> None:
         """An absent (or empty) model means the served one; any other name is a 404, as in OpenAI."""

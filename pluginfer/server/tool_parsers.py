@@ -3,7 +3,9 @@
 A parser splits the output text so far into the content (text outside tool calls) and the
 complete calls. While the output still grows (``final`` False) it holds back a tail that may be
 the start of its marker, so the content only ever grows and streamed deltas are differences.
-A block that does not parse leaves the whole text as content, as vLLM does.
+A block that does not parse leaves the whole text as content, as vLLM does; a marker inside a Markdown code
+fence is text the model shows, not a call. Calls written as bare JSON, without a marker, are read for every
+parser by ``json_tool_calls.py``.
 
 Chosen with ``--tool-call-parser`` (``server.tool_call_parser``): these are the built-in plugin's
 parsers (``pluginfer/server/plugin.py``), looked up by name in the registry like a third party's.
@@ -39,13 +41,40 @@ def _arguments(value: Any) -> str | None:
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
-def _call(obj: Any, arguments_keys: tuple[str, ...] = ("arguments", "parameters")) -> FunctionCall | None:
+def function_call(obj: Any, arguments_keys: tuple[str, ...] = ("arguments", "parameters")) -> FunctionCall | None:
     """{"name": ..., "arguments" | "parameters": {...}} -> FunctionCall; None when it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     key = next((k for k in arguments_keys if k in obj), None)
     arguments = _arguments(obj[key]) if key else "{}"
     return FunctionCall(obj["name"], arguments) if arguments is not None else None
+
+
+_FENCE = "```"
+
+
+def outside_fences(text: str) -> list[tuple[int, int]]:
+    """The spans of ``text`` outside Markdown code fences (a fence opens and closes at each `````); an
+    unclosed fence runs to the end. A model shows code there, not calls."""
+    spans, start = [], 0
+    while True:
+        opened = text.find(_FENCE, start)
+        if opened == -1:
+            return [*spans, (start, len(text))]
+        spans.append((start, opened))
+        closed = text.find(_FENCE, opened + len(_FENCE))
+        if closed == -1:
+            return spans
+        start = closed + len(_FENCE)
+
+
+def find_outside_fences(text: str, marker: str) -> int:
+    """The first index of ``marker`` outside code fences, or -1."""
+    for start, end in outside_fences(text):
+        found = text.find(marker, start, end)
+        if found != -1 and found + len(marker) <= end:
+            return found
+    return -1
 
 
 def _json_values(text: str, separators: str = " \t\r\n") -> tuple[list[Any], str]:
@@ -69,7 +98,7 @@ class MarkedToolParser:
     call_syntax: tuple[ToolCallSyntax, ...] = ()  # how the model writes a call, for the grammar under auto
 
     def parse(self, text: str, final: bool) -> ToolCallText:
-        start = text.find(self.marker)
+        start = find_outside_fences(text, self.marker)
         if start == -1:
             if final:
                 return ToolCallText(text)
@@ -101,7 +130,7 @@ class HermesToolParser(MarkedToolParser):
         calls = []
         for body in bodies:
             values, _ = _json_values(body.strip())
-            call = _call(values[0]) if values else None
+            call = function_call(values[0]) if values else None
             if call is not None:
                 calls.append(call)
         return calls
@@ -125,7 +154,7 @@ class Llama3JsonToolParser(MarkedToolParser):
                 return ToolCallText("")
             return ToolCallText(text)
         values, rest = _json_values(body, " \t\r\n;")
-        calls = [_call(value) for value in values]
+        calls = [function_call(value) for value in values]
         if all(calls) and calls and (not rest.strip() or not final):
             return ToolCallText("", calls)  # type: ignore[arg-type]
         return ToolCallText(text if final else "")
@@ -150,7 +179,7 @@ class MistralToolParser(MarkedToolParser):
             if piece.startswith("["):  # v3: a JSON array of calls
                 values, _ = _json_values(piece)
                 if values and isinstance(values[0], list):
-                    calls += [c for c in map(_call, values[0]) if c is not None]
+                    calls += [c for c in map(function_call, values[0]) if c is not None]
             elif self._args in piece:  # v11: name[ARGS]{arguments}
                 name, _, arguments = piece.partition(self._args)
                 values, _ = _json_values(arguments.strip())  # complete once its object closes

@@ -3,7 +3,8 @@ and the model's output back to ``message.tool_calls`` / streamed ``delta.tool_ca
 
 - ``none``: the tools are rendered by the chat template; the output is plain content.
 - ``auto`` (the default with tools): the model writes calls in its own format, which the server's
-  ``--tool-call-parser`` reads (``tool_parsers.py``). Where the parser says how its calls look
+  ``--tool-call-parser`` reads (``tool_parsers.py``), or as bare JSON naming a declared tool
+  (``json_tool_calls.py``). Where the parser says how its calls look
   (``call_syntax``), a grammar lets the model write free text and holds a call, once its trigger
   appears, to a declared tool and its (strict) parameters (``tool_grammar.py``).
 - ``required`` / a named function: constrained decoding makes the call valid, as vLLM does. A named
@@ -30,6 +31,7 @@ from pluginfer.core.parsers import ToolCallParser
 from pluginfer.engine.strict_schema import strict_json_schema
 from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import bad_request
+from pluginfer.server.json_tool_calls import json_tool_calls
 from pluginfer.server.tool_grammar import auto_tool_grammar
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -108,6 +110,10 @@ class ToolCalling:
                                   "tool_choice")
             made = parser()
         return cls(tools, mode, None, parallel is not False, made, strict_schemas=strict_schemas)
+
+    @property
+    def names(self) -> set[str]:
+        return {tool.function.name for tool in self.tools}
 
     def template_tools(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
@@ -232,8 +238,8 @@ class ToolCallOutput:
         if calling.mode == "none" or calling.parser is None:
             return text, []
         parsed = calling.parser.parse(text, final)
-        calls = [(call.name, call.arguments) for call in parsed.calls]
-        content = parsed.content
+        content, bare = json_tool_calls(parsed.content, calling.names, final)  # written before any marked call
+        calls = [(call.name, call.arguments) for call in [*bare, *parsed.calls]]
         for token in calling.special_tokens:
             content = content.replace(token, "")
         return content, calls if calling.parallel else calls[:1]

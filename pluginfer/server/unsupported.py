@@ -49,10 +49,7 @@ CHAT: dict[str, Unsupported] = {
     "prompt_cache_options": Unsupported("the prefix cache is automatic and has no options", (None, {})),
 }
 
-COMPLETION: dict[str, Unsupported] = {
-    **_SHARED,
-    "suffix": Unsupported("suffix (text insertion) is not supported", (None, "")),
-}
+COMPLETION: dict[str, Unsupported] = dict(_SHARED)
 
 
 EMBEDDING: dict[str, Unsupported] = {}  # every field of CreateEmbeddingRequest is honoured

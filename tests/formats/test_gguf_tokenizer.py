@@ -53,8 +53,10 @@ CONVERSATIONS = [
 
 def write_gguf(path: Path, tokens: list[str], kind: str, token_types: list[int], *, scores: list[float] | None = None,
                merges: list[str] | None = None, pre: str | None = None, chat_template: str = CHAT_TEMPLATE,
-               add_bos: bool | None = None, add_eos: bool | None = None, unk: int | None = 0) -> Path:
-    """A llama GGUF with this tokenizer and a one-tensor body (tokenizers only read the metadata)."""
+               add_bos: bool | None = None, add_eos: bool | None = None, unk: int | None = 0,
+               token_ids: dict[str, int] | None = None) -> Path:
+    """A llama GGUF with this tokenizer and a one-tensor body (tokenizers only read the metadata); ``token_ids``:
+    more ``tokenizer.ggml.*`` ids (``fim_pre_token_id``...)."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(256)
     writer.add_embedding_length(64)
@@ -82,6 +84,8 @@ def write_gguf(path: Path, tokens: list[str], kind: str, token_types: list[int],
     if add_eos is not None:
         writer.add_add_eos_token(add_eos)
     writer.add_chat_template(chat_template)
+    for key, index in (token_ids or {}).items():
+        writer.add_uint32(f"tokenizer.ggml.{key}", index)
     writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

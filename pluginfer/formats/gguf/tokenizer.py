@@ -63,6 +63,7 @@ class GGUFTokenizer:
         self.bos_token, self.eos_token = special_tokens.get("bos_token"), special_tokens.get("eos_token")
         self.unk_token, self.pad_token = special_tokens.get("unk_token"), special_tokens.get("pad_token")
         self.chat_template = chat_template
+        self.fim_token_ids: dict[str, Any] | None = None  # a GGUF file's fill-in-the-middle ids (text/fim.py)
 
     # -- text and ids ---------------------------------------------------------------------------
 
@@ -218,7 +219,24 @@ def build_gguf_tokenizer(gguf: Any) -> GGUFTokenizer | None:
     add_eos = gguf.get("tokenizer.ggml.add_eos_token", False)
     backend.post_processor = _post_processor(backend, special["bos_token"] if add_bos else None,
                                              special["eos_token"] if add_eos else None)
-    return GGUFTokenizer(backend, special, gguf.get("tokenizer.chat_template"))
+    tokenizer = GGUFTokenizer(backend, special, gguf.get("tokenizer.chat_template"))
+    tokenizer.fim_token_ids = fim_token_ids(gguf)
+    return tokenizer
+
+
+def fim_token_ids(gguf: Any) -> dict[str, Any] | None:
+    """The fill-in-the-middle ids the file's metadata names (``text/fim.py`` reads them), or None."""
+    def first(*names: str) -> int | None:
+        return next((gguf.get(f"tokenizer.ggml.{name}") for name in names
+                     if gguf.get(f"tokenizer.ggml.{name}") is not None), None)
+
+    ids = {"prefix": first("fim_pre_token_id", "prefix_token_id"),
+           "suffix": first("fim_suf_token_id", "suffix_token_id"),
+           "middle": first("fim_mid_token_id", "middle_token_id")}
+    if None in ids.values():
+        return None
+    stops = [first(name) for name in ("fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id", "eot_token_id")]
+    return {**ids, "stops": [index for index in stops if index is not None]}
 
 
 def _byte_level(tokens: list[str], merges: list[str]) -> tuple[Any, dict[str, int]]:
