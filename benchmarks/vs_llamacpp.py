@@ -28,6 +28,9 @@ model's activations are float32, so ``auto`` is a float32 cache); llama.cpp keep
 the wall clock: on a machine shared with other work, a thread that waits for a core inflates wall-clock
 time (and a second thread waits at every barrier), while the CPU time of one thread is the work done.
 
+``--no-amx`` times what a CPU without AMX gets (AMD Zen 4, most cloud CPUs) on one with it: our engine with
+``PLUGINFER_AMX=0`` against a llama.cpp built without AMX (its build is checked).
+
 ``--plot FILE.png`` draws decode tokens/s against batch size, ours and llama.cpp's, one colour per file
 (needs matplotlib).
 """
@@ -225,6 +228,8 @@ def main() -> None:
                         help="one thread for both engines, each phase timed by the process's CPU time")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16],
                         help="decode batch sizes to time (sequences decoded together)")
+    parser.add_argument("--no-amx", action="store_true",
+                        help="our engine with PLUGINFER_AMX=0 against a llama.cpp built without AMX (checked)")
     parser.add_argument("--plot", type=Path, default=None,
                         help="write a PNG of decode tokens/s against batch size, ours and llama.cpp's (matplotlib)")
     args = parser.parse_args()
@@ -232,6 +237,12 @@ def main() -> None:
         parser.error("--batch-sizes must be positive")
     if args.plot is not None:
         import matplotlib  # noqa: F401 - fail before the runs, not after them
+    if args.no_amx:
+        import llama_cpp
+
+        if "AMX" in llama_cpp.llama_print_system_info().decode():
+            parser.error("--no-amx: this llama.cpp was built with AMX; build it without (docs/performance.md)")
+        os.environ["PLUGINFER_AMX"] = "0"  # before our cpu backend loads
     if args.cpu_time:
         global clock
         clock, args.threads = time.process_time, 1
@@ -249,6 +260,7 @@ def main() -> None:
         long_prompt = rng.integers(10, args.vocab - 10, 512).tolist()
         bandwidth = memory_bandwidth()
         print(f"llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.threads} threads; "
+              f"{'no AMX (PLUGINFER_AMX=0, llama.cpp without AMX); ' if args.no_amx else ''}"
               f"read bandwidth {bandwidth / 1e9:.1f} GB/s; timed by {'CPU time' if args.cpu_time else 'wall clock'}")
         measures = [*args.batch_sizes, "prefill"]
         print("format   file MB  bound b1 | " + " | ".join(f"batch-{b} tok/s" for b in args.batch_sizes)
