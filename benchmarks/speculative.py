@@ -10,7 +10,7 @@ and what speculation gains at a given acceptance rate, on the engine's real path
 multi-token pass, verification). What acceptance the ngram proposer reaches depends on the model and the
 text (a trained model editing code repeats most of its prompt); that needs a trained checkpoint.
 Decode tokens/s = (gen_len - 1) / (time(gen_len tokens) - time(1 token)); medians of ``--runs`` runs,
-the engines interleaved.
+the engines interleaved. ``--cpu-time``: one thread, timed by the process's CPU time (a shared machine).
 """
 
 from __future__ import annotations
@@ -23,20 +23,24 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from offline_throughput import build_checkpoint
 
 from pluginfer import LLM, SamplingParams
 from pluginfer.speculative.ngram import NgramProposer
 
 
+clock = time.perf_counter  # time.process_time under --cpu-time
+
+
 def decode_rate(llm: LLM, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
-    start = time.perf_counter()
+    start = clock()
     llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    first = time.perf_counter() - start
-    start = time.perf_counter()
+    first = clock() - start
+    start = clock()
     tokens = llm.generate(prompt, params)[0].outputs[0].token_ids
-    return (gen_len - 1) / (time.perf_counter() - start - first), tokens
+    return (gen_len - 1) / (clock() - start - first), tokens
 
 
 def main() -> int:
@@ -55,14 +59,20 @@ def main() -> int:
     parser.add_argument("--acceptance", type=float, nargs="+", default=[1.0, 0.8, 0.6, 0.0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--work-dir", type=Path, help="keep the checkpoint here (default: a temp dir)")
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by the process's CPU time")
     args = parser.parse_args()
+    if args.cpu_time:
+        global clock
+        clock = time.process_time
+        torch.set_num_threads(1)
     args.arch = "llama"
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="pluginfer-spec-"))
     if not (work / "config.json").exists():
         build_checkpoint(work, args)
     prompt = random.Random(0).choices(range(1000, args.vocab), k=args.prompt_len)
-    common = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=1, enable_prefix_caching=False)
+    common = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=1, enable_prefix_caching=False,
+                  threads=1 if args.cpu_time else None)
     plain = LLM(str(work), **common)
     _, continuation = decode_rate(plain, prompt, args.gen_len)  # warm-up, and the drafts to come
 
@@ -94,7 +104,8 @@ def main() -> int:
             accepted.append((after.spec_accepted_tokens - before.spec_accepted_tokens) / max(1, drafted))
         rows.append((rate, statistics.median(accepted), statistics.median(theirs), statistics.median(ours)))
     print(f"batch-1 decode, {args.layers} layers, hidden {args.hidden}, {args.dtype}, prompt {args.prompt_len}, "
-          f"{args.gen_len} tokens, k = {args.k}, medians of {args.runs}")
+          f"{args.gen_len} tokens, k = {args.k}, medians of {args.runs}, "
+          f"{'one thread, CPU time' if args.cpu_time else 'wall clock'}")
     print(f"{'draft acceptance':>16} {'measured':>9} {'plain tok/s':>12} {'speculative tok/s':>18} {'ratio':>6}")
     for rate, measured, theirs, ours in rows:
         print(f"{rate:>16.2f} {measured:>9.2f} {theirs:>12.1f} {ours:>18.1f} {ours / theirs:>5.2f}x")

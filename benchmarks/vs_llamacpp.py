@@ -258,7 +258,7 @@ def main() -> None:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(10, args.vocab - 10, 128).tolist() for _ in range(max(args.batch_sizes))]
         long_prompt = rng.integers(10, args.vocab - 10, 512).tolist()
-        bandwidth = memory_bandwidth()
+        bandwidth = memory_bandwidth("cpu", torch.float32)
         print(f"llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.threads} threads; "
               f"{'no AMX (PLUGINFER_AMX=0, llama.cpp without AMX); ' if args.no_amx else ''}"
               f"read bandwidth {bandwidth / 1e9:.1f} GB/s; timed by {'CPU time' if args.cpu_time else 'wall clock'}")
