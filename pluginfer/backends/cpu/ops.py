@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends.cpu import build, half_linear, layer_ops, library, panels, quant
+from pluginfer.backends.cpu import build, half_linear, int8_gemm, layer_ops, library, panels, quant
 from pluginfer.core.kernels import KernelTable, define_op
 
 # What a log line about missing kernels tells the user to do.
@@ -98,6 +98,8 @@ def op(name: str) -> Callable | None:
         return None
     if name == "half_linear":
         return half_linear.half_linear_op()
+    if name in ("w8a8_pack", "w8a8_linear"):
+        return int8_gemm.op(name)
     kernel = NATIVE.get(name)
     if name in ("grouped_dequantize", "int4_dequantize"):
         dtype = quant.tile_dtype()
@@ -126,5 +128,7 @@ NATIVE = {
     "half_linear": half_linear.half_linear,  # half_linear.c, amx_half.c
     "pack_panels": panels.pack_panels,  # panel_linear.c
     "panel_linear": panels.panel_linear,  # panel_linear.c
+    "w8a8_pack": int8_gemm.w8a8_pack,  # int8_gemm.c (a library of its own)
+    "w8a8_linear": int8_gemm.w8a8_linear,  # int8_gemm.c
 }
 # paged_decode_attention (attention.c) is called by the backend's own paged_attention (backend.py), not looked up.
