@@ -6,7 +6,8 @@ layouts (``dense.py``) are registered always; the native kernels only where the 
 at each lookup (``KernelTable.register_choice``): a kernel depends on this CPU and on settings read when a
 layer asks (``PLUGINFER_QUANT_TILES``, ``PLUGINFER_QUANT_ACTIVATIONS``), and tests switch a backend's native
 kernels off after building it. The table checks each name against the op a module defined: the core's
-(``core/kernels.py``), a quant format's (``quant/ggml_ops.py``, ``packing.py``, ``int4.py``), or the two
+(``core/kernels.py``), a quant format's (``quant/ggml_ops.py``, ``packing.py``, ``int4.py``,
+``compressed_tensors.py``), or the two
 this backend defines itself below (its panel GEMM, which its dense layouts use).
 
 The library is C compiled on first use with the system compiler (``build.py``) and loaded through ctypes
