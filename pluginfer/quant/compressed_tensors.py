@@ -22,7 +22,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from pluginfer.core.kernels import define_op, implement
+from pluginfer.core.kernels import define_op
 from pluginfer.core.protocols import ShardSpec
 from pluginfer.layers.context import quant_kernel
 from pluginfer.quant.sharding import UNSPLIT
@@ -70,11 +70,6 @@ def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tenso
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
-
-
-# The cuda backend runs its quantized weights only through kernels it has: the exact torch path serves there.
-implement("cuda", "w8a8_pack", w8a8_pack)
-implement("cuda", "w8a8_linear", w8a8_linear)
 
 
 def _load_int8(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
