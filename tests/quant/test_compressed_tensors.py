@@ -179,3 +179,18 @@ def test_two_tensor_parallel_ranks_track_one(w8a8_checkpoints: dict[str, Path]) 
         assert len(set(expected) & set(got)) >= 15
         worst = max(worst, *(abs(expected[t] - got[t]) for t in set(expected) & set(got)))
     assert worst < 0.3, worst
+
+
+def test_the_cuda_backend_takes_its_triton_kernels(w8a8_checkpoints: dict[str, Path]) -> None:
+    pytest.importorskip("triton")
+    from pluginfer.backends import cuda
+    from pluginfer.collectives import single
+    from pluginfer.core.protocols import BuildContext
+    from pluginfer.layers.context import building
+    from pluginfer.layers.linear import ReplicatedLinear
+
+    method = compressed_tensors.build(_config(w8a8_checkpoints["llama"]))
+    with building(BuildContext(backend=cuda.CudaBackend(device=torch.device("cpu")), quant=method,
+                               collective=single.build(), dtype=torch.float32, max_model_len=64)):
+        layer = ReplicatedLinear(64, 32)
+    assert all(op.__module__ == "pluginfer.backends.triton_kernels.w8a8_linear" for op in layer.w8a8_ops)
