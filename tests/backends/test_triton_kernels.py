@@ -33,7 +33,13 @@ from tests.backends.triton_cases import (
     case_rotary,
     case_write_kv,
 )
-from tests.backends.triton_quant_cases import case_ggml, case_grouped, case_int8, case_marlin_via_table
+from tests.backends.triton_quant_cases import (
+    case_ggml,
+    case_grouped,
+    case_int8,
+    case_marlin_via_table,
+    case_w8a8,
+)
 
 CASES: dict[str, tuple] = {}
 for _dtype in ("float32", "bfloat16", "float16"):
@@ -53,6 +59,7 @@ for _dtype in ("float32", "bfloat16", "float16"):
         f"fused_moe-mixtral-{_dtype}": (case_fused_moe, _dtype, "mixtral", "silu"),
         f"grouped-4bit-{_dtype}": (case_grouped, _dtype, 4, False),
         f"int8-{_dtype}": (case_int8, _dtype),
+        f"w8a8-{_dtype}": (case_w8a8, _dtype),
         f"ggml-q8_0-{_dtype}": (case_ggml, _dtype, "q8_0"),
         f"ggml-q4_0-{_dtype}": (case_ggml, _dtype, "q4_0"),
     }
@@ -128,9 +135,9 @@ def test_every_triton_kernel_compiled_for_the_gpu_equals_its_reference() -> None
 # Ops the cuda backend leaves to the table's reference on purpose: cuBLAS reads the checkpoint's [out, in] layout.
 REFERENCE_ON_CUDA = {"dense_layout", "dense_pack", "dense_linear", "half_linear"}
 # The quant formats' ops it implements (defined by their modules: quant/marlin_layout.py, packing.py, int8.py,
-# ggml_ops.py); their dequantize-to-tiles ops are the cpu backend's.
+# ggml_ops.py, compressed_tensors.py); their dequantize-to-tiles ops are the cpu backend's.
 QUANT_MATMULS = {"marlin_matmul", "grouped_matmul", "int8_matmul", "ggml_q8_0_matmul", "ggml_q4_0_matmul",
-                 "ggml_q4_k_matmul", "ggml_q6_k_matmul"}
+                 "ggml_q4_k_matmul", "ggml_q6_k_matmul", "w8a8_pack", "w8a8_linear"}
 
 
 def test_every_op_but_none_has_a_triton_kernel() -> None:
@@ -141,7 +148,7 @@ def test_every_op_but_none_has_a_triton_kernel() -> None:
     done = subprocess.run([sys.executable, "-c", "from pluginfer.core.kernels import KernelTable; "
                            "from pluginfer.backends import triton_kernels; t = KernelTable('cuda'); "
                            "triton_kernels.register(t); "
-                           "from pluginfer.quant import ggml_ops, int8, marlin_layout, packing; t.check(); "
+                           "from pluginfer.quant import compressed_tensors, ggml_ops, int8, marlin_layout, packing; t.check(); "
                            "print(','.join(t.names()))"],
                           env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -5,6 +5,8 @@ the quant formats' modules and returns a report (``error`` None when they agree)
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tests.backends.triton_cases import compare, compare_truncated, tensors
@@ -63,6 +65,26 @@ def case_int8(dtype: str) -> dict:
     x = randn(2, 3, 96, dtype=getattr(torch, dtype))
     arguments = (x, q, scale, randn(80, dtype=x.dtype))
     ours, expected = int8_matmul.int8_matmul(*arguments), int8_reference(*arguments)
+    return compare_truncated(ours, expected, 1e-2) if dtype == "bfloat16" else compare(ours, expected, dtype)
+
+
+def case_w8a8(dtype: str) -> dict:
+    """Activations quantized per row (one at the -128 level) and int8 tiles summed in int32: float32 under the
+    interpreter exactly the reference's result (the float epilogue is its operations in its order; a GPU may
+    contract the bias add into an FMA, an ulp apart)."""
+    from pluginfer.backends.triton_kernels import w8a8_linear
+    from pluginfer.quant import compressed_tensors
+
+    randn, generator = tensors(12)
+    qweight = torch.randint(-128, 128, (80, 300), dtype=torch.int8, generator=generator)
+    x = randn(2, 3, 300, dtype=getattr(torch, dtype))
+    x[0, 0, 0] = -2 * x[0, 0].abs().max()
+    scale = torch.rand(80, generator=generator) * 0.01
+    arguments = (x, w8a8_linear.w8a8_pack(qweight), scale, randn(80, dtype=x.dtype), 80)
+    ours = w8a8_linear.w8a8_linear(*arguments)
+    expected = compressed_tensors.w8a8_linear(x, qweight, *arguments[2:])
+    if dtype == "float32":
+        return compare(ours, expected, "exact" if os.environ.get("TRITON_INTERPRET") == "1" else "float32")
     return compare_truncated(ours, expected, 1e-2) if dtype == "bfloat16" else compare(ours, expected, dtype)
 
 

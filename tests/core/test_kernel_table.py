@@ -122,8 +122,9 @@ def test_a_choice_is_made_at_each_lookup(scaled_softmax_op: str) -> None:
 def test_every_op_the_cpu_backend_registers_is_defined() -> None:
     """Once the modules that define ops are imported, the cpu backend's table names only defined ops."""
     from pluginfer.backends.cpu import backend
-    from pluginfer.quant import ggml_ops, int4, packing  # noqa: F401  (they define the quant ops)
+    from pluginfer.quant import compressed_tensors, ggml_ops, int4, packing  # noqa: F401  (they define the quant ops)
 
     table = backend.CpuBackend(native_kernels=False).kernels
     table.check()
-    assert {"ggml_dequantize", "grouped_dequantize", "int4_dequantize", "half_linear", "rms_norm"} <= set(table.names())
+    assert {"ggml_dequantize", "grouped_dequantize", "int4_dequantize", "half_linear", "rms_norm",
+            "w8a8_pack", "w8a8_linear"} <= set(table.names())

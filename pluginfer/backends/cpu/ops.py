@@ -6,7 +6,8 @@ layouts (``dense.py``) are registered always; the native kernels only where the 
 at each lookup (``KernelTable.register_choice``): a kernel depends on this CPU and on settings read when a
 layer asks (``PLUGINFER_QUANT_TILES``, ``PLUGINFER_QUANT_ACTIVATIONS``), and tests switch a backend's native
 kernels off after building it. The table checks each name against the op a module defined: the core's
-(``core/kernels.py``), a quant format's (``quant/ggml_ops.py``, ``packing.py``, ``int4.py``), or the two
+(``core/kernels.py``), a quant format's (``quant/ggml_ops.py``, ``packing.py``, ``int4.py``,
+``compressed_tensors.py``), or the two
 this backend defines itself below (its panel GEMM, which its dense layouts use).
 
 The library is C compiled on first use with the system compiler (``build.py``) and loaded through ctypes
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends.cpu import build, half_linear, layer_ops, library, panels, quant
+from pluginfer.backends.cpu import build, half_linear, int8_gemm, layer_ops, library, panels, quant
 from pluginfer.core.kernels import KernelTable, define_op
 
 # What a log line about missing kernels tells the user to do.
@@ -98,6 +99,8 @@ def op(name: str) -> Callable | None:
         return None
     if name == "half_linear":
         return half_linear.half_linear_op()
+    if name in ("w8a8_pack", "w8a8_linear"):
+        return int8_gemm.op(name)
     kernel = NATIVE.get(name)
     if name in ("grouped_dequantize", "int4_dequantize"):
         dtype = quant.tile_dtype()
@@ -126,5 +129,7 @@ NATIVE = {
     "half_linear": half_linear.half_linear,  # half_linear.c, amx_half.c
     "pack_panels": panels.pack_panels,  # panel_linear.c
     "panel_linear": panels.panel_linear,  # panel_linear.c
+    "w8a8_pack": int8_gemm.w8a8_pack,  # int8_gemm.c (a library of its own)
+    "w8a8_linear": int8_gemm.w8a8_linear,  # int8_gemm.c
 }
 # paged_decode_attention (attention.c) is called by the backend's own paged_attention (backend.py), not looked up.

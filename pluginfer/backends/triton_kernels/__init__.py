@@ -33,6 +33,7 @@ def register(table: KernelTable) -> None:
         prefill_attention,
         rms_norm,
         rotary,
+        w8a8_linear,
         write_kv,
     )
 
@@ -48,6 +49,8 @@ def register(table: KernelTable) -> None:
     table.register("marlin_matmul", marlin_matmul.marlin_matmul)
     table.register("grouped_matmul", grouped_matmul.grouped_matmul)
     table.register("int8_matmul", int8_matmul.int8_matmul)
+    table.register("w8a8_pack", w8a8_linear.w8a8_pack)
+    table.register("w8a8_linear", w8a8_linear.w8a8_linear)
     table.register("ggml_q8_0_matmul", ggml_matmul.ggml_q8_0_matmul)
     table.register("ggml_q4_0_matmul", ggml_matmul.ggml_q4_0_matmul)
     table.register("ggml_q4_k_matmul", ggml_k_matmul.ggml_q4_k_matmul)
