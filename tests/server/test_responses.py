@@ -4,13 +4,25 @@ output and previous_response_id; bad input is a 4xx in OpenAI's error shape and 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import time
 
 import jsonschema
 import openai
 import pydantic
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
+from pluginfer.engine.outputs import CompletionOutput, RequestOutput
+from pluginfer.engine.sequence import SamplingParams
+from pluginfer.server.chat import ChoiceText
+from pluginfer.server.errors import APIError
+from pluginfer.server.responses_output import ResponseEnvelope
+from pluginfer.server.responses_protocol import ResponsesRequest
+from pluginfer.server.responses_stream import ResponseEvents, send_events
 from tests.server.conftest import MODEL_NAME, http, make_client
 from tests.server.test_request_fields import SPEC, spec_fields
 
@@ -314,3 +326,56 @@ def test_every_spec_field_is_honoured_or_refused(server):
         assert status == 200, (field, raw)
         if field in INFORMATIONAL:
             assert json.loads(raw)[field] == value
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request(server, client):
+    """A grammar that holds the output open for 150 characters: the request still runs when the client leaves
+    after the first delta; the server counts a 499 and every KV block is free again (the autouse fixture)."""
+    def left() -> float:
+        text = http(server, "GET", "/metrics")[2].decode()
+        found = re.search(r'^pluginfer_requests_total\{route="/v1/responses",status="499"\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before = left()
+    text = {"format": {"type": "json_schema", "name": "long", "schema": {"type": "string", "minLength": 150}}}
+    with client.responses.create(input="hi", text=text, max_output_tokens=200, stream=True, **GREEDY) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                break
+    deadline = time.monotonic() + 10
+    while left() == before:
+        assert time.monotonic() < deadline, "the request was not counted as a client that left"
+        time.sleep(0.02)
+
+
+def test_an_error_after_the_first_event_is_an_error_event():
+    """The engine fails after its first output: the stream so far, then one ``error`` event in OpenAI's shape."""
+    async def outputs():
+        yield 0, RequestOutput("r", None, [1, 2], [CompletionOutput(0, "Hello", [3], None, None)])
+        raise APIError(500, "the engine step running this request failed", code="engine_step_failed")
+
+    finished = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        envelope = ResponseEnvelope("resp_1", ResponsesRequest.model_validate({"input": "hi"}), MODEL_NAME,
+                                    SamplingParams())
+        events = ResponseEvents(envelope, ChoiceText(None, None), False, len, finished.append)
+        return await send_events(request, events, outputs())
+
+    async def main() -> tuple[int, bytes]:
+        app = web.Application()
+        app.router.add_post("/", handler)
+        async with TestClient(TestServer(app)) as http_client:
+            response = await http_client.post("/")
+            return response.status, await response.read()
+
+    status, raw = asyncio.run(main())
+    events = [block.split("\n") for block in raw.decode().strip().split("\n\n")]
+    kinds = [lines[0].removeprefix("event: ") for lines in events]
+    payloads = [json.loads(lines[1].removeprefix("data: ")) for lines in events]
+    assert status == 200 and not finished  # a failed response is not stored
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "error"]
+    assert [p["type"] for p in payloads] == kinds and [p["sequence_number"] for p in payloads] == list(range(6))
+    assert payloads[-1] == {"type": "error", "code": "engine_step_failed", "param": None, "sequence_number": 5,
+                            "message": "the engine step running this request failed"}
