@@ -91,8 +91,8 @@ class ServerConfig(_Section):
     endpoints: list[str] = Field(
         default_factory=list, description="endpoint plugins whose HTTP routes the server adds; none by default.")
     request_processors: list[str] = Field(
-        default_factory=list, description="request_processor plugins run on every chat and completions request, "
-                                          "in this order; none by default.")
+        default_factory=list, description="request_processor plugins run on every chat (and responses) and "
+                                          "completions request, in this order; none by default.")
     strict_tool_schemas: bool = Field(
         True, description="Tool arguments (named, required) hold only the keys their schema declares: an object "
         "without additionalProperties is closed, as OpenAI and xgrammar read it; false: JSON Schema's open objects.")

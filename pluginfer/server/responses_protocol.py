@@ -231,6 +231,8 @@ class ResponsesRequest(_Echoed):
 
     def chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat completion this request runs as, over ``messages`` (the whole conversation)."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         data: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
                                 "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
                                 "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls}

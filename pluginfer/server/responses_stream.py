@@ -52,6 +52,7 @@ class ResponseEvents:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # the output: finished items, then the open one
         self.open: dict[str, Any] | None = None
+        self.pieces: list[str] = []  # the open item's text (or arguments) so far, joined when it closes
         self.delta_templates: dict[str, EventTemplate] = {}
 
     def _event(self, kind: str, **fields: Any) -> bytes:
@@ -81,7 +82,7 @@ class ResponseEvents:
 
     def _open(self, item: dict[str, Any]) -> list[bytes]:
         events = self._close()
-        self.open = item
+        self.open, self.pieces = item, []
         self.items.append(item)
         index = len(self.items) - 1
         events.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
@@ -97,9 +98,8 @@ class ResponseEvents:
         item, self.open = self.open, None
         if item is None:
             return []
-        index, id_ = len(self.items) - 1, item["id"]
+        index, id_, text = len(self.items) - 1, item["id"], "".join(self.pieces)
         if item["type"] == "message":
-            text = item.pop("text", "")
             item.update(message_item(id_, text, status))
             part = item["content"][0]
             events = [self._event("response.output_text.done", item_id=id_, output_index=index, content_index=0,
@@ -107,14 +107,13 @@ class ResponseEvents:
                       self._event("response.content_part.done", item_id=id_, output_index=index, content_index=0,
                                   part=part)]
         elif item["type"] == "reasoning":
-            text = item.pop("text", "")
             item.update(reasoning_item(id_, text, status))
             events = [self._event("response.reasoning_text.done", item_id=id_, output_index=index, content_index=0,
                                   text=text),
                       self._event("response.content_part.done", item_id=id_, output_index=index, content_index=0,
                                   part=item["content"][0])]
         else:
-            item["status"] = status
+            item.update(arguments=text, status=status)
             events = [self._event("response.function_call_arguments.done", item_id=id_, output_index=index,
                                   name=item["name"], arguments=item["arguments"])]
         return [*events, self._event("response.output_item.done", output_index=index, item=item)]
@@ -128,7 +127,7 @@ class ResponseEvents:
                 continue
             if self.open is None or self.open["type"] != kind:
                 events += self._open(make(item_id("rs" if kind == "reasoning" else "msg"), "", "in_progress"))
-            self.open["text"] = self.open.get("text", "") + piece  # type: ignore[index]
+            self.pieces.append(piece)
             events.append(self._delta("response.reasoning_text.delta" if kind == "reasoning"
                                       else "response.output_text.delta", piece))
         for call in delta.get("tool_calls", []):
@@ -137,7 +136,7 @@ class ResponseEvents:
                 events += self._open(function_call_item(item_id("fc"), call["id"], function["name"], "", "in_progress"))
             arguments = function.get("arguments")
             if arguments and self.open is not None:
-                self.open["arguments"] += arguments
+                self.pieces.append(arguments)
                 events.append(self._delta("response.function_call_arguments.delta", arguments))
         return events
 
@@ -146,6 +145,8 @@ class ResponseEvents:
         with in_responses_terms():
             async with aclosing(outputs) as source:
                 async for _, output in source:
+                    if not output.outputs:
+                        continue
                     if last is None:
                         yield self._event("response.created", response=self.envelope("in_progress"))
                         yield self._event("response.in_progress", response=self.envelope("in_progress"))

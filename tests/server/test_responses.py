@@ -319,13 +319,21 @@ def test_every_spec_field_is_honoured_or_refused(server):
     for field, value in REFUSED.items():
         status, _, raw = http(server, "POST", "/v1/responses", {"input": "hi", "max_output_tokens": 1, field: value})
         assert status == 400 and json.loads(raw)["error"]["param"] == field, (field, raw)
-    for field, value in {**INFORMATIONAL, "stream_options": {"include_obfuscation": False}, "stream": False,
+    for field, value in {**INFORMATIONAL, "stream": False,
                          "store": True, "top_p": 0.5, "parallel_tool_calls": False, "service_tier": "auto",
                          "truncation": "disabled", "include": []}.items():
         status, _, raw = http(server, "POST", "/v1/responses", {"input": "hi", "max_output_tokens": 1, field: value})
         assert status == 200, (field, raw)
         if field in INFORMATIONAL:
             assert json.loads(raw)[field] == value
+    body = {"input": "hi", "max_output_tokens": 1, "stream": True, "stream_options": {"include_obfuscation": False}}
+    status, _, raw = http(server, "POST", "/v1/responses", body)
+    assert status == 200 and raw.rstrip().split(b"\n")[-2] in (b"event: response.completed",
+                                                               b"event: response.incomplete"), raw
+    for fields, param in (({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+                          ({"stream": False}, "stream_options")):  # stream_options without a stream
+        status, _, raw = http(server, "POST", "/v1/responses", {**body, **fields})
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
 
 
 def test_a_client_that_leaves_mid_stream_aborts_its_request(server, client):
