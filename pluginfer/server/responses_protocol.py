@@ -149,13 +149,26 @@ class TextFormat(_Strict):
 
 class TextConfig(_Strict):
     format: TextFormat | None = None
-    verbosity: None = None  # no served model reads it
+    verbosity: Any = None
+
+    @field_validator("verbosity", mode="before")
+    @classmethod
+    def _no_verbosity(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("verbosity is not supported: no served model reads it; accepted values: null")
 
 
 class ReasoningConfig(_Strict):
     effort: str | None = None  # passed to chat templates that read it (reasoning_effort), else a 400
-    summary: None = None  # the reasoning item carries the reasoning text itself; no summaries are written
-    generate_summary: None = None
+    summary: Any = None
+    generate_summary: Any = None
+
+    @field_validator("summary", "generate_summary", mode="before")
+    @classmethod
+    def _no_summary(cls, value: Any) -> None:
+        if value is not None:
+            raise ValueError("no reasoning summaries are written (the reasoning item carries the reasoning text); "
+                             "accepted values: null")
 
 
 class StreamOptions(_Strict):

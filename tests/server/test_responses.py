@@ -20,9 +20,12 @@ from pluginfer.engine.outputs import CompletionOutput, RequestOutput
 from pluginfer.engine.sequence import SamplingParams
 from pluginfer.server.chat import ChoiceText
 from pluginfer.server.errors import APIError
-from pluginfer.server.responses_output import ResponseEnvelope
+from pluginfer.server.reasoning import DeepSeekR1ReasoningParser
+from pluginfer.server.responses_output import ResponseEnvelope, output_items
 from pluginfer.server.responses_protocol import ResponsesRequest
 from pluginfer.server.responses_stream import ResponseEvents, send_events
+from pluginfer.server.tool_parsers import HermesToolParser
+from pluginfer.server.tools import Tool, ToolCalling
 from tests.server.conftest import MODEL_NAME, http, make_client
 from tests.server.test_request_fields import SPEC, spec_fields
 
@@ -263,6 +266,9 @@ BAD = [
     (None, {"input": "hi", "max_output_tokens": 10**6}, 400, "max_output_tokens"),
     (None, {"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
     (None, {"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning.effort"),
+    (None, {"input": "hi", "reasoning": {"summary": "auto"}}, 400, "reasoning.summary"),
+    (None, {"input": "hi", "text": {"verbosity": "low"}}, 400, "text.verbosity"),
+    (None, {"input": [{"role": "tool", "content": "x"}]}, 400, "input.0.role"),
     (None, {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "input.0.content"),
     (None, {"input": [{"type": "item_reference", "id": "x"}]}, 400, "input.0"),
@@ -356,19 +362,12 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(server, client):
         time.sleep(0.02)
 
 
-def test_an_error_after_the_first_event_is_an_error_event():
-    """The engine fails after its first output: the stream so far, then one ``error`` event in OpenAI's shape."""
-    async def outputs():
-        yield 0, RequestOutput("r", None, [1, 2], [CompletionOutput(0, "Hello", [3], None, None)])
-        raise APIError(500, "the engine step running this request failed", code="engine_step_failed")
-
-    finished = []
-
+def _served_events(outputs, text: ChoiceText, finished: list) -> tuple[int, list[dict]]:
+    """(status, event payloads) of ResponseEvents over ``outputs`` served by a bare aiohttp app."""
     async def handler(request: web.Request) -> web.StreamResponse:
         envelope = ResponseEnvelope("resp_1", ResponsesRequest.model_validate({"input": "hi"}), MODEL_NAME,
                                     SamplingParams())
-        events = ResponseEvents(envelope, ChoiceText(None, None), False, len, finished.append)
-        return await send_events(request, events, outputs())
+        return await send_events(request, ResponseEvents(envelope, text, False, len, finished.append), outputs)
 
     async def main() -> tuple[int, bytes]:
         app = web.Application()
@@ -379,11 +378,64 @@ def test_an_error_after_the_first_event_is_an_error_event():
 
     status, raw = asyncio.run(main())
     events = [block.split("\n") for block in raw.decode().strip().split("\n\n")]
-    kinds = [lines[0].removeprefix("event: ") for lines in events]
     payloads = [json.loads(lines[1].removeprefix("data: ")) for lines in events]
+    assert [lines[0] for lines in events] == [f"event: {payload['type']}" for payload in payloads]
+    assert [payload["sequence_number"] for payload in payloads] == list(range(len(payloads)))
+    return status, payloads
+
+
+def _growing(text: str, step: int = 3):
+    """Engine outputs whose text grows ``step`` characters at a time, the last one finished."""
+    async def outputs():
+        for end in range(step, len(text) + step, step):
+            done = end >= len(text)
+            yield 0, RequestOutput("r", None, [1, 2], [CompletionOutput(0, text[:end], [3] * end, None,
+                                                                        "stop" if done else None)], finished=done)
+    return outputs()
+
+
+HERMES_TEXT = 'I check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("think", ["", "<think>cold or warm?</think>"])
+def test_streamed_items_of_text_reasoning_and_a_call_are_the_whole_answers(think):
+    """A model's own call format (hermes, read under tool_choice auto) after text and reasoning, streamed a few
+    characters at a time: the items the events build are the ones the whole answer has."""
+    tools = ToolCalling.from_request([Tool.model_validate(CHAT_TOOL)], "auto", None, HermesToolParser)
+    reasoning = DeepSeekR1ReasoningParser if think else None
+    finished: list = []
+    status, events = _served_events(_growing(think + HERMES_TEXT), ChoiceText(reasoning, tools), finished)
+    whole = output_items(ChoiceText(reasoning, tools).message(think + HERMES_TEXT), incomplete=False)
+
+    def shape(item: dict) -> tuple:
+        return item["type"], item["status"], item.get("content"), item.get("name"), item.get("arguments")
+
+    final = events[-1]
+    assert status == 200 and final["type"] == "response.completed" and finished == [final["response"]]
+    assert [shape(item) for item in final["response"]["output"]] == [shape(item) for item in whole]
+    assert [item["type"] for item in whole] == ["reasoning"] * bool(think) + ["message", "function_call"]
+    added = [event["item"] for event in events if event["type"] == "response.output_item.added"]
+    done = [event["item"] for event in events if event["type"] == "response.output_item.done"]
+    assert [item["id"] for item in added] == [item["id"] for item in done] == [
+        item["id"] for item in final["response"]["output"]]
+    texts = {kind: "".join(event["delta"] for event in events if event["type"] == kind)
+             for kind in ("response.reasoning_text.delta", "response.output_text.delta",
+                          "response.function_call_arguments.delta")}
+    assert texts == {"response.reasoning_text.delta": think.removeprefix("<think>").removesuffix("</think>"),
+                     "response.output_text.delta": "I check.",
+                     "response.function_call_arguments.delta": whole[-1]["arguments"]}
+
+
+def test_an_error_after_the_first_event_is_an_error_event():
+    """The engine fails after its first output: the stream so far, then one ``error`` event in OpenAI's shape."""
+    async def outputs():
+        yield 0, RequestOutput("r", None, [1, 2], [CompletionOutput(0, "Hello", [3], None, None)])
+        raise APIError(500, "the engine step running this request failed", code="engine_step_failed")
+
+    finished: list = []
+    status, payloads = _served_events(outputs(), ChoiceText(None, None), finished)
     assert status == 200 and not finished  # a failed response is not stored
-    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.content_part.added", "response.output_text.delta", "error"]
-    assert [p["type"] for p in payloads] == kinds and [p["sequence_number"] for p in payloads] == list(range(6))
+    assert [p["type"] for p in payloads] == ["response.created", "response.in_progress", "response.output_item.added",
+                                             "response.content_part.added", "response.output_text.delta", "error"]
     assert payloads[-1] == {"type": "error", "code": "engine_step_failed", "param": None, "sequence_number": 5,
                             "message": "the engine step running this request failed"}
