@@ -23,6 +23,7 @@ from pluginfer.server.errors import bad_request
 from pluginfer.server.grammar import compile_grammar
 from pluginfer.server.limits import check_limits
 from pluginfer.server.protocol import ChatCompletionRequest
+from pluginfer.server.responses_input import input_messages
 from pluginfer.server.responses_output import (
     ResponseEnvelope,
     assistant_message,
@@ -30,7 +31,7 @@ from pluginfer.server.responses_output import (
     output_items,
     usage,
 )
-from pluginfer.server.responses_protocol import ResponsesRequest, in_responses_terms, input_messages
+from pluginfer.server.responses_protocol import ResponsesRequest, in_responses_terms
 from pluginfer.server.responses_store import ResponseStore, StoredResponse
 from pluginfer.server.responses_stream import ResponseEvents, send_events
 from pluginfer.server.state import STATE, ServerState, read_body
