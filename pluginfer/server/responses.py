@@ -51,9 +51,9 @@ def add_response_routes(router: web.UrlDispatcher) -> None:
 class _Run:
     """One response's chat request on its way to the engine."""
 
-    def __init__(self, state: ServerState, chat: ChatCompletionRequest, tools: ToolCalling | None,
-                 params: SamplingParams, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> None:
-        self.state, self.chat, self.tools, self.params, self.outputs = state, chat, tools, params, outputs
+    def __init__(self, state: ServerState, tools: ToolCalling | None, params: SamplingParams,
+                 outputs: AsyncIterator[tuple[int, RequestOutput]]) -> None:
+        self.state, self.tools, self.params, self.outputs = state, tools, params, outputs
         # A grammar holds from the first token: there is no <think> section to split off.
         self.reasoning = state.reasoning_parser if params.structured_outputs is None else None
 
@@ -82,7 +82,7 @@ async def _start(state: ServerState, chat: ChatCompletionRequest, request_id: st
         await compile_grammar(state, grammar, field)
     prompt = render_prompt(state, processed.messages or [], True, template_kwargs(state, chat, tools))
     outputs = state.processors.outputs(processed, run_requests(state, [prompt], params, request_id, "input"))
-    return _Run(state, chat, tools, params, outputs)
+    return _Run(state, tools, params, outputs)
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
