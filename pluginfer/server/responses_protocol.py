@@ -176,10 +176,13 @@ class ResponsesRequest(_Body):
             raise from_validation_error(exc) from None
 
 
-# Chat's request fields, as this API names them.
-_RENAMES = [(re.compile(r"^max_(completion_)?tokens\b"), "max_output_tokens"), (re.compile(r"^messages\b"), "input"),
+# Chat's request fields, as this API names them; a message's index counts instructions and earlier turns, so
+# ``messages.N...`` is the whole input.
+_RENAMES = [(re.compile(r"^max_(completion_)?tokens\b"), "max_output_tokens"),
+            (re.compile(r"^messages(\.[\w.]+)?\b"), "input"),
             (re.compile(r"^response_format(\.json_schema)?\b"), "text.format"),
-            (re.compile(r"^reasoning_effort\b"), "reasoning.effort"), (re.compile(r"^tools\.(\d+)\.function\b"), r"tools.\1")]
+            (re.compile(r"^reasoning_effort\b"), "reasoning.effort"),
+            (re.compile(r"^tools\.(\d+)\.function\b"), r"tools.\1")]
 
 
 def _renamed(text: str) -> str:

@@ -262,6 +262,8 @@ BAD = [
     (None, {"input": "hi", "tools": [{"type": "function", "name": "f", "defer_loading": True}]}, 400,
      "tools.0.defer_loading"),
     (None, {"input": "hi", "tool_choice": "required"}, 400, "tool_choice"),
+    (None, {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}],
+            "tool_choice": "required"}, 400, "tools.0.parameters"),
     (None, {"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text.format.name"),
     (None, {"input": "hi", "max_output_tokens": 10**6}, 400, "max_output_tokens"),
     (None, {"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
