@@ -75,6 +75,11 @@ def _check_usage(response, chat) -> None:
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
 
 
+def _counts(usage) -> tuple[int, int, int]:
+    """The token counts (cached tokens depend on what ran before)."""
+    return usage.input_tokens, usage.output_tokens, usage.total_tokens
+
+
 @pytest.mark.parametrize("max_output_tokens", [3, 40])
 def test_the_answer_is_the_chat_answer(client, max_output_tokens):
     messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "hello world"}]
@@ -129,7 +134,7 @@ def test_streamed_events_build_the_whole_response(client):
     text = "".join(d.delta for d in deltas)
     assert text == events[-4].text == events[-3].part.text == whole.output_text == final.output_text
     assert events[-2].item.id == item.id and events[-2].item.content[0].text == text
-    assert final.usage == whole.usage and final.status == whole.status
+    assert _counts(final.usage) == _counts(whole.usage) and final.status == whole.status
 
 
 class Pet(pydantic.BaseModel):
@@ -152,6 +157,24 @@ def test_parse_with_a_pydantic_model_equals_chat(client):
     assert response.output_text == chat.choices[0].message.content
     if response.status == "completed":
         assert isinstance(json.loads(response.output_text), dict)
+
+
+def test_the_sdks_stream_helper_accumulates_the_events(client, tool_template):
+    """``client.responses.stream`` rebuilds the response from the events itself (each delta into its item and part
+    by index): what it rebuilds is the whole response, for text and for a function call."""
+    # Each finishes (a grammar ends it): the helper wants response.completed.
+    for request in (dict(input="describe a pet as JSON", text_format=Pet, max_output_tokens=200),
+                    dict(input="weather in Paris?", tools=[TOOL], tool_choice="required", max_output_tokens=60)):
+        whole = client.responses.parse(**request, **GREEDY)
+        with client.responses.stream(**request, **GREEDY) as stream:
+            texts = [event.delta for event in stream if event.type == "response.output_text.delta"]
+            final = stream.get_final_response()
+        assert whole.status == final.status == "completed" and final.output_parsed == whole.output_parsed
+        assert "".join(texts) == final.output_text == whole.output_text
+        assert [(item.type, item.status) for item in final.output] == [(item.type, item.status) for item in whole.output]
+        assert [getattr(item, "arguments", None) for item in final.output] == [
+            getattr(item, "arguments", None) for item in whole.output]
+        assert _counts(final.usage) == _counts(whole.usage)
 
 
 def _call_of(response):
