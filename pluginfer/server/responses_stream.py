@@ -45,8 +45,8 @@ def _template(kind: str, **fields: Any) -> EventTemplate:
 class ResponseEvents:
     """The events of one response, from the chat answer's deltas; ``finish`` gets the finished body."""
 
-    def __init__(self, envelope: ResponseEnvelope, text: ChoiceText, constrained: bool, reasoning_tokens: Callable[[str], int],
-                 finish: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, envelope: ResponseEnvelope, text: ChoiceText, constrained: bool,
+                 reasoning_tokens: Callable[[str], int], finish: Callable[[dict[str, Any]], None]) -> None:
         self.envelope, self.text, self.constrained = envelope, text, constrained
         self.reasoning_tokens, self.finish = reasoning_tokens, finish
         self.sequence = 0
@@ -77,8 +77,8 @@ class ResponseEvents:
         return template.fill(json_string(delta), str(self.sequence - 1))
 
     def error(self, error: APIError) -> bytes:
-        return self._event("error", code=error.code or ("server_error" if error.status >= 500 else "invalid_request"),
-                           message=error.message, param=error.param)
+        shape = error.body()["error"]  # OpenAI's error fields; its type where there is no code
+        return self._event("error", code=shape["code"] or shape["type"], message=shape["message"], param=shape["param"])
 
     def _open(self, item: dict[str, Any]) -> list[bytes]:
         events = self._close()
