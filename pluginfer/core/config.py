@@ -91,11 +91,14 @@ class ServerConfig(_Section):
     endpoints: list[str] = Field(
         default_factory=list, description="endpoint plugins whose HTTP routes the server adds; none by default.")
     request_processors: list[str] = Field(
-        default_factory=list, description="request_processor plugins run on every chat and completions request, "
-                                          "in this order; none by default.")
+        default_factory=list, description="request_processor plugins run on every chat (and responses) and "
+                                          "completions request, in this order; none by default.")
     strict_tool_schemas: bool = Field(
         True, description="Tool arguments (named, required) hold only the keys their schema declares: an object "
         "without additionalProperties is closed, as OpenAI and xgrammar read it; false: JSON Schema's open objects.")
+    responses_store_size: int = Field(
+        1024, ge=0, description="Responses kept in memory for GET /v1/responses/{id} and previous_response_id, the "
+        "least recently used dropped first; 0 keeps none.")
     core_spin_count: int = Field(
         DEFAULT_CORE_SPIN_COUNT, ge=0, description="How long an idle OpenMP thread of the engine core process "
         "spins before it sleeps (libgomp's GOMP_SPINCOUNT, ~100000 a millisecond). The default, 300000 (libgomp's "

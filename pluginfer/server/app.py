@@ -25,6 +25,8 @@ from pluginfer.server.messages import count_message_tokens, create_message
 from pluginfer.server.metrics import CONTENT_TYPE
 from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from pluginfer.server.request_processors import RequestProcessors
+from pluginfer.server.responses import RESPONSE_STORE, add_response_routes
+from pluginfer.server.responses_store import ResponseStore
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import CLIENT_LEFT
 from pluginfer.server.tools import ToolCalling
@@ -44,6 +46,7 @@ def build_app(engine: EngineClient, config: EngineConfig) -> web.Application:
                                        error_middleware, _auth_middleware(server.api_keys)],
                           client_max_size=server.max_request_bytes)
     app[STATE] = ServerState.create(engine, config)
+    app[RESPONSE_STORE] = ResponseStore(server.responses_store_size)
     app.on_startup.append(_attach_engine)
     add_builtin_routes(app.router)
     registry, builtin = get_registry(), builtin_routes(app.router)
@@ -60,6 +63,7 @@ def add_builtin_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/embeddings", create_embedding)
     router.add_post("/v1/messages", create_message)  # Anthropic's Messages API
     router.add_post("/v1/messages/count_tokens", count_message_tokens)
+    add_response_routes(router)
     router.add_get("/v1/models", list_models)
     router.add_get("/v1/models/{model_id:.+}", get_model)
     router.add_post("/tokenize", tokenize)

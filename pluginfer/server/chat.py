@@ -80,7 +80,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     processed = state.processors.preprocess(PromptRequest(
         "chat", request_id, body.sampling_params(state.sampling, state.config.server.max_logprobs),
         body.model, messages=[m.for_template() for m in body.messages]))
-    params, grammars = _with_tools(state, processed.params, body.grammar(), tools)
+    params, grammars = with_tools(state, processed.params, body.grammar(), tools)
     for grammar, field in grammars:
         await compile_grammar(state, grammar, field)
     prompt = render_prompt(state, processed.messages or [], body.add_generation_prompt,
@@ -114,7 +114,7 @@ async def _beam_chat(state: ServerState, body: ChatCompletionRequest, prompt: li
             "choices": choices, "usage": usage(len(prompt), sum(len(b.token_ids) for b in beams))}
 
 
-def _with_tools(state: ServerState, params: SamplingParams, grammar: tuple[StructuredOutputsParams, str] | None,
+def with_tools(state: ServerState, params: SamplingParams, grammar: tuple[StructuredOutputsParams, str] | None,
                 tools: ToolCalling | None) -> tuple[SamplingParams, list[tuple[StructuredOutputsParams, str]]]:
     """The request's parameters with the grammar tool_choice needs, and the grammars to compile (each
     with the request field a failure names)."""
@@ -137,7 +137,7 @@ def _with_tools(state: ServerState, params: SamplingParams, grammar: tuple[Struc
     return params, tools.parameter_grammars() + grammars
 
 
-class _ChoiceText:
+class ChoiceText:
     """One choice's output text as reasoning, content and tool calls: whole, or as stream deltas."""
 
     def __init__(self, reasoning: Callable[[], ReasoningParser] | None, tools: ToolCalling | None) -> None:
@@ -203,7 +203,7 @@ class _ChatAnswer:
     def completion(self, output: RequestOutput) -> dict[str, Any]:
         choices = []
         for choice in output.outputs:
-            message = _ChoiceText(self.reasoning, self.tools).message(choice.text)
+            message = ChoiceText(self.reasoning, self.tools).message(choice.text)
             choices.append({"index": choice.index, "message": message, "logprobs": self._logprobs(choice),
                             "finish_reason": _finish_reason(choice.finish_reason, "tool_calls" in message)})
         generated = sum(len(choice.token_ids) for choice in output.outputs)
@@ -227,7 +227,7 @@ class _ChatAnswer:
         plain = not self.body.continuous_usage
         n = self.body.n
         sent_tokens, started, finished = [0] * n, [False] * n, [False] * n
-        texts = [_ChoiceText(self.reasoning, self.tools) for _ in range(n)]
+        texts = [ChoiceText(self.reasoning, self.tools) for _ in range(n)]
         last: RequestOutput | None = None
         async with aclosing(outputs) as stream:
             async for _, output in stream:

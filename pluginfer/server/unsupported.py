@@ -52,6 +52,22 @@ CHAT: dict[str, Unsupported] = {
 COMPLETION: dict[str, Unsupported] = dict(_SHARED)
 
 
+RESPONSES: dict[str, Unsupported] = {
+    "background": Unsupported("responses run in the foreground only", (None, False)),
+    "conversation": Unsupported("the Conversations API is not served; use previous_response_id"),
+    "context_management": Unsupported("context management (compaction) is not supported"),
+    "include": Unsupported("no additional output data is served", (None, [])),
+    "max_tool_calls": Unsupported("built-in tools are not served"),
+    "moderation": Unsupported("moderation is not supported"),
+    "prompt": Unsupported("prompt templates are not served"),
+    "service_tier": Unsupported("this server has one service tier", (None, "auto", "default")),
+    "prompt_cache_retention": Unsupported("the prefix cache lives in memory only", (None, "in_memory")),
+    "prompt_cache_options": Unsupported("the prefix cache is automatic and has no options", (None, {})),
+    "top_logprobs": Unsupported("logprobs are not served on /v1/responses; use /v1/chat/completions", (None, 0)),
+    "truncation": Unsupported("a conversation longer than the context is a 400, never truncated",
+                              (None, "disabled")),
+}
+
 EMBEDDING: dict[str, Unsupported] = {}  # every field of CreateEmbeddingRequest is honoured
 
 

@@ -9,9 +9,9 @@ import os
 
 import schemathesis
 
-from pluginfer.server.unsupported import CHAT, COMPLETION
+from pluginfer.server.unsupported import CHAT, COMPLETION, RESPONSES
 
-REFUSED = frozenset(CHAT) | frozenset(COMPLETION)
+REFUSED = frozenset(CHAT) | frozenset(COMPLETION) | frozenset(RESPONSES)
 _counter = itertools.count()
 
 

@@ -1,5 +1,5 @@
 """schemathesis against OpenAI's published spec (shared/data/openai-openapi.json): a few hundred generated
-requests per operation (chat, completions, embeddings, models), then hypothesis on /tokenize and /detokenize.
+requests per operation (chat, completions, embeddings, models, responses), then hypothesis on /tokenize and /detokenize.
 Only 2xx and 4xx answers are allowed; after each batch the server is alive, answers an ordinary request, and
 every KV block is free again (read from /metrics). The long run is benchmarks/fuzz.py (docs/reliability.md)."""
 
@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from tests.server.conftest import MODEL_NAME, http
 
 SPEC = Path(os.environ.get("PLUGINFER_OPENAI_SPEC", Path(__file__).resolve().parents[3] / "shared" / "data" / "openai-openapi.json"))
-OPERATIONS = ["createChatCompletion", "createCompletion", "createEmbedding", "listModels", "retrieveModel"]
+OPERATIONS = ["createChatCompletion", "createCompletion", "createEmbedding", "listModels", "retrieveModel",
+              "createResponse", "getResponse", "deleteResponse"]
 EXAMPLES = int(os.environ.get("PLUGINFER_FUZZ_EXAMPLES", "25"))  # per operation and phase
 
 
