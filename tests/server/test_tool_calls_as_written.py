@@ -18,7 +18,7 @@ import random
 import pytest
 
 from pluginfer.core.registry import get_registry
-from pluginfer.server.chat import _ChoiceText
+from pluginfer.server.chat import ChoiceText
 from pluginfer.server.tools import Tool, ToolCalling
 from tests.server.conftest import MODEL_NAME, make_client
 from tests.server.test_tools import TOOL_TEMPLATE, _streamed_calls
@@ -85,10 +85,10 @@ CASES = [
 ]
 
 
-def _choice(parser: str, reasoning: str | None) -> _ChoiceText:
+def _choice(parser: str, reasoning: str | None) -> ChoiceText:
     registry = get_registry()
     calling = ToolCalling.from_request(TOOLS, "auto", None, registry.load("tool_parser", parser))
-    return _ChoiceText(registry.load("reasoning_parser", reasoning) if reasoning else None, calling)
+    return ChoiceText(registry.load("reasoning_parser", reasoning) if reasoning else None, calling)
 
 
 def _whole(parser: str, reasoning: str | None, text: str) -> tuple[str, str | None, list[tuple[str, str]]]:
@@ -176,7 +176,7 @@ def test_parallel_tool_calls_false_keeps_the_first_of_a_list():
     registry = get_registry()
     calling = ToolCalling.from_request(TOOLS, "auto", False, registry.load("tool_parser", "hermes"))
     text = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
-    message = _ChoiceText(None, calling).message(text)
+    message = ChoiceText(None, calling).message(text)
     assert message["content"] is None
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
         ("get_weather", PARIS)]
