@@ -25,9 +25,12 @@ FILES = {  # file -> (a linear weight's HF name, the type of the file's linear w
     "llamacpp-gemma3-q8_0.gguf": ("model.layers.5.self_attn.k_proj.weight", "Q8_0"),
     "llamacpp-phi2-q8_0.gguf": ("model.layers.0.self_attn.dense.weight", "Q8_0"),
     "llamacpp-phi3-q8_0.gguf": ("model.layers.0.self_attn.qkv_proj.weight", "Q8_0"),  # fused, as in the file
+    "llamacpp-phi3-longrope-q8_0.gguf": ("model.layers.1.mlp.gate_up_proj.weight", "Q8_0"),
     "llamacpp-stablelm-q8_0.gguf": ("model.layers.1.mlp.gate_proj.weight", "Q8_0"),
     "llamacpp-glm4-q8_0.gguf": ("model.layers.0.mlp.gate_up_proj.weight", "Q8_0"),  # fused, as in the file
 }
+# Past the original context of 64: transformers then turns with the long factors, as this run does.
+PROMPT_LENGTHS = {"llamacpp-phi3-longrope-q8_0.gguf": 72}
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +53,7 @@ def test_llama_cpp_file_generates_like_transformers(name: str) -> None:
 
     oracle = transformers_from_source(path, architecture, source_config(config))
     llm = LLM(model=str(path), num_blocks=64, block_size=8)
-    prompt = random_prompts(1000, [24], seed=9)[0]  # 24 tokens: past the sliding windows of 8
+    prompt = random_prompts(1000, [PROMPT_LENGTHS.get(name, 24)], seed=9)[0]  # past the sliding windows of 8
     torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(oracle, prompt), atol=1e-4, rtol=1e-4)
     assert llm.generate([prompt], greedy(16))[0].outputs[0].token_ids == hf_greedy(oracle, prompt, 16)
     tokenizer = llm.get_tokenizer()  # from the file
