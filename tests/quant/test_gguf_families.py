@@ -27,6 +27,7 @@ FILES = {  # file -> (a linear weight's HF name, the type of the file's linear w
     "llamacpp-phi3-q8_0.gguf": ("model.layers.0.self_attn.qkv_proj.weight", "Q8_0"),  # fused, as in the file
     "llamacpp-phi3-longrope-q8_0.gguf": ("model.layers.1.mlp.gate_up_proj.weight", "Q8_0"),
     "llamacpp-stablelm-q8_0.gguf": ("model.layers.1.mlp.gate_proj.weight", "Q8_0"),
+    "llamacpp-stablelm-qknorm-q8_0.gguf": ("model.layers.1.self_attn.o_proj.weight", "Q8_0"),
     "llamacpp-glm4-q8_0.gguf": ("model.layers.0.mlp.gate_up_proj.weight", "Q8_0"),  # fused, as in the file
 }
 # Past the original context of 64: transformers then turns with the long factors, as this run does.
