@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -87,3 +88,38 @@ def test_tensor_without_counterpart_is_named(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(KeyError, match=r"'blk\.0\.attn_sinks\.weight' has no counterpart in the gemma2 pipeline"):
         dict(iter_weights(path))
+
+
+def test_phi2_file_with_fused_qkv(tmp_path: Path) -> None:
+    """Phi-2 files from older converters hold one ``attn_qkv`` (q, k, v rows in turn): the same model."""
+    source_path = FIXTURES / "llamacpp-phi2-q8_0.gguf"
+    source = gguf.GGUFReader(source_path)
+    path = tmp_path / "phi2-qkv.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi2")
+    for field in source.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    tensors = {tensor.name: tensor for tensor in source.tensors}
+    for name, tensor in tensors.items():
+        block, _, kind = name.rpartition(".attn_")
+        if kind.startswith(("q.", "k.", "v.")):
+            if kind.startswith("q."):
+                suffix = kind[2:]
+                parts = [tensors[f"{block}.attn_{p}.{suffix}"] for p in "qkv"]
+                data = np.concatenate([part.data for part in parts])
+                writer.add_tensor(f"{block}.attn_qkv.{suffix}", data, raw_shape=tuple(data.shape),
+                                  raw_dtype=tensor.tensor_type)
+            continue
+        writer.add_tensor(name, tensor.data, raw_shape=tuple(tensor.data.shape), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert "blk.1.attn_qkv.weight" in {tensor.name for tensor in gguf.GGUFReader(path).tensors}
+
+    architecture, config, _ = MODELS["llamacpp-phi2"]
+    oracle = transformers_from_source(source_path, architecture, source_config(config))
+    llm = LLM(model=str(path), num_blocks=64, block_size=8)
+    prompt = random_prompts(1000, [24], seed=9)[0]
+    torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(oracle, prompt), atol=1e-4, rtol=1e-4)
