@@ -70,3 +70,15 @@ def linear_scaling(checkpoint: GGUFCheckpoint) -> dict | None:
         return {"rope_type": "linear", "factor": float(factor)}
     raise ValueError(f"{checkpoint.path}: rope scaling type {kind!r} is not supported for {checkpoint.arch} GGUF "
                      "files (supported: linear)")
+
+
+def write_rope(writer: Any, config: dict, rotary_dim: int) -> None:
+    """``pluginfer convert``: the rope base and rotated size of a family with no rope scaling in GGUF here."""
+    from pluginfer.layers.rotary import rope_parameters
+
+    theta, scaling = rope_parameters(config)
+    if scaling["rope_type"] != "default":
+        raise ValueError(f"rope scaling {scaling['rope_type']!r} cannot be written to a {writer.arch} GGUF file here "
+                         "(supported: none)")
+    writer.add_rope_freq_base(theta)
+    writer.add_rope_dimension_count(rotary_dim)

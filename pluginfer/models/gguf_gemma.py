@@ -104,3 +104,57 @@ def _norm_without_offset(hf_name: str, loaded: Any) -> Any:
     if isinstance(loaded, GGMLTensor):
         loaded = loaded.dequantize(torch.float32)
     return loaded.float() - 1.0
+
+
+def write_hparams(writer: Any, config: dict) -> None:
+    """``pluginfer convert``: the keys llama.cpp's converter writes for Gemma beside the common sizes, refusing
+    what a GGUF reader would read otherwise (llama.cpp decides the query scale and Gemma 2's soft-caps)."""
+    from pluginfer.models.gemma import layer_types, rope_configs
+    from pluginfer.models.gguf_config import write_rope
+
+    generation = {"gemma": 1, "gemma2": 2, "gemma3": 3}[writer.arch]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    if generation == 1:
+        write_rope(writer, config, head_dim)
+        return
+    layers = config["num_hidden_layers"]
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == _LAYERS_27B[writer.arch] else head_dim
+    if config.get("query_pre_attn_scalar", scalar) != scalar:
+        raise ValueError(f"query_pre_attn_scalar {config['query_pre_attn_scalar']} cannot be written to GGUF: "
+                         f"llama.cpp reads {scalar} for a {writer.arch} model of {layers} layers")
+    kinds = layer_types(config, generation)
+    if SLIDING in kinds:
+        writer.add_sliding_window(int(config["sliding_window"]))
+        writer.add_sliding_window_pattern([kind == SLIDING for kind in kinds])
+    if generation == 2:
+        caps = {field: config.get(field) for field in ("attn_logit_softcapping", "final_logit_softcapping")}
+        if None in caps.values():
+            raise ValueError(f"gemma2 {caps}: a GGUF reader applies llama.cpp's soft-caps (50, 30) where none "
+                             "is written")
+        writer.add_attn_logit_softcapping(float(caps["attn_logit_softcapping"]))
+        writer.add_final_logit_softcapping(float(caps["final_logit_softcapping"]))
+        write_rope(writer, config, head_dim)
+        return
+    if config.get("final_logit_softcapping") is not None:
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    ropes = {kind: rope["rope_parameters"] for kind, rope in rope_configs(config, 3).items()}
+    full, local = ropes[FULL], ropes[SLIDING]
+    for kind, rope in ropes.items():
+        allowed = ("default", "linear") if kind == FULL else ("default",)
+        if rope.get("rope_type", "default") not in allowed:
+            raise ValueError(f"rope_parameters.{kind}: {rope.get('rope_type')!r} cannot be written to GGUF here "
+                             f"(supported: {', '.join(allowed)})")
+    writer.add_rope_freq_base(float(full["rope_theta"]))
+    writer.add_rope_freq_base_swa(float(local["rope_theta"]))
+    writer.add_rope_dimension_count(head_dim)
+    if full.get("rope_type") == "linear":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(full["factor"]))
+
+
+def tensor_for_file(hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``pluginfer convert``: norm weights as llama.cpp stores them (``1 + w``)."""
+    return tensor + 1.0 if hf_name.endswith("norm.weight") else tensor

@@ -9,8 +9,10 @@ read here).
 
 from __future__ import annotations
 
+from typing import Any
+
 from pluginfer.formats.gguf.checkpoint import GGUFCheckpoint, GGUFModel
-from pluginfer.models.gguf_config import decoder_config, linear_scaling, rotary_factor
+from pluginfer.models.gguf_config import decoder_config, linear_scaling, rotary_factor, write_rope
 
 HF_MODULES = (
     "model.embed_tokens", "model.norm", "lm_head",
@@ -39,3 +41,12 @@ def hf_config(checkpoint: GGUFCheckpoint) -> dict:
     if linear_scaling(checkpoint):
         raise ValueError(f"{checkpoint.path}: rope scaling is not supported for glm4 GGUF files")
     return config
+
+
+def write_hparams(writer: Any, config: dict) -> None:
+    """``pluginfer convert``: the keys llama.cpp's converter writes for GLM-4 beside the common sizes."""
+    from pluginfer.layers.rotary import partial_rotary_dim
+    from pluginfer.models.glm4 import head_dim_of
+
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    write_rope(writer, config, partial_rotary_dim(config, head_dim_of(config), default_factor=0.5))

@@ -12,6 +12,8 @@ llama.cpp's conventions:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from pluginfer.formats.gguf.checkpoint import GGUFCheckpoint, GGUFModel
@@ -78,3 +80,35 @@ def _factors(checkpoint: GGUFCheckpoint, name: str) -> list[float]:
     if tensor.tensor_type.name != "F32":
         raise ValueError(f"{checkpoint.path}: tensor {name!r} is {tensor.tensor_type.name}; llama.cpp reads it as F32")
     return np.array(tensor.data, dtype=np.float32).reshape(-1).tolist()
+
+
+def write_hparams(writer: Any, config: dict) -> None:
+    """``pluginfer convert``: the keys llama.cpp's converter writes for Phi-2 / Phi-3 beside the common sizes."""
+    import gguf
+
+    from pluginfer.layers.rotary import partial_rotary_dim, rope_parameters
+    from pluginfer.models.gguf_config import write_rope
+
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if writer.arch == "phi2":
+        writer.add_layer_norm_eps(float(config.get("layer_norm_eps", 1e-5)))
+        write_rope(writer, config, partial_rotary_dim(config, head_dim, default_factor=0.5))
+        return
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
+    theta, scaling = rope_parameters(config)
+    writer.add_rope_freq_base(theta)
+    writer.add_rope_dimension_count(partial_rotary_dim(config, head_dim))
+    writer.add_sliding_window(int(config.get("sliding_window") or 0))  # 0: none, as llama.cpp writes it
+    original = config.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    if original:
+        writer.add_rope_scaling_orig_ctx_len(int(original))
+    if scaling["rope_type"] in ("longrope", "su"):
+        given = [key for key in ("factor", "attention_factor") if scaling.get(key) is not None]
+        if given:  # the reader computes both from the context lengths, as transformers does by default
+            raise ValueError(f"rope_scaling: longrope with {', '.join(given)} cannot be written to GGUF here")
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+        writer.add_tensor(_LONG, np.array(scaling["long_factor"], dtype=np.float32))
+        writer.add_tensor(_SHORT, np.array(scaling["short_factor"], dtype=np.float32))
+    elif scaling["rope_type"] != "default":
+        raise ValueError(f"rope scaling {scaling['rope_type']!r} cannot be written to a phi3 GGUF file here "
+                         "(supported: longrope)")

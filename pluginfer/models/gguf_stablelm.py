@@ -8,8 +8,10 @@ input norm (StableLM 2 12B), as llama.cpp's graph does; per-head q/k LayerNorms 
 
 from __future__ import annotations
 
+from typing import Any
+
 from pluginfer.formats.gguf.checkpoint import GGUFCheckpoint, GGUFModel
-from pluginfer.models.gguf_config import decoder_config, linear_scaling, rotary_factor
+from pluginfer.models.gguf_config import decoder_config, linear_scaling, rotary_factor, write_rope
 
 HF_MODULES = (
     "model.embed_tokens", "model.norm", "lm_head",
@@ -41,3 +43,15 @@ def hf_config(checkpoint: GGUFCheckpoint) -> dict:
     if linear_scaling(checkpoint):
         raise ValueError(f"{checkpoint.path}: rope scaling is not supported for stablelm GGUF files")
     return config
+
+
+def write_hparams(writer: Any, config: dict) -> None:
+    """``pluginfer convert``: the keys llama.cpp's converter writes for StableLM beside the common sizes."""
+    from pluginfer.layers.rotary import partial_rotary_dim
+    from pluginfer.models.stablelm import head_dim_of
+
+    if config.get("qk_layernorm"):
+        raise ValueError("qk_layernorm: StableLM's per-head q/k LayerNorms cannot be written to GGUF here")
+    writer.add_layer_norm_eps(float(config.get("layer_norm_eps", 1e-5)))
+    writer.add_parallel_residual(bool(config.get("use_parallel_residual", False)))
+    write_rope(writer, config, partial_rotary_dim(config, head_dim_of(config), default_factor=0.25))
