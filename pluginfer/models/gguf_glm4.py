@@ -20,6 +20,7 @@ HF_MODULES = (
     "model.layers.{bid}.post_attention_layernorm", "model.layers.{bid}.post_mlp_layernorm",
     "model.layers.{bid}.self_attn.q_proj", "model.layers.{bid}.self_attn.k_proj",
     "model.layers.{bid}.self_attn.v_proj", "model.layers.{bid}.self_attn.o_proj",
+    "model.layers.{bid}.self_attn.qkv_proj",  # llama.cpp reads a fused attn_qkv too
     "model.layers.{bid}.mlp.gate_up_proj", "model.layers.{bid}.mlp.down_proj",
 )
 

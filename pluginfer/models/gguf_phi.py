@@ -31,6 +31,8 @@ PHI3_MODULES = (
     "model.embed_tokens", "model.norm", "lm_head",
     "model.layers.{bid}.input_layernorm", "model.layers.{bid}.post_attention_layernorm",
     "model.layers.{bid}.self_attn.qkv_proj", "model.layers.{bid}.self_attn.o_proj",
+    "model.layers.{bid}.self_attn.q_proj", "model.layers.{bid}.self_attn.k_proj",  # llama.cpp reads these too
+    "model.layers.{bid}.self_attn.v_proj",
     "model.layers.{bid}.mlp.gate_up_proj", "model.layers.{bid}.mlp.down_proj",
 )
 
