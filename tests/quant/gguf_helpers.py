@@ -85,7 +85,7 @@ def _gguf_py_tensors(reader: object, arch: str, model: torch.nn.Module, strict: 
         tensor = in_file[gguf_name]
         used.add(gguf_name)
         dense = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        dense = torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).reshape(
+        dense = torch.from_numpy(np.array(dense, dtype=np.float32)).reshape(  # a copy: the mapping is read-only
             [int(d) for d in reversed(tensor.shape)])
         if per_head:
             dense = dense[int(per_head[2])]  # llama.cpp's StableLMModel._stack_qk_norm stacks the heads in order
