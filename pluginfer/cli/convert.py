@@ -1,8 +1,10 @@
-"""``pluginfer convert``: a Hugging Face llama/qwen2/qwen3 checkpoint to a quantized ``.gguf`` file.
+"""``pluginfer convert``: a Hugging Face checkpoint (llama, qwen2/3, gemma 1-3, phi-2/3, stablelm, glm4) to a
+quantized ``.gguf`` file.
 
 The file follows llama.cpp's ``convert_hf_to_gguf.py``: the same metadata keys, a gpt2-style BPE
 vocabulary with merges and token types, the chat template, llama's q/k rows permuted, 1-D
-tensors in F32. Linear weights take the requested type, quantized by ``quant/ggml_blocks.py``
+tensors in F32; the other families' keys and tensor changes (Gemma's norms stored ``1 + w``) come from
+their GGUF module's ``write_hparams`` / ``tensor_for_file`` (``pluginfer/models/gguf_*.py``). Linear weights take the requested type, quantized by ``quant/ggml_blocks.py``
 (F16 where a row does not divide into its blocks, as llama.cpp falls back); the embedding and the
 LM head take ``--embedding-type``.
 """
@@ -10,6 +12,7 @@ LM head take ``--embedding-type``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -23,7 +26,14 @@ if TYPE_CHECKING:  # torch is imported where a conversion runs: `pluginfer serve
 
 # HF architecture -> GGUF general.architecture.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                 "PhiForCausalLM": "phi2", "Phi3ForCausalLM": "phi3", "StableLmForCausalLM": "stablelm",
+                 "Glm4ForCausalLM": "glm4"}
+# GGUF architecture -> the module writing its own keys (``write_hparams``) and tensor changes (``tensor_for_file``).
+_FAMILY_WRITERS = {**dict.fromkeys(("gemma", "gemma2", "gemma3"), "pluginfer.models.gguf_gemma"),
+                   **dict.fromkeys(("phi2", "phi3"), "pluginfer.models.gguf_phi"),
+                   "stablelm": "pluginfer.models.gguf_stablelm", "glm4": "pluginfer.models.gguf_glm4"}
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
 # Our type names -> llama.cpp's general.file_type.
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
@@ -125,7 +135,13 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
                          f"(supported: {', '.join(ARCHITECTURES)})")
     arch = ARCHITECTURES[names[0]]
     writer = gguf.GGUFWriter(str(output), arch)
-    _write_hparams(writer, config, gguf.LlamaFileType[_FILE_TYPES[quant]])
+    family = importlib.import_module(_FAMILY_WRITERS[arch]) if arch in _FAMILY_WRITERS else None
+    _write_sizes(writer, config, gguf.LlamaFileType[_FILE_TYPES[quant]])
+    if family is None:
+        _write_llama_hparams(writer, config)
+    else:
+        family.write_hparams(writer, config)
+    to_file = getattr(family, "tensor_for_file", None)
     _write_tokenizer(writer, tokenizer, int(config["vocab_size"]))
     name_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                         int(config["num_hidden_layers"]))
@@ -147,7 +163,7 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
             writer.add_tensor(gguf_name, raw.numpy(), raw_shape=tuple(raw.shape), raw_dtype=tensor.qtype)
             written, shape = tensor.qtype, tuple(tensor.shape)
         else:
-            tensor = tensor.float()
+            tensor = tensor.float() if to_file is None else to_file(hf_name, tensor.float())
             if arch == "llama" and projection in heads:
                 tensor = permute_rows(tensor, heads[projection])
             wanted = embedding_type if hf_name in ("model.embed_tokens.weight", "lm_head.weight") else quant
@@ -189,11 +205,8 @@ _YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "attention_factor": None, "ms
                   "truncate": True}
 
 
-def _write_hparams(writer: object, config: dict, file_type: object) -> None:
-    import gguf
-
-    from pluginfer.layers.rotary import rope_parameters
-
+def _write_sizes(writer: object, config: dict, file_type: object) -> None:
+    """The keys every family's file has."""
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer.add_name(config.get("_name_or_path") or "pluginfer-convert")
@@ -203,14 +216,23 @@ def _write_hparams(writer: object, config: dict, file_type: object) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    theta, scaling = rope_parameters(config)
-    writer.add_rope_freq_base(theta)
-    writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(file_type)
+
+
+def _write_llama_hparams(writer: object, config: dict) -> None:
+    """Norm epsilon, rope and sliding window of the llama/qwen families."""
+    import gguf
+
+    from pluginfer.layers.rotary import rope_parameters
+
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    theta, scaling = rope_parameters(config)
+    writer.add_rope_freq_base(theta)
+    writer.add_rope_dimension_count(head_dim)
     if scaling["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(scaling["factor"]))

@@ -104,7 +104,17 @@ class StableLmForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # HF's self_attn.{q,k}_layernorm are SelfAttention's q_norm / k_norm here.
         super().load_weights((name.replace(".q_layernorm.", ".q_norm.").replace(".k_layernorm.", ".k_norm."), tensor)
-                             for name, tensor in weights)
+                             for name, tensor in _per_head_norms(weights))
+
+
+def _per_head_norms(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """A ``[heads, head_dim]`` stack of the per-head q/k norms (GGUF files hold them so) as HF's ``norms.<i>``."""
+    for name, tensor in weights:
+        if name.endswith(("self_attn.q_layernorm.weight", "self_attn.k_layernorm.weight")) and tensor.dim() == 2:
+            prefix = name.removesuffix("weight")
+            yield from ((f"{prefix}norms.{head}.weight", row) for head, row in enumerate(tensor))
+        else:
+            yield name, tensor
 
 
 _SUPPORTED_ACTIVATIONS = ("silu",)

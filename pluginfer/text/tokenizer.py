@@ -157,7 +157,12 @@ def transformers_gguf_tokenizer(path: Path) -> Any:
         except Exception as exc:  # a broken entry: build the tokenizer again, and replace it
             logger.info("tokenizer cache %s unreadable (%s: %s); building the tokenizer", cached,
                         type(exc).__name__, exc)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError:  # an architecture transformers reads no model config of (gemma, phi2, glm4): its vocabulary
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     try:
         data = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
         cached.parent.mkdir(parents=True, exist_ok=True)

@@ -28,3 +28,70 @@ def transformers_from_gguf(path: Path, rope_parameters: dict | None = None) -> t
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+def transformers_from_source(path: Path, architecture: str, config: dict) -> torch.nn.Module:
+    """transformers' ``architecture`` built from the source checkpoint's ``config`` with the file's weights.
+
+    For the families whose GGUF config transformers maps short of llama.cpp's meaning (Gemma 2/3's
+    ``query_pre_attn_scalar`` and Gemma 3's final soft-capping are left at transformers' defaults) or not at
+    all (gemma, phi2, glm4): the config is the one llama.cpp's converter read. The weights are transformers'
+    GGUF reading where it has one (``load_gguf_checkpoint``), else gguf-py's: its name map and dequantization,
+    with the one change llama.cpp's converter makes to these files undone (Gemma's norm weights stored + 1).
+    """
+    import gguf
+    import transformers
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model_cls = getattr(transformers, architecture)
+    model = model_cls(model_cls.config_class(**config)).to(torch.float32).eval()
+    reader = gguf.GGUFReader(path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if arch in GGUF_CONFIG_MAPPING:
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+        # transformers' reader leaves out StableLM's stacked per-head q/k norms: gguf-py's rows give them
+        tensors.update({name: tensor for name, tensor in _gguf_py_tensors(reader, arch, model, strict=False).items()
+                        if name not in tensors})
+    else:
+        tensors = _gguf_py_tensors(reader, arch, model)
+    result = model.load_state_dict(tensors, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys
+    tied = model.config.tie_word_embeddings
+    assert set(result.missing_keys) <= ({"lm_head.weight"} if tied else set()), result.missing_keys
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def _gguf_py_tensors(reader: object, arch: str, model: torch.nn.Module, strict: bool = True) -> dict[str, torch.Tensor]:
+    import re
+
+    import gguf
+    import numpy as np
+
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    name_map = gguf.get_tensor_name_map(model_arch, model.config.num_hidden_layers)
+    in_file = {tensor.name: tensor for tensor in reader.tensors}
+    tensors, used = {}, set()
+    for hf_name in model.state_dict():
+        module, _, suffix = hf_name.rpartition(".")
+        per_head = re.fullmatch(r"(.*_layernorm)\.norms\.(\d+)", module)  # StableLM's one LayerNorm per head
+        if per_head:
+            module = per_head[1]
+        gguf_name = f"{name_map.get_name(module)}.{suffix}"
+        if gguf_name not in in_file:
+            continue
+        tensor = in_file[gguf_name]
+        used.add(gguf_name)
+        dense = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        dense = torch.from_numpy(np.array(dense, dtype=np.float32)).reshape(  # a copy: the mapping is read-only
+            [int(d) for d in reversed(tensor.shape)])
+        if per_head:
+            dense = dense[int(per_head[2])]  # llama.cpp's StableLMModel._stack_qk_norm stacks the heads in order
+        if arch == "gemma" and hf_name.endswith("norm.weight"):
+            dense = dense - 1  # llama.cpp's GemmaModel.modify_tensors writes norm weights + 1
+        tensors[hf_name] = dense
+    unused = sorted(set(in_file) - used)
+    assert not (strict and unused), f"tensors transformers' {type(model).__name__} has no place for: {unused}"
+    return tensors

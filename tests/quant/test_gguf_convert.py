@@ -60,10 +60,10 @@ def test_converted_file_generates_like_the_in_situ_quantized_checkpoint(
 
 def test_convert_refuses_what_it_cannot_write(tiny_llama_checkpoint: tuple[Path, object], tmp_path: Path,
                                               capsys: pytest.CaptureFixture) -> None:
-    source = tmp_path / "gemma"
+    source = tmp_path / "falcon"
     shutil.copytree(tiny_llama_checkpoint[0], source)
     config = json.loads((source / "config.json").read_text())
-    config["architectures"] = ["GemmaForCausalLM"]
+    config["architectures"] = ["FalconForCausalLM"]
     (source / "config.json").write_text(json.dumps(config))
     assert main(["convert", "--model", str(source), "--quant", "q8_0", "--output", str(tmp_path / "x.gguf")]) == 2
     assert "cannot be converted (supported: LlamaForCausalLM" in capsys.readouterr().err
