@@ -23,7 +23,12 @@ from pluginfer.layers.causal_lm import check_positive_fields
 from pluginfer.layers.context import current_context
 from pluginfer.layers.embedding import VocabParallelEmbedding
 from pluginfer.layers.encoder_attention import EncoderAttention
-from pluginfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from pluginfer.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from pluginfer.layers.norm import LayerNorm
 from pluginfer.layers.weights import load_named_weights
 

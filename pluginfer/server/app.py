@@ -24,6 +24,7 @@ from pluginfer.server.errors import APIError, bad_request, error_middleware
 from pluginfer.server.metrics import CONTENT_TYPE
 from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from pluginfer.server.request_processors import RequestProcessors
+from pluginfer.server.score import add_score_routes
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import CLIENT_LEFT
 from pluginfer.server.tools import ToolCalling
@@ -57,6 +58,7 @@ def add_builtin_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/chat/completions", create_chat_completion)
     router.add_post("/v1/completions", create_completion)
     router.add_post("/v1/embeddings", create_embedding)
+    add_score_routes(router)
     router.add_get("/v1/models", list_models)
     router.add_get("/v1/models/{model_id:.+}", get_model)
     router.add_post("/tokenize", tokenize)
