@@ -2,7 +2,8 @@
 
 - ``bert`` / ``xlm_roberta``: bare encoders saved by sentence-transformers (mean pooling + Normalize / CLS pooling);
 - ``bert_cross`` / ``xlm_roberta_cross``: ``*ForSequenceClassification`` with one label, as sentence-transformers'
-  ``CrossEncoder`` loads them.
+  ``CrossEncoder`` loads them; ``bert_cross_identity``: the BERT one saved by ``CrossEncoder.save`` (v6 files) with
+  an Identity activation (raw logits).
 The tokenizer's specials are ``[CLS]`` 0, ``[PAD]`` 1 (RoBERTa's padding_idx), ``[SEP]`` 2; BERT's pairs are
 ``[CLS] a [SEP] b [SEP]`` with token type 1 on the second text, XLM-RoBERTa's all type 0 (its one token type).
 """
@@ -81,4 +82,10 @@ def save_encoder_checkpoints(root: Path) -> dict[str, Path]:
             ("xlm_roberta_cross", "XLMRobertaForSequenceClassification", xlmr_tokenizer, {"type_vocab_size": 1})):
         _save(arch, root / name, tokenizer, seed=4, num_labels=1, **extra)
         paths[name] = root / name
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    CrossEncoder(str(paths["bert_cross"]), device="cpu", activation_fn=torch.nn.Identity()).save(
+        str(root / "bert_cross_identity"))
+    paths["bert_cross_identity"] = root / "bert_cross_identity"
     return paths

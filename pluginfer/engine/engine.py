@@ -95,7 +95,7 @@ class LLMEngine:
         # A checkpoint without an LM head (an embedding model's bare decoder) only embeds.
         self.can_generate = not is_backbone_only(hf_config) and pipeline.can_generate
         self.is_causal = is_causal(pipeline)  # False: an encoder, which reads each prompt whole in one step
-        self.scorer = read_scorer(pipeline, config, hf_config, self.tokenizer)
+        self.scorer = read_scorer(pipeline, config, hf_config, self.tokenizer, self.executor.model_path)
         self.scores = scores_pooled_rows(pipeline, config, hf_config)  # pooled rows are scored, never embedded
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()

@@ -3,8 +3,9 @@
 Two kinds of model score, as sentence-transformers and vLLM do:
 - a cross-encoder (a ``*ForSequenceClassification`` encoder whose pipeline has ``num_labels``): the pair is encoded
   as the tokenizer encodes a pair (token types included), the classifier's one logit of the first token is the
-  score, through a sigmoid as sentence-transformers' ``CrossEncoder`` applies for one label (its config.json's
-  ``sentence_transformers.activation_fn`` may say Identity instead);
+  score, through a sigmoid as sentence-transformers' ``CrossEncoder`` applies for one label (the ``activation_fn``
+  it saves, in ``config_sentence_transformers.json`` (v6) or config.json's ``sentence_transformers``, may say
+  Identity instead);
 - a causal LM scored from two tokens' logits at the last position (Qwen3-Reranker's recipe): ``score_tokens``
   (``--score-tokens no --score-tokens yes``) or config.json's ``classifier_from_token`` (vLLM's override) name the
   "false" and the "true" token; the score is ``sigmoid(logit(true) - logit(false))``, the softmax of the pair.
@@ -13,8 +14,10 @@ In both the scored rows' logits come back from the worker in place of hidden sta
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,17 +69,30 @@ class Scorer:
         return lambda logits: float(torch.sigmoid(logits[0])) if sigmoid else float(logits[0])
 
 
-def read_scorer(pipeline: Any, config: Any, hf_config: dict, tokenizer: Any) -> Scorer:
+def _activation(model_path: Path, hf_config: dict) -> tuple[str | None, str]:
+    """The CrossEncoder's saved ``activation_fn`` and the file that says it (None: not saved, a sigmoid)."""
+    settings = model_path / "config_sentence_transformers.json"
+    if settings.is_file():
+        try:
+            saved = json.loads(settings.read_text()).get("activation_fn")
+        except (OSError, ValueError, AttributeError):
+            saved = None
+        if saved is not None:
+            return saved, settings.name
+    return (hf_config.get("sentence_transformers") or {}).get("activation_fn"), "config.json"
+
+
+def read_scorer(pipeline: Any, config: Any, hf_config: dict, tokenizer: Any, model_path: Path) -> Scorer:
     """This model's scorer, or one whose ``problem`` says why it cannot score."""
     labels = int(getattr(pipeline, "num_labels", 0) or 0)
     tokens = score_tokens_of(config, hf_config)
     if labels:
         if labels != 1:
             return Scorer(problem=f"this classifier has num_labels {labels}; a score needs one label")
-        activation = (hf_config.get("sentence_transformers") or {}).get("activation_fn")
+        activation, source = _activation(model_path, hf_config) if model_path.is_dir() else (None, "")
         if activation is not None and activation not in _IDENTITY + _SIGMOID:
-            return Scorer(problem=f"config.json: sentence_transformers.activation_fn {activation!r} is not "
-                          "supported (supported: Sigmoid, Identity)")
+            return Scorer(problem=f"{source}: activation_fn {activation!r} is not supported (supported: Sigmoid, "
+                          "Identity)")
         return Scorer(method="cls", sigmoid=activation not in _IDENTITY)
     if tokens:
         if len(tokens) != 2:

@@ -32,7 +32,7 @@ def test_embeddings_equal_sentence_transformers(encoder_checkpoints, name: str) 
     assert np.abs(got[0] - got[3]).max() > 1e-3 or name == "bert"  # (bert's tokenizer lowercases: same text)
 
 
-@pytest.mark.parametrize("name", ["bert_cross", "xlm_roberta_cross"])
+@pytest.mark.parametrize("name", ["bert_cross", "xlm_roberta_cross", "bert_cross_identity"])
 def test_cross_encoder_scores_equal_sentence_transformers(encoder_checkpoints, name: str) -> None:
     from sentence_transformers import CrossEncoder
 
@@ -44,6 +44,21 @@ def test_cross_encoder_scores_equal_sentence_transformers(encoder_checkpoints, n
     expected_one = CrossEncoder(str(encoder_checkpoints[name]), device="cpu").predict(
         [(QUERIES[0], document) for document in DOCUMENTS])
     np.testing.assert_allclose(one_to_many, expected_one, atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow  # two spawned ranks
+def test_two_tensor_parallel_ranks_equal_sentence_transformers(encoder_checkpoints) -> None:
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    expected = SentenceTransformer(str(encoder_checkpoints["bert"]), device="cpu").encode(TEXTS)
+    with LLM(str(encoder_checkpoints["bert"]), tensor_parallel_size=2, **SMALL) as llm:
+        got = np.array([output.embedding for output in llm.embed(TEXTS)])
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+    cross = encoder_checkpoints["xlm_roberta_cross"]
+    expected = CrossEncoder(str(cross), device="cpu").predict(list(zip(QUERIES, DOCUMENTS)))
+    with LLM(str(cross), tensor_parallel_size=2, **SMALL) as llm:
+        got = [output.score for output in llm.score(QUERIES, DOCUMENTS)]
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
 
 
 def test_bert_pairs_carry_token_types(encoder_checkpoints) -> None:

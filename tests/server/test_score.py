@@ -113,20 +113,3 @@ def test_a_generative_model_cannot_rerank(tiny_llama_checkpoint) -> None:
     finally:
         server.stop()
         engine.shutdown()
-
-
-def test_encoder_embeddings_through_the_openai_client(encoder_checkpoints) -> None:
-    from sentence_transformers import SentenceTransformer
-
-    config = server_config(encoder_checkpoints["xlm_roberta"])
-    engine = start_engine(config)
-    server = BackgroundServer(engine, config)
-    texts = ["the quick brown fox", "hi", "a longer sentence about the sea"]
-    try:
-        with make_client(server, strict=False) as client:  # base64 by default (see test_embeddings.py)
-            got = [d.embedding for d in client.embeddings.create(model="tiny-llama", input=texts).data]
-    finally:
-        server.stop()
-        engine.shutdown()
-    expected = SentenceTransformer(str(encoder_checkpoints["xlm_roberta"]), device="cpu").encode(texts)
-    np.testing.assert_allclose(np.array(got), expected, atol=ATOL, rtol=0)
