@@ -69,6 +69,20 @@ def test_bert_pairs_carry_token_types(encoder_checkpoints) -> None:
     assert abs(ab.score - ba.score) > 1e-4
 
 
+def test_prompts_that_do_not_share_a_step_wait_whole_rather_than_chunk(encoder_checkpoints) -> None:
+    """A step of 16 tokens holds one of these ~10-token prompts: the next waits for the next step (an encoder's
+    prompt cut over two steps would attend to half of itself)."""
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["the quick brown fox jumps", "hills and rivers far away", "a brown fox and a dog"]
+    expected = SentenceTransformer(str(encoder_checkpoints["bert"]), device="cpu").encode(texts)
+    with LLM(str(encoder_checkpoints["bert"]), **SMALL, **{"scheduler.max_num_batched_tokens": 16}) as llm:
+        lengths = [len(llm.get_tokenizer().encode(text)) for text in texts]
+        got = np.array([output.embedding for output in llm.embed(texts)])
+    assert all(8 < n <= 16 for n in lengths), lengths
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
 def test_an_encoder_prompt_longer_than_a_step_is_refused(encoder_checkpoints) -> None:
     with LLM(str(encoder_checkpoints["bert"]), **SMALL, **{"scheduler.max_num_batched_tokens": 16}) as llm:
         with pytest.raises(ValueError, match="max_num_batched_tokens 16"):
