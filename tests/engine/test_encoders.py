@@ -140,3 +140,24 @@ def test_pooling_flag_on_a_causal_lm_without_pooling_files(tiny_llama_checkpoint
     with LLM(str(path), pooling=method, **SMALL) as llm:
         got = torch.tensor(llm.embed(ids, PoolingParams())[0].embedding)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(("changes", "pattern"), [
+    ({"position_embedding_type": "relative_key"}, "position_embedding_type 'relative_key'"),
+    ({"hidden_act": "mish"}, "hidden_act"),
+    ({"is_decoder": True}, "is_decoder"),
+    ({"hidden_size": 66}, "not a multiple of num_attention_heads"),
+])
+def test_config_values_the_encoder_does_not_implement_are_named(encoder_checkpoints, tmp_path, changes: dict,
+                                                                 pattern: str) -> None:
+    from tests.checkpoints import assert_config_rejected
+
+    assert_config_rejected(encoder_checkpoints["bert"], tmp_path / "bert", changes, pattern)
+
+
+def test_a_context_past_the_position_table_is_named(encoder_checkpoints) -> None:
+    """XLM-RoBERTa's positions start at pad_token_id + 1: max_position_embeddings 130 leaves 128."""
+    with LLM(str(encoder_checkpoints["xlm_roberta"]), **SMALL) as llm:
+        assert llm.engine.max_model_len == 128
+    with pytest.raises(ValueError, match="max_model_len: 129 exceeds"):
+        LLM(str(encoder_checkpoints["xlm_roberta"]), max_model_len=129, **SMALL)
