@@ -113,3 +113,32 @@ def test_a_generative_model_cannot_rerank(tiny_llama_checkpoint) -> None:
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_a_yes_no_reranker_through_rerank_equals_transformers(tiny_llama_checkpoint) -> None:
+    """--score-tokens on a causal LM: each document's relevance is sigmoid(logit(true) - logit(false)) at the
+    last position of the pair, as transformers computes the logits."""
+    import torch
+    from transformers import AutoTokenizer
+
+    path, model = tiny_llama_checkpoint
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    false, true = tokenizer.convert_ids_to_tokens([300, 301])
+    config = server_config(path, score_tokens=[false, true])
+    engine = start_engine(config)
+    server = BackgroundServer(engine, config)
+    try:
+        status, body = post(server, "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2})
+    finally:
+        server.stop()
+        engine.shutdown()
+    assert status == 200, body
+    expected = []
+    for document in DOCUMENTS:
+        with torch.no_grad():
+            logits = model(torch.tensor([tokenizer(QUERY, document)["input_ids"]])).logits[0, -1]
+        expected.append(torch.sigmoid(logits[301] - logits[300]).item())
+    order = list(np.argsort(-np.array(expected)))[:2]
+    assert [r["index"] for r in body["results"]] == order
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], np.array(expected)[order],
+                               atol=ATOL, rtol=0)
