@@ -85,6 +85,9 @@ def test_rerank_sorts_by_relevance(score_server, cross_encoder, path: str) -> No
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1 has 2"),
     ("/v1/score", {"text_1": "a", "text_2": [1, 2]}, "text_2"),
     ("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    ("/v1/score", {"text_1": {"text": "a"}, "text_2": "b"}, "text_1"),
+    ("/v1/score", {"text_1": "a", "text_2": ["b"] * 3000}, "at most 2048"),
+    ("/v1/rerank", {"query": " ".join(["word"] * 200), "documents": ["a"]}, "more than the model's context"),
 ])
 def test_bad_requests_are_400_and_the_server_goes_on(score_server, path: str, body: dict, names: str) -> None:
     status, answer = post(score_server, path, body)
