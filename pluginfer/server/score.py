@@ -26,7 +26,9 @@ from pluginfer.server.unsupported import check_fields
 MAX_PAIRS = 2048  # as many inputs as one embeddings request may have
 
 
-class _Strict(BaseModel):
+class _KnownFields(BaseModel):
+    """A request model whose unknown fields are a 400 naming them."""
+
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -48,7 +50,7 @@ def _texts(given: Any, name: str) -> Any:
     return given
 
 
-class ScoreRequest(_Strict):
+class ScoreRequest(_KnownFields):
     """vLLM's ScoreRequest: ``text_1`` against each ``text_2`` (1:N) or side by side (N:N)."""
 
     model: str | None = None
@@ -68,7 +70,7 @@ class RerankDocument(BaseModel):
     text: StrictStr
 
 
-class RerankRequest(_Strict):
+class RerankRequest(_KnownFields):
     """Jina's / Cohere's rerank request: the documents best matching ``query``, best first."""
 
     model: str | None = None
