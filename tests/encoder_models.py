@@ -1,9 +1,10 @@
-"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa) with an offline-trained WordPiece tokenizer.
+"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa, ModernBERT) with an offline-trained WordPiece tokenizer.
 
 - ``bert`` / ``xlm_roberta``: bare encoders saved by sentence-transformers (mean pooling + Normalize / CLS pooling);
 - ``bert_cross`` / ``xlm_roberta_cross``: ``*ForSequenceClassification`` with one label, as sentence-transformers'
   ``CrossEncoder`` loads them; ``bert_cross_identity``: the BERT one saved by ``CrossEncoder.save`` (v6 files) with
-  an Identity activation (raw logits).
+  an Identity activation (raw logits);
+- ``modernbert`` / ``modernbert_cross``: the same two kinds for ModernBERT (``save_modernbert``).
 The tokenizer's specials are ``[CLS]`` 0, ``[PAD]`` 1 (RoBERTa's padding_idx), ``[SEP]`` 2; BERT's pairs are
 ``[CLS] a [SEP] b [SEP]`` with token type 1 on the second text, XLM-RoBERTa's all type 0 (its one token type).
 """
@@ -48,8 +49,9 @@ def _save(arch: str, out: Path, tokenizer_dir: Path, seed: int, **extra: object)
     from transformers import AutoTokenizer
 
     model_cls = getattr(transformers, arch)
+    sizes = {} if arch.startswith("ModernBert") else TINY_ENCODER
     config = model_cls.config_class(vocab_size=len(AutoTokenizer.from_pretrained(str(tokenizer_dir))),
-                                    pad_token_id=1, **TINY_ENCODER, **extra)
+                                    pad_token_id=1, **sizes, **extra)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     model.save_pretrained(out, safe_serialization=True)
@@ -88,4 +90,30 @@ def save_encoder_checkpoints(root: Path) -> dict[str, Path]:
     CrossEncoder(str(paths["bert_cross"]), device="cpu", activation_fn=torch.nn.Identity()).save(
         str(root / "bert_cross_identity"))
     paths["bert_cross_identity"] = root / "bert_cross_identity"
+    paths.update(save_modernbert(root, bert_tokenizer))
     return paths
+
+
+MODERNBERT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  max_position_embeddings=128, local_attention=8, global_attn_every_n_layers=3, initializer_range=0.2,
+                  cls_token_id=0, sep_token_id=2, bos_token_id=0, eos_token_id=2)
+
+
+def save_modernbert(root: Path, tokenizer: Path) -> dict[str, Path]:
+    """A ModernBERT embedding model (mean pooling + Normalize) and cross-encoder; a local window of 8 tokens, so
+    sentences longer than it tell local layers from global ones."""
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    except ImportError:
+        from sentence_transformers.models import Normalize, Pooling, Transformer
+
+    raw = root / "modernbert_raw"
+    _save("ModernBertModel", raw, tokenizer, seed=5, **MODERNBERT)
+    transformer = Transformer(str(raw))
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode="mean"), Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(root / "modernbert"))
+    _save("ModernBertForSequenceClassification", root / "modernbert_cross", tokenizer, seed=6, num_labels=1,
+          **MODERNBERT)
+    return {"modernbert": root / "modernbert", "modernbert_cross": root / "modernbert_cross"}

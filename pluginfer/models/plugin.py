@@ -46,4 +46,7 @@ def pluginfer_models() -> list[ModelSpec]:
                                  "XLMRobertaForSequenceClassification"),
                   factory="pluginfer.models.bert:build",
                   description="BERT, RoBERTa, XLM-RoBERTa encoders: embeddings, cross-encoders (scores)"),
+        ModelSpec(name="modernbert", architectures=("ModernBertModel", "ModernBertForSequenceClassification"),
+                  factory="pluginfer.models.modernbert:build",
+                  description="ModernBERT encoders: embeddings, cross-encoders (scores)"),
     ]

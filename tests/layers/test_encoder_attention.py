@@ -24,11 +24,16 @@ def flat_batch(lens: list[int], computed: list[int] | None = None) -> ForwardBat
                         max_seq_len=int(seq_lens.max()), block_size=16)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+              window: int | None = None) -> torch.Tensor:
     outs, at = [], 0
     for n in lens:
         qs, ks, vs = (x[at:at + n].transpose(0, 1) for x in (q, k, v))  # [heads, n, dim]
-        weights = torch.softmax(qs @ ks.transpose(1, 2) / HEAD_DIM**0.5, dim=-1)
+        scores = qs @ ks.transpose(1, 2) / HEAD_DIM**0.5
+        if window is not None:
+            i = torch.arange(n)
+            scores = scores.masked_fill((i[:, None] - i[None, :]).abs() > window, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
         outs.append((weights @ vs).transpose(0, 1).reshape(n, -1))
         at += n
     return torch.cat(outs)
@@ -42,6 +47,14 @@ def test_attention_stays_within_each_sequence_and_sees_every_position(lens: list
     torch.testing.assert_close(out, reference(q, k, v, lens), atol=1e-6, rtol=1e-5)
     first = reference(q[: lens[0]], k[: lens[0]], v[: lens[0]], lens[:1])
     torch.testing.assert_close(out[: lens[0]], first, atol=1e-6, rtol=1e-5)  # the others' tokens change nothing
+
+
+def test_a_window_limits_each_token_to_its_neighbours() -> None:
+    torch.manual_seed(1)
+    lens = [9, 3, 12]
+    q, k, v = (torch.randn(sum(lens), HEADS, HEAD_DIM) for _ in range(3))
+    out = EncoderAttention(HEADS, HEAD_DIM, window=2)(flat_batch(lens), q, k, v)
+    torch.testing.assert_close(out, reference(q, k, v, lens, window=2), atol=1e-6, rtol=1e-5)
 
 
 def test_a_sequence_split_over_steps_is_an_error() -> None:
