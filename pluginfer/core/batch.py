@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 # A pooling request's token types (a sentence pair's second text, for an encoder that has them) ride in the
-# high bits of ``input_ids``: ``token_type << TOKEN_TYPE_SHIFT | token_id``; 0 (every generating request) changes nothing.
+# high bits of ``input_ids``: ``token_type << TOKEN_TYPE_SHIFT | token_id``; type 0 (every generating request)
+# changes nothing.
 TOKEN_TYPE_SHIFT = 30
 
 

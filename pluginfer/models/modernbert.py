@@ -1,10 +1,11 @@
-"""ModernBERT encoder: ``ModernBertModel`` (embeddings) and ``ModernBertForSequenceClassification`` (cross-encoders).
+"""ModernBERT encoder: ``ModernBertModel`` (embeddings), ``ModernBertForSequenceClassification`` (cross-encoders).
 
 Pre-norm blocks with bias-free LayerNorms (the first layer has no attention norm), rotary positions, a GeGLU
-feed-forward (``Wo(act(x) * gate)``), and attention that alternates: every ``global_attn_every_n_layers``-th layer
-sees the whole sequence (``full_attention``, rope theta 160000), the others a band of ``local_attention // 2``
-tokens each side (``sliding_attention``, theta 10000). Like BERT it is bidirectional (``is_causal`` False) and keeps
-no KV cache; the classifier reads the first token: ``classifier(norm(act(dense(h))))``.
+feed-forward (``Wo(act(x) * gate)``), and attention that alternates: every ``global_attn_every_n_layers``-th
+layer sees the whole sequence (``full_attention``, rope theta 160000), the others a band of
+``local_attention // 2`` tokens each side (``sliding_attention``, theta 10000). Like BERT it is bidirectional
+(``is_causal`` False) and keeps no KV cache; the classifier reads the first token:
+``classifier(norm(act(dense(h))))``.
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ class ModernBertLayer(nn.Module):
     def __init__(self, config: dict, index: int, rope: RotaryEmbedding, window: int | None) -> None:
         super().__init__()
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        eps, norm_bias, bias = config.get("norm_eps", 1e-5), config.get("norm_bias", False), config.get("mlp_bias", False)
-        head_dim = hidden // heads
-        self.attn_norm = LayerNorm(hidden, eps, bias=norm_bias) if index else None  # the embeddings' norm precedes layer 0
+        eps, norm_bias = config.get("norm_eps", 1e-5), config.get("norm_bias", False)
+        bias, head_dim = config.get("mlp_bias", False), hidden // heads
+        # layer 0 has no attention norm: the embeddings' norm precedes it
+        self.attn_norm = LayerNorm(hidden, eps, bias=norm_bias) if index else None
         self.attn = nn.Module()
         self.attn.Wqkv = QKVParallelLinear(hidden, head_dim, heads, heads, bias=config.get("attention_bias", False))
         self.attn.Wo = RowParallelLinear(hidden, hidden, bias=config.get("attention_bias", False))
