@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 from typing import Any
 
 from pluginfer.core.config import build_config
@@ -11,10 +12,19 @@ from pluginfer.engine.beam_search import Beam, BeamSearchParams
 from pluginfer.engine.engine import LLMEngine
 from pluginfer.engine.outputs import RequestOutput
 from pluginfer.engine.pooling import PoolingParams
+from pluginfer.engine.scoring import encode_pair, score_pairs, uses_token_types
 from pluginfer.engine.sequence import SamplingParams
 from pluginfer.text.tokenizer import render_chat
 
 Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class ScoreOutput:
+    """One pair's score (``LLM.score``) and the pair's token ids (token types in their high bits)."""
+
+    score: float
+    prompt_token_ids: list[int]
 
 
 class LLM:
@@ -89,6 +99,17 @@ class LLM:
             if output.error or output.embedding is None:
                 raise ValueError(f"prompt {index}: {output.error or 'no embedding was produced'}")
         return outputs
+
+    def score(self, text_1: str | list[str], text_2: str | list[str]) -> list[ScoreOutput]:
+        """How well each pair of texts matches, as vLLM's ``LLM.score``: one ``text_1`` against each ``text_2``,
+        or the two lists side by side. A cross-encoder or a causal LM served with ``score_tokens`` scores
+        (``pluginfer/engine/scoring.py``); any other model raises ValueError saying so."""
+        self.engine.scorer.check()
+        token_types = uses_token_types(self.engine.executor.hf_config)
+        prompts = [encode_pair(self.engine.tokenizer, first, second, token_types)
+                   for first, second in score_pairs(text_1, text_2)]
+        outputs = self.embed(prompts, PoolingParams(task="score"))
+        return [ScoreOutput(output.embedding[0], output.prompt_token_ids) for output in outputs]
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[list[Beam]]:
         """The ``beam_width`` best continuations of each prompt, best first, found as transformers'

@@ -39,6 +39,14 @@ def embedding_checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_tokeniz
     return save_embedding_checkpoints(tmp_path_factory.mktemp("embedding_models"), tiny_tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def encoder_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random BERT / XLM-RoBERTa embedding models and cross-encoders (tests/encoder_models.py)."""
+    from tests.encoder_models import save_encoder_checkpoints
+
+    return save_encoder_checkpoints(tmp_path_factory.mktemp("encoder_models"))
+
+
 @pytest.fixture
 def unknown_architecture_checkpoint(tiny_llama_checkpoint: tuple[Path, object], tmp_path: Path) -> Path:
     """The tiny llama with config.json claiming an architecture no plugin serves (FooForCausalLM, foo)."""

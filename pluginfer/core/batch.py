@@ -7,6 +7,11 @@ from typing import Any
 
 import torch
 
+# A pooling request's token types (a sentence pair's second text, for an encoder that has them) ride in the
+# high bits of ``input_ids``: ``token_type << TOKEN_TYPE_SHIFT | token_id``; type 0 (every generating request)
+# changes nothing.
+TOKEN_TYPE_SHIFT = 30
+
 
 @dataclass
 class ForwardBatch:
@@ -17,7 +22,7 @@ class ForwardBatch:
     the last ``query_lens[i]`` of which are written by this very step.
     """
 
-    input_ids: torch.Tensor  # [num_tokens] int64
+    input_ids: torch.Tensor  # [num_tokens] int64 (token types above TOKEN_TYPE_SHIFT, where a request has them)
     positions: torch.Tensor  # [num_tokens] int64
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset) of each token
     query_start_loc: torch.Tensor  # [num_seqs + 1] int64: prefix sums of query_lens

@@ -209,6 +209,13 @@ class EngineConfig(_Section):
         False, description="Run every step eagerly: no replays of decode steps (the cuda backend captures CUDA "
         "graphs of them at bucketed batch sizes, the cpu backend records each batch size's first decode step "
         "and replays it in one native call, otherwise).")
+    pooling: Literal["last", "mean", "cls"] | None = Field(
+        None, description="How embeddings pool the hidden states, for a checkpoint without sentence-transformers "
+        "files (then L2-normalized, as vLLM does) or in place of its Pooling module's mode.")
+    score_tokens: list[str] | None = Field(
+        None, description="Serve a causal LM as a reranker scored from two tokens' logits at the last position: "
+        "the 'false' token, then the 'true' one (Qwen3-Reranker: --score-tokens no --score-tokens yes); score = "
+        "sigmoid(logit(true) - logit(false)).")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

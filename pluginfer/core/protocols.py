@@ -186,6 +186,13 @@ class ModelPipeline(Protocol):
     Pipeline parallelism: with ``ctx.rank.pp_size > 1`` the factory builds only the layers of
     ``ctx.stage_layers(num_layers)`` (the first stage also the embedding, the last the final norm
     and LM head), or raises ``ValueError`` naming ``parallel.pipeline_parallel_size`` if it cannot.
+
+    Optional attributes (API 5; the engine reads them with these defaults where a pipeline has none):
+    ``is_causal`` (True): False for an encoder whose attention is bidirectional within each sequence; the engine
+    then reads each prompt whole in one step (never chunked, never from the prefix cache), and ``kv_cache_spec``
+    may say ``num_layers`` 0 (no cache is allocated). ``num_labels`` (0): a sequence classifier's label count
+    (a cross-encoder: 1); a score request's pooled row (the first token's final hidden state) goes through
+    ``compute_logits``, which returns ``[rows, num_labels]``, and the pipeline serves scores, not embeddings.
     """
 
     # API 3. False when the pipeline was loaded without an LM head (an embedding model's bare decoder): the

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from pluginfer.core.batch import TOKEN_TYPE_SHIFT
 from pluginfer.core.config import EngineConfig
 from pluginfer.engine.client import EngineStats, ModelInfo
 from pluginfer.engine.detokenizer import IncrementalDetokenizer
@@ -23,6 +24,7 @@ from pluginfer.engine.outputs import CompletionOutput, RequestOutput
 from pluginfer.engine.pooling import PoolingParams, PoolingState, is_backbone_only, read_pooler_config
 from pluginfer.engine.sampler import Sampler
 from pluginfer.engine.scheduler import Scheduler, SchedulerOutput
+from pluginfer.engine.scoring import is_causal, read_scorer, scores_pooled_rows
 from pluginfer.engine.sequence import FinishReason, SamplingParams, Sequence
 from pluginfer.engine.stopping import check_stop
 from pluginfer.engine.structured import GrammarCompiler, accept_token
@@ -89,10 +91,13 @@ class LLMEngine:
                                    *speculation(config), vocab_size=self.executor.vocab_size)
         self.sampler = Sampler(self.executor.vocab_size, self.eos_token_ids, seed=config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.executor.vocab_size, self.eos_token_ids)
-        self.pooler = read_pooler_config(self.executor.model_path, self.executor.hf_config)
+        pipeline, hf_config = self.executor.pipeline, self.executor.hf_config
+        self.pooler = read_pooler_config(self.executor.model_path, hf_config, config.pooling)
         # A checkpoint without an LM head (an embedding model's bare decoder) only embeds.
-        self.can_generate = not is_backbone_only(self.executor.hf_config) and \
-            self.executor.pipeline.can_generate
+        self.can_generate = not is_backbone_only(hf_config) and pipeline.can_generate
+        self.is_causal = is_causal(pipeline)  # False: an encoder, which reads each prompt whole in one step
+        self.scorer = read_scorer(pipeline, config, hf_config, self.tokenizer, self.executor.model_path)
+        self.scores = scores_pooled_rows(pipeline, config, hf_config)  # pooled rows are scored, never embedded
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.step_count = 0
@@ -130,26 +135,44 @@ class LLMEngine:
         return request_id
 
     def _add_embedding(self, prompt: str | list[int], params: PoolingParams, request_id: str) -> str:
-        """An embedding request: its prompt is prefilled like any other, pooled, and nothing is sampled."""
-        self.pooler.check(params)
-        if isinstance(prompt, str):
-            prompt = self.pooler.default_prompt + prompt
-        text, token_ids = self._tokenize(prompt)
+        """An embedding or score request: its prompt is prefilled like any other, pooled, and nothing is sampled.
+
+        A score request's prompt is the pair's token ids, token types in their high bits (``encode_pair``)."""
+        if params.task == "score":
+            self.scorer.check()
+            pooling = PoolingState(self.scorer.method, False, whole_prompt=not self.is_causal,
+                                   score=self.scorer.score_of())
+        else:
+            if self.scores:
+                raise ValueError("this model scores pairs of texts (a cross-encoder or a reranker); it does not "
+                                 "embed")
+            self.pooler.check(params)
+            if isinstance(prompt, str):
+                prompt = self.pooler.default_prompt + prompt
+            pooling = PoolingState(self.pooler.method, self.pooler.normalize, params.dimensions,
+                                   whole_prompt=not self.is_causal)
+        text, token_ids = self._tokenize(prompt, token_types=params.task == "score")
+        budget = self.config.scheduler.max_num_batched_tokens
+        if not self.is_causal and len(token_ids) > budget:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; an encoder reads a prompt in one step, and a "
+                             f"step holds at most scheduler.max_num_batched_tokens {budget}")
         seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), arrival_step=self.step_count)
-        seq.pooling = PoolingState(self.pooler.method, self.pooler.normalize, params.dimensions)
+        seq.pooling = pooling
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq.params)
         self._requests[request_id] = _Request(request_id, text, token_ids, [seq], [detokenizer])
         self.scheduler.add_request([seq])
         return request_id
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int], token_types: bool = False) -> tuple[str | None, list[int]]:
+        """``token_types``: the ids may carry token types above ``TOKEN_TYPE_SHIFT`` (a score request's pair)."""
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
             text = prompt
         else:
             token_ids, text = list(prompt), None
             vocab = self.executor.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            mask = (1 << TOKEN_TYPE_SHIFT) - 1 if token_types else -1
+            bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or not 0 <= t & mask < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
         if not token_ids:

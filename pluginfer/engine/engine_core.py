@@ -122,9 +122,11 @@ class EngineCore:
         started = time.perf_counter()
         # Warm-up: the first step pays for first touches (weight pages, kernel tables, allocator pools).
         vocab = engine.executor.vocab_size
+        # a bare decoder (an embedding checkpoint) only embeds; a cross-encoder only scores
         warmup = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True) if engine.can_generate else \
-            PoolingParams()  # a bare decoder (an embedding checkpoint) only embeds
-        if engine.can_generate or engine.pooler.problem is None:
+            PoolingParams(task="score" if engine.scores else "embed")
+        pools = (engine.scorer if engine.scores else engine.pooler).problem is None
+        if engine.can_generate or pools:
             engine.add_request([i % vocab for i in range(1, 9)], warmup, request_id="pluginfer-warmup")
         while engine.has_unfinished_requests():
             engine.step()

@@ -124,8 +124,13 @@ def _model_spec(hf_config: dict, path: Path, registry: Registry) -> PluginSpec:
     return registry.resolve_any("model", names)
 
 
+_PADDED_POSITIONS = ("roberta", "xlm-roberta", "camembert")  # RoBERTa-style encoders (models/bert.py)
+
+
 def _max_model_len(config: EngineConfig, hf_config: dict) -> int:
     native = int(hf_config.get("max_position_embeddings") or _DEFAULT_CONTEXT)
+    if hf_config.get("model_type") in _PADDED_POSITIONS:  # positions start past pad_token_id: those rows are unused
+        native -= int(hf_config.get("pad_token_id") or 0) + 1
     _, scaling = rope_parameters(hf_config)
     if scaling["rope_type"] in ("linear", "dynamic"):  # as vLLM: these stretch the native context
         native = int(native * float(scaling.get("factor", 1.0)))

@@ -10,6 +10,11 @@ config.json says the model was trained for it (``is_matryoshka`` or ``matryoshka
 ``config_sentence_transformers.json``'s ``default_prompt_name``, where set, names a prompt put before
 every text input (as sentence-transformers' ``encode`` does); token-id inputs are taken as they are.
 
+``--pooling`` (``EngineConfig.pooling``) names the method for a checkpoint without these files (a causal LM; its
+embeddings are then L2-normalized, as vLLM's default) or replaces the Pooling module's mode.
+
+A score request (``task="score"``, ``engine/scoring.py``) pools one row the same way and keeps one number.
+
 An embedding request runs through the engine like a prompt that samples nothing: its prefill
 chunks are scheduled and batched with everything else, and each chunk returns the final hidden
 states of the rows its pooling needs (``PoolingState.rows``), which ``PoolingState.add`` folds in.
@@ -18,6 +23,7 @@ states of the rows its pooling needs (``PoolingState.rows``), which ``PoolingSta
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +31,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where a state pools: importing the params stays cheap
     import torch
 
+TASKS = ("embed", "score")
 POOLING_METHODS = ("last", "mean", "cls")  # what PoolerConfig.method and PoolingState.method may be
 # sentence-transformers' pooling modes -> ours: the flags of its Pooling config.json before v6 and the
 # ``pooling_mode`` names of v6; the other modes (max, mean_sqrt_len_tokens, weightedmean) are refused by name.
@@ -41,6 +48,7 @@ class PoolingParams:
     """What one embedding request asks for (``LLM.embed``, ``/v1/embeddings``)."""
 
     dimensions: int | None = None  # keep the first ``dimensions`` values, renormalized (Matryoshka models only)
+    task: str = "embed"  # "score": the prompt is a pair (``LLM.score``), its result one score
 
     n: int = field(default=1, init=False)  # one result per prompt (the engine's clients read ``params.n``)
 
@@ -48,6 +56,10 @@ class PoolingParams:
         if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
                                             or self.dimensions < 1):
             raise ValueError(f"PoolingParams.dimensions: must be an integer >= 1, got {self.dimensions!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"PoolingParams.task: must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.task == "score" and self.dimensions is not None:
+            raise ValueError("PoolingParams.dimensions: a score has no dimensions")
 
 
 @dataclass(frozen=True)
@@ -78,8 +90,21 @@ class PoolerConfig:
             raise ValueError(f"dimensions: must be at most the embedding size {self.hidden_size}, got {dims}")
 
 
-def read_pooler_config(model_path: Path, hf_config: dict) -> PoolerConfig:
-    """The pooling of the checkpoint at ``model_path``, from its sentence-transformers files."""
+def read_pooler_config(model_path: Path, hf_config: dict, method: str | None = None) -> PoolerConfig:
+    """The pooling of the checkpoint at ``model_path``, from its sentence-transformers files; ``method``
+    (``--pooling``) replaces their mode, or stands for them where there are none (then normalized)."""
+    pooler = _read_pooler_files(model_path, hf_config)
+    if method is None:
+        return pooler
+    if method not in POOLING_METHODS:
+        raise ValueError(f"pooling: must be one of {', '.join(POOLING_METHODS)}, got {method!r}")
+    if pooler.problem is None:
+        return PoolerConfig(method, pooler.normalize, pooler.hidden_size, pooler.matryoshka_dimensions,
+                            pooler.matryoshka, default_prompt=pooler.default_prompt)
+    return PoolerConfig(method, True, pooler.hidden_size, pooler.matryoshka_dimensions, pooler.matryoshka)
+
+
+def _read_pooler_files(model_path: Path, hf_config: dict) -> PoolerConfig:
     hidden = int(hf_config.get("hidden_size") or 0)
     matryoshka_dims = hf_config.get("matryoshka_dimensions")
     matryoshka = bool(hf_config.get("is_matryoshka")) or bool(matryoshka_dims)
@@ -169,14 +194,17 @@ class PoolingState:
     method: str
     normalize: bool
     dimensions: int | None = None
+    whole_prompt: bool = False  # an encoder's: read in one step, never from the prefix cache
+    score: Callable[[torch.Tensor], float] | None = None  # a score request's: the pooled row's logits -> its score
     total: torch.Tensor | None = None
     count: int = 0
     embedding: list[float] | None = None
 
     @property
     def uses_every_position(self) -> bool:
-        """Mean and CLS pooling need hidden states of prompt positions a prefix-cache hit would skip."""
-        return self.method != "last"
+        """Mean and CLS pooling need hidden states of prompt positions a prefix-cache hit would skip (and an
+        encoder's attention reads every position)."""
+        return self.method != "last" or self.whole_prompt
 
     def rows(self, first: int, count: int, prompt_len: int) -> tuple[int, int]:
         """(offset in the chunk, rows) whose hidden states this chunk of positions ``first..`` must return."""
@@ -205,6 +233,9 @@ class PoolingState:
         if self.total is None:
             raise RuntimeError("pooling finished without any hidden state")
         vector = self.total / self.count if self.method == "mean" else self.total
+        if self.score is not None:
+            self.embedding, self.total = [self.score(vector)], None
+            return self.embedding
         if self.dimensions is not None:
             vector = vector[: self.dimensions]
         if self.normalize:

@@ -351,6 +351,8 @@ class Scheduler:
         remaining = seq.num_uncomputed_tokens
         if remaining <= budget:
             return remaining
+        if seq.pooling is not None and seq.pooling.whole_prompt:
+            return 0  # an encoder's prompt is read whole: wait for a step with room for it
         # A prefill longer than a whole step's budget is chunked even when chunking is off.
         if self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens:
             return budget

@@ -22,6 +22,7 @@ from pluginfer.core.registry import Registry
 from pluginfer.engine.input_batch import InputBatch
 from pluginfer.engine.loader import iter_weights
 from pluginfer.engine.plan import RankPlan, build_plugin
+from pluginfer.engine.scoring import is_causal, scores_pooled_rows
 from pluginfer.engine.step import StepData, StepResult
 from pluginfer.layers.context import building
 from pluginfer.layers.moe import expert_memory
@@ -93,6 +94,8 @@ class Worker:
                         self.expert_memory.offloaded_bytes, self.expert_memory.offloaded_experts,
                         self.expert_memory.staging_bytes)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # A cross-encoder's or a yes/no reranker's pooled rows come back as logits (engine/scoring.py reads them).
+        self.scores_pooled_rows = scores_pooled_rows(self.pipeline, config, hf_config)
         self.is_first_stage = rank.pp_rank == 0
         self.is_last_stage = rank.pp_rank == rank.pp_size - 1
         self.vocab_size = int(hf_config["vocab_size"])
@@ -108,7 +111,7 @@ class Worker:
         blocks_per_seq = self.plan.max_blocks_per_seq
         max_num_seqs = self.config.scheduler.max_num_seqs
         useful = blocks_per_seq * max_num_seqs  # more could never be used at once
-        num_blocks = int(min(budget // per_block, useful))
+        num_blocks = int(min(budget // per_block, useful)) if per_block else useful  # an encoder keeps no cache
         given = "cache.kv_cache_memory (--kv-cache-memory)" if cache.kv_cache_memory is not None else \
             f"the {self.backend.name} backend's default KV cache size (set --kv-cache-memory)"
         if num_blocks < blocks_per_seq:
@@ -129,7 +132,7 @@ class Worker:
                                                         self.config.cache.block_size, self.kv_dtype)
         self.pipeline.bind_kv_caches(self.kv_caches)
         self.startup_times["cache"] = time.perf_counter() - started
-        capture = not self.config.enforce_eager and self.rank.pp_size == 1
+        capture = not self.config.enforce_eager and self.rank.pp_size == 1 and is_causal(self.pipeline)
         if capture and self.expert_memory.offloaded_experts:
             # Offloaded experts are copied in as the router picks them, a host decision every step: nothing a
             # captured step could replay (a CUDA capture refuses the copy; the cpu recorder refused it too).
@@ -181,9 +184,10 @@ class Worker:
                 return StepResult(logits, hidden)
             return None
         hidden = None
-        if num_hidden_rows:  # the pooled rows come last; they need no LM head
+        if num_hidden_rows:  # the pooled rows come last; they need no LM head, unless the model scores with it
             split = out.shape[0] - num_hidden_rows
-            out, hidden = out[:split], out[split:].float()
+            out, hidden = out[:split], out[split:]
+            hidden = self.pipeline.compute_logits(hidden) if self.scores_pooled_rows else hidden.float()
         if out.shape[0] == 0:
             logits = out.new_empty(0, self.vocab_size, dtype=torch.float32)
         else:

@@ -44,4 +44,13 @@ def pluginfer_models() -> list[ModelSpec]:
                   architectures=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
                   factory="pluginfer.models.deepseek:build",
                   description="DeepSeek-V2, V2-Lite, V3, R1 (latent attention, routed + shared experts)"),
+        ModelSpec(name="bert", aliases=("roberta", "xlm-roberta"),
+                  architectures=("BertModel", "BertForSequenceClassification", "RobertaModel",
+                                 "RobertaForSequenceClassification", "XLMRobertaModel",
+                                 "XLMRobertaForSequenceClassification"),
+                  factory="pluginfer.models.bert:build",
+                  description="BERT, RoBERTa, XLM-RoBERTa encoders: embeddings, cross-encoders (scores)"),
+        ModelSpec(name="modernbert", architectures=("ModernBertModel", "ModernBertForSequenceClassification"),
+                  factory="pluginfer.models.modernbert:build",
+                  description="ModernBERT encoders: embeddings, cross-encoders (scores)"),
     ]

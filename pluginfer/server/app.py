@@ -27,6 +27,7 @@ from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from pluginfer.server.request_processors import RequestProcessors
 from pluginfer.server.responses import RESPONSE_STORE, add_response_routes
 from pluginfer.server.responses_store import ResponseStore
+from pluginfer.server.score import add_score_routes
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import CLIENT_LEFT
 from pluginfer.server.tools import ToolCalling
@@ -64,6 +65,7 @@ def add_builtin_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/messages", create_message)  # Anthropic's Messages API
     router.add_post("/v1/messages/count_tokens", count_message_tokens)
     add_response_routes(router)
+    add_score_routes(router)
     router.add_get("/v1/models", list_models)
     router.add_get("/v1/models/{model_id:.+}", get_model)
     router.add_post("/tokenize", tokenize)

@@ -75,7 +75,8 @@ def pooler_of(state: ServerState) -> PoolerConfig:
         from pluginfer.engine.loader import read_hf_config, resolve_model_path
 
         path = resolve_model_path(state.config.model, state.config.revision)
-        state.pooler = read_pooler_config(path, read_hf_config(path) if path.is_dir() else {})
+        state.pooler = read_pooler_config(path, read_hf_config(path) if path.is_dir() else {},
+                                          state.config.pooling)
     return state.pooler
 
 
