@@ -94,11 +94,14 @@ def hf_config(checkpoint: GGUFCheckpoint) -> dict:
 
 def expand_experts(hf_name: str, loaded: Any) -> Iterator[tuple[str, Any]]:
     """A merged ``[experts, rows, cols]`` tensor as each expert's ``<layer>.experts.<e>.<projection>.weight``,
-    in float32 (dequantized once, in one call, when the file holds blocks); any other tensor as it is."""
+    in float32 (blocks dequantized one expert at a time, as the pipeline takes them); any other tensor as it is."""
     match = _MERGED_EXPERTS.match(hf_name)
     if match is None or len(loaded.shape) != 3:
         yield hf_name, loaded
         return
-    dense = loaded.dequantize(torch.float32) if isinstance(loaded, GGMLTensor) else loaded.float()
-    for expert, weight in enumerate(dense.unbind(0)):
+    for expert in range(loaded.shape[0]):
+        if isinstance(loaded, GGMLTensor):
+            weight = GGMLTensor(loaded.raw[expert], loaded.qtype, loaded.shape[1:], loaded.name).dequantize()
+        else:
+            weight = loaded[expert].float()
         yield f"{match['prefix']}.{expert}.{match['projection']}.weight", weight

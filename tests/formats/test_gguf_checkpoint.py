@@ -72,7 +72,8 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"gguf architecture 'gpt2' is not supported by any model plugin \(supported: llama, qwen2, qwen3\)"):
+    with pytest.raises(ValueError, match=r"gguf architecture 'gpt2' is not supported by any model plugin "
+                                         r"\(supported: ([a-z0-9]+, )*llama, ([a-z0-9]+, )*qwen3moe\)$"):
         load(path)
 
 

@@ -176,10 +176,12 @@ class GGUFCheckpoint:
                     loaded = loaded.dequantize(torch.float32)
                 if model.fix is not None:
                     loaded = model.fix(hf_name, loaded)
-                pairs = [(hf_name, loaded)] if model.expand is None else list(model.expand(hf_name, loaded))
-                if not any(shares_memory(_data(kept), source) for _, kept in pairs):  # copies (dequantized, ...)
+                shared = False
+                for name, kept in ((hf_name, loaded),) if model.expand is None else model.expand(hf_name, loaded):
+                    shared = shared or shares_memory(_data(kept), source)
+                    yield name, kept
+                if not shared:  # copies only (dequantized, rows reordered): the file's pages can go
                     release_file_pages(source)
-                yield from pairs
                 bar.update()
 
     def _tensor(self, tensor: Any) -> torch.Tensor | GGMLTensor:
