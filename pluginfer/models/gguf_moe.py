@@ -15,8 +15,6 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from pluginfer.formats.gguf.checkpoint import GGMLTensor, GGUFCheckpoint, GGUFModel
 from pluginfer.models import gguf_llama
 
@@ -93,15 +91,15 @@ def hf_config(checkpoint: GGUFCheckpoint) -> dict:
 
 
 def expand_experts(hf_name: str, loaded: Any) -> Iterator[tuple[str, Any]]:
-    """A merged ``[experts, rows, cols]`` tensor as each expert's ``<layer>.experts.<e>.<projection>.weight``,
-    in float32 (blocks dequantized one expert at a time, as the pipeline takes them); any other tensor as it is."""
+    """A merged ``[experts, rows, cols]`` tensor as each expert's ``<layer>.experts.<e>.<projection>.weight``:
+    its rows of blocks (a view of the file), or its float rows; any other tensor as it is."""
     match = _MERGED_EXPERTS.match(hf_name)
     if match is None or len(loaded.shape) != 3:
         yield hf_name, loaded
         return
     for expert in range(loaded.shape[0]):
         if isinstance(loaded, GGMLTensor):
-            weight = GGMLTensor(loaded.raw[expert], loaded.qtype, loaded.shape[1:], loaded.name).dequantize()
+            weight = GGMLTensor(loaded.raw[expert], loaded.qtype, loaded.shape[1:], loaded.name)
         else:
-            weight = loaded[expert].float()
+            weight = loaded[expert]
         yield f"{match['prefix']}.{expert}.{match['projection']}.weight", weight

@@ -19,6 +19,7 @@ import torch
 from pluginfer import LLM
 from pluginfer.engine.loader import iter_weights, read_hf_config
 from pluginfer.formats.gguf.checkpoint import GGMLTensor
+from pluginfer.layers.moe import FusedExperts
 from tests.checkpoints import greedy, hf_greedy, hf_logits, prefill_logits, random_prompts
 from tests.quant.fixtures.make_gguf_fixtures import MODELS, source_model
 from tests.quant.gguf_helpers import transformers_from_gguf
@@ -105,12 +106,17 @@ def test_llama_cpp_moe_file_generates_like_transformers(name: str) -> None:
     assert len(tensors["blk.1.ffn_gate_exps.weight"].shape) == 3  # merged experts
     weights = dict(iter_weights(path))
     assert not any(".experts.gate_proj" in hf or ".experts.w1." in hf for hf in weights)  # split per expert
-    if expert_type == "Q8_0":  # the other linears stay in their blocks
-        output = weights["model.layers.1.self_attn.o_proj.weight"]
-        assert isinstance(output, GGMLTensor) and output.qtype.name == "Q8_0"
+    if expert_type == "Q8_0":  # each expert's rows of blocks, and the other linears', stay in their blocks
+        for hf in (next(hf for hf in weights if ".experts.3." in hf), "model.layers.1.self_attn.o_proj.weight"):
+            assert isinstance(weights[hf], GGMLTensor) and weights[hf].qtype.name == "Q8_0", hf
 
     oracle = transformers_oracle(path)
     llm = LLM(model=str(path), num_blocks=64, block_size=8)
+    experts = next(module for module in llm.engine.executor.pipeline.modules() if isinstance(module, FusedExperts))
+    # the experts are layers of the gguf quant method: the file's types, no stacked float copy
+    assert experts.linears is not None and experts.gate_up_proj.numel() == 0
+    assert {qtype.name if qtype else "float" for qtype, _ in experts.linears[0][1].gguf_groups} == \
+        ({"Q8_0"} if expert_type == "Q8_0" else {"float"})
     prompt = random_prompts(900, [24], seed=9)[0]
     torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(oracle, prompt), atol=1e-4, rtol=1e-4)
     assert llm.generate([prompt], greedy(16))[0].outputs[0].token_ids == hf_greedy(oracle, prompt, 16)
