@@ -4,8 +4,8 @@ deepseek pipeline, their tensors under Hugging Face's names.
 llama.cpp stores latent attention's ``kv_b_proj`` either whole (``attn_kv_b``, older files) or split per head
 into ``attn_k_b`` (``[heads, kv_lora_rank, qk_nope_head_dim]``: each head's key block transposed) and
 ``attn_v_b`` (``[heads, v_head_dim, kv_lora_rank]``); the split form is joined back into ``kv_b_proj``, which
-``layers.mla`` holds dense. Merged experts are split per expert (``gguf_moe.expand_experts``, dequantized at
-load); the other linear layers keep the file's GGML blocks. The router is V3's (sigmoid scores, a correction
+``layers.mla`` holds dense. Merged experts are split per expert (``gguf_moe.expand_experts``); they and the
+other linear layers keep the file's GGML blocks. The router is V3's (sigmoid scores, a correction
 bias, ``noaux_tc``) where the file's ``expert_gating_func`` says sigmoid, else V2's softmax (``greedy``, or
 ``group_limited_greedy`` when the file groups its experts).
 """

@@ -3,9 +3,9 @@ Mixtral), ``qwen2moe`` and ``qwen3moe``; their metadata as the ``config.json`` o
 qwen3-moe pipelines, their tensors under Hugging Face's names.
 
 llama.cpp merges a layer's experts into one 3-D tensor per projection (``ffn_{gate,up,down}_exps``,
-``[experts, rows, cols]``); ``expand_experts`` hands the pipeline each expert's slice under its HF name,
-dequantized at load (the experts of ``layers.moe`` hold float weights); every other linear layer keeps the
-file's GGML blocks (the ``gguf`` quant method). Routing follows llama.cpp's graph for each architecture:
+``[experts, rows, cols]``); ``expand_experts`` hands the pipeline each expert's rows of blocks under its HF
+name, which ``layers.moe`` keeps as layers of the ``gguf`` quant method (its ``holds_experts``), as every other
+linear layer keeps the file's GGML blocks. Routing follows llama.cpp's graph for each architecture:
 Mixtral and Qwen3-MoE renormalize the top-k weights, Qwen2-MoE does not.
 """
 

@@ -177,3 +177,13 @@ def test_unknown_tensor_is_named_in_one_line(name: str, tmp_path: Path) -> None:
         dict(iter_weights(path))
     message = str(raised.value)
     assert "'blk.0.ffn_gate_up_exps_x.weight' has no counterpart" in message and "\\n" not in message
+
+
+@pytest.mark.slow
+def test_experts_in_blocks_split_over_two_ranks_generate_like_transformers() -> None:
+    """Tensor parallelism: each rank holds its slice of every expert's layers (and of the shared expert)."""
+    path = FIXTURES / "llamacpp-qwen2moe-f16.gguf"
+    prompt = random_prompts(900, [24], seed=9)[0]
+    expected = hf_greedy(transformers_oracle(path), prompt, 16)
+    with LLM(model=str(path), num_blocks=64, block_size=8, tensor_parallel_size=2) as llm:
+        assert llm.generate([prompt], greedy(16))[0].outputs[0].token_ids == expected
