@@ -3,8 +3,8 @@
 (V2 and V3 routers, the split ``attn_k_b`` / ``attn_v_b``).
 
 Oracles: transformers reading the same file (gguf-py's dequantization) where it reads the architecture
-(qwen2moe, qwen3moe); elsewhere transformers on the file's source checkpoint, made again from its seed (the
-f32 file holds its weights exactly, checked first), its weights passed through gguf-py's Q8_0 for a q8_0 file.
+(qwen2moe, qwen3moe); elsewhere transformers on the file's source checkpoint, made again from its seed (checked
+against the file's embedding first), each weight passed through gguf-py's F16 or Q8_0 as the converter wrote it.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ from tests.quant.gguf_helpers import transformers_from_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FILES = {  # file -> (our architecture, the type of its expert weights)
-    "llamacpp-mixtral-f32.gguf": ("MixtralForCausalLM", "F32"),
+    "llamacpp-mixtral-f16.gguf": ("MixtralForCausalLM", "F16"),
     "llamacpp-mixtral-q8_0.gguf": ("MixtralForCausalLM", "Q8_0"),
     "llamacpp-qwen2moe-f16.gguf": ("Qwen2MoeForCausalLM", "F16"),
     "llamacpp-qwen2moe-q8_0.gguf": ("Qwen2MoeForCausalLM", "Q8_0"),
     "llamacpp-qwen3moe-f16.gguf": ("Qwen3MoeForCausalLM", "F16"),
     "llamacpp-qwen3moe-q8_0.gguf": ("Qwen3MoeForCausalLM", "Q8_0"),
-    "llamacpp-deepseek2-f32.gguf": ("DeepseekV2ForCausalLM", "F32"),
+    "llamacpp-deepseek2-f16.gguf": ("DeepseekV2ForCausalLM", "F16"),
     "llamacpp-deepseek2-q8_0.gguf": ("DeepseekV2ForCausalLM", "Q8_0"),
-    "llamacpp-deepseek3-f32.gguf": ("DeepseekV3ForCausalLM", "F32"),
+    "llamacpp-deepseek3-f16.gguf": ("DeepseekV3ForCausalLM", "F16"),
 }
 
 
@@ -64,23 +64,21 @@ def transformers_oracle(path: Path) -> torch.nn.Module:
     stem = path.stem.rpartition("-")[0]
     model = source_model(*MODELS[stem][:2])
     embedding = tensors["token_embd.weight"]
-    if embedding.tensor_type == gguf.GGMLQuantizationType.F32:  # the file is this checkpoint, made again
-        assert np.array_equal(embedding.data, model.model.embed_tokens.weight.detach().numpy()), \
-            "the source checkpoint made again differs from the file's: run make_gguf_fixtures.py again"
-    else:
-        assert embedding.tensor_type == gguf.GGMLQuantizationType.Q8_0
-        through_q8_0(model)
+    through_file_type(model, embedding.tensor_type)
+    # the file is this checkpoint, made again (else the fixtures are stale: run make_gguf_fixtures.py again)
+    assert np.array_equal(gguf.quants.dequantize(embedding.data, embedding.tensor_type),
+                          model.model.embed_tokens.weight.detach().numpy())
     return model
 
 
-def through_q8_0(model: torch.nn.Module) -> None:
-    """Each weight llama.cpp's converter writes as Q8_0 (every matrix but the routers), as gguf-py quantizes
-    it: along each GGUF row (DeepSeek's kv_b as attn_k_b, whose rows are each head's key columns)."""
+def through_file_type(model: torch.nn.Module, qtype: gguf.GGMLQuantizationType) -> None:
+    """Each weight llama.cpp's converter writes in the file's type (every matrix but the routers) as gguf-py
+    quantizes it: along each GGUF row (DeepSeek's kv_b as attn_k_b, whose rows are each head's key columns)."""
     config = model.config
 
-    def q8_0(weight: torch.Tensor) -> torch.Tensor:
-        levels = gguf.quants.quantize(weight.detach().numpy(), gguf.GGMLQuantizationType.Q8_0)
-        return torch.from_numpy(gguf.quants.dequantize(levels, gguf.GGMLQuantizationType.Q8_0)).reshape(weight.shape)
+    def rounded(weight: torch.Tensor) -> torch.Tensor:
+        levels = gguf.quants.quantize(weight.detach().numpy(), qtype)
+        return torch.from_numpy(gguf.quants.dequantize(levels, qtype).astype(np.float32)).reshape(weight.shape)
 
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -89,10 +87,10 @@ def through_q8_0(model: torch.nn.Module) -> None:
             if name.endswith("kv_b_proj.weight"):
                 heads, nope = config.num_attention_heads, config.qk_nope_head_dim
                 per_head = param.view(heads, nope + config.v_head_dim, -1)
-                per_head[:, :nope] = q8_0(per_head[:, :nope].transpose(1, 2).contiguous()).transpose(1, 2)
-                per_head[:, nope:] = q8_0(per_head[:, nope:].contiguous())
+                per_head[:, :nope] = rounded(per_head[:, :nope].transpose(1, 2).contiguous()).transpose(1, 2)
+                per_head[:, nope:] = rounded(per_head[:, nope:].contiguous())
             else:
-                param.copy_(q8_0(param))
+                param.copy_(rounded(param))
 
 
 @pytest.mark.parametrize("name", list(FILES))
@@ -124,21 +122,21 @@ def test_llama_cpp_moe_file_generates_like_transformers(name: str) -> None:
 
 def test_deepseek_split_kv_b_is_joined_per_head() -> None:
     """attn_k_b (each head's key block, transposed) and attn_v_b come back as the source's kv_b_proj."""
-    path = FIXTURES / "llamacpp-deepseek2-f32.gguf"
+    path = FIXTURES / "llamacpp-deepseek2-f16.gguf"
     _, tensors = file_metadata(path)
     assert "blk.0.attn_k_b.weight" in tensors and "blk.0.attn_kv_b.weight" not in tensors
     source = source_model(*MODELS["llamacpp-deepseek2"][:2]).state_dict()
     weights = dict(iter_weights(path))
     for layer in (0, 1):
         name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
-        assert torch.equal(weights[name], source[name])
+        assert torch.equal(weights[name], source[name].half().float())
     experts = source["model.layers.1.mlp.experts.gate_up_proj"]  # transformers' [experts, 2 * size, hidden]
-    assert torch.equal(weights["model.layers.1.mlp.experts.2.up_proj.weight"], experts[2, 32:])
+    assert torch.equal(weights["model.layers.1.mlp.experts.2.up_proj.weight"], experts[2, 32:].half())
 
 
 def test_deepseek_v3_router_bias_is_read() -> None:
     """V3's sigmoid router: its correction bias (``exp_probs_b``) under the name the pipeline holds it by."""
-    path = FIXTURES / "llamacpp-deepseek3-f32.gguf"
+    path = FIXTURES / "llamacpp-deepseek3-f16.gguf"
     config = read_hf_config(path)
     assert (config["topk_method"], config["n_group"], config["topk_group"]) == ("noaux_tc", 2, 1)
     assert config["routed_scaling_factor"] == 2.5 and config["norm_topk_prob"] is True
