@@ -185,3 +185,10 @@ def test_experts_in_blocks_split_over_two_ranks_generate_like_transformers() -> 
     expected = hf_greedy(transformers_oracle(path), prompt, 16)
     with LLM(model=str(path), num_blocks=64, block_size=8, tensor_parallel_size=2) as llm:
         assert llm.generate([prompt], greedy(16))[0].outputs[0].token_ids == expected
+
+
+def test_offloading_experts_held_in_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"cache\.num_experts_offload_per_rank: experts of quant method 'gguf' stay "
+                                         r"in the checkpoint's format and cannot be offloaded"):
+        LLM(model=str(FIXTURES / "llamacpp-mixtral-q8_0.gguf"), num_blocks=16, block_size=8,
+            num_experts_offload_per_rank=1)
