@@ -192,3 +192,44 @@ def test_offloading_experts_held_in_blocks_is_refused() -> None:
                                          r"in the checkpoint's format and cannot be offloaded"):
         LLM(model=str(FIXTURES / "llamacpp-mixtral-q8_0.gguf"), num_blocks=16, block_size=8,
             num_experts_offload_per_rank=1)
+
+
+def test_deepseek_whole_kv_b_of_older_files_reads_as_the_split_one(tmp_path: Path) -> None:
+    """Files from before llama.cpp split kv_b: one ``attn_kv_b`` and the plain key/value lengths (no *_mla)."""
+    source = FIXTURES / "llamacpp-deepseek2-f16.gguf"
+    reader = gguf.GGUFReader(source)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    fields = reader.fields
+    nope = fields["deepseek2.attention.key_length_mla"].contents() - fields["deepseek2.rope.dimension_count"].contents()
+    path = tmp_path / "deepseek2-kv-b.gguf"
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    for field in fields.values():
+        if field.name.startswith(("GGUF.", "general.architecture", "deepseek2.attention.key_length",
+                                  "deepseek2.attention.value_length")):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    writer.add_key_length(fields["deepseek2.attention.key_length_mla"].contents())  # nope + rope, per head
+    writer.add_value_length(fields["deepseek2.attention.value_length_mla"].contents())
+    for tensor in reader.tensors:
+        if ".attn_v_b." in tensor.name:
+            continue
+        if ".attn_k_b." in tensor.name:  # [heads, kv_lora_rank, nope] and [heads, v, kv_lora_rank] -> kv_b
+            key = tensor.data.transpose(0, 2, 1)
+            value = tensors[tensor.name.replace("attn_k_b", "attn_v_b")].data
+            whole = np.concatenate([key, value], axis=1).reshape(-1, value.shape[2])
+            assert key.shape[1] == nope
+            writer.add_tensor(tensor.name.replace("attn_k_b", "attn_kv_b"), np.ascontiguousarray(whole))
+            continue
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tuple(tensor.data.shape), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    names = {tensor.name for tensor in gguf.GGUFReader(path).tensors}
+    assert "blk.1.attn_kv_b.weight" in names and "blk.1.attn_k_b.weight" not in names
+    assert read_hf_config(path) == read_hf_config(source)
+    prompt = random_prompts(900, [24], seed=9)[0]
+    logits = [prefill_logits(LLM(model=str(file), num_blocks=64, block_size=8), prompt) for file in (source, path)]
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
