@@ -85,8 +85,15 @@ def hf_config(checkpoint: GGUFCheckpoint) -> dict:
     if arch == "qwen3moe":
         config["attention_bias"] = "blk.0.attn_q.bias" in checkpoint.tensors
     else:
+        config["qkv_bias"] = "blk.0.attn_q.bias" in checkpoint.tensors
         shared = checkpoint.field("{arch}.expert_shared_feed_forward_length")
-        config["shared_expert_intermediate_size"] = int(shared) if shared else config["intermediate_size"]
+        if not shared:  # files from before the key: the shared expert's own rows (GGML lists hidden first)
+            first = next((f"blk.{layer}.ffn_gate_shexp.weight" for layer in range(config["num_hidden_layers"])
+                          if f"blk.{layer}.ffn_gate_shexp.weight" in checkpoint.tensors), None)
+            if first is None:
+                raise ValueError(f"{checkpoint.path}: a qwen2moe file without a shared expert is not supported")
+            shared = checkpoint.tensors[first].shape[1]
+        config["shared_expert_intermediate_size"] = int(shared)
     return config
 
 
