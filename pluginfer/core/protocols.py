@@ -236,6 +236,10 @@ class QuantMethod(Protocol):
     A linear layer calls ``create_weights`` once, lets the loader fill the registered
     parameters through their ``weight_loader``, calls ``process_weights_after_loading``
     (repacking), then ``apply`` at every forward.
+
+    Optional class attribute ``holds_experts`` (True): mixture-of-experts layers hold each expert's
+    projections as layers of this method (its ``weight_loader`` installed by ``create_weights``), not as
+    stacked float weights; a format whose checkpoint tensors stay in their own layout (GGUF's blocks).
     """
 
     name: str

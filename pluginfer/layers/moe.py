@@ -5,7 +5,9 @@ and ``down_proj`` ``[num_experts, hidden, intermediate]``; checkpoints that stor
 are routed into them by ``expert_weight_names`` and the parameters' ``weight_loader``.
 
 Routers are in ``layers.router``. Offloaded experts (``num_offloaded``) wait in a host store and are copied
-into a staging buffer on the compute device when a token is routed to them.
+into a staging buffer on the compute device when a token is routed to them. Under a quant method that holds
+experts in its own format (``holds_experts``: a ``.gguf`` file's blocks), each expert's projections are
+instead that method's linear layers (``layers.expert_linears``), loaded through the same parameter names.
 
 Tensor parallelism runs inside the experts (as vLLM's default): every rank holds every expert's slice of
 the intermediate dimension (gate and up rows, down columns), the router is replicated so every rank routes
@@ -24,6 +26,7 @@ from torch import nn
 from pluginfer.layers import dense
 from pluginfer.layers.activation import gated_activation
 from pluginfer.layers.context import backend_op, current_context
+from pluginfer.layers.expert_linears import ExpertLinear, expert_linears
 from pluginfer.layers.mlp import check_tp_divisible
 from pluginfer.layers.router import RouterSpec, TopKRouter, route, select_experts
 
@@ -104,12 +107,20 @@ class FusedExperts(nn.Module):
             raise ValueError(f"cache.num_experts_offload_per_rank: {num_offloaded} is more than the "
                              f"{num_experts} experts of a layer")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        # Each expert's (gate_up, down) as layers of the quant method, when it holds experts in its own format
+        # (a plain list: their weights are the method's, reached through the stacked parameters' loader).
+        self.linears: list[tuple[ExpertLinear, ExpertLinear]] | None = None
+        if getattr(ctx.quant, "holds_experts", False):
+            if num_offloaded:
+                raise ValueError(f"cache.num_experts_offload_per_rank: experts of quant method {ctx.quant.name!r} "
+                                 "stay in the checkpoint's format and cannot be offloaded; set it to 0")
+            self.linears = expert_linears(ctx.quant, num_experts, hidden_size, self.shard_size, ctx.dtype,
+                                          self.tp_rank, self.tp_size)
         self.num_resident = num_experts - num_offloaded
         gate_up_shape, down_shape = (2 * self.shard_size, hidden_size), (hidden_size, self.shard_size)
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_resident, *gate_up_shape, dtype=ctx.dtype),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(self.num_resident, *down_shape, dtype=ctx.dtype),
-                                      requires_grad=False)
+        stacked = 0 if self.linears is not None else self.num_resident  # the targets of the loader only
+        self.gate_up_proj = nn.Parameter(torch.empty(stacked, *gate_up_shape, dtype=ctx.dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(stacked, *down_shape, dtype=ctx.dtype), requires_grad=False)
         for param in (self.gate_up_proj, self.down_proj):
             param.weight_loader = self.weight_loader
         device = torch.empty(0).device  # the device the model is being built on
@@ -123,7 +134,8 @@ class FusedExperts(nn.Module):
         self.transfers, self.transferred_bytes = 0, 0
         self.act_fn = gated_activation(hidden_act)
         self.activation = _ACTIVATION_NAMES.get(hidden_act)  # the name op fused_moe takes
-        self.kernel = backend_op(ctx.backend, "fused_moe") if num_offloaded == 0 and self.activation else None
+        self.kernel = backend_op(ctx.backend, "fused_moe") \
+            if num_offloaded == 0 and self.activation and self.linears is None else None
         self.dense = dense.DenseMatmul.for_context(ctx)
         self.layout = "checkpoint"  # a packed layout of layers/dense.py once the experts are packed
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # packed copies of resident experts
@@ -135,6 +147,8 @@ class FusedExperts(nn.Module):
     @property
     def resident_bytes(self) -> int:
         """Bytes of expert weights on the compute device (the shared staging buffers not included)."""
+        if self.linears is not None:
+            return sum(layer.nbytes for pair in self.linears for layer in pair)
         if self.packed is not None:
             return sum(t.numel() * t.element_size() for pair in self.packed for t in pair)
         return self.gate_up_proj.nbytes + self.down_proj.nbytes
@@ -142,7 +156,11 @@ class FusedExperts(nn.Module):
     def process_weights_after_loading(self) -> None:
         """On the CPU, in float32: resident experts move to a packed layout (``layers/dense.py``: the
         native panels, or oneDNN's for an engine that batches; the stacked parameters are emptied,
-        so they are held once)."""
+        so they are held once). Experts held by the quant method are its to process."""
+        if self.linears is not None:
+            for layer in (layer for pair in self.linears for layer in pair):
+                layer.process_weights_after_loading()
+            return
         if self.packed is not None or self.kernel is not None:
             return
         layout = self.dense.packed_layout(self.gate_up_proj.data)
@@ -171,6 +189,9 @@ class FusedExperts(nn.Module):
         Checkpoint tensors have the full intermediate size; this rank copies its slice.
         """
         name = getattr(param, "checkpoint_name", "weight")
+        if self.linears is not None:
+            self._load_linear(param, loaded, shard_id, name)
+            return
         if shard_id is None:
             expected = (self.num_experts, *self._full_shape(param))
             if tuple(loaded.shape) != expected:
@@ -180,6 +201,19 @@ class FusedExperts(nn.Module):
             return
         expert, half = shard_id
         self._load_expert(param, expert, half, loaded, name)
+
+    def _load_linear(self, param: nn.Parameter, loaded: object, shard_id: object, name: str) -> None:
+        """Hand a checkpoint tensor to the expert layers of the quant method (which check and slice it)."""
+        if shard_id is None:  # every expert stacked
+            if tuple(loaded.shape) != (self.num_experts, *self._full_shape(param)):
+                raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} does not match expected "
+                                 f"{(self.num_experts, *self._full_shape(param))}")
+            for expert in range(self.num_experts):
+                self._load_linear(param, loaded[expert], (expert, None), name)
+            return
+        expert, half = shard_id
+        gate_up, down = self.linears[expert]
+        (gate_up if param is self.gate_up_proj else down).load(loaded, half, name)
 
     def _full_shape(self, param: nn.Parameter) -> tuple[int, int]:
         """One expert's tensor in the checkpoint (every rank's slices together)."""
@@ -263,6 +297,11 @@ class FusedExperts(nn.Module):
             if count == 0:
                 continue
             rows = slice(start, start + count)
+            if self.linears is not None:
+                gate_up_layer, down_layer = self.linears[expert]
+                outputs[rows] = down_layer(self.act_fn(gate_up_layer(routed[rows])))
+                start += count
+                continue
             gate_up_weight, down_weight = self._weights(expert)
             gate_up = self.dense.linear(self.layout, routed[rows], gate_up_weight, None, 2 * self.shard_size)
             outputs[rows] = self.dense.linear(self.layout, self.act_fn(gate_up), down_weight, None, self.hidden_size)

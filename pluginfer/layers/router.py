@@ -21,7 +21,7 @@ _GROUPED = ("group_limited_greedy", "noaux_tc")
 # Router fields of other MoE families; a pipeline whose router lacks them rejects them.
 _ROUTER_FIELDS = ("scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor",
                   "n_shared_experts")
-# Fields no router here implements (Qwen2-MoE's gated shared expert).
+# Fields of a block beyond routing (Qwen2-MoE's gated shared expert): only its own pipeline takes them.
 _UNIMPLEMENTED_FIELDS = ("shared_expert_intermediate_size",)
 
 

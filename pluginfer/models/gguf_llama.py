@@ -31,7 +31,12 @@ _ROPE_FREQS = "rope_freqs.weight"
 
 
 def convert(checkpoint: GGUFCheckpoint) -> GGUFModel:
-    """The model in a llama/qwen2/qwen3 GGUF file (the llama and qwen specs' ``converters["gguf"]``)."""
+    """The model in a llama/qwen2/qwen3 GGUF file (the llama and qwen specs' ``converters["gguf"]``); a llama
+    file with experts (Mixtral) is ``gguf_moe``'s."""
+    if checkpoint.field("{arch}.expert_count"):
+        from pluginfer.models.gguf_moe import convert as convert_moe
+
+        return convert_moe(checkpoint)
     config = hf_config(checkpoint)
     fix = None
     if checkpoint.arch == "llama":
@@ -39,7 +44,7 @@ def convert(checkpoint: GGUFCheckpoint) -> GGUFModel:
 
         def fix(hf_name: str, loaded: Any) -> Any:
             projection = hf_name.split(".")[-2]
-            return _unpermute_rows(loaded, heads[projection]) if projection in heads else loaded
+            return unpermute_rows(loaded, heads[projection]) if projection in heads else loaded
 
     return GGUFModel(config, HF_MODULES, ignored_tensors=(_ROPE_FREQS,), fix=fix)
 
@@ -56,7 +61,7 @@ def hf_config(checkpoint: GGUFCheckpoint) -> dict:
                          f"rope.dimension_count {rope_dim} differ; the {checkpoint.arch} pipeline needs them equal")
     tokens = checkpoint.array_length("tokenizer.ggml.tokens")  # counted, not decoded (the tokenizer decodes them)
     config: dict[str, Any] = {
-        "architectures": [SUPPORTED_ARCHITECTURES[checkpoint.arch]],
+        "architectures": [SUPPORTED_ARCHITECTURES.get(checkpoint.arch, checkpoint.arch)],  # others' are their own
         "model_type": checkpoint.arch,
         "hidden_size": hidden,
         "num_hidden_layers": int(checkpoint.require("{arch}.block_count")),
@@ -132,7 +137,7 @@ def _with_rope_freqs(checkpoint: GGUFCheckpoint, scaling: dict | None, head_dim:
     return {**(scaling or {"rope_type": "default"}), "frequency_factors": factors.tolist()}
 
 
-def _unpermute_rows(loaded: torch.Tensor | GGMLTensor, num_heads: int) -> torch.Tensor | GGMLTensor:
+def unpermute_rows(loaded: torch.Tensor | GGMLTensor, num_heads: int) -> torch.Tensor | GGMLTensor:
     """Undo llama.cpp's ``permute`` of q/k rows (per head: interleaved halves -> HF's rotate-half order).
 
     It moves whole rows, so it applies to a quantized tensor's rows of blocks as well.

@@ -54,6 +54,8 @@ _HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 
 class GGUFLinear:
     name = "gguf"
+    # MoE experts stay in the file's blocks too: one layer of this method per expert and projection.
+    holds_experts = True
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
                        shard: ShardSpec = UNSPLIT) -> None:

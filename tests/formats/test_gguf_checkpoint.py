@@ -72,7 +72,8 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    supported = "gemma, gemma2, gemma3, glm4, llama, phi2, phi3, qwen2, qwen3, stablelm"
+    supported = ("deepseek2, gemma, gemma2, gemma3, glm4, llama, phi2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, "
+                 "stablelm")
     with pytest.raises(ValueError, match=rf"gguf architecture 'gpt2' is not supported by any model plugin "
                                          rf"\(supported: {supported}\)"):
         load(path)

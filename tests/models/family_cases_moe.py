@@ -1,4 +1,4 @@
-"""Cases for tests/models/test_families.py: the mixture-of-experts pipelines (mixtral, qwen3-moe)."""
+"""Cases for tests/models/test_families.py: the mixture-of-experts pipelines (mixtral, qwen2-moe, qwen3-moe)."""
 
 CASES = {
     "mixtral-8-experts-top2": ("MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
@@ -14,4 +14,8 @@ CASES = {
         "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "head_dim": 16,
         "norm_topk_prob": True, "num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [0],
         "tie_word_embeddings": True}),
+    # A shared expert scaled by sigmoid(shared_expert_gate(x)) beside the routed ones; q/k/v biases; layer 0 dense.
+    "qwen2-moe-shared-expert": ("Qwen2MoeForCausalLM", {
+        "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 96,
+        "num_hidden_layers": 3, "mlp_only_layers": [0]}),
 }

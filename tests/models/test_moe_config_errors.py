@@ -1,4 +1,5 @@
-"""MoE checkpoints the mixtral and qwen3-moe pipelines cannot serve fail at load, naming the field or tensor."""
+"""MoE checkpoints the mixtral, qwen2-moe and qwen3-moe pipelines cannot serve fail at load, naming the field or
+tensor."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 ARCHITECTURES = {"mixtral": ("MixtralForCausalLM", {"num_local_experts": 4}),
                  "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32,
-                                                       "head_dim": 16})}
+                                                       "head_dim": 16}),
+                 "qwen2-moe": ("Qwen2MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32,
+                                                       "shared_expert_intermediate_size": 64})}
 
 # (family, config.json changes, error pattern naming the field and its value)
 CASES = {
@@ -29,11 +32,16 @@ CASES = {
     "qwen3-moe-routed-scaling": ("qwen3-moe", {"routed_scaling_factor": 2.5}, r"routed_scaling_factor.*2\.5"),
     "qwen3-moe-sparse-step-zero": ("qwen3-moe", {"decoder_sparse_step": 0}, r"decoder_sparse_step.*0"),
     "qwen3-moe-gelu": ("qwen3-moe", {"hidden_act": "gelu"}, r"hidden_act.*'gelu'"),
+    "qwen2-moe-sliding-window": ("qwen2-moe", {"use_sliding_window": True}, r"use_sliding_window = true"),
+    "qwen2-moe-no-shared-expert-size": ("qwen2-moe", {"shared_expert_intermediate_size": 0},
+                                        r"shared_expert_intermediate_size.*0"),
+    "qwen2-moe-grouped-top-k": ("qwen2-moe", {"n_group": 2, "topk_group": 1}, r"n_group.*2"),
 }
 
 # (family, checkpoint tensor removed)
 MISSING = {"mixtral": "model.layers.1.block_sparse_moe.experts.3.w2.weight",
-           "qwen3-moe": "model.layers.0.mlp.experts.2.up_proj.weight"}
+           "qwen3-moe": "model.layers.0.mlp.experts.2.up_proj.weight",
+           "qwen2-moe": "model.layers.1.mlp.shared_expert_gate.weight"}
 
 
 @pytest.fixture(scope="module")

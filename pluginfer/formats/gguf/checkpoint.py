@@ -18,7 +18,7 @@ file's pages for what it reads in place, its own memory for what it copied.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -41,6 +41,7 @@ class GGMLTensor:
     ``raw``: uint8 ``[rows, row_bytes]`` (GGML blocks along each row; memory-mapped from the file
     until something copies it); ``qtype``: a ``gguf.GGMLQuantizationType``; ``shape``: the logical
     ``[rows, cols]`` (Hugging Face's ``[out_features, in_features]``); ``name``: the GGUF tensor name.
+    A 3-D tensor (llama.cpp's merged experts) is ``[experts, rows, row_bytes]`` of ``[experts, rows, cols]``.
     """
 
     raw: torch.Tensor
@@ -67,7 +68,9 @@ class GGUFModel:
     ``hf_config``: the ``config.json`` of the same model; ``hf_modules``: HF module names (``{bid}`` for
     the block index) whose GGUF names gguf-py's name map gives; ``ignored_tensors``: GGUF tensors read
     into the config instead; ``dense_tensors``: HF names dequantized at load; ``fix``: ``(hf_name, tensor)
-    -> tensor`` applied to each tensor (e.g. llama's q/k row order).
+    -> tensor`` applied to each tensor (e.g. llama's q/k row order); ``expand``: ``(hf_name, tensor) ->
+    [(hf_name, tensor), ...]`` after ``fix``, where one file tensor is several HF ones (merged experts) or
+    joins another before it is one (held until then: an empty list).
     """
 
     hf_config: dict
@@ -75,6 +78,7 @@ class GGUFModel:
     ignored_tensors: tuple[str, ...] = ()
     dense_tensors: tuple[str, ...] = ()
     fix: Callable[[str, Any], Any] | None = field(default=None, repr=False)
+    expand: Callable[[str, Any], Iterable[tuple[str, Any]]] | None = field(default=None, repr=False)
 
 
 class GGUFCheckpoint:
@@ -172,9 +176,12 @@ class GGUFCheckpoint:
                     loaded = loaded.dequantize(torch.float32)
                 if model.fix is not None:
                     loaded = model.fix(hf_name, loaded)
-                if not shares_memory(_data(loaded), source):  # a copy (dequantized, rows reordered)
+                shared = False
+                for name, kept in ((hf_name, loaded),) if model.expand is None else model.expand(hf_name, loaded):
+                    shared = shared or shares_memory(_data(kept), source)
+                    yield name, kept
+                if not shared:  # copies only (dequantized, rows reordered): the file's pages can go
                     release_file_pages(source)
-                yield hf_name, loaded
                 bar.update()
 
     def _tensor(self, tensor: Any) -> torch.Tensor | GGMLTensor:
@@ -189,10 +196,10 @@ class GGUFCheckpoint:
             return torch.from_numpy(data).reshape(shape)
         if tensor.tensor_type == T.BF16:
             return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(shape)
-        if len(shape) != 2:
+        if len(shape) not in (2, 3):
             raise ValueError(f"GGUF tensor {tensor.name!r}: {tensor.tensor_type.name} tensor of shape "
-                             f"{tuple(shape)}; only 2-D tensors may be block-quantized")
-        return GGMLTensor(torch.from_numpy(data).reshape(shape[0], -1), tensor.tensor_type, shape, tensor.name)
+                             f"{tuple(shape)}; only 2-D tensors (3-D: merged experts) may be block-quantized")
+        return GGMLTensor(torch.from_numpy(data).reshape(*shape[:-1], -1), tensor.tensor_type, shape, tensor.name)
 
 
 # The GGUF names of the vocabulary tables (every architecture's ``token_embd`` and ``output``): stored as

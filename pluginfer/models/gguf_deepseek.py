@@ -1,0 +1,152 @@
+"""GGUF files of DeepSeek-V2/V3 (llama.cpp's ``deepseek2``): their metadata as the ``config.json`` of the
+deepseek pipeline, their tensors under Hugging Face's names.
+
+llama.cpp stores latent attention's ``kv_b_proj`` either whole (``attn_kv_b``, older files) or split per head
+into ``attn_k_b`` (``[heads, kv_lora_rank, qk_nope_head_dim]``: each head's key block transposed) and
+``attn_v_b`` (``[heads, v_head_dim, kv_lora_rank]``); the split form is joined back into ``kv_b_proj``, which
+``layers.mla`` holds dense. Merged experts are split per expert (``gguf_moe.expand_experts``); they and the
+other linear layers keep the file's GGML blocks. The router is V3's (sigmoid scores, a correction
+bias, ``noaux_tc``) where the file's ``expert_gating_func`` says sigmoid, else V2's softmax (``greedy``, or
+``group_limited_greedy`` when the file groups its experts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from pluginfer.formats.gguf.checkpoint import GGMLTensor, GGUFCheckpoint, GGUFModel
+from pluginfer.models.gguf_moe import expand_experts
+
+HF_MODULES = (
+    "model.embed_tokens", "model.norm", "lm_head",
+    "model.layers.{bid}.input_layernorm", "model.layers.{bid}.post_attention_layernorm",
+    "model.layers.{bid}.self_attn.q_proj", "model.layers.{bid}.self_attn.q_a_proj",
+    "model.layers.{bid}.self_attn.q_a_layernorm", "model.layers.{bid}.self_attn.q_b_proj",
+    "model.layers.{bid}.self_attn.kv_a_proj_with_mqa", "model.layers.{bid}.self_attn.kv_a_layernorm",
+    "model.layers.{bid}.self_attn.kv_b_proj", "model.layers.{bid}.self_attn.k_b_proj",
+    "model.layers.{bid}.self_attn.v_b_proj", "model.layers.{bid}.self_attn.o_proj",
+    "model.layers.{bid}.mlp.gate_proj", "model.layers.{bid}.mlp.up_proj", "model.layers.{bid}.mlp.down_proj",
+    "model.layers.{bid}.mlp.gate", "model.layers.{bid}.mlp.gate.e_score_correction",
+    "model.layers.{bid}.mlp.experts.gate_proj", "model.layers.{bid}.mlp.experts.up_proj",
+    "model.layers.{bid}.mlp.experts.down_proj",
+    "model.layers.{bid}.mlp.shared_experts.gate_proj", "model.layers.{bid}.mlp.shared_experts.up_proj",
+    "model.layers.{bid}.mlp.shared_experts.down_proj",
+)
+_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, the default)
+
+
+def convert(checkpoint: GGUFCheckpoint) -> GGUFModel:
+    """The model in a ``deepseek2`` GGUF file (the deepseek spec's ``converters["gguf"]``)."""
+    config = hf_config(checkpoint)
+    heads, nope, v_dim = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    dense = tuple(f"model.layers.{layer}.self_attn.kv_b_proj.weight" for layer in range(config["num_hidden_layers"]))
+    return GGUFModel(config, HF_MODULES, dense_tensors=dense, expand=_KvBJoiner(heads, nope, v_dim).expand)
+
+
+def hf_config(checkpoint: GGUFCheckpoint) -> dict:
+    """The config.json of the DeepSeek-V2 or V3 checkpoint this file was converted from."""
+    heads = int(checkpoint.require("{arch}.attention.head_count"))
+    rope_dim = int(checkpoint.require("{arch}.rope.dimension_count"))
+    # Files with the split kv_b give the per-head sizes as *_mla; older ones as the plain lengths.
+    key_length = int(checkpoint.field("{arch}.attention.key_length_mla") or checkpoint.require("{arch}.attention.key_length"))
+    value_length = int(checkpoint.field("{arch}.attention.value_length_mla")
+                       or checkpoint.require("{arch}.attention.value_length"))
+    v3 = int(checkpoint.field("{arch}.expert_gating_func", 1)) == _SIGMOID
+    experts = checkpoint.field("{arch}.expert_count")
+    groups, used_groups = (int(checkpoint.field(key) or 1) for key in ("{arch}.expert_group_count",
+                                                                       "{arch}.expert_group_used_count"))
+    q_lora = checkpoint.field("{arch}.attention.q_lora_rank")
+    tokens = checkpoint.array_length("tokenizer.ggml.tokens")
+    config: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+        "hidden_size": int(checkpoint.require("{arch}.embedding_length")),
+        "num_hidden_layers": int(checkpoint.require("{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,  # the file's head_count_kv 1 is the latent cache's one head
+        "q_lora_rank": int(q_lora) if q_lora else None,
+        "kv_lora_rank": int(checkpoint.require("{arch}.attention.kv_lora_rank")),
+        "qk_nope_head_dim": key_length - rope_dim,
+        "qk_rope_head_dim": rope_dim,
+        "v_head_dim": value_length,
+        "intermediate_size": int(checkpoint.require("{arch}.feed_forward_length")),
+        "moe_intermediate_size": int(checkpoint.field("{arch}.expert_feed_forward_length") or 0) or None,
+        "n_routed_experts": int(experts) if experts else None,
+        "n_shared_experts": int(checkpoint.field("{arch}.expert_shared_count") or 0),
+        "num_experts_per_tok": int(checkpoint.field("{arch}.expert_used_count") or 1),
+        "first_k_dense_replace": int(checkpoint.field("{arch}.leading_dense_block_count") or 0),
+        "moe_layer_freq": 1,
+        "norm_topk_prob": bool(checkpoint.field("{arch}.expert_weights_norm", False)),
+        "routed_scaling_factor": float(checkpoint.field("{arch}.expert_weights_scale") or 1.0),
+        "topk_method": "noaux_tc" if v3 else ("group_limited_greedy" if groups > 1 else "greedy"),
+        "n_group": groups,
+        "topk_group": used_groups,
+        "rms_norm_eps": float(checkpoint.field("{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(checkpoint.field("{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(checkpoint.field("{arch}.context_length", 2048)),
+        "vocab_size": tokens if tokens is not None else int(checkpoint.require("{arch}.vocab_size")),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": "output.weight" not in checkpoint.tensors,
+        "torch_dtype": "float32",  # as gguf_llama: linear layers keep the file's block types
+        "quantization_config": {"quant_method": "gguf"},
+    }
+    if v3:
+        config["rope_interleave"] = True  # llama.cpp rotates DeepSeek's adjacent pairs
+    scaling = _rope_scaling(checkpoint)
+    if scaling:
+        config["rope_scaling"] = scaling
+    for key, name in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+        if checkpoint.field(key) is not None:
+            config[name] = int(checkpoint.field(key))
+    return config
+
+
+def _rope_scaling(checkpoint: GGUFCheckpoint) -> dict | None:
+    """YaRN as DeepSeek's configs give it; llama.cpp keeps ``0.1 * mscale_all_dim`` as the log multiplier."""
+    kind = checkpoint.field("{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "yarn":
+        raise ValueError(f"{checkpoint.path}: rope scaling type {kind!r} is not supported for deepseek2 (supported: yarn)")
+    mscale = float(checkpoint.field("{arch}.rope.scaling.yarn_log_multiplier") or 0.0) / 0.1
+    return {"rope_type": "yarn", "factor": float(checkpoint.require("{arch}.rope.scaling.factor")),
+            "original_max_position_embeddings": int(checkpoint.require("{arch}.rope.scaling.original_context_length")),
+            "mscale": mscale, "mscale_all_dim": mscale, "beta_fast": 32, "beta_slow": 1}
+
+
+class _KvBJoiner:
+    """``expand`` for deepseek2 files: joins each layer's ``k_b_proj`` and ``v_b_proj`` into ``kv_b_proj``
+    (whichever comes first waits, dequantized, for the other), names V3's router bias as HF does, and
+    splits merged experts."""
+
+    def __init__(self, heads: int, nope_dim: int, v_dim: int) -> None:
+        self.heads, self.nope_dim, self.v_dim = heads, nope_dim, v_dim
+        self.waiting: dict[str, dict[str, torch.Tensor]] = {}
+
+    def expand(self, hf_name: str, loaded: Any) -> Iterator[tuple[str, Any]]:
+        if hf_name.endswith(".e_score_correction.bias"):
+            yield hf_name.replace(".e_score_correction.bias", ".e_score_correction_bias"), loaded
+            return
+        prefix, _, part = hf_name.removesuffix(".weight").rpartition(".")
+        if part not in ("k_b_proj", "v_b_proj") or not hf_name.endswith(".weight"):
+            yield from expand_experts(hf_name, loaded)
+            return
+        dense = loaded.dequantize(torch.float32) if isinstance(loaded, GGMLTensor) else loaded.float()
+        rank = dense.shape[1 if part == "k_b_proj" else 2] if dense.dim() == 3 else -1
+        expected = (self.heads, rank, self.nope_dim) if part == "k_b_proj" else (self.heads, self.v_dim, rank)
+        if tuple(dense.shape) != expected:
+            raise ValueError(f"GGUF tensor {getattr(loaded, 'name', hf_name)!r} has the shape {tuple(dense.shape)}; "
+                             f"expected {expected} (heads, then the per-head block)")
+        parts = self.waiting.setdefault(prefix, {})
+        parts[part] = dense
+        if len(parts) < 2:
+            return
+        del self.waiting[prefix]
+        key, value = parts["k_b_proj"].transpose(1, 2), parts["v_b_proj"]  # [heads, nope, rank], [heads, v, rank]
+        if key.shape[2] != value.shape[2]:
+            raise ValueError(f"{prefix}: attn_k_b's kv_lora_rank {key.shape[2]} differs from attn_v_b's {value.shape[2]}")
+        yield f"{prefix}.kv_b_proj.weight", torch.cat((key, value), dim=1).reshape(-1, key.shape[2]).contiguous()
