@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from pluginfer.core.kv_quant import SCALE_BYTES, is_quantized
+
 if TYPE_CHECKING:
     from pluginfer.core.batch import ForwardBatch
 
@@ -50,7 +52,9 @@ class KVCacheSpec:
             width = self.head_dim
         else:
             width = self.head_dim + (self.v_head_dim if self.v_head_dim is not None else self.head_dim)
-        return self.num_layers * self.num_kv_heads * width * dtype.itemsize
+        heads = self.num_kv_heads * (1 if self.value_in_key is not None else 2)
+        scale_bytes = SCALE_BYTES * heads if is_quantized(dtype) else 0  # a quantized row's float32 scale
+        return self.num_layers * (self.num_kv_heads * width * dtype.itemsize + scale_bytes)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.kv_quant import check_kv_cache_dtype
 from pluginfer.core.protocols import BuildContext, Collective, DecodeForward, IntermediateTensors, RankInfo
 from pluginfer.core.registry import Registry
 from pluginfer.engine.input_batch import InputBatch
@@ -76,6 +77,7 @@ class Worker:
         with building(ctx), torch.device(self.backend.device):
             self.pipeline = factory(hf_config, ctx)
         self.pipeline.eval()
+        check_kv_cache_dtype(self.backend, self.pipeline.kv_cache_spec(), self.kv_dtype, config.cache.kv_cache_dtype)
         self.expert_memory = expert_memory(self.pipeline)
         offload = config.cache.num_experts_offload_per_rank
         if offload and not self.expert_memory.offloaded_experts:
