@@ -110,3 +110,51 @@ def test_the_vector_width_is_the_instruction_sets() -> None:
     features = library._loaded["info"].features
     expected = 16 if "avx512f" in features else 8 if "avx2" in features else 1
     assert library.load().kv_quant_attention_width() == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_the_cpu_backend_native_and_torch_paths_and_the_reference_agree(dtype: torch.dtype) -> None:
+    """A step of decodes and prefills through ``CpuBackend.paged_attention`` (write, then attend) with the native
+    kernels, with them switched off (torch on dequantized rows), and through the core's reference ops; and
+    ``FixedScaleKVCache``'s scales reach every row."""
+    from pluginfer.backends.cpu.backend import CpuBackend
+    from pluginfer.core.backend_base import BaseDeviceBackend
+    from pluginfer.core.protocols import KVCacheSpec
+    from pluginfer.testing import backend_contract
+
+    class Reference(BaseDeviceBackend):
+        name = "reference"
+        kv_cache_dtypes = (dtype,)
+
+    generator = torch.Generator().manual_seed(5)
+    tables, seq_lens, query_lens = [[3, 0], [1, 5, 2], [4]], [9, 21, 3], [1, 6, 3]
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=32)
+    tokens = sum(query_lens)
+    query = torch.randn(tokens, 4, 32, generator=generator)
+    key, value = (torch.randn(tokens, 2, 32, generator=generator) for _ in range(2))
+    fixed = (torch.tensor([0.02, 0.03]), torch.tensor([0.01, 0.04]))
+    results = []
+    for backend, native, scales in ((CpuBackend(), True, None), (CpuBackend(), False, None), (Reference("cpu"), None, None),
+                                    (CpuBackend(), True, fixed), (CpuBackend(), False, fixed), (Reference("cpu"), None, fixed)):
+        if native is not None:
+            backend.native_kernels = native
+        caches = backend.allocate_kv_cache(spec, 6, 8, dtype)[0]
+        if scales is not None:
+            caches = kv_quant.FixedScaleKVCache(*caches, *scales)
+        # earlier tokens of each sequence, written by earlier steps
+        history = backend_contract.paged_batch(torch.device("cpu"), tables, seq_lens,
+                                               [s - q for s, q in zip(seq_lens, query_lens)], 8)
+        past = torch.randn(history.slot_mapping.shape[0], 2, 32, generator=torch.Generator().manual_seed(6))
+        kv_quant.write_rows(caches[0], history.slot_mapping, past, None if scales is None else scales[0])
+        kv_quant.write_rows(caches[1], history.slot_mapping, -past, None if scales is None else scales[1])
+        batch = backend_contract.paged_batch(torch.device("cpu"), tables, seq_lens, query_lens, 8)
+        batch.attention = backend.prepare(batch)
+        results.append((backend.paged_attention(query, key, value, caches, batch, 0.25), caches))
+    for out, caches in results[1:3]:
+        torch.testing.assert_close(out, results[0][0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(caches[0].view(torch.uint8), results[0][1][0].view(torch.uint8))
+    for out, caches in results[4:]:
+        torch.testing.assert_close(out, results[3][0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(caches[1].view(torch.uint8), results[3][1][1].view(torch.uint8))
+    written = kv_quant.scales(results[3][1][0]).view(-1, 2)[batch.slot_mapping]
+    assert torch.equal(written, fixed[0].expand_as(written))
