@@ -287,6 +287,12 @@ class DeviceBackend(Protocol):
     picks this rank's device; ``rank.local_world_size`` ranks share the machine (and its cores).
     ``core.backend_base.BaseDeviceBackend`` implements every member over a ``KernelTable``: subclass it and
     override what the device does differently. ``pluginfer.testing.backend_contract`` checks a backend.
+
+    Optional ``kv_cache_dtypes`` (API 5): the torch dtypes of the KV caches its attention reads; without it,
+    float32, float16 and bfloat16. A quantized cache (``torch.int8``, ``torch.float8_e4m3fn``,
+    ``torch.float8_e5m2``; ``core/kv_quant.py``'s rows of codes and a float32 scale) it lists must be written and
+    read by its ``paged_attention``, which then also honours a ``kv_cache`` carrying fixed scales
+    (``kv_quant.fixed_scales``). ``cache.kv_cache_dtype`` outside the list is a start-up error naming both.
     """
 
     name: str
@@ -304,7 +310,8 @@ class DeviceBackend(Protocol):
     def allocate_kv_cache(
         self, spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (key, value) pair of tensors per layer, ``[num_blocks, block_size, heads, dim]``.
+        """One (key, value) pair of tensors per layer, ``[num_blocks, block_size, heads, dim]``; of a quantized
+        ``dtype``, ``[..., dim + 4]`` (``kv_quant.row_width``: each row's codes, then its scale's bytes).
 
         With ``spec.value_in_key`` the value tensor is a view of the key tensor's first features
         (no storage of its own).

@@ -16,6 +16,7 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "exp_avx512.h"
 #include "half_values.h"
 
 enum { KV_INT8 = 0, KV_E4M3 = 1, KV_E5M2 = 2 };
@@ -94,7 +95,7 @@ typedef __m512 vf;
 #define VF_STORE(p, v) _mm512_storeu_ps(p, v)
 #define VF_SET1(x) _mm512_set1_ps(x)
 #define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VF_SUM(v) _mm512_reduce_add_ps(v)
+#define VF_MUL(a, b) _mm512_mul_ps(a, b)
 static inline __attribute__((always_inline)) vf widen_vec(const uint8_t *p, int kind) {
     const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
     if (kind == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
@@ -104,6 +105,19 @@ static inline __attribute__((always_inline)) vf widen_vec(const uint8_t *p, int 
                                          _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
     return _mm512_cvtph_ps(half);
 }
+/* Lane j of the result: the sum of a[j]'s lanes (W dot products summed by one transpose-and-add tree). */
+static inline vf sum_w(vf a[W]) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
+}
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define W 8
 typedef __m256 vf;
@@ -112,12 +126,7 @@ typedef __m256 vf;
 #define VF_STORE(p, v) _mm256_storeu_ps(p, v)
 #define VF_SET1(x) _mm256_set1_ps(x)
 #define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-static inline float VF_SUM(vf v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#define VF_MUL(a, b) _mm256_mul_ps(a, b)
 static inline __attribute__((always_inline)) vf widen_vec(const uint8_t *p, int kind) {
     const __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
     if (kind == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
@@ -126,6 +135,11 @@ static inline __attribute__((always_inline)) vf widen_vec(const uint8_t *p, int 
     const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
                                       _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
     return _mm256_cvtph_ps(half);
+}
+static inline vf sum_w(vf a[W]) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 #endif
 
@@ -145,7 +159,17 @@ static void softmax_rows(float *scores, int64_t rows, int64_t count) {
     for (int64_t h = 0; h < rows; h++) {
         float *row = scores + h * count, max_score = -INFINITY, sum = 0.0f;
         for (int64_t i = 0; i < count; i++) max_score = fmaxf(max_score, row[i]);
-        for (int64_t i = 0; i < count; i++) sum += row[i] = expf(row[i] - max_score);
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 vsum = _mm512_setzero_ps();
+        for (; i + 16 <= count; i += 16) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(max_score)));
+            _mm512_storeu_ps(row + i, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        sum = _mm512_reduce_add_ps(vsum);
+#endif
+        for (; i < count; i++) sum += row[i] = expf(row[i] - max_score);
         const float inverse = 1.0f / sum;
         for (int64_t i = 0; i < count; i++) row[i] *= inverse;
     }
@@ -178,25 +202,31 @@ static void attend_scalar(const task_t *t, int kind) {
 }
 
 #ifdef W
-/* Up to 4 query heads of the group at a time: each key's codes widened once for them, held in registers. */
-static inline __attribute__((always_inline)) void attend_vec(const task_t *t, const int kind) {
+/* Scores W positions at a time: their keys widened once into kbuf (L1) for every query head of the group, W
+ * dot products summed by one tree (sum_w) and scaled by each row's scale. Values: up to 4 query heads x 4
+ * vectors of features in registers over every position, each value's codes widened once for them. */
+static inline __attribute__((always_inline)) void attend_vec(const task_t *t, float *kbuf, const int kind) {
     const int64_t ks = t->head_dim + 4, vs = t->v_dim + 4;
-    for (int64_t g0 = 0; g0 < t->group; g0 += 4) {
-        const int ng = (int)(t->group - g0 < 4 ? t->group - g0 : 4);
-        const float *q = t->q + g0 * t->head_dim;
-        for (int64_t i = 0; i < t->count; i++) {
-            const uint8_t *k = t->keys + t->rows[i] * ks;
-            vf acc[4] = {VF_ZERO(), VF_ZERO(), VF_ZERO(), VF_ZERO()};
+    for (int64_t i0 = 0; i0 < t->count; i0 += W) {
+        const int64_t n = t->count - i0 < W ? t->count - i0 : W;
+        float factors[W], tile[W];
+        for (int64_t j = 0; j < W; j++) {
+            const uint8_t *k = t->keys + t->rows[i0 + (j < n ? j : 0)] * ks;
+            for (int64_t d = 0; d < t->head_dim; d += W) VF_STORE(kbuf + j * t->head_dim + d, widen_vec(k + d, kind));
+            factors[j] = row_scale(k, t->head_dim) * WIDE_FACTOR[kind] * t->scale;
+        }
+        for (int64_t g = 0; g < t->group; g++) {
+            const float *q = t->q + g * t->head_dim;
+            vf acc[W];
+            for (int j = 0; j < W; j++) acc[j] = VF_ZERO();
             for (int64_t d = 0; d < t->head_dim; d += W) {
-                const vf kv = widen_vec(k + d, kind);
-                for (int g = 0; g < ng; g++) acc[g] = VF_FMA(VF_LOAD(q + g * t->head_dim + d), kv, acc[g]);
+                const vf qv = VF_LOAD(q + d);
+                for (int j = 0; j < W; j++) acc[j] = VF_FMA(qv, VF_LOAD(kbuf + j * t->head_dim + d), acc[j]);
             }
-            const float factor = row_scale(k, t->head_dim) * WIDE_FACTOR[kind] * t->scale;
-            for (int g = 0; g < ng; g++) {
-                float score = VF_SUM(acc[g]) * factor;
-                if (t->soft_cap > 0.0f) score = t->soft_cap * tanhf(score / t->soft_cap);
-                t->scores[(g0 + g) * t->count + i] = score;
-            }
+            VF_STORE(tile, VF_MUL(sum_w(acc), VF_LOAD(factors)));
+            float *row = t->scores + g * t->count + i0;
+            for (int64_t j = 0; j < n; j++)
+                row[j] = t->soft_cap > 0.0f ? t->soft_cap * tanhf(tile[j] / t->soft_cap) : tile[j];
         }
     }
     softmax_rows(t->scores, t->group, t->count);
@@ -259,7 +289,8 @@ int paged_attention_quantized(const float *query, const uint8_t *key_cache, cons
 #pragma omp parallel if (num_tokens * num_kv_heads > 1)
     {
         const int64_t score_floats = (group * max_len + 1) / 2 * 2; /* the rows after it 8-byte aligned */
-        float *scores = malloc(sizeof(float) * (size_t)score_floats + sizeof(int64_t) * (size_t)max_len);
+        /* scores, each position's cache row, then the widened keys of W positions (the vector path's) */
+        float *scores = malloc(sizeof(float) * (size_t)(score_floats + 16 * head_dim) + sizeof(int64_t) * (size_t)max_len);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -285,9 +316,10 @@ int paged_attention_quantized(const float *query, const uint8_t *key_cache, cons
 #ifdef W
                 if (vector) {
                     /* kind as a literal: each variant compiled with its own widening */
-                    if (kind == KV_INT8) attend_vec(&task, KV_INT8);
-                    else if (kind == KV_E4M3) attend_vec(&task, KV_E4M3);
-                    else attend_vec(&task, KV_E5M2);
+                    float *kbuf = (float *)(rows + max_len);
+                    if (kind == KV_INT8) attend_vec(&task, kbuf, KV_INT8);
+                    else if (kind == KV_E4M3) attend_vec(&task, kbuf, KV_E4M3);
+                    else attend_vec(&task, kbuf, KV_E5M2);
                     continue;
                 }
 #endif
