@@ -108,3 +108,16 @@ def test_a_quantized_cache_holds_about_twice_a_16_bit_caches_tokens() -> None:
     spec = KVCacheSpec(num_layers=24, num_kv_heads=2, head_dim=64)  # Qwen2.5-0.5B's cache
     ratio = spec.bytes_per_token(torch.float16) / spec.bytes_per_token(torch.int8)
     assert ratio == pytest.approx(2 * 64 / 68)  # 64 codes and a 4-byte scale per row
+
+
+@pytest.mark.slow
+def test_preemption_by_recompute_gives_each_request_its_answer_alone(tiny_llama_checkpoint) -> None:
+    """8 requests over a 96-token int8 cache take turns; a preempted one recomputes its quantized rows."""
+    llm = LLM(model=str(tiny_llama_checkpoint[0]), dtype="float32", num_blocks=12, block_size=8,
+              kv_cache_dtype="int8", enable_prefix_caching=False)
+    prompts = [list(range(100 + i, 116 + i)) for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    together = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    alone = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in prompts[:3]]
+    assert [list(tokens) for tokens in together[:3]] == [list(tokens) for tokens in alone]
