@@ -127,4 +127,5 @@ NATIVE = {
     "pack_panels": panels.pack_panels,  # panel_linear.c
     "panel_linear": panels.panel_linear,  # panel_linear.c
 }
-# paged_decode_attention (attention.c) is called by the backend's own paged_attention (backend.py), not looked up.
+# paged_decode_attention (attention.c) and a quantized KV cache's write and attention (kv_quant_attention.c) are
+# called by the backend's own paged_attention (backend.py), not looked up.
