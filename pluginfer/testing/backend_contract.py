@@ -219,14 +219,14 @@ def _check_quantized_attention(backend: DeviceBackend, dtype: torch.dtype, atol:
     member = f"paged_attention (quantized KV cache, {dtype})"
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16)
     key_cache, value_cache = backend.allocate_kv_cache(spec, NUM_BLOCKS, BLOCK_SIZE, dtype)[0]
-    if tuple(key_cache.shape) != (NUM_BLOCKS, BLOCK_SIZE, 2, 16 + kv_quant.SCALE_BYTES) or key_cache.dtype != dtype:
-        raise _fail("allocate_kv_cache", f"a {dtype} cache of rows [2, {16 + kv_quant.SCALE_BYTES}] (codes, then the "
-                    f"scale's bytes), got {key_cache.dtype} {tuple(key_cache.shape)}")
+    if tuple(key_cache.shape[1:]) != (BLOCK_SIZE, 2, 16 + kv_quant.SCALE_BYTES) or key_cache.dtype != dtype:
+        raise _fail("allocate_kv_cache", f"a {dtype} cache of blocks [{BLOCK_SIZE}, 2, {16 + kv_quant.SCALE_BYTES}] "
+                    f"(codes, then the scale's bytes), got {key_cache.dtype} {tuple(key_cache.shape)}")
     generator = torch.Generator().manual_seed(1)
-    every_slot = torch.arange(NUM_BLOCKS * BLOCK_SIZE, device=backend.device)
+    slots = key_cache.shape[0] * BLOCK_SIZE  # a backend may hold blocks of its own beyond NUM_BLOCKS
     for cache in (key_cache, value_cache):  # earlier steps' rows
-        kv_quant.write_rows(cache, every_slot, torch.randn(NUM_BLOCKS * BLOCK_SIZE, 2, 16, generator=generator)
-                            .to(backend.device))
+        kv_quant.write_rows(cache, torch.arange(slots, device=backend.device),
+                            torch.randn(slots, 2, 16, generator=generator).to(backend.device))
     tokens = sum(QUERY_LENS)
     query, key, value = (torch.randn(tokens, heads, 16, generator=generator).to(backend.device) for heads in (4, 2, 2))
     expected_key, expected_value = key_cache.clone(), value_cache.clone()
