@@ -202,31 +202,41 @@ static void attend_scalar(const task_t *t, int kind) {
 }
 
 #ifdef W
-/* Scores W positions at a time: their keys widened once into kbuf (L1) for every query head of the group, W
- * dot products summed by one tree (sum_w) and scaled by each row's scale. Values: up to 4 query heads x 4
+/* Scores W / 2 positions at a time: their keys widened once into kbuf (L1) for every query head of the group,
+ * W dot products summed by one tree (sum_w) and scaled by each row's scale. Values: up to 4 query heads x 4
  * vectors of features in registers over every position, each value's codes widened once for them. */
 static inline __attribute__((always_inline)) void attend_vec(const task_t *t, float *kbuf, const int kind) {
     const int64_t ks = t->head_dim + 4, vs = t->v_dim + 4;
-    for (int64_t i0 = 0; i0 < t->count; i0 += W) {
-        const int64_t n = t->count - i0 < W ? t->count - i0 : W;
+    /* W / 2 positions x two query heads a tile: each widened key loaded once for both heads, the W dot products
+     * summed by one tree (lanes below W / 2 the first head's); a lone last head pairs with itself. */
+    enum { P = W / 2 };
+    for (int64_t i0 = 0; i0 < t->count; i0 += P) {
+        const int64_t n = t->count - i0 < P ? t->count - i0 : P;
         float factors[W], tile[W];
-        for (int64_t j = 0; j < W; j++) {
+        for (int64_t j = 0; j < P; j++) {
             const uint8_t *k = t->keys + t->rows[i0 + (j < n ? j : 0)] * ks;
             for (int64_t d = 0; d < t->head_dim; d += W) VF_STORE(kbuf + j * t->head_dim + d, widen_vec(k + d, kind));
-            factors[j] = row_scale(k, t->head_dim) * WIDE_FACTOR[kind] * t->scale;
+            factors[j] = factors[P + j] = row_scale(k, t->head_dim) * WIDE_FACTOR[kind] * t->scale;
         }
-        for (int64_t g = 0; g < t->group; g++) {
-            const float *q = t->q + g * t->head_dim;
+        for (int64_t g = 0; g < t->group; g += 2) {
+            const int64_t h = g + 1 < t->group ? g + 1 : g;
+            const float *qa = t->q + g * t->head_dim, *qb = t->q + h * t->head_dim;
             vf acc[W];
             for (int j = 0; j < W; j++) acc[j] = VF_ZERO();
             for (int64_t d = 0; d < t->head_dim; d += W) {
-                const vf qv = VF_LOAD(q + d);
-                for (int j = 0; j < W; j++) acc[j] = VF_FMA(qv, VF_LOAD(kbuf + j * t->head_dim + d), acc[j]);
+                const vf va = VF_LOAD(qa + d), vb = VF_LOAD(qb + d);
+                for (int j = 0; j < P; j++) {
+                    const vf kv = VF_LOAD(kbuf + j * t->head_dim + d);
+                    acc[j] = VF_FMA(va, kv, acc[j]);
+                    acc[P + j] = VF_FMA(vb, kv, acc[P + j]);
+                }
             }
             VF_STORE(tile, VF_MUL(sum_w(acc), VF_LOAD(factors)));
-            float *row = t->scores + g * t->count + i0;
-            for (int64_t j = 0; j < n; j++)
-                row[j] = t->soft_cap > 0.0f ? t->soft_cap * tanhf(tile[j] / t->soft_cap) : tile[j];
+            for (int64_t j = 0; j < n; j++) {
+                const float sa = tile[j], sb = tile[P + j];
+                t->scores[g * t->count + i0 + j] = t->soft_cap > 0.0f ? t->soft_cap * tanhf(sa / t->soft_cap) : sa;
+                t->scores[h * t->count + i0 + j] = t->soft_cap > 0.0f ? t->soft_cap * tanhf(sb / t->soft_cap) : sb;
+            }
         }
     }
     softmax_rows(t->scores, t->group, t->count);
@@ -309,9 +319,10 @@ int paged_attention_quantized(const float *query, const uint8_t *key_cache, cons
                 task_t task = {query + (t * num_heads + kv * group) * head_dim, out + (t * num_heads + kv * group) * v_dim,
                                key_cache, value_cache, rows, scores, position + 1 - start, group, head_dim, v_dim,
                                scale, soft_cap};
+                int64_t block = start / block_size, within = start % block_size; /* no division per position */
                 for (int64_t i = 0; i < task.count; i++) {
-                    const int64_t pos = start + i;
-                    rows[i] = (table[pos / block_size] * block_size + pos % block_size) * num_kv_heads + kv;
+                    rows[i] = (table[block] * block_size + within) * num_kv_heads + kv;
+                    if (++within == block_size) within = 0, block++;
                 }
 #ifdef W
                 if (vector) {
