@@ -103,9 +103,9 @@ def check_kv_cache_dtype(backend: object, spec: object, dtype: torch.dtype, name
     A backend lists the dtypes it reads in ``kv_cache_dtypes`` (``DeviceBackend``); without it, the float ones."""
     readable = getattr(backend, "kv_cache_dtypes", FLOAT_KV_DTYPES)
     if dtype not in readable:
-        names = ", ".join(sorted({_name(d) for d in readable}))
+        names = ", ".join(sorted({dtype_name(d) for d in readable}))
         raise ValueError(f"cache.kv_cache_dtype {name}: the {backend.name} backend has no attention kernel "
-                         f"reading a {_name(dtype)} KV cache (it reads {names})")
+                         f"reading {dtype_name(dtype)} KV caches (it reads {names})")
     if not is_quantized(dtype):
         return
     if getattr(spec, "value_in_key", None) is not None:
@@ -115,7 +115,8 @@ def check_kv_cache_dtype(backend: object, spec: object, dtype: torch.dtype, name
     check_head_dim(spec.v_head_dim or spec.head_dim, dtype)
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``--kv-cache-dtype``'s name of a cache dtype (int8, fp8_e4m3, fp8_e5m2, float16, ...)."""
     names = {value: key for key, value in QUANTIZED_KV_DTYPES.items() if key != "fp8"}
     return names.get(dtype) or str(dtype).removeprefix("torch.")
 

@@ -89,7 +89,7 @@ def _read_scale_file(path: Path, dtype: torch.dtype, rank: RankInfo) -> dict[int
     named = cache.get("dtype")
     if named is not None and _FILE_DTYPES.get(named) != dtype:
         raise ValueError(f"{path}: its scales are for a {named} KV cache, but cache.kv_cache_dtype is "
-                         f"{kv_quant._name(dtype)}")
+                         f"{kv_quant.dtype_name(dtype)}")
     key = str(rank.tp_rank)
     if key not in by_rank:
         if len(by_rank) != 1:
@@ -111,7 +111,7 @@ def _check_scheme(hf_config: dict, dtype: torch.dtype) -> None:
     kind = scheme.get("type")
     if kind in _SCHEME_TYPES and dtype not in _SCHEME_TYPES[kind]:
         raise ValueError(f"config.json: kv_cache_scheme type {kind!r} calibrated the checkpoint's k_scale/v_scale "
-                         f"for another KV cache than cache.kv_cache_dtype {kv_quant._name(dtype)}")
+                         f"for another KV cache than cache.kv_cache_dtype {kv_quant.dtype_name(dtype)}")
 
 
 def _rank_heads(scales: torch.Tensor, layer: int, kind: str, total_heads: int, num_kv_heads: int, rank: RankInfo,

@@ -78,7 +78,7 @@ def test_a_backend_without_a_kernel_for_the_dtype_is_a_start_up_error_naming_bot
 
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64)
     with pytest.raises(ValueError, match=r"kv_cache_dtype int8: the float-only backend has no attention kernel "
-                                         r"reading a int8 KV cache \(it reads bfloat16, float16, float32\)"):
+                                         r"reading int8 KV caches \(it reads bfloat16, float16, float32\)"):
         kv_quant.check_kv_cache_dtype(FloatOnly(), spec, torch.int8, "int8")
     kv_quant.check_kv_cache_dtype(FloatOnly(), spec, torch.float16, "float16")
     latent = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=576, value_in_key=512)
