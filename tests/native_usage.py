@@ -25,6 +25,7 @@ from pathlib import Path
 # AVX2 with FMA and F16C (its AVX2 kernels); half_linear.c AVX2 with FMA and F16C at least.
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "decode attention": (("paged_decode_attention", "paged_decode_attention_kv16"), ()),
+    "quantized KV attention": (("paged_attention_quantized", "kv_quantize_rows"), ()),
     "RMSNorm": (("rms_norm",), ()),
     "SiLU-and-mul": (("silu_and_mul",), ()),
     "GELU(tanh)-and-mul": (("gelu_tanh_and_mul", "gelu_tanh_and_mul_16"), ()),

@@ -18,6 +18,7 @@ import torch
 from pluginfer.core import kernels
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.kernels import KernelTable, PagedAttentionMetadata
+from pluginfer.core.kv_quant import FLOAT_KV_DTYPES, row_width
 from pluginfer.core.protocols import KVCacheSpec
 
 
@@ -27,6 +28,9 @@ class BaseDeviceBackend:
     name: str = ""
     default_collective: str = "gloo"
     quant_kernels_required: bool = False
+    # KV cache dtypes the table's attention kernels read (DeviceBackend.kv_cache_dtypes); a subclass whose
+    # kernels read quantized caches (core/kv_quant.py's layout) adds them.
+    kv_cache_dtypes: tuple[torch.dtype, ...] = FLOAT_KV_DTYPES
 
     def __init__(self, device: torch.device | str) -> None:
         if not self.name:
@@ -58,8 +62,9 @@ class BaseDeviceBackend:
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
                           dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed ``[num_blocks, block_size, kv_heads, dim]`` keys and values per layer on ``self.device``."""
-        def zeros(dim: int) -> torch.Tensor:
-            return torch.zeros(num_blocks, block_size, spec.num_kv_heads, dim, dtype=dtype, device=self.device)
+        def zeros(dim: int) -> torch.Tensor:  # a quantized cache's row ends in its scale
+            return torch.zeros(num_blocks, block_size, spec.num_kv_heads, row_width(dim, dtype), dtype=dtype,
+                               device=self.device)
 
         if spec.value_in_key is not None:  # the value is the key's first features: no storage of its own
             keys = [zeros(spec.head_dim) for _ in range(spec.num_layers)]

@@ -47,8 +47,10 @@ class CacheConfig(_Section):
         0.3, gt=0, le=0.95, description="Fraction of free device memory for the KV cache."
     )
     num_blocks: int | None = Field(None, ge=1, description="Exact number of KV blocks (tests).")
-    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="KV cache dtype; auto: the model's.")
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="KV cache dtype; auto: the model's. int8, fp8 (= fp8_e4m3), fp8_e5m2: 1-byte codes "
+                            "with a float32 scale per token and KV head (the checkpoint's fixed per-head scales "
+                            "when it ships them), about half a 16-bit cache's bytes.")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of a shared prompt prefix.")
     num_experts_offload_per_rank: int = Field(
         0, ge=0, description="MoE experts per layer kept in host memory and brought in when routed.")

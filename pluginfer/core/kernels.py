@@ -12,7 +12,8 @@ backend's implementation (or None: they keep their own torch path, which equals 
 Conventions shared by every op: tensors live on one device; an implementation may return None
 (False for the in-place rotary ops) for inputs it does not handle, and the caller then runs its
 torch path. Paged caches are ``[num_blocks, block_size, kv_heads, dim]``; a value cache may be a view
-of the key cache's first features (multi-head latent attention), which every op reads as it is.
+of the key cache's first features (multi-head latent attention), which every op reads as it is. A quantized
+cache (int8, float8) is ``[..., dim + 4]``: each row's codes and its float32 scale (``core/kv_quant.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pluginfer.core import kv_quant
 from pluginfer.core.batch import ForwardBatch
 
 # The table's public calls, re-exported: ``kernels.define_op(fn)``, ``kernels.implement(...)``, ``kernels.OPS``.
@@ -106,7 +108,13 @@ def rotary_interleaved(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor
 def write_kv(key: torch.Tensor, value: torch.Tensor | None, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store token ``t``'s ``key[t]`` (``[tokens, kv_heads, dim]``) at cache slot ``slot_mapping[t]``
-    (``block * block_size + offset``), and its value unless ``value`` is None (a value inside the key)."""
+    (``block * block_size + offset``), and its value unless ``value`` is None (a value inside the key).
+    A quantized cache (``core/kv_quant.py``) gets each row's codes and its own scale."""
+    if kv_quant.is_quantized(key_cache.dtype):
+        kv_quant.write_rows(key_cache, slot_mapping, key)
+        if value is not None:
+            kv_quant.write_rows(value_cache, slot_mapping, value)
+        return
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     if value is not None:
         value_cache.flatten(0, 1).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
@@ -130,9 +138,10 @@ def _attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's first ``length`` cached rows ``[length, kv_heads, dim]``."""
+    """One sequence's first ``length`` cached rows ``[length, kv_heads, dim]`` (a quantized cache's dequantized)."""
     positions = torch.arange(length, device=cache.device)
-    return cache[table[positions // cache.shape[1]], positions % cache.shape[1]]
+    rows = cache[table[positions // cache.shape[1]], positions % cache.shape[1]]
+    return kv_quant.dequantize(rows) if kv_quant.is_quantized(cache.dtype) else rows
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -161,7 +170,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     sequence; GQA, sliding window and soft cap as :func:`paged_decode_attention`. Returns
     ``[tokens, heads, v_dim]`` in the query's dtype.
     """
-    out = query.new_zeros(query.shape[0], query.shape[1], value_cache.shape[-1])
+    out = query.new_zeros(query.shape[0], query.shape[1], kv_quant.feature_dim(value_cache))
     starts, lengths = query_start_loc.tolist(), seq_lens.tolist()
     for i, length in enumerate(lengths):
         rows = slice(starts[i], starts[i + 1])
@@ -276,12 +285,17 @@ def paged_attention(kernels: KernelTable, query: torch.Tensor, key: torch.Tensor
     ``paged_prefill_attention`` (``batch.attention`` is a :class:`PagedAttentionMetadata`)."""
     key_cache, value_cache = kv_cache
     meta: PagedAttentionMetadata = batch.attention
-    kernels.get("write_kv")(key, value, key_cache, value_cache, batch.slot_mapping)
+    key_scales, value_scales = kv_quant.fixed_scales(kv_cache)
+    if key_scales is not None:  # a checkpoint's scales: the reference write (no op takes them)
+        kv_quant.write_rows(key_cache, batch.slot_mapping, key, key_scales)
+        kv_quant.write_rows(value_cache, batch.slot_mapping, value, value_scales)
+    else:
+        kernels.get("write_kv")(key, value, key_cache, value_cache, batch.slot_mapping)
     decodes = meta.num_decodes
     if decodes == query.shape[0]:
         return kernels.get("paged_decode_attention")(query, key_cache, value_cache, meta.block_tables,
                                                      meta.seq_lens, scale, sliding_window, soft_cap)
-    out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
+    out = query.new_empty(query.shape[0], query.shape[1], kv_quant.feature_dim(value_cache))
     if decodes:
         out[:decodes] = kernels.get("paged_decode_attention")(
             query[:decodes], key_cache, value_cache, meta.block_tables[:decodes], meta.seq_lens[:decodes], scale,

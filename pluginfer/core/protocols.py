@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from pluginfer.core.kv_quant import SCALE_BYTES, is_quantized
+
 if TYPE_CHECKING:
     from pluginfer.core.batch import ForwardBatch
 
@@ -50,7 +52,9 @@ class KVCacheSpec:
             width = self.head_dim
         else:
             width = self.head_dim + (self.v_head_dim if self.v_head_dim is not None else self.head_dim)
-        return self.num_layers * self.num_kv_heads * width * dtype.itemsize
+        heads = self.num_kv_heads * (1 if self.value_in_key is not None else 2)
+        scale_bytes = SCALE_BYTES * heads if is_quantized(dtype) else 0  # a quantized row's float32 scale
+        return self.num_layers * (self.num_kv_heads * width * dtype.itemsize + scale_bytes)
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,12 @@ class DeviceBackend(Protocol):
     picks this rank's device; ``rank.local_world_size`` ranks share the machine (and its cores).
     ``core.backend_base.BaseDeviceBackend`` implements every member over a ``KernelTable``: subclass it and
     override what the device does differently. ``pluginfer.testing.backend_contract`` checks a backend.
+
+    Optional ``kv_cache_dtypes`` (API 5): the torch dtypes of the KV caches its attention reads; without it,
+    float32, float16 and bfloat16. A quantized cache (``torch.int8``, ``torch.float8_e4m3fn``,
+    ``torch.float8_e5m2``; ``core/kv_quant.py``'s rows of codes and a float32 scale) it lists must be written and
+    read by its ``paged_attention``, which then also honours a ``kv_cache`` carrying fixed scales
+    (``kv_quant.fixed_scales``). ``cache.kv_cache_dtype`` outside the list is a start-up error naming both.
     """
 
     name: str
@@ -311,7 +321,8 @@ class DeviceBackend(Protocol):
     def allocate_kv_cache(
         self, spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (key, value) pair of tensors per layer, ``[num_blocks, block_size, heads, dim]``.
+        """One (key, value) pair of tensors per layer, ``[num_blocks, block_size, heads, dim]``; of a quantized
+        ``dtype``, ``[..., dim + 4]`` (``kv_quant.row_width``: each row's codes, then its scale's bytes).
 
         With ``spec.value_in_key`` the value tensor is a view of the key tensor's first features
         (no storage of its own).

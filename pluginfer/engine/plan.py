@@ -18,6 +18,7 @@ import torch
 
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.hookspecs import PluginSpec
+from pluginfer.core.kv_quant import QUANTIZED_KV_DTYPES
 from pluginfer.core.protocols import RankInfo
 from pluginfer.core.registry import Registry
 from pluginfer.engine.loader import open_checkpoint, read_hf_config, resolve_dtype, resolve_model_path
@@ -68,8 +69,15 @@ def resolve_plan(config: EngineConfig, rank: RankInfo, registry: Registry) -> Ra
                     collective=collective and _usable(registry, "collective", collective),
                     model=_model_spec(hf_config, path, registry).name,
                     quant=_usable(registry, "quant", _quant_name(config.quant, hf_config, registry)), dtype=dtype,
-                    kv_cache_dtype=dtype if kind == "auto" else resolve_dtype(kind, {}),
+                    kv_cache_dtype=_kv_cache_dtype(kind, dtype),
                     max_model_len=_max_model_len(config, hf_config), seconds=time.perf_counter() - started)
+
+
+def _kv_cache_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The cache's storage dtype: the model's (auto), a float dtype, or a quantized cache's code dtype."""
+    if kind == "auto":
+        return dtype
+    return QUANTIZED_KV_DTYPES.get(kind) or resolve_dtype(kind, {})
 
 
 def build_plugin(registry: Registry, kind: str, name: str, *arguments: object) -> Any:

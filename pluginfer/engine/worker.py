@@ -17,9 +17,18 @@ from typing import Any, TypeVar
 import torch
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import BuildContext, Collective, DecodeForward, IntermediateTensors, RankInfo
+from pluginfer.core.kv_quant import FixedScaleKVCache, check_kv_cache_dtype
+from pluginfer.core.protocols import (
+    BuildContext,
+    Collective,
+    DecodeForward,
+    IntermediateTensors,
+    RankInfo,
+    stage_layers,
+)
 from pluginfer.core.registry import Registry
 from pluginfer.engine.input_batch import InputBatch
+from pluginfer.engine.kv_scales import ScaleTensors, fixed_scales
 from pluginfer.engine.loader import iter_weights
 from pluginfer.engine.plan import RankPlan, build_plugin
 from pluginfer.engine.scoring import is_causal, scores_pooled_rows
@@ -77,6 +86,7 @@ class Worker:
         with building(ctx), torch.device(self.backend.device):
             self.pipeline = factory(hf_config, ctx)
         self.pipeline.eval()
+        check_kv_cache_dtype(self.backend, self.pipeline.kv_cache_spec(), self.kv_dtype, config.cache.kv_cache_dtype)
         self.expert_memory = expert_memory(self.pipeline)
         offload = config.cache.num_experts_offload_per_rank
         if offload and not self.expert_memory.offloaded_experts:
@@ -85,7 +95,9 @@ class Worker:
         self.startup_times["build"] = time.perf_counter() - started
         started = time.perf_counter()
         reading = [0.0]  # the checkpoint is read lazily: a layer is repacked as soon as its tensors arrived
-        self.pipeline.load_weights(timed_items(iter_weights(plan.checkpoint, allow_pickle=config.allow_pickle), reading))
+        self.kv_scale_tensors = ScaleTensors()  # a checkpoint's k_scale/v_scale: the KV cache's, no layer's
+        weights = self.kv_scale_tensors.filter(iter_weights(plan.checkpoint, allow_pickle=config.allow_pickle))
+        self.pipeline.load_weights(timed_items(weights, reading))
         self.startup_times["load"] = reading[0]
         self.startup_times["repack"] = time.perf_counter() - started - reading[0]
         if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:
@@ -128,8 +140,15 @@ class Worker:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         started = time.perf_counter()
-        self.kv_caches = self.backend.allocate_kv_cache(self.pipeline.kv_cache_spec(), num_blocks,
-                                                        self.config.cache.block_size, self.kv_dtype)
+        spec = self.pipeline.kv_cache_spec()
+        self.kv_caches = self.backend.allocate_kv_cache(spec, num_blocks, self.config.cache.block_size, self.kv_dtype)
+        layers = stage_layers(int(self.plan.hf_config.get("num_hidden_layers") or spec.num_layers),
+                              self.rank.pp_size, self.rank.pp_rank)
+        scales = fixed_scales(self.plan.model_path, self.kv_scale_tensors, self.plan.hf_config, self.kv_dtype,
+                              spec.num_kv_heads, layers, self.rank)
+        if scales is not None:  # the checkpoint's scales per layer and KV head
+            self.kv_caches = [FixedScaleKVCache(key, value, k.to(key.device), v.to(key.device))
+                              for (key, value), (k, v) in zip(self.kv_caches, scales, strict=True)]
         self.pipeline.bind_kv_caches(self.kv_caches)
         self.startup_times["cache"] = time.perf_counter() - started
         capture = not self.config.enforce_eager and self.rank.pp_size == 1 and is_causal(self.pipeline)

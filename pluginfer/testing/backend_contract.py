@@ -12,6 +12,7 @@ backend plugin calls it from its own test suite, with its device or with a CPU s
 - ``prepare`` + ``paged_attention`` on a paged batch (decodes, a chunked prefill over cached keys, a whole
   prompt; blocks shuffled) against the kernel table's torch references (``pluginfer.core.kernels``), with
   GQA, a sliding window with a soft cap, and a value inside the key; the cache written at ``slot_mapping``;
+  and for each quantized dtype in the optional ``kv_cache_dtypes``, the same against the reference's bytes;
 - ``copy_blocks``: whole blocks copied in every layer, the rest untouched, an empty list a no-op;
 - ``op``: a callable, with the reference's parameter names, for each op in ``ops`` (the ones the backend
   claims); None for a name no backend knows;
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pluginfer.core import kernels
+from pluginfer.core import kernels, kv_quant
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import DecodeForward, DeviceBackend, KVCacheSpec
 
@@ -60,6 +61,9 @@ def check_backend(backend: DeviceBackend | Callable[[], DeviceBackend], ops: Ite
         for case in ("gqa", "window_soft_cap", "latent", "decode_only"):
             _check_attention(backend, dtype, case, tolerance)
         _check_copy_blocks(backend, dtype)
+    for dtype in getattr(backend, "kv_cache_dtypes", ()):
+        if kv_quant.is_quantized(dtype):
+            _check_quantized_attention(backend, dtype, atol if atol is not None else 1e-4)
     _check_ops(backend, ops)
     if check_capture:
         _check_capture_decode(backend, atol if atol is not None else 1e-4)
@@ -207,6 +211,40 @@ def _check_attention(backend: DeviceBackend, dtype: torch.dtype, case: str, atol
             not latent and not torch.equal(value_cache.cpu(), expected_value.cpu())):
         raise _fail(member, "the cache after the step differs from the reference's write_kv: this step's keys and "
                     "values belong at batch.slot_mapping, every other slot untouched")
+
+
+def _check_quantized_attention(backend: DeviceBackend, dtype: torch.dtype, atol: float) -> None:
+    """A quantized cache the backend lists in ``kv_cache_dtypes``: its write gives the reference's bytes, its
+    attention the reference's result (``core/kv_quant.py``), with a float32 query."""
+    member = f"paged_attention (quantized KV cache, {dtype})"
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16)
+    key_cache, value_cache = backend.allocate_kv_cache(spec, NUM_BLOCKS, BLOCK_SIZE, dtype)[0]
+    if tuple(key_cache.shape[1:]) != (BLOCK_SIZE, 2, 16 + kv_quant.SCALE_BYTES) or key_cache.dtype != dtype:
+        raise _fail("allocate_kv_cache", f"a {dtype} cache of blocks [{BLOCK_SIZE}, 2, {16 + kv_quant.SCALE_BYTES}] "
+                    f"(codes, then the scale's bytes), got {key_cache.dtype} {tuple(key_cache.shape)}")
+    generator = torch.Generator().manual_seed(1)
+    slots = key_cache.shape[0] * BLOCK_SIZE  # a backend may hold blocks of its own beyond NUM_BLOCKS
+    for cache in (key_cache, value_cache):  # earlier steps' rows
+        kv_quant.write_rows(cache, torch.arange(slots, device=backend.device),
+                            torch.randn(slots, 2, 16, generator=generator).to(backend.device))
+    tokens = sum(QUERY_LENS)
+    query, key, value = (torch.randn(tokens, heads, 16, generator=generator).to(backend.device) for heads in (4, 2, 2))
+    expected_key, expected_value = key_cache.clone(), value_cache.clone()
+    reference = paged_batch(backend.device, TABLES, SEQ_LENS, QUERY_LENS, BLOCK_SIZE)
+    reference.attention = kernels.paged_attention_metadata(reference)
+    expected = kernels.paged_attention(kernels.KernelTable("reference"), query, key, value,
+                                       (expected_key, expected_value), reference, 0.25, None, None)
+    batch = paged_batch(backend.device, TABLES, SEQ_LENS, QUERY_LENS, BLOCK_SIZE)
+    batch.attention = backend.prepare(batch)
+    out = backend.paged_attention(query, key, value, (key_cache, value_cache), batch, 0.25)
+    backend.synchronize()
+    error = (out.float() - expected.float()).abs().max().item()
+    if not error <= atol + atol * expected.float().abs().max().item():
+        raise _fail(member, f"differs from the kernel table's reference by {error:.3g} (tolerance {atol})")
+    for name, mine, theirs in (("keys", key_cache, expected_key), ("values", value_cache, expected_value)):
+        if not torch.equal(mine.view(torch.uint8).cpu(), theirs.view(torch.uint8).cpu()):
+            raise _fail(member, f"the cache's {name} differ from the reference write's bytes (codes rounded to "
+                        "nearest even from x / scale, the scale absmax / code max: core/kv_quant.py)")
 
 
 def _check_copy_blocks(backend: DeviceBackend, dtype: torch.dtype) -> None:

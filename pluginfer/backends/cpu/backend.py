@@ -20,11 +20,14 @@ import torch.nn.functional as F
 
 from pluginfer.backends.cpu import amx_library, layer_ops, ops
 from pluginfer.backends.cpu import build as native_build
+from pluginfer.backends.cpu import kv_quant as native_kv
 from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.backends.cpu.step_replay import CpuDecodeReplay
+from pluginfer.core import kv_quant
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.kernels import KernelTable
+from pluginfer.core.kv_quant import FLOAT_KV_DTYPES, QUANTIZED_KV_DTYPES, row_width
 from pluginfer.core.protocols import DecodeForward, KVCacheSpec, RankInfo
 
 logger = logging.getLogger(__name__)
@@ -123,6 +126,8 @@ class CpuBackend:
     device = torch.device("cpu")
     default_collective = "gloo"
     quant_kernels_required = False  # formats without a kernel here take their torch path
+    # Quantized caches: csrc/kv_quant_attention.c, or dequantize-then-attend in torch without the library.
+    kv_cache_dtypes = (*FLOAT_KV_DTYPES, *QUANTIZED_KV_DTYPES.values())
 
     def __init__(self, config: EngineConfig | None = None, rank: RankInfo | None = None,
                  native_kernels: bool = True) -> None:
@@ -179,8 +184,8 @@ class CpuBackend:
         """Every layer's keys and values in one anonymous memory map: zeros that cost nothing up front
         (the OS hands out zeroed pages when first written), where ``torch.zeros`` would write every page
         before the first request. Slots a step has not written read as zeros, as before."""
-        v_dim = spec.v_head_dim or spec.head_dim
-        key_shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        v_dim = row_width(spec.v_head_dim or spec.head_dim, dtype)  # a quantized row ends in its scale
+        key_shape = (num_blocks, block_size, spec.num_kv_heads, row_width(spec.head_dim, dtype))
         value_shape = None if spec.value_in_key is not None else (num_blocks, block_size, spec.num_kv_heads, v_dim)
         shapes = [shape for _ in range(spec.num_layers) for shape in (key_shape, value_shape) if shape is not None]
         tensors = iter(_lazy_zeros(shapes, dtype))
@@ -215,6 +220,9 @@ class CpuBackend:
                         sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
         """``value`` None: the value cache is a view of the key cache (MLA's latent), only keys are written."""
         key_cache, value_cache = kv_cache
+        if kv_quant.is_quantized(key_cache.dtype):
+            return self._quantized_attention(query, key, value, kv_cache, batch, scale, sliding_window,
+                                             logit_soft_cap)
         flat_keys = key_cache.view(-1, *key_cache.shape[2:])
         flat_values = value_cache.view(-1, *value_cache.shape[2:])
         # Another dtype (a float32 model's 16-bit cache): rows made contiguous first, so that a recorded step
@@ -250,6 +258,28 @@ class CpuBackend:
                 _attend(part, query, flat_keys, flat_values, out, scale, sliding_window, logit_soft_cap)
         return out
 
+    def _quantized_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, scale: float,
+                             sliding_window: int | None, logit_soft_cap: float | None) -> torch.Tensor:
+        """A quantized cache (``core/kv_quant.py``): the native write and one native attention call over every
+        row of the step; without the library, the reference write and the torch path on dequantized rows."""
+        key_cache, value_cache = kv_cache
+        key_scales, value_scales = kv_quant.fixed_scales(kv_cache)
+        if self.native_kernels:
+            native_kv.write(key_cache, batch.slot_mapping, key, key_scales)
+            native_kv.write(value_cache, batch.slot_mapping, value, value_scales)
+            return native_kv.paged_attention(query, key_cache, value_cache, batch.block_tables,
+                                             batch.query_start_loc, batch.seq_lens, scale, sliding_window,
+                                             logit_soft_cap)
+        kv_quant.write_rows(key_cache, batch.slot_mapping, key, key_scales)
+        kv_quant.write_rows(value_cache, batch.slot_mapping, value, value_scales)
+        out = query.new_empty(query.shape[0], query.shape[1], kv_quant.feature_dim(value_cache))
+        flat_keys, flat_values = (cache.view(-1, *cache.shape[2:]) for cache in kv_cache)
+        for part in (batch.attention.decode, batch.attention.prefill):
+            if part is not None:
+                _attend(part, query, flat_keys, flat_values, out, scale, sliding_window, logit_soft_cap)
+        return out
+
     def synchronize(self) -> None:
         pass
 
@@ -264,11 +294,14 @@ def _attend(part: _Part, query: torch.Tensor, flat_keys: torch.Tensor, flat_valu
             out: torch.Tensor, scale: float, sliding_window: int | None, logit_soft_cap: float | None) -> None:
     seqs, max_keys = part.key_slots.shape
     slots = part.key_slots.view(-1)  # index_select copies whole rows: faster than advanced indexing
-    keys = flat_keys.index_select(0, slots).view(seqs, max_keys, *flat_keys.shape[1:]).transpose(1, 2)
+    gather = _gather_dequantized if kv_quant.is_quantized(flat_keys.dtype) else torch.index_select
+    keys = gather(flat_keys, 0, slots)
+    keys = keys.view(seqs, max_keys, *keys.shape[1:]).transpose(1, 2)
     if flat_values.data_ptr() == flat_keys.data_ptr():  # the value is the key's first features: gathered already
         values = keys[..., :flat_values.shape[-1]]
     else:
-        values = flat_values.index_select(0, slots).view(seqs, max_keys, *flat_values.shape[1:]).transpose(1, 2)
+        values = gather(flat_values, 0, slots)
+        values = values.view(seqs, max_keys, *values.shape[1:]).transpose(1, 2)
     if part.token_rows is None:
         queries = query[part.token_start:part.token_end].unsqueeze(2)  # [seqs, heads, 1, dim]
     else:
@@ -294,6 +327,11 @@ def _attend(part: _Part, query: torch.Tensor, flat_keys: torch.Tensor, flat_valu
         out[part.token_start:part.token_end] = result[:, 0].to(out.dtype)
     else:
         out[part.token_start:part.token_end] = result[part.query_valid].to(out.dtype)
+
+
+def _gather_dequantized(cache: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of a quantized cache, dequantized to float32 (the torch path of a quantized cache)."""
+    return kv_quant.dequantize(cache.view(torch.uint8).index_select(dim, index).view(cache.dtype))
 
 
 def _soft_capped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("attention.c", "norm.c", "activation.c", "rotary.c", "dequant.c", "panel_linear.c",
-                             "quant_dot.c", "half_linear.c", "step_replay.c"))
+                             "quant_dot.c", "half_linear.c", "step_replay.c", "kv_quant_attention.c"))
 
 _pointer, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Every C function the wrappers call: (restype, argtypes); a recording packs arguments by these.
@@ -59,6 +59,10 @@ SIGNATURES = {
     "paged_decode_attention_16": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),
     # float32 query and output, 16-bit caches (a float32 model's --kv-cache-dtype float16/bfloat16)
     "paged_decode_attention_kv16": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),
+    # quantized KV caches (the last argument: kv_quant.KINDS)
+    "kv_quantize_rows": (ctypes.c_int, [_pointer] + [_i64] * 4 + [_pointer] * 3 + [ctypes.c_int]),
+    "paged_attention_quantized": (ctypes.c_int, [_pointer] * 7 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),
+    "kv_quant_attention_width": (ctypes.c_int, []),
     "rms_norm_16": (None, [_pointer] * 4 + [_i64, _i64, _f32, _f32, ctypes.c_int]),
     "silu_and_mul_16": (None, [_pointer, _pointer, _i64, _i64, ctypes.c_int]),
     "gelu_tanh_and_mul_16": (None, [_pointer, _pointer, _i64, _i64, ctypes.c_int]),

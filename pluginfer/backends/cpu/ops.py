@@ -132,4 +132,5 @@ NATIVE = {
     "w8a8_pack": int8_gemm.w8a8_pack,  # int8_gemm.c (a library of its own)
     "w8a8_linear": int8_gemm.w8a8_linear,  # int8_gemm.c
 }
-# paged_decode_attention (attention.c) is called by the backend's own paged_attention (backend.py), not looked up.
+# paged_decode_attention (attention.c) and a quantized KV cache's write and attention (kv_quant_attention.c) are
+# called by the backend's own paged_attention (backend.py), not looked up.

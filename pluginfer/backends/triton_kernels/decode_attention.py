@@ -5,6 +5,8 @@ split's keys once for every query head of its GQA group (``tl.dot`` over ``[head
 head rows padded to 16), keeps an online softmax and writes its partial output and log-sum-exp. Stage two
 weighs the splits by their log-sum-exp. A short context runs as one split and skips stage two. Multi-head
 latent attention is the case of one KV head whose value is a view of the key: every query head shares it.
+A quantized cache (``kv_codes.py``) is read as bytes, widened in registers; each key's scale multiplies its
+scores, each value's scale its softmax weight.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pluginfer.backends.triton_kernels import dot_in_float32
+from pluginfer.backends.triton_kernels import dot_in_float32, kv_codes
 
 KEYS_PER_SPLIT = 256  # a split's keys: long contexts fan out over several programs per head
 MAX_SPLITS = 32
@@ -27,15 +29,16 @@ def _tanh(x):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
+    stride_ksb, stride_kso, stride_ksh, stride_vsb, stride_vso, stride_vsh,
     stride_ts, stride_tb,
     stride_os, stride_oh, stride_op, stride_od,
     stride_ls, stride_lh, stride_lp,
     scale, soft_cap, sliding_window, block_size, keys_per_split, head_dim, v_dim, group, head_blocks,
-    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, DOT_FP32: tl.constexpr, KIND: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -63,12 +66,21 @@ def _decode_split_kernel(
         block = tl.load(tables_ptr + seq * stride_ts + (pos // block_size) * stride_tb, mask=valid, other=0)
         offset = pos % block_size
         k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko + kv_head * stride_kh
-                    + d[None, :] * stride_kd, mask=valid[:, None] & (d[None, :] < head_dim), other=0.0)
+                    + d[None, :] * stride_kd, mask=valid[:, None] & (d[None, :] < head_dim), other=0)
+        if KIND != 0:  # codes widened (exact in the query's dtype too); the row's scale joins the score's
+            k = kv_codes.widen(k, KIND)
+            if not DOT_FP32:
+                k = k.to(q.dtype)
         if DOT_FP32:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(q.to(k.dtype), tl.trans(k))
-        scores = scores * scale
+        if KIND != 0:
+            k_scale = tl.load(ks_ptr + block * stride_ksb + offset * stride_kso + kv_head * stride_ksh, mask=valid,
+                              other=0.0)
+            scores = scores * (k_scale * (scale * kv_codes.wide_factor(KIND)))[None, :]
+        else:
+            scores = scores * scale
         if HAS_SOFT_CAP:
             scores = soft_cap * _tanh(scores / soft_cap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -77,7 +89,13 @@ def _decode_split_kernel(
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo + kv_head * stride_vh
-                    + dv[None, :] * stride_vd, mask=valid[:, None] & (dv[None, :] < v_dim), other=0.0)
+                    + dv[None, :] * stride_vd, mask=valid[:, None] & (dv[None, :] < v_dim), other=0)
+        if KIND != 0:  # values dequantized in registers (then rounded as a 16-bit cache's would be)
+            v_scale = tl.load(vs_ptr + block * stride_vsb + offset * stride_vso + kv_head * stride_vsh, mask=valid,
+                              other=0.0)
+            v = kv_codes.widen(v, KIND) * (v_scale * kv_codes.wide_factor(KIND))[:, None]
+            if not DOT_FP32:
+                v = v.to(q.dtype)
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -115,7 +133,9 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      soft_cap: float | None, keys_per_split: int = KEYS_PER_SPLIT) -> torch.Tensor:
     """``paged_decode_attention`` with the split size as a knob (tests split short contexts)."""
     seqs, heads, head_dim = query.shape
-    block_size, kv_heads, v_dim = key_cache.shape[1], key_cache.shape[2], value_cache.shape[-1]
+    key_data, key_scales, _ = kv_codes.views(key_cache)
+    value_data, value_scales, v_dim = kv_codes.views(value_cache)
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = heads // kv_heads
     out = torch.empty(seqs, heads, v_dim, dtype=query.dtype, device=query.device)
     if seqs == 0:
@@ -128,18 +148,19 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     block_g = min(max(16, triton.next_power_of_2(group)), 64)
     head_blocks = triton.cdiv(group, block_g)
     lse = torch.empty(seqs, heads, num_splits, dtype=torch.float32, device=query.device)
+    kind = kv_codes.kind(key_cache)
     if num_splits == 1:
         parts, part_strides = out, (out.stride(0), out.stride(1), 0, out.stride(2))
     else:
         parts = torch.empty(seqs, heads, num_splits, v_dim, dtype=torch.float32, device=query.device)
         part_strides = parts.stride()
     _decode_split_kernel[(seqs, kv_heads * head_blocks, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, parts, lse,
-        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *part_strides,
-        *lse.stride(),
+        query, key_data, value_data, key_scales, value_scales, block_tables, seq_lens, parts, lse,
+        *query.stride(), *key_data.stride(), *value_data.stride(), *kv_codes.scale_strides(key_scales),
+        *kv_codes.scale_strides(value_scales), *block_tables.stride(), *part_strides, *lse.stride(),
         scale, soft_cap or 0.0, sliding_window or 0, block_size, keys_per_split, head_dim, v_dim, group, head_blocks,
         HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=soft_cap is not None,
-        DOT_FP32=dot_in_float32(key_cache.dtype),
+        DOT_FP32=dot_in_float32(key_cache.dtype if kind == 0 else query.dtype), KIND=kind,
         BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_DV=max(16, triton.next_power_of_2(v_dim)),
     )
