@@ -1,0 +1,168 @@
+"""A Qwen2-VL-style vision transformer: 3-D patch embedding, 2-D rotary, bidirectional blocks, patch merger.
+
+Input is what transformers' Qwen2-VL image processor returns: ``pixel_values`` ``[patches, C*T*P*P]`` and
+``grid_thw`` ``[images, 3]`` (patches of each image in time, height and width, already ordered by merge window).
+Each image attends only to its own patches. Parameter names follow HF checkpoints (``visual.*``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pluginfer.layers.activation import activation
+from pluginfer.layers.context import current_context
+from pluginfer.layers.linear import ReplicatedLinear
+from pluginfer.layers.norm import LayerNorm
+
+
+class QuickGELU(nn.Module):
+    """``x * sigmoid(1.702 x)`` (CLIP's, Qwen2-VL's ``quick_gelu``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+def vision_activation(name: str) -> nn.Module:
+    return QuickGELU() if name == "quick_gelu" else activation(name)
+
+
+class PatchEmbed(nn.Module):
+    """A Conv3d with stride equal to its kernel over each flattened patch: one matmul."""
+
+    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, embed_dim: int) -> None:
+        super().__init__()
+        self.kernel = (temporal_patch_size, patch_size, patch_size)
+        self.in_channels, self.embed_dim = in_channels, embed_dim
+        self.proj = nn.Module()
+        self.proj.weight = nn.Parameter(torch.empty(embed_dim, in_channels, *self.kernel,
+                                                    dtype=current_context().dtype), requires_grad=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        return pixels.to(weight.dtype) @ weight.reshape(self.embed_dim, -1).t()
+
+
+class VisionRotary(nn.Module):
+    """2-D rotary: a quarter of the head's frequencies turn with the patch's row, a quarter with its column."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        quarter = head_dim // 2
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+
+    def forward(self, grid_thw: torch.Tensor, merge_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[patches, head_dim]`` (float32) for the patches in the processor's order."""
+        positions = vision_positions(grid_thw, merge_size)  # [patches, 2]: row, column
+        freqs = (positions[..., None].float() * self.inv_freq).flatten(1)  # [patches, head_dim / 2]
+        freqs = torch.cat([freqs, freqs], dim=-1)
+        return freqs.cos(), freqs.sin()
+
+
+def vision_positions(grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
+    """(row, column) of every patch, each image's patches in merge-window order, repeated over time."""
+    out = []
+    for t, h, w in grid_thw.tolist():
+        rows = torch.arange(h)[:, None].expand(h, w)
+        cols = torch.arange(w)[None, :].expand(h, w)
+        shape = (h // merge_size, merge_size, w // merge_size, merge_size)
+        rows = rows.reshape(shape).transpose(1, 2).flatten()
+        cols = cols.reshape(shape).transpose(1, 2).flatten()
+        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+    return torch.cat(out)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype, x = x.dtype, x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, None] + rotated * sin[:, None]).to(dtype)
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional attention within each image (``cu_seqlens``), rotary on q and k."""
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = ReplicatedLinear(dim, 3 * dim, bias=True)
+        self.proj = ReplicatedLinear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        outs = []
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # one image each: a handful per step
+            qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1))
+        return self.proj(torch.cat(outs).reshape(x.shape[0], -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, hidden_act: str) -> None:
+        super().__init__()
+        self.fc1 = ReplicatedLinear(dim, hidden, bias=True)
+        self.act = vision_activation(hidden_act)
+        self.fc2 = ReplicatedLinear(hidden, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(norm1(x))``, then ``+ mlp(norm2(x))``."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, hidden_act: str, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = LayerNorm(dim, eps), LayerNorm(dim, eps)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = VisionMLP(dim, mlp_hidden, hidden_act)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """LayerNorm, then each ``merge x merge`` window of patches concatenated and projected to the text width."""
+
+    def __init__(self, out_dim: int, context_dim: int, merge_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.width = context_dim * merge_size**2
+        self.ln_q = LayerNorm(context_dim, eps)
+        self.mlp = nn.ModuleList([ReplicatedLinear(self.width, self.width, bias=True), nn.GELU(),
+                                  ReplicatedLinear(self.width, out_dim, bias=True)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln_q(x).view(-1, self.width)
+        for layer in self.mlp:
+            x = layer(x)
+        return x
+
+
+class VisionTransformer(nn.Module):
+    """Qwen2-VL's vision tower from its ``vision_config``: pixels -> one text-width embedding per merged patch."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        dim, heads = config["embed_dim"], config["num_heads"]
+        self.merge_size = config.get("spatial_merge_size", 2)
+        self.patch_embed = PatchEmbed(config.get("patch_size", 14), config.get("temporal_patch_size", 2),
+                                      config.get("in_channels", 3), dim)
+        theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        self.rotary = VisionRotary(dim // heads, theta)
+        hidden = int(dim * config.get("mlp_ratio", 4))
+        self.blocks = nn.ModuleList(VisionBlock(dim, heads, hidden, config.get("hidden_act", "quick_gelu"))
+                                    for _ in range(config["depth"]))
+        self.merger = PatchMerger(config["hidden_size"], dim, self.merge_size)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """``[merged patches of all images, hidden_size]``, the images one after another."""
+        sizes = (grid_thw[:, 1] * grid_thw[:, 2]).repeat_interleave(grid_thw[:, 0])  # one frame: one attention span
+        cu_seqlens = [0, *torch.cumsum(sizes, 0).tolist()]
+        cos, sin = self.rotary(grid_thw, self.merge_size)
+        x = self.patch_embed(pixel_values)
+        for block in self.blocks:
+            x = block(x, cu_seqlens, cos, sin)
+        return self.merger(x)
