@@ -1,0 +1,160 @@
+"""Qwen2-VL pipeline (Qwen2VLForConditionalGeneration): the vision tower's embeddings replace the prompt's image
+tokens, and the Qwen2 decoder turns its rotary with three position rows (M-RoPE).
+
+A request's images arrive as ``ForwardBatch.multimodal[row]`` (a ``Qwen2VLInputs`` made by
+``qwen2_vl_processor``); the tower runs once per request's images and its output is kept, by content hash,
+for the chunks, recomputes and identical requests that follow.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from pluginfer.core.batch import ForwardBatch
+from pluginfer.core.protocols import BuildContext, IntermediateTensors
+from pluginfer.layers.causal_lm import (
+    DECODER_SIZE_FIELDS,
+    CausalLM,
+    DecoderStack,
+    PreNormDecoderLayer,
+    check_activation,
+    check_kv_heads,
+    check_positive_fields,
+)
+from pluginfer.layers.mlp import GatedMLP
+from pluginfer.layers.mrope import MROPE_POSITIONS, MRotaryEmbedding
+from pluginfer.layers.norm import RMSNorm
+from pluginfer.layers.rotary import rope_parameters
+from pluginfer.layers.self_attention import SelfAttention
+from pluginfer.layers.vision import VisionTransformer
+from pluginfer.layers.weights import load_named_weights
+
+ENCODER_CACHE_ENTRIES = 32  # requests' image embeddings kept (chunked prefill, recompute, repeated images)
+
+
+@dataclass
+class Qwen2VLInputs:
+    """One request's images, ready for the pipeline (made on the driver, shipped with the step's new rows)."""
+
+    pixel_values: torch.Tensor  # [patches, C*T*P*P], as the checkpoint's image processor made them
+    grid_thw: torch.Tensor  # [images, 3]
+    positions: torch.Tensor  # [3, prompt tokens]: M-RoPE positions of the prompt
+    delta: int  # added to the index of every token after the prompt
+    embed_index: torch.Tensor  # [prompt tokens]: row of the image embeddings each token takes, -1 for text
+    content_hash: bytes
+
+
+class Qwen2VLDecoderLayer(PreNormDecoderLayer):
+    def __init__(self, config: dict, rope: MRotaryEmbedding) -> None:
+        super().__init__()
+        eps = config.get("rms_norm_eps", 1e-6)
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        self.self_attn = SelfAttention(hidden, heads, config.get("num_key_value_heads") or heads, hidden // heads,
+                                       rope, qkv_bias=True)
+        self.mlp = GatedMLP(hidden, config["intermediate_size"], config.get("hidden_act", "silu"))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+
+class Qwen2VLDecoder(DecoderStack):
+    """The decoder stack fed with embeddings (the tokens', images' in place) instead of token ids."""
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        residual = None
+        for index in self.layer_range:
+            hidden, residual = self.layers[index](batch, hidden, residual)
+        rows = batch.logits_indices
+        return self.norm(hidden[rows] + residual[rows])
+
+
+class Qwen2VLForConditionalGeneration(CausalLM):
+    def __init__(self, config: dict, ctx: BuildContext) -> None:
+        validate_config(config, ctx)
+        theta, scaling = rope_parameters(config)
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        rope = MRotaryEmbedding(head_dim, ctx.max_model_len, theta, list(scaling["mrope_section"]))
+        super().__init__(config, Qwen2VLDecoder(config, lambda i: Qwen2VLDecoderLayer(config, rope)))
+        vision = dict(config["vision_config"])
+        vision.setdefault("hidden_size", config["hidden_size"])
+        self.visual = VisionTransformer(vision)
+        self._encoded: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def forward(self, batch: ForwardBatch,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        hidden = self.model.embed_tokens(batch.input_ids)
+        if batch.multimodal:
+            positions, rows, embeds = self._media(batch)
+            batch.extras[MROPE_POSITIONS] = positions
+            if rows is not None:
+                hidden = hidden.index_put((rows,), embeds.to(hidden.dtype))
+        return self.model(batch, hidden)
+
+    def _media(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The step's [3, tokens] positions, and the flat rows that take image embeddings with those embeddings."""
+        positions = batch.positions.expand(3, -1).clone()
+        starts = batch.query_start_loc.tolist()
+        rows, embeds = [], []
+        for row, inputs in batch.multimodal.items():  # the rows with images: a few per step
+            first, end = starts[row], starts[row + 1]
+            index = batch.positions[first:end]
+            prompt_len = inputs.positions.shape[1]
+            in_prompt = index < prompt_len
+            own = index.expand(3, -1) + inputs.delta
+            own[:, in_prompt] = inputs.positions.to(index.device)[:, index[in_prompt]]
+            positions[:, first:end] = own
+            slots = torch.full_like(index, -1)
+            slots[in_prompt] = inputs.embed_index.to(index.device)[index[in_prompt]]
+            takes = slots >= 0
+            if bool(takes.any()):
+                rows.append(torch.arange(first, end, device=index.device)[takes])
+                embeds.append(self._encode(inputs)[slots[takes]])
+        if not rows:
+            return positions, None, None
+        return positions, torch.cat(rows), torch.cat(embeds)
+
+    def _encode(self, inputs: Qwen2VLInputs) -> torch.Tensor:
+        """The request's image embeddings, from the cache when this content was encoded before."""
+        cached = self._encoded.get(inputs.content_hash)
+        if cached is not None:
+            self._encoded.move_to_end(inputs.content_hash)
+            return cached
+        device = self.model.embed_tokens.weight.device if hasattr(self.model.embed_tokens, "weight") else None
+        pixels = inputs.pixel_values.to(device) if device is not None else inputs.pixel_values
+        encoded = self.visual(pixels, inputs.grid_thw)
+        self._encoded[inputs.content_hash] = encoded
+        if len(self._encoded) > ENCODER_CACHE_ENTRIES:
+            self._encoded.popitem(last=False)
+        return encoded
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:  # transformers' newer names, as the older ones
+            for name, tensor in weights:
+                name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+                if not (self.tied and name == "lm_head.weight"):  # a tied head may be stored anyway
+                    yield name, tensor
+
+        load_named_weights(self, renamed(), stacked=self.weight_routes(), optional=("lm_head.",) if self.tied else ())
+
+
+def validate_config(config: dict, ctx: BuildContext) -> None:
+    """Reject fields this pipeline would otherwise ignore."""
+    check_positive_fields(config, DECODER_SIZE_FIELDS)
+    check_activation(config, "qwen2-vl", ("silu",))
+    check_kv_heads(config)
+    _, scaling = rope_parameters(config)
+    if not scaling.get("mrope_section"):
+        raise ValueError("config.json: rope_scaling.mrope_section is missing (the qwen2-vl pipeline needs it)")
+    if not isinstance(config.get("vision_config"), dict) or "depth" not in config["vision_config"]:
+        raise ValueError("config.json: vision_config (with depth, embed_dim, num_heads) is missing")
+    if config.get("use_sliding_window", False):
+        raise ValueError("config.json: use_sliding_window is not supported by the qwen2-vl pipeline")
+    if ctx.rank.pp_size > 1:
+        raise ValueError("parallel.pipeline_parallel_size: the qwen2-vl pipeline runs on one pipeline stage")
+
+
+def build(hf_config: dict, ctx: BuildContext) -> Qwen2VLForConditionalGeneration:
+    return Qwen2VLForConditionalGeneration(hf_config, ctx)

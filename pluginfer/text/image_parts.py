@@ -1,0 +1,63 @@
+"""OpenAI ``image_url`` content parts: base64 data URIs decoded to PIL images, the parts turned into the
+``{"type": "image"}`` placeholders chat templates render. Remote URLs are refused (no fetching)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from typing import Any
+
+
+class ImagePartError(ValueError):
+    """A content part that is not a usable image; ``part`` names it (``messages[1].content[0]``)."""
+
+    def __init__(self, part: str, why: str) -> None:
+        super().__init__(f"{part}: {why}")
+        self.part = part
+
+
+def decode_image_url(url: object, part: str) -> Any:
+    """The PIL image of a ``data:image/...;base64,...`` URI."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(url, str) or not url:
+        raise ImagePartError(part, "image_url.url must be a non-empty string")
+    if url.startswith(("http://", "https://")):
+        raise ImagePartError(part, "remote image URLs are not fetched; send the image as a base64 data URI "
+                                   "(data:image/png;base64,...)")
+    header, comma, payload = url.partition(",")
+    if not url.startswith("data:") or not comma or not header.endswith(";base64"):
+        raise ImagePartError(part, "image_url.url must be a base64 data URI (data:image/png;base64,...)")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImagePartError(part, "image_url.url: the data URI's payload is not valid base64") from None
+    try:
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise ImagePartError(part, f"image_url.url: the data is not an image we can read ({exc})") from None
+    return image.convert("RGB")
+
+
+def extract_images(messages: list[dict]) -> tuple[list[dict], list[Any]]:
+    """(messages with each ``image_url`` part as ``{"type": "image"}``, the images in order)."""
+    images, out = [], []
+    for m, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for p, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                where = f"messages[{m}].content[{p}]"
+                image_url = part.get("image_url")
+                url = image_url.get("url") if isinstance(image_url, dict) else image_url
+                images.append(decode_image_url(url, where))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, images
