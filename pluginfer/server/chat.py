@@ -36,6 +36,7 @@ from pluginfer.server.streaming import (
 )
 from pluginfer.server.tool_grammar import special_tokens
 from pluginfer.server.tools import ToolCalling, ToolCallOutput
+from pluginfer.text.image_parts import ImagePartError, extract_images
 from pluginfer.text.tokenizer import render_chat, template_renders_tools
 
 
@@ -83,8 +84,15 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     params, grammars = _with_tools(state, processed.params, body.grammar(), tools)
     for grammar, field in grammars:
         await compile_grammar(state, grammar, field)
-    prompt = render_prompt(state, processed.messages or [], body.add_generation_prompt,
-                           template_kwargs(state, body, tools))
+    try:
+        messages, images = extract_images(processed.messages or [])
+    except ImagePartError as exc:
+        raise bad_request(str(exc), exc.part) from None
+    prompt = render_prompt(state, messages, body.add_generation_prompt, template_kwargs(state, body, tools))
+    if images:
+        if beam_params(body, params.max_tokens) is not None:
+            raise bad_request("beam search does not take images", "messages")
+        prompt = {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}
     beam = beam_params(body, params.max_tokens)
     if beam is not None:
         return web.json_response(await _beam_chat(state, body, prompt, beam, request_id))
