@@ -99,7 +99,10 @@ class LLMEngine:
         self.step_count = 0
         self.num_accepted_tokens = 0  # draft tokens the model agreed with, since the start
         self._fail_on_token = config.testing.fail_step_on_token_id
-        self._media: MultiModalProcessor | None = None  # the model's multimodal processor, built at first use
+        factory = self.executor.registry.multimodal_processor(self.executor.model_plugin)
+        # the model's multimodal processor (None: it takes text only)
+        self._media: MultiModalProcessor | None = factory(str(self.model_path), self.executor.hf_config,
+                                                          self.tokenizer) if factory is not None else None
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -156,13 +159,10 @@ class LLMEngine:
         return request_id
 
     def _process_media(self, token_ids: list[int], data: dict) -> MultiModalPrompt:
-        """The prompt with its media readied by the model plugin's multimodal processor (built at first use)."""
+        """The prompt with its media readied by the model plugin's multimodal processor."""
         if self._media is None:
-            factory = self.executor.registry.multimodal_processor(self.executor.model_plugin)
-            if factory is None:
-                names = self.executor.hf_config.get("architectures")
-                raise ValueError(f"multi_modal_data: this model (architectures {names}) takes text only")
-            self._media = factory(str(self.model_path), self.executor.hf_config, self.tokenizer)
+            names = self.executor.hf_config.get("architectures")
+            raise ValueError(f"multi_modal_data: this model (architectures {names}) takes text only")
         unknown = sorted(set(data) - set(self._media.modalities))
         if unknown:
             raise ValueError(f"multi_modal_data: {', '.join(map(repr, unknown))} is not taken by this model "
@@ -203,7 +203,8 @@ class LLMEngine:
         """What a client of this engine knows of its model (``pluginfer.engine.client``)."""
         return ModelInfo(model_path=str(self.executor.model_path), max_model_len=self.max_model_len,
                          vocab_size=self.executor.vocab_size, eos_token_ids=frozenset(self.eos_token_ids),
-                         num_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size)
+                         num_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size,
+                         modalities=tuple(self._media.modalities) if self._media is not None else ())
 
     def stats(self) -> EngineStats:
         """The gauges and counters now; call it from the thread that steps the engine."""

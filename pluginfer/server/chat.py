@@ -85,7 +85,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     for grammar, field in grammars:
         await compile_grammar(state, grammar, field)
     try:
-        messages, images = extract_images(processed.messages or [])
+        messages, images = extract_images(processed.messages or [], "image" in state.model_info.modalities)
     except ImagePartError as exc:
         raise bad_request(str(exc), exc.part) from None
     prompt = render_prompt(state, messages, body.add_generation_prompt, template_kwargs(state, body, tools))

@@ -41,8 +41,9 @@ def decode_image_url(url: object, part: str) -> Any:
     return image.convert("RGB")
 
 
-def extract_images(messages: list[dict]) -> tuple[list[dict], list[Any]]:
-    """(messages with each ``image_url`` part as ``{"type": "image"}``, the images in order)."""
+def extract_images(messages: list[dict], accepted: bool = True) -> tuple[list[dict], list[Any]]:
+    """(messages with each ``image_url`` part as ``{"type": "image"}``, the images in order); ``accepted``
+    False (a text-only model): any image part is an ``ImagePartError``."""
     images, out = [], []
     for m, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
@@ -53,6 +54,8 @@ def extract_images(messages: list[dict]) -> tuple[list[dict], list[Any]]:
         for p, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") == "image_url":
                 where = f"messages[{m}].content[{p}]"
+                if not accepted:
+                    raise ImagePartError(where, "this model takes text only; image_url parts are not served")
                 image_url = part.get("image_url")
                 url = image_url.get("url") if isinstance(image_url, dict) else image_url
                 images.append(decode_image_url(url, where))

@@ -56,8 +56,7 @@ def test_bad_image_parts_are_400s(vision_server, url: str, why: str) -> None:
     server = vision_server[0]
     status, _, body = http(server, "POST", "/v1/chat/completions", {
         "model": MODEL_NAME, "max_tokens": 2,
-        "messages": user({"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}})},
-        headers={"Authorization": f"Bearer {API_KEY}"})
+        "messages": user({"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}})})
     error = json.loads(body)["error"]
     assert status == 400 and why in error["message"] and error["param"] == "messages[0].content[1]"
 
@@ -66,10 +65,27 @@ def test_too_many_images_is_a_400_and_the_server_keeps_serving(vision_server) ->
     server = vision_server[0]
     part = {"type": "image_url", "image_url": {"url": data_uri(image(30, 30, 1))}}
     status, _, body = http(server, "POST", "/v1/chat/completions", {
-        "model": MODEL_NAME, "max_tokens": 2, "messages": user(*[part] * 17)},
-        headers={"Authorization": f"Bearer {API_KEY}"})
+        "model": MODEL_NAME, "max_tokens": 2, "messages": user(*[part] * 17)})
     assert status == 400 and "more than the 16" in json.loads(body)["error"]["message"]
     status, _, _ = http(server, "POST", "/v1/chat/completions", {
-        "model": MODEL_NAME, "max_tokens": 2, "messages": user({"type": "text", "text": "hi"}, part)},
-        headers={"Authorization": f"Bearer {API_KEY}"})
+        "model": MODEL_NAME, "max_tokens": 2, "messages": user({"type": "text", "text": "hi"}, part)})
     assert status == 200
+
+
+def test_image_to_a_text_only_model_is_a_400(tiny_llama_checkpoint) -> None:
+    config = server_config(tiny_llama_checkpoint[0])
+    engine = start_engine(config)
+    server = BackgroundServer(engine, config)
+    try:
+        part = {"type": "image_url", "image_url": {"url": data_uri(image(30, 30, 1))}}
+        status, _, body = http(server, "POST", "/v1/chat/completions", {
+            "model": MODEL_NAME, "max_tokens": 2, "messages": user({"type": "text", "text": "hi"}, part)})
+        error = json.loads(body)["error"]
+        assert status == 400 and "takes text only" in error["message"]
+        assert error["param"] == "messages[0].content[1]" and error["type"] == "invalid_request_error"
+        status, _, _ = http(server, "POST", "/v1/chat/completions", {
+            "model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200
+    finally:
+        server.stop()
+        engine.shutdown()
