@@ -111,20 +111,18 @@ class Qwen2VLForConditionalGeneration(CausalLM):
             takes = slots >= 0
             if bool(takes.any()):
                 rows.append(torch.arange(first, end, device=index.device)[takes])
-                embeds.append(self._encode(inputs)[slots[takes]])
+                embeds.append(self._encode(inputs, index.device)[slots[takes]])
         if not rows:
             return positions, None, None
         return positions, torch.cat(rows), torch.cat(embeds)
 
-    def _encode(self, inputs: Qwen2VLInputs) -> torch.Tensor:
+    def _encode(self, inputs: Qwen2VLInputs, device: torch.device) -> torch.Tensor:
         """The request's image embeddings, from the cache when this content was encoded before."""
         cached = self._encoded.get(inputs.content_hash)
         if cached is not None:
             self._encoded.move_to_end(inputs.content_hash)
             return cached
-        device = self.model.embed_tokens.weight.device if hasattr(self.model.embed_tokens, "weight") else None
-        pixels = inputs.pixel_values.to(device) if device is not None else inputs.pixel_values
-        encoded = self.visual(pixels, inputs.grid_thw)
+        encoded = self.visual(inputs.pixel_values.to(device), inputs.grid_thw)
         self._encoded[inputs.content_hash] = encoded
         if len(self._encoded) > ENCODER_CACHE_ENTRIES:
             self._encoded.popitem(last=False)

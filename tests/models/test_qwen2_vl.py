@@ -73,11 +73,27 @@ def test_chunked_prefill_prefix_cache_and_preemption(qwen2_vl) -> None:
     want = [hf_image_greedy(model, processor, ids, [img], TOKENS) for img in images]
     prompts = [{"prompt": text, "multi_modal_data": {"image": img}} for img in images]
     with make_llm(path, max_num_batched_tokens=16, enable_chunked_prefill=True, block_size=4) as llm:
+        encoded = count_tower_runs(llm)
         for prompt, expected in zip(prompts, want):  # one after the other: the second could hit the first's blocks
             assert llm.generate(prompt, greedy())[0].outputs[0].token_ids == expected
+        assert len(ids) + 20 > 16 and encoded == [1, 1]  # prompts over two chunks, each request's image encoded once
         assert [o.outputs[0].token_ids for o in llm.generate(prompts * 2, greedy())] == want * 2
     with make_llm(path, num_blocks=8, block_size=8) as llm:  # 64 slots: the four cannot all stay
         assert [o.outputs[0].token_ids for o in llm.generate(prompts * 2, greedy())] == want * 2
+
+
+def count_tower_runs(llm: LLM) -> list[int]:
+    """A list that holds how many images each run of the vision tower encoded (the tower is wrapped)."""
+    tower = llm.engine.executor.worker.pipeline.visual
+    runs: list[int] = []
+    forward = tower.forward
+
+    def counted(pixel_values, grid_thw):
+        runs.append(int(grid_thw.shape[0]))
+        return forward(pixel_values, grid_thw)
+
+    tower.forward = counted
+    return runs
 
 
 def data_uri(img) -> str:
