@@ -1,5 +1,8 @@
 """A Qwen2-VL-style vision transformer: 3-D patch embedding, 2-D rotary, bidirectional blocks, patch merger.
 
+Qwen2.5-VL's tower (a ``vision_config`` with ``fullatt_block_indexes``) has RMSNorms, a gated MLP, and windowed
+attention in every block but those: its patches are put in window order for the blocks and back after the merger.
+
 Input is what transformers' Qwen2-VL image processor returns: ``pixel_values`` ``[patches, C*T*P*P]`` and
 ``grid_thw`` ``[images, 3]`` (patches of each image in time, height and width, already ordered by merge window).
 Each image attends only to its own patches. Parameter names follow HF checkpoints (``visual.*``).
@@ -14,7 +17,7 @@ from torch import nn
 from pluginfer.layers.activation import activation
 from pluginfer.layers.context import current_context
 from pluginfer.layers.linear import ReplicatedLinear
-from pluginfer.layers.norm import LayerNorm
+from pluginfer.layers.norm import LayerNorm, RMSNorm
 
 
 class QuickGELU(nn.Module):
@@ -110,14 +113,31 @@ class VisionMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class VisionBlock(nn.Module):
-    """Pre-LayerNorm transformer block: ``x + attn(norm1(x))``, then ``+ mlp(norm2(x))``."""
+class GatedVisionMLP(nn.Module):
+    """Qwen2.5-VL's ``down_proj(act(gate_proj(x)) * up_proj(x))``, with biases."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, hidden_act: str, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, hidden: int, hidden_act: str) -> None:
         super().__init__()
-        self.norm1, self.norm2 = LayerNorm(dim, eps), LayerNorm(dim, eps)
+        self.gate_proj = ReplicatedLinear(dim, hidden, bias=True)
+        self.up_proj = ReplicatedLinear(dim, hidden, bias=True)
+        self.act = vision_activation(hidden_act)
+        self.down_proj = ReplicatedLinear(hidden, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm1(x))``, then ``+ mlp(norm2(x))`` (Qwen2-VL: LayerNorms and a
+    plain MLP; Qwen2.5-VL, ``gated``: RMSNorms and a gated MLP)."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, hidden_act: str, eps: float = 1e-6,
+                 gated: bool = False) -> None:
+        super().__init__()
+        norm = RMSNorm if gated else LayerNorm
+        self.norm1, self.norm2 = norm(dim, eps), norm(dim, eps)
         self.attn = VisionAttention(dim, num_heads)
-        self.mlp = VisionMLP(dim, mlp_hidden, hidden_act)
+        self.mlp = GatedVisionMLP(dim, mlp_hidden, hidden_act) if gated else VisionMLP(dim, mlp_hidden, hidden_act)
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -127,10 +147,10 @@ class VisionBlock(nn.Module):
 class PatchMerger(nn.Module):
     """LayerNorm, then each ``merge x merge`` window of patches concatenated and projected to the text width."""
 
-    def __init__(self, out_dim: int, context_dim: int, merge_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, out_dim: int, context_dim: int, merge_size: int, eps: float = 1e-6, rms: bool = False) -> None:
         super().__init__()
         self.width = context_dim * merge_size**2
-        self.ln_q = LayerNorm(context_dim, eps)
+        self.ln_q = RMSNorm(context_dim, eps) if rms else LayerNorm(context_dim, eps)
         self.mlp = nn.ModuleList([ReplicatedLinear(self.width, self.width, bias=True), nn.GELU(),
                                   ReplicatedLinear(self.width, out_dim, bias=True)])
 
@@ -142,27 +162,69 @@ class PatchMerger(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """Qwen2-VL's vision tower from its ``vision_config``: pixels -> one text-width embedding per merged patch."""
+    """Qwen2-VL's (or Qwen2.5-VL's) vision tower from its ``vision_config``: pixels -> one text-width embedding
+    per merged patch."""
 
     def __init__(self, config: dict) -> None:
         super().__init__()
-        dim, heads = config["embed_dim"], config["num_heads"]
+        self.windowed = "fullatt_block_indexes" in config  # Qwen2.5-VL
+        heads = config["num_heads"]
+        dim = config["hidden_size"] if self.windowed else config["embed_dim"]
+        out_dim = config["out_hidden_size"] if self.windowed else config["hidden_size"]
         self.merge_size = config.get("spatial_merge_size", 2)
-        self.patch_embed = PatchEmbed(config.get("patch_size", 14), config.get("temporal_patch_size", 2),
+        self.patch_size = config.get("patch_size", 14)
+        self.full_blocks = set(config.get("fullatt_block_indexes") or ())
+        self.window_size = config.get("window_size", 112)
+        self.patch_embed = PatchEmbed(self.patch_size, config.get("temporal_patch_size", 2),
                                       config.get("in_channels", 3), dim)
         theta = (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         self.rotary = VisionRotary(dim // heads, theta)
-        hidden = int(dim * config.get("mlp_ratio", 4))
-        self.blocks = nn.ModuleList(VisionBlock(dim, heads, hidden, config.get("hidden_act", "quick_gelu"))
+        hidden = config["intermediate_size"] if self.windowed else int(dim * config.get("mlp_ratio", 4))
+        act = config.get("hidden_act", "silu" if self.windowed else "quick_gelu")
+        self.blocks = nn.ModuleList(VisionBlock(dim, heads, hidden, act, gated=self.windowed)
                                     for _ in range(config["depth"]))
-        self.merger = PatchMerger(config["hidden_size"], dim, self.merge_size)
+        self.merger = PatchMerger(out_dim, dim, self.merge_size, rms=self.windowed)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """``[merged patches of all images, hidden_size]``, the images one after another."""
+        """``[merged patches of all images, out dim]``, the images one after another."""
         sizes = (grid_thw[:, 1] * grid_thw[:, 2]).repeat_interleave(grid_thw[:, 0])  # one frame: one attention span
         cu_seqlens = [0, *torch.cumsum(sizes, 0).tolist()]
         cos, sin = self.rotary(grid_thw, self.merge_size)
         x = self.patch_embed(pixel_values)
-        for block in self.blocks:
-            x = block(x, cu_seqlens, cos, sin)
-        return self.merger(x)
+        order, cu_windows = None, cu_seqlens
+        if self.windowed:  # patches in window order, a merge window's patches kept together
+            windows, cu_windows = window_index(grid_thw, self.merge_size, self.window_size, self.patch_size)
+            unit = self.merge_size**2
+            order = (windows[:, None] * unit + torch.arange(unit)).flatten().to(x.device)
+            x, cos, sin = x[order], cos[order], sin[order]
+        for index, block in enumerate(self.blocks):
+            full = not self.windowed or index in self.full_blocks
+            x = block(x, cu_seqlens if full else cu_windows, cos, sin)
+        merged = self.merger(x)
+        if order is not None:
+            merged = merged[torch.argsort(windows).to(merged.device)]
+        return merged
+
+
+def window_index(grid_thw: torch.Tensor, merge_size: int, window_size: int,
+                 patch_size: int) -> tuple[torch.Tensor, list[int]]:
+    """(merged patches in window order, the windows' cumulative patch counts) as Qwen2.5-VL tiles each frame
+    into windows of ``window_size`` pixels."""
+    side = window_size // merge_size // patch_size  # merged patches along a window's side
+    unit = merge_size**2
+    order, bounds, offset = [], [0], 0
+    for t, h, w in grid_thw.tolist():
+        h, w = h // merge_size, w // merge_size
+        index = torch.arange(t * h * w).reshape(t, h, w)
+        pad_h, pad_w = side - h % side, side - w % side
+        padded = F.pad(index, (0, pad_w, 0, pad_h), "constant", -1)
+        rows, cols = (h + pad_h) // side, (w + pad_w) // side
+        padded = padded.reshape(t, rows, side, cols, side).permute(0, 1, 3, 2, 4).reshape(t, rows * cols, -1)
+        counts = (padded >= 0).sum(-1).reshape(-1)
+        flat = padded.reshape(-1)
+        order.append(flat[flat >= 0] + offset)
+        for count in counts.tolist():
+            if count:  # an empty (all-padding) window adds no boundary
+                bounds.append(bounds[-1] + count * unit)
+        offset += t * h * w
+    return torch.cat(order), bounds

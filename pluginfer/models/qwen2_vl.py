@@ -1,4 +1,4 @@
-"""Qwen2-VL pipeline (Qwen2VLForConditionalGeneration): the vision tower's embeddings replace the prompt's image
+"""Qwen2-VL pipeline (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration): the vision tower's embeddings replace the prompt's image
 tokens, and the Qwen2 decoder turns its rotary with three position rows (M-RoPE).
 
 A request's images arrive as ``ForwardBatch.multimodal[row]`` (a ``Qwen2VLInputs`` made by
@@ -79,7 +79,8 @@ class Qwen2VLForConditionalGeneration(CausalLM):
         rope = MRotaryEmbedding(head_dim, ctx.max_model_len, theta, list(scaling["mrope_section"]))
         super().__init__(config, Qwen2VLDecoder(config, lambda i: Qwen2VLDecoderLayer(config, rope)))
         vision = dict(config["vision_config"])
-        vision.setdefault("hidden_size", config["hidden_size"])
+        vision.setdefault("out_hidden_size" if "fullatt_block_indexes" in vision else "hidden_size",
+                          config["hidden_size"])
         self.visual = VisionTransformer(vision)
         self._encoded: OrderedDict[bytes, torch.Tensor] = OrderedDict()
 
@@ -129,13 +130,25 @@ class Qwen2VLForConditionalGeneration(CausalLM):
         return encoded
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:  # transformers' newer names, as the older ones
+        visual: list[tuple[str, torch.Tensor]] = []
+
+        def text() -> Iterable[tuple[str, torch.Tensor]]:  # transformers' newer names read as the older ones
             for name, tensor in weights:
                 name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
-                if not (self.tied and name == "lm_head.weight"):  # a tied head may be stored anyway
+                if name.startswith("visual."):
+                    visual.append((name.removeprefix("visual."), tensor))
+                elif not (self.tied and name == "lm_head.weight"):  # a tied head may be stored anyway
                     yield name, tensor
 
-        load_named_weights(self, renamed(), stacked=self.weight_routes(), optional=("lm_head.",) if self.tied else ())
+        # The decoder's fused routes (gate_proj -> gate_up_proj) must not reach the tower's own gate_proj:
+        # the two load as separate modules.
+        tower = self._modules.pop("visual")
+        try:
+            load_named_weights(self, text(), stacked=self.weight_routes(),
+                               optional=("lm_head.",) if self.tied else ())
+        finally:
+            self._modules["visual"] = tower
+        load_named_weights(tower, visual, stacked=())
 
 
 def validate_config(config: dict, ctx: BuildContext) -> None:

@@ -20,9 +20,11 @@ CHAT_TEMPLATE = (
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def save_qwen2_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> torch.nn.Module:
-    """Build, save and return a float32 ``Qwen2VLForConditionalGeneration`` (2 text layers, 2 vision blocks)."""
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
+def save_qwen2_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0, version: str = "2") -> torch.nn.Module:
+    """Build, save and return a float32 ``Qwen2VLForConditionalGeneration`` (``version`` "2.5":
+    ``Qwen2_5_VLForConditionalGeneration``, windowed tower) with 2 text layers and 2 vision blocks."""
+    import transformers
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
@@ -34,10 +36,15 @@ def save_qwen2_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> torch.nn
                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, vision_start_token_id=start,
+    model_cls = transformers.Qwen2VLForConditionalGeneration
+    if version == "2.5":  # windows of 2x2 merged patches, the second block full attention
+        vision = dict(depth=2, hidden_size=32, intermediate_size=48, out_hidden_size=64, num_heads=4, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+        model_cls = transformers.Qwen2_5_VLForConditionalGeneration
+    config = model_cls.config_class(text_config=text, vision_config=vision, vision_start_token_id=start,
                            vision_end_token_id=end, image_token_id=image, video_token_id=video)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = model_cls(config).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     # small images stay small: 4..64 merged patches each

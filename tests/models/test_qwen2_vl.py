@@ -18,12 +18,12 @@ from tests.models.qwen2_vl_checkpoint import IMAGE_PLACEHOLDER, hf_image_greedy,
 TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path):
+@pytest.fixture(scope="module", params=["2", "2.5"], ids=["qwen2-vl", "qwen2.5-vl"])
+def qwen2_vl(request, tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path):
     from transformers import AutoImageProcessor, AutoTokenizer
 
     out = tmp_path_factory.mktemp("qwen2_vl")
-    model = save_qwen2_vl(out, tiny_tokenizer_dir)
+    model = save_qwen2_vl(out, tiny_tokenizer_dir, version=request.param)
     return out, model, AutoImageProcessor.from_pretrained(out), AutoTokenizer.from_pretrained(out)
 
 
