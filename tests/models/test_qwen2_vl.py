@@ -135,3 +135,15 @@ def test_mrope_positions_match_transformers(qwen2_vl) -> None:
     want, delta = model.model.get_rope_index(torch.tensor([ids]), (torch.tensor([ids]) == pad).int(), grid)
     got, got_delta = mrope_positions(ids, pad, grid, 2)
     assert torch.equal(got, want[:, 0]) and got_delta == int(delta)
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks(qwen2_vl) -> None:
+    """The decoder split over two spawned ranks, each running the whole tower: transformers' tokens still."""
+    path, model, processor, tokenizer = qwen2_vl
+    text = f"hello {IMAGE_PLACEHOLDER} what"
+    images = [image(60, 90, 0), image(150, 110, 1)]
+    want = [hf_image_greedy(model, processor, tokenizer.encode(text), [img], TOKENS) for img in images]
+    with make_llm(path, tensor_parallel_size=2) as llm:
+        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": img}} for img in images], greedy())
+    assert [o.outputs[0].token_ids for o in outputs] == want
