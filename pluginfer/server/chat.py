@@ -22,6 +22,7 @@ from pluginfer.server.errors import bad_request
 from pluginfer.server.grammar import compile_grammar
 from pluginfer.server.limits import check_limits
 from pluginfer.server.logprobs import TokenText, chat_logprobs
+from pluginfer.server.media_fetch import fetch_media
 from pluginfer.server.protocol import ChatCompletionRequest, TokenizeRequest
 from pluginfer.server.reasoning import ReasoningStream
 from pluginfer.server.state import STATE, ServerState, read_body
@@ -84,8 +85,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     params, grammars = _with_tools(state, processed.params, body.grammar(), tools)
     for grammar, field in grammars:
         await compile_grammar(state, grammar, field)
+    accepted = "image" in state.model_info.modalities
+    server = state.config.server
     try:
-        messages, images = extract_images(processed.messages or [], "image" in state.model_info.modalities)
+        fetched = await fetch_media(processed.messages or [], server.allowed_media_domains,
+                                    server.media_fetch_timeout_s) if accepted else {}
+        messages, images = extract_images(processed.messages or [], accepted, fetched)
     except ImagePartError as exc:
         raise bad_request(str(exc), exc.part) from None
     prompt = render_prompt(state, messages, body.add_generation_prompt, template_kwargs(state, body, tools))

@@ -3,6 +3,7 @@ client the answer is transformers' own; bad parts are 400s in OpenAI's shape nam
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def vision_server(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: 
     model = save_qwen2_vl(path, tiny_tokenizer_dir)
     engine = start_engine(server_config(path))
     server = BackgroundServer(engine, server_config(path))
-    yield server, model, AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    yield server, model, AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path), engine, path
     server.stop()
     engine.shutdown()
 
@@ -35,7 +36,7 @@ def user(*parts: dict) -> list[dict]:
 
 
 def test_served_answer_is_transformers(vision_server) -> None:
-    server, model, processor, tokenizer = vision_server
+    server, model, processor, tokenizer, _, _ = vision_server
     img = image(80, 120, 7)
     messages = user({"type": "text", "text": "describe "}, {"type": "image_url", "image_url": {"url": data_uri(img)}})
     rendered = tokenizer.apply_chat_template(user({"type": "text", "text": "describe "}, {"type": "image"}),
@@ -50,7 +51,7 @@ def test_served_answer_is_transformers(vision_server) -> None:
 @pytest.mark.parametrize("url, why", [
     ("data:image/png;base64,@@not base64@@", "not valid base64"),
     ("data:image/png;base64,aGVsbG8gd29ybGQ=", "not an image"),
-    ("https://example.com/cat.png", "remote image URLs are not fetched"),
+    ("https://example.com/cat.png", "server.allowed_media_domains"),
 ])
 def test_bad_image_parts_are_400s(vision_server, url: str, why: str) -> None:
     server = vision_server[0]
@@ -89,3 +90,65 @@ def test_image_to_a_text_only_model_is_a_400(tiny_llama_checkpoint) -> None:
     finally:
         server.stop()
         engine.shutdown()
+
+
+@pytest.fixture
+def image_host():
+    """A local HTTP server: /cat.png an image, /slow an answer after 3 s, anything else a 404."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    png = io.BytesIO()
+    image(40, 40, 5).save(png, format="PNG")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/slow":
+                time.sleep(3)
+            if self.path in ("/cat.png", "/slow"):
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(png.getvalue())))
+                    self.end_headers()
+                    self.wfile.write(png.getvalue())
+                except (BrokenPipeError, ConnectionResetError):  # /slow: the server gave up on it
+                    pass
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_remote_urls_of_allowed_hosts_are_fetched(vision_server, image_host: str) -> None:
+    _, _, _, _, engine, path = vision_server
+    config = server_config(path, **{"server.allowed_media_domains": ["127.0.0.1"], "server.media_fetch_timeout_s": 1})
+    server = BackgroundServer(engine, config)
+    try:
+        def ask(url: str) -> tuple[int, dict]:
+            status, _, body = http(server, "POST", "/v1/chat/completions", {
+                "model": MODEL_NAME, "max_tokens": 2, "temperature": 0,
+                "messages": user({"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}})})
+            return status, json.loads(body)
+
+        fetched, _ = ask(image_host + "/cat.png")
+        with_data_uri = http(server, "POST", "/v1/chat/completions", {
+            "model": MODEL_NAME, "max_tokens": 2, "temperature": 0, "messages": user(
+                {"type": "text", "text": "hi"},
+                {"type": "image_url", "image_url": {"url": data_uri(image(40, 40, 5))}})})
+        assert fetched == 200 and with_data_uri[0] == 200
+        assert ask(image_host + "/cat.png")[1]["choices"][0]["message"] == \
+            json.loads(with_data_uri[2])["choices"][0]["message"]
+        for url, why in [(image_host + "/missing.png", "HTTP 404"), (image_host + "/slow", "failed"),
+                         (image_host.replace("127.0.0.1", "localhost") + "/cat.png", "'localhost' is not one")]:
+            status, body = ask(url)
+            assert status == 400 and why in body["error"]["message"], body
+            assert body["error"]["param"] == "messages[0].content[1]"
+    finally:
+        server.stop()
