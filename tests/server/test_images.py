@@ -152,3 +152,26 @@ def test_remote_urls_of_allowed_hosts_are_fetched(vision_server, image_host: str
             assert body["error"]["param"] == "messages[0].content[1]"
     finally:
         server.stop()
+
+
+def test_through_the_engine_core_process(vision_server) -> None:
+    """As ``pluginfer serve`` runs it: the request's images cross to the engine core process."""
+    from pluginfer.server.core_client import CoreProcessClient
+
+    server, model, processor, tokenizer, _, path = vision_server
+    img = image(80, 120, 8)
+    messages = user({"type": "image_url", "image_url": {"url": data_uri(img)}}, {"type": "text", "text": "and?"})
+    rendered = tokenizer.apply_chat_template(user({"type": "image"}, {"type": "text", "text": "and?"}),
+                                             add_generation_prompt=True, tokenize=False)
+    want = hf_image_greedy(model, processor, tokenizer.encode(rendered, add_special_tokens=False), [img], TOKENS)
+    config = server_config(path)
+    engine = CoreProcessClient(config).start()
+    core_server = BackgroundServer(engine, config)
+    try:
+        client = openai.OpenAI(base_url=core_server.url + "/v1", api_key=API_KEY)
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=TOKENS, temperature=0,
+                                               extra_body={"ignore_eos": True, "skip_special_tokens": False})
+        assert reply.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=False)
+    finally:
+        core_server.stop()
+        engine.shutdown()
