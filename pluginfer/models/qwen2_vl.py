@@ -8,7 +8,6 @@ for the chunks, recomputes and identical requests that follow.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,7 +18,6 @@ from pluginfer.core.protocols import BuildContext, IntermediateTensors
 from pluginfer.layers.causal_lm import (
     DECODER_SIZE_FIELDS,
     CausalLM,
-    DecoderStack,
     PreNormDecoderLayer,
     check_activation,
     check_kv_heads,
@@ -27,13 +25,12 @@ from pluginfer.layers.causal_lm import (
 )
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.mrope import MROPE_POSITIONS, MRotaryEmbedding
+from pluginfer.layers.multimodal import EmbeddedDecoder, EncoderCache, with_images
 from pluginfer.layers.norm import RMSNorm
 from pluginfer.layers.rotary import rope_parameters
 from pluginfer.layers.self_attention import SelfAttention
 from pluginfer.layers.vision import VisionTransformer
 from pluginfer.layers.weights import load_named_weights
-
-ENCODER_CACHE_ENTRIES = 32  # requests' image embeddings kept (chunked prefill, recompute, repeated images)
 
 
 @dataclass
@@ -60,74 +57,40 @@ class Qwen2VLDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
 
-class Qwen2VLDecoder(DecoderStack):
-    """The decoder stack fed with embeddings (the tokens', images' in place) instead of token ids."""
-
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        residual = None
-        for index in self.layer_range:
-            hidden, residual = self.layers[index](batch, hidden, residual)
-        rows = batch.logits_indices
-        return self.norm(hidden[rows] + residual[rows])
-
-
 class Qwen2VLForConditionalGeneration(CausalLM):
     def __init__(self, config: dict, ctx: BuildContext) -> None:
         validate_config(config, ctx)
         theta, scaling = rope_parameters(config)
         head_dim = config["hidden_size"] // config["num_attention_heads"]
         rope = MRotaryEmbedding(head_dim, ctx.max_model_len, theta, list(scaling["mrope_section"]))
-        super().__init__(config, Qwen2VLDecoder(config, lambda i: Qwen2VLDecoderLayer(config, rope)))
+        super().__init__(config, EmbeddedDecoder(config, lambda i: Qwen2VLDecoderLayer(config, rope)))
         vision = dict(config["vision_config"])
         vision.setdefault("out_hidden_size" if "fullatt_block_indexes" in vision else "hidden_size",
                           config["hidden_size"])
         self.visual = VisionTransformer(vision)
-        self._encoded: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.encoded = EncoderCache(lambda inputs, device: self.visual(inputs.pixel_values.to(device),
+                                                                       inputs.grid_thw))
 
     def forward(self, batch: ForwardBatch,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         hidden = self.model.embed_tokens(batch.input_ids)
         if batch.multimodal:
-            positions, rows, embeds = self._media(batch)
-            batch.extras[MROPE_POSITIONS] = positions
-            if rows is not None:
-                hidden = hidden.index_put((rows,), embeds.to(hidden.dtype))
+            batch.extras[MROPE_POSITIONS] = self._positions(batch)
+            hidden = with_images(batch, hidden, self.encoded)
         return self.model(batch, hidden)
 
-    def _media(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The step's [3, tokens] positions, and the flat rows that take image embeddings with those embeddings."""
+    def _positions(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's [3, tokens] M-RoPE positions: the prompt's from its inputs, later tokens' index + delta."""
         positions = batch.positions.expand(3, -1).clone()
         starts = batch.query_start_loc.tolist()
-        rows, embeds = [], []
-        for row, inputs in batch.multimodal.items():  # the rows with images: a few per step
+        for row, inputs in batch.multimodal.items():
             first, end = starts[row], starts[row + 1]
             index = batch.positions[first:end]
-            prompt_len = inputs.positions.shape[1]
-            in_prompt = index < prompt_len
+            in_prompt = index < inputs.positions.shape[1]
             own = index.expand(3, -1) + inputs.delta
             own[:, in_prompt] = inputs.positions.to(index.device)[:, index[in_prompt]]
             positions[:, first:end] = own
-            slots = torch.full_like(index, -1)
-            slots[in_prompt] = inputs.embed_index.to(index.device)[index[in_prompt]]
-            takes = slots >= 0
-            if bool(takes.any()):
-                rows.append(torch.arange(first, end, device=index.device)[takes])
-                embeds.append(self._encode(inputs, index.device)[slots[takes]])
-        if not rows:
-            return positions, None, None
-        return positions, torch.cat(rows), torch.cat(embeds)
-
-    def _encode(self, inputs: Qwen2VLInputs, device: torch.device) -> torch.Tensor:
-        """The request's image embeddings, from the cache when this content was encoded before."""
-        cached = self._encoded.get(inputs.content_hash)
-        if cached is not None:
-            self._encoded.move_to_end(inputs.content_hash)
-            return cached
-        encoded = self.visual(inputs.pixel_values.to(device), inputs.grid_thw)
-        self._encoded[inputs.content_hash] = encoded
-        if len(self._encoded) > ENCODER_CACHE_ENTRIES:
-            self._encoded.popitem(last=False)
-        return encoded
+        return positions
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         visual: list[tuple[str, torch.Tensor]] = []

@@ -6,10 +6,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import torch
-
 from pluginfer.core.protocols import MultiModalPrompt
 from pluginfer.layers.mrope import mrope_positions
+from pluginfer.layers.multimodal import placeholder_index
 from pluginfer.models.qwen2_vl import Qwen2VLInputs
 
 MAX_IMAGES_PER_PROMPT = 16
@@ -52,9 +51,7 @@ class Qwen2VLProcessor:
         for token in token_ids:
             expanded.extend([token] * next(counts) if token == self.image_token_id else [token])
         positions, delta = mrope_positions(expanded, self.image_token_id, grid, self.merge_size)
-        is_image = torch.tensor(expanded) == self.image_token_id
-        embed_index = torch.full((len(expanded),), -1, dtype=torch.long)
-        embed_index[is_image] = torch.arange(int(is_image.sum()))
+        embed_index = placeholder_index(expanded, self.image_token_id)
         digest = hashlib.blake2b(pixels.float().numpy().tobytes(), digest_size=16)
         digest.update(grid.numpy().tobytes())
         content_hash = digest.digest()
