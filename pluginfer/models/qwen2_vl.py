@@ -1,5 +1,6 @@
-"""Qwen2-VL pipeline (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration): the vision tower's embeddings replace the prompt's image
-tokens, and the Qwen2 decoder turns its rotary with three position rows (M-RoPE).
+"""Qwen2-VL pipeline (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration): the vision tower's
+embeddings replace the prompt's image tokens, and the Qwen2 decoder turns its rotary with three position rows
+(M-RoPE).
 
 A request's images arrive as ``ForwardBatch.multimodal[row]`` (a ``Qwen2VLInputs`` made by
 ``qwen2_vl_processor``); the tower runs once per request's images and its output is kept, by content hash,
