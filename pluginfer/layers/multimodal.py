@@ -69,6 +69,14 @@ def with_images(batch: ForwardBatch, hidden: torch.Tensor, encoded: EncoderCache
     return hidden.index_put((torch.cat(rows),), torch.cat(embeds).to(hidden.dtype))
 
 
+def require_pillow() -> None:
+    """Images need Pillow (an optional dependency): say how to get it."""
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        raise ImportError("this model takes images, which need Pillow: pip install 'pluginfer[vision]'") from None
+
+
 def placeholder_index(token_ids: list[int], token_id: int) -> torch.Tensor:
     """``embed_index`` of a prompt whose image tokens are ``token_id``: their order among them, -1 elsewhere."""
     is_image = torch.tensor(token_ids) == token_id

@@ -7,7 +7,7 @@ import hashlib
 from typing import Any
 
 from pluginfer.core.protocols import MultiModalPrompt
-from pluginfer.layers.multimodal import placeholder_index
+from pluginfer.layers.multimodal import placeholder_index, require_pillow
 from pluginfer.models.llava import LlavaInputs
 
 MAX_IMAGES_PER_PROMPT = 16
@@ -20,6 +20,8 @@ class LlavaProcessor:
 
     def __init__(self, model_path: str, hf_config: dict, tokenizer: Any) -> None:
         from transformers import AutoImageProcessor
+
+        require_pillow()
 
         self.image_processor = AutoImageProcessor.from_pretrained(model_path)
         self.image_token_id = int(hf_config.get("image_token_id", hf_config.get("image_token_index")))

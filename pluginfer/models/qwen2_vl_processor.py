@@ -8,7 +8,7 @@ from typing import Any
 
 from pluginfer.core.protocols import MultiModalPrompt
 from pluginfer.layers.mrope import mrope_positions
-from pluginfer.layers.multimodal import placeholder_index
+from pluginfer.layers.multimodal import placeholder_index, require_pillow
 from pluginfer.models.qwen2_vl import Qwen2VLInputs
 
 MAX_IMAGES_PER_PROMPT = 16
@@ -21,6 +21,8 @@ class Qwen2VLProcessor:
 
     def __init__(self, model_path: str, hf_config: dict, tokenizer: Any) -> None:
         from transformers import AutoImageProcessor
+
+        require_pillow()
 
         self.image_processor = AutoImageProcessor.from_pretrained(model_path)
         self.image_token_id = int(hf_config["image_token_id"])
