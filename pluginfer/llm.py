@@ -96,8 +96,10 @@ class LLM:
         ``generate(num_beams=...)`` finds them (``pluginfer/engine/beam_search.py``)."""
         from pluginfer.engine.beam_search import run_beam_search
 
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if any(isinstance(p, dict) for p in prompts):
+            raise ValueError("beam_search takes text or token-id prompts (no multi_modal_data)")
         tokenizer = self.engine.tokenizer
         token_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
         return run_beam_search(self.generate, token_ids, params, self.engine.eos_token_ids, self.engine.max_model_len,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pluginfer import LLM, SamplingParams
+from pluginfer.engine.beam_search import BeamSearchParams
 from tests.models.qwen2_vl_checkpoint import IMAGE_PLACEHOLDER, hf_image_greedy, save_qwen2_vl
 
 TOKENS = 8
@@ -61,6 +62,11 @@ def test_generate_matches_transformers(qwen2_vl) -> None:
                                 {"prompt": two, "multi_modal_data": {"image": [large, small]}},
                                 {"prompt_token_ids": plain}], greedy())
         assert [o.outputs[0].token_ids for o in batched] == want
+        two_choices = SamplingParams(n=2, temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+        choices = llm.generate({"prompt": text, "multi_modal_data": {"image": large}}, two_choices)[0].outputs
+        assert [c.token_ids for c in choices] == [want[1]] * 2  # the second choice forks the first's blocks
+        with pytest.raises(ValueError, match="beam_search"):
+            llm.beam_search({"prompt": text, "multi_modal_data": {"image": large}}, BeamSearchParams(beam_width=2, max_tokens=2))
 
 
 def test_chunked_prefill_prefix_cache_and_preemption(qwen2_vl) -> None:
