@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pluginfer.layers.context import current_context
-from pluginfer.layers.linear import ReplicatedLinear
+from pluginfer.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pluginfer.layers.norm import LayerNorm
 from pluginfer.layers.vision import vision_activation
 
@@ -39,29 +39,32 @@ class CLIPEmbeddings(nn.Module):
 
 
 class CLIPAttention(nn.Module):
+    """Heads split across tensor-parallel ranks."""
+
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
-        self.heads, self.head_dim = heads, hidden // heads
-        self.q_proj = ReplicatedLinear(hidden, hidden, bias=True)
-        self.k_proj = ReplicatedLinear(hidden, hidden, bias=True)
-        self.v_proj = ReplicatedLinear(hidden, hidden, bias=True)
-        self.out_proj = ReplicatedLinear(hidden, hidden, bias=True)
+        self.head_dim = hidden // heads
+        self.q_proj = ColumnParallelLinear(hidden, hidden, bias=True)
+        self.k_proj = ColumnParallelLinear(hidden, hidden, bias=True)
+        self.v_proj = ColumnParallelLinear(hidden, hidden, bias=True)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=True)
+        self.heads = self.q_proj.output_size // self.head_dim  # this rank's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         images, tokens, hidden = x.shape
         flat = x.reshape(-1, hidden)
         q, k, v = (proj(flat).view(images, tokens, self.heads, self.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, hidden)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(images * tokens, -1)
         return self.out_proj(out).view(images, tokens, hidden)
 
 
 class CLIPMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, hidden_act: str) -> None:
         super().__init__()
-        self.fc1 = ReplicatedLinear(hidden, intermediate, bias=True)
+        self.fc1 = ColumnParallelLinear(hidden, intermediate, bias=True)
         self.act = vision_activation(hidden_act)
-        self.fc2 = ReplicatedLinear(intermediate, hidden, bias=True)
+        self.fc2 = RowParallelLinear(intermediate, hidden, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))

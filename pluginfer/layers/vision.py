@@ -5,7 +5,8 @@ attention in every block but those: its patches are put in window order for the 
 
 Input is what transformers' Qwen2-VL image processor returns: ``pixel_values`` ``[patches, C*T*P*P]`` and
 ``grid_thw`` ``[images, 3]`` (patches of each image in time, height and width, already ordered by merge window).
-Each image attends only to its own patches. Parameter names follow HF checkpoints (``visual.*``).
+Each image attends only to its own patches. Parameter names follow HF checkpoints (``visual.*``). Under tensor
+parallelism the heads and the MLPs' hidden features are split across ranks, as in the decoder.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from pluginfer.layers.activation import activation
 from pluginfer.layers.context import current_context
-from pluginfer.layers.linear import ReplicatedLinear
+from pluginfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pluginfer.layers.norm import LayerNorm, RMSNorm
 
 
@@ -84,13 +85,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class VisionAttention(nn.Module):
-    """Bidirectional attention within each image (``cu_seqlens``), rotary on q and k."""
+    """Bidirectional attention within each image (``cu_seqlens``), rotary on q and k; heads split across
+    tensor-parallel ranks (the checkpoint's fused ``qkv`` is split per projection)."""
 
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = ReplicatedLinear(dim, 3 * dim, bias=True)
-        self.proj = ReplicatedLinear(dim, dim, bias=True)
+        self.head_dim = dim // num_heads
+        self.qkv = QKVParallelLinear(dim, self.head_dim, num_heads, num_heads, bias=True)
+        self.num_heads = self.qkv.num_heads  # this rank's
+        self.proj = RowParallelLinear(dim, dim, bias=True)
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
@@ -99,15 +102,15 @@ class VisionAttention(nn.Module):
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # one image each: a handful per step
             qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))
             outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1))
-        return self.proj(torch.cat(outs).reshape(x.shape[0], -1))
+        return self.proj(torch.cat(outs).reshape(x.shape[0], -1))  # RowParallelLinear all-reduces the ranks' parts
 
 
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, hidden_act: str) -> None:
         super().__init__()
-        self.fc1 = ReplicatedLinear(dim, hidden, bias=True)
+        self.fc1 = ColumnParallelLinear(dim, hidden, bias=True)
         self.act = vision_activation(hidden_act)
-        self.fc2 = ReplicatedLinear(hidden, dim, bias=True)
+        self.fc2 = RowParallelLinear(hidden, dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -118,10 +121,10 @@ class GatedVisionMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, hidden_act: str) -> None:
         super().__init__()
-        self.gate_proj = ReplicatedLinear(dim, hidden, bias=True)
-        self.up_proj = ReplicatedLinear(dim, hidden, bias=True)
+        self.gate_proj = ColumnParallelLinear(dim, hidden, bias=True)
+        self.up_proj = ColumnParallelLinear(dim, hidden, bias=True)
         self.act = vision_activation(hidden_act)
-        self.down_proj = ReplicatedLinear(hidden, dim, bias=True)
+        self.down_proj = RowParallelLinear(hidden, dim, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -151,8 +154,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.width = context_dim * merge_size**2
         self.ln_q = RMSNorm(context_dim, eps) if rms else LayerNorm(context_dim, eps)
-        self.mlp = nn.ModuleList([ReplicatedLinear(self.width, self.width, bias=True), nn.GELU(),
-                                  ReplicatedLinear(self.width, out_dim, bias=True)])
+        self.mlp = nn.ModuleList([ColumnParallelLinear(self.width, self.width, bias=True), nn.GELU(),
+                                  RowParallelLinear(self.width, out_dim, bias=True)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.ln_q(x).view(-1, self.width)

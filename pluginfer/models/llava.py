@@ -24,7 +24,7 @@ from pluginfer.layers.causal_lm import (
     check_positive_fields,
 )
 from pluginfer.layers.clip import CLIPVisionTower
-from pluginfer.layers.linear import ReplicatedLinear
+from pluginfer.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pluginfer.layers.mlp import GatedMLP
 from pluginfer.layers.multimodal import EmbeddedDecoder, EncoderCache, with_images
 from pluginfer.layers.norm import RMSNorm
@@ -61,9 +61,9 @@ class Projector(nn.Module):
 
     def __init__(self, vision: int, text: int, hidden_act: str, bias: bool) -> None:
         super().__init__()
-        self.linear_1 = ReplicatedLinear(vision, text, bias=bias)
+        self.linear_1 = ColumnParallelLinear(vision, text, bias=bias)
         self.act = activation(hidden_act)
-        self.linear_2 = ReplicatedLinear(text, text, bias=bias)
+        self.linear_2 = RowParallelLinear(text, text, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))

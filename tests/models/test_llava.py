@@ -70,3 +70,15 @@ def test_chunked_prefill_prefix_cache_and_preemption(llava) -> None:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts * 2, greedy())] == want * 2
     with LLM(str(path), dtype="float32", max_model_len=512, num_blocks=8, block_size=8) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts * 2, greedy())] == want * 2
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks(llava) -> None:
+    """The CLIP tower's heads, the projector and the decoder split over two spawned ranks."""
+    path, model, processor, tokenizer = llava
+    text = "hello <image> what is it"
+    images = [image(60, 90, 0), image(150, 110, 1)]
+    want = [hf_llava_greedy(model, processor, tokenizer.encode(text), [img], TOKENS) for img in images]
+    with LLM(str(path), dtype="float32", max_model_len=512, tensor_parallel_size=2) as llm:
+        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": img}} for img in images], greedy())
+    assert [o.outputs[0].token_ids for o in outputs] == want

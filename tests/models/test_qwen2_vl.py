@@ -145,7 +145,7 @@ def test_mrope_positions_match_transformers(qwen2_vl) -> None:
 
 @pytest.mark.slow
 def test_two_tensor_parallel_ranks(qwen2_vl) -> None:
-    """The decoder split over two spawned ranks, each running the whole tower: transformers' tokens still."""
+    """The tower's heads and MLPs and the decoder split over two spawned ranks: transformers' tokens still."""
     path, model, processor, tokenizer = qwen2_vl
     text = f"hello {IMAGE_PLACEHOLDER} what"
     images = [image(60, 90, 0), image(150, 110, 1)]
