@@ -14,9 +14,10 @@ from pluginfer.engine.outputs import RequestOutput
 from pluginfer.engine.pooling import PoolingParams
 from pluginfer.engine.scoring import encode_pair, score_pairs, uses_token_types
 from pluginfer.engine.sequence import SamplingParams
+from pluginfer.text.image_parts import extract_images
 from pluginfer.text.tokenizer import render_chat
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # text, token ids, or {"prompt"|"prompt_token_ids": ..., "multi_modal_data": ...}
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class LLM:
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Outputs in prompt order (``params`` None: ``get_default_sampling_params()``). A request that cannot
         run (e.g. too long) gets finish_reason "error"."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = params if isinstance(params, list) else \
             [params or self.get_default_sampling_params()] * len(prompts)
@@ -116,8 +117,10 @@ class LLM:
         ``generate(num_beams=...)`` finds them (``pluginfer/engine/beam_search.py``)."""
         from pluginfer.engine.beam_search import run_beam_search
 
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if any(isinstance(p, dict) for p in prompts):
+            raise ValueError("beam_search takes text or token-id prompts (no multi_modal_data)")
         tokenizer = self.engine.tokenizer
         token_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
         return run_beam_search(self.generate, token_ids, params, self.engine.eos_token_ids, self.engine.max_model_len,
@@ -126,16 +129,21 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; rendered with the model's chat template.
+        """One conversation (a list of messages) or several; rendered with the model's chat template. A message's
+        ``image_url`` content parts (base64 data URIs) go to a model that takes images.
 
         ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``) are rendered into the prompt by the
         template (a ``ValueError`` if it does not read them); the answer is plain text, as the model writes a
         call (the server's ``--tool-call-parser`` turns it into ``tool_calls``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [render_chat(self.engine.tokenizer, conv, tools=tools, **(chat_template_kwargs or {}))
-                   for conv in conversations]  # type: ignore[arg-type]
-        token_ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(token_ids, params)
+        requests: list[Prompt] = []
+        for conv in conversations:
+            conv, images = extract_images(conv)  # type: ignore[arg-type]
+            text = render_chat(self.engine.tokenizer, conv, tools=tools, **(chat_template_kwargs or {}))
+            token_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+            requests.append({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}} if images
+                            else token_ids)
+        return self.generate(requests, params)
 
     def _run(self, request_ids: SequenceABC[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -13,7 +13,8 @@ PAGE = CORE.parents[1] / "docs" / "protocols.md"
 # (module file, classes in the order a plugin author meets them)
 SECTIONS = [
     ("protocols.py", ["ModelPipeline", "BuildContext", "ShardSpec", "KVCacheSpec", "IntermediateTensors",
-                      "QuantMethod", "VocabTable", "DeviceBackend", "DecodeForward", "RankInfo", "Collective"]),
+                      "QuantMethod", "VocabTable", "DeviceBackend", "DecodeForward", "RankInfo", "Collective",
+                      "MultiModalProcessor", "MultiModalPrompt"]),
     ("batch.py", ["ForwardBatch"]),
     ("parsers.py", ["ToolCallParser", "ToolCallSyntax", "ToolCallText", "FunctionCall", "ReasoningParser"]),
     ("serving.py", ["EndpointContext", "ServingEngine", "RequestProcessor", "PromptRequest", "RequestProcessorError"]),

@@ -20,6 +20,10 @@ class ForwardBatch:
     Sequence i owns rows ``query_start_loc[i]:query_start_loc[i+1]`` of ``input_ids``.
     Its keys are the ``seq_lens[i]`` first cache slots named by ``block_tables[i]``,
     the last ``query_lens[i]`` of which are written by this very step.
+
+    ``multimodal``: row -> the multimodal inputs of that row's request, as the model's multimodal processor made
+    them (``MultiModalPrompt.inputs``); the row's positions say which of its tokens this step computes. Only
+    rows whose request carries such inputs are keys.
     """
 
     input_ids: torch.Tensor  # [num_tokens] int64 (token types above TOKEN_TYPE_SHIFT, where a request has them)
@@ -35,6 +39,7 @@ class ForwardBatch:
     block_size: int
     attention: Any = None  # backend-specific metadata, built once per step by DeviceBackend.prepare
     extras: dict[str, Any] = field(default_factory=dict)
+    multimodal: dict[int, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -92,6 +92,10 @@ class ServerConfig(_Section):
                           "(deepseek_v31)): reads the tool calls of tool_choice auto.")
     endpoints: list[str] = Field(
         default_factory=list, description="endpoint plugins whose HTTP routes the server adds; none by default.")
+    allowed_media_domains: list[str] = Field(
+        default_factory=list, description="Hosts whose http(s) image URLs chat requests may name (fetched with a "
+                                          "size and time limit); none by default: only base64 data URIs.")
+    media_fetch_timeout_s: float = Field(10.0, gt=0, description="Longest wait for one remote image URL.")
     request_processors: list[str] = Field(
         default_factory=list, description="request_processor plugins run on every chat (and responses) and "
                                           "completions request, in this order; none by default.")

@@ -233,6 +233,32 @@ class ModelPipeline(Protocol):
         """Project hidden states to float32 logits over the whole vocabulary."""
 
 
+@dataclass
+class MultiModalPrompt:
+    """A prompt with its images (or other media) made ready for the model: ``token_ids`` with each
+    placeholder expanded to as many tokens as the media fill, ``inputs`` the model's own data (it comes back
+    as ``ForwardBatch.multimodal[row]``, so it must pickle for other ranks), ``content_hash`` a digest of
+    the media (prompts with different media never share prefix-cache blocks)."""
+
+    token_ids: list[int]
+    inputs: Any
+    content_hash: bytes
+
+
+@runtime_checkable
+class MultiModalProcessor(Protocol):
+    """A model's preprocessing of media (``ModelSpec.multimodal_processor``, API 5), run where requests arrive.
+
+    Factory signature: ``factory(model_path: str, hf_config: dict, tokenizer) -> MultiModalProcessor``.
+    """
+
+    modalities: tuple[str, ...]  # the ``multi_modal_data`` keys it takes, e.g. ("image",)
+
+    def process(self, token_ids: list[int], data: dict[str, Any]) -> MultiModalPrompt:
+        """The tokenized prompt and its ``multi_modal_data`` (a key: one item or a list); ``ValueError``
+        naming the item for media it cannot read, too many items, or placeholders that do not match."""
+
+
 @runtime_checkable
 class QuantMethod(Protocol):
     """One weight format for linear layers. Factory: ``factory(quant_config: dict | None)``.

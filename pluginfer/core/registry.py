@@ -292,6 +292,12 @@ class Registry:
                                      f"plugin (supported: {', '.join(known) or '(none)'})")
         return self._import(owners[0], owners[0].converters[format_name][architecture], "converter")
 
+    def multimodal_processor(self, model: str) -> Callable | None:
+        """The ``MultiModalProcessor`` factory of model plugin ``model`` (None: it takes text only)."""
+        spec = self.resolve("model", model)
+        ref = getattr(spec, "multimodal_processor", None)
+        return None if ref is None else self._import(spec, ref, "multimodal_processor")
+
     def _add(self, plugin: object, info: PluginInfo) -> None:
         self._plugins.append(info)
         try:

@@ -62,7 +62,7 @@ class PluginSpec:
         return (self.name, *self.aliases, *self.exact_names)
 
 
-_REFERENCES = frozenset({"factory", "check", "details", "claims"})
+_REFERENCES = frozenset({"factory", "check", "details", "claims", "multimodal_processor"})
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,14 @@ class ModelSpec(PluginSpec):
     ``converters``: for each checkpoint format, the format's own architecture names this plugin reads and
     the ``"module:attr"`` function that reads them, e.g. ``{"gguf": {"gemma3": "my_plugin.gguf:convert"}}``.
     What that function is given and returns is the format plugin's contract (docs/plugins.md).
+    ``multimodal_processor``: ``"module:attr"`` of the factory of the ``MultiModalProcessor`` that readies a
+    request's images for this model (None: the model takes text only).
     """
 
     kind: ClassVar[str] = "model"
     architectures: tuple[str, ...] = ()
     converters: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    multimodal_processor: str | None = None  # "module:attr" of a MultiModalProcessor factory (API 5)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -36,6 +36,7 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     num_blocks: int  # KV-cache blocks
     block_size: int  # tokens per block
+    modalities: tuple[str, ...] = ()  # media the model takes besides text (``multi_modal_data`` keys: "image")
 
     @property
     def kv_tokens(self) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from pluginfer.core.batch import TOKEN_TYPE_SHIFT
 from pluginfer.core.config import EngineConfig
+from pluginfer.core.protocols import MultiModalProcessor, MultiModalPrompt
 from pluginfer.engine.client import EngineStats, ModelInfo
 from pluginfer.engine.detokenizer import IncrementalDetokenizer
 from pluginfer.engine.executor import ExecutedStep, Executor
@@ -103,10 +104,15 @@ class LLMEngine:
         self.step_count = 0
         self.num_accepted_tokens = 0  # draft tokens the model agreed with, since the start
         self._fail_on_token = config.testing.fail_step_on_token_id
+        factory = self.executor.registry.multimodal_processor(self.executor.model_plugin)
+        # the model's multimodal processor (None: it takes text only)
+        self._media: MultiModalProcessor | None = factory(str(self.model_path), self.executor.hf_config,
+                                                          self.tokenizer) if factory is not None else None
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a prompt (text or token ids) to generate from, or to embed with ``PoolingParams``;
+        """Queue a prompt (text or token ids, or vLLM's dict: ``{"prompt" or "prompt_token_ids": ...,
+        "multi_modal_data": {"image": ...}}``) to generate from, or to embed with ``PoolingParams``;
         returns its request id."""
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
@@ -118,7 +124,11 @@ class LLMEngine:
             names = self.executor.hf_config.get("architectures")
             raise ValueError(f"this checkpoint is a bare decoder without an LM head (architectures {names}): "
                              "it serves embeddings only")
+        prompt, media = split_prompt(prompt)
         text, token_ids = self._tokenize(prompt)
+        media = self._process_media(token_ids, media) if media else None
+        if media is not None:
+            token_ids = media.token_ids
         vocab = self.executor.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"SamplingParams.logit_bias: token ids must be below the vocabulary size {vocab}")
@@ -126,6 +136,9 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.stop_token_ids: token ids must be below the vocabulary size {vocab}")
         seqs = [Sequence(request_id, token_ids, params, index=i, arrival_step=self.step_count)
                 for i in range(params.n)]
+        if media is not None:  # the model reads its inputs; the blocks of its prompt are named under its media
+            for seq in seqs:
+                seq.multimodal, seq.cache_salt = media.inputs, media.content_hash
         if params.structured_outputs is not None:  # a copy of the cached matcher (the server compiles it first)
             for seq in seqs:
                 seq.grammar = self.grammars.matcher(params.structured_outputs)
@@ -138,6 +151,9 @@ class LLMEngine:
         """An embedding or score request: its prompt is prefilled like any other, pooled, and nothing is sampled.
 
         A score request's prompt is the pair's token ids, token types in their high bits (``encode_pair``)."""
+        prompt, media = split_prompt(prompt)
+        if media:
+            raise ValueError("multi_modal_data: embeddings and scores are made from text only")
         if params.task == "score":
             self.scorer.check()
             pooling = PoolingState(self.scorer.method, False, whole_prompt=not self.is_causal,
@@ -162,6 +178,17 @@ class LLMEngine:
         self._requests[request_id] = _Request(request_id, text, token_ids, [seq], [detokenizer])
         self.scheduler.add_request([seq])
         return request_id
+
+    def _process_media(self, token_ids: list[int], data: dict) -> MultiModalPrompt:
+        """The prompt with its media readied by the model plugin's multimodal processor."""
+        if self._media is None:
+            names = self.executor.hf_config.get("architectures")
+            raise ValueError(f"multi_modal_data: this model (architectures {names}) takes text only")
+        unknown = sorted(set(data) - set(self._media.modalities))
+        if unknown:
+            raise ValueError(f"multi_modal_data: {', '.join(map(repr, unknown))} is not taken by this model "
+                             f"(it takes: {', '.join(self._media.modalities)})")
+        return self._media.process(token_ids, data)
 
     def _tokenize(self, prompt: str | list[int], token_types: bool = False) -> tuple[str | None, list[int]]:
         """``token_types``: the ids may carry token types above ``TOKEN_TYPE_SHIFT`` (a score request's pair)."""
@@ -199,7 +226,8 @@ class LLMEngine:
         """What a client of this engine knows of its model (``pluginfer.engine.client``)."""
         return ModelInfo(model_path=str(self.executor.model_path), max_model_len=self.max_model_len,
                          vocab_size=self.executor.vocab_size, eos_token_ids=frozenset(self.eos_token_ids),
-                         num_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size)
+                         num_blocks=self.block_manager.num_blocks, block_size=self.block_manager.block_size,
+                         modalities=tuple(self._media.modalities) if self._media is not None else ())
 
     def stats(self) -> EngineStats:
         """The gauges and counters now; call it from the thread that steps the engine."""
@@ -370,6 +398,22 @@ class LLMEngine:
         """Abort what is left and stop the other ranks (idempotent; also run at interpreter exit)."""
         self.abort_all()
         self.executor.shutdown()
+
+
+def split_prompt(prompt: str | list[int] | dict) -> tuple[str | list[int], dict | None]:
+    """(text or token ids, multi_modal_data or None) of a prompt; a dict is vLLM's prompt dict."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    if unknown:
+        raise ValueError(f"prompt: unsupported key(s) {', '.join(map(repr, unknown))} (supported: prompt, "
+                         "prompt_token_ids, multi_modal_data)")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("prompt: give exactly one of 'prompt' and 'prompt_token_ids'")
+    data = prompt.get("multi_modal_data")
+    if data is not None and not isinstance(data, dict):
+        raise ValueError("prompt: multi_modal_data must be a dict such as {'image': image}")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), data or None
 
 
 def speculation(config: EngineConfig) -> tuple[Any, int]:

@@ -60,6 +60,7 @@ class StartedRank:
     max_model_len: int
     num_blocks: int
     startup_times: dict[str, float]  # seconds: config (the plan: checkpoint, metadata, plugin choice), the worker's phases
+    model: str = ""  # the model plugin's name
 
 
 def start_rank(config: EngineConfig, rank: RankInfo, registry: Registry) -> StartedRank:
@@ -79,7 +80,7 @@ def start_rank(config: EngineConfig, rank: RankInfo, registry: Registry) -> Star
                 rank.world_size, rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, plan.model_path, plan.model,
                 backend.name, num_blocks, config.cache.block_size)
     return StartedRank(worker, plan.model_path, plan.hf_config, plan.max_model_len, num_blocks,
-                       {"config": plan.seconds, **worker.startup_times})
+                       {"config": plan.seconds, **worker.startup_times}, plan.model)
 
 
 class Executor:
@@ -104,6 +105,7 @@ class Executor:
             raise
         self.worker = started.worker
         self.model_path, self.hf_config = started.model_path, started.hf_config
+        self.model_plugin, self.registry = started.model, registry
         self.max_model_len, self.num_blocks = started.max_model_len, started.num_blocks
         self.startup_times = started.startup_times
         self.vocab_size = int(self.hf_config["vocab_size"])

@@ -29,6 +29,7 @@ class InputBatch:
         self._blocks: list[list[int]] = []
         self._blocks_of: dict[int, list[int]] = {}
         self._plain_decode = False  # the arrays below are a plain decode step's over the rows
+        self._multimodal_of: dict[int, object] = {}  # seq id -> its request's media inputs (rows that have them)
         self.input_ids = self.positions = self.slot_mapping = self.seq_lens = self.logits_indices = _EMPTY
         self.query_start_loc = np.zeros(1, np.int64)
         self.block_tables = np.zeros((0, 0), np.int64)  # [rows, blocks the longest row needs], 0-padded
@@ -67,8 +68,14 @@ class InputBatch:
         seq_ids = self.seq_ids if data.same_rows and not data.seq_ids else data.seq_ids
         if len(seq_ids) != data.num_rows:
             raise RuntimeError(f"step data names {len(seq_ids)} rows but gives {data.num_rows} rows' positions")
+        if data.reset:
+            self._multimodal_of = {}
+        for seq_id in data.removed_ids:
+            self._multimodal_of.pop(seq_id, None)
         for row in data.new_rows:
             held[row.seq_id] = list(row.block_ids)
+            if row.multimodal is not None:
+                self._multimodal_of[row.seq_id] = row.multimodal
         try:
             blocks = [held[seq_id] for seq_id in seq_ids]
         except KeyError as exc:
@@ -158,6 +165,13 @@ class InputBatch:
         self.max_seq_len = longest
         return same
 
+    def multimodal_rows(self) -> dict[int, object]:
+        """Row -> media inputs of the rows whose requests carry them (``ForwardBatch.multimodal``)."""
+        if not self._multimodal_of:
+            return {}
+        return {row: self._multimodal_of[seq_id] for row, seq_id in enumerate(self.seq_ids)
+                if seq_id in self._multimodal_of}
+
     def to_batch(self, device: torch.device) -> ForwardBatch:
         """The arrays as a ``ForwardBatch`` on ``device`` (on the CPU, over the arrays' own memory)."""
         if torch.device(device).type == "cpu":  # the arrays' own memory: no copy (a decode step's fixed cost)
@@ -177,4 +191,4 @@ class InputBatch:
             slot_mapping=tensor(self.slot_mapping), query_start_loc=tensor(self.query_start_loc),
             seq_lens=tensor(self.seq_lens), block_tables=tensor(self.block_tables),
             logits_indices=tensor(self.logits_indices), query_lens=query_lens, max_query_len=max_query_len,
-            max_seq_len=self.max_seq_len, block_size=self.block_size)
+            max_seq_len=self.max_seq_len, block_size=self.block_size, multimodal=self.multimodal_rows())

@@ -101,7 +101,7 @@ class BlockManager:
         # So does mean or CLS pooling (embeddings), which reads the hidden state of every/the first position.
         use_cache = self.enable_prefix_caching and seq.params.prompt_logprobs is None and \
             (seq.pooling is None or not seq.pooling.uses_every_position)
-        matched = self._match_prefix(seq.token_ids) if use_cache else []
+        matched = self._match_prefix(seq.token_ids, seq.cache_salt) if use_cache else []
         for block in matched:
             if self._ref_counts[block] == 0:
                 del self._free_cached[block]
@@ -136,7 +136,7 @@ class BlockManager:
             first -= 1
         if first == num_full:
             return
-        parent = self._hashes[table[first - 1]] if first else _NO_PARENT
+        parent = self._hashes[table[first - 1]] if first else seq.cache_salt
         tokens = seq.token_ids
         for index in range(first, num_full):
             name = chain_hash(parent, tokens[index * size:(index + 1) * size])
@@ -183,9 +183,9 @@ class BlockManager:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _match_prefix(self, tokens: list[int]) -> list[int]:
-        """Cached blocks holding the longest run of full blocks at the start of tokens."""
-        size, parent, matched = self.block_size, _NO_PARENT, []
+    def _match_prefix(self, tokens: list[int], salt: bytes = _NO_PARENT) -> list[int]:
+        """Cached blocks holding the longest run of full blocks at the start of tokens (named under ``salt``)."""
+        size, parent, matched = self.block_size, salt, []
         for start in range(0, len(tokens) - size + 1, size):
             name = chain_hash(parent, tokens[start:start + size])
             block = self._block_of_hash.get(name)

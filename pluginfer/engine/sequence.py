@@ -136,6 +136,8 @@ class Sequence:
     generator: object | None = None  # torch.Generator when params.seed is set
     grammar: object | None = None  # llguidance matcher when params.structured_outputs is set
     pooling: PoolingState | None = None  # an embedding request: its prompt is pooled, nothing is sampled
+    multimodal: object | None = None  # the model's inputs for the request's media (MultiModalPrompt.inputs)
+    cache_salt: bytes = b""  # parent of its first prefix-cache block: blocks are shared only under the same salt
 
     @property
     def token_ids(self) -> list[int]:

@@ -27,6 +27,7 @@ class NewRow:
 
     seq_id: int
     block_ids: list[int]
+    multimodal: object | None = None  # the request's media inputs for the model (Sequence.multimodal)
 
 
 @dataclass
@@ -138,7 +139,7 @@ class StepDataBuilder:
             lens.append(row.num_new_tokens)
             count = known.get(seq_id)
             if count is None:
-                new_rows.append(NewRow(seq_id, list(table)))
+                new_rows.append(NewRow(seq_id, list(table), seq.multimodal))
             elif len(table) > count:
                 new_blocks.append((seq_id, table[count:]))
             held[seq_id] = len(table)

@@ -181,7 +181,7 @@ class Worker:
             with torch.inference_mode():
                 self.backend.copy_blocks(self.kv_caches, step.block_copies)
         batch = self._batch(self.inputs.update(step))
-        if self.decode_graphs is not None and step.is_plain_decode:
+        if self.decode_graphs is not None and step.is_plain_decode and not batch.multimodal:  # graphs hold no media
             logits = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
             if logits is not None:
                 return StepResult(logits)
@@ -225,6 +225,7 @@ class Worker:
         batch = self._last_batch
         if arrays_reused and batch is not None:
             batch.max_seq_len, batch.attention, batch.extras = self.inputs.max_seq_len, None, {}
+            batch.multimodal = self.inputs.multimodal_rows()
             return batch
         batch = self.inputs.to_batch(self.backend.device)
         self._last_batch = batch if batch.input_ids.device.type == "cpu" else None

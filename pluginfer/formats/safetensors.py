@@ -32,8 +32,9 @@ class SafetensorsCheckpoint:
         config = read_json(file)
         if not isinstance(config, dict):
             raise ValueError(f"{file} does not hold a JSON object")
-        if "text_config" in config and "hidden_size" not in config:  # multimodal wrappers (e.g. Gemma 3)
-            config = {**config["text_config"], "architectures": config.get("architectures", [])}
+        if "text_config" in config and "hidden_size" not in config:  # multimodal wrappers (e.g. Gemma 3, Qwen2-VL)
+            # the decoder's fields, beside the wrapper's own (vision_config, image_token_id) for a model that reads them
+            config = {**config, **config["text_config"], "architectures": config.get("architectures", [])}
         return config
 
     def load_tokenizer(self) -> Any:

@@ -22,6 +22,7 @@ from pluginfer.server.errors import bad_request
 from pluginfer.server.grammar import compile_grammar
 from pluginfer.server.limits import check_limits
 from pluginfer.server.logprobs import TokenText, chat_logprobs
+from pluginfer.server.media_fetch import fetch_media
 from pluginfer.server.protocol import ChatCompletionRequest, TokenizeRequest
 from pluginfer.server.reasoning import ReasoningStream
 from pluginfer.server.state import STATE, ServerState, read_body
@@ -36,6 +37,7 @@ from pluginfer.server.streaming import (
 )
 from pluginfer.server.tool_grammar import special_tokens
 from pluginfer.server.tools import ToolCalling, ToolCallOutput
+from pluginfer.text.image_parts import ImagePartError, extract_images
 from pluginfer.text.tokenizer import render_chat, template_renders_tools
 
 
@@ -83,8 +85,19 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     params, grammars = with_tools(state, processed.params, body.grammar(), tools)
     for grammar, field in grammars:
         await compile_grammar(state, grammar, field)
-    prompt = render_prompt(state, processed.messages or [], body.add_generation_prompt,
-                           template_kwargs(state, body, tools))
+    accepted = "image" in state.model_info.modalities
+    server = state.config.server
+    try:
+        fetched = await fetch_media(processed.messages or [], server.allowed_media_domains,
+                                    server.media_fetch_timeout_s) if accepted else {}
+        messages, images = extract_images(processed.messages or [], accepted, fetched)
+    except ImagePartError as exc:
+        raise bad_request(str(exc), exc.part) from None
+    prompt = render_prompt(state, messages, body.add_generation_prompt, template_kwargs(state, body, tools))
+    if images:
+        if beam_params(body, params.max_tokens) is not None:
+            raise bad_request("beam search does not take images", "messages")
+        prompt = {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}
     beam = beam_params(body, params.max_tokens)
     if beam is not None:
         return web.json_response(await _beam_chat(state, body, prompt, beam, request_id))

@@ -40,6 +40,7 @@ class StreamOptions(_Body):
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None  # {"url": "data:image/png;base64,..."}: decoded by the chat route
 
 
 class ChatMessage(_Body):
@@ -54,14 +55,19 @@ class ChatMessage(_Body):
     def _text_only(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
         if isinstance(content, list):
             for part in content:
+                if part.type == "image_url" and part.image_url is not None:
+                    continue
                 if part.type != "text" or part.text is None:
-                    raise ValueError(f"only text content parts are served, got a {part.type!r} part")
+                    raise ValueError(f"only text and image_url content parts are served, got a {part.type!r} part")
         return content
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content a string; text parts joined by newlines."""
+        """The message as chat templates expect it: content a string, text parts joined by newlines; a message
+        with image parts keeps its parts (the chat route turns them into images and ``{"type": "image"}``)."""
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and any(part.type == "image_url" for part in content):
+            content = [part.model_dump(exclude_none=True) for part in content]  # images: the parts, in order
+        elif isinstance(content, list):
             content = "\n".join(part.text or "" for part in content)
         role = "system" if self.role == "developer" else self.role  # OpenAI's newer name; templates know "system"
         message: dict[str, Any] = {"role": role, "content": content or ""}

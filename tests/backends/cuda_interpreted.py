@@ -1,7 +1,8 @@
 """Run pluginfer's engine on one backend and print what it generated, as JSON (a script, not a test).
 
 ``python tests/backends/cuda_interpreted.py SPEC.json``: SPEC holds ``model``, ``backend``, ``engine``
-(LLM keyword arguments), ``prompt_groups`` (lists of token-id prompts, generated one group after the
+(LLM keyword arguments), ``prompt_groups`` (lists of token-id prompts, or ``{"prompt_token_ids": ...,
+"images": [image file paths]}`` for a model that takes images, generated one group after the
 other in one engine, so later groups hit the prefix cache) and ``max_tokens``. For the cuda backend on a
 machine without a GPU the caller sets ``TRITON_INTERPRET=1`` and ``PLUGINFER_CUDA_ON_CPU=1`` before this
 process starts (Triton reads the first once, at import); on a GPU it sets neither, and the kernels are
@@ -81,12 +82,22 @@ def main(spec_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     groups, cached = [], []
     for prompts in spec["prompt_groups"]:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate([_with_images(prompt) for prompt in prompts], params)
         groups.append([output.outputs[0].token_ids for output in outputs])
         cached.append([output.num_cached_tokens for output in outputs])
     print(json.dumps({"backend": backend.name, "device": str(backend.device), "tokens": groups,
                       "cached_tokens": cached, "kernel_calls": dict(CALLS),
                       "graph_replays": graphs.replays if graphs is not None else None}))
+
+
+def _with_images(prompt: list[int] | dict) -> list[int] | dict:
+    """A token-id prompt as is; a dict's image files opened as the engine's ``multi_modal_data``."""
+    if not isinstance(prompt, dict):
+        return prompt
+    from PIL import Image
+
+    images = [Image.open(path).convert("RGB") for path in prompt["images"]]
+    return {"prompt_token_ids": prompt["prompt_token_ids"], "multi_modal_data": {"image": images}}
 
 
 def _stand_in_decode_graphs(llm: object) -> object:

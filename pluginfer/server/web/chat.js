@@ -3,7 +3,7 @@
 
 const KEY_STORAGE = "pluginfer.apiKey";
 const $ = (id) => document.getElementById(id);
-const state = { history: [], controller: null, model: null, modelsAsked: 0, empty: null, keyTimer: 0 };
+const state = { history: [], controller: null, model: null, modelsAsked: 0, empty: null, keyTimer: 0, image: null };
 // The settings fields and the /v1/models sampling_defaults entry each shows as its placeholder.
 const SAMPLING_FIELDS = [["temperature", "temperature"], ["top_p", "top-p"], ["max_tokens", "max-tokens"]];
 
@@ -136,8 +136,25 @@ function addCopyButtons(content) {
   }
 }
 
-// One message in the conversation; an assistant's has a collapsed reasoning section and a status line.
-function addMessage(role, text) {
+// The image to send with the next message, as a data URI (a file picked, or one pasted into the box).
+function attach(file) {
+  if (!file || !file.type.startsWith("image/")) return;
+  const reader = new FileReader();
+  reader.onload = () => showAttachment(reader.result);
+  reader.onerror = () => showError(`cannot read the image: ${reader.error}`);
+  reader.readAsDataURL(file);
+}
+
+function showAttachment(url) {
+  state.image = url;
+  $("attached").src = url || "";
+  $("attachment").hidden = !url;
+  if (!url) $("image-file").value = "";
+}
+
+// One message in the conversation; an assistant's has a collapsed reasoning section and a status line; a user's
+// shows the image it carried.
+function addMessage(role, text, image) {
   state.empty.remove();
   const root = document.createElement("div");
   root.className = `message ${role}`;
@@ -161,6 +178,13 @@ function addMessage(role, text) {
   root.append(content);
   if (role === "assistant") root.append(status);
   if (role === "user") content.textContent = text;  // what the user typed is shown as typed
+  if (image) {
+    const img = document.createElement("img");
+    img.className = "sent-image";
+    img.alt = "image sent";
+    img.src = image;
+    root.append(img);
+  }
   $("messages").append(root);
   root.scrollIntoView({ block: "end" });
   return { root, content, reasoning, summary, reasoningText, status };
@@ -229,8 +253,11 @@ async function readEvents(response, onEvent) {
 
 async function send(text) {
   clearError();
-  state.history.push({ role: "user", content: text });
-  const userView = addMessage("user", text);
+  const image = state.image;
+  const parts = image ? [{ type: "text", text }, { type: "image_url", image_url: { url: image } }] : text;
+  state.history.push({ role: "user", content: parts });
+  showAttachment(null);
+  const userView = addMessage("user", text, image);
   const view = addMessage("assistant", "");
   view.root.dataset.state = "streaming";
   const controller = new AbortController();
@@ -259,6 +286,7 @@ async function send(text) {
       view.root.remove();
       if (!$("messages").children.length) $("messages").append(state.empty);
       $("prompt").value = text;
+      if (image) showAttachment(image);  // and the image with it
       showError(message, response.status);
       return;
     }
@@ -298,6 +326,7 @@ function newChat() {
   if (state.controller) state.controller.abort();
   state.history = [];
   $("messages").replaceChildren(state.empty);
+  showAttachment(null);
   clearError();
 }
 
@@ -313,6 +342,15 @@ function start() {
   $("remember-key").addEventListener("change", saveKeyChoice);
   $("toggle-settings").addEventListener("click", () => showSettings($("settings").hidden));
   $("new-chat").addEventListener("click", newChat);
+  $("image-file").addEventListener("change", (event) => attach(event.target.files[0]));
+  $("remove-image").addEventListener("click", () => showAttachment(null));
+  $("prompt").addEventListener("paste", (event) => {
+    const item = [...(event.clipboardData || { items: [] }).items].find((i) => i.type.startsWith("image/"));
+    if (item) {
+      event.preventDefault();
+      attach(item.getAsFile());
+    }
+  });
   $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
