@@ -1,6 +1,6 @@
 """Speculative decoding's batch-1 decode speed against plain decoding, same random llama, one session.
 
-    python benchmarks/speculative.py                       # ~0.5B shape, bf16, k = 4, acceptance 1.0 0.8 0.6 0
+    python benchmarks/speculative.py                       # ~0.5B shape, float32, k = 4, acceptance 1.0 0.8 0.6 0
     python benchmarks/speculative.py --layers 2 --runs 1   # quick smoke run
 
 A random model repeats nothing, so the prompt-lookup proposer would draft nothing it accepts. This tool
@@ -54,7 +54,7 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--gen-len", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="draft tokens per step")
