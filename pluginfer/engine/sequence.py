@@ -6,6 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from pluginfer.engine.lora import LoRARequest
 from pluginfer.engine.pooling import PoolingState
 from pluginfer.engine.structured import StructuredOutputsParams
 
@@ -136,6 +137,7 @@ class Sequence:
     generator: object | None = None  # torch.Generator when params.seed is set
     grammar: object | None = None  # llguidance matcher when params.structured_outputs is set
     pooling: PoolingState | None = None  # an embedding request: its prompt is pooled, nothing is sampled
+    lora: LoRARequest | None = None  # the adapter this sequence runs with (None: the base model)
 
     @property
     def token_ids(self) -> list[int]:

@@ -21,10 +21,12 @@ from pluginfer.core.protocols import BuildContext, Collective, DecodeForward, In
 from pluginfer.core.registry import Registry
 from pluginfer.engine.input_batch import InputBatch
 from pluginfer.engine.loader import iter_weights
+from pluginfer.engine.lora import ModelLoRA
 from pluginfer.engine.plan import RankPlan, build_plugin
 from pluginfer.engine.step import StepData, StepResult
 from pluginfer.layers.context import building
 from pluginfer.layers.moe import expert_memory
+from pluginfer.layers.weights import LLAMA_STACKED
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +49,18 @@ def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], floa
             return
         spent[0] += clock() - started
         yield item
+
+
+def lora_slots(model: Any, config: Any, dtype: torch.dtype, device: Any, rank: RankInfo) -> ModelLoRA | None:
+    """The model's LoRA slots when ``lora.enable_lora`` is set (one rank only, for now)."""
+    settings = config.lora
+    if not settings.enable_lora:
+        return None
+    if rank.world_size > 1:
+        raise ValueError("lora.enable_lora (--enable-lora): LoRA adapters run on one rank only for now; "
+                         "tensor and pipeline parallelism do not shard them yet")
+    routes = model.weight_routes() if hasattr(model, "weight_routes") else LLAMA_STACKED
+    return ModelLoRA(model, routes, settings.max_loras, settings.max_lora_rank, dtype, device)
 
 
 class Worker:
@@ -92,6 +106,7 @@ class Worker:
                         "%d bytes staging", rank.rank, self.expert_memory.resident_bytes, self.backend.name,
                         self.expert_memory.offloaded_bytes, self.expert_memory.offloaded_experts,
                         self.expert_memory.staging_bytes)
+        self.lora = lora_slots(self.pipeline, config, self.dtype, self.backend.device, rank)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.is_first_stage = rank.pp_rank == 0
         self.is_last_stage = rank.pp_rank == rank.pp_size - 1
@@ -129,7 +144,8 @@ class Worker:
                                                         self.config.cache.block_size, self.kv_dtype)
         self.pipeline.bind_kv_caches(self.kv_caches)
         self.startup_times["cache"] = time.perf_counter() - started
-        capture = not self.config.enforce_eager and self.rank.pp_size == 1
+        # (a step's LoRA map is host state a replayed decode step would not see)
+        capture = not self.config.enforce_eager and self.rank.pp_size == 1 and self.lora is None
         if capture and self.expert_memory.offloaded_experts:
             # Offloaded experts are copied in as the router picks them, a host decision every step: nothing a
             # captured step could replay (a CUDA capture refuses the copy; the cpu recorder refused it too).
@@ -159,6 +175,9 @@ class Worker:
             with torch.inference_mode():
                 self.backend.copy_blocks(self.kv_caches, step.block_copies)
         batch = self._batch(self.inputs.update(step))
+        if self.lora is not None:
+            with torch.inference_mode():
+                self.lora.prepare(step, self.inputs.seq_ids, self.inputs.query_start_loc)
         if self.decode_graphs is not None and step.is_plain_decode:
             logits = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
             if logits is not None:
