@@ -19,7 +19,7 @@ from pluginfer.engine.generation_config import sampling_defaults
 from pluginfer.engine.kv_cache import BlockManager
 from pluginfer.engine.launch import serve_if_worker
 from pluginfer.engine.loader import check_tokenizer_files
-from pluginfer.engine.lora import LoRARequest, read_adapter
+from pluginfer.engine.lora import LoRARequest, lora_modules, read_adapter
 from pluginfer.engine.outputs import CompletionOutput, RequestOutput
 from pluginfer.engine.pooling import PoolingParams, PoolingState, is_backbone_only, read_pooler_config
 from pluginfer.engine.sampler import Sampler
@@ -90,6 +90,8 @@ class LLMEngine:
                                    *speculation(config), vocab_size=self.executor.vocab_size,
                                    max_loras=config.lora.max_loras if config.lora.enable_lora else 0)
         self._checked_adapters: set[bytes] = set()  # adapters read and fitted to the model once
+        for adapter in lora_modules(config.lora.lora_modules):  # served from the start: refused at start-up
+            self.check_lora(adapter)
         self.sampler = Sampler(self.executor.vocab_size, self.eos_token_ids, seed=config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.executor.vocab_size, self.eos_token_ids)
         self.pooler = read_pooler_config(self.executor.model_path, self.executor.hf_config)

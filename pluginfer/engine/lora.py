@@ -49,6 +49,21 @@ class Adapter:
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+def lora_modules(modules: list[str]) -> list[LoRARequest]:
+    """``lora.lora_modules`` (``name=path`` each) as requests, ids from 1 in order; a ValueError naming the field."""
+    requests, names = [], set()
+    for index, entry in enumerate(modules, start=1):
+        name, sep, path = entry.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"lora.lora_modules (--lora-modules): {entry!r} is not name=path")
+        if name in names:
+            raise ValueError(f"lora.lora_modules (--lora-modules): adapter name {name!r} is given twice")
+        names.add(name)
+        requests.append(LoRARequest(name, index, path))
+    return requests
+
+
 def read_adapter(request: LoRARequest) -> Adapter:
     """Read a PEFT adapter directory; a ValueError naming the adapter and what is wrong with it."""
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"

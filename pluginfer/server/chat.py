@@ -86,9 +86,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     prompt = render_prompt(state, processed.messages or [], body.add_generation_prompt,
                            template_kwargs(state, body, tools))
     beam = beam_params(body, params.max_tokens)
+    if beam is not None and state.lora_for(body.model) is not None:
+        raise bad_request("beam search does not run LoRA adapters yet", "model")
     if beam is not None:
         return web.json_response(await _beam_chat(state, body, prompt, beam, request_id))
-    outputs = state.processors.outputs(processed, run_requests(state, [prompt], params, request_id, "messages"))
+    outputs = state.processors.outputs(processed, run_requests(state, [prompt], params, request_id, "messages",
+                                                                     state.lora_for(body.model)))
     # A grammar holds from the first token: there is no <think> section to split off.
     reasoning = state.reasoning_parser if params.structured_outputs is None else None
     answer = _ChatAnswer(state, body, request_id, reasoning, tools)
