@@ -166,3 +166,29 @@ def _rename_module(path: Path, old: str, new: str) -> None:
 
     tensors = load_file(str(path / "adapter_model.safetensors"))
     save_file({k.replace(old, new): v for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+
+
+def test_adapters_on_a_quantized_base(lora_setup: tuple) -> None:
+    """A GGUF-quantized base (in-situ q8_0) takes the adapter through the layers' hook: the logits are peft's
+    within the quantization's error, far from the base model's."""
+    from pluginfer import LLM
+    from pluginfer.engine.lora import LoRARequest
+    from pluginfer.engine.step import NewRow, StepData
+    from tests.checkpoints import hf_logits
+
+    root, base, peft_models = lora_setup
+    prompt = random_prompts(base.config.vocab_size, [9], seed=6)[0]
+    want, base_logits = hf_logits(peft_models["all"], prompt)[-1], hf_logits(base, prompt)[-1]
+    llm = LLM(str(root / "base"), quant="q8_0", enable_lora=True, max_lora_rank=8, num_blocks=16)
+    try:
+        request = LoRARequest("all", 1, str(root / "all"))
+        out = llm.generate([prompt], greedy(1), lora_request=request)[0]
+        assert out.outputs[0].token_ids[0] == int(want.argmax())
+        # the prompt's last logits in a step of our own, its row in slot 0 (where the generate loaded the adapter)
+        step = StepData(token_ids=list(prompt), num_computed_tokens=[0], block_size=16, num_new_tokens=[len(prompt)],
+                        seq_ids=[10**9], new_rows=[NewRow(10**9, [15], lora_slot=0)], reset=True)
+        got = llm.engine.executor.run_step(step)[-1]
+    finally:
+        llm.close()
+    error, effect = (got - want).abs().max().item(), (want - base_logits).abs().max().item()
+    assert 0 < error < 0.1 * effect, (error, effect)  # (not 0: the base weights are quantized)
