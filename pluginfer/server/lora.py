@@ -43,7 +43,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 def adapter_cards(state: ServerState) -> list[dict[str, Any]]:
     return [{"id": name, "object": "model", "created": state.created, "owned_by": "pluginfer",
-             "root": request.lora_path, "parent": state.model_name,
+             "root": name, "parent": state.model_name,  # (no local path on the API)
              "max_model_len": state.model_info.max_model_len}
             for name, request in state.adapters.by_name.items()]
 
