@@ -1,13 +1,13 @@
-"""Batched LoRA: one linear layer's adapters in a bounded slot table, applied to a flat batch grouped by adapter.
+"""Batched LoRA: one linear layer's adapters in a bounded slot table, applied to a whole flat batch at once.
 
 Every token row of a step carries the slot of its sequence's adapter (-1: the base model). A layer adds
-``x @ A[slot]^T @ B[slot]^T`` (the scale folded into B) to its base output once per adapter active in the
-step, over that adapter's rows at once (punica / S-LoRA's grouping, in torch ops): the loop runs over the
-few active adapters, never over sequences or tokens. The base output is whatever the layer's quant method
-computed, so quantized base weights (GGUF, int8, ...) take adapters too.
+``x @ A[slot]^T @ B[slot]^T`` (the scale folded into B) to its base output for the whole flat batch in two
+matmuls (see ``LoRAMapping``): no loop over adapters, sequences or tokens. The base output is whatever the
+layer's quant method computed, so quantized base weights (GGUF, int8, ...) take adapters too.
 
 A fused layer (QKV, gate/up) holds one rank block per projection: slot ``s``'s A is ``[k * max_rank, in]``
-(projection ``i``'s A in rows ``i * max_rank:``) and its B ``[out, k * max_rank]`` is block diagonal.
+(projection ``i``'s A in rows ``i * max_rank:``) and its B, kept transposed as ``[k * max_rank, out]``, is
+block diagonal.
 """
 
 from __future__ import annotations
@@ -19,24 +19,50 @@ import torch
 
 
 class LoRAMapping:
-    """The step's token -> slot map, shared by every LoRA layer of a model: (slot, token rows) per adapter."""
+    """The step's token -> slot map, shared by every LoRA layer of a model.
+
+    One adapter for every token (``whole``): one matmul pair over the batch. Several (or some base rows): the
+    slots ``span`` from the lowest to the highest active one are applied to every token at once, each token
+    keeping only its own adapter's ranks (``onehot``, a token's row of zeros for the base): two matmuls per
+    layer whatever the number of adapters, S-LoRA's batched gather without a gather of weights.
+    """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self.groups: list[tuple[int, torch.Tensor | None]] = []  # rows None: every token of the step
+        self.whole: int | None = None  # the slot of every token
+        self.span: tuple[int, int] | None = None  # [first, last + 1) slots the tokens use
+        self.onehot: torch.Tensor | None = None  # [tokens, span]: 1 where a token uses the slot
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.whole is not None or self.span is not None
 
     def set(self, token_slots: np.ndarray) -> None:
         """``token_slots[t]``: the slot of token row ``t`` (-1: no adapter)."""
-        slots = np.unique(token_slots)
-        slots = slots[slots >= 0]
-        if len(slots) == 1 and bool((token_slots == slots[0]).all()):
-            self.groups = [(int(slots[0]), None)]
+        self.clear()
+        used = token_slots[token_slots >= 0]
+        if not used.size:
             return
-        self.groups = [(int(slot), torch.from_numpy(np.flatnonzero(token_slots == slot)).to(self.device))
-                       for slot in slots]
+        first, last = int(used.min()), int(used.max())
+        if first == last and used.size == token_slots.size:
+            self.whole = first
+            return
+        onehot = np.zeros((token_slots.size, last + 1 - first), np.float32)
+        rows = np.flatnonzero(token_slots >= 0)
+        onehot[rows, token_slots[rows] - first] = 1.0
+        self.span, self.onehot = (first, last + 1), torch.from_numpy(onehot).to(self.device)
+
+    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[tokens, span * width]``: the onehot widened to each slot's ``width`` ranks (made once a step)."""
+        mask = self._masks.get((width, dtype))
+        if mask is None:
+            mask = self._masks[(width, dtype)] = self.onehot.to(dtype).repeat_interleave(width, dim=1)
+        return mask
 
     def clear(self) -> None:
-        self.groups = []
+        self.whole = self.span = self.onehot = None
+        self._masks = {}
 
 
 class LoRALayer:
@@ -48,7 +74,7 @@ class LoRALayer:
         self.max_rank, self.mapping = max_rank, mapping
         width = len(self.output_sizes) * max_rank
         self.a = torch.zeros(max_loras, width, input_size, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, sum(self.output_sizes), width, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, width, sum(self.output_sizes), dtype=dtype, device=device)  # B^T per slot
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
 
     def check(self, index: int, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
@@ -68,8 +94,9 @@ class LoRALayer:
         for index, (a, b) in parts.items():
             rank, first = a.shape[0], index * self.max_rank
             self.a[slot, first:first + rank] = a.to(self.a.dtype)
-            rows = slice(self.offsets[index], self.offsets[index] + self.output_sizes[index])
-            self.b[slot, rows, first:first + rank] = (b.float() * scale).to(self.b.dtype)
+            columns = slice(self.offsets[index], self.offsets[index] + self.output_sizes[index])
+            precise = torch.promote_types(self.b.dtype, torch.float32)  # scaled before a 16-bit rounding
+            self.b[slot, first:first + rank, columns] = (b.to(precise) * scale).t().to(self.b.dtype)
 
     def clear_slot(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -77,15 +104,18 @@ class LoRALayer:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the base layer's output for ``x``) plus each token's adapter delta."""
-        groups = self.mapping.groups
-        if not groups:
+        mapping = self.mapping
+        if not mapping.active:
             return out
-        flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        for slot, rows in groups:
-            xs = flat_x if rows is None else flat_x.index_select(0, rows)
-            delta = (xs.to(self.a.dtype) @ self.a[slot].t()) @ self.b[slot].t()
-            if rows is None:
-                flat_out.add_(delta.to(out.dtype))
-            else:
-                flat_out.index_add_(0, rows, delta.to(out.dtype))
+        flat_x, flat_out = x.reshape(-1, x.shape[-1]).to(self.a.dtype), out.view(-1, out.shape[-1])
+        if mapping.whole is not None:
+            slot = mapping.whole
+            flat_out.add_(((flat_x @ self.a[slot].t()) @ self.b[slot]).to(out.dtype))
+            return out
+        first, end = mapping.span
+        width = self.a.shape[1]
+        a = self.a[first:end].reshape(-1, self.input_size)  # [span * width, in], a view
+        b = self.b[first:end].reshape(-1, self.b.shape[2])  # [span * width, out], a view
+        shrunk = (flat_x @ a.t()).mul_(mapping.mask(width, self.a.dtype))
+        flat_out.add_((shrunk @ b).to(out.dtype))
         return out
