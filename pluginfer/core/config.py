@@ -227,6 +227,13 @@ class EngineConfig(_Section):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     speculative_config: SpeculativeConfig | None = Field(None, description="Speculative decoding; off when unset.")
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
+
+    @model_validator(mode="after")
+    def _lora_on_one_rank(self) -> EngineConfig:
+        if self.lora.enable_lora and self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("lora.enable_lora: LoRA adapters run on one rank for now (tensor and pipeline "
+                             "parallelism do not shard them yet); unset --enable-lora or use one rank")
+        return self
     testing: TestingConfig = Field(default_factory=TestingConfig)
 
 

@@ -51,14 +51,11 @@ def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], floa
         yield item
 
 
-def lora_slots(model: Any, config: Any, dtype: torch.dtype, device: Any, rank: RankInfo) -> ModelLoRA | None:
-    """The model's LoRA slots when ``lora.enable_lora`` is set (one rank only, for now)."""
+def lora_slots(model: Any, config: Any, dtype: torch.dtype, device: Any) -> ModelLoRA | None:
+    """The model's LoRA slots when ``lora.enable_lora`` is set (on one rank: the config refuses more)."""
     settings = config.lora
     if not settings.enable_lora:
         return None
-    if rank.world_size > 1:
-        raise ValueError("lora.enable_lora (--enable-lora): LoRA adapters run on one rank only for now; "
-                         "tensor and pipeline parallelism do not shard them yet")
     routes = model.weight_routes() if hasattr(model, "weight_routes") else LLAMA_STACKED
     return ModelLoRA(model, routes, settings.max_loras, settings.max_lora_rank, dtype, device)
 
@@ -106,7 +103,7 @@ class Worker:
                         "%d bytes staging", rank.rank, self.expert_memory.resident_bytes, self.backend.name,
                         self.expert_memory.offloaded_bytes, self.expert_memory.offloaded_experts,
                         self.expert_memory.staging_bytes)
-        self.lora = lora_slots(self.pipeline, config, self.dtype, self.backend.device, rank)
+        self.lora = lora_slots(self.pipeline, config, self.dtype, self.backend.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.is_first_stage = rank.pp_rank == 0
         self.is_last_stage = rank.pp_rank == rank.pp_size - 1

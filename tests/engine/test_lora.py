@@ -192,3 +192,17 @@ def test_adapters_on_a_quantized_base(lora_setup: tuple) -> None:
         llm.close()
     error, effect = (got - want).abs().max().item(), (want - base_logits).abs().max().item()
     assert 0 < error < 0.1 * effect, (error, effect)  # (not 0: the base weights are quantized)
+
+
+def test_config_refuses_lora_on_several_ranks_and_bad_modules() -> None:
+    from pluginfer.core.config import ConfigError, build_config
+    from pluginfer.engine.lora import lora_modules
+
+    with pytest.raises(ConfigError, match="lora.enable_lora: LoRA adapters run on one rank"):
+        build_config(None, model="x", **{"lora.enable_lora": True, "parallel.tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"--lora-modules\): 'sql' is not name=path"):
+        lora_modules(["sql"])
+    with pytest.raises(ValueError, match="'a' is given twice"):
+        lora_modules(["a=/x", "a=/y"])
+    assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in lora_modules(["a=/x", " b = /y "])] == \
+        [("a", 1, "/x"), ("b", 2, "/y")]

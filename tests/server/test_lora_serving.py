@@ -61,6 +61,32 @@ def test_adapters_answer_as_peft_and_are_listed(served) -> None:
         assert answer["choices"][0]["text"] == _decode(root, expected[name]), model
 
 
+def test_chat_with_an_adapter_answers_as_peft(served) -> None:
+    """The chat template's prompt (as /tokenize renders it) continued by peft's model, streamed or not."""
+    server, _, root, _, _ = served
+    messages = [{"role": "user", "content": "hello there"}]
+    _, _, body = http(server, "POST", "/tokenize", {"messages": messages, "add_generation_prompt": True})
+    prompt = json.loads(body)["tokens"]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(root / "base"))
+    want = _decode(root, hf_greedy(PeftModel.from_pretrained(base, str(root / "attn")).eval(), prompt, MAX_TOKENS))
+    http(server, "POST", "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(root / "attn")})
+    try:
+        request = {"model": "chat", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+                   "ignore_eos": True}
+        status, _, body = http(server, "POST", "/v1/chat/completions", request)
+        assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == want
+        status, _, body = http(server, "POST", "/v1/chat/completions", {**request, "stream": True})
+        events = [json.loads(line[6:]) for line in body.decode().splitlines()
+                  if line.startswith("data: {")]
+        assert status == 200 and "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                                         if e["choices"]) == want
+    finally:
+        http(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "chat"})
+
+
 def _decode(root: Path, tokens: list[int]) -> str:
     from transformers import AutoTokenizer
 
