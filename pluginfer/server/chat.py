@@ -211,12 +211,12 @@ class _ChatAnswer:
                             "finish_reason": _finish_reason(choice.finish_reason, "tool_calls" in message)})
         generated = sum(len(choice.token_ids) for choice in output.outputs)
         return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.state.model_name, "choices": choices,
+                "model": self.state.answer_model(self.body.model), "choices": choices,
                 "usage": usage(len(output.prompt_token_ids), generated, output.num_cached_tokens)}
 
     def _chunk(self, choices: list[dict[str, Any]], output: RequestOutput | None = None) -> dict[str, Any]:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.state.model_name, "choices": choices}
+                 "model": self.state.answer_model(self.body.model), "choices": choices}
         if output is not None and self.body.continuous_usage:
             chunk["usage"] = usage(len(output.prompt_token_ids),
                                    sum(len(choice.token_ids) for choice in output.outputs))
@@ -259,5 +259,5 @@ class _ChatAnswer:
         if self.body.include_usage and last is not None:
             generated = sum(len(choice.token_ids) for choice in last.outputs)
             yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                   "model": self.state.model_name, "choices": [],
+                   "model": self.state.answer_model(self.body.model), "choices": [],
                    "usage": usage(len(last.prompt_token_ids), generated, last.num_cached_tokens)}

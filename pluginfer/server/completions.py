@@ -129,7 +129,7 @@ class _CompletionAnswer:
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.state.model_name, "choices": choices}
+                "model": self.state.answer_model(self.body.model), "choices": choices}
 
     def completion(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []

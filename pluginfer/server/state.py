@@ -99,6 +99,10 @@ class ServerState:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}"
                            f"{adapters}", "model", "model_not_found")
 
+    def answer_model(self, model: str | None) -> str:
+        """The ``model`` an answer carries: the LoRA adapter the request named (as vLLM), else the served name."""
+        return model if self.lora_for(model) is not None else self.model_name  # type: ignore[return-value]
+
     def lora_for(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter a request's ``model`` names, or None (the base model)."""
         return None if self.adapters is None or not model else self.adapters.by_name.get(model)

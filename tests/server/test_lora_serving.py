@@ -57,7 +57,7 @@ def test_adapters_answer_as_peft_and_are_listed(served) -> None:
     assert cards["one"]["root"] == "one"  # no local path on the API
     for model, name in [(MODEL_NAME, None), ("one", "all")]:
         status, answer = complete(server, model, prompt)
-        assert status == 200, answer
+        assert status == 200 and answer["model"] == model, answer
         assert answer["choices"][0]["text"] == _decode(root, expected[name]), model
 
 
@@ -77,7 +77,8 @@ def test_chat_with_an_adapter_answers_as_peft(served) -> None:
         request = {"model": "chat", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
                    "ignore_eos": True}
         status, _, body = http(server, "POST", "/v1/chat/completions", request)
-        assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == want
+        answer = json.loads(body)
+        assert status == 200 and answer["choices"][0]["message"]["content"] == want and answer["model"] == "chat"
         status, _, body = http(server, "POST", "/v1/chat/completions", {**request, "stream": True})
         events = [json.loads(line[6:]) for line in body.decode().splitlines()
                   if line.startswith("data: {")]
