@@ -141,8 +141,7 @@ class Worker:
                                                         self.config.cache.block_size, self.kv_dtype)
         self.pipeline.bind_kv_caches(self.kv_caches)
         self.startup_times["cache"] = time.perf_counter() - started
-        # (a step's LoRA map is host state a replayed decode step would not see)
-        capture = not self.config.enforce_eager and self.rank.pp_size == 1 and self.lora is None
+        capture = not self.config.enforce_eager and self.rank.pp_size == 1
         if capture and self.expert_memory.offloaded_experts:
             # Offloaded experts are copied in as the router picks them, a host decision every step: nothing a
             # captured step could replay (a CUDA capture refuses the copy; the cpu recorder refused it too).
@@ -175,7 +174,8 @@ class Worker:
         if self.lora is not None:
             with torch.inference_mode():
                 self.lora.prepare(step, self.inputs.seq_ids, self.inputs.query_start_loc)
-        if self.decode_graphs is not None and step.is_plain_decode:
+        # (replays were recorded without adapters: a step whose rows use one runs eagerly)
+        if self.decode_graphs is not None and step.is_plain_decode and not (self.lora and self.lora.mapping.active):
             logits = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
             if logits is not None:
                 return StepResult(logits)
