@@ -2,7 +2,8 @@
 
 from pluginfer.core.hookspecs import PLUGIN_API_VERSION
 
-_LAZY = {"LLM": "pluginfer.llm", "PoolingParams": "pluginfer.engine.pooling",
+_LAZY = {"LLM": "pluginfer.llm", "LoRARequest": "pluginfer.engine.lora",
+         "PoolingParams": "pluginfer.engine.pooling",
          "SamplingParams": "pluginfer.engine.sequence", "StructuredOutputsParams": "pluginfer.engine.structured"}
 
 
@@ -17,7 +18,8 @@ def _version() -> str:
 
 
 __version__ = _version()
-__all__ = ["LLM", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "PLUGIN_API_VERSION", "__version__"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "PLUGIN_API_VERSION",
+           "__version__"]
 
 
 def __getattr__(name: str) -> type:  # the engine loads on first use: `import pluginfer.core` stays contracts only

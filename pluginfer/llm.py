@@ -10,6 +10,7 @@ from pluginfer.core.config import build_config
 from pluginfer.core.options import dotted_keywords
 from pluginfer.engine.beam_search import Beam, BeamSearchParams
 from pluginfer.engine.engine import LLMEngine
+from pluginfer.engine.lora import LoRARequest
 from pluginfer.engine.outputs import RequestOutput
 from pluginfer.engine.pooling import PoolingParams
 from pluginfer.engine.scoring import encode_pair, score_pairs, uses_token_types
@@ -61,19 +62,24 @@ class LLM:
                               min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty)
 
     def generate(self, prompts: Prompt | list[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Outputs in prompt order (``params`` None: ``get_default_sampling_params()``). A request that cannot
-        run (e.g. too long) gets finish_reason "error"."""
+        run (e.g. too long) gets finish_reason "error". ``lora_request``: the LoRA adapter of every prompt, or
+        one per prompt (None: the base model), with ``LLM(..., enable_lora=True)``."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = params if isinstance(params, list) else \
             [params or self.get_default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, lora in zip(prompts, params_list, loras):
+                ids.append(self.engine.add_request(prompt, p, lora_request=lora))
         except BaseException:
             for request_id in ids:  # a bad prompt fails the call without leaving the others queued
                 self.engine.abort_request(request_id)
@@ -128,7 +134,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; rendered with the model's chat template. A message's
         ``image_url`` content parts (base64 data URIs) go to a model that takes images.
 
@@ -143,7 +150,7 @@ class LLM:
             token_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
             requests.append({"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}} if images
                             else token_ids)
-        return self.generate(requests, params)
+        return self.generate(requests, params, lora_request=lora_request)
 
     def _run(self, request_ids: SequenceABC[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -187,7 +187,7 @@ def test_serve_help_groups_the_flags_by_config_section_and_hides_the_test_only_o
               "cache": "KV cache (config section cache:)", "scheduler": "scheduler (config section scheduler:)",
               "sampling": "request defaults (config section sampling:; what a request that sets none gets)",
               "speculative_config": "speculative decoding (config section speculative_config:)",
-              "server": "server (config section server:)"}
+              "lora": "LoRA adapters (config section lora:)", "server": "server (config section server:)"}
     for option in options():
         if option.section == "testing":  # fault injection: accepted, not shown
             assert option.flag not in text

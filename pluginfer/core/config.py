@@ -169,6 +169,20 @@ class SpeculativeConfig(_Section):
         return self
 
 
+class LoRAConfig(_Section):
+    """LoRA adapters in PEFT's format, served beside the base model (docs/lora.md)."""
+
+    enable_lora: bool = Field(False, description="Serve LoRA adapters: a request names one (as `model` on the "
+                              "server, a LoRARequest offline).")
+    max_loras: int = Field(1, ge=1, description="Adapters held at once (slots); sequences of more wait.")
+    max_lora_rank: int = Field(16, ge=1, description="The highest adapter rank accepted.")
+    lora_modules: list[str] = Field(default_factory=list, description="An adapter the server serves from the "
+                                    "start, as name=path.")
+    allow_runtime_lora_updating: bool = Field(
+        False, description="Accept /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
+
+
 class TestingConfig(_Section):
     fail_step_on_token_id: int | None = Field(
         None, ge=0, description="Fault injection for tests: a step that computes this token id raises, which fails "
@@ -228,6 +242,14 @@ class EngineConfig(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     speculative_config: SpeculativeConfig | None = Field(None, description="Speculative decoding; off when unset.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+
+    @model_validator(mode="after")
+    def _lora_on_one_rank(self) -> EngineConfig:
+        if self.lora.enable_lora and self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("lora.enable_lora: LoRA adapters run on one rank for now (tensor and pipeline "
+                             "parallelism do not shard them yet); unset --enable-lora or use one rank")
+        return self
     testing: TestingConfig = Field(default_factory=TestingConfig)
 
 

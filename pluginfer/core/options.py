@@ -31,7 +31,7 @@ FLAG_NAMES = {
 # Sections whose flags take a prefix: sampling defaults would clash with a request's --temperature.
 FLAG_PREFIXES = {"sampling": "default-"}
 # Sections every engine command takes; ``serve`` adds ``server``.
-ENGINE_SECTIONS = ("", "parallel", "cache", "scheduler", "sampling", "speculative_config", "testing")
+ENGINE_SECTIONS = ("", "parallel", "cache", "scheduler", "sampling", "speculative_config", "lora", "testing")
 # The --help group of each section's flags; a section not here (testing: fault injection) is left out of --help.
 SECTION_TITLES = {
     "": "model and engine",
@@ -40,6 +40,7 @@ SECTION_TITLES = {
     "scheduler": "scheduler (config section scheduler:)",
     "sampling": "request defaults (config section sampling:; what a request that sets none gets)",
     "speculative_config": "speculative decoding (config section speculative_config:)",
+    "lora": "LoRA adapters (config section lora:)",
     "server": "server (config section server:)",
 }
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from pluginfer.engine.client import EngineDeadError, EngineStats, ModelInfo
 from pluginfer.engine.engine import LLMEngine
+from pluginfer.engine.lora import LoRARequest
 from pluginfer.engine.messages import AbortRequest, AddRequest
 from pluginfer.engine.outputs import RequestOutput
 from pluginfer.engine.pooling import PoolingParams
@@ -120,6 +121,11 @@ class AsyncEngine:
         event loop."""
         self.engine.grammars.compile(grammar)
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read a LoRA adapter and fit it to the model; a ValueError naming what is wrong. Blocks: call it off
+        the event loop."""
+        self.engine.check_lora(lora_request)
+
     # -- requests -----------------------------------------------------------------------------
 
     def encode(self, prompt: str | list[int], params: PoolingParams,
@@ -128,7 +134,8 @@ class AsyncEngine:
         return self.generate(prompt, params, request_id)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | PoolingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that changed it; the last one is finished."""
         if not self.is_alive:
             why = f"it died: {type(self.error).__name__}: {self.error}" if self.error else "it was shut down"
@@ -139,7 +146,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._not_started.add(request_id)
-        self._commands.put(AddRequest(request_id, prompt, params))
+        self._commands.put(AddRequest(request_id, prompt, params, lora_request))
         self._wakeup.set()
         finished = False
         try:
@@ -212,7 +219,8 @@ class AsyncEngine:
                 if stream is None:  # abandoned before it was added
                     continue
                 try:
-                    self.engine.add_request(command.prompt, command.params, request_id=command.request_id)
+                    self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
+                                            lora_request=command.lora_request)
                 except Exception as exc:  # bad input for this request only
                     stream.put(exc)
             else:

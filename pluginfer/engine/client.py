@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from pluginfer.engine.lora import LoRARequest
     from pluginfer.engine.outputs import RequestOutput
     from pluginfer.engine.pooling import PoolingParams
     from pluginfer.engine.sequence import SamplingParams
@@ -63,7 +64,7 @@ class EngineStats:
 
 # What the server calls; tests/engine/test_client.py checks both implementations have each one.
 ENGINE_CLIENT_MEMBERS = ("generate", "encode", "abort", "tokenizer", "model_info", "stats", "compile_grammar",
-                         "is_alive", "error", "num_requests", "num_waiting", "attach", "shutdown")
+                         "check_lora", "is_alive", "error", "num_requests", "num_waiting", "attach", "shutdown")
 
 
 @runtime_checkable
@@ -71,9 +72,10 @@ class EngineClient(Protocol):
     """An engine serving coroutines' requests (see the module's docstring for who implements it)."""
 
     def generate(self, prompt: str | list[int], params: SamplingParams,
-                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's output after every step that changed it; the last one is finished.
-        Raises EngineDeadError when the engine is not running, ValueError for a request it refuses."""
+                 request_id: str | None = None, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's output after every step that changed it; the last one is finished (``lora_request``:
+        the LoRA adapter it runs with). Raises EngineDeadError when the engine is not running, ValueError for a
+        request it refuses."""
         ...
 
     def encode(self, prompt: str | list[int], params: PoolingParams,
@@ -101,6 +103,11 @@ class EngineClient(Protocol):
     def compile_grammar(self, grammar: StructuredOutputsParams) -> None:
         """Compile (or find cached) a request's grammar; raises StructuredOutputError saying why it does not
         compile. Blocks: call it off the event loop."""
+        ...
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read a LoRA adapter and fit it to the model (``lora.enable_lora``); a ValueError naming what is wrong
+        with it. Blocks: call it off the event loop."""
         ...
 
     @property

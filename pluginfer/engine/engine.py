@@ -21,6 +21,7 @@ from pluginfer.engine.generation_config import sampling_defaults
 from pluginfer.engine.kv_cache import BlockManager
 from pluginfer.engine.launch import serve_if_worker
 from pluginfer.engine.loader import check_tokenizer_files
+from pluginfer.engine.lora import LoRARequest, lora_modules, read_adapter
 from pluginfer.engine.outputs import CompletionOutput, RequestOutput
 from pluginfer.engine.pooling import PoolingParams, PoolingState, is_backbone_only, read_pooler_config
 from pluginfer.engine.sampler import Sampler
@@ -89,7 +90,11 @@ class LLMEngine:
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
-                                   *speculation(config), vocab_size=self.executor.vocab_size)
+                                   *speculation(config), vocab_size=self.executor.vocab_size,
+                                   max_loras=config.lora.max_loras if config.lora.enable_lora else 0)
+        self._checked_adapters: set[bytes] = set()  # adapters read and fitted to the model once
+        for adapter in lora_modules(config.lora.lora_modules):  # served from the start: refused at start-up
+            self.check_lora(adapter)
         self.sampler = Sampler(self.executor.vocab_size, self.eos_token_ids, seed=config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.executor.vocab_size, self.eos_token_ids)
         pipeline, hf_config = self.executor.pipeline, self.executor.hf_config
@@ -110,10 +115,10 @@ class LLMEngine:
                                                           self.tokenizer) if factory is not None else None
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | PoolingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, lora_request: LoRARequest | None = None) -> str:
         """Queue a prompt (text or token ids, or vLLM's dict: ``{"prompt" or "prompt_token_ids": ...,
         "multi_modal_data": {"image": ...}}``) to generate from, or to embed with ``PoolingParams``;
-        returns its request id."""
+        returns its request id. ``lora_request``: the adapter it runs with (``lora.enable_lora``)."""
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -134,7 +139,9 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.logit_bias: token ids must be below the vocabulary size {vocab}")
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
             raise ValueError(f"SamplingParams.stop_token_ids: token ids must be below the vocabulary size {vocab}")
-        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_step=self.step_count)
+        if lora_request is not None:
+            self.check_lora(lora_request)
+        seqs = [Sequence(request_id, token_ids, params, index=i, arrival_step=self.step_count, lora=lora_request)
                 for i in range(params.n)]
         if media is not None:  # the model reads its inputs; the blocks of its prompt are named under its media
             for seq in seqs:
@@ -146,6 +153,17 @@ class LLMEngine:
         self._requests[request_id] = _Request(request_id, text, token_ids, seqs, detokenizers)
         self.scheduler.add_request(seqs)
         return request_id
+
+    def check_lora(self, request: LoRARequest) -> None:
+        """Read an adapter and fit it to the model once; a ValueError naming what is wrong with it."""
+        if request.key in self._checked_adapters:
+            return
+        model_lora = self.executor.worker.lora
+        if model_lora is None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: LoRA is not enabled "
+                             "(lora.enable_lora, --enable-lora)")
+        model_lora.resolve(read_adapter(request), request)
+        self._checked_adapters.add(request.key)
 
     def _add_embedding(self, prompt: str | list[int], params: PoolingParams, request_id: str) -> str:
         """An embedding or score request: its prompt is prefilled like any other, pooled, and nothing is sampled.

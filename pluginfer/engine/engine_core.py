@@ -174,7 +174,7 @@ class EngineCore:
 
     def _call(self, call: Call) -> None:
         """A utility the server asked for, answered here, off the step loop."""
-        methods = {"compile_grammar": self._compile_grammar}
+        methods = {"compile_grammar": self._compile_grammar, "check_lora": self.engine.check_lora}
         try:
             method = methods.get(call.method)
             if method is None:
@@ -240,7 +240,8 @@ class EngineCore:
             block = False
             if isinstance(command, AddRequest):
                 try:
-                    self.engine.add_request(command.prompt, command.params, request_id=command.request_id)
+                    self.engine.add_request(command.prompt, command.params, request_id=command.request_id,
+                                            lora_request=command.lora_request)
                 except Exception as exc:  # bad input for this request only
                     self.send(Rejected(command.request_id, error_name(exc), str(exc)))
             elif isinstance(command, AbortRequest):

@@ -27,6 +27,7 @@ from pluginfer.core.protocols import Collective, RankInfo
 from pluginfer.core.registry import Registry, get_registry
 from pluginfer.engine.launch import LocalWorkers, detect_launcher, rank_info
 from pluginfer.engine.loader import resolve_model_path
+from pluginfer.engine.lora import LoRASlotTable
 from pluginfer.engine.plan import build_plugin, resolve_plan
 from pluginfer.engine.step import StepData, StepDataBuilder, StepResult
 from pluginfer.engine.worker import Worker
@@ -111,7 +112,8 @@ class Executor:
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.expert_memory = self.worker.expert_memory
         self.world: Collective = self.worker.world
-        self._steps = StepDataBuilder(config.cache.block_size)
+        lora = LoRASlotTable(config.lora.max_loras) if config.lora.enable_lora else None
+        self._steps = StepDataBuilder(config.cache.block_size, lora)
         self._closed = False
         if rank.world_size > 1:
             atexit.register(self.shutdown)  # the other ranks leave with this process

@@ -26,6 +26,12 @@ def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
     return digest.digest()
 
 
+def _root(seq: Sequence) -> bytes:
+    """The parent name of a sequence's first block: its media's salt and its LoRA adapter's, so that two images
+    or two adapters never share a block."""
+    return seq.cache_salt if seq.lora is None else chain_hash(seq.lora.key + seq.cache_salt, [])
+
+
 class BlockManager:
     """Hands out fixed-size KV blocks to sequences and shares full blocks by content."""
 
@@ -101,7 +107,7 @@ class BlockManager:
         # So does mean or CLS pooling (embeddings), which reads the hidden state of every/the first position.
         use_cache = self.enable_prefix_caching and seq.params.prompt_logprobs is None and \
             (seq.pooling is None or not seq.pooling.uses_every_position)
-        matched = self._match_prefix(seq.token_ids, seq.cache_salt) if use_cache else []
+        matched = self._match_prefix(seq.token_ids, _root(seq)) if use_cache else []
         for block in matched:
             if self._ref_counts[block] == 0:
                 del self._free_cached[block]
@@ -136,7 +142,7 @@ class BlockManager:
             first -= 1
         if first == num_full:
             return
-        parent = self._hashes[table[first - 1]] if first else seq.cache_salt
+        parent = self._hashes[table[first - 1]] if first else _root(seq)
         tokens = seq.token_ids
         for index in range(first, num_full):
             name = chain_hash(parent, tokens[index * size:(index + 1) * size])
@@ -183,9 +189,10 @@ class BlockManager:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _match_prefix(self, tokens: list[int], salt: bytes = _NO_PARENT) -> list[int]:
-        """Cached blocks holding the longest run of full blocks at the start of tokens (named under ``salt``)."""
-        size, parent, matched = self.block_size, salt, []
+    def _match_prefix(self, tokens: list[int], root: bytes = _NO_PARENT) -> list[int]:
+        """Cached blocks holding the longest run of full blocks at the start of tokens (``root``: the first
+        block's parent name)."""
+        size, parent, matched = self.block_size, root, []
         for start in range(0, len(tokens) - size + 1, size):
             name = chain_hash(parent, tokens[start:start + size])
             block = self._block_of_hash.get(name)

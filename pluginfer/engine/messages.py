@@ -41,6 +41,7 @@ class AddRequest:
     request_id: str
     prompt: str | list[int]
     params: Any  # SamplingParams or PoolingParams
+    lora_request: Any = None  # the LoRARequest it runs with, or None
 
 
 @dataclass(frozen=True)

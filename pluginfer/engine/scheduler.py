@@ -78,8 +78,10 @@ class Scheduler:
     """Decides each step's batch; owns the waiting queue and the running list."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 proposer: Proposer | None = None, num_speculative_tokens: int = 0, vocab_size: int = 0) -> None:
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0, vocab_size: int = 0,
+                 max_loras: int = 0) -> None:
         self.config = config
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (0: no adapters)
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()  # may hold aborted sequences, skipped when reached
@@ -316,6 +318,8 @@ class Scheduler:
             group = 1 + len(self._children.get(seq.seq_id, ()))
             if self.running and len(self.running) + group > self.config.max_num_seqs:
                 return
+            if seq.lora is not None and not self._adapter_fits(seq):
+                return  # every LoRA slot is taken by running sequences' adapters
             manager.allocate_prompt(seq)
             chunk = self._chunk_size(seq, step.budget)
             needed = manager.num_blocks_needed(seq, chunk)
@@ -330,6 +334,11 @@ class Scheduler:
             self._schedule_prefill(seq, chunk, step)
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s adapter is running already or a LoRA slot is left for it."""
+        running = {other.lora.key for other in self.running if other.lora is not None}
+        return seq.lora.key in running or len(running) < self.max_loras
 
     def _schedule_prefill(self, seq: Sequence, chunk: int, step: _Step) -> None:
         """Take blocks for a prefill chunk and add its row; the last chunk samples."""

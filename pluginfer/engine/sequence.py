@@ -6,6 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from pluginfer.engine.lora import LoRARequest
 from pluginfer.engine.pooling import PoolingState
 from pluginfer.engine.structured import StructuredOutputsParams
 
@@ -138,6 +139,7 @@ class Sequence:
     pooling: PoolingState | None = None  # an embedding request: its prompt is pooled, nothing is sampled
     multimodal: object | None = None  # the model's inputs for the request's media (MultiModalPrompt.inputs)
     cache_salt: bytes = b""  # parent of its first prefix-cache block: blocks are shared only under the same salt
+    lora: LoRARequest | None = None  # the adapter this sequence runs with (None: the base model)
 
     @property
     def token_ids(self) -> list[int]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from pluginfer.engine.lora import LoRASlotTable
     from pluginfer.engine.scheduler import ScheduledSequence, SchedulerOutput
     from pluginfer.engine.sequence import Sequence
 
@@ -28,6 +29,7 @@ class NewRow:
     seq_id: int
     block_ids: list[int]
     multimodal: object | None = None  # the request's media inputs for the model (Sequence.multimodal)
+    lora_slot: int = -1  # the LoRA slot of its adapter (-1: the base model)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class StepData:
     extra_rows: list[tuple[int, int]] = field(default_factory=list)
     num_hidden_rows: int = 0
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks, before the forward
+    lora_loads: list[tuple[int, str, str, int]] = field(default_factory=list)  # (slot, path, name, id), before it
 
     @property
     def num_rows(self) -> int:
@@ -98,8 +101,9 @@ class StepDataBuilder:
     into each step's ``StepData``. A step must reach every worker once it is built; when one may not have
     (the step raised), ``forget`` makes the next step start the workers' batch over."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, lora_slots: LoRASlotTable | None = None) -> None:
         self.block_size = block_size
+        self.lora_slots = lora_slots  # which adapter each LoRA slot of the workers holds (None: no LoRA)
         self._held: dict[int, int] = {}  # seq id -> blocks of its table the workers hold
         self._order: list[int] = []  # the last step's rows, by seq id
         self._last_step_id: int | None = None  # the scheduler's id of the last step built
@@ -109,6 +113,8 @@ class StepDataBuilder:
     def forget(self) -> None:
         """The workers' batch is unknown: the next step sends every row anew and resets it."""
         self._held, self._order, self._last_step_id, self._last_plan, self._reset = {}, [], None, None, True
+        if self.lora_slots is not None:
+            self.lora_slots.forget()  # the workers may not have loaded what the last step sent
 
     def build(self, output: SchedulerOutput) -> StepPlan:
         """This step's data: a repeat of the last step's rows (``output.repeats`` names the step built last)
@@ -130,7 +136,8 @@ class StepDataBuilder:
     def _compare(self, output: SchedulerOutput) -> StepPlan:
         scheduled = output.scheduled
         seq_ids, starts, lens, new_rows, new_blocks, held = [], [], [], [], [], {}
-        known = self._held
+        known, lora_loads = self._held, []
+        in_use = {row.seq.lora.key for row in scheduled if row.seq.lora is not None}
         for row in scheduled:
             seq = row.seq
             seq_id, table = seq.seq_id, seq.block_table
@@ -139,7 +146,8 @@ class StepDataBuilder:
             lens.append(row.num_new_tokens)
             count = known.get(seq_id)
             if count is None:
-                new_rows.append(NewRow(seq_id, list(table), seq.multimodal))
+                slot = -1 if seq.lora is None else self.lora_slots.slot_for(seq.lora, in_use, lora_loads)
+                new_rows.append(NewRow(seq_id, list(table), seq.multimodal, slot))
             elif len(table) > count:
                 new_blocks.append((seq_id, table[count:]))
             held[seq_id] = len(table)
@@ -170,7 +178,8 @@ class StepDataBuilder:
                         sampled_rows=None if len(sampled) == len(scheduled) else sampled,
                         extra_rows=[(r, n) for _, _, r, n in prompt_rows] + [(r, n) for _, r, n in draft_rows]
                         + [(r, n) for _, _, r, n in pooling_rows],
-                        num_hidden_rows=sum(n for _, _, _, n in pooling_rows), block_copies=list(output.block_copies))
+                        num_hidden_rows=sum(n for _, _, _, n in pooling_rows), block_copies=list(output.block_copies),
+                        lora_loads=lora_loads)
         self._held, self._order, self._reset = held, seq_ids, False
         return StepPlan(data, sample_rows, sample_seqs, len(sampled),
                         [(seq, first, n) for seq, first, _, n in prompt_rows],

@@ -30,11 +30,13 @@ from pluginfer.core.registry import Registry
 from pluginfer.engine.input_batch import InputBatch
 from pluginfer.engine.kv_scales import ScaleTensors, fixed_scales
 from pluginfer.engine.loader import iter_weights
+from pluginfer.engine.lora import ModelLoRA
 from pluginfer.engine.plan import RankPlan, build_plugin
 from pluginfer.engine.scoring import is_causal, scores_pooled_rows
 from pluginfer.engine.step import StepData, StepResult
 from pluginfer.layers.context import building
 from pluginfer.layers.moe import expert_memory
+from pluginfer.layers.weights import LLAMA_STACKED
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +59,15 @@ def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], floa
             return
         spent[0] += clock() - started
         yield item
+
+
+def lora_slots(model: Any, config: Any, dtype: torch.dtype, device: Any) -> ModelLoRA | None:
+    """The model's LoRA slots when ``lora.enable_lora`` is set (on one rank: the config refuses more)."""
+    settings = config.lora
+    if not settings.enable_lora:
+        return None
+    routes = model.weight_routes() if hasattr(model, "weight_routes") else LLAMA_STACKED
+    return ModelLoRA(model, routes, settings.max_loras, settings.max_lora_rank, dtype, device)
 
 
 class Worker:
@@ -105,6 +116,7 @@ class Worker:
                         "%d bytes staging", rank.rank, self.expert_memory.resident_bytes, self.backend.name,
                         self.expert_memory.offloaded_bytes, self.expert_memory.offloaded_experts,
                         self.expert_memory.staging_bytes)
+        self.lora = lora_slots(self.pipeline, config, self.dtype, self.backend.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # A cross-encoder's or a yes/no reranker's pooled rows come back as logits (engine/scoring.py reads them).
         self.scores_pooled_rows = scores_pooled_rows(self.pipeline, config, hf_config)
@@ -181,7 +193,12 @@ class Worker:
             with torch.inference_mode():
                 self.backend.copy_blocks(self.kv_caches, step.block_copies)
         batch = self._batch(self.inputs.update(step))
-        if self.decode_graphs is not None and step.is_plain_decode and not batch.multimodal:  # graphs hold no media
+        if self.lora is not None:
+            with torch.inference_mode():
+                self.lora.prepare(step, self.inputs.seq_ids, self.inputs.query_start_loc)
+        # graphs hold no media, and replays were recorded without adapters: such steps run eagerly
+        if self.decode_graphs is not None and step.is_plain_decode and not batch.multimodal \
+                and not (self.lora and self.lora.mapping.active):
             logits = self.decode_graphs(batch)  # None: not a decode step the graphs cover; run it eagerly
             if logits is not None:
                 return StepResult(logits)

@@ -9,6 +9,10 @@ Every layer describes its split as a ``ShardSpec`` (``layer.shard``, public) and
 from the layer's private helpers). ``projection_rows(shard, index)`` is the one place that says
 which checkpoint rows of a fused projection a rank holds (key/value heads replicated when there
 are fewer of them than ranks); the layers' own loaders use it too.
+
+LoRA hook: a layer's ``lora`` (None by default; a ``pluginfer.layers.lora.LoRALayer`` once adapters are
+enabled) receives the input and the base output of every forward and returns the output with the adapters'
+deltas added, whatever quant method computed the base output.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ def projection_rows(shard: ShardSpec, index: int) -> tuple[int, int, int]:
 class LinearBase(nn.Module):
     """``y = x W^T + b`` with W of ``output_size x input_size`` (this rank's shard)."""
 
+    lora = None  # the LoRA hook (see the module docstring)
+
     def __init__(self, input_size: int, output_size: int, bias: bool, shard_dim: int | None) -> None:
         super().__init__()
         ctx = current_context()
@@ -109,7 +115,8 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class ReplicatedLinear(LinearBase):
@@ -143,7 +150,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
+            out = self.quant_method.apply(self, x, self.bias)
+            return out if self.lora is None else self.lora(x, out)
         out = self.collective.all_reduce(self.quant_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias
 

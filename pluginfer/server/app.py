@@ -21,6 +21,7 @@ from pluginfer.server.cors import cors_middleware
 from pluginfer.server.embeddings import create_embedding
 from pluginfer.server.endpoints import ServerContext, attach_endpoints, builtin_routes
 from pluginfer.server.errors import APIError, bad_request, error_middleware
+from pluginfer.server.lora import adapter_cards, load_lora_adapter, unload_lora_adapter
 from pluginfer.server.messages import count_message_tokens, create_message
 from pluginfer.server.metrics import CONTENT_TYPE
 from pluginfer.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -70,6 +71,8 @@ def add_builtin_routes(router: web.UrlDispatcher) -> None:
     router.add_get("/v1/models/{model_id:.+}", get_model)
     router.add_post("/tokenize", tokenize)
     router.add_post("/detokenize", detokenize)
+    router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     router.add_get("/health", health)
     router.add_get("/metrics", metrics)
     router.add_get("/version", version)
@@ -122,13 +125,16 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE])]})
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [_model_card(state), *adapter_cards(state)]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    state.check_model(request.match_info["model_id"])
-    return web.json_response(_model_card(state))
+    model = request.match_info["model_id"]
+    state.check_model(model)
+    card = next((card for card in adapter_cards(state) if card["id"] == model), None)
+    return web.json_response(card or _model_card(state))
 
 
 async def tokenize(request: web.Request) -> web.Response:

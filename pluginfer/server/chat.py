@@ -99,9 +99,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             raise bad_request("beam search does not take images", "messages")
         prompt = {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}
     beam = beam_params(body, params.max_tokens)
+    if beam is not None and state.lora_for(body.model) is not None:
+        raise bad_request("beam search does not run LoRA adapters yet", "model")
     if beam is not None:
         return web.json_response(await _beam_chat(state, body, prompt, beam, request_id))
-    outputs = state.processors.outputs(processed, run_requests(state, [prompt], params, request_id, "messages"))
+    outputs = state.processors.outputs(processed, run_requests(state, [prompt], params, request_id, "messages",
+                                                                     state.lora_for(body.model)))
     # A grammar holds from the first token: there is no <think> section to split off.
     reasoning = state.reasoning_parser if params.structured_outputs is None else None
     answer = _ChatAnswer(state, body, request_id, reasoning, tools)
@@ -221,12 +224,12 @@ class _ChatAnswer:
                             "finish_reason": _finish_reason(choice.finish_reason, "tool_calls" in message)})
         generated = sum(len(choice.token_ids) for choice in output.outputs)
         return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.state.model_name, "choices": choices,
+                "model": self.state.answer_model(self.body.model), "choices": choices,
                 "usage": usage(len(output.prompt_token_ids), generated, output.num_cached_tokens)}
 
     def _chunk(self, choices: list[dict[str, Any]], output: RequestOutput | None = None) -> dict[str, Any]:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.state.model_name, "choices": choices}
+                 "model": self.state.answer_model(self.body.model), "choices": choices}
         if output is not None and self.body.continuous_usage:
             chunk["usage"] = usage(len(output.prompt_token_ids),
                                    sum(len(choice.token_ids) for choice in output.outputs))
@@ -269,5 +272,5 @@ class _ChatAnswer:
         if self.body.include_usage and last is not None:
             generated = sum(len(choice.token_ids) for choice in last.outputs)
             yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                   "model": self.state.model_name, "choices": [],
+                   "model": self.state.answer_model(self.body.model), "choices": [],
                    "usage": usage(len(last.prompt_token_ids), generated, last.num_cached_tokens)}

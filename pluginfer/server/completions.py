@@ -61,9 +61,12 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if bad:
         raise bad_request(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}", "prompt")
     beam = beam_params(body, params.max_tokens)
+    if beam is not None and state.lora_for(body.model) is not None:
+        raise bad_request("beam search does not run LoRA adapters yet", "model")
     if beam is not None:
         return web.json_response(await _beam_completion(state, body, prompts, beam, request_id))
-    outputs = state.processors.outputs(processed, run_requests(state, prompts, params, request_id, "prompt"))
+    outputs = state.processors.outputs(processed, run_requests(state, prompts, params, request_id, "prompt",
+                                                                     state.lora_for(body.model)))
     answer = _CompletionAnswer(state, body, request_id, prompts)
     if body.stream:
         return await stream_response(request, answer.chunks(outputs))
@@ -126,7 +129,7 @@ class _CompletionAnswer:
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.state.model_name, "choices": choices}
+                "model": self.state.answer_model(self.body.model), "choices": choices}
 
     def completion(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []

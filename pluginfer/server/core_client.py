@@ -55,6 +55,7 @@ from pluginfer.server.client_request import ClientRequest
 from pluginfer.server.core_process import CoreProcess
 
 if TYPE_CHECKING:
+    from pluginfer.engine.lora import LoRARequest
     from pluginfer.engine.pooling import PoolingParams
     from pluginfer.engine.sequence import SamplingParams
     from pluginfer.engine.structured import StructuredOutputsParams
@@ -249,6 +250,13 @@ class CoreProcessClient:
                 raise StructuredOutputError(result.message)
             raise RuntimeError(f"{result.error_type}: {result.message}")
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read a LoRA adapter and fit it to the model, in the core; a ValueError with the core's reason.
+        Blocks: call it off the event loop."""
+        result: CallResult = self.call("check_lora", lora_request).result()
+        if result.error_type is not None:
+            raise (ValueError if result.error_type == "ValueError" else RuntimeError)(result.message)
+
     # -- requests -----------------------------------------------------------------------------
 
     def encode(self, prompt: str | list[int], params: PoolingParams,
@@ -257,7 +265,8 @@ class CoreProcessClient:
         return self.generate(prompt, params, request_id)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | PoolingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's output as it grows; the last one is finished."""
         if not self.is_alive:
             error = self.error
@@ -273,7 +282,7 @@ class CoreProcessClient:
         self._not_started.add(request_id)
         finished = False
         try:
-            self._send(AddRequest(request_id, prompt, params))
+            self._send(AddRequest(request_id, prompt, params, lora_request))
             while True:
                 if not request.fresh and request.failure is None:
                     request.waiter = loop.create_future()

@@ -90,7 +90,8 @@ async def create_embedding(request: web.Request) -> web.Response:
                for index, given in enumerate(body.input)]
     request_id = f"embd-{uuid.uuid4().hex}"
     finals: dict[int, RequestOutput] = {}
-    async with aclosing(run_requests(state, prompts, params, request_id, "input")) as stream:
+    async with aclosing(run_requests(state, prompts, params, request_id, "input",
+                                              state.lora_for(body.model))) as stream:
         async for index, output in stream:
             if output.finished:
                 finals[index] = output

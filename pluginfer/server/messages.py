@@ -75,7 +75,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     except APIError as exc:
         raise renamed(exc) from None
     prompt = render_prompt(state, processed.messages or [], True, _template_kwargs(state, tools))
-    outputs = state.processors.outputs(processed, run_requests(state, [prompt], params, request_id, "messages"))
+    outputs = state.processors.outputs(processed, run_requests(state, [prompt], params, request_id, "messages",
+                                                                     state.lora_for(body.model)))
     # A grammar holds from the first token: there is no <think> section to split off.
     reasoning = state.reasoning_parser if params.structured_outputs is None else None
     answer = MessageAnswer(state, request_id, reasoning, tools, body.stop_sequences or [], params.max_tokens)

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -22,6 +22,10 @@ from pluginfer.server.errors import APIError, bad_request, from_validation_error
 from pluginfer.server.metrics import ServerMetrics
 from pluginfer.server.request_processors import RequestProcessors
 from pluginfer.text.fim import FimTokens, fim_tokens
+
+if TYPE_CHECKING:
+    from pluginfer.engine.lora import LoRARequest
+    from pluginfer.server.lora import ServedAdapters
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -42,6 +46,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # SIGTERM with server.shutdown_timeout: requests in flight finish, new ones get a 503
     pooler: PoolerConfig | None = None  # the checkpoint's pooling, read at the first /v1/embeddings request
+    adapters: ServedAdapters | None = None  # the LoRA adapters a request may name as its model
     _vocab_size: int | None = field(default=None, repr=False)
     _fim: tuple[FimTokens | None] | None = field(default=None, repr=False)
 
@@ -50,10 +55,12 @@ class ServerState:
         server, registry = config.server, get_registry()
         reasoning = registry.load("reasoning_parser", server.reasoning_parser) if server.reasoning_parser else None
         tools = registry.load("tool_parser", server.tool_call_parser) if server.tool_call_parser else None
+        from pluginfer.server.lora import ServedAdapters
+
         name, *aliases = served_names(config)
         return cls(engine, config, name, ServerMetrics(engine), reasoning, tools,
                    sampling=sampling_defaults(config.sampling, engine.model_info.model_path),
-                   aliases=tuple(aliases))
+                   aliases=tuple(aliases), adapters=ServedAdapters(config))
 
     @property
     def model_info(self) -> ModelInfo:
@@ -84,10 +91,21 @@ class ServerState:
         return self._fim[0]
 
     def check_model(self, model: str | None) -> None:
-        """An absent (or empty) model means the served one; any other name is a 404, as in OpenAI."""
-        if model and model != self.model_name and model not in self.aliases:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+        """An absent (or empty) model means the served one; a LoRA adapter's name is that adapter; any other name
+        is a 404, as in OpenAI."""
+        if model and model != self.model_name and model not in self.aliases and self.lora_for(model) is None:
+            adapters = f" and the LoRA adapters {sorted(self.adapters.by_name)}" \
+                if self.adapters is not None and self.adapters.by_name else ""
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}"
+                           f"{adapters}", "model", "model_not_found")
+
+    def answer_model(self, model: str | None) -> str:
+        """The ``model`` an answer carries: the LoRA adapter the request named (as vLLM), else the served name."""
+        return model if self.lora_for(model) is not None else self.model_name  # type: ignore[return-value]
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, or None (the base model)."""
+        return None if self.adapters is None or not model else self.adapters.by_name.get(model)
 
     def admit(self) -> None:
         """Refuse work the engine cannot take: 503 once its loop died, 429 while too many wait."""

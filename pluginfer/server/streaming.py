@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from pluginfer.engine.client import EngineDeadError
+from pluginfer.engine.lora import LoRARequest
 from pluginfer.engine.outputs import RequestOutput
 from pluginfer.engine.pooling import PoolingParams
 from pluginfer.engine.sequence import SamplingParams
@@ -135,16 +136,25 @@ async def stream_response(request: web.Request, chunks: AsyncIterator[dict[str, 
 
 
 async def run_requests(state: ServerState, prompts: list[list[int]], params: SamplingParams | PoolingParams,
-                       request_id: str, prompt_field: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+                       request_id: str, prompt_field: str,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) as the engine makes progress; raises APIError if a request fails.
 
-    ``prompt_field`` is the request field a prompt the engine refuses is blamed on.
+    ``prompt_field`` is the request field a prompt the engine refuses is blamed on; ``lora_request``: the LoRA
+    adapter the request's ``model`` named.
     """
     state.admit()
     ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
     timers = [state.metrics.timer() for _ in prompts]
-    run = state.engine.encode if isinstance(params, PoolingParams) else state.engine.generate
-    streams = [run(prompt, params, rid) for prompt, rid in zip(prompts, ids)]
+    if isinstance(params, PoolingParams):
+        if lora_request is not None:
+            raise bad_request(f"embeddings do not run LoRA adapters ({lora_request.lora_name!r})", "model")
+        streams = [state.engine.encode(prompt, params, rid) for prompt, rid in zip(prompts, ids)]
+    elif lora_request is not None:
+        streams = [state.engine.generate(prompt, params, rid, lora_request=lora_request)
+                   for prompt, rid in zip(prompts, ids)]
+    else:
+        streams = [state.engine.generate(prompt, params, rid) for prompt, rid in zip(prompts, ids)]
     single = len(streams) == 1  # the common case: its outputs as they come, without a merging layer per token
     try:
         async with aclosing(streams[0] if single else _merge(streams)) as source:

@@ -1,0 +1,121 @@
+"""Batched LoRA: one linear layer's adapters in a bounded slot table, applied to a whole flat batch at once.
+
+Every token row of a step carries the slot of its sequence's adapter (-1: the base model). A layer adds
+``x @ A[slot]^T @ B[slot]^T`` (the scale folded into B) to its base output for the whole flat batch in two
+matmuls (see ``LoRAMapping``): no loop over adapters, sequences or tokens. The base output is whatever the
+layer's quant method computed, so quantized base weights (GGUF, int8, ...) take adapters too.
+
+A fused layer (QKV, gate/up) holds one rank block per projection: slot ``s``'s A is ``[k * max_rank, in]``
+(projection ``i``'s A in rows ``i * max_rank:``) and its B, kept transposed as ``[k * max_rank, out]``, is
+block diagonal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class LoRAMapping:
+    """The step's token -> slot map, shared by every LoRA layer of a model.
+
+    One adapter for every token (``whole``): one matmul pair over the batch. Several (or some base rows): the
+    slots ``span`` from the lowest to the highest active one are applied to every token at once, each token
+    keeping only its own adapter's ranks (``onehot``, a token's row of zeros for the base): two matmuls per
+    layer whatever the number of adapters, S-LoRA's batched gather without a gather of weights.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.whole: int | None = None  # the slot of every token
+        self.span: tuple[int, int] | None = None  # [first, last + 1) slots the tokens use
+        self.onehot: torch.Tensor | None = None  # [tokens, span]: 1 where a token uses the slot
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.whole is not None or self.span is not None
+
+    def set(self, token_slots: np.ndarray) -> None:
+        """``token_slots[t]``: the slot of token row ``t`` (-1: no adapter)."""
+        self.clear()
+        used = token_slots[token_slots >= 0]
+        if not used.size:
+            return
+        first, last = int(used.min()), int(used.max())
+        if first == last and used.size == token_slots.size:
+            self.whole = first
+            return
+        onehot = np.zeros((token_slots.size, last + 1 - first), np.float32)
+        rows = np.flatnonzero(token_slots >= 0)
+        onehot[rows, token_slots[rows] - first] = 1.0
+        self.span, self.onehot = (first, last + 1), torch.from_numpy(onehot).to(self.device)
+
+    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[tokens, span * width]``: the onehot widened to each slot's ``width`` ranks (made once a step)."""
+        mask = self._masks.get((width, dtype))
+        if mask is None:
+            mask = self._masks[(width, dtype)] = self.onehot.to(dtype).repeat_interleave(width, dim=1)
+        return mask
+
+    def clear(self) -> None:
+        self.whole = self.span = self.onehot = None
+        self._masks = {}
+
+
+class LoRALayer:
+    """The adapters of one linear layer: ``max_loras`` slots of rank up to ``max_rank`` per projection."""
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], max_loras: int, max_rank: int,
+                 mapping: LoRAMapping, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.input_size, self.output_sizes = input_size, list(output_sizes)
+        self.max_rank, self.mapping = max_rank, mapping
+        width = len(self.output_sizes) * max_rank
+        self.a = torch.zeros(max_loras, width, input_size, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, width, sum(self.output_sizes), dtype=dtype, device=device)  # B^T per slot
+        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+
+    def check(self, index: int, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+        """Shapes of projection ``index``'s ``A [r, in]`` and ``B [out, r]``; a ValueError naming ``name``."""
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+            raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
+        if rank > self.max_rank:
+            raise ValueError(f"{name}: rank {rank} is above max_lora_rank {self.max_rank} (--max-lora-rank)")
+        if a.shape[1] != self.input_size or b.shape[0] != self.output_sizes[index]:
+            raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the layer "
+                             f"({self.input_size} inputs, {self.output_sizes[index]} outputs)")
+
+    def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+        """Load slot ``slot`` with projection index -> (A, B); projections not named get no adapter."""
+        self.clear_slot(slot)
+        for index, (a, b) in parts.items():
+            rank, first = a.shape[0], index * self.max_rank
+            self.a[slot, first:first + rank] = a.to(self.a.dtype)
+            columns = slice(self.offsets[index], self.offsets[index] + self.output_sizes[index])
+            precise = torch.promote_types(self.b.dtype, torch.float32)  # scaled before a 16-bit rounding
+            self.b[slot, first:first + rank, columns] = (b.to(precise) * scale).t().to(self.b.dtype)
+
+    def clear_slot(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the base layer's output for ``x``) plus each token's adapter delta."""
+        mapping = self.mapping
+        if not mapping.active:
+            return out
+        flat_x, flat_out = x.reshape(-1, x.shape[-1]).to(self.a.dtype), out.view(-1, out.shape[-1])
+        if mapping.whole is not None:
+            slot = mapping.whole
+            flat_out.add_(((flat_x @ self.a[slot].t()) @ self.b[slot]).to(out.dtype))
+            return out
+        first, end = mapping.span
+        width = self.a.shape[1]
+        a = self.a[first:end].reshape(-1, self.input_size)  # [span * width, in], a view
+        b = self.b[first:end].reshape(-1, self.b.shape[2])  # [span * width, out], a view
+        shrunk = (flat_x @ a.t()).mul_(mapping.mask(width, self.a.dtype))
+        flat_out.add_((shrunk @ b).to(out.dtype))
+        return out

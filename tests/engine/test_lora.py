@@ -1,0 +1,208 @@
+"""LoRA adapters against transformers + peft: greedy tokens of each adapter and of the base, alone and mixed."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoints import greedy, hf_greedy, random_prompts, save_hf_model
+from tests.conftest import TINY_LLAMA
+
+peft = pytest.importorskip("peft")
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {  # name -> LoraConfig keywords: every projection; attention only with rsLoRA; the MLP only
+    "all": dict(r=4, lora_alpha=8, target_modules=ALL_TARGETS),
+    "attn": dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj", "o_proj"], use_rslora=True),
+    "mlp": dict(r=2, lora_alpha=16, target_modules=["gate_proj", "down_proj"]),
+}
+MAX_TOKENS = 12
+
+
+def save_adapter(base: torch.nn.Module, out: Path, seed: int, **config: object) -> torch.nn.Module:
+    """A peft adapter with random (non-zero) A and B on a copy of ``base``, saved to ``out``; the peft model."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **config))
+    with torch.no_grad():  # peft's non-default init is small: make each adapter change the greedy tokens
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    model.save_pretrained(str(out))
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=[("LlamaForCausalLM", {}), ("Qwen2ForCausalLM", {})], ids=["llama", "qwen2"])
+def lora_setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+               tiny_tokenizer_dir: Path) -> tuple:
+    arch, extra = request.param
+    root = tmp_path_factory.mktemp(f"lora_{arch}")
+    base = save_hf_model(arch, {**TINY_LLAMA, **extra}, root / "base", tiny_tokenizer_dir)
+    peft_models = {name: save_adapter(base, root / name, seed, **config)
+                   for seed, (name, config) in enumerate(ADAPTERS.items(), start=1)}
+    return root, base, peft_models
+
+
+def make_llm(root: Path, **kwargs: object):
+    from pluginfer import LLM
+
+    return LLM(str(root / "base"), enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=64, block_size=4,
+               **kwargs)
+
+
+@pytest.mark.slow
+def test_each_adapter_and_the_base_alone_and_mixed(lora_setup: tuple) -> None:
+    from pluginfer.engine.lora import LoRARequest
+
+    root, base, peft_models = lora_setup
+    prompts = random_prompts(base.config.vocab_size, [7, 5, 9, 6], seed=3)
+    expected = {None: [hf_greedy(base, p, MAX_TOKENS) for p in prompts]}
+    for name, model in peft_models.items():
+        expected[name] = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+        assert expected[name] != expected[None], f"adapter {name} does not change the greedy tokens"
+    requests = {name: LoRARequest(name, i, str(root / name)) for i, name in enumerate(ADAPTERS, start=1)}
+    llm = make_llm(root)
+    try:
+        for name in [None, *ADAPTERS]:  # alone: every prompt with one adapter (three adapters through two slots)
+            outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=requests.get(name))
+            assert [list(o.outputs[0].token_ids) for o in outputs] == expected[name], name
+        # mixed: the base and two adapters in one step, one per prompt
+        names = [None, "all", "attn", None]
+        outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=[requests.get(n) for n in names])
+        assert [list(o.outputs[0].token_ids) for o in outputs] == [expected[n][i] for i, n in enumerate(names)]
+        # three adapters wanted at once with two slots: the third waits for a slot, tokens unchanged
+        names = ["mlp", "all", "attn", "mlp"]
+        outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=[requests[n] for n in names])
+        assert [list(o.outputs[0].token_ids) for o in outputs] == [expected[n][i] for i, n in enumerate(names)]
+    finally:
+        llm.close()
+
+
+def test_prefix_cache_is_keyed_by_adapter(lora_setup: tuple) -> None:
+    """The same prompt under two adapters and the base shares no block; under one adapter it does."""
+    from pluginfer.engine.lora import LoRARequest
+
+    root, base, peft_models = lora_setup
+    prompt = random_prompts(base.config.vocab_size, [13], seed=5)[0]
+    llm = make_llm(root)
+    try:
+        manager = llm.engine.block_manager
+        first = LoRARequest("all", 1, str(root / "all"))
+        second = LoRARequest("attn", 2, str(root / "attn"))
+        for request, hit in [(None, 0), (first, 0), (second, 0), (first, 12), (None, 12)]:
+            hits = manager.prefix_cache_hits
+            out = llm.generate([prompt], greedy(MAX_TOKENS), lora_request=request)[0]
+            assert manager.prefix_cache_hits - hits == hit, request
+            model = base if request is None else peft_models[request.lora_name]
+            assert list(out.outputs[0].token_ids) == hf_greedy(model, prompt, MAX_TOKENS)
+    finally:
+        llm.close()
+
+
+def test_bad_adapters_are_named(lora_setup: tuple, tmp_path: Path) -> None:
+    from pluginfer.engine.lora import LoRARequest
+
+    root, _, _ = lora_setup
+    llm = make_llm(root)
+    try:
+        def rejected(path: Path, pattern: str) -> None:
+            with pytest.raises(ValueError, match=pattern):
+                llm.generate("hello", greedy(2), lora_request=LoRARequest("bad", 9, str(path)))
+
+        rejected(tmp_path / "missing", "'bad'.*adapter_config.json not found")
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        (broken / "adapter_config.json").write_text("{not json")
+        (broken / "adapter_model.safetensors").write_bytes(b"")
+        rejected(broken, "not JSON")
+        big = copy_adapter(root / "all", tmp_path / "big", r=16)
+        _scale_rank(big, 16)
+        rejected(big, "rank 16 is above max_lora_rank 8")
+        alien = copy_adapter(root / "all", tmp_path / "alien")
+        _rename_module(alien, "q_proj", "fc_in")
+        rejected(alien, "target module .*fc_in is not a linear layer")
+        # nothing else was disturbed: a good adapter still runs
+        good = llm.generate("hello", greedy(2), lora_request=LoRARequest("all", 1, str(root / "all")))
+        assert len(good[0].outputs[0].token_ids) == 2
+    finally:
+        llm.close()
+    from pluginfer import LLM
+
+    plain = LLM(str(root / "base"), num_blocks=16)
+    try:
+        with pytest.raises(ValueError, match="LoRA is not enabled"):
+            plain.generate("hello", greedy(2), lora_request=LoRARequest("all", 1, str(root / "all")))
+    finally:
+        plain.close()
+
+
+def copy_adapter(source: Path, target: Path, **config_changes: object) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    config = json.loads((target / "adapter_config.json").read_text())
+    config.update(config_changes)
+    (target / "adapter_config.json").write_text(json.dumps(config))
+    return target
+
+
+def _scale_rank(path: Path, rank: int) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    for key, tensor in tensors.items():
+        if "lora_A" in key:
+            tensors[key] = torch.randn(rank, tensor.shape[1])
+        else:
+            tensors[key] = torch.randn(tensor.shape[0], rank)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+
+
+def _rename_module(path: Path, old: str, new: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    save_file({k.replace(old, new): v for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+
+
+def test_adapters_on_a_quantized_base(lora_setup: tuple) -> None:
+    """A GGUF-quantized base (in-situ q8_0) takes the adapter through the layers' hook: the logits are peft's
+    within the quantization's error, far from the base model's."""
+    from pluginfer import LLM
+    from pluginfer.engine.lora import LoRARequest
+    from pluginfer.engine.step import NewRow, StepData
+    from tests.checkpoints import hf_logits
+
+    root, base, peft_models = lora_setup
+    prompt = random_prompts(base.config.vocab_size, [9], seed=6)[0]
+    want, base_logits = hf_logits(peft_models["all"], prompt)[-1], hf_logits(base, prompt)[-1]
+    llm = LLM(str(root / "base"), quant="q8_0", enable_lora=True, max_lora_rank=8, num_blocks=16)
+    try:
+        request = LoRARequest("all", 1, str(root / "all"))
+        out = llm.generate([prompt], greedy(1), lora_request=request)[0]
+        assert out.outputs[0].token_ids[0] == int(want.argmax())
+        # the prompt's last logits in a step of our own, its row in slot 0 (where the generate loaded the adapter)
+        step = StepData(token_ids=list(prompt), num_computed_tokens=[0], block_size=16, num_new_tokens=[len(prompt)],
+                        seq_ids=[10**9], new_rows=[NewRow(10**9, [15], lora_slot=0)], reset=True)
+        got = llm.engine.executor.run_step(step)[-1]
+    finally:
+        llm.close()
+    error, effect = (got - want).abs().max().item(), (want - base_logits).abs().max().item()
+    assert 0 < error < 0.1 * effect, (error, effect)  # (not 0: the base weights are quantized)
+
+
+def test_config_refuses_lora_on_several_ranks_and_bad_modules() -> None:
+    from pluginfer.core.config import ConfigError, build_config
+    from pluginfer.engine.lora import lora_modules
+
+    with pytest.raises(ConfigError, match="lora.enable_lora: LoRA adapters run on one rank"):
+        build_config(None, model="x", **{"lora.enable_lora": True, "parallel.tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"--lora-modules\): 'sql' is not name=path"):
+        lora_modules(["sql"])
+    with pytest.raises(ValueError, match="'a' is given twice"):
+        lora_modules(["a=/x", "a=/y"])
+    assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in lora_modules(["a=/x", " b = /y "])] == \
+        [("a", 1, "/x"), ("b", 2, "/y")]
