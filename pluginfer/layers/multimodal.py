@@ -77,6 +77,29 @@ def require_pillow() -> None:
         raise ImportError("this model takes images, which need Pillow: pip install 'pluginfer[vision]'") from None
 
 
+MAX_IMAGES_PER_PROMPT = 16
+
+
+def checked_images(data: dict, token_ids: list[int], token_id: int, placeholder: str) -> list:
+    """A prompt's ``multi_modal_data`` images, each a PIL image, as many as its ``token_id`` placeholders
+    (``placeholder``: how the prompt writes one, for the error)."""
+    from PIL import Image
+
+    images = data.get("image")
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if len(images) > MAX_IMAGES_PER_PROMPT:
+        raise ValueError(f"multi_modal_data: {len(images)} images, more than the {MAX_IMAGES_PER_PROMPT} "
+                         "a prompt may carry")
+    for index, image in enumerate(images):
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"multi_modal_data image {index}: expected a PIL image, got {type(image).__name__}")
+    placeholders = token_ids.count(token_id)
+    if placeholders != len(images):
+        raise ValueError(f"multi_modal_data: the prompt has {placeholders} image placeholder(s) ({placeholder}) "
+                         f"for {len(images)} image(s)")
+    return images
+
+
 def placeholder_index(token_ids: list[int], token_id: int) -> torch.Tensor:
     """``embed_index`` of a prompt whose image tokens are ``token_id``: their order among them, -1 elsewhere."""
     is_image = torch.tensor(token_ids) == token_id

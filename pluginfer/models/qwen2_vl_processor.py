@@ -8,10 +8,8 @@ from typing import Any
 
 from pluginfer.core.protocols import MultiModalPrompt
 from pluginfer.layers.mrope import mrope_positions
-from pluginfer.layers.multimodal import placeholder_index, require_pillow
+from pluginfer.layers.multimodal import checked_images, placeholder_index, require_pillow
 from pluginfer.models.qwen2_vl import Qwen2VLInputs
-
-MAX_IMAGES_PER_PROMPT = 16
 
 
 class Qwen2VLProcessor:
@@ -29,20 +27,7 @@ class Qwen2VLProcessor:
         self.merge_size = int(hf_config["vision_config"].get("spatial_merge_size", 2))
 
     def process(self, token_ids: list[int], data: dict[str, Any]) -> MultiModalPrompt:
-        from PIL import Image
-
-        images = data.get("image")
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        if len(images) > MAX_IMAGES_PER_PROMPT:
-            raise ValueError(f"multi_modal_data: {len(images)} images, more than the {MAX_IMAGES_PER_PROMPT} "
-                             "a prompt may carry")
-        for index, image in enumerate(images):
-            if not isinstance(image, Image.Image):
-                raise ValueError(f"multi_modal_data image {index}: expected a PIL image, got {type(image).__name__}")
-        placeholders = token_ids.count(self.image_token_id)
-        if placeholders != len(images):
-            raise ValueError(f"multi_modal_data: the prompt has {placeholders} image placeholder(s) "
-                             f"(<|vision_start|><|image_pad|><|vision_end|>) for {len(images)} image(s)")
+        images = checked_images(data, token_ids, self.image_token_id, "<|vision_start|><|image_pad|><|vision_end|>")
         try:
             out = self.image_processor(images=images, return_tensors="pt")
         except Exception as exc:  # the image processor's own words name what it could not read
