@@ -2,7 +2,7 @@
 
 from pluginfer.core.hookspecs import PLUGIN_API_VERSION
 
-_LAZY = {"LLM": "pluginfer.llm", "LoRARequest": "pluginfer.engine.lora",
+_LAZY = {"LLM": "pluginfer.llm", "LoRARequest": "pluginfer.engine.lora_request",
          "PoolingParams": "pluginfer.engine.pooling",
          "SamplingParams": "pluginfer.engine.sequence", "StructuredOutputsParams": "pluginfer.engine.structured"}
 

@@ -10,7 +10,7 @@ from pluginfer.core.config import build_config
 from pluginfer.core.options import dotted_keywords
 from pluginfer.engine.beam_search import Beam, BeamSearchParams
 from pluginfer.engine.engine import LLMEngine
-from pluginfer.engine.lora import LoRARequest
+from pluginfer.engine.lora_request import LoRARequest
 from pluginfer.engine.outputs import RequestOutput
 from pluginfer.engine.pooling import PoolingParams
 from pluginfer.engine.scoring import encode_pair, score_pairs, uses_token_types

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only: the server's process reads TOKEN_TYPE_SHIFT without torch
+    import torch
 
 # A pooling request's token types (a sentence pair's second text, for an encoder that has them) ride in the
 # high bits of ``input_ids``: ``token_type << TOKEN_TYPE_SHIFT | token_id``; type 0 (every generating request)

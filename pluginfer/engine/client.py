@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from pluginfer.engine.lora import LoRARequest
+    from pluginfer.engine.lora_request import LoRARequest
     from pluginfer.engine.outputs import RequestOutput
     from pluginfer.engine.pooling import PoolingParams
     from pluginfer.engine.sequence import SamplingParams

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pluginfer.core.batch import TOKEN_TYPE_SHIFT
 
 _IDENTITY = ("torch.nn.modules.linear.Identity", "torch.nn.Identity", "Identity")
@@ -61,8 +59,10 @@ class Scorer:
         if self.problem is not None:
             raise ValueError(self.problem)
 
-    def score_of(self) -> Callable[[torch.Tensor], float]:
-        """The function of one scored row's logits that gives its score."""
+    def score_of(self) -> Callable[[Any], float]:
+        """The function of one scored row's logits that gives its score (run by the engine, which has torch)."""
+        import torch
+
         pair, sigmoid = self.pair, self.sigmoid
         if pair is not None:
             return lambda logits: float(torch.sigmoid(logits[pair[1]] - logits[pair[0]]))

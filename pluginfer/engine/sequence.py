@@ -6,7 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from pluginfer.engine.lora import LoRARequest
+from pluginfer.engine.lora_request import LoRARequest
 from pluginfer.engine.pooling import PoolingState
 from pluginfer.engine.structured import StructuredOutputsParams
 

@@ -27,7 +27,7 @@ class LoRAMapping:
     layer whatever the number of adapters, S-LoRA's batched gather without a gather of weights.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.whole: int | None = None  # the slot of every token
         self.span: tuple[int, int] | None = None  # [first, last + 1) slots the tokens use
@@ -69,7 +69,7 @@ class LoRALayer:
     """The adapters of one linear layer: ``max_loras`` slots of rank up to ``max_rank`` per projection."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], max_loras: int, max_rank: int,
-                 mapping: LoRAMapping, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 mapping: LoRAMapping, dtype: torch.dtype, device: torch.device | str) -> None:
         self.input_size, self.output_sizes = input_size, list(output_sizes)
         self.max_rank, self.mapping = max_rank, mapping
         width = len(self.output_sizes) * max_rank

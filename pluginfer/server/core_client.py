@@ -55,7 +55,7 @@ from pluginfer.server.client_request import ClientRequest
 from pluginfer.server.core_process import CoreProcess
 
 if TYPE_CHECKING:
-    from pluginfer.engine.lora import LoRARequest
+    from pluginfer.engine.lora_request import LoRARequest
     from pluginfer.engine.pooling import PoolingParams
     from pluginfer.engine.sequence import SamplingParams
     from pluginfer.engine.structured import StructuredOutputsParams

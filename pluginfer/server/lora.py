@@ -12,7 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict
 
 from pluginfer.core.config import EngineConfig
-from pluginfer.engine.lora import LoRARequest, lora_modules
+from pluginfer.engine.lora_request import LoRARequest, lora_modules
 from pluginfer.server.errors import APIError, bad_request
 from pluginfer.server.state import STATE, ServerState, read_body
 

@@ -24,7 +24,7 @@ from pluginfer.server.request_processors import RequestProcessors
 from pluginfer.text.fim import FimTokens, fim_tokens
 
 if TYPE_CHECKING:
-    from pluginfer.engine.lora import LoRARequest
+    from pluginfer.engine.lora_request import LoRARequest
     from pluginfer.server.lora import ServedAdapters
 
 Body = TypeVar("Body", bound=BaseModel)

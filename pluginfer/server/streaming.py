@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from pluginfer.engine.client import EngineDeadError
-from pluginfer.engine.lora import LoRARequest
+from pluginfer.engine.lora_request import LoRARequest
 from pluginfer.engine.outputs import RequestOutput
 from pluginfer.engine.pooling import PoolingParams
 from pluginfer.engine.sequence import SamplingParams

@@ -10,9 +10,9 @@ from pluginfer.layers.lora import LoRALayer, LoRAMapping
 
 def test_mixed_slots_match_each_rows_own_adapter() -> None:
     torch.manual_seed(0)
-    mapping = LoRAMapping()
+    mapping = LoRAMapping(torch.device("cpu"))
     layer = LoRALayer(input_size=8, output_sizes=[6, 4], max_loras=3, max_rank=4, mapping=mapping,
-                      dtype=torch.float64)
+                      dtype=torch.float64, device=torch.device("cpu"))
     adapters = {}  # slot -> {projection: (A, B)}, scale
     layer.set_slot(1, {0: (torch.randn(3, 8, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64))}, 1.0)
     for slot, (rank, scale) in [(0, (4, 2.0)), (2, (2, 0.5))]:  # slot 1 holds an adapter no row uses
@@ -38,8 +38,8 @@ def test_mixed_slots_match_each_rows_own_adapter() -> None:
 
 
 def test_one_adapter_for_every_row_and_none() -> None:
-    mapping = LoRAMapping()
-    layer = LoRALayer(4, [3], max_loras=1, max_rank=2, mapping=mapping, dtype=torch.float32)
+    mapping = LoRAMapping(torch.device("cpu"))
+    layer = LoRALayer(4, [3], max_loras=1, max_rank=2, mapping=mapping, dtype=torch.float32, device=torch.device("cpu"))
     a, b = torch.randn(2, 4), torch.randn(3, 2)
     layer.set_slot(0, {0: (a, b)}, 1.0)
     x, base = torch.randn(5, 4), torch.zeros(5, 3)

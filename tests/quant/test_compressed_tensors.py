@@ -171,8 +171,9 @@ def test_two_tensor_parallel_ranks_track_one(w8a8_checkpoints: dict[str, Path]) 
     prompts = random_prompts(200, [20, 33, 9, 41], seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20, ignore_eos=True)
     one = load(path).generate(prompts, params)
-    two = LLM(model=str(path), dtype="float32", num_blocks=64, block_size=8, tensor_parallel_size=2,
-              timeout_s=60.0).generate(prompts, params)
+    with LLM(model=str(path), dtype="float32", num_blocks=64, block_size=8, tensor_parallel_size=2,
+             timeout_s=60.0) as llm:  # closed: the ranks' torch.distributed world must not outlive the test
+        two = llm.generate(prompts, params)
     worst = 0.0
     for a, b in zip(one, two, strict=True):
         expected, got = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]

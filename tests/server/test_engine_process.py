@@ -161,7 +161,7 @@ def test_the_engine_loop_failing_in_the_core_is_sent_as_its_reason():
         def __init__(self) -> None:
             self.requests: list[str] = []
 
-        def add_request(self, prompt, params, request_id):  # noqa: ANN001, ANN202
+        def add_request(self, prompt, params, request_id, lora_request=None):  # noqa: ANN001, ANN202
             self.requests.append(request_id)
 
         def has_unfinished_requests(self) -> bool:
@@ -462,7 +462,7 @@ def test_a_malformed_frame_from_the_server_is_named_and_the_core_goes_on(caplog)
         def __init__(self) -> None:
             self.requests: list[str] = []
 
-        def add_request(self, prompt, params, request_id):  # noqa: ANN001, ANN202
+        def add_request(self, prompt, params, request_id, lora_request=None):  # noqa: ANN001, ANN202
             self.requests.append(request_id)
 
         def abort_request(self, request_id: str) -> None:
