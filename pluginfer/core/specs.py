@@ -45,10 +45,10 @@ class PluginSpec:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if field.name in _REFERENCES and value is not None and ":" not in value:
-                raise ValueError(f"{type(self).__name__}.{field.name} must be 'module:attr', got {value!r}")
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name in _REFERENCES and value is not None and ":" not in value:
+                raise ValueError(f"{type(self).__name__}.{item.name} must be 'module:attr', got {value!r}")
         if not self.name:
             raise ValueError(f"{type(self).__name__}.name must not be empty")
 

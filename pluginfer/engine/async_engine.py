@@ -21,7 +21,7 @@ from typing import Any
 
 from pluginfer.engine.client import EngineDeadError, EngineStats, ModelInfo
 from pluginfer.engine.engine import LLMEngine
-from pluginfer.engine.lora import LoRARequest
+from pluginfer.engine.lora_request import LoRARequest
 from pluginfer.engine.messages import AbortRequest, AddRequest
 from pluginfer.engine.outputs import RequestOutput
 from pluginfer.engine.pooling import PoolingParams

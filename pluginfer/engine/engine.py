@@ -21,13 +21,15 @@ from pluginfer.engine.generation_config import sampling_defaults
 from pluginfer.engine.kv_cache import BlockManager
 from pluginfer.engine.launch import serve_if_worker
 from pluginfer.engine.loader import check_tokenizer_files
-from pluginfer.engine.lora import LoRARequest, lora_modules, read_adapter
+from pluginfer.engine.lora import read_adapter
+from pluginfer.engine.lora_request import LoRARequest, lora_modules
 from pluginfer.engine.outputs import CompletionOutput, RequestOutput
 from pluginfer.engine.pooling import PoolingParams, PoolingState, is_backbone_only, read_pooler_config
 from pluginfer.engine.sampler import Sampler
 from pluginfer.engine.scheduler import Scheduler, SchedulerOutput
 from pluginfer.engine.scoring import is_causal, read_scorer, scores_pooled_rows
 from pluginfer.engine.sequence import FinishReason, SamplingParams, Sequence
+from pluginfer.engine.speculation import build_proposer
 from pluginfer.engine.stopping import check_stop
 from pluginfer.engine.structured import GrammarCompiler, accept_token
 from pluginfer.text.tokenizer import TokenizerBuild, eos_token_ids, load_tokenizer
@@ -90,7 +92,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.executor.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
-                                   *speculation(config), vocab_size=self.executor.vocab_size,
+                                   *build_proposer(config), vocab_size=self.executor.vocab_size,
                                    max_loras=config.lora.max_loras if config.lora.enable_lora else 0)
         self._checked_adapters: set[bytes] = set()  # adapters read and fitted to the model once
         for adapter in lora_modules(config.lora.lora_modules):  # served from the start: refused at start-up
@@ -432,17 +434,6 @@ def split_prompt(prompt: str | list[int] | dict) -> tuple[str | list[int], dict 
     if data is not None and not isinstance(data, dict):
         raise ValueError("prompt: multi_modal_data must be a dict such as {'image': image}")
     return prompt.get("prompt", prompt.get("prompt_token_ids")), data or None
-
-
-def speculation(config: EngineConfig) -> tuple[Any, int]:
-    """(the proposer, draft tokens per step) of ``speculative_config``; (None, 0) when it is unset."""
-    spec = config.speculative_config
-    if spec is None:
-        return None, 0
-    from pluginfer.core.registry import get_registry
-
-    build = get_registry().load("proposer", spec.method)
-    return build(spec, config), spec.num_speculative_tokens
 
 
 def record_prompt_logprobs(seq: Sequence, first: int, logits: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pluginfer.engine.lora_request import LoRARequest, lora_modules
+from pluginfer.engine.lora_request import LoRARequest
 from pluginfer.layers.lora import LoRALayer, LoRAMapping
 
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")

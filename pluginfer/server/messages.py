@@ -20,8 +20,7 @@ from aiohttp import web
 from pluginfer.core.parsers import ReasoningParser
 from pluginfer.core.serving import PromptRequest
 from pluginfer.engine.outputs import CompletionOutput, RequestOutput
-from pluginfer.server.chat import with_tools
-from pluginfer.server.chat import render_prompt, template_kwargs
+from pluginfer.server.chat import render_prompt, template_kwargs, with_tools
 from pluginfer.server.errors import APIError, answers_errors_as, bad_request
 from pluginfer.server.grammar import compile_grammar
 from pluginfer.server.limits import check_limits

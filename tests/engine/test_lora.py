@@ -196,7 +196,7 @@ def test_adapters_on_a_quantized_base(lora_setup: tuple) -> None:
 
 def test_config_refuses_lora_on_several_ranks_and_bad_modules() -> None:
     from pluginfer.core.config import ConfigError, build_config
-    from pluginfer.engine.lora import lora_modules
+    from pluginfer.engine.lora_request import lora_modules
 
     with pytest.raises(ConfigError, match="lora.enable_lora: LoRA adapters run on one rank"):
         build_config(None, model="x", **{"lora.enable_lora": True, "parallel.tensor_parallel_size": 2})

@@ -10,11 +10,11 @@ import math
 import pytest
 from scipy.stats import chi2_contingency
 
+from pluginfer import StructuredOutputsParams
 from pluginfer.core.config import ConfigError
 from pluginfer.core.speculative import DraftRequest
 from pluginfer.engine.engine import LLMEngine
 from pluginfer.engine.sequence import SamplingParams
-from pluginfer import StructuredOutputsParams
 from pluginfer.speculative.ngram import NgramProposer
 from tests.server.conftest import server_config
 
