@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from pluginfer.server.errors import APIError
 from pluginfer.server.messages_protocol import anthropic_error_body, usage
 from pluginfer.server.reasoning import ReasoningStream
-from pluginfer.server.streaming import CLIENT_LEFT, HOLE, EventStream, EventTemplate, json_string
+from pluginfer.server.streaming import HOLE, EventTemplate, json_string, stream_response
 
 if TYPE_CHECKING:
     from pluginfer.engine.outputs import RequestOutput
@@ -122,30 +121,5 @@ class MessageEvents:
 
 
 async def send_events(request: web.Request, events: AsyncIterator[bytes]) -> web.StreamResponse:
-    """Send each event. An error before the first one is an ordinary HTTP error (in Anthropic's shape: the
-    route says so); after it, an ``error`` event ends the stream."""
-    stream = EventStream(request)
-    try:
-        try:
-            async with aclosing(events) as source:
-                async for event in source:
-                    await stream.open()
-                    await stream.send(event)
-        except APIError as exc:
-            if not stream.opened:
-                raise
-            await stream.send(sse("error", anthropic_error_body(exc)))
-        except ConnectionError:
-            raise
-        except Exception as exc:
-            if not stream.opened:
-                raise
-            logger.exception("error while streaming %s", request.path)
-            error = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
-            await stream.send(sse("error", anthropic_error_body(error)))
-        await stream.open()
-        await stream.response.write_eof()
-        return stream.response
-    except ConnectionError:  # the client left mid-stream (closing the events aborted the request): not an error
-        request[CLIENT_LEFT] = True
-        return stream.response
+    """Send each event; an error after the first is an ``error`` event in Anthropic's shape."""
+    return await stream_response(request, events, lambda error: sse("error", anthropic_error_body(error)), b"")

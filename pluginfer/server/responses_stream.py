@@ -31,7 +31,7 @@ from pluginfer.server.responses_output import (
     usage,
 )
 from pluginfer.server.responses_protocol import in_responses_terms
-from pluginfer.server.streaming import CLIENT_LEFT, HOLE, EventTemplate, json_string
+from pluginfer.server.streaming import HOLE, EventTemplate, json_string, stream_response
 
 logger = logging.getLogger(__name__)
 
@@ -171,31 +171,5 @@ class ResponseEvents:
 
 async def send_events(request: web.Request, events: ResponseEvents,
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> web.StreamResponse:
-    """Send the events; an error before the first is an ordinary HTTP error, after it an ``error`` event."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    try:
-        try:
-            async with aclosing(events.stream(outputs)) as stream:
-                async for event in stream:
-                    if not response.prepared:
-                        await response.prepare(request)
-                    await response.write(event)
-        except APIError as exc:
-            if not response.prepared:
-                raise
-            await response.write(events.error(exc))
-        except ConnectionError:
-            raise
-        except Exception as exc:
-            if not response.prepared:
-                raise
-            logger.exception("error while streaming %s", request.path)
-            await response.write(events.error(APIError(500, f"internal server error: {type(exc).__name__}: {exc}")))
-        if not response.prepared:
-            await response.prepare(request)
-        await response.write_eof()
-        return response
-    except ConnectionError:  # the client left mid-stream (closing the outputs aborted its request): not an error
-        request[CLIENT_LEFT] = True
-        logger.debug("the client of %s left mid-stream", request.path)
-        return response
+    """Send the events; an error after the first is an ``error`` event in the Responses API's shape."""
+    return await stream_response(request, events.stream(outputs), events.error, b"")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from json.encoder import encode_basestring_ascii
 from typing import Any
@@ -97,18 +97,19 @@ class EventStream:
         """One event: a chunk, or an event an EventTemplate made."""
         await self.response.write(payload if isinstance(payload, bytes) else _event(payload).encode())
 
-    async def fail(self, error: APIError) -> None:
-        await self.response.write(sse_error(error))
-
-    async def close(self) -> web.StreamResponse:
-        await self.response.write(b"data: [DONE]\n\n")
+    async def close(self, done: bytes) -> web.StreamResponse:
+        await self.open()
+        await self.response.write(done)
         await self.response.write_eof()
         return self.response
 
 
-async def stream_response(request: web.Request, chunks: AsyncIterator[dict[str, Any] | bytes]) -> web.StreamResponse:
+async def stream_response(request: web.Request, chunks: AsyncIterator[dict[str, Any] | bytes],
+                          error_event: Callable[[APIError], bytes] = sse_error,
+                          done: bytes = b"data: [DONE]\n\n") -> web.StreamResponse:
     """Send each chunk as an event. An error before the first chunk is an ordinary HTTP error
-    (so e.g. a prompt longer than the context is a 400); after it, an error event, then [DONE]."""
+    (so e.g. a prompt longer than the context is a 400); after it, ``error_event(error)`` in the API's own
+    shape. Then ``done``: OpenAI's ``[DONE]``; the Messages and Responses APIs end with nothing."""
     events = EventStream(request)
     try:
         try:
@@ -119,16 +120,15 @@ async def stream_response(request: web.Request, chunks: AsyncIterator[dict[str, 
         except APIError as exc:
             if not events.opened:
                 raise
-            await events.fail(exc)
+            await events.send(error_event(exc))
         except ConnectionError:
             raise
         except Exception as exc:
             if not events.opened:
                 raise
             logger.exception("error while streaming %s", request.path)
-            await events.fail(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
-        await events.open()
-        return await events.close()
+            await events.send(error_event(APIError(500, f"internal server error: {type(exc).__name__}: {exc}")))
+        return await events.close(done)
     except ConnectionError:  # the client left mid-stream (closing the chunks aborted its requests): not an error
         request[CLIENT_LEFT] = True  # counted as a 499 in the metrics
         logger.debug("the client of %s left mid-stream", request.path)
