@@ -14,22 +14,22 @@ from contextlib import aclosing
 from typing import Any, ClassVar, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import ConfigDict, field_validator
 
 from pluginfer.engine.outputs import RequestOutput
 from pluginfer.engine.pooling import PoolerConfig, PoolingParams, read_pooler_config
 from pluginfer.server.errors import bad_request
 from pluginfer.server.state import STATE, ServerState, read_body
 from pluginfer.server.streaming import run_requests
-from pluginfer.server.unsupported import EMBEDDING, Unsupported, check_fields
+from pluginfer.server.unsupported import EMBEDDING, CheckedRequest, Unsupported
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(CheckedRequest):
     """OpenAI's CreateEmbeddingRequest."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=False)
 
     input: list[str | list[int]]
     model: str | None = None
@@ -39,10 +39,6 @@ class EmbeddingRequest(BaseModel):
 
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = EMBEDDING
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        return check_fields(data, set(cls.model_fields), cls.UNSUPPORTED)
 
     @field_validator("input", mode="before")
     @classmethod

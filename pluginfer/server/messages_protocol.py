@@ -19,7 +19,7 @@ from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import APIError, bad_request
 from pluginfer.server.protocol import SamplingRequest
 from pluginfer.server.tools import FunctionDefinition, NamedToolChoice, Tool, ToolChoice
-from pluginfer.server.unsupported import Unsupported, check_fields
+from pluginfer.server.unsupported import CheckedRequest, Unsupported
 
 if TYPE_CHECKING:
     from pluginfer.engine.outputs import RequestOutput
@@ -37,10 +37,6 @@ def anthropic_error_body(error: APIError) -> dict[str, Any]:
     if error.param and not message.startswith(error.param):
         message = f"{error.param}: {message}"
     return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # check_fields refuses unknown top-level fields
 
 
 class CacheControl(BaseModel):
@@ -192,7 +188,7 @@ MESSAGES: dict[str, Unsupported] = {
 }
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(CheckedRequest):
     """``/v1/messages/count_tokens``: the conversation as ``/v1/messages`` renders it."""
 
     model: str
@@ -205,10 +201,6 @@ class CountTokensRequest(_Body):
 
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = _SHARED
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        return check_fields(data, set(cls.model_fields), cls.UNSUPPORTED)
 
     def openai_tools(self) -> tuple[list[Tool] | None, ToolChoice | None, bool]:
         """(tools, tool_choice, parallel_tool_calls) as the chat endpoint takes them."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pluginfer.core.config import BUILTIN_SAMPLING, SamplingDefaults
 from pluginfer.engine.sequence import SamplingParams
@@ -19,7 +19,7 @@ from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import APIError, bad_request, from_sampling_error
 from pluginfer.server.grammar import ResponseFormat, StructuredOutputsRequest, requested_grammar
 from pluginfer.server.tools import Tool, ToolChoice
-from pluginfer.server.unsupported import CHAT, COMPLETION, Unsupported, check_fields
+from pluginfer.server.unsupported import CHAT, COMPLETION, CheckedRequest, Unsupported, check_metadata
 
 Prompt = str | list[int]
 _INT64_MAX = 2**63 - 1
@@ -105,7 +105,7 @@ def _normalize_stop(value: Any) -> Any:
     return value
 
 
-class SamplingRequest(_Body):
+class SamplingRequest(CheckedRequest):
     """The fields chat and completions share."""
 
     model: str | None = None
@@ -136,12 +136,7 @@ class SamplingRequest(_Body):
     early_stopping: bool | Literal["never"] = False
 
     LOGPROBS_FIELD: ClassVar[str] = "logprobs"  # the request field a SamplingParams.logprobs error names
-    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {}
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        return check_fields(data, set(cls.model_fields), cls.UNSUPPORTED)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -245,10 +240,7 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("metadata")
     @classmethod
     def _check_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
-        if metadata is not None and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512
-                                                               for k, v in metadata.items())):
-            raise ValueError("at most 16 pairs, keys up to 64 characters, values up to 512")
-        return metadata
+        return check_metadata(metadata)
 
     def _max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:

@@ -13,20 +13,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pluginfer.server.errors import APIError, bad_request, from_validation_error
 from pluginfer.server.protocol import ChatCompletionRequest
 from pluginfer.server.tools import FunctionDefinition
-from pluginfer.server.unsupported import RESPONSES, Unsupported, check_fields
+from pluginfer.server.unsupported import RESPONSES, CheckedRequest, Unsupported, check_metadata
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # check_fields refuses unknown fields, naming them
 
 
 class FunctionTool(FunctionDefinition):
@@ -86,7 +82,7 @@ class StreamOptions(_Strict):
     include_obfuscation: Literal[False] = False  # padding events against length side channels: not sent
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(CheckedRequest):
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
@@ -110,10 +106,6 @@ class ResponsesRequest(_Body):
 
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = RESPONSES
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        return check_fields(data, set(cls.model_fields), cls.UNSUPPORTED)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -144,10 +136,7 @@ class ResponsesRequest(_Body):
     @field_validator("metadata")
     @classmethod
     def _check_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
-        if metadata is not None and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512
-                                                               for k, v in metadata.items())):
-            raise ValueError("at most 16 pairs, keys up to 64 characters, values up to 512")
-        return metadata
+        return check_metadata(metadata)
 
     @property
     def stored(self) -> bool:

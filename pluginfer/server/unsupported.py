@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from pluginfer.server.errors import APIError
 
@@ -89,3 +91,22 @@ def check_fields(data: Any, declared: set[str], unsupported: dict[str, Unsupport
 
 def _show(value: Any) -> str:
     return json.dumps(value)
+
+
+class CheckedRequest(BaseModel):
+    """A request body that honours or refuses each field it is sent (``check_fields`` against ``UNSUPPORTED``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)  # check_fields refuses unknown fields, naming them
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return check_fields(data, set(cls.model_fields), cls.UNSUPPORTED)
+
+
+def check_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits on ``metadata``: at most 16 pairs, keys up to 64 characters, values up to 512."""
+    if metadata is not None and (len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
+        raise ValueError("at most 16 pairs, keys up to 64 characters, values up to 512")
+    return metadata
