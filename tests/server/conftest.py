@@ -47,6 +47,22 @@ def wait_until_idle(engine: EngineClient, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+# A ChatML template that renders tools and tool calls as Hermes writes them.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>{{ message.content }}</tool_response>"
+    "<|im_end|>\n"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n{{ message.content or '' }}"
+    "{%- for call in message.tool_calls %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def _busy(stats: EngineStats) -> bool:
     return bool(stats.num_running or stats.num_waiting or stats.num_free_blocks != stats.num_blocks)
 
@@ -83,6 +99,15 @@ def make_server(tiny_llama_checkpoint, async_engine) -> Iterator[Callable[..., B
 @pytest.fixture(scope="package")
 def server(make_server) -> BackgroundServer:
     return make_server()
+
+
+@pytest.fixture
+def tool_template(async_engine) -> Iterator[None]:
+    """TOOL_TEMPLATE in place of the tiny llama's own chat template, which renders no tools."""
+    tokenizer = async_engine.tokenizer
+    plain, tokenizer.chat_template = tokenizer.chat_template, TOOL_TEMPLATE
+    yield
+    tokenizer.chat_template = plain
 
 
 @pytest.fixture(autouse=True)

@@ -21,8 +21,8 @@ from pluginfer.server.launch import BackgroundServer
 from tests.checkpoints import save_hf_model
 from tests.conftest import TINY_LLAMA
 from tests.engine.test_strict_schema import Forecast, closed, get_weather
-from tests.server.conftest import MODEL_NAME, make_client, server_config, start_engine
-from tests.server.test_tools import TOOL_TEMPLATE, _streamed_calls
+from tests.server.conftest import MODEL_NAME, TOOL_TEMPLATE, make_client, server_config, start_engine
+from tests.server.test_tools import _streamed_calls
 
 TOOLS = [convert_to_openai_tool(get_weather), convert_to_openai_tool(Forecast)]
 SCHEMAS = {tool["function"]["name"]: closed(tool["function"]["parameters"]) for tool in TOOLS}

@@ -15,7 +15,7 @@ import pytest
 from anthropic.types import message_create_params
 
 from tests.server.conftest import API_KEY, MODEL_NAME, http, make_client
-from tests.server.test_tools import SCHEMAS, TOOL_TEMPLATE, WEATHER
+from tests.server.test_tools import SCHEMAS, WEATHER
 
 GREEDY = {"extra_body": {"temperature": 0}}
 SYSTEM = "be brief"
@@ -27,12 +27,7 @@ TOOLS = [{"name": "get_weather", "description": "weather now",
 ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def tool_template(async_engine):
-    tokenizer = async_engine.tokenizer
-    plain, tokenizer.chat_template = tokenizer.chat_template, TOOL_TEMPLATE
-    yield
-    tokenizer.chat_template = plain
+pytestmark = pytest.mark.usefixtures("tool_template")
 
 
 def make_anthropic(server, **kwargs) -> anthropic.Anthropic:

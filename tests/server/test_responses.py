@@ -28,35 +28,14 @@ from pluginfer.server.tool_parsers import HermesToolParser
 from pluginfer.server.tools import Tool, ToolCalling
 from tests.server.conftest import MODEL_NAME, http, make_client
 from tests.server.test_request_fields import SPEC, spec_fields
+from tests.server.test_tools import WEATHER
 
 INSTRUCTIONS = "be brief"
 GREEDY = {"model": MODEL_NAME, "temperature": 0}
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-           "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}}}
 TOOL = {"type": "function", "name": "get_weather", "description": "weather now", "parameters": WEATHER}
 CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather now", "parameters": WEATHER}}
-# The tiny llama's own template renders no tools: a ChatML one that does, as tests/server/test_tools.py's.
-TOOL_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>{{ message.content }}</tool_response>"
-    "<|im_end|>\n"
-    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n{{ message.content or '' }}"
-    "{%- for call in message.tool_calls %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
-    "{{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
-@pytest.fixture
-def tool_template(async_engine):
-    tokenizer = async_engine.tokenizer
-    plain, tokenizer.chat_template = tokenizer.chat_template, TOOL_TEMPLATE
-    yield
-    tokenizer.chat_template = plain
 
 
 def _chat(client, messages, **fields):

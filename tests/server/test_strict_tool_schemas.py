@@ -18,18 +18,12 @@ from langchain_openai import ChatOpenAI
 
 from tests.engine.test_strict_schema import Forecast, closed, get_weather
 from tests.server.conftest import API_KEY, MODEL_NAME, make_client
-from tests.server.test_tools import TOOL_TEMPLATE
 
 SEEDS = [1, 2, 3, 4]
 MESSAGES = [{"role": "user", "content": "weather in Oslo?"}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def tool_template(async_engine):
-    tokenizer = async_engine.tokenizer
-    plain, tokenizer.chat_template = tokenizer.chat_template, TOOL_TEMPLATE
-    yield
-    tokenizer.chat_template = plain
+pytestmark = pytest.mark.usefixtures("tool_template")
 
 
 def check_arguments(arguments: dict[str, Any], parameters: dict[str, Any]) -> None:

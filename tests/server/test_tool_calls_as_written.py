@@ -20,9 +20,9 @@ import pytest
 from pluginfer.core.registry import get_registry
 from pluginfer.server.chat import ChoiceText
 from pluginfer.server.tools import Tool, ToolCalling
-from tests.server.conftest import MODEL_NAME, make_client
-from tests.server.test_tools import TOOL_TEMPLATE, _streamed_calls
+from tests.server.conftest import MODEL_NAME, TOOL_TEMPLATE, make_client
 from tests.server.test_tools import TOOLS as SERVED_TOOLS
+from tests.server.test_tools import _streamed_calls
 
 TOOLS = [Tool.model_validate({"type": "function", "function": {"name": name, "parameters": {"type": "object"}}})
          for name in ("get_weather", "get_time", "search", "Bash")]

@@ -17,19 +17,6 @@ import pytest
 from pluginfer.server.core_client import CoreProcessClient
 from tests.server.conftest import MODEL_NAME, http, make_async_client, make_client
 
-TOOL_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>{{ message.content }}</tool_response>"
-    "<|im_end|>\n"
-    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
-    "{%- for call in message.tool_calls %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
-    "{{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}}}
 TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
@@ -42,12 +29,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 HERMES_TEXT = 'I check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module", autouse=True)
-def tool_template(async_engine):
-    tokenizer = async_engine.tokenizer
-    plain, tokenizer.chat_template = tokenizer.chat_template, TOOL_TEMPLATE
-    yield
-    tokenizer.chat_template = plain
+pytestmark = pytest.mark.usefixtures("tool_template")
 
 
 @pytest.fixture(scope="module")
