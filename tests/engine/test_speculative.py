@@ -16,6 +16,7 @@ from pluginfer.core.speculative import DraftRequest
 from pluginfer.engine.engine import LLMEngine
 from pluginfer.engine.sequence import SamplingParams
 from pluginfer.speculative.ngram import NgramProposer
+from tests.engine.staggered import run_staggered
 from tests.server.conftest import server_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -43,20 +44,7 @@ def _run(checkpoint: object, speculative: dict | None, blocks: int = 24) -> tupl
     engine = LLMEngine(server_config(checkpoint, **{"scheduler.max_num_seqs": 8, "cache.num_blocks": blocks,
                                                     "cache.block_size": 4, "max_model_len": 64,
                                                     "speculative_config": speculative}))
-    finished, step = {}, 0
-    try:
-        while step < 20 or engine.has_unfinished_requests():
-            for request_id, (joins, prompt, params) in REQUESTS.items():
-                if joins == step:
-                    engine.add_request(prompt, params, request_id)
-            for output in engine.step():
-                if output.finished:
-                    finished[output.request_id] = [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason)
-                                                   for c in output.outputs]
-            step += 1
-        return finished, engine
-    finally:
-        engine.shutdown()
+    return run_staggered(engine, REQUESTS)[0], engine
 
 
 def _same_logprobs(ours: list | None, theirs: list | None) -> bool:

@@ -15,6 +15,7 @@ from pluginfer.engine.scheduler import Scheduler
 from pluginfer.engine.sequence import SamplingParams
 from pluginfer.engine.step import StepDataBuilder
 from pluginfer.engine.worker import Worker
+from tests.engine.staggered import run_staggered
 from tests.server.conftest import server_config
 
 # (step at which it joins, prompt, params)
@@ -32,20 +33,8 @@ def _run(checkpoint: object, enforce_eager: bool) -> tuple[dict, int, int]:
     engine = LLMEngine(server_config(checkpoint, **{"scheduler.max_num_seqs": 8, "cache.num_blocks": 16,
                                                     "cache.block_size": 4, "max_model_len": 64,
                                                     "enforce_eager": enforce_eager}))
-    finished, step = {}, 0
-    try:
-        while step < 20 or engine.has_unfinished_requests():
-            for request_id, (joins, prompt, params) in REQUESTS.items():
-                if joins == step:
-                    engine.add_request(prompt, params, request_id)
-            for output in engine.step():
-                if output.finished:
-                    finished[output.request_id] = [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason)
-                                                   for c in output.outputs]
-            step += 1
-        return finished, engine.scheduler.num_preemptions, step
-    finally:
-        engine.shutdown()
+    finished, steps = run_staggered(engine, REQUESTS)
+    return finished, engine.scheduler.num_preemptions, steps
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])  # decode steps replayed, or every step eager
