@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import torch
 
-from pluginfer.core.backend_base import BaseDeviceBackend
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.kv_quant import FLOAT_KV_DTYPES, QUANTIZED_KV_DTYPES
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
+from pluginfer.layers.backend_base import BaseDeviceBackend
+from pluginfer.layers.kv_quant import FLOAT_KV_DTYPES, QUANTIZED_KV_DTYPES
 
 ON_CPU = "PLUGINFER_CUDA_ON_CPU"
 
@@ -57,7 +57,7 @@ class CudaBackend(BaseDeviceBackend):
     # Quantized weights run only through this backend's kernels: a format without one is a build-time error
     # (layers.context.quant_kernel), never the torch dequantize path's silent slowness.
     quant_kernels_required = True
-    # Quantized KV caches: write_kv, decode and prefill attention read core/kv_quant.py's rows (kv_codes.py).
+    # Quantized KV caches: write_kv, decode and prefill attention read layers/kv_quant.py's rows (kv_codes.py).
     kv_cache_dtypes = (*FLOAT_KV_DTYPES, *QUANTIZED_KV_DTYPES.values())
 
     def __init__(self, config: object = None, rank: RankInfo | None = None,

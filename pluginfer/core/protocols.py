@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from pluginfer.core.kv_quant import SCALE_BYTES, is_quantized
+from pluginfer.core.kv_layout import SCALE_BYTES, is_quantized
 
 if TYPE_CHECKING:
     from pluginfer.core.batch import ForwardBatch
@@ -322,12 +322,12 @@ class DeviceBackend(Protocol):
 
     The spec's ``check`` tells whether the device is usable on this machine. ``rank.local_rank``
     picks this rank's device; ``rank.local_world_size`` ranks share the machine (and its cores).
-    ``core.backend_base.BaseDeviceBackend`` implements every member over a ``KernelTable``: subclass it and
+    ``layers.backend_base.BaseDeviceBackend`` implements every member over a ``KernelTable``: subclass it and
     override what the device does differently. ``pluginfer.testing.backend_contract`` checks a backend.
 
     Optional ``kv_cache_dtypes`` (API 5): the torch dtypes of the KV caches its attention reads; without it,
     float32, float16 and bfloat16. A quantized cache (``torch.int8``, ``torch.float8_e4m3fn``,
-    ``torch.float8_e5m2``; ``core/kv_quant.py``'s rows of codes and a float32 scale) it lists must be written and
+    ``torch.float8_e5m2``; ``layers/kv_quant.py``'s rows of codes and a float32 scale) it lists must be written and
     read by its ``paged_attention``, which then also honours a ``kv_cache`` carrying fixed scales
     (``kv_quant.fixed_scales``). ``cache.kv_cache_dtype`` outside the list is a start-up error naming both.
     """

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 import torch
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.kv_quant import FixedScaleKVCache, check_kv_cache_dtype
 from pluginfer.core.protocols import (
     BuildContext,
     Collective,
@@ -35,6 +34,7 @@ from pluginfer.engine.plan import RankPlan, build_plugin
 from pluginfer.engine.scoring import is_causal, scores_pooled_rows
 from pluginfer.engine.step import StepData, StepResult
 from pluginfer.layers.context import building
+from pluginfer.layers.kv_quant import FixedScaleKVCache, check_kv_cache_dtype
 from pluginfer.layers.moe import expert_memory
 from pluginfer.layers.weights import LLAMA_STACKED
 

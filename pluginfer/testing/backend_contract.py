@@ -29,9 +29,11 @@ from typing import Any
 
 import torch
 
-from pluginfer.core import kernels, kv_quant
+from pluginfer.core import kernels
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import DecodeForward, DeviceBackend, KVCacheSpec
+from pluginfer.layers import attention_ops, kv_quant
+from pluginfer.layers import ops as layer_ops  # noqa: F401 - defines the ops a backend claims
 
 # Four sequences over 16 blocks of 4 slots, blocks shuffled: two decodes, a chunked prefill of 6 tokens after
 # 8 cached ones, and a whole prompt of 8 (decodes first, as the engine orders a step).
@@ -192,8 +194,8 @@ def _check_attention(backend: DeviceBackend, dtype: torch.dtype, case: str, atol
     if latent:
         expected_value = expected_key[..., :8]
     reference = paged_batch(backend.device, tables, seq_lens, query_lens, BLOCK_SIZE)
-    reference.attention = kernels.paged_attention_metadata(reference)
-    expected = kernels.paged_attention(kernels.KernelTable("reference"), query, key, value,
+    reference.attention = attention_ops.paged_attention_metadata(reference)
+    expected = attention_ops.paged_attention(kernels.KernelTable("reference"), query, key, value,
                                        (expected_key, expected_value), reference, 0.25, window, cap)
     batch = paged_batch(backend.device, tables, seq_lens, query_lens, BLOCK_SIZE)
     batch.attention = backend.prepare(batch)
@@ -215,7 +217,7 @@ def _check_attention(backend: DeviceBackend, dtype: torch.dtype, case: str, atol
 
 def _check_quantized_attention(backend: DeviceBackend, dtype: torch.dtype, atol: float) -> None:
     """A quantized cache the backend lists in ``kv_cache_dtypes``: its write gives the reference's bytes, its
-    attention the reference's result (``core/kv_quant.py``), with a float32 query."""
+    attention the reference's result (``layers/kv_quant.py``), with a float32 query."""
     member = f"paged_attention (quantized KV cache, {dtype})"
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16)
     key_cache, value_cache = backend.allocate_kv_cache(spec, NUM_BLOCKS, BLOCK_SIZE, dtype)[0]
@@ -231,8 +233,8 @@ def _check_quantized_attention(backend: DeviceBackend, dtype: torch.dtype, atol:
     query, key, value = (torch.randn(tokens, heads, 16, generator=generator).to(backend.device) for heads in (4, 2, 2))
     expected_key, expected_value = key_cache.clone(), value_cache.clone()
     reference = paged_batch(backend.device, TABLES, SEQ_LENS, QUERY_LENS, BLOCK_SIZE)
-    reference.attention = kernels.paged_attention_metadata(reference)
-    expected = kernels.paged_attention(kernels.KernelTable("reference"), query, key, value,
+    reference.attention = attention_ops.paged_attention_metadata(reference)
+    expected = attention_ops.paged_attention(kernels.KernelTable("reference"), query, key, value,
                                        (expected_key, expected_value), reference, 0.25, None, None)
     batch = paged_batch(backend.device, TABLES, SEQ_LENS, QUERY_LENS, BLOCK_SIZE)
     batch.attention = backend.prepare(batch)
@@ -244,7 +246,7 @@ def _check_quantized_attention(backend: DeviceBackend, dtype: torch.dtype, atol:
     for name, mine, theirs in (("keys", key_cache, expected_key), ("values", value_cache, expected_value)):
         if not torch.equal(mine.view(torch.uint8).cpu(), theirs.view(torch.uint8).cpu()):
             raise _fail(member, f"the cache's {name} differ from the reference write's bytes (codes rounded to "
-                        "nearest even from x / scale, the scale absmax / code max: core/kv_quant.py)")
+                        "nearest even from x / scale, the scale absmax / code max: layers/kv_quant.py)")
 
 
 def _check_copy_blocks(backend: DeviceBackend, dtype: torch.dtype) -> None:

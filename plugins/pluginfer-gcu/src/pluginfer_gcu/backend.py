@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from pluginfer.core.backend_base import BaseDeviceBackend
 from pluginfer.core.protocols import RankInfo
+from pluginfer.layers.backend_base import BaseDeviceBackend
 from pluginfer_gcu import device as gcu
 
 
