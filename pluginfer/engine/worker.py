@@ -17,14 +17,9 @@ from typing import Any, TypeVar
 import torch
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import (
-    BuildContext,
-    Collective,
-    DecodeForward,
-    IntermediateTensors,
-    RankInfo,
-    stage_layers,
-)
+from pluginfer.core.collective import Collective
+from pluginfer.core.device_backend import DecodeForward
+from pluginfer.core.protocols import BuildContext, IntermediateTensors, RankInfo, stage_layers
 from pluginfer.core.registry import Registry
 from pluginfer.engine.input_batch import InputBatch
 from pluginfer.engine.kv_scales import ScaleTensors, fixed_scales

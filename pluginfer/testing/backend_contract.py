@@ -31,7 +31,8 @@ import torch
 
 from pluginfer.core import kernels
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import DecodeForward, DeviceBackend, KVCacheSpec
+from pluginfer.core.device_backend import DecodeForward, DeviceBackend
+from pluginfer.core.protocols import KVCacheSpec
 from pluginfer.layers import attention_ops, kv_quant
 from pluginfer.layers import ops as layer_ops  # noqa: F401 - defines the ops a backend claims
 

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from pluginfer.collectives import mpi as mpi_plugin
+from pluginfer.core.collective import Collective
 from pluginfer.core.config import EngineConfig
-from pluginfer.core.protocols import Collective, RankInfo
+from pluginfer.core.protocols import RankInfo
 from pluginfer.core.registry import get_registry
 from pluginfer.layers.collective_common import check_partition, concat_gathered
 from pluginfer.testing.collective_contract import check_contract
