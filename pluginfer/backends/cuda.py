@@ -1,6 +1,6 @@
 """The cuda backend: paged KV cache in GPU memory, Triton kernels for attention and the fused layer ops.
 
-Every kernel is an op of ``pluginfer.core.kernels`` and is registered into this backend's
+Every kernel is an op of the kernel table (``pluginfer.core.kernels``) and is registered into this backend's
 ``KernelTable`` (``backends/triton_kernels/``, one module per op); layers and quant methods get them
 through ``op(name)``. The quantized linears run only through their kernels (Marlin, GPTQ/AWQ, int8,
 GGUF Q8_0/Q4_0): a format without one is a build-time error (``quant_kernels_required``). What has no

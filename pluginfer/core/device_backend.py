@@ -101,8 +101,8 @@ class DeviceBackend(Protocol):
 
         Layers look it up once when built and fall back to their torch reference when the
         kernel returns None (or False) for inputs it does not handle. Ops and their signatures are
-        those of ``pluginfer.core.kernels`` (a backend keeps a ``KernelTable``: the dense weight layouts,
-        ``dense_layout`` / ``dense_pack`` / ``dense_linear``, are table ops too); the cpu backend also
+        those of the kernel table, ``pluginfer.core.kernels`` (a backend keeps a ``KernelTable``: the dense weight
+        layouts, ``dense_layout`` / ``dense_pack`` / ``dense_linear``, are table ops too); the cpu backend also
         answers its native format ops (``ggml_dequantize``, ``grouped_dequantize``, ...).
         """
 

@@ -10,7 +10,7 @@ backend plugin calls it from its own test suite, with its device or with a CPU s
   dtype, on the device, with the bytes per block the spec says (so the engine's budget arithmetic holds);
   layers do not share memory; with ``value_in_key`` the value is a view of the key's first features;
 - ``prepare`` + ``paged_attention`` on a paged batch (decodes, a chunked prefill over cached keys, a whole
-  prompt; blocks shuffled) against the kernel table's torch references (``pluginfer.core.kernels``), with
+  prompt; blocks shuffled) against the kernel table's torch references (``pluginfer.layers.attention_ops``), with
   GQA, a sliding window with a soft cap, and a value inside the key; the cache written at ``slot_mapping``;
   and for each quantized dtype in the optional ``kv_cache_dtypes``, the same against the reference's bytes;
 - ``copy_blocks``: whole blocks copied in every layer, the rest untouched, an empty list a no-op;

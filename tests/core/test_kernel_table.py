@@ -1,4 +1,4 @@
-"""The open kernel table (``core/kernel_table.py``): a plugin defines an op, backends implement it.
+"""The open kernel table (``core/kernels.py``): a plugin defines an op, backends implement it.
 
 The oracle of each kernel here is the op's own torch reference (``torch.nn.functional.softmax``'s
 arithmetic), the contract a plugin's op would carry.
