@@ -186,6 +186,9 @@ class ModelPipeline(Protocol):
     may say ``num_layers`` 0 (no cache is allocated). ``num_labels`` (0): a sequence classifier's label count
     (a cross-encoder: 1); a score request's pooled row (the first token's final hidden state) goes through
     ``compute_logits``, which returns ``[rows, num_labels]``, and the pipeline serves scores, not embeddings.
+    ``weight_routes()`` (llama's): with LoRA on, the ``(fused parameter part, checkpoint part, shard id)`` routes
+    of the fused projections (``layers.weights.LLAMA_STACKED``: ``(".qkv_proj.", ".q_proj.", "q")``, ...), which
+    place an adapter's per-projection tensors in the fused layers.
     """
 
     # API 3. False when the pipeline was loaded without an LM head (an embedding model's bare decoder): the
