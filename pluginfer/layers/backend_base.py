@@ -1,6 +1,6 @@
 """``BaseDeviceBackend``: the ``DeviceBackend`` members every device shares, written over a ``KernelTable``.
 
-The protocol (``core/protocols.py``) stays the contract; this class is a convenience that satisfies it. A
+The protocol (``core/device_backend.py``) stays the contract; this class is a convenience that satisfies it. A
 subclass sets ``name`` (and ``default_collective``, ``quant_kernels_required`` where they differ), calls
 ``super().__init__(device)``, registers its kernels into ``self.kernels``, and overrides what its device
 does differently: ``free_memory`` where torch has no ``torch.<device>.mem_get_info``, ``capture_decode``

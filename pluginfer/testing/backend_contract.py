@@ -1,7 +1,7 @@
 """Conformance kit: what every ``DeviceBackend`` owes the engine, checked on small tensors.
 
 ``check_backend(backend)`` (an instance, or a factory called with no arguments) raises AssertionError on the
-first broken promise of the protocol (``pluginfer/core/protocols.py``), naming the member. A third-party
+first broken promise of the protocol (``pluginfer/core/device_backend.py``), naming the member. A third-party
 backend plugin calls it from its own test suite, with its device or with a CPU stand-in of it. It checks:
 
 - the attributes: ``name``, ``device``, ``default_collective``, ``quant_kernels_required``;
