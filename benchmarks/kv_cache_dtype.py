@@ -17,9 +17,9 @@ import time
 import torch
 
 from pluginfer.backends.cpu.backend import CpuBackend
-from pluginfer.core.kv_quant import QUANTIZED_KV_DTYPES
 from pluginfer.core.protocols import KVCacheSpec
 from pluginfer.engine.plan import resolve_dtype
+from pluginfer.layers.kv_quant import QUANTIZED_KV_DTYPES
 from pluginfer.testing import backend_contract
 
 BLOCK = 16
@@ -79,9 +79,9 @@ def main() -> None:
 
 def _fill(pair: tuple, history: object, values: torch.Tensor) -> None:
     """Every earlier position's key and value, written by the reference write."""
-    from pluginfer.core import kernels
+    from pluginfer.layers import attention_ops
 
-    kernels.write_kv(values, values, pair[0], pair[1], history.slot_mapping)
+    attention_ops.write_kv(values, values, pair[0], pair[1], history.slot_mapping)
 
 
 if __name__ == "__main__":

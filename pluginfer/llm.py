@@ -6,8 +6,8 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Any
 
+from pluginfer.cli.options import dotted_keywords
 from pluginfer.core.config import build_config
-from pluginfer.core.options import dotted_keywords
 from pluginfer.engine.beam_search import Beam, BeamSearchParams
 from pluginfer.engine.engine import LLMEngine
 from pluginfer.engine.lora_request import LoRARequest

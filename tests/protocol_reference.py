@@ -1,6 +1,7 @@
 """docs/protocols.md from the contracts themselves: every member of every plugin-facing protocol and value class
-in ``pluginfer/core``, with its signature and docstring. ``python -m tests.protocol_reference`` rewrites the page;
-tests/test_protocol_reference.py fails while it is out of date."""
+in ``pluginfer/core`` (and the backend base class in ``pluginfer/layers``), with its signature and docstring.
+``python -m tests.protocol_reference`` rewrites the page; tests/test_protocol_reference.py fails while it is
+out of date."""
 
 from __future__ import annotations
 
@@ -8,24 +9,27 @@ import ast
 import inspect
 from pathlib import Path
 
-CORE = Path(__file__).resolve().parents[1] / "pluginfer" / "core"
-PAGE = CORE.parents[1] / "docs" / "protocols.md"
-# (module file, classes in the order a plugin author meets them)
+PACKAGE = Path(__file__).resolve().parents[1] / "pluginfer"
+PAGE = PACKAGE.parent / "docs" / "protocols.md"
+# (module file under pluginfer/, classes in the order a plugin author meets them)
 SECTIONS = [
-    ("protocols.py", ["ModelPipeline", "BuildContext", "ShardSpec", "KVCacheSpec", "IntermediateTensors",
-                      "QuantMethod", "VocabTable", "DeviceBackend", "DecodeForward", "RankInfo", "Collective",
-                      "MultiModalProcessor", "MultiModalPrompt"]),
-    ("batch.py", ["ForwardBatch"]),
-    ("parsers.py", ["ToolCallParser", "ToolCallSyntax", "ToolCallText", "FunctionCall", "ReasoningParser"]),
-    ("serving.py", ["EndpointContext", "ServingEngine", "RequestProcessor", "PromptRequest", "RequestProcessorError"]),
-    ("checkpoint.py", ["Checkpoint", "CheckpointError", "ModelNotFoundError"]),
-    ("kernel_table.py", ["define_op", "implement", "KernelTable", "KernelOp"]),
-    ("backend_base.py", ["BaseDeviceBackend"]),
+    ("core/protocols.py", ["ModelPipeline", "BuildContext", "ShardSpec", "KVCacheSpec", "IntermediateTensors",
+                           "QuantMethod", "VocabTable", "RankInfo", "MultiModalProcessor", "MultiModalPrompt"]),
+    ("core/device_backend.py", ["DeviceBackend", "DecodeForward"]),
+    ("core/collective.py", ["Collective"]),
+    ("core/batch.py", ["ForwardBatch"]),
+    ("core/parsers.py", ["ToolCallParser", "ToolCallSyntax", "ToolCallText", "FunctionCall", "ReasoningParser"]),
+    ("core/serving.py", ["EndpointContext", "ServingEngine", "RequestProcessor", "PromptRequest",
+                         "RequestProcessorError"]),
+    ("core/checkpoint.py", ["Checkpoint", "CheckpointError", "ModelNotFoundError"]),
+    ("core/speculative.py", ["Proposer", "DraftRequest"]),
+    ("core/kernels.py", ["define_op", "implement", "KernelTable", "KernelOp"]),
+    ("layers/backend_base.py", ["BaseDeviceBackend"]),
 ]
 HEADER = """# Protocol reference
 
 Every member the core calls on a plugin, and the values it hands over, as `pluginfer/core` declares them:
-the signature and the contract (the docstring). Generated from the code (`python -m tests.protocol_reference`;
+the signature and the contract (the docstring); last, the base class a backend may subclass. Generated from the code (`python -m tests.protocol_reference`;
 a test fails while this page is out of date). How to register each kind: `docs/plugins.md`.
 """
 
@@ -61,9 +65,9 @@ def _members(cls: ast.ClassDef) -> list[str]:
 def render() -> str:
     out = [HEADER]
     for module, names in SECTIONS:
-        tree = ast.parse((CORE / module).read_text())
+        tree = ast.parse((PACKAGE / module).read_text())
         nodes = {node.name: node for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
-        out.append(f"## `pluginfer.core.{module[:-3]}`\n")
+        out.append(f"## `pluginfer.{module[:-3].replace('/', '.')}`\n")
         for name in names:
             cls = nodes[name]
             if isinstance(cls, ast.FunctionDef):

@@ -179,7 +179,7 @@ def _group(text: str, title: str) -> str:
 
 
 def test_serve_help_groups_the_flags_by_config_section_and_hides_the_test_only_ones(capsys):
-    from pluginfer.core.options import options
+    from pluginfer.cli.options import options
 
     text = _help("serve", capsys=capsys)
     assert text.startswith("usage: pluginfer serve --model MODEL [--config FILE] [options]\n")

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from pluginfer import LLM
-from pluginfer.core import kernels
 from pluginfer.core.protocols import KVCacheSpec
 from pluginfer.core.registry import Registry
+from pluginfer.layers import attention_ops
 
 try:
     importlib.metadata.distribution("pluginfer-gcu")
@@ -132,7 +132,7 @@ def test_backend_attention_on_the_cpu_equals_the_reference() -> None:
     latent = backend.allocate_kv_cache(KVCacheSpec(1, 1, 24, value_in_key=16), 4, 4, torch.float16)[0]
     assert latent[1].data_ptr() == latent[0].data_ptr() and latent[1].shape[-1] == 16
     assert isinstance(backend.prepare(paged_batch(backend, tables, seq_lens, query_lens, 4)),
-                      kernels.PagedAttentionMetadata)
+                      attention_ops.PagedAttentionMetadata)
 
 
 def test_backend_without_a_memory_probe_names_the_fields_to_set() -> None:

@@ -1,6 +1,6 @@
 """The cuda backend: paged KV cache in GPU memory, Triton kernels for attention and the fused layer ops.
 
-Every kernel is an op of ``pluginfer.core.kernels`` and is registered into this backend's
+Every kernel is an op of the kernel table (``pluginfer.core.kernels``) and is registered into this backend's
 ``KernelTable`` (``backends/triton_kernels/``, one module per op); layers and quant methods get them
 through ``op(name)``. The quantized linears run only through their kernels (Marlin, GPTQ/AWQ, int8,
 GGUF Q8_0/Q4_0): a format without one is a build-time error (``quant_kernels_required``). What has no
@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import torch
 
-from pluginfer.core.backend_base import BaseDeviceBackend
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.kv_quant import FLOAT_KV_DTYPES, QUANTIZED_KV_DTYPES
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
+from pluginfer.layers.backend_base import BaseDeviceBackend
+from pluginfer.layers.kv_quant import FLOAT_KV_DTYPES, QUANTIZED_KV_DTYPES
 
 ON_CPU = "PLUGINFER_CUDA_ON_CPU"
 
@@ -57,7 +57,7 @@ class CudaBackend(BaseDeviceBackend):
     # Quantized weights run only through this backend's kernels: a format without one is a build-time error
     # (layers.context.quant_kernel), never the torch dequantize path's silent slowness.
     quant_kernels_required = True
-    # Quantized KV caches: write_kv, decode and prefill attention read core/kv_quant.py's rows (kv_codes.py).
+    # Quantized KV caches: write_kv, decode and prefill attention read layers/kv_quant.py's rows (kv_codes.py).
     kv_cache_dtypes = (*FLOAT_KV_DTYPES, *QUANTIZED_KV_DTYPES.values())
 
     def __init__(self, config: object = None, rank: RankInfo | None = None,

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.kernels import PagedAttentionMetadata
+from pluginfer.layers.attention_ops import PagedAttentionMetadata
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

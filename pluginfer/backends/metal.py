@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from pluginfer.backends.cpu.backend import CpuAttentionMetadata, CpuBackend
-from pluginfer.core.backend_base import BaseDeviceBackend
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.protocols import RankInfo
+from pluginfer.layers.backend_base import BaseDeviceBackend
 
 
 def why_not_usable() -> str | None:

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from pluginfer.core.config import EngineConfig
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--config`` and a flag for every engine field (``pluginfer.core.options``); flags override the file."""
-    from pluginfer.core.options import add_arguments
+    """``--config`` and a flag for every engine field (``pluginfer.cli.options``); flags override the file."""
+    from pluginfer.cli.options import add_arguments
 
     parser.add_argument("--config", help="deployment file (YAML or JSON); flags override it")
     parser.add_argument("--speculative-config", type=_json_object, metavar="JSON",
@@ -28,7 +28,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_overrides(args: argparse.Namespace) -> dict:
     """The dotted fields the flags set, ``--speculative-config`` under the flags of its section."""
-    from pluginfer.core.options import overrides
+    from pluginfer.cli.options import overrides
 
     flags = overrides(args)
     return {"speculative_config": args.speculative_config, **flags} if args.speculative_config else flags

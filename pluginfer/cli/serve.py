@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def register(commands: argparse._SubParsersAction, add_engine_arguments: Callable) -> None:
-    from pluginfer.core.options import add_arguments
+    from pluginfer.cli.options import add_arguments
 
     serve = commands.add_parser(
         "serve", help="serve the OpenAI API (chat, completions, models, metrics) and a chat page at /",

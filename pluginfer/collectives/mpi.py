@@ -19,7 +19,7 @@ Timeouts: MPI has none. A blocked call waits forever for its peers; what ends it
 the launcher: ``mpiexec`` kills every rank of the job as soon as one exits without ``MPI_Finalize`` or
 with a non-zero status. ``config.parallel.timeout_s`` is not used.
 
-Traffic: ``stats`` maps each operation to ``[calls, bytes]`` as in ``core/torch_collective.py``.
+Traffic: ``stats`` maps each operation to ``[calls, bytes]`` as in ``layers/torch_collective.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pluginfer.core.collective_common import Stats, check_partition, concat_gathered, count
+from pluginfer.layers.collective_common import Stats, check_partition, concat_gathered, count
 
 if TYPE_CHECKING:
     from pluginfer.core.config import EngineConfig

@@ -1,6 +1,6 @@
 """The ``gloo`` (CPU tensors) and ``nccl`` (CUDA tensors) collectives over ``torch.distributed``.
 
-Both are the core's ``TorchDistributedCollective`` (``pluginfer/core/torch_collective.py``: rendezvous,
+Both are the core's ``TorchDistributedCollective`` (``pluginfer/layers/torch_collective.py``: rendezvous,
 timeouts, groups, objects, traffic counters) joined over their library.
 """
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from pluginfer.core.torch_collective import TorchDistributedCollective, join
+from pluginfer.layers.torch_collective import TorchDistributedCollective, join
 
 if TYPE_CHECKING:
     from pluginfer.core.config import EngineConfig

@@ -1,7 +1,8 @@
-"""The four protocols a plugin implements: ModelPipeline, QuantMethod, DeviceBackend, Collective.
+"""The protocols of the engine's model-side plugins: ModelPipeline (with its MultiModalProcessor) and QuantMethod,
+and the values the engine hands them (BuildContext, ShardSpec, KVCacheSpec, RankInfo, IntermediateTensors).
 
-A plugin registers a *spec* (see ``hookspecs.PluginSpec``) whose ``factory`` points at a
-callable building one of these. The core only ever talks to plugins through them.
+A plugin registers a *spec* (``core/specs.py``) whose ``factory`` points at a callable building one of these.
+The device and communication plugins' protocols are ``core/device_backend.py`` and ``core/collective.py``.
 """
 
 from __future__ import annotations
@@ -12,24 +13,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from pluginfer.core.kv_quant import SCALE_BYTES, is_quantized
+from pluginfer.core.kv_layout import SCALE_BYTES, is_quantized
 
 if TYPE_CHECKING:
     from pluginfer.core.batch import ForwardBatch
-
-
-@dataclass(frozen=True)
-class DecodeForward:
-    """What a worker hands ``DeviceBackend.capture_decode``: the model's forward and its LM head, called as
-    one (a decode batch -> float32 logits of its sampled rows). A backend that captures the whole step
-    calls it as it is; one that may fail to capture the head (the cpu backend's recorder refuses a
-    soft-capping ``tanh``) captures ``forward`` and runs ``compute_logits`` after it."""
-
-    forward: Any  # (batch: ForwardBatch) -> hidden states of the sampled rows
-    compute_logits: Any  # (hidden) -> float32 logits
-
-    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.compute_logits(self.forward(batch))
+    from pluginfer.core.collective import Collective
+    from pluginfer.core.device_backend import DeviceBackend
 
 
 @dataclass(frozen=True)
@@ -197,6 +186,9 @@ class ModelPipeline(Protocol):
     may say ``num_layers`` 0 (no cache is allocated). ``num_labels`` (0): a sequence classifier's label count
     (a cross-encoder: 1); a score request's pooled row (the first token's final hidden state) goes through
     ``compute_logits``, which returns ``[rows, num_labels]``, and the pipeline serves scores, not embeddings.
+    ``weight_routes()`` (llama's): with LoRA on, the ``(fused parameter part, checkpoint part, shard id)`` routes
+    of the fused projections (``layers.weights.LLAMA_STACKED``: ``(".qkv_proj.", ".q_proj.", "q")``, ...), which
+    place an adapter's per-projection tensors in the fused layers.
     """
 
     # API 3. False when the pipeline was loaded without an LM head (an embedding model's bare decoder): the
@@ -314,145 +306,3 @@ class VocabTable(Protocol):
 
     def logits(self, hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``hidden @ table.T + bias``: ``[..., hidden]`` to ``[..., rows]``."""
-
-
-@runtime_checkable
-class DeviceBackend(Protocol):
-    """One device. Factory: ``factory(config: EngineConfig, rank: RankInfo)``.
-
-    The spec's ``check`` tells whether the device is usable on this machine. ``rank.local_rank``
-    picks this rank's device; ``rank.local_world_size`` ranks share the machine (and its cores).
-    ``core.backend_base.BaseDeviceBackend`` implements every member over a ``KernelTable``: subclass it and
-    override what the device does differently. ``pluginfer.testing.backend_contract`` checks a backend.
-
-    Optional ``kv_cache_dtypes`` (API 5): the torch dtypes of the KV caches its attention reads; without it,
-    float32, float16 and bfloat16. A quantized cache (``torch.int8``, ``torch.float8_e4m3fn``,
-    ``torch.float8_e5m2``; ``core/kv_quant.py``'s rows of codes and a float32 scale) it lists must be written and
-    read by its ``paged_attention``, which then also honours a ``kv_cache`` carrying fixed scales
-    (``kv_quant.fixed_scales``). ``cache.kv_cache_dtype`` outside the list is a start-up error naming both.
-    """
-
-    name: str
-    device: torch.device
-    # The collective plugin ``parallel.collective: auto`` uses with several ranks ("gloo", "nccl", ...).
-    default_collective: str
-    # API 3. True: quantized weights run only through this backend's kernels, and a quant format whose matmul
-    # op it lacks is a build-time error naming both (``layers.context.quant_kernel``) instead of the quant
-    # method's torch dequantize path. False (the cpu backend): that torch path is this backend's fallback.
-    quant_kernels_required: bool
-
-    def kv_cache_budget_bytes(self, requested: int | None, fraction: float) -> int:
-        """Bytes the paged cache may take: ``requested`` if given, else a fraction of what is free."""
-
-    def allocate_kv_cache(
-        self, spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (key, value) pair of tensors per layer, ``[num_blocks, block_size, heads, dim]``; of a quantized
-        ``dtype``, ``[..., dim + 4]`` (``kv_quant.row_width``: each row's codes, then its scale's bytes).
-
-        With ``spec.value_in_key`` the value tensor is a view of the key tensor's first features
-        (no storage of its own).
-        """
-
-    def prepare(self, batch: ForwardBatch) -> Any:
-        """Build attention metadata once per step (masks, gather indices); stored in ``batch.attention``."""
-
-    def paged_attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        batch: ForwardBatch,
-        scale: float,
-        sliding_window: int | None = None,
-        logit_soft_cap: float | None = None,
-    ) -> torch.Tensor:
-        """Write this step's ``key``/``value`` into the cache at ``batch.slot_mapping``, then attend.
-
-        ``query`` is ``[num_tokens, heads, head_dim]``, ``key``/``value`` are
-        ``[num_tokens, kv_heads, head_dim]``; causal within each sequence, limited to the
-        last ``sliding_window`` positions when given. Returns ``[num_tokens, heads, v_dim]``.
-        ``value`` None: the cache's value is a view of its key (``KVCacheSpec.value_in_key``);
-        only the key is written. ``logit_soft_cap``: scores become ``cap * tanh(scores / cap)``
-        before the softmax (Gemma 2).
-        """
-
-    def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                    copies: list[tuple[int, int]]) -> None:
-        """Copy whole cache blocks ``src -> dst`` in every layer (n > 1 children forking a partial block)."""
-
-    def synchronize(self) -> None:
-        """Wait for queued device work (timings and host reads)."""
-
-    def op(self, name: str) -> Any:
-        """Optional: a faster kernel for a layer or quant op ("rms_norm", "rotary_neox", "marlin_matmul", ...), or None.
-
-        Layers look it up once when built and fall back to their torch reference when the
-        kernel returns None (or False) for inputs it does not handle. Ops and their signatures are
-        those of ``pluginfer.core.kernels`` (a backend keeps a ``KernelTable``: the dense weight layouts,
-        ``dense_layout`` / ``dense_pack`` / ``dense_linear``, are table ops too); the cpu backend also
-        answers its native format ops (``ggml_dequantize``, ``grouped_dequantize``, ...).
-        """
-
-    def capture_decode(
-        self, forward: Any, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-    ) -> Any:
-        """Replays of decode steps (API 3), or None to run every step eagerly (most backends).
-
-        Called once by each worker after its KV cache is allocated, unless ``enforce_eager`` is set or
-        pipeline parallelism is on; ``forward(batch)`` is the model's forward followed by its LM head (a
-        ``DecodeForward``: float32 logits of the sampled rows). The callable returned takes each step's batch
-        and gives what ``forward`` gives, the logits, from a replay (the cuda backend's CUDA graphs of decode
-        steps at bucketed batch sizes), or None: the worker then runs that step eagerly. The worker calls it
-        outside ``torch.inference_mode`` (a replay of a tiny model's step is ~10 us faster without it): a
-        replay that runs torch ops, or records, enters it itself. The block tables it is given may be narrower than ``max_blocks_per_seq``, and the batch has
-        no ``attention`` metadata yet (``prepare`` runs only for the steps that run eagerly).
-        """
-
-
-@runtime_checkable
-class Collective(Protocol):
-    """One communication library over a group of ranks. Factory: ``factory(config: EngineConfig, rank: RankInfo)``.
-
-    The factory joins the whole world (``rank.world_size`` processes; rendezvous at
-    ``rank.master_addr:master_port`` where the library needs one) within
-    ``config.parallel.timeout_s`` or raises. ``rank`` and ``world_size`` are this process's place in
-    *this* group; ``src`` / ``dst`` below are ranks of this group. Every call is collective (all
-    members make it, in the same order) except ``send`` / ``recv``. A peer that died or a wait past
-    the timeout raises ``RuntimeError``; it never hangs forever.
-    """
-
-    rank: int
-    world_size: int
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place where the library allows; returns the result."""
-
-    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's tensor (same shape on every rank) along ``dim``, in rank order."""
-
-    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Overwrite ``tensor`` on every rank with ``src``'s (same shape and dtype everywhere); returns it."""
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Send a picklable object (e.g. a ``StepInput``) from ``src``; every rank returns it."""
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable object, in rank order."""
-
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Point to point: hand ``tensor`` to rank ``dst`` (which calls ``recv`` with the same shape)."""
-
-    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        """Point to point: fill ``tensor`` with what rank ``src`` sent; returns it."""
-
-    def barrier(self) -> None:
-        """Wait until every rank arrives."""
-
-    def new_group(self, partition: list[list[int]]) -> Collective:
-        """Split into disjoint groups (lists of this group's ranks covering all of them); every rank
-        calls it with the same partition and gets the group it belongs to."""
-
-    def close(self) -> None:
-        """Leave the group and release the library's resources (idempotent)."""

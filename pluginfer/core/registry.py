@@ -8,7 +8,6 @@ with its entry points (a source checkout on ``PYTHONPATH``), once.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import logging
@@ -17,18 +16,17 @@ import re
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 import pluggy
 
 from pluginfer.core import hookspecs
-from pluginfer.core.hookspecs import HOOKS_BY_KIND, PROJECT_NAME
+from pluginfer.core.hookspecs import PROJECT_NAME
+from pluginfer.core.plugin_record import PluginInfo, collect_specs, unknown_hook_message, version_message
 from pluginfer.core.specs import (
     CLAIMING_KINDS,
     KINDS,
     PLUGIN_API_VERSION,
-    SPEC_CLASSES,
     CheckpointFormatSpec,
     CollectiveSpec,
     ModelSpec,
@@ -60,26 +58,6 @@ class BrokenPluginError(PluginError):
 
 class PluginVersionError(BrokenPluginError):
     """The plugin was written for plugin API versions this pluginfer does not implement."""
-
-
-@dataclass
-class PluginInfo:
-    """One entry point (or in-process plugin) and what came of loading it."""
-
-    name: str
-    distribution: str
-    version: str
-    specs: list[PluginSpec] = field(default_factory=list)
-    error: str | None = None
-    skipped: bool = False
-    hooks: list[str] = field(default_factory=list)
-
-    @property
-    def label(self) -> str:
-        """``name (distribution version)``, as `pluginfer plugins` prints it."""
-        if self.distribution.startswith("(") and not self.version:
-            return f"{self.name} {self.distribution}"
-        return f"{self.name} ({' '.join(filter(None, (self.distribution, self.version)))})"
 
 
 _Claim = tuple[PluginInfo, PluginSpec]  # a spec and the plugin that registered it
@@ -177,7 +155,7 @@ class Registry:
             return self._pick(kind, name, found)[1]
         for info, spec in self._candidates(kind, name, healthy=False):
             if PLUGIN_API_VERSION not in spec.api_versions:
-                raise PluginVersionError(_version_message(info, spec))
+                raise PluginVersionError(version_message(info, spec))
             raise BrokenPluginError(
                 f"{kind} {name!r} comes from plugin {info.label}, which is broken: {info.error}; "
                 "fix or reinstall that plugin (see `pluginfer plugins`)"
@@ -308,53 +286,14 @@ class Registry:
         try:
             self._pm.check_pending()
         except pluggy.PluginValidationError:
-            info.error = self._unknown_hook_message(plugin)
+            info.error = unknown_hook_message(self._pm, plugin)
         if info.error is None and not self._pm.get_hookcallers(plugin):
             info.error = "defines no hooks; decorate them with pluginfer.core.hookspecs.hookimpl"
         info.hooks = sorted(caller.name for caller in self._pm.get_hookcallers(plugin) or [])
         if info.error is None:
-            info.error = "; ".join(self._collect_specs(plugin, info)) or None
+            info.error = "; ".join(collect_specs(self._pm, plugin, info)) or None
         if info.error is not None:
             self._pm.unregister(plugin)
-
-    def _unknown_hook_message(self, plugin: object) -> str:
-        known = sorted(name for name, hook in vars(self._pm.hook).items() if hook.has_spec())
-        problems = []
-        for caller in self._pm.get_hookcallers(plugin) or []:
-            if not caller.has_spec():
-                close = difflib.get_close_matches(caller.name, known, n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"the hooks are {', '.join(known)}"
-                problems.append(f"implements unknown hook {caller.name!r}; {hint}")
-        return "; ".join(problems) + " (rename the function to a pluginfer hook)"
-
-    def _collect_specs(self, plugin: object, info: PluginInfo) -> list[str]:
-        errors = []
-        others = [other for other in self._pm.get_plugins() if other is not plugin]
-        for kind, hook_name in HOOKS_BY_KIND.items():
-            caller = self._pm.subset_hook_caller(hook_name, remove_plugins=others)  # one plugin, still traced
-            if not caller.get_hookimpls():
-                continue
-            try:
-                results = caller()
-            except (Exception, SystemExit) as exc:  # the hook's own bug; recorded so the other plugins still load
-                errors.append(f"hook {hook_name} raised {type(exc).__name__}: {exc}")
-                continue
-            for result in results:
-                wanted = SPEC_CLASSES[kind].__name__
-                if not isinstance(result, (list, tuple)):
-                    errors.append(f"hook {hook_name} must return a list of {wanted}, got {result!r}")
-                    continue
-                for spec in result:
-                    if not isinstance(spec, PluginSpec):
-                        errors.append(f"hook {hook_name} returned {spec!r}, which is not a {wanted}")
-                    elif spec.kind != kind:
-                        right = HOOKS_BY_KIND[spec.kind]
-                        errors.append(f"{hook_name} gave {type(spec).__name__} {spec.name!r}; return it from {right}")
-                    else:
-                        info.specs.append(spec)
-                        if PLUGIN_API_VERSION not in spec.api_versions:
-                            errors.append(_version_message(info, spec))
-        return errors
 
     def _find(self, name: str) -> list[PluginInfo]:
         return [info for info in self._plugins if info.name == name]
@@ -435,15 +374,6 @@ def _check_kind(kind: str) -> None:
 
 def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name.strip()).lower()
-
-
-def _version_message(info: PluginInfo, spec: PluginSpec) -> str:
-    versions = ", ".join(str(v) for v in spec.api_versions)
-    return (
-        f"plugin {info.name} was written for plugin API versions ({versions}), this pluginfer has "
-        f"{PLUGIN_API_VERSION} ({spec.kind} {spec.name!r}); install a release of {info.distribution} "
-        f"for API {PLUGIN_API_VERSION}, or a pluginfer it supports"
-    )
 
 
 def _trace_writer() -> Callable[[str], object]:

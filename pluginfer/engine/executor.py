@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pluginfer.core.collective import Collective
 from pluginfer.core.config import EngineConfig
-from pluginfer.core.protocols import Collective, RankInfo
+from pluginfer.core.protocols import RankInfo
 from pluginfer.core.registry import Registry, get_registry
 from pluginfer.engine.launch import LocalWorkers, detect_launcher, rank_info
 from pluginfer.engine.loader import resolve_model_path

@@ -1,4 +1,4 @@
-"""Fixed KV cache scales a checkpoint ships, for a quantized cache (``core/kv_quant.py``): every row a layer's
+"""Fixed KV cache scales a checkpoint ships, for a quantized cache (``layers/kv_quant.py``): every row a layer's
 head writes then takes that head's scale instead of its own absmax's.
 
 Two places hold them. ``kv_cache_scales.json`` beside the weights (vLLM's ``--quantization-param-path`` schema,
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from pluginfer.core import kv_quant
 from pluginfer.core.protocols import RankInfo
+from pluginfer.layers import kv_quant
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ import torch
 
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.hookspecs import PluginSpec
-from pluginfer.core.kv_quant import QUANTIZED_KV_DTYPES
 from pluginfer.core.protocols import RankInfo
 from pluginfer.core.registry import Registry
 from pluginfer.engine.loader import open_checkpoint, read_hf_config, resolve_dtype, resolve_model_path
 from pluginfer.formats.gguf.checkpoint import GGUFCheckpoint
+from pluginfer.layers.kv_quant import QUANTIZED_KV_DTYPES
 from pluginfer.layers.rotary import rope_parameters
 
 _DEFAULT_CONTEXT = 2048

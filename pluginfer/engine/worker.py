@@ -17,15 +17,9 @@ from typing import Any, TypeVar
 import torch
 
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.kv_quant import FixedScaleKVCache, check_kv_cache_dtype
-from pluginfer.core.protocols import (
-    BuildContext,
-    Collective,
-    DecodeForward,
-    IntermediateTensors,
-    RankInfo,
-    stage_layers,
-)
+from pluginfer.core.collective import Collective
+from pluginfer.core.device_backend import DecodeForward
+from pluginfer.core.protocols import BuildContext, IntermediateTensors, RankInfo, stage_layers
 from pluginfer.core.registry import Registry
 from pluginfer.engine.input_batch import InputBatch
 from pluginfer.engine.kv_scales import ScaleTensors, fixed_scales
@@ -35,6 +29,7 @@ from pluginfer.engine.plan import RankPlan, build_plugin
 from pluginfer.engine.scoring import is_causal, scores_pooled_rows
 from pluginfer.engine.step import StepData, StepResult
 from pluginfer.layers.context import building
+from pluginfer.layers.kv_quant import FixedScaleKVCache, check_kv_cache_dtype
 from pluginfer.layers.moe import expert_memory
 from pluginfer.layers.weights import LLAMA_STACKED
 

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from pluginfer.core.protocols import BuildContext
+from pluginfer.layers import attention_ops, ops  # noqa: F401 - the layers' ops are defined before a layer asks for one
 
 _current: BuildContext | None = None
 

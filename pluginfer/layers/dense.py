@@ -1,7 +1,7 @@
 """Where a dense weight ``[out, in]`` lives once it has loaded, and the matmul that reads it.
 
 The backend decides, through its kernel table (ops ``dense_layout``, ``dense_pack``, ``dense_linear`` of
-``core/kernels.py``): the cpu backend packs float32 weights for its native panel kernel or oneDNN, or
+``layers/ops.py``): the cpu backend packs float32 weights for its native panel kernel or oneDNN, or
 transposes them for MKL's GEMV (``backends/cpu/dense.py``); a backend that registers none keeps the
 checkpoint's layout and ``F.linear``. Layers only carry the layout's name from the one op to the others.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pluginfer.core import kernels
+from pluginfer.layers import ops
 from pluginfer.layers.context import backend_op
 
 
@@ -22,9 +22,9 @@ class DenseMatmul:
     """
 
     def __init__(self, backend: object, batched: bool) -> None:
-        self._layout = backend_op(backend, "dense_layout") or kernels.dense_layout
-        self._pack = backend_op(backend, "dense_pack") or kernels.dense_pack
-        self._linear = backend_op(backend, "dense_linear") or kernels.dense_linear
+        self._layout = backend_op(backend, "dense_layout") or ops.dense_layout
+        self._pack = backend_op(backend, "dense_pack") or ops.dense_pack
+        self._linear = backend_op(backend, "dense_linear") or ops.dense_linear
         self.batched = batched
 
     @classmethod

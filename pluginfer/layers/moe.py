@@ -46,7 +46,7 @@ def expert_weight_names(num_experts: int, gate: str, up: str, down: str) -> tupl
     return tuple(names)
 
 
-# hidden_act -> the activation name of op ``fused_moe`` (``core/kernels.py``); as ``layers.activation``.
+# hidden_act -> the activation name of op ``fused_moe`` (``layers/ops.py``); as ``layers.activation``.
 _ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                      "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 

@@ -87,7 +87,7 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]
         self.cos_cache, self.sin_cache = freqs.cos(), freqs.sin()
         self.is_neox_style = is_neox_style
-        op_name = "rotary_neox" if is_neox_style else "rotary_interleaved"  # ops of core/kernels.py
+        op_name = "rotary_neox" if is_neox_style else "rotary_interleaved"  # ops of layers/ops.py
         self.kernel = backend_op(current_context().backend, op_name) if has_context() else None
 
     def _tables(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

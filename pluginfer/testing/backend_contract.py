@@ -1,7 +1,7 @@
 """Conformance kit: what every ``DeviceBackend`` owes the engine, checked on small tensors.
 
 ``check_backend(backend)`` (an instance, or a factory called with no arguments) raises AssertionError on the
-first broken promise of the protocol (``pluginfer/core/protocols.py``), naming the member. A third-party
+first broken promise of the protocol (``pluginfer/core/device_backend.py``), naming the member. A third-party
 backend plugin calls it from its own test suite, with its device or with a CPU stand-in of it. It checks:
 
 - the attributes: ``name``, ``device``, ``default_collective``, ``quant_kernels_required``;
@@ -10,7 +10,7 @@ backend plugin calls it from its own test suite, with its device or with a CPU s
   dtype, on the device, with the bytes per block the spec says (so the engine's budget arithmetic holds);
   layers do not share memory; with ``value_in_key`` the value is a view of the key's first features;
 - ``prepare`` + ``paged_attention`` on a paged batch (decodes, a chunked prefill over cached keys, a whole
-  prompt; blocks shuffled) against the kernel table's torch references (``pluginfer.core.kernels``), with
+  prompt; blocks shuffled) against the kernel table's torch references (``pluginfer.layers.attention_ops``), with
   GQA, a sliding window with a soft cap, and a value inside the key; the cache written at ``slot_mapping``;
   and for each quantized dtype in the optional ``kv_cache_dtypes``, the same against the reference's bytes;
 - ``copy_blocks``: whole blocks copied in every layer, the rest untouched, an empty list a no-op;
@@ -29,9 +29,12 @@ from typing import Any
 
 import torch
 
-from pluginfer.core import kernels, kv_quant
+from pluginfer.core import kernels
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.protocols import DecodeForward, DeviceBackend, KVCacheSpec
+from pluginfer.core.device_backend import DecodeForward, DeviceBackend
+from pluginfer.core.protocols import KVCacheSpec
+from pluginfer.layers import attention_ops, kv_quant
+from pluginfer.layers import ops as layer_ops  # noqa: F401 - defines the ops a backend claims
 
 # Four sequences over 16 blocks of 4 slots, blocks shuffled: two decodes, a chunked prefill of 6 tokens after
 # 8 cached ones, and a whole prompt of 8 (decodes first, as the engine orders a step).
@@ -192,8 +195,8 @@ def _check_attention(backend: DeviceBackend, dtype: torch.dtype, case: str, atol
     if latent:
         expected_value = expected_key[..., :8]
     reference = paged_batch(backend.device, tables, seq_lens, query_lens, BLOCK_SIZE)
-    reference.attention = kernels.paged_attention_metadata(reference)
-    expected = kernels.paged_attention(kernels.KernelTable("reference"), query, key, value,
+    reference.attention = attention_ops.paged_attention_metadata(reference)
+    expected = attention_ops.paged_attention(kernels.KernelTable("reference"), query, key, value,
                                        (expected_key, expected_value), reference, 0.25, window, cap)
     batch = paged_batch(backend.device, tables, seq_lens, query_lens, BLOCK_SIZE)
     batch.attention = backend.prepare(batch)
@@ -215,7 +218,7 @@ def _check_attention(backend: DeviceBackend, dtype: torch.dtype, case: str, atol
 
 def _check_quantized_attention(backend: DeviceBackend, dtype: torch.dtype, atol: float) -> None:
     """A quantized cache the backend lists in ``kv_cache_dtypes``: its write gives the reference's bytes, its
-    attention the reference's result (``core/kv_quant.py``), with a float32 query."""
+    attention the reference's result (``layers/kv_quant.py``), with a float32 query."""
     member = f"paged_attention (quantized KV cache, {dtype})"
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16)
     key_cache, value_cache = backend.allocate_kv_cache(spec, NUM_BLOCKS, BLOCK_SIZE, dtype)[0]
@@ -231,8 +234,8 @@ def _check_quantized_attention(backend: DeviceBackend, dtype: torch.dtype, atol:
     query, key, value = (torch.randn(tokens, heads, 16, generator=generator).to(backend.device) for heads in (4, 2, 2))
     expected_key, expected_value = key_cache.clone(), value_cache.clone()
     reference = paged_batch(backend.device, TABLES, SEQ_LENS, QUERY_LENS, BLOCK_SIZE)
-    reference.attention = kernels.paged_attention_metadata(reference)
-    expected = kernels.paged_attention(kernels.KernelTable("reference"), query, key, value,
+    reference.attention = attention_ops.paged_attention_metadata(reference)
+    expected = attention_ops.paged_attention(kernels.KernelTable("reference"), query, key, value,
                                        (expected_key, expected_value), reference, 0.25, None, None)
     batch = paged_batch(backend.device, TABLES, SEQ_LENS, QUERY_LENS, BLOCK_SIZE)
     batch.attention = backend.prepare(batch)
@@ -244,7 +247,7 @@ def _check_quantized_attention(backend: DeviceBackend, dtype: torch.dtype, atol:
     for name, mine, theirs in (("keys", key_cache, expected_key), ("values", value_cache, expected_value)):
         if not torch.equal(mine.view(torch.uint8).cpu(), theirs.view(torch.uint8).cpu()):
             raise _fail(member, f"the cache's {name} differ from the reference write's bytes (codes rounded to "
-                        "nearest even from x / scale, the scale absmax / code max: core/kv_quant.py)")
+                        "nearest even from x / scale, the scale absmax / code max: layers/kv_quant.py)")
 
 
 def _check_copy_blocks(backend: DeviceBackend, dtype: torch.dtype) -> None:

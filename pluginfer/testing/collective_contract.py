@@ -1,7 +1,7 @@
 """Conformance kit: the behaviour every ``Collective`` owes on a world of two ranks.
 
 ``check_contract(collective)`` runs on each of two ranks and raises AssertionError on the first broken
-promise of the protocol (``pluginfer/core/protocols.py``); it ends by closing the collective (twice).
+promise of the protocol (``pluginfer/core/collective.py``); it ends by closing the collective (twice).
 A third-party collective plugin calls it from two processes started however its library starts them
 (pluginfer's own tests run it on threads, spawned gloo processes, torchrun and mpiexec ranks).
 ``count_traffic=True`` also checks the ``stats`` traffic counters pluginfer's built-in collectives keep

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pluginfer.core.protocols import BuildContext, DeviceBackend, QuantMethod
+from pluginfer.core.device_backend import DeviceBackend
+from pluginfer.core.protocols import BuildContext, QuantMethod
 from pluginfer.core.registry import get_registry
 from pluginfer.layers.context import building
 from pluginfer.layers.linear import ReplicatedLinear

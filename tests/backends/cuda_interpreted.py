@@ -107,7 +107,7 @@ def _stand_in_decode_graphs(llm: object) -> object:
     import torch
 
     from pluginfer.backends.cuda_graphs import DecodeGraphs
-    from pluginfer.core.protocols import DecodeForward
+    from pluginfer.core.device_backend import DecodeForward
     from tests.backends.test_cuda_graphs import CaptureRulesGraph
 
     worker = llm.engine.executor.worker

@@ -185,8 +185,8 @@ def test_the_cuda_backend_captures_nothing_on_cpu_tensors_and_keeps_a_scratch_bl
 
 
 def test_enforce_eager_is_a_flag_and_an_llm_keyword() -> None:
+    from pluginfer.cli.options import keywords, options
     from pluginfer.core.config import EngineConfig
-    from pluginfer.core.options import keywords, options
 
     assert EngineConfig(model="m").enforce_eager is False
     assert any(option.flag == "--enforce-eager" and option.boolean for option in options())

@@ -13,6 +13,7 @@ from pluginfer.backends.cpu import backend as cpu
 from pluginfer.core import kernels
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
 from pluginfer.core.registry import Registry, get_registry
+from pluginfer.layers import attention_ops
 from tests.backends.paged import paged_batch
 
 needs_no_mps = pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has an MPS device")
@@ -65,8 +66,8 @@ def test_attention_equals_the_reference(dtype: torch.dtype, latent: bool) -> Non
     ours = backend.paged_attention(query, key, value, (key_cache, value_cache),
                                    paged_batch(backend, tables, seq_lens, query_lens, 4), 0.25, 5, 2.0)
     batch = paged_batch(cpu.CpuBackend(native_kernels=False), tables, seq_lens, query_lens, 4)
-    batch.attention = kernels.paged_attention_metadata(batch)
-    expected = kernels.paged_attention(kernels.KernelTable("reference"), query, key, value,
+    batch.attention = attention_ops.paged_attention_metadata(batch)
+    expected = attention_ops.paged_attention(kernels.KernelTable("reference"), query, key, value,
                                        (expected_key, expected_key[..., :8] if latent else expected_value), batch,
                                        0.25, 5, 2.0)
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)

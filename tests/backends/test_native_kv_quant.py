@@ -1,5 +1,5 @@
 """The cpu backend's quantized KV cache kernels (``csrc/kv_quant_attention.c``) against torch: the write's codes
-equal torch's own int8 rounding and float8 conversions of ``x / scale`` (``core/kv_quant.py``), and attention over
+equal torch's own int8 rounding and float8 conversions of ``x / scale`` (``layers/kv_quant.py``), and attention over
 the codes equals float64 attention over the rows torch dequantizes, for decode and prefill rows in one call,
 GQA, sliding windows, soft caps, and dims the vector path does not take. ``test_isa_variants`` runs this module
 again under ``PLUGINFER_CPU_ISA=avx2``."""
@@ -11,7 +11,7 @@ import torch
 
 from pluginfer.backends.cpu import kv_quant as native_kv
 from pluginfer.backends.cpu import library
-from pluginfer.core import kernels, kv_quant
+from pluginfer.layers import attention_ops, kv_quant
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 
@@ -59,7 +59,7 @@ def _reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
                soft_cap: float | None) -> torch.Tensor:
     """Dequantize every row with torch's own conversions, then float64 attention."""
     keys, values = (kv_quant.codes(c).double() * kv_quant.scales(c).double()[..., None] for c in (key_cache, value_cache))
-    return kernels.paged_prefill_attention(query.double(), keys, values, tables, starts, seq_lens,
+    return attention_ops.paged_prefill_attention(query.double(), keys, values, tables, starts, seq_lens,
                                            int((starts[1:] - starts[:-1]).max()), scale, window, soft_cap)
 
 
@@ -118,8 +118,8 @@ def test_the_cpu_backend_native_and_torch_paths_and_the_reference_agree(dtype: t
     kernels, with them switched off (torch on dequantized rows), and through the core's reference ops; and
     ``FixedScaleKVCache``'s scales reach every row."""
     from pluginfer.backends.cpu.backend import CpuBackend
-    from pluginfer.core.backend_base import BaseDeviceBackend
     from pluginfer.core.protocols import KVCacheSpec
+    from pluginfer.layers.backend_base import BaseDeviceBackend
     from pluginfer.testing import backend_contract
 
     class Reference(BaseDeviceBackend):

@@ -1,7 +1,7 @@
 """Every Triton kernel of the cuda backend under ``TRITON_INTERPRET=1`` against its torch reference; where torch
 sees a CUDA device, every case again compiled for the GPU, on CUDA tensors.
 
-The references are the ops of ``pluginfer.core.kernels`` (``tests/core/test_kernels.py`` holds them
+The references are the ops of ``pluginfer.layers.ops`` and ``attention_ops`` (``tests/layers/test_ops.py`` holds them
 equal to the layers and to the cpu backend). Triton reads ``TRITON_INTERPRET`` once, at import, so the
 kernels run in a fresh interpreter: this file executed as a script with the variable set; the tests read
 the JSON it prints. The cases are in ``triton_cases.py`` (layer ops, attention, MoE, a backend step)
@@ -141,18 +141,20 @@ QUANT_MATMULS = {"marlin_matmul", "grouped_matmul", "int8_matmul", "ggml_q8_0_ma
 
 
 def test_every_op_but_none_has_a_triton_kernel() -> None:
-    """The cuda backend's table covers every op of core/kernels.py but the dense layouts (cuBLAS), and every quant
+    """The cuda backend's table covers every op of layers/ops.py and attention_ops.py but the dense layouts (cuBLAS), and every quant
     format's matmul; each kernel's parameters are its op's (``KernelTable.check``, once the formats defined them)."""
     from pluginfer.core import kernels
+    from pluginfer.layers import attention_ops, ops  # noqa: F401 - they define the layers' ops
 
     done = subprocess.run([sys.executable, "-c", "from pluginfer.core.kernels import KernelTable; "
                            "from pluginfer.backends import triton_kernels; t = KernelTable('cuda'); "
                            "triton_kernels.register(t); "
+                           "from pluginfer.layers import attention_ops, ops; "
                            "from pluginfer.quant import compressed_tensors, ggml_ops, int8, marlin_layout, packing; t.check(); "
                            "print(','.join(t.names()))"],
                           env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    core_ops = {name for name, op in kernels.OPS.items() if op.reference.__module__ == "pluginfer.core.kernels"}
+    core_ops = {name for name, op in kernels.OPS.items() if op.reference.__module__ in ("pluginfer.layers.ops", "pluginfer.layers.attention_ops")}
     assert set(done.stdout.strip().split(",")) == (core_ops - REFERENCE_ON_CUDA) | QUANT_MATMULS
 
 

@@ -1,6 +1,6 @@
 """The cuda backend's Triton kernels on quantized KV caches (int8, fp8 E4M3, fp8 E5M2) under
 ``TRITON_INTERPRET=1``, as ``test_triton_kernels.py`` runs the float ones: ``write_kv``'s bytes equal the torch
-reference's (torch's own int8 rounding and float8 casts, ``core/kv_quant.py``), and decode and prefill attention
+reference's (torch's own int8 rounding and float8 casts, ``layers/kv_quant.py``), and decode and prefill attention
 over the codes equal the reference ops (dequantize, then attend in float32). Where torch sees a CUDA device,
 every case again compiled for the GPU. This file runs itself as a script in a fresh interpreter (Triton reads
 ``TRITON_INTERPRET`` at import)."""
@@ -23,7 +23,7 @@ KV_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
 
 def _quantized(cache: torch.Tensor, kv_dtype: str, seed: int) -> torch.Tensor:
     """A quantized cache of ``cache``'s shape (rows of random values, the big padding rows too)."""
-    from pluginfer.core import kv_quant
+    from pluginfer.layers import kv_quant
 
     rows = cache.float().reshape(-1, cache.shape[-2], cache.shape[-1])
     generator = torch.Generator(rows.device).manual_seed(seed)
@@ -35,7 +35,7 @@ def _quantized(cache: torch.Tensor, kv_dtype: str, seed: int) -> torch.Tensor:
 
 def case_write(kv_dtype: str, model_dtype: str) -> dict:
     from pluginfer.backends.triton_kernels import write_kv
-    from pluginfer.core import kernels
+    from pluginfer.layers import attention_ops
     from tests.backends.triton_cases import _paged
 
     _, key, value, key_cache, value_cache, _, _, _, slots = _paged([9, 5], [3, 5], 4, 2, 24, 16, 4,
@@ -45,7 +45,7 @@ def case_write(kv_dtype: str, model_dtype: str) -> dict:
     key_cache, value_cache = _quantized(key_cache, kv_dtype, 1), _quantized(value_cache, kv_dtype, 2)
     ours = (key_cache.clone(), value_cache.clone())
     write_kv.write_kv(key, value, *ours, slots)
-    kernels.write_kv(key, value, key_cache, value_cache, slots)
+    attention_ops.write_kv(key, value, key_cache, value_cache, slots)
     for mine, theirs in zip(ours, (key_cache, value_cache)):
         mismatched = (mine.view(torch.uint8) != theirs.view(torch.uint8)).sum().item()
         if mismatched:
@@ -55,7 +55,7 @@ def case_write(kv_dtype: str, model_dtype: str) -> dict:
 
 def case_attention(kv_dtype: str, model_dtype: str, prefill: bool, window: int | None, cap: float | None) -> dict:
     from pluginfer.backends.triton_kernels import decode_attention, prefill_attention
-    from pluginfer.core import kernels
+    from pluginfer.layers import attention_ops
     from tests.backends.triton_cases import DECODE_SHAPES, PREFILL_SHAPES, _paged, compare
 
     seq_lens, query_lens, heads, kv_heads, head_dim, v_dim, block_size = (
@@ -66,11 +66,11 @@ def case_attention(kv_dtype: str, model_dtype: str, prefill: bool, window: int |
     scale = head_dim ** -0.5
     if prefill:
         arguments = (query, key_cache, value_cache, tables, starts, lens, max(query_lens), scale, window, cap)
-        ours, expected = prefill_attention.paged_prefill_attention(*arguments), kernels.paged_prefill_attention(*arguments)
+        ours, expected = prefill_attention.paged_prefill_attention(*arguments), attention_ops.paged_prefill_attention(*arguments)
     else:
         arguments = (query, key_cache, value_cache, tables, lens, scale, window, cap)
         ours = decode_attention.decode_attention(*arguments, keys_per_split=16)  # several splits
-        expected = kernels.paged_decode_attention(*arguments)
+        expected = attention_ops.paged_decode_attention(*arguments)
     return compare(ours, expected, model_dtype)
 
 

@@ -43,7 +43,7 @@ def compare_truncated(ours: torch.Tensor, expected: torch.Tensor, bound: float) 
 
 def case_rms_norm(dtype: str, residual: bool, offset: float) -> dict:
     from pluginfer.backends.triton_kernels import rms_norm
-    from pluginfer.core import kernels
+    from pluginfer.layers import ops
 
     randn, _ = tensors(1)
     kind = getattr(torch, dtype)
@@ -51,7 +51,7 @@ def case_rms_norm(dtype: str, residual: bool, offset: float) -> dict:
     base = randn(2, 3, 48, dtype=kind) if residual else None
     ours_residual, ref_residual = (None, None) if base is None else (base.clone(), base.clone())
     ours = rms_norm.rms_norm(x, ours_residual, weight, 1e-6, offset)
-    report = compare(ours, kernels.rms_norm(x, ref_residual, weight, 1e-6, offset), dtype)
+    report = compare(ours, ops.rms_norm(x, ref_residual, weight, 1e-6, offset), dtype)
     if residual and report["error"] is None:
         # bf16: Triton's interpreter truncates float32 -> bf16 where torch (and a GPU) round to nearest.
         residual_report = compare(ours_residual, ref_residual, dtype if dtype == "bfloat16" else "exact")
@@ -61,19 +61,19 @@ def case_rms_norm(dtype: str, residual: bool, offset: float) -> dict:
 
 def case_gated(dtype: str, activation: str) -> dict:
     from pluginfer.backends.triton_kernels import gated_activation
-    from pluginfer.core import kernels
+    from pluginfer.layers import ops
 
     randn, _ = tensors(2)
     x = randn(5, 2 * 40, dtype=getattr(torch, dtype))
     if activation == "silu":
-        return compare(gated_activation.silu_and_mul(x), kernels.silu_and_mul(x), dtype)
+        return compare(gated_activation.silu_and_mul(x), ops.silu_and_mul(x), dtype)
     approximate = "tanh" if activation == "gelu_tanh" else "none"
-    return compare(gated_activation.gelu_and_mul(x, approximate), kernels.gelu_and_mul(x, approximate), dtype)
+    return compare(gated_activation.gelu_and_mul(x, approximate), ops.gelu_and_mul(x, approximate), dtype)
 
 
 def case_rotary(dtype: str, neox: bool, rotary_dim: int) -> dict:
     from pluginfer.backends.triton_kernels import rotary
-    from pluginfer.core import kernels
+    from pluginfer.layers import ops
 
     randn, _ = tensors(3)
     head_dim, tokens = 32, 7
@@ -84,7 +84,7 @@ def case_rotary(dtype: str, neox: bool, rotary_dim: int) -> dict:
     cos, sin = (positions[:, None] * inv_freq).cos(), (positions[:, None] * inv_freq).sin()
     expected_query, expected_key = query.clone(), key.clone()
     name = "rotary_neox" if neox else "rotary_interleaved"
-    getattr(kernels, name)(expected_query, expected_key, cos, sin, rotary_dim)
+    getattr(ops, name)(expected_query, expected_key, cos, sin, rotary_dim)
     assert getattr(rotary, name)(query, key, cos, sin, rotary_dim) is True
     report = compare(torch.cat([query, key], dim=1), torch.cat([expected_query, expected_key], dim=1), dtype)
     if report["error"] is None and not torch.equal(qkv[:, 4 * head_dim:].view(tokens, 2, head_dim), key):
@@ -128,7 +128,7 @@ def _paged(seq_lens: list[int], query_lens: list[int], heads: int, kv_heads: int
 
 def case_write_kv(dtype: str, latent: bool) -> dict:
     from pluginfer.backends.triton_kernels import write_kv
-    from pluginfer.core import kernels
+    from pluginfer.layers import attention_ops
 
     query, key, value, key_cache, value_cache, _, _, _, slots = _paged([9, 5], [3, 5], 4, 1 if latent else 2, 24,
                                                                        12 if latent else 16, 4,
@@ -136,7 +136,7 @@ def case_write_kv(dtype: str, latent: bool) -> dict:
     ours = (key_cache.clone(), None)
     ours = (ours[0], ours[0][..., :12] if latent else value_cache.clone())
     write_kv.write_kv(key, value, ours[0], ours[1], slots)
-    kernels.write_kv(key, value, key_cache, value_cache, slots)
+    attention_ops.write_kv(key, value, key_cache, value_cache, slots)
     report = compare(ours[0], key_cache, dtype)
     if report["error"] is None and not latent and not torch.equal(ours[1], value_cache):
         report["error"] = "values differ"
@@ -159,7 +159,7 @@ PREFILL_SHAPES = {
 def case_decode(dtype: str, shape: str, window: int | None, cap: float | None, keys_per_split: int,
                 latent: bool = False) -> dict:
     from pluginfer.backends.triton_kernels import decode_attention
-    from pluginfer.core import kernels
+    from pluginfer.layers import attention_ops
 
     seq_lens, query_lens, heads, kv_heads, head_dim, v_dim, block_size = DECODE_SHAPES[shape]
     if latent:
@@ -170,13 +170,13 @@ def case_decode(dtype: str, shape: str, window: int | None, cap: float | None, k
     scale = head_dim ** -0.5
     ours = decode_attention.decode_attention(query, key_cache, value_cache, tables, lens, scale, window, cap,
                                              keys_per_split=keys_per_split)
-    expected = kernels.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, cap)
+    expected = attention_ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale, window, cap)
     return compare(ours, expected, dtype)
 
 
 def case_prefill(dtype: str, shape: str, window: int | None, cap: float | None, latent: bool = False) -> dict:
     from pluginfer.backends.triton_kernels import prefill_attention
-    from pluginfer.core import kernels
+    from pluginfer.layers import attention_ops
 
     seq_lens, query_lens, heads, kv_heads, head_dim, v_dim, block_size = PREFILL_SHAPES[shape]
     if latent:
@@ -186,7 +186,7 @@ def case_prefill(dtype: str, shape: str, window: int | None, cap: float | None, 
     scale = head_dim ** -0.5
     arguments = (query, key_cache, value_cache, tables, starts, lens, max(query_lens), scale, window, cap)
     return compare(prefill_attention.paged_prefill_attention(*arguments),
-                    kernels.paged_prefill_attention(*arguments), dtype)
+                    attention_ops.paged_prefill_attention(*arguments), dtype)
 
 
 # name: (tokens, experts, top_k, hidden, intermediate): the tiny Mixtral, Qwen3-MoE and DeepSeek models' experts.
@@ -196,7 +196,7 @@ MOE_SHAPES = {"mixtral": (7, 4, 2, 64, 128), "qwen3-moe": (5, 8, 2, 64, 64), "de
 
 def case_fused_moe(dtype: str, shape: str, activation: str, one_expert: bool = False) -> dict:
     from pluginfer.backends.triton_kernels import fused_moe
-    from pluginfer.core import kernels
+    from pluginfer.layers import ops
 
     randn, generator = tensors(9)
     tokens, experts, top_k, hidden_size, inter = MOE_SHAPES[shape]
@@ -208,7 +208,7 @@ def case_fused_moe(dtype: str, shape: str, activation: str, one_expert: bool = F
         logits[:, 1] += 100.0
     weights, ids = torch.topk(logits.softmax(-1), top_k)
     arguments = (hidden, gate_up, down, weights, ids, activation)
-    ours, expected = fused_moe.fused_moe(*arguments), kernels.fused_moe(*arguments)
+    ours, expected = fused_moe.fused_moe(*arguments), ops.fused_moe(*arguments)
     # bf16: three truncations (gate/up, activation, down) put a few outputs ~4 ulps off; measured 1.4-1.7 %.
     return compare_truncated(ours, expected, 3e-2) if dtype == "bfloat16" else compare(ours, expected, dtype)
 

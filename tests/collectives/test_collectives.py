@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from pluginfer.collectives import mpi as mpi_plugin
-from pluginfer.core.collective_common import check_partition, concat_gathered
+from pluginfer.core.collective import Collective
 from pluginfer.core.config import EngineConfig
-from pluginfer.core.protocols import Collective, RankInfo
+from pluginfer.core.protocols import RankInfo
 from pluginfer.core.registry import get_registry
+from pluginfer.layers.collective_common import check_partition, concat_gathered
 from pluginfer.testing.collective_contract import check_contract
 from pluginfer.testing.threads import run_ranks
 from tests.collectives.gloo_ranks import rank_main

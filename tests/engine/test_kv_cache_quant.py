@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pluginfer import LLM, SamplingParams
-from pluginfer.core import kv_quant
 from pluginfer.core.config import build_config
 from pluginfer.core.protocols import KVCacheSpec
+from pluginfer.layers import kv_quant
 from tests.checkpoints import hf_logits
 
 TEXT = (Path(__file__).parents[2] / "pluginfer" / "demo" / "corpus.txt").read_text()[:3000]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pluginfer import LLM, SamplingParams
-from pluginfer.core import kv_quant
+from pluginfer.layers import kv_quant
 
 
 def _copy(source: Path, target: Path) -> Path:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pluginfer.cli import build_parser, main
+from pluginfer.cli.options import overrides
 from pluginfer.cli.serve import serve_config
 from pluginfer.core.config import build_config
-from pluginfer.core.options import overrides
 from pluginfer.core.registry import UnknownPluginError
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from pluginfer.cli import build_parser, main
 from pluginfer.cli.serve import serve_config
-from pluginfer.core import kv_quant
+from pluginfer.layers import kv_quant
 from pluginfer.server.launch import BackgroundServer
 from tests.server.conftest import MODEL_NAME, make_client, start_engine
 

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from pluginfer.core.backend_base import BaseDeviceBackend
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.kernels import OPS
 from pluginfer.core.protocols import KVCacheSpec
 from pluginfer.core.registry import get_registry
+from pluginfer.layers.backend_base import BaseDeviceBackend
 from pluginfer.testing.backend_contract import check_backend
 from tests.backends.cuda_interpreted import environment
 

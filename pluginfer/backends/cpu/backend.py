@@ -23,12 +23,13 @@ from pluginfer.backends.cpu import build as native_build
 from pluginfer.backends.cpu import kv_quant as native_kv
 from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.backends.cpu.step_replay import CpuDecodeReplay
-from pluginfer.core import kv_quant
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.config import EngineConfig
+from pluginfer.core.device_backend import DecodeForward
 from pluginfer.core.kernels import KernelTable
-from pluginfer.core.kv_quant import FLOAT_KV_DTYPES, QUANTIZED_KV_DTYPES, row_width
-from pluginfer.core.protocols import DecodeForward, KVCacheSpec, RankInfo
+from pluginfer.core.protocols import KVCacheSpec, RankInfo
+from pluginfer.layers import kv_quant
+from pluginfer.layers.kv_quant import FLOAT_KV_DTYPES, QUANTIZED_KV_DTYPES, row_width
 
 logger = logging.getLogger(__name__)
 

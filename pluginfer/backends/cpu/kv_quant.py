@@ -9,7 +9,7 @@ import torch
 
 from pluginfer.backends.cpu.library import _as
 from pluginfer.backends.cpu.replay import _lib
-from pluginfer.core import kv_quant
+from pluginfer.layers import kv_quant
 
 # The C kernels' code for each quantized cache dtype.
 KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}

@@ -1,5 +1,5 @@
-"""Triton kernels of the cuda backend, one module per op of ``pluginfer.core.kernels`` (its torch
-reference is each one's oracle). Importing a module imports triton: the backend does so when built."""
+"""Triton kernels of the cuda backend, one module per op of ``pluginfer.layers.ops`` / ``attention_ops`` (its
+torch reference is each one's oracle). Importing a module imports triton: the backend does so when built."""
 
 from __future__ import annotations
 

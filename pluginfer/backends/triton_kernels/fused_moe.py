@@ -8,7 +8,7 @@ rows, multiplies them by that expert's weight and scatters the rows back to the 
 launch runs every expert's gate/up projection, the gated activation is the ``silu_and_mul`` /
 ``gelu_and_mul`` kernel, and a second launch runs every down projection, multiplying each row by its
 router weight in float32; the sum over ``top_k`` is one torch reduction. Reference:
-``core.kernels.fused_moe``.
+``layers.ops.fused_moe``.
 """
 
 from __future__ import annotations

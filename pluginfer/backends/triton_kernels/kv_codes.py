@@ -1,4 +1,4 @@
-"""Quantized KV cache rows in Triton (the layout is ``core/kv_quant.py``'s): codes widened to float32 and float32
+"""Quantized KV cache rows in Triton (the layout is ``layers/kv_quant.py``'s): codes widened to float32 and float32
 quantized to codes by integer bit arithmetic, the same on a GPU and under ``TRITON_INTERPRET=1`` (numpy has no
 float8). The kernels read a cache as bytes and its scales through a float32 view of the same memory.
 
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pluginfer.core import kv_quant
+from pluginfer.layers import kv_quant
 
 KINDS = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 

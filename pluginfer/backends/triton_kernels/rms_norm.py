@@ -1,4 +1,4 @@
-"""RMSNorm with the residual add fused in: one program per row (op ``rms_norm`` of ``core/kernels.py``)."""
+"""RMSNorm with the residual add fused in: one program per row (op ``rms_norm`` of ``layers/ops.py``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The ``gcu`` backend: tensors and the paged KV cache on ``gcu:{local_rank}``, attention through pluginfer's
-kernel table. No GCU kernels yet: every op runs its torch reference (``pluginfer.core.kernels``) on the
+kernel table. No GCU kernels yet: every op runs its torch reference (``pluginfer.layers.ops``, ``attention_ops``) on the
 device; a vendor kernel enters with ``GcuBackend.kernels.register(op, implementation)``. Everything but the
 device and the collective is ``BaseDeviceBackend``'s (free memory from ``torch.gcu.mem_get_info``)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from pluginfer.core.backend_base import BaseDeviceBackend
 from pluginfer.core.protocols import RankInfo
+from pluginfer.layers.backend_base import BaseDeviceBackend
 from pluginfer_gcu import device as gcu
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from pluginfer.core.torch_collective import TorchDistributedCollective, join
+from pluginfer.layers.torch_collective import TorchDistributedCollective, join
 from pluginfer_gcu import device as gcu
 
 if TYPE_CHECKING:

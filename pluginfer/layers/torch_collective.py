@@ -2,7 +2,8 @@
 
 The built-in ``gloo`` and ``nccl`` plugins (``pluginfer/collectives/torch_distributed.py``) and out-of-tree
 ones (the gcu plugin's ``eccl``) build on it: ``join(library, config, rank, device)`` makes the world,
-``new_group`` the subgroups. It lives in the core because plugins import the core, never each other.
+``new_group`` the subgroups. It lives in ``pluginfer.layers`` because plugins import the core and the layers, never each
+other.
 
 Rendezvous. With ``rank.launcher == "torchrun"`` the store comes from ``env://`` (torchrun sets
 ``MASTER_ADDR``/``MASTER_PORT``; under its elastic agent every rank is a client of the agent's store).
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pluginfer.core.collective_common import Stats, check_partition, concat_gathered, count
+from pluginfer.layers.collective_common import Stats, check_partition, concat_gathered, count
 
 if TYPE_CHECKING:
     from pluginfer.core.config import EngineConfig

@@ -14,6 +14,7 @@ import torch
 from pluginfer.backends.cpu import backend as cpu
 from pluginfer.core import kernels
 from pluginfer.core.kernels import KernelTable
+from pluginfer.layers import attention_ops, ops
 from pluginfer.layers.activation import GeluAndMul, SiluAndMul
 from pluginfer.layers.context import building
 from pluginfer.layers.norm import RMSNorm
@@ -44,7 +45,7 @@ def test_rms_norm_reference_equals_layer(dtype: torch.dtype, offset: float, with
     residual = torch.randn(5, 48, generator=generator).to(dtype) if with_residual else None
     expected = norm(x, None if residual is None else residual.clone())
     ours_residual = None if residual is None else residual.clone()
-    ours = kernels.rms_norm(x, ours_residual, norm.weight, 1e-5, offset)
+    ours = ops.rms_norm(x, ours_residual, norm.weight, 1e-5, offset)
     if with_residual:
         expected, expected_residual = expected
         assert torch.equal(ours_residual, expected_residual)
@@ -57,13 +58,13 @@ def test_silu_and_mul_reference_equals_layer(dtype: torch.dtype) -> None:
     x = torch.randn(3, 2, 40, generator=torch.Generator().manual_seed(1)).to(dtype)
     with building(make_context(backend_with(False), dtype)):
         layer = SiluAndMul()
-    assert torch.equal(kernels.silu_and_mul(x), layer(x))
+    assert torch.equal(ops.silu_and_mul(x), layer(x))
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_and_mul_reference_equals_layer(approximate: str) -> None:
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(kernels.gelu_and_mul(x, approximate), GeluAndMul(approximate)(x))
+    assert torch.equal(ops.gelu_and_mul(x, approximate), GeluAndMul(approximate)(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -82,7 +83,7 @@ def test_rotary_reference_equals_layer(dtype: torch.dtype, neox: bool, rotary_di
     key = qkv[:, 4 * head_dim:].view(tokens, 2, head_dim)
     expected_query, expected_key = rope(batch, query.clone(), key.clone())
     cos, sin = rope._tables(batch)
-    op = kernels.rotary_neox if neox else kernels.rotary_interleaved
+    op = ops.rotary_neox if neox else ops.rotary_interleaved
     assert op(query, key, cos, sin, rotary_dim) is True
     torch.testing.assert_close(query, expected_query, **_exact_or_half(dtype))
     torch.testing.assert_close(key, expected_key, **_exact_or_half(dtype))
@@ -118,8 +119,8 @@ def _attention_case(seq_lens: list[int], query_lens: list[int], v_dim: int, kv_h
 
 def _reference_attention(batch, query, key, value, key_cache, value_cache, scale, window, cap):
     """Through the table with nothing registered: every op is its reference."""
-    batch.attention = kernels.paged_attention_metadata(batch)
-    return kernels.paged_attention(KernelTable("reference"), query, key, value, (key_cache, value_cache), batch,
+    batch.attention = attention_ops.paged_attention_metadata(batch)
+    return attention_ops.paged_attention(KernelTable("reference"), query, key, value, (key_cache, value_cache), batch,
                                    scale, window, cap)
 
 
@@ -195,7 +196,7 @@ def test_marlin_matmul_reference_equals_layout_oracle(group_size: int, zero_poin
 
 def test_table_falls_back_to_reference_and_checks_signatures() -> None:
     table = KernelTable("test")
-    assert table.get("silu_and_mul") is kernels.silu_and_mul and table.implementation("silu_and_mul") is None
+    assert table.get("silu_and_mul") is ops.silu_and_mul and table.implementation("silu_and_mul") is None
 
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return x
@@ -238,7 +239,7 @@ def test_fused_moe_reference_equals_the_experts_layer(dtype: torch.dtype, hidden
     weights, ids = route(torch.randn(9, 6, generator=generator), 2, True)
     activation = "silu" if hidden_act == "silu" else "gelu_tanh"
     expected = experts(hidden, weights, ids)
-    torch.testing.assert_close(kernels.fused_moe(hidden, gate_up, down, weights, ids, activation), expected,
+    torch.testing.assert_close(ops.fused_moe(hidden, gate_up, down, weights, ids, activation), expected,
                                **_exact_or_half(dtype))
 
 

@@ -1,5 +1,5 @@
-"""Quantized KV caches (``cache.kv_cache_dtype`` int8, fp8 = fp8_e4m3, fp8_e5m2): the row layout and its
-torch reference, which every backend's kernels are tested against.
+"""Quantized KV caches (``cache.kv_cache_dtype`` int8, fp8 = fp8_e4m3, fp8_e5m2): the row layout (its
+names in ``core/kv_layout.py``) and its torch reference, which every backend's kernels are tested against.
 
 A quantized cache is ``[num_blocks, block_size, kv_heads, dim + 4]`` of ``torch.int8``,
 ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``: each (token, KV head) row holds its ``dim`` 1-byte codes
@@ -18,17 +18,10 @@ from __future__ import annotations
 
 import torch
 
-# --kv-cache-dtype names of the quantized caches and their torch storage dtype (fp8 is E4M3, as in vLLM).
-QUANTIZED_KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                       "fp8_e5m2": torch.float8_e5m2}
-# The largest code of each: a row's absmax maps to it.
+from pluginfer.core.kv_layout import QUANTIZED_KV_DTYPES, SCALE_BYTES, is_quantized
+
+# The largest code of each quantized cache dtype: a row's absmax maps to it.
 CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-SCALE_BYTES = 4  # the float32 scale after a row's codes
-
-
-def is_quantized(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` is a quantized KV cache's storage dtype."""
-    return dtype in CODE_MAX
 
 
 def row_width(dim: int, dtype: torch.dtype) -> int:

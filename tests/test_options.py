@@ -1,4 +1,4 @@
-"""core/options.py: every EngineConfig field is a flag of `pluginfer serve` (the engine commands take all
+"""cli/options.py: every EngineConfig field is a flag of `pluginfer serve` (the engine commands take all
 but the server's) and an LLM() keyword, generated from the model; today's spellings keep working."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import functools
 import pytest
 
 from pluginfer.cli import build_parser
+from pluginfer.cli.options import ENGINE_SECTIONS, dotted_keywords, options, overrides
 from pluginfer.core.config import EngineConfig, build_config
-from pluginfer.core.options import ENGINE_SECTIONS, dotted_keywords, options, overrides
 
 
 def value_at(config: EngineConfig, dotted: str) -> object:

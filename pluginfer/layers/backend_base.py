@@ -1,6 +1,6 @@
 """``BaseDeviceBackend``: the ``DeviceBackend`` members every device shares, written over a ``KernelTable``.
 
-The protocol (``core/protocols.py``) stays the contract; this class is a convenience that satisfies it. A
+The protocol (``core/device_backend.py``) stays the contract; this class is a convenience that satisfies it. A
 subclass sets ``name`` (and ``default_collective``, ``quant_kernels_required`` where they differ), calls
 ``super().__init__(device)``, registers its kernels into ``self.kernels``, and overrides what its device
 does differently: ``free_memory`` where torch has no ``torch.<device>.mem_get_info``, ``capture_decode``
@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from pluginfer.core import kernels
 from pluginfer.core.batch import ForwardBatch
-from pluginfer.core.kernels import KernelTable, PagedAttentionMetadata
-from pluginfer.core.kv_quant import FLOAT_KV_DTYPES, row_width
+from pluginfer.core.kernels import KernelTable
 from pluginfer.core.protocols import KVCacheSpec
+from pluginfer.layers import attention_ops
+from pluginfer.layers.attention_ops import PagedAttentionMetadata
+from pluginfer.layers.kv_quant import FLOAT_KV_DTYPES, row_width
 
 
 class BaseDeviceBackend:
@@ -29,7 +30,7 @@ class BaseDeviceBackend:
     default_collective: str = "gloo"
     quant_kernels_required: bool = False
     # KV cache dtypes the table's attention kernels read (DeviceBackend.kv_cache_dtypes); a subclass whose
-    # kernels read quantized caches (core/kv_quant.py's layout) adds them.
+    # kernels read quantized caches (layers/kv_quant.py's layout) adds them.
     kv_cache_dtypes: tuple[torch.dtype, ...] = FLOAT_KV_DTYPES
 
     def __init__(self, device: torch.device | str) -> None:
@@ -82,12 +83,12 @@ class BaseDeviceBackend:
                 value_cache[dst] = value_cache[src]
 
     def prepare(self, batch: ForwardBatch) -> PagedAttentionMetadata:
-        return kernels.paged_attention_metadata(batch)
+        return attention_ops.paged_attention_metadata(batch)
 
     def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
                         kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, scale: float,
                         sliding_window: int | None = None, logit_soft_cap: float | None = None) -> torch.Tensor:
-        return kernels.paged_attention(self.kernels, query, key, value, kv_cache, batch, scale, sliding_window,
+        return attention_ops.paged_attention(self.kernels, query, key, value, kv_cache, batch, scale, sliding_window,
                                        logit_soft_cap)
 
     def synchronize(self) -> None:
