@@ -31,7 +31,6 @@ from offline_throughput import build_checkpoint
 from pluginfer import LLM, SamplingParams
 from pluginfer.speculative.ngram import NgramProposer
 
-
 clock = time.perf_counter  # time.process_time under --cpu-time
 
 
