@@ -209,7 +209,7 @@ class Executor:
         for seq, count in plan.draft_rows:
             drafts[seq.seq_id] = logits[offset:offset + count]
             offset += count
-        # (counted, not read off the tensor: a tensor's shape read right after the replay costs ~5 us in the loop)
+        # counted, not read off the tensor: reading a tensor's shape right after the replay is slow
         if offset != row:  # rows past the sampled ones: prompt logprobs, draft checks
             logits = logits[:row]
         if len(rows) != row:  # n > 1: children sample from their parent's row

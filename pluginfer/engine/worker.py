@@ -187,8 +187,8 @@ class Worker:
         logits of the sampled rows and the final hidden states of the pooled ones, None elsewhere.
 
         A decode step the backend replays (``decode_graphs``: the forward and the LM head) is run outside
-        ``torch.inference_mode``, which the replay enters itself where it runs torch ops (entering it costs a
-        tiny model's replayed step ~10 us); every other step runs in it."""
+        ``torch.inference_mode``, which the replay enters itself where it runs torch ops (entering it is a
+        large share of a tiny model's replayed step); every other step runs in it."""
         if step.block_copies:
             with torch.inference_mode():
                 self.backend.copy_blocks(self.kv_caches, step.block_copies)

@@ -224,7 +224,7 @@ class GGMLVocabTable:
 
 def _concatenate(parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts' rows in one tensor. A part that is a view of the ``.gguf`` file's mapping is read from the
-    file into its rows (``pread``: its pages never enter the process, and it is ~10x faster than faulting
+    file into its rows (``pread``: its pages never enter the process, and it is much faster than faulting
     them in on a busy machine); pages it was read through before (a part
     copied from the mapping) are released."""
     group = torch.empty(sum(part.shape[0] for part in parts), *parts[0].shape[1:], dtype=parts[0].dtype,

@@ -2,7 +2,7 @@
 
 Only one tile of ``rows x input_size`` floating-point weights exists at any moment, never a
 layer's (let alone the model's) full dense weight. On the CPU this is also faster than
-converting the whole int8 weight per call (4096x4096, fp32, one token: 4.7 ms against 22 ms).
+converting the whole int8 weight per call.
 """
 
 from __future__ import annotations

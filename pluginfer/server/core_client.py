@@ -62,8 +62,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _RECV_BYTES = 1 << 20  # one read of the core's frames: a shorter read emptied the socket
-# (read into one buffer kept for the client's life: ``recv(1 MiB)`` allocates and maps a fresh 1 MiB each
-# time, ~10 us a frame against ~1 us for ``recv_into``)
+# (read into one buffer kept for the client's life: ``recv(1 MiB)`` allocates and maps a fresh 1 MiB each time)
 
 
 class CoreProcessClient:

@@ -23,12 +23,8 @@ from pluginfer.backends.cpu import amx_library
 SOURCES = (Path(__file__).with_name("csrc") / "amx_half.c",)
 ENV = amx_library.ENV
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-# Rows of x from which, and up to which, half_linear.half_linear takes the tiles, by weight dtype; measured on
-# this project's machine (CPU time, one core,
-# 5632x1024 and 1024x2816): bfloat16 1.06-1.09x the GEMV at 4 rows (0.89-0.92x at 2-3), 1.01-1.14x torch's AMX
-# GEMM at 96 (0.95-1.07x at 128); float16, split in two, 1.05-1.15x the GEMV at 8 (0.85-1.02x at 6), and since
-# the sweeps over the weights, 1.9-2.0x torch's
-# float16 GEMM at 256-512 rows, 1.8-2.1x at 2048 (the engine's default step budget).
+# Rows of x from which, and up to which, half_linear.half_linear takes the tiles, by weight dtype: the
+# crossovers with the GEMV below and with torch's GEMM above (float16's GEMM in torch is slow, hence 2048).
 MIN_ROWS = {torch.bfloat16: 4, torch.float16: 8}
 MAX_ROWS = {torch.bfloat16: 96, torch.float16: 2048}
 # The same for float32 x against a 16-bit weight (amx_half_weight_linear: x split exactly into three bfloat16,

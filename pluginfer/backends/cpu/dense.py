@@ -1,13 +1,12 @@
 """The cpu backend's dense-weight layouts: ops ``dense_layout``, ``dense_pack`` and ``dense_linear``.
 
 On the CPU the checkpoint's ``[out, in]`` layout is replaced, once, by the one the fastest available
-kernel reads (measured on a 0.5B-shaped llama, float32, 2 cores):
+kernel reads:
 
 - ``panels``: the native ``panel_linear`` kernel (``csrc/panel_linear.c``), float32 on an
-  AVX-512 CPU, whatever the batch: ~1.3x oneDNN's prepacked GEMM at 1-32 rows, faster than MKL's
-  GEMV at one, ~0.9x oneDNN at prefill sizes.
+  AVX-512 CPU, whatever the batch.
 - ``onednn``: oneDNN's prepacked layout (``backends/onednn.py``) where that kernel is unavailable and
-  the engine batches several sequences (~1.3x MKL at 16 rows, ~10% slower at one).
+  the engine batches several sequences.
 - ``half``: bfloat16/float16 weights keep ``[out, in]`` for the native 16-bit GEMV
   (``csrc/half_linear.c``, AVX512-BF16 / AVX-512 / AVX2 + F16C) up to
   ``half_linear.HALF_LINEAR_MAX_ROWS`` rows, and for ``F.linear`` (torch's GEMM) above.

@@ -15,16 +15,11 @@ from pluginfer.backends.cpu.replay import _lib
 # What half_linear_supported() returns in C: the instruction set of the 16-bit GEMV.
 HALF_LINEAR_ISAS = {1: "AVX512-BF16", 2: "AVX-512", 3: "AVX2 + F16C"}
 HALF_LINEAR_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-# Rows above which half_linear hands the matmul back to torch's GEMM. Measured on this project's machine
-# (one core, CPU time, the 0.5B llama's shapes): the kernel runs
-# bfloat16 1.3-1.6x faster than torch's F.linear at 1-4 rows, 1.15-1.3x at 6, and ties torch's oneDNN
-# GEMM (AMX on this CPU) from 7-8 rows; float16, where torch's GEMM is slower, ties at 16.
+# Rows above which half_linear hands the matmul back to torch's GEMM: where torch's oneDNN GEMM (AMX on
+# Intel) catches up with the GEMV; later for float16, where torch's GEMM is slower.
 HALF_LINEAR_MAX_ROWS = {torch.bfloat16: 6, torch.float16: 16}
 # The same for float32 activations against a 16-bit weight (half_weight_linear), where the alternative is
-# tiles of the weight widened to float32 for torch's float32 GEMM (quant/gguf.py's tiled_linear). Measured
-# (one thread, CPU time, float16 weights): the
-# kernel is 1.2-1.8x faster than the tiles at 24 rows on 20480x256, 5632x1024 and 1024x2816, and ties them
-# at 32 on 20480x256 (at two threads it still leads at 32, 1.3x).
+# tiles of the weight widened to float32 for torch's float32 GEMM (quant/gguf.py's tiled_linear).
 HALF_WEIGHT_MAX_ROWS = 24
 
 

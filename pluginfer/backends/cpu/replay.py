@@ -94,7 +94,7 @@ class StepProgram:
         self.program = torch.tensor(recorded.program, dtype=torch.int64)
         self.names = list(recorded.names)
         self._status = ctypes.c_int64(0)
-        # run()'s arguments, taken once: a torch call right after a replayed step's kernels costs ~10 us
+        # run()'s arguments, taken once: a torch call right after a replayed step's kernels is slow
         self._arguments = (self.program.data_ptr(), self.program.numel(), ctypes.addressof(self._status))
 
     def __len__(self) -> int:

@@ -294,8 +294,7 @@ class CpuDecodeReplay:
         self.input_ids, self.positions, self.slot_mapping = zeros(max_num_seqs), zeros(max_num_seqs), zeros(max_num_seqs)
         self.seq_lens, self.block_tables = zeros(max_num_seqs), zeros(max_num_seqs, max_blocks_per_seq)
         self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int64)
-        # numpy views of the buffers: a step's inputs go in by numpy assignment (8 us a step against 20 for
-        # torch's copy_, one row, timeit)
+        # numpy views of the buffers: a step's inputs go in by numpy assignment, cheaper than torch's copy_
         self._host = [buffer.numpy() for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens)]
         self._host_tables = self.block_tables.numpy()
         self._views: tuple[tuple, list] = ((None,) * 5, [])  # the last batch's input tensors and their numpy views
@@ -323,8 +322,7 @@ class CpuDecodeReplay:
                                                    batch.seq_lens, batch.block_tables)
         seen, views = self._views
         # The worker hands the same tensors again in a steady decode (their arrays written over): their numpy
-        # views too (0.6 us each to make; and no torch call here, whose first one after the last step's kernels
-        # costs ~10 us).
+        # views too (no torch call here: the first one after the last step's kernels is slow).
         if not (ids is seen[0] and positions is seen[1] and slots is seen[2] and seq_lens is seen[3]
                 and tables is seen[4]):
             seen = (ids, positions, slots, seq_lens, tables)
