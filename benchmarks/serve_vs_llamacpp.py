@@ -60,8 +60,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from serve_client import PROMPT, run_client
-from serve_processes import Server, free_port, idle_cpu, load_average
+from serve_harness import PROMPT, Server, free_port, idle_cpu, load_average, run_client
 
 SHAPES = {  # SmolLM2-135M's shape, and a ~13M llama whose step is a few ms (where per-token overheads show)
     "smol135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
