@@ -137,11 +137,13 @@ class DecodeGraphs:
         the static positions, not carried over from the warm-up (a replay would reuse the warm-up's values).
         """
         for size in reversed(self.sizes):
-            self.forward(self.static_batch(size))  # warm-up: Triton compiles, allocators settle outside the capture
+            # warm-up: Triton compiles, allocators settle outside the capture
+            self.forward(self.static_batch(size))
             graph = self.graph_factory()
             try:
                 self.outputs[size] = graph.capture(lambda size=size: self.forward(self.static_batch(size)))
-            except RuntimeError as exc:  # a host sync or a pageable copy in the model's decode forward
+            except RuntimeError as exc:
+                # a host sync or a pageable copy in the model's decode forward
                 raise RuntimeError(f"capturing the decode step of {size} sequences in a CUDA graph failed: {exc} "
                                    "(--enforce-eager runs decode steps without graphs)") from exc
             self.graphs[size] = graph

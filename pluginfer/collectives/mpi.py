@@ -177,7 +177,8 @@ def build(config: EngineConfig, rank: RankInfo) -> MpiCollective:
     if reason is not None:
         raise RuntimeError(f"collective mpi cannot run here: {reason}")
     mpi = _import_mpi(initialize=True)
-    if not mpi.Is_initialized():  # the availability check loaded the library without initializing it
+    if not mpi.Is_initialized():
+        # the availability check loaded the library without initializing it
         mpi.Init_thread()
         atexit.register(_finalize, mpi)
     world = mpi.COMM_WORLD

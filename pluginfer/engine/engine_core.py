@@ -63,7 +63,8 @@ from pluginfer.engine.messages import (
 
 logger = logging.getLogger("pluginfer.engine.engine_core")  # also when run as __main__
 
-_IDLE_CHECK_S = 0.25  # how often an idle core looks at engine.failure (a lost rank) while it waits
+# how often an idle core looks at engine.failure (a lost rank) while it waits
+_IDLE_CHECK_S = 0.25
 
 
 def error_name(exc: BaseException) -> str:
@@ -135,7 +136,8 @@ class EngineCore:
         tokenizer = None
         # A tokenizer built without transformers (a GGUF file's, an HFTokenizer) is the server's own.
         if not isinstance(engine.tokenizer, GGUFTokenizer):
-            try:  # the server takes the tokenizer from here: unpickling it is ~0.1 s, loading it again seconds
+            try:
+                # the server takes the tokenizer from here: unpickling it is far cheaper than loading it again
                 tokenizer = pickle.dumps(engine.tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001 - the server loads its own
                 logger.info("the tokenizer does not pickle (%s); the server loads its own", exc)
@@ -204,7 +206,8 @@ class EngineCore:
         try:
             while True:
                 busy = engine.has_unfinished_requests()
-                if not busy and engine.failure:  # a rank was lost while idle: fail now, not at the next request
+                if not busy and engine.failure:
+                    # a rank was lost while idle: fail now, not at the next request
                     raise RuntimeError(engine.failure)
                 if self._drain(block=not busy):
                     return 0
@@ -290,21 +293,24 @@ class EngineCore:
 
 def main(argv: list[str]) -> int:
     fd, spawned = int(argv[0]), float(argv[1]) if len(argv) > 1 else None
-    os.dup2(2, 1)  # whatever prints goes to the log: the server's stdout is its own (its first line says where)
+    # whatever prints goes to the log: the server's stdout is its own (its first line says where)
+    os.dup2(2, 1)
     # Ctrl-C in a terminal reaches the whole process group: the server stops the core in order (stop message).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from pluginfer.core.config import EngineConfig  # while the server builds the config (spawned ahead)
 
     level, _, config = sys.stdin.read().partition("\n")
     if not config:
-        return 0  # spawned ahead for a config that runs the engine elsewhere, or never came
+        # spawned ahead for a config that runs the engine elsewhere, or never came
+        return 0
     logging.basicConfig(level=level, format="%(levelname)s %(name)s (engine core): %(message)s")
     sock = socket.socket(fileno=fd)
     core = EngineCore(EngineConfig.model_validate_json(config), sock)
     try:
         try:
             info = core.load(spawned)
-        except Exception as exc:  # the server re-raises it: the CLI prints pluginfer's own errors in one line
+        except Exception as exc:
+            # the server re-raises it: the CLI prints pluginfer's own errors in one line
             from pluginfer.core.registry import PluginError
 
             ours = isinstance(exc, (ValueError, KeyError, FileNotFoundError, PluginError))

@@ -49,7 +49,8 @@ class ExecutedStep:
     sample_seqs: list[Sequence]
     prompt_logits: list[tuple]
     pooled: list[tuple]
-    same_seqs: bool  # the last step's sampling sequences again, in order (a repeated decode step)
+    # the last step's sampling sequences again, in order (a repeated decode step)
+    same_seqs: bool
     drafts: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> logits of its last token and drafts
 
 
@@ -60,7 +61,8 @@ class StartedRank:
     hf_config: dict
     max_model_len: int
     num_blocks: int
-    startup_times: dict[str, float]  # seconds: config (the plan: checkpoint, metadata, plugin choice), the worker's phases
+    # seconds: config (the plan: checkpoint, metadata, plugin choice), the worker's phases
+    startup_times: dict[str, float]
     model: str = ""  # the model plugin's name
 
 
@@ -95,7 +97,8 @@ class Executor:
                                "(`pluginfer serve` and `pluginfer generate` do so under torchrun and mpiexec)")
         self.rank, self.config = rank, config
         self.failure: str | None = None
-        self._lock = threading.Lock()  # one collective sequence at a time: steps and keep-alive pings
+        # one collective sequence at a time: steps and keep-alive pings
+        self._lock = threading.Lock()
         self._last_message = time.monotonic()
         self.local_workers = LocalWorkers(config, rank, self._lost) if rank.launcher == "spawn" else None
         try:

@@ -77,7 +77,8 @@ class Ready:
 
 @dataclass(frozen=True)
 class StartFailed:
-    error_type: str  # "ValueError" for pluginfer's own errors (a bad config, a missing file)
+    # "ValueError" for pluginfer's own errors (a bad config, a missing file)
+    error_type: str
     message: str
 
 

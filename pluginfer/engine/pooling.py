@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where a state pools: importing the params stays cheap
+if TYPE_CHECKING:
+    # torch is imported where a state pools: importing the params stays cheap
     import torch
 
 TASKS = ("embed", "score")
@@ -47,10 +48,13 @@ _TRANSFORMER, _POOLING, _NORMALIZE = "Transformer", "Pooling", "Normalize"
 class PoolingParams:
     """What one embedding request asks for (``LLM.embed``, ``/v1/embeddings``)."""
 
-    dimensions: int | None = None  # keep the first ``dimensions`` values, renormalized (Matryoshka models only)
-    task: str = "embed"  # "score": the prompt is a pair (``LLM.score``), its result one score
+    # keep the first ``dimensions`` values, renormalized (Matryoshka models only)
+    dimensions: int | None = None
+    # "score": the prompt is a pair (``LLM.score``), its result one score
+    task: str = "embed"
 
-    n: int = field(default=1, init=False)  # one result per prompt (the engine's clients read ``params.n``)
+    # one result per prompt (the engine's clients read ``params.n``)
+    n: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
@@ -71,8 +75,10 @@ class PoolerConfig:
     hidden_size: int
     matryoshka_dimensions: tuple[int, ...] | None = None  # None: any size up to hidden_size (if matryoshka)
     matryoshka: bool = False
-    problem: str | None = None  # why this checkpoint cannot embed (then the fields above are placeholders)
-    default_prompt: str = ""  # config_sentence_transformers.json's default prompt, put before every text input
+    # why this checkpoint cannot embed (then the fields above are placeholders)
+    problem: str | None = None
+    # config_sentence_transformers.json's default prompt, put before every text input
+    default_prompt: str = ""
 
     def check(self, params: PoolingParams) -> None:
         """Raise ValueError naming what is wrong for this model (no pooling config, a bad ``dimensions``)."""
@@ -194,7 +200,8 @@ class PoolingState:
     method: str
     normalize: bool
     dimensions: int | None = None
-    whole_prompt: bool = False  # an encoder's: read in one step, never from the prefix cache
+    # an encoder's: read in one step, never from the prefix cache
+    whole_prompt: bool = False
     score: Callable[[torch.Tensor], float] | None = None  # a score request's: the pooled row's logits -> its score
     total: torch.Tensor | None = None
     count: int = 0

@@ -16,7 +16,8 @@ from pluginfer.engine.sequence import SamplingParams, Sequence
 from pluginfer.engine.structured import fill_token_bitmask
 
 _MASK_64 = 2**64 - 1
-_GOLDEN_64 = 0x9E3779B97F4A7C15  # odd multiplier (splitmix64) so (seed, index) pairs rarely collide
+# odd multiplier (splitmix64) so (seed, index) pairs rarely collide
+_GOLDEN_64 = 0x9E3779B97F4A7C15
 
 
 @dataclass
@@ -108,7 +109,7 @@ def apply_top_k_top_p(
         needs_candidates = bool((k_off & ~p_off).any())
         width = min(vocab_size, max(candidates if needs_candidates else 1, int(k.max())))
     while True:
-        values, order = logits.topk(width, dim=-1)  # descending
+        values, order = logits.topk(width, dim=-1)
         kth = values.gather(1, (k.clamp(min=1) - 1).unsqueeze(1)).masked_fill(k_off, float("-inf"))
         in_top_k = values >= kth
         kept_probs = probs.gather(1, order) * in_top_k

@@ -33,7 +33,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.tp_rank * self.shard_size
         self.hidden_size = hidden_size
         self.table_method, self.backend = ctx.quant, ctx.backend  # for a quantized table (vocab_table)
-        self.table = None  # a VocabTable (protocols.py) in place of ``weight`` when the checkpoint's is quantized
+        # a VocabTable (protocols.py) in place of ``weight`` when the checkpoint's is quantized
+        self.table = None
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=ctx.dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 

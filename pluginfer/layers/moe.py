@@ -68,7 +68,8 @@ class _StagingPool:
         return sum(buffer.nbytes for buffer in self.buffers.values())
 
 
-_POOLS: dict[int, _StagingPool] = {}  # id(BuildContext) -> pool; layers built in one context share it
+# id(BuildContext) -> pool; layers built in one context share it
+_POOLS: dict[int, _StagingPool] = {}
 
 
 def _staging_pool(ctx: object, device: torch.device) -> _StagingPool:
@@ -137,7 +138,8 @@ class FusedExperts(nn.Module):
         self.kernel = backend_op(ctx.backend, "fused_moe") \
             if num_offloaded == 0 and self.activation and self.linears is None else None
         self.dense = dense.DenseMatmul.for_context(ctx)
-        self.layout = "checkpoint"  # a packed layout of layers/dense.py once the experts are packed
+        # a packed layout of layers/dense.py once the experts are packed
+        self.layout = "checkpoint"
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # packed copies of resident experts
 
     @property
@@ -235,7 +237,8 @@ class FusedExperts(nn.Module):
                 self._load_expert(param, expert, index, part, name)
             return
         target = self._expert_view(param, expert)
-        axis = 1 if half is None else 0  # down's inputs, gate's and up's outputs are the intermediate axis
+        # down's inputs, gate's and up's outputs are the intermediate axis
+        axis = 1 if half is None else 0
         if half is not None:
             target = target.narrow(0, half * self.shard_size, self.shard_size)
         full = list(target.shape)

@@ -35,7 +35,8 @@ HF_MODULES = (
     "model.layers.{bid}.mlp.shared_experts.gate_proj", "model.layers.{bid}.mlp.shared_experts.up_proj",
     "model.layers.{bid}.mlp.shared_experts.down_proj",
 )
-_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, the default)
+# llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, the default)
+_SIGMOID = 2
 
 
 def convert(checkpoint: GGUFCheckpoint) -> GGUFModel:

@@ -28,7 +28,8 @@ from pluginfer.layers.context import quant_kernel
 from pluginfer.quant.sharding import UNSPLIT
 
 FORMATS = ("int-quantized",)
-_EXACT_INPUTS = 1024  # float32 sums of up to 1024 products of int8 levels are exact integers (<= 2^24)
+# float32 sums of up to 1024 products of int8 levels are exact integers (<= 2^24)
+_EXACT_INPUTS = 1024
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

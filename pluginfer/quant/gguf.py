@@ -59,7 +59,8 @@ class GGUFLinear:
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
                        shard: ShardSpec = UNSPLIT) -> None:
-        layer.shard = shard  # load_shard cuts each whole checkpoint tensor to this rank's part
+        # load_shard cuts each whole checkpoint tensor to this rank's part
+        layer.shard = shard
         # A placeholder the loader routes checkpoint tensors to; the blocks land in ``layer.gguf_shards``.
         weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         weight.output_dim, weight.input_dim = 0, 1
@@ -121,7 +122,8 @@ class GGUFLinear:
         else:
             kept = loaded.raw.to(param.device)
         layer.gguf_shards[index or 0] = (qtype, kept)
-        if not shares_memory(kept, source):  # a rank's columns, another dtype or device: the file's pages can go
+        if not shares_memory(kept, source):
+            # a rank's columns, another dtype or device: the file's pages can go
             release_file_pages(source)
 
     @staticmethod
@@ -286,7 +288,8 @@ def _group_linear(x: torch.Tensor, qtype: object, weight: torch.Tensor, cols: in
         if half is not None and weight.dtype in _HALF_TYPES.values():  # the backend's 16-bit GEMV, F.linear above
             return half_weight_linear(x, weight, bias, half)
         return F.linear(x, weight, bias)
-    if matmul is not None:  # a device kernel reading the blocks (the cuda backend's Q8_0 / Q4_0)
+    if matmul is not None:
+        # a device kernel reading the blocks (the cuda backend's Q8_0 / Q4_0)
         return matmul(x, weight, cols, bias)
     return ggml_linear(x, weight, qtype, cols, bias, kernel)
 

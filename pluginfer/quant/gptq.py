@@ -127,7 +127,8 @@ class GPTQLinear(GroupQuantLinear):
                        shard: ShardSpec = UNSPLIT) -> None:
         all_groups = row_split(shard) and self.desc_act and self.group_size != -1
         self._check_sizes(layer, input_size, output_size, shard, whole_groups=not all_groups)
-        if all_groups:  # act-order, inputs split: every rank keeps every group (see the module docstring)
+        if all_groups:
+            # act-order, inputs split: every rank keeps every group (see the module docstring)
             full_inputs = input_size * shard.size
             if full_inputs % self.group_size:
                 raise ValueError(f"{self.name}: group_size {self.group_size} does not divide the layer's "

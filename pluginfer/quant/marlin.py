@@ -80,7 +80,8 @@ class MarlinLinear:
 
     def __init__(self, group_size: int, source: object | None, zero_points: bool) -> None:
         self.group_size = group_size
-        self.source = source  # the GPTQ/AWQ quant method that loads the checkpoint; None: already Marlin
+        # the GPTQ/AWQ quant method that loads the checkpoint; None: already Marlin
+        self.source = source
         self.zero_points = zero_points
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,

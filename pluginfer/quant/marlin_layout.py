@@ -21,7 +21,8 @@ import torch
 from pluginfer.core.kernels import define_op
 
 TILE = 16  # the tile is 16 input rows x 16 output columns
-CHUNK_COLUMNS = 64  # the weight permutation acts on runs of four tiles: 64 output columns
+# the weight permutation acts on runs of four tiles: 64 output columns
+CHUNK_COLUMNS = 64
 INTERLEAVE_4BIT = (0, 2, 4, 6, 1, 3, 5, 7)
 PACK = 8  # 4-bit codes per int32
 

@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from pluginfer.engine.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-_RECV_BYTES = 1 << 20  # one read of the core's frames: a shorter read emptied the socket
+# one read of the core's frames: a shorter read emptied the socket
+_RECV_BYTES = 1 << 20
 # (read into one buffer kept for the client's life: ``recv(1 MiB)`` allocates and maps a fresh 1 MiB each time)
 
 
@@ -115,7 +116,8 @@ class CoreProcessClient:
                 tokenizer = None
             self._send_tokenizer(tokenizer, deadline)
             ready = self._wait_ready(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if ready.tokenizer is not None:  # not one built here (the core sends none of those: same file, code)
+            if ready.tokenizer is not None:
+                # not one built here (the core sends none of those: same file, code)
                 tokenizer = pickle.loads(ready.tokenizer)
             elif tokenizer is None:
                 tokenizer = load_tokenizer(self.config.tokenizer or ready.model_info.model_path)
@@ -331,7 +333,8 @@ class CoreProcessClient:
 
     def _send(self, message: ServerMessage) -> None:
         data = encode(message)
-        with self._send_lock:  # the core's reader thread always drains its end: this does not block long
+        with self._send_lock:
+            # the core's reader thread always drains its end: this does not block long
             self._sock.sendall(data)
 
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -374,7 +377,8 @@ class CoreProcessClient:
                 self._lost(None)
                 return
             self._receive(self._inbox[:size])
-            if size < _RECV_BYTES:  # the socket is drained: no second recv to hear EAGAIN (once a token)
+            if size < _RECV_BYTES:
+                # the socket is drained: no second recv to hear EAGAIN (once a token)
                 return
 
     def _receive(self, data: bytes | memoryview) -> None:
@@ -389,7 +393,8 @@ class CoreProcessClient:
                     continue  # its consumer left; the abort is on its way
                 if request.loop is self._loop:
                     request.apply(delta)
-                else:  # a request from another event loop (several servers over one client)
+                else:
+                    # a request from another event loop (several servers over one client)
                     request.loop.call_soon_threadsafe(request.apply, delta)
             self._stats = message.stats
         elif isinstance(message, Rejected):

@@ -73,7 +73,8 @@ def _may_become_call(text: str, at: int, names: set[str]) -> bool:
         return False
     named = _NAME.match(text, position)
     if named is None:
-        return True  # '"name": ' not yet followed by its value, or another first key: decided once complete
+        # '"name": ' not yet followed by its value, or another first key: decided once complete
+        return True
     name, closed = named.groups()
     return name in names if closed else any(declared.startswith(name) for declared in names)
 

@@ -45,7 +45,8 @@ class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # enforced either way (auto: where the parser says how its calls look)
+    # enforced either way (auto: where the parser says how its calls look)
+    strict: bool | None = None
 
 
 class Tool(_Strict):
@@ -75,7 +76,8 @@ class ToolCalling:
     parallel: bool = True
     parser: ToolCallParser | None = None
     special_tokens: list[str] = field(default_factory=list)  # stripped from content when kept for the parser
-    strict_schemas: bool = True  # an object without additionalProperties holds only its declared keys
+    # an object without additionalProperties holds only its declared keys
+    strict_schemas: bool = True
 
     @classmethod
     def from_request(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None,

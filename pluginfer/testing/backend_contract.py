@@ -285,7 +285,8 @@ def _check_ops(backend: DeviceBackend, ops: Iterable[str]) -> None:
             raise _fail(f"op({name!r})", f"the backend claims this op; got {kernel!r}, not a callable")
         reference = kernels.OPS.get(name)
         if reference is None:
-            continue  # a backend's own op (the cpu backend's format ops): no reference signature to hold it to
+            # a backend's own op (the cpu backend's format ops): no reference signature to hold it to
+            continue
         try:
             parameters = tuple(inspect.signature(kernel).parameters)
         except (TypeError, ValueError):  # a builtin without a signature
@@ -296,7 +297,8 @@ def _check_ops(backend: DeviceBackend, ops: Iterable[str]) -> None:
     try:
         unknown = backend.op(NOT_AN_OP)
     except KeyError:
-        return  # an op no plugin defined is an error at build, naming the nearest ops
+        # an op no plugin defined is an error at build, naming the nearest ops
+        return
     raise _fail(f"op({NOT_AN_OP!r})", f"an op name no plugin defined must raise KeyError, got {unknown!r}")
 
 
@@ -335,7 +337,8 @@ def _check_capture_decode(backend: DeviceBackend, atol: float) -> None:
         raise _fail(member, f"None or a callable, got {type(replay).__name__}")
     tables, lengths = [[3, 1, 8], [7, 2, 9], [0, 4, 5]], [5, 2, 7]
     generator = torch.Generator().manual_seed(3)
-    for step in range(4):  # a backend may run a batch size eagerly first and record it later
+    for step in range(4):
+        # a backend may run a batch size eagerly first and record it later
         batch = paged_batch(backend.device, tables, lengths, [1] * len(lengths), BLOCK_SIZE)
         batch.input_ids.copy_(torch.randint(0, toy.vocab, (len(lengths),), generator=generator))
         before = [tensor[:NUM_BLOCKS].clone() for tensor in toy.cache]  # past them: a backend's scratch block

@@ -39,7 +39,8 @@ MAX_ROWS = {torch.bfloat16: 96, torch.float16: 2048}
 FLOAT_X_MIN_ROWS = {torch.bfloat16: 8, torch.float16: 12}
 FLOAT_X_MAX_ROWS = {torch.bfloat16: 2048, torch.float16: 2048}
 
-_library: list = []  # []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
+# []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
+_library: list = []
 
 
 def library() -> ctypes.CDLL | None:

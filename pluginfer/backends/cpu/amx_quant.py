@@ -25,7 +25,8 @@ ENV = amx_library.ENV
 # Q6_K): below them the VNNI kernel is as fast or faster (the tiles cost the same from 1 to 16 rows).
 MIN_ROWS = {2: 6, 8: 5, 12: 7, 14: 9}
 
-_library: list = []  # []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
+# []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
+_library: list = []
 
 
 def library() -> ctypes.CDLL | None:

@@ -72,7 +72,8 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                     weight.data_ptr(), weight.shape[0], bias_address, out.data_ptr(), int(out_float))
     if status == -3:
         raise MemoryError("half_linear could not allocate its activation buffer")
-    if status != 0:  # -4: no kernel on this CPU (op() does not hand it out there)
+    if status != 0:
+        # -4: no kernel on this CPU (op() does not hand it out there)
         raise ValueError(f"half_linear: status {status} for {dtype} weights {tuple(weight.shape)}")
     return out
 
@@ -114,7 +115,8 @@ def half_linear_op() -> Callable | None:
     limits = HALF_LINEAR_MAX_ROWS
     _log_once(logging.INFO, f"16-bit linears: native GEMV ({isa}) up to {limits[torch.bfloat16]} rows of bfloat16 "
                             f"and {limits[torch.float16]} of float16, torch's matmul above")
-    if amx_half.library() is not None:  # its own line: whether AMX bfloat16 tiles take amx_half.MIN_ROWS..MAX_ROWS
+    if amx_half.library() is not None:
+        # its own line: whether AMX bfloat16 tiles take amx_half.MIN_ROWS..MAX_ROWS
         _log_once(logging.INFO, "float32 activations against 16-bit weights: AMX bfloat16 tiles (x split exactly "
                                 "in three bfloat16) from "
                                 + ", ".join(f"{amx_half.FLOAT_X_MIN_ROWS[d]} to {amx_half.FLOAT_X_MAX_ROWS[d]} rows "

@@ -64,7 +64,8 @@ class StepRecording:
         return call
 
 
-_state = threading.local()  # .recording: the StepRecording of this thread, if one is active
+# .recording: the StepRecording of this thread, if one is active
+_state = threading.local()
 
 
 def _lib() -> ctypes.CDLL | StepRecording:

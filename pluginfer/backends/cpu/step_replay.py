@@ -225,12 +225,13 @@ class _WatchTorchOps(TorchDispatchMode):
     def __init__(self, recorder: replay.StepRecording, keep: list[torch.Tensor]) -> None:
         super().__init__()
         self.recorder, self.keep = recorder, keep
-        self.new_bytes = 0  # memory the step's ops allocated, which the recording holds from now on
+        # memory the step's ops allocated, which the recording holds from now on
+        self.new_bytes = 0
         self._storages: set[int] = set()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        """Nothing here is compiled: without this, the first op imports torch._dynamo (~1 s of CPU)."""
+        """Nothing here is compiled: without this, the first op imports torch._dynamo, a slow import."""
         return False
 
     def __torch_dispatch__(self, func: object, types: object, args: tuple = (), kwargs: dict | None = None) -> object:
@@ -238,7 +239,8 @@ class _WatchTorchOps(TorchDispatchMode):
         out = func(*args, **kwargs)
         tensors = [value for value in tree_flatten((args, kwargs, out))[0] if isinstance(value, torch.Tensor)]
         self.keep.extend(tensors)
-        if not func.is_view:  # new memory: outputs in storages no input had (not an in-place op's target)
+        if not func.is_view:
+            # new memory: outputs in storages no input had (not an in-place op's target)
             inputs = {tensor.untyped_storage().data_ptr() for tensor in tree_flatten((args, kwargs))[0]
                       if _has_storage(tensor)}
             for tensor in tree_flatten(out)[0]:
@@ -343,7 +345,8 @@ class CpuDecodeReplay:
     def _record(self, size: int) -> torch.Tensor:
         """Run the step eagerly on the static buffers, noting it; its output is this step's result."""
         keep: list[torch.Tensor] = []
-        forward_only = None  # (the recording of the forward alone, its output) when the head follows
+        # (the recording of the forward alone, its output) when the head follows
+        forward_only = None
         with torch.inference_mode(), replay.recording() as recorder, _WatchTorchOps(recorder, keep) as watch:
             out = self.forward(self.static_batch(size))
             if self.head is not None and isinstance(out, torch.Tensor):

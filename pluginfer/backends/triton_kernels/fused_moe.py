@@ -48,7 +48,8 @@ def _grouped_gemm_kernel(
                     mask=valid[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if WIDEN:  # float32 operands (and bf16 under the interpreter, whose bf16 tl.dot is wrong): no tf32
+        if WIDEN:
+            # float32 operands (and bf16 under the interpreter, whose bf16 tl.dot is wrong): no tf32
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)

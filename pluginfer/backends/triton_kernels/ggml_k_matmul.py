@@ -73,7 +73,8 @@ def _ggml_k_matmul_kernel(
         else:
             d = _half(base, mask_n)
             dmin = _half(base + 2, mask_n)
-            gl = g % 4  # scales of groups 4-7 take their high bits from groups 0-3's bytes
+            # scales of groups 4-7 take their high bits from groups 0-3's bytes
+            gl = g % 4
             sc_byte = tl.load(base + 4 + gl, mask=mask_n, other=0)
             mn_byte = tl.load(base + 8 + gl, mask=mask_n, other=0)
             if g < 4:
