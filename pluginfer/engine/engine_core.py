@@ -1,29 +1,12 @@
 """The engine core in a process of its own: LLMEngine's step loop, fed and drained over one socket.
 
-``pluginfer serve`` runs its HTTP server in one process and this loop in another, as vLLM V1 splits
-its API server from its engine core: the event loop's work (HTTP parsing, JSON, SSE writes, the
-tokenizer on prompts) and the step never take turns at one interpreter lock, and the step loop owns
-its interpreter, its OpenMP threads and its memory. ``pluginfer.server.core_client.CoreProcessClient`` is
-the other end; ``LLM`` keeps its engine in the caller's process.
-
-``python -m pluginfer.engine.engine_core FD [SPAWNED]``, then on stdin the log level's name, a newline and the
-config's JSON (``pluginfer.server.core_process`` spawns it, possibly before that config exists; nothing on
-stdin: it exits); ``FD`` is this end of a socket pair, ``SPAWNED`` the server's ``time.perf_counter()`` as it
-started this process.
-The messages are ``pluginfer.engine.messages``' typed dataclasses, one frame each: the server sends
-``ServerTokenizer`` first (the tokenizer it built without transformers while this process imported torch, taken
-here beside the weights' load instead of building a second one; None: this process loads its own and sends it,
-pickled, in ``Ready``), then ``AddRequest``, ``AbortRequest``, ``Call`` and ``Stop``; the core answers ``Ready``
-once loaded (or ``StartFailed``), then after every step one ``Outputs`` with what each request gained since the
-last one (``RequestDelta``: new token ids, text, logprobs; the prompt the first time) and the engine's
-``EngineStats``, ``Rejected`` for a request ``add_request`` refused, ``CallResult`` for each ``Call``, and
-``Failure`` when the loop fails. One frame per step whatever the number of requests: the server wakes once per
-step, not once per token.
-
-A reader thread takes the server's frames off the socket as they come (so neither side can block the
-other on a full buffer) and compiles grammars there, off the step loop. The core exits when told to
-stop, when the server's end closes (the server died), or when its loop fails; on Linux it also gets
-SIGTERM when the server's process goes away.
+As vLLM V1 splits its API server from its engine core, ``pluginfer serve``'s HTTP event loop and the step loop
+never share an interpreter lock; ``server.core_client.CoreProcessClient`` is the other end. Run as
+``python -m pluginfer.engine.engine_core FD [SPAWNED]``, then the log level and the config's JSON on stdin.
+Frames are ``engine.messages``' dataclasses: ``ServerTokenizer``, requests, aborts and calls in; ``Ready``, then
+one ``Outputs`` per step (whatever the number of requests), ``Rejected``, ``CallResult``, ``Failure`` out.
+A reader thread takes frames off the socket (and compiles grammars) off the step loop; the core exits when
+told to, when the server's end closes, or when its loop fails.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Embeddings: how a checkpoint pools its hidden states, and one request's pooling as its prompt is read.
 
-The pooling (last token, mean, CLS) and the normalization come from the checkpoint's
-sentence-transformers files: ``modules.json`` lists the modules (``Transformer``, ``Pooling``,
-``Normalize``), the Pooling module's folder holds ``config.json`` with its ``pooling_mode`` (v6) or
-``pooling_mode_*`` flags (before v6).
-A checkpoint without them has no pooling config: asking it for embeddings is an error that says
-what is missing (no silent default). ``dimensions`` (Matryoshka truncation) is allowed only where
-config.json says the model was trained for it (``is_matryoshka`` or ``matryoshka_dimensions``).
-``config_sentence_transformers.json``'s ``default_prompt_name``, where set, names a prompt put before
-every text input (as sentence-transformers' ``encode`` does); token-id inputs are taken as they are.
-
-``--pooling`` (``EngineConfig.pooling``) names the method for a checkpoint without these files (a causal LM; its
-embeddings are then L2-normalized, as vLLM's default) or replaces the Pooling module's mode.
-
-A score request (``task="score"``, ``engine/scoring.py``) pools one row the same way and keeps one number.
-
-An embedding request runs through the engine like a prompt that samples nothing: its prefill
-chunks are scheduled and batched with everything else, and each chunk returns the final hidden
-states of the rows its pooling needs (``PoolingState.rows``), which ``PoolingState.add`` folds in.
+The method (last token, mean, CLS) and normalization come from the checkpoint's sentence-transformers files
+(``modules.json``, the Pooling module's ``config.json``), its ``default_prompt_name`` prompt too; without them
+asking for embeddings is an error unless ``--pooling`` names a method (then L2-normalized, as vLLM). Matryoshka
+``dimensions`` only where the config says the model was trained for it. A request runs as a prompt that samples
+nothing: its prefill chunks batch with everything else and return the rows its pooling needs
+(``PoolingState.rows``), which ``PoolingState.add`` folds in. Scores (``engine/scoring.py``) pool the same way.
 """
 
 from __future__ import annotations

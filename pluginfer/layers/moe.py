@@ -1,17 +1,10 @@
 """Sparse mixture-of-experts block: a top-k router and experts held as stacked weights.
 
-Experts live in two tensors, ``gate_up_proj`` ``[num_experts, 2 * intermediate, hidden]`` (gate rows first)
-and ``down_proj`` ``[num_experts, hidden, intermediate]``; checkpoints that store one tensor per expert
-are routed into them by ``expert_weight_names`` and the parameters' ``weight_loader``.
-
-Routers are in ``layers.router``. Offloaded experts (``num_offloaded``) wait in a host store and are copied
-into a staging buffer on the compute device when a token is routed to them. Under a quant method that holds
-experts in its own format (``holds_experts``: a ``.gguf`` file's blocks), each expert's projections are
-instead that method's linear layers (``layers.expert_linears``), loaded through the same parameter names.
-
-Tensor parallelism runs inside the experts (as vLLM's default): every rank holds every expert's slice of
-the intermediate dimension (gate and up rows, down columns), the router is replicated so every rank routes
-alike, and the block's output is one all-reduce of the routed experts' and the shared experts' partial sums.
+Experts live in ``gate_up_proj`` ``[experts, 2 * intermediate, hidden]`` and ``down_proj`` ``[experts, hidden,
+intermediate]``, per-expert checkpoint tensors routed in by ``expert_weight_names``; under a quant method that
+``holds_experts`` (GGUF blocks) each expert is that method's linears (``layers.expert_linears``). Offloaded
+experts wait in host memory and are staged on the device when routed to. Tensor parallelism runs inside the
+experts, as vLLM's default: one all-reduce of the routed and shared experts' partial sums.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """The ``gguf`` quant method: linear layers keep a ``.gguf`` file's tensors in their GGML block types.
 
-A fused layer (``qkv_proj``, ``gate_up_proj``) is loaded from several checkpoint tensors, and GGUF
-files mix types (e.g. Q4_K q/k with a Q6_K v), so each shard keeps its own (type, raw blocks).
-Adjacent shards of one type are concatenated once after loading, read from the file with ``pread`` into the
-group (``formats.gguf.checkpoint.read_file_bytes``: their pages never enter the process); the pages of any other
-tensor copied at load (a rank's columns, another dtype or device, llama's reordered q/k rows) are released
-after the copy (``formats.gguf.checkpoint.release_file_pages``); the matmul runs
-``ggml_blocks.ggml_linear`` per group (a tile of rows dequantized at a time) and concatenates the
-outputs. Float shards (F32/F16/BF16 files) are plain dense weights in the model dtype, except F16/BF16 ones in a
-float32 model whose backend has the ``half_linear`` op: those stay as the file stores them, read in place by it.
-
-The checkpoint side is ``pluginfer.formats.gguf.checkpoint`` (it yields ``GGMLTensor``s). The embedding and
-the LM head stay quantized too: ``vocab_table`` gives ``layers.embedding`` a ``GGMLVocabTable`` of its
-rows (docs/quantization.md).
-
-Tensor parallelism: ``create_weights`` keeps the layer's ``ShardSpec`` as ``layer.shard`` and each
-checkpoint tensor arrives whole. A column-parallel rank keeps its rows of blocks (of each fused
-projection; key/value rows shared by the ranks that replicate a KV head); a row-parallel rank keeps
-its columns of bytes, which must be whole blocks: its inputs must be a multiple of the type's block
-(32 weights, 256 for the K-quants), else loading stops naming the tensor, the tensor-parallel size,
-both input counts and the block. Blocks are independent, so a rank's bytes are those of its weights.
+Each shard of a fused layer keeps its own (type, raw blocks), since files mix types; adjacent shards of one
+type are read once into a group (``pread``: their pages never enter the process) and ``ggml_blocks.ggml_linear``
+runs per group. F16/BF16 shards of a float32 model stay as stored where the backend has ``half_linear``; other
+float shards are dense. Embedding and LM head stay quantized too (``vocab_table``). Under tensor parallelism a
+column-parallel rank keeps its rows of blocks and a row-parallel rank its columns of bytes, which must be
+whole blocks (else loading stops, naming the tensor, the sizes and the block).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """CoreProcessClient: the server's side of the engine core process (``pluginfer.engine.engine_core``).
 
-An ``EngineClient`` (``pluginfer.engine.client``), as ``AsyncEngine`` is, with the engine in another process:
-requests go there as ``AddRequest``/``AbortRequest`` messages, grammars are compiled there through ``Call``,
-and what comes back (``pluginfer.engine.messages``) is the model's ``ModelInfo`` once, then every step's
-``Outputs``: the requests' deltas and the engine's ``EngineStats``.
-
-The core's frames are read on the server's event loop (``loop.add_reader``: no thread, no
-``call_soon_threadsafe`` per token); one frame per engine step carries every request's new tokens and
-text, which are appended to the request's output in this process. A request's consumer that falls
-behind gets one output with everything new since it last looked, not a queue of stale ones.
-
-When the core process dies (killed, out of memory, a crash) its end of the socket closes: every open
-request fails with ``EngineDeadError`` at once (a stream ends with an error event), ``is_alive`` turns
-False (``/health`` answers 503) and one log line says which process died and how.
+An ``EngineClient`` with the engine in another process: requests go as ``AddRequest``/``AbortRequest``,
+grammars compile there through ``Call``; ``ModelInfo`` comes back once, then one ``Outputs`` per step, read on
+the event loop (``loop.add_reader``: no thread hop per token). A consumer that falls behind gets one output
+with everything new. When the core dies its socket closes: every open request fails with ``EngineDeadError``,
+``is_alive`` turns False (``/health`` answers 503) and one log line says how it died.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Tool calling on /v1/chat/completions: ``tools`` and ``tool_choice`` to a prompt, a grammar and a parser,
 and the model's output back to ``message.tool_calls`` / streamed ``delta.tool_calls``.
 
-- ``none``: the tools are rendered by the chat template; the output is plain content.
-- ``auto`` (the default with tools): the model writes calls in its own format, which the server's
-  ``--tool-call-parser`` reads (``tool_parsers.py``), or as bare JSON naming a declared tool
-  (``json_tool_calls.py``). Where the parser says how its calls look
-  (``call_syntax``), a grammar lets the model write free text and holds a call, once its trigger
-  appears, to a declared tool and its (strict) parameters (``tool_grammar.py``).
-- ``required`` / a named function: constrained decoding makes the call valid, as vLLM does. A named
-  function's output is its arguments (the grammar is the function's ``parameters``); ``required``'s
-  output is a JSON array of ``{"name", "parameters"}`` (``anyOf`` over the tools). Both are read
-  here, whatever the model's own format. The parameters are strict (``strict_schema.py``): an object
-  that does not say ``additionalProperties`` holds only its declared keys, as OpenAI's and xgrammar's
-  strict mode read it (``server.strict_tool_schemas: false`` keeps JSON Schema's open objects).
+``none``: plain content. ``auto``: calls in the model's own format (``--tool-call-parser``, ``tool_parsers.py``)
+or bare JSON (``json_tool_calls.py``), held to a declared tool by a grammar once its trigger appears where the
+parser gives its ``call_syntax`` (``tool_grammar.py``). ``required`` / a named function: constrained decoding
+makes the call valid, as vLLM does, read here whatever the model's format. Parameters are strict
+(``strict_schema.py``) unless ``server.strict_tool_schemas: false``.
 """
 
 from __future__ import annotations

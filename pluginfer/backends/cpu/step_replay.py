@@ -1,24 +1,11 @@
 """Decode steps replayed in one native call: the cpu backend's ``capture_decode``.
 
-A decode step of a tiny model is mostly Python between the kernels.
-A decode step of ``n`` sequences (the cpu backend's second: ``eager_steps``) runs eagerly on
-static input buffers while ``replay.recording()`` notes every native call (its C function and
-arguments) and a
-``TorchDispatchMode`` watches every torch op: views and allocations pass, the few copy-like ops a step
-makes between the kernels (the embedding's row gather, the KV cache's ``index_copy_``, residual adds,
-products by a 0-dim tensor, 16-bit to float32 conversions) are noted as the equivalent entries of ``csrc/step_replay.c``, and any
-other op refuses the recording: that size then stays eager, with one debug line naming the op. Later
-steps of ``n`` sequences copy their inputs (token ids, positions, slot mapping, sequence lengths, block
-tables) into the static buffers and run the recorded program in one C call, so they compute what the
-eager step computes, bit for bit (same kernels, same arguments, same order). The worker hands over the
-forward with its LM head (``DecodeForward``): the head is recorded after the layers, so a replay gives the
-logits; where the head's recording is refused, the layers alone are replayed and the head runs eagerly after
-them. Prefill and mixed steps, and every step under ``--enforce-eager``, run eagerly.
-
-The tensors a recording used (its outputs, intermediates, weights and caches) are kept alive by the
-recording: the program holds their addresses. Each recorded batch size holds its own intermediates (about
-rows x the layers' activations, none shared), so the recordings of a worker hold at most ``MEMORY_BUDGET``
-bytes; a batch size whose recording would pass it stays eager.
+A tiny model's decode step is mostly Python between the kernels. The second step of ``n`` sequences runs
+eagerly on static buffers while ``replay.recording()`` notes every native call and a ``TorchDispatchMode``
+turns the few copy-like torch ops into ``csrc/step_replay.c`` entries (any other op refuses: that size stays
+eager). Later steps of ``n`` copy their inputs into the buffers and run the program in one C call: the same
+kernels and arguments, so the same bits. The LM head is recorded after the layers where it can be. The
+recordings keep their tensors alive, at most ``MEMORY_BUDGET`` bytes in all.
 """
 
 from __future__ import annotations
