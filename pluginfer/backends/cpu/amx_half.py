@@ -1,14 +1,9 @@
 """AMX bfloat16 tile kernel for 16-bit dense linears (``csrc/amx_half.c``), a library of its own.
 
-Where a CPU has AMX-BF16 (Sapphire Rapids and later), :func:`half_linear.half_linear` hands a matmul of
-:data:`MIN_ROWS` to :data:`MAX_ROWS` rows of a bfloat16 weight to this kernel instead of the AVX-512 GEMV of
-``csrc/half_linear.c`` or torch's GEMM: the checkpoint's ``[out, in]`` weight read in place as the tiles'
-A operand, products exact in float32 and summed in float32 as there; only the order of the sums differs.
-float16 weights too (from more rows), each value split exactly into two bfloat16: four products per pair,
-exact in float32, so no bit of the float16 values is lost (see the C file).
-The library is built apart from ``library.py``'s, so a compiler without AMX
-support, a CPU without AMX or a kernel that refuses to build leaves the GEMV as it is, with one log line
-saying why.
+On AMX-BF16 CPUs, :func:`half_linear.half_linear` hands matmuls of :data:`MIN_ROWS` to :data:`MAX_ROWS` rows to
+it: the ``[out, in]`` weight read in place, products exact and summed in float32 (only the order of the sums
+differs from the GEMV); float16 values are split exactly into two bfloat16. Built apart from ``library.py``'s,
+so a compiler or CPU without AMX leaves the GEMV as it is, with one log line saying why.
 """
 
 from __future__ import annotations

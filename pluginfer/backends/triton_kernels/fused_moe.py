@@ -1,14 +1,10 @@
 """Mixture-of-experts experts as two grouped GEMMs (op ``fused_moe``), vLLM's fused-MoE design.
 
-The ``tokens * top_k`` (token, expert) pairs are sorted by expert and each expert's run is padded to a
-multiple of ``BLOCK_M`` (in torch, with no host synchronisation: the padded length is bounded by
-``pairs + experts * (BLOCK_M - 1)``, so every shape is known on the host). A program of the grouped
-GEMM owns ``BLOCK_M`` sorted pairs of one expert and ``BLOCK_N`` outputs: it gathers the pairs' input
-rows, multiplies them by that expert's weight and scatters the rows back to the pairs' places. One
-launch runs every expert's gate/up projection, the gated activation is the ``silu_and_mul`` /
-``gelu_and_mul`` kernel, and a second launch runs every down projection, multiplying each row by its
-router weight in float32; the sum over ``top_k`` is one torch reduction. Reference:
-``core.kernels.fused_moe``.
+The (token, expert) pairs are sorted by expert, each run padded to ``BLOCK_M`` in torch with shapes bounded on
+the host (no synchronisation). A program takes ``BLOCK_M`` pairs of one expert and ``BLOCK_N`` outputs: it
+gathers their rows, multiplies by the expert's weight and scatters back. One launch for gate/up, the gated
+activation kernel, one launch for down (times the router weight, in float32), then one torch sum over
+``top_k``. Reference: ``core.kernels.fused_moe``.
 """
 
 from __future__ import annotations
