@@ -1,23 +1,10 @@
 """Conformance kit: what every ``DeviceBackend`` owes the engine, checked on small tensors.
 
-``check_backend(backend)`` (an instance, or a factory called with no arguments) raises AssertionError on the
-first broken promise of the protocol (``pluginfer/core/protocols.py``), naming the member. A third-party
-backend plugin calls it from its own test suite, with its device or with a CPU stand-in of it. It checks:
-
-- the attributes: ``name``, ``device``, ``default_collective``, ``quant_kernels_required``;
-- ``kv_cache_budget_bytes``: a requested budget comes back as it is; otherwise an int, or a ValueError;
-- ``allocate_kv_cache``: one (key, value) pair per layer of ``[blocks, block_size, kv_heads, dim]`` in the
-  dtype, on the device, with the bytes per block the spec says (so the engine's budget arithmetic holds);
-  layers do not share memory; with ``value_in_key`` the value is a view of the key's first features;
-- ``prepare`` + ``paged_attention`` on a paged batch (decodes, a chunked prefill over cached keys, a whole
-  prompt; blocks shuffled) against the kernel table's torch references (``pluginfer.core.kernels``), with
-  GQA, a sliding window with a soft cap, and a value inside the key; the cache written at ``slot_mapping``;
-  and for each quantized dtype in the optional ``kv_cache_dtypes``, the same against the reference's bytes;
-- ``copy_blocks``: whole blocks copied in every layer, the rest untouched, an empty list a no-op;
-- ``op``: a callable, with the reference's parameter names, for each op in ``ops`` (the ones the backend
-  claims); None for a name no backend knows;
-- ``capture_decode``: None, or a callable whose every answer for a decode batch is None (run eagerly) or the
-  logits the eager step gives, over several steps of a toy model made of this backend's own attention.
+``check_backend(backend)`` (an instance or a no-argument factory) raises AssertionError on the first broken
+promise of the protocol, naming the member: the attributes, the KV cache's budget and allocation (shape, dtype,
+device, bytes per block), ``prepare`` + ``paged_attention`` against the kernel table's torch references on a
+paged batch (and for each quantized dtype in ``kv_cache_dtypes``), ``copy_blocks``, ``op`` and
+``capture_decode``. A third-party backend calls it from its own tests; docs/plugins.md lists every check.
 """
 
 from __future__ import annotations
