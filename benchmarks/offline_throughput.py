@@ -6,6 +6,7 @@
     python benchmarks/offline_throughput.py --arch deepseek --layers 4 --hidden 512 --offload 2
     python benchmarks/offline_throughput.py --device cuda --dtype bfloat16 --batch 1 32 128 \
         --engines pluginfer pluginfer-eager transformers   # on a GPU: the cuda backend, graphs and eager
+    python benchmarks/offline_throughput.py --batch 1 2 4 8 16 --plot offline.png   # tokens/s against batch
 
 Decode tokens/s = batch * (gen_len - 1) / (time(generate gen_len) - time(generate 1 token)), so the
 prefill is not counted; prefill tokens/s = prompt_len / time(generate 1 token). Runs alternate
@@ -126,6 +127,31 @@ def memory_bandwidth(device: str, dtype: torch.dtype) -> float:
     return weight.numel() * weight.element_size() / seconds
 
 
+def plot(path: Path, rates: dict[str, dict[int, float]], title: str) -> None:
+    """Decode tokens/s against batch size, one line per engine (``rates[engine][batch]``), as a small PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    for engine, by_batch in rates.items():
+        batches = sorted(by_batch)
+        ax.plot(batches, [by_batch[b] for b in batches], marker="o",
+                linestyle="-" if engine.startswith("pluginfer") else "--", label=engine)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({b for by_batch in rates.values() for b in by_batch})
+    ax.set_xticks(ticks, [str(b) for b in ticks])
+    ax.set_xlabel("batch size (sequences decoded together)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=["llama", "mixtral", "deepseek"], default="llama")
@@ -150,7 +176,11 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: pluginfer's cuda backend and transformers on the GPU")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="write a PNG of decode tokens/s against batch size, one line per engine (matplotlib)")
     args = parser.parse_args()
+    if args.plot is not None:
+        import matplotlib  # noqa: F401 - fail before the runs, not after them
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -205,6 +235,11 @@ def main() -> int:
         values = [results.get((metric, n), results.get(("decode tok/s, batch 1", n))) for n in names]
         print(f"{metric:<28}" + "".join(f"{v:>16.2f}" for v in values)
               + "".join(f"{v / values[-1]:>19.2f}x" for v in values[:-1]))
+    if args.plot is not None:
+        rates = {name: {batch: results[(f"decode tok/s, batch {batch}", name)] for batch in args.batch} for name in names}
+        plot(args.plot, rates, f"{args.arch} {args.layers} layers, hidden {args.hidden}, {args.dtype} on {device}; "
+                               f"{torch.get_num_threads()} threads; medians of {args.runs}")
+        print(f"plot written to {args.plot}")
     if args.arch != "llama":  # a MoE token reads only its experts: the all-weights bound does not apply
         return 0
     print(f"\nmatrix-vector bandwidth {bandwidth / 1e9:.2f} GB/s -> batch-1 decode bound {bound:.2f} tok/s")

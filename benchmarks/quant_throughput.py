@@ -1,19 +1,21 @@
-"""Decode throughput and resident bytes per linear-weight parameter for each quant format.
+"""Quantization's speed and size, three ways (one subcommand each):
 
-    python benchmarks/quant_throughput.py CHECKPOINT_DIR [--formats none int8 q8_0 q4_k gptq awq ...]
+    python benchmarks/quant_throughput.py checkpoint CHECKPOINT_DIR [--formats none int8 q8_0 q4_k gptq awq ...]
+    python benchmarks/quant_throughput.py linear [--inputs 896] [--outputs 4864] [--rows 1 16 512] [--runs 7]
+    python benchmarks/quant_throughput.py kv-cache [--batch 16] [--context 2048] [--dtypes float16 int8 fp8]
 
-In-situ formats load the same fp checkpoint once each (``LLM(..., quant=FORMAT)``). ``gptq`` and
-``awq`` first write that checkpoint out as a 4-bit, group-128 GPTQ (sym, format v1) or AWQ (GEMM,
-zero point) checkpoint by round-to-nearest (``write_packed``: the layouts of GPTQModel's output;
-calibration changes the values, not the bytes or the speed), then load it with quant auto. Greedy
-decode is timed as ``batch × (gen − 1) / (t(gen tokens) − t(1 token))`` at batch 1 and 16, medians
-of --runs.
+- ``checkpoint``: decode tokens/s at batch 1 and 16 and bytes per linear parameter of each quant format of one
+  checkpoint, against its float32 self (``gptq``/``awq``: written out by round-to-nearest, then loaded).
+- ``linear``: one linear layer on the cpu backend: W8A8 (``compressed-tensors``) against W8A16 (``int8``) and
+  dense bf16 / float32 weights, interleaved, medians of ``--runs``.
+- ``kv-cache``: per KV cache dtype, the tokens a GiB holds and one decode step's attention over a long context.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import shutil
 import statistics
 import sys
@@ -25,6 +27,7 @@ import torch
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 128
+BLOCK = 16
 
 
 def write_packed(checkpoint: Path, out: Path, method: str) -> None:
@@ -92,18 +95,10 @@ def timed(llm, prompts: list[list[int]], new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> int:
+def checkpoint_formats(args: argparse.Namespace) -> int:
+    """Each format of one checkpoint: bytes per linear parameter, decode tokens/s at each batch."""
     from pluginfer import LLM
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint")
-    parser.add_argument("--formats", nargs="+",
-                        default=["none", "int8", "q8_0", "q4_k", "q6_k", "q4_0", "int4", "gptq", "awq"])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--gen-len", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     rows = []
     scratch = Path(tempfile.mkdtemp(prefix="quant-bench-"))
@@ -134,6 +129,175 @@ def main() -> int:
     for row in rows:
         print("".join(f"{row[k]:>20}" if isinstance(row[k], str) else f"{row[k]:>20.3f}" for k in keys))
     return 0
+
+
+
+W8A8_CONFIG = {  # what llm-compressor's W8A8 scheme writes (the fields the method reads)
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
+                              "dynamic": True}}},
+}
+
+
+def build(quant: str, config: dict | None, weight: torch.Tensor, dtype: torch.dtype) -> torch.nn.Module:
+    """A ``ReplicatedLinear`` built as a model's would be (the quant method through the cpu kernel table)."""
+    from pluginfer.backends.cpu import backend as cpu
+    from pluginfer.collectives import single
+    from pluginfer.core.protocols import BuildContext
+    from pluginfer.core.registry import get_registry
+    from pluginfer.layers.context import building
+    from pluginfer.layers.linear import ReplicatedLinear
+
+    method = get_registry().load("quant", quant)(config)
+    ctx = BuildContext(backend=cpu.build(), quant=method, collective=single.build(), dtype=dtype, max_model_len=64)
+    with building(ctx):
+        layer = ReplicatedLinear(weight.shape[1], weight.shape[0])
+    if quant == "compressed-tensors":
+        scale = weight.abs().amax(dim=1, keepdim=True) / 127.5
+        layer.weight.weight_loader(layer.weight, torch.round(weight / scale).clamp(-128, 127).to(torch.int8))
+        layer.weight_scale.weight_loader(layer.weight_scale, scale)
+    else:
+        layer.weight.weight_loader(layer.weight, weight.to(dtype))
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def seconds(layer: torch.nn.Module, x: torch.Tensor) -> float:
+    repeats = max(3, int(2e8 // (x.shape[0] * x.shape[1] * layer.output_size) + 1))
+    with torch.inference_mode():
+        layer(x)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            layer(x)
+        return (time.perf_counter() - start) / repeats
+
+
+def linear_layer(args: argparse.Namespace) -> int:
+    """One linear layer in each weight format, at each row count: ms, and each layer's time over W8A8's."""
+    weight = torch.randn(args.outputs, args.inputs) * 0.05
+    layers = {  # name -> (layer, activation dtype)
+        "W8A8 (compressed-tensors)": (build("compressed-tensors", W8A8_CONFIG, weight, torch.float32), torch.float32),
+        "W8A16 int8, float32 x": (build("int8", None, weight, torch.float32), torch.float32),
+        "W8A16 int8, bf16 x": (build("int8", None, weight, torch.bfloat16), torch.bfloat16),
+        "bf16 weights": (build("none", None, weight, torch.bfloat16), torch.bfloat16),
+        "float32 weights": (build("none", None, weight, torch.float32), torch.float32),
+    }
+    from pluginfer.backends.cpu import int8_gemm
+
+    cpu_name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                    platform.processor())
+    print(f"{args.outputs}x{args.inputs} linear, {torch.get_num_threads()} threads, {cpu_name}; "
+          f"W8A8 kernel: {int8_gemm.isa()}; medians of {args.runs}")
+    print("| layer | " + " | ".join(f"{rows} rows: ms (W8A8 speed-up)" for rows in args.rows) + " |")
+    print("| --- |" + " --- |" * len(args.rows))
+    results: dict[str, dict[int, float]] = {name: {} for name in layers}
+    for rows in args.rows:
+        x = torch.randn(rows, args.inputs)
+        times: dict[str, list[float]] = {name: [] for name in layers}
+        for _ in range(args.runs):
+            for name, (layer, dtype) in layers.items():
+                times[name].append(seconds(layer, x.to(dtype)))
+        for name in layers:
+            results[name][rows] = statistics.median(times[name])
+    w8a8 = results["W8A8 (compressed-tensors)"]
+    for name in layers:
+        cells = [f"{results[name][rows] * 1e3:.3f} ({results[name][rows] / w8a8[rows]:.2f}x)" for rows in args.rows]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+    return 0
+
+
+def _dtype(name: str) -> torch.dtype:
+    from pluginfer.engine.plan import resolve_dtype
+    from pluginfer.layers.kv_quant import QUANTIZED_KV_DTYPES
+
+    return QUANTIZED_KV_DTYPES.get(name) or resolve_dtype(name, {})
+
+
+def kv_cache(args: argparse.Namespace) -> int:
+    """Per KV cache dtype: bytes per token, tokens per GiB, one decode step's attention over all layers."""
+    from pluginfer.backends.cpu.backend import CpuBackend
+    from pluginfer.core.protocols import KVCacheSpec
+    from pluginfer.testing import backend_contract
+
+    spec = KVCacheSpec(args.layers, args.kv_heads, args.head_dim)
+    backend = CpuBackend()
+    per_seq = -(-args.context // BLOCK)
+    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(args.batch)]
+    batch = backend_contract.paged_batch(torch.device("cpu"), tables, [args.context] * args.batch, [1] * args.batch,
+                                         BLOCK)
+    batch.attention = backend.prepare(batch)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(args.batch, args.heads, args.head_dim, generator=generator)
+    key = torch.randn(args.batch, args.kv_heads, args.head_dim, generator=generator)
+    caches, times = {}, {name: [] for name in args.dtypes}
+    for name in args.dtypes:
+        layers = backend.allocate_kv_cache(spec, args.batch * per_seq, BLOCK, _dtype(name))
+        history = backend_contract.paged_batch(torch.device("cpu"), tables, [args.context] * args.batch,
+                                               [args.context - 1] * args.batch, BLOCK)
+        values = torch.randn(history.slot_mapping.shape[0], args.kv_heads, args.head_dim, generator=generator)
+        for pair in layers:  # every earlier position written, as prefill steps would have
+            _fill(pair, history, values)
+        caches[name] = layers
+    for _ in range(args.runs):
+        for name in args.dtypes:
+            started = time.perf_counter()
+            for pair in caches[name]:
+                backend.paged_attention(query, key, key, pair, batch, args.head_dim ** -0.5)
+            times[name].append(time.perf_counter() - started)
+    base = statistics.median(times[args.dtypes[0]])
+    print(f"batch {args.batch} x context {args.context}, {args.layers} layers, {args.heads} heads / "
+          f"{args.kv_heads} KV heads x {args.head_dim}; threads {torch.get_num_threads()}")
+    print("| KV cache dtype | bytes per token | tokens per GiB | decode attention ms / step (all layers) | tokens/s | vs first |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name in args.dtypes:
+        median = statistics.median(times[name])
+        per_token = spec.bytes_per_token(_dtype(name))
+        print(f"| {name} | {per_token} | {2**30 // per_token} | {median * 1e3:.1f} | {args.batch / median:.0f} "
+              f"| {base / median:.2f}x |")
+
+    return 0
+
+
+def _fill(pair: tuple, history: object, values: torch.Tensor) -> None:
+    """Every earlier position's key and value, written by the reference write."""
+    from pluginfer.layers import attention_ops
+
+    attention_ops.write_kv(values, values, pair[0], pair[1], history.slot_mapping)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    modes = parser.add_subparsers(dest="mode", required=True)
+    formats = modes.add_parser("checkpoint", help="decode tokens/s and bytes per parameter of each quant format")
+    formats.add_argument("checkpoint", help="a Hugging Face checkpoint directory (float weights)")
+    formats.add_argument("--formats", nargs="+",
+                         default=["none", "int8", "q8_0", "q4_k", "q6_k", "q4_0", "int4", "gptq", "awq"])
+    formats.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    formats.add_argument("--prompt-len", type=int, default=128)
+    formats.add_argument("--gen-len", type=int, default=64)
+    formats.add_argument("--runs", type=int, default=3)
+    linear = modes.add_parser("linear", help="one linear layer: W8A8 against W8A16 and 16/32-bit weights")
+    linear.add_argument("--inputs", type=int, default=896)
+    linear.add_argument("--outputs", type=int, default=4864)
+    linear.add_argument("--rows", type=int, nargs="+", default=[1, 16, 512])
+    linear.add_argument("--runs", type=int, default=7)
+    cache = modes.add_parser("kv-cache", help="tokens per GiB and decode attention of each KV cache dtype "
+                                              "(default: Qwen2.5-0.5B's cache shape)")
+    cache.add_argument("--layers", type=int, default=24)
+    cache.add_argument("--heads", type=int, default=14)
+    cache.add_argument("--kv-heads", type=int, default=2)
+    cache.add_argument("--head-dim", type=int, default=64)
+    cache.add_argument("--batch", type=int, default=16)
+    cache.add_argument("--context", type=int, default=2048)
+    cache.add_argument("--runs", type=int, default=5)
+    cache.add_argument("--dtypes", nargs="+", default=["float16", "int8", "fp8", "fp8_e5m2"])
+    args = parser.parse_args(argv)
+    return {"checkpoint": checkpoint_formats, "linear": linear_layer, "kv-cache": kv_cache}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ Beside them, the offline engine on the same file (`LLM`'s engine stepped directl
 same `max_num_seqs`; one per `--offline-env` entry, by default as is and with OMP_WAIT_POLICY=PASSIVE),
 measured at batch = concurrency just before the servers in every round: its median decode step and its
 decode tokens/s. The servers' ratios are to the round's fastest offline engine: ITL to its step (the
-issue's goal: <= 1.1x at concurrency 1), tokens/s to its tokens/s (>= 0.9x at 16).
+target: <= 1.1x at concurrency 1), tokens/s to its tokens/s (>= 0.9x at 16).
 
 `--one-at-a-time` starts, measures and stops each engine and server alone in each round (an engine whose
 idle OpenMP threads spin, OMP_WAIT_POLICY=ACTIVE, would otherwise take the cores from the others), and
@@ -60,8 +60,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from serve_client import PROMPT, run_client
-from serve_processes import Server, free_port, idle_cpu, load_average
+from serve_harness import PROMPT, Server, free_port, idle_cpu, load_average, run_client
 
 SHAPES = {  # SmolLM2-135M's shape, and a ~13M llama whose step is a few ms (where per-token overheads show)
     "smol135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -22,7 +22,8 @@ __all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredO
            "__version__"]
 
 
-def __getattr__(name: str) -> type:  # the engine loads on first use: `import pluginfer.core` stays contracts only
+def __getattr__(name: str) -> type:
+    # the engine loads on first use: `import pluginfer.core` stays contracts only
     if name in _LAZY:
         import importlib
 

@@ -18,7 +18,8 @@ from pluginfer.engine.sequence import SamplingParams
 from pluginfer.text.image_parts import extract_images
 from pluginfer.text.tokenizer import render_chat
 
-Prompt = str | list[int] | dict  # text, token ids, or {"prompt"|"prompt_token_ids": ..., "multi_modal_data": ...}
+# text, token ids, or {"prompt"|"prompt_token_ids": ..., "multi_modal_data": ...}
+Prompt = str | list[int] | dict
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class LLM:
             for prompt, p, lora in zip(prompts, params_list, loras):
                 ids.append(self.engine.add_request(prompt, p, lora_request=lora))
         except BaseException:
-            for request_id in ids:  # a bad prompt fails the call without leaving the others queued
+            for request_id in ids:
+                # a bad prompt fails the call without leaving the others queued
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from playwright.sync_api import expect, sync_playwright
 
-from pluginfer.engine.async_engine import AsyncEngine
 from pluginfer.core.config import build_config
-from pluginfer.engine.engine import LLMEngine
 from pluginfer.demo.model import with_demo_model
+from pluginfer.engine.async_engine import AsyncEngine
+from pluginfer.engine.engine import LLMEngine
 from pluginfer.server.launch import BackgroundServer
 
 HERE = Path(__file__).resolve().parent

@@ -1,17 +1,10 @@
 """The cuda backend: paged KV cache in GPU memory, Triton kernels for attention and the fused layer ops.
 
-Every kernel is an op of the kernel table (``pluginfer.core.kernels``) and is registered into this backend's
-``KernelTable`` (``backends/triton_kernels/``, one module per op); layers and quant methods get them
-through ``op(name)``. The quantized linears run only through their kernels (Marlin, GPTQ/AWQ, int8,
-GGUF Q8_0/Q4_0): a format without one is a build-time error (``quant_kernels_required``). What has no
-Triton kernel runs in torch on the GPU: dense linears (cuBLAS), MoE routing, sampling, a GGUF file's
-quantized vocabulary table. Decode steps replay CUDA graphs (``capture_decode``, ``cuda_graphs.py``)
-unless ``--enforce-eager``.
-
-Device: ``cuda:{rank.local_rank}``. With ``PLUGINFER_CUDA_ON_CPU=1`` and ``TRITON_INTERPRET=1`` the
-backend keeps its tensors on the CPU and still runs every Triton kernel, through Triton's
-interpreter: slow, for tests on machines without a GPU (the kernels and the whole engine on this
-backend are checked that way).
+Each kernel is an op of ``core.kernels`` registered into its ``KernelTable`` (``triton_kernels/``, one module per
+op). Quantized linears run only through their kernels (a format without one is a build-time error:
+``quant_kernels_required``); dense linears, routing and sampling run in torch on the GPU. Decode steps replay
+CUDA graphs (``cuda_graphs.py``). Device ``cuda:{local_rank}``; with ``PLUGINFER_CUDA_ON_CPU=1`` and
+``TRITON_INTERPRET=1`` it keeps tensors on the CPU and runs every kernel in Triton's interpreter, for tests.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """CUDA graphs for decode steps at bucketed batch sizes (the cuda backend's ``capture_decode``).
 
-Capture and replay (``torch.cuda.CUDAGraph``) ran on an H100 (``tests/backends/test_cuda_engine.py``, target
-``gpu``: replays give transformers' greedy tokens and the eager steps' tokens). Without a GPU, the bucketing,
-the padding into static buffers and the replay bookkeeping are tested with a stand-in graph that runs the
-forward eagerly on the same static buffers (``tests/backends/test_cuda_graphs.py``).
-
-A decode step (one query token per sequence) of ``n`` sequences runs as the graph captured for the
-smallest bucket ``>= n`` (buckets as vLLM's: 1, 2, 4, then every multiple of 8 up to ``max_num_seqs``).
-Its inputs are copied into static buffers; the ``bucket - n`` padding rows read and write only a scratch
-KV block that the scheduler never hands out (the backend allocates it past the last block), each with one
-key, so their attention is defined and their outputs are dropped. Block tables are held at their full
-width (``max_model_len / block_size`` blocks) so every replay has the shapes of its capture. Prefill and
-mixed steps, and batches above the largest bucket, run eagerly. ``--enforce-eager`` turns graphs off.
+A decode step of ``n`` sequences replays the graph of the smallest bucket ``>= n`` (1, 2, 4, then multiples of
+8 up to ``max_num_seqs``, as vLLM's) on static buffers; padding rows read and write only a scratch KV block the
+scheduler never hands out, and block tables keep their full width, so every replay has its capture's shapes.
+Prefill, mixed and larger steps run eagerly, as does everything under ``--enforce-eager``. Tested on an H100
+(``tests/backends/test_cuda_engine.py``) and, without a GPU, with a stand-in graph (``test_cuda_graphs.py``).
 """
 
 from __future__ import annotations
@@ -137,11 +130,13 @@ class DecodeGraphs:
         the static positions, not carried over from the warm-up (a replay would reuse the warm-up's values).
         """
         for size in reversed(self.sizes):
-            self.forward(self.static_batch(size))  # warm-up: Triton compiles, allocators settle outside the capture
+            # warm-up: Triton compiles, allocators settle outside the capture
+            self.forward(self.static_batch(size))
             graph = self.graph_factory()
             try:
                 self.outputs[size] = graph.capture(lambda size=size: self.forward(self.static_batch(size)))
-            except RuntimeError as exc:  # a host sync or a pageable copy in the model's decode forward
+            except RuntimeError as exc:
+                # a host sync or a pageable copy in the model's decode forward
                 raise RuntimeError(f"capturing the decode step of {size} sequences in a CUDA graph failed: {exc} "
                                    "(--enforce-eager runs decode steps without graphs)") from exc
             self.graphs[size] = graph

@@ -91,13 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     if _serves_through_a_core_process(argv, external_launcher()):
         from pluginfer.server.core_process import prespawn
 
-        prespawn()  # its interpreter and imports overlap the parser's and the config's here
+        # its interpreter and imports overlap the parser's and the config's here
+        prespawn()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     run: Callable[[argparse.Namespace], int] = args.run
     code = _run(run, args)
-    leave_launched_rank(code)  # under torchrun/mpiexec: the engine stopped, leave without finalization
+    # under torchrun/mpiexec: the engine stopped, leave without finalization
+    leave_launched_rank(code)
     return code
 
 

@@ -312,7 +312,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if results and not summary["successful_requests"]:  # the reason first, not under a table of dashes
         reason, _ = next(iter(summary["errors"].items()))
         print(f"pluginfer: all {len(results)} requests failed: {reason}", file=sys.stderr)
-    if args.json_path:  # before printing: a closed stdout (`| head`) must not lose the file
+    if args.json_path:
+        # before printing: a closed stdout (`| head`) must not lose the file
         setup = {"base_url": root, "model": model, "concurrency": args.concurrency,
                  "request_rate": args.request_rate, "input_len": args.input_len, "output_len": args.output_len,
                  "num_prompts": args.num_prompts, "seed": args.seed, "vocab_size": vocab_size}

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where a conversion runs: `pluginfer serve` starts its engine before torch loads
+if TYPE_CHECKING:
+    # torch is imported where a conversion runs: `pluginfer serve` starts its engine before torch loads
     import torch
     from gguf import GGMLQuantizationType
 
@@ -189,7 +190,8 @@ def _add_tensor(writer: object, name: str, tensor: torch.Tensor, qtype: GGMLQuan
         writer.add_tensor(name, tensor.numpy().astype(np.float32))
         return T.F32
     if tensor.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
-        qtype = T.F16  # llama.cpp's fallback for rows that do not divide into blocks
+        # llama.cpp's fallback for rows that do not divide into blocks
+        qtype = T.F16
     if qtype == T.F16:
         writer.add_tensor(name, tensor.numpy().astype(np.float16))
         return T.F16
@@ -242,14 +244,16 @@ def _write_llama_hparams(writer: object, config: dict) -> None:
         scaling = yarn_scaling(config)
         changed = [f"{key}={scaling[key]!r}" for key, default in _YARN_DEFAULTS.items()
                    if scaling.get(key) is not None and scaling[key] != default]
-        if changed:  # GGUF readers (ours, llama.cpp) take factor and original context only
+        if changed:
+            # GGUF readers (ours, llama.cpp) take factor and original context only
             raise ValueError(f"rope_scaling: yarn with {', '.join(changed)} cannot be written to GGUF here "
                              f"(only factor and original_max_position_embeddings are carried)")
         factor, original = yarn_factor(scaling, int(config.get("max_position_embeddings") or 2048))
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(factor)
         writer.add_rope_scaling_orig_ctx_len(original)
-    elif scaling["rope_type"] == "llama3":  # as llama.cpp: per-frequency divisors in a rope_freqs tensor
+    elif scaling["rope_type"] == "llama3":
+        # as llama.cpp: per-frequency divisors in a rope_freqs tensor
         from pluginfer.models.gguf_llama import llama3_rope_factors
 
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(theta, head_dim, scaling).numpy())

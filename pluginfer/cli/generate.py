@@ -92,7 +92,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 done[output.request_id] = output
     for index, (request_id, prompt) in enumerate(zip(order, args.prompt), 1):
         output = done[request_id]
-        if len(order) > 1:  # several prompts: each answer under a line naming its prompt
+        if len(order) > 1:
+            # several prompts: each answer under a line naming its prompt
             print(f"--- prompt {index}: {prompt}")
         if output.error:
             print(f"pluginfer: error: {output.error}", file=sys.stderr)

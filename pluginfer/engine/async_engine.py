@@ -175,14 +175,16 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._wakeup.clear()  # before draining, so a command queued meanwhile is not slept through
+                # before draining, so a command queued meanwhile is not slept through
+                self._wakeup.clear()
                 self._drain_commands()
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     self._stats = self.engine.stats()
                     self._deliver(outputs)
                 else:
-                    if self.engine.failure:  # a rank was lost while idle: fail now, not at the next request
+                    if self.engine.failure:
+                        # a rank was lost while idle: fail now, not at the next request
                         raise RuntimeError(self.engine.failure)
                     self._stats = self.engine.stats()  # requests aborted while idle free their blocks
                     self._wakeup.wait(self._idle_wait_s)

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-if TYPE_CHECKING:  # imported where used: the server imports this module, and must not import torch to start
+if TYPE_CHECKING:
+    # imported where used: the server imports this module, and must not import torch to start
     import torch
 
 _NEG = -1.0e9  # transformers' "never this one"
@@ -41,7 +42,8 @@ class BeamSearchParams:
 class Beam:
     token_ids: list[int]  # the generated tokens (an EOS that finished it included)
     score: float  # sum of logprobs / len(token_ids) ** length_penalty
-    finished: bool  # ended by EOS or max_tokens (False only for a beam no finished one displaced)
+    # ended by EOS or max_tokens (False only for a beam no finished one displaced)
+    finished: bool
     text: str = ""
 
 

@@ -35,9 +35,10 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int  # rows of the model's logits (``len(tokenizer)`` may differ)
     eos_token_ids: frozenset[int]
-    num_blocks: int  # KV-cache blocks
-    block_size: int  # tokens per block
-    modalities: tuple[str, ...] = ()  # media the model takes besides text (``multi_modal_data`` keys: "image")
+    num_blocks: int
+    block_size: int
+    # media the model takes besides text (``multi_modal_data`` keys: "image")
+    modalities: tuple[str, ...] = ()
 
     @property
     def kv_tokens(self) -> int:
@@ -55,9 +56,11 @@ class EngineStats:
     num_free_blocks: int = 0  # prefix-cached ones included
     num_blocks: int = 0
     num_preemptions: int = 0  # since the engine started
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since the start
+    # prompt tokens looked up in the prefix cache since the start
+    prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0  # of those, tokens found there
-    spec_drafts: int = 0  # speculative decoding: decodes given draft tokens since the start
+    # speculative decoding: decodes given draft tokens since the start
+    spec_drafts: int = 0
     spec_draft_tokens: int = 0  # the draft tokens they were given
     spec_accepted_tokens: int = 0  # of those, the ones the model agreed with
 

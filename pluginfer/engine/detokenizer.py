@@ -13,7 +13,8 @@ from typing import Any
 
 from pluginfer.engine.sequence import SamplingParams
 
-_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded as context before the first output token
+# prompt tokens decoded as context before the first output token
+_PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -31,7 +32,8 @@ class IncrementalDetokenizer:
         self._held = ""  # decoded text held back because it may start a stop string
         self._hold_len = max((len(s) for s in self.stop), default=1) - 1
         self._text = ""
-        self._pending: list[int] = []  # pushed tokens not decoded yet (no stop strings: none waits on text)
+        # pushed tokens not decoded yet (no stop strings: none waits on text)
+        self._pending: list[int] = []
         self.stopped_by: str | None = None
 
     @property
@@ -67,7 +69,8 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""  # nothing new yet, or a character still waits for its next bytes
+            # nothing new yet, or a character still waits for its next bytes
+            return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return self._emit(new_text[len(prefix_text) :], final=False)

@@ -15,7 +15,8 @@ from pluginfer.core.speculative import DraftRequest
 
 logger = logging.getLogger(__name__)
 
-DRAFT_KV_CACHE_FRACTION = 0.1  # of the memory left once the target's cache is taken: the draft model is small
+# of the memory left once the target's cache is taken: the draft model is small
+DRAFT_KV_CACHE_FRACTION = 0.1
 
 
 class DraftModelProposer:
@@ -52,7 +53,8 @@ class DraftModelProposer:
         return [drafts.get(name, []) for name in names]
 
     def forget(self, seq_ids: list[int]) -> None:
-        pass  # nothing is kept per sequence; the prefix cache lets go of its blocks when others need them
+        # nothing is kept per sequence; the prefix cache lets go of its blocks when others need them
+        pass
 
 
 def build(config: SpeculativeConfig, target: EngineConfig) -> DraftModelProposer:

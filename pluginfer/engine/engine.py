@@ -57,7 +57,8 @@ class LLMEngine:
         thread while the weights load (the engine core process takes its server's); None from it, and the
         tokenizer is loaded here after the weights. One rank only."""
         self.config = config
-        serve_if_worker(config)  # ranks other than 0 (torchrun, mpiexec) serve the driver and exit here
+        # ranks other than 0 (torchrun, mpiexec) serve the driver and exit here
+        serve_if_worker(config)
         check_tokenizer_files(config.tokenizer or config.model)  # before the weights load and the cache is taken
         # A GGUF file's tokenizer is built in a thread while the weights load (its build holds the interpreter,
         # the load's reads and native repacks release it); other tokenizers load after the weights, and so does
@@ -72,7 +73,8 @@ class LLMEngine:
             self.executor = Executor(config)
         except BaseException:
             if building is not None:
-                building.join()  # the engine's error is the one reported; the thread ends before it is
+                # the engine's error is the one reported; the thread ends before it is
+                building.join()
             raise
         started = time.perf_counter()
         self.tokenizer = building.result() if building is not None else None
@@ -103,7 +105,8 @@ class LLMEngine:
         self.pooler = read_pooler_config(self.executor.model_path, hf_config, config.pooling)
         # A checkpoint without an LM head (an embedding model's bare decoder) only embeds.
         self.can_generate = not is_backbone_only(hf_config) and pipeline.can_generate
-        self.is_causal = is_causal(pipeline)  # False: an encoder, which reads each prompt whole in one step
+        # False: an encoder, which reads each prompt whole in one step
+        self.is_causal = is_causal(pipeline)
         self.scorer = read_scorer(pipeline, config, hf_config, self.tokenizer, self.executor.model_path)
         self.scores = scores_pooled_rows(pipeline, config, hf_config)  # pooled rows are scored, never embedded
         self._requests: dict[str, _Request] = {}
@@ -145,10 +148,12 @@ class LLMEngine:
             self.check_lora(lora_request)
         seqs = [Sequence(request_id, token_ids, params, index=i, arrival_step=self.step_count, lora=lora_request)
                 for i in range(params.n)]
-        if media is not None:  # the model reads its inputs; the blocks of its prompt are named under its media
+        if media is not None:
+            # the model reads its inputs; the blocks of its prompt are named under its media
             for seq in seqs:
                 seq.multimodal, seq.cache_salt = media.inputs, media.content_hash
-        if params.structured_outputs is not None:  # a copy of the cached matcher (the server compiles it first)
+        if params.structured_outputs is not None:
+            # a copy of the cached matcher (the server compiles it first)
             for seq in seqs:
                 seq.grammar = self.grammars.matcher(params.structured_outputs)
         detokenizers = [IncrementalDetokenizer(self.tokenizer, token_ids, params) for _ in seqs]

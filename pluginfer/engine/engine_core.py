@@ -1,29 +1,12 @@
 """The engine core in a process of its own: LLMEngine's step loop, fed and drained over one socket.
 
-``pluginfer serve`` runs its HTTP server in one process and this loop in another, as vLLM V1 splits
-its API server from its engine core: the event loop's work (HTTP parsing, JSON, SSE writes, the
-tokenizer on prompts) and the step never take turns at one interpreter lock, and the step loop owns
-its interpreter, its OpenMP threads and its memory. ``pluginfer.server.core_client.CoreProcessClient`` is
-the other end; ``LLM`` keeps its engine in the caller's process.
-
-``python -m pluginfer.engine.engine_core FD [SPAWNED]``, then on stdin the log level's name, a newline and the
-config's JSON (``pluginfer.server.core_process`` spawns it, possibly before that config exists; nothing on
-stdin: it exits); ``FD`` is this end of a socket pair, ``SPAWNED`` the server's ``time.perf_counter()`` as it
-started this process.
-The messages are ``pluginfer.engine.messages``' typed dataclasses, one frame each: the server sends
-``ServerTokenizer`` first (the tokenizer it built without transformers while this process imported torch, taken
-here beside the weights' load instead of building a second one; None: this process loads its own and sends it,
-pickled, in ``Ready``), then ``AddRequest``, ``AbortRequest``, ``Call`` and ``Stop``; the core answers ``Ready``
-once loaded (or ``StartFailed``), then after every step one ``Outputs`` with what each request gained since the
-last one (``RequestDelta``: new token ids, text, logprobs; the prompt the first time) and the engine's
-``EngineStats``, ``Rejected`` for a request ``add_request`` refused, ``CallResult`` for each ``Call``, and
-``Failure`` when the loop fails. One frame per step whatever the number of requests: the server wakes once per
-step, not once per token.
-
-A reader thread takes the server's frames off the socket as they come (so neither side can block the
-other on a full buffer) and compiles grammars there, off the step loop. The core exits when told to
-stop, when the server's end closes (the server died), or when its loop fails; on Linux it also gets
-SIGTERM when the server's process goes away.
+As vLLM V1 splits its API server from its engine core, ``pluginfer serve``'s HTTP event loop and the step loop
+never share an interpreter lock; ``server.core_client.CoreProcessClient`` is the other end. Run as
+``python -m pluginfer.engine.engine_core FD [SPAWNED]``, then the log level and the config's JSON on stdin.
+Frames are ``engine.messages``' dataclasses: ``ServerTokenizer``, requests, aborts and calls in; ``Ready``, then
+one ``Outputs`` per step (whatever the number of requests), ``Rejected``, ``CallResult``, ``Failure`` out.
+A reader thread takes frames off the socket (and compiles grammars) off the step loop; the core exits when
+told to, when the server's end closes, or when its loop fails.
 """
 
 from __future__ import annotations
@@ -63,7 +46,8 @@ from pluginfer.engine.messages import (
 
 logger = logging.getLogger("pluginfer.engine.engine_core")  # also when run as __main__
 
-_IDLE_CHECK_S = 0.25  # how often an idle core looks at engine.failure (a lost rank) while it waits
+# how often an idle core looks at engine.failure (a lost rank) while it waits
+_IDLE_CHECK_S = 0.25
 
 
 def error_name(exc: BaseException) -> str:
@@ -135,7 +119,8 @@ class EngineCore:
         tokenizer = None
         # A tokenizer built without transformers (a GGUF file's, an HFTokenizer) is the server's own.
         if not isinstance(engine.tokenizer, GGUFTokenizer):
-            try:  # the server takes the tokenizer from here: unpickling it is ~0.1 s, loading it again seconds
+            try:
+                # the server takes the tokenizer from here: unpickling it is far cheaper than loading it again
                 tokenizer = pickle.dumps(engine.tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001 - the server loads its own
                 logger.info("the tokenizer does not pickle (%s); the server loads its own", exc)
@@ -204,7 +189,8 @@ class EngineCore:
         try:
             while True:
                 busy = engine.has_unfinished_requests()
-                if not busy and engine.failure:  # a rank was lost while idle: fail now, not at the next request
+                if not busy and engine.failure:
+                    # a rank was lost while idle: fail now, not at the next request
                     raise RuntimeError(engine.failure)
                 if self._drain(block=not busy):
                     return 0
@@ -290,21 +276,24 @@ class EngineCore:
 
 def main(argv: list[str]) -> int:
     fd, spawned = int(argv[0]), float(argv[1]) if len(argv) > 1 else None
-    os.dup2(2, 1)  # whatever prints goes to the log: the server's stdout is its own (its first line says where)
+    # whatever prints goes to the log: the server's stdout is its own (its first line says where)
+    os.dup2(2, 1)
     # Ctrl-C in a terminal reaches the whole process group: the server stops the core in order (stop message).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from pluginfer.core.config import EngineConfig  # while the server builds the config (spawned ahead)
 
     level, _, config = sys.stdin.read().partition("\n")
     if not config:
-        return 0  # spawned ahead for a config that runs the engine elsewhere, or never came
+        # spawned ahead for a config that runs the engine elsewhere, or never came
+        return 0
     logging.basicConfig(level=level, format="%(levelname)s %(name)s (engine core): %(message)s")
     sock = socket.socket(fileno=fd)
     core = EngineCore(EngineConfig.model_validate_json(config), sock)
     try:
         try:
             info = core.load(spawned)
-        except Exception as exc:  # the server re-raises it: the CLI prints pluginfer's own errors in one line
+        except Exception as exc:
+            # the server re-raises it: the CLI prints pluginfer's own errors in one line
             from pluginfer.core.registry import PluginError
 
             ours = isinstance(exc, (ValueError, KeyError, FileNotFoundError, PluginError))

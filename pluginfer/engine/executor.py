@@ -50,7 +50,8 @@ class ExecutedStep:
     sample_seqs: list[Sequence]
     prompt_logits: list[tuple]
     pooled: list[tuple]
-    same_seqs: bool  # the last step's sampling sequences again, in order (a repeated decode step)
+    # the last step's sampling sequences again, in order (a repeated decode step)
+    same_seqs: bool
     drafts: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> logits of its last token and drafts
 
 
@@ -61,7 +62,8 @@ class StartedRank:
     hf_config: dict
     max_model_len: int
     num_blocks: int
-    startup_times: dict[str, float]  # seconds: config (the plan: checkpoint, metadata, plugin choice), the worker's phases
+    # seconds: config (the plan: checkpoint, metadata, plugin choice), the worker's phases
+    startup_times: dict[str, float]
     model: str = ""  # the model plugin's name
 
 
@@ -96,7 +98,8 @@ class Executor:
                                "(`pluginfer serve` and `pluginfer generate` do so under torchrun and mpiexec)")
         self.rank, self.config = rank, config
         self.failure: str | None = None
-        self._lock = threading.Lock()  # one collective sequence at a time: steps and keep-alive pings
+        # one collective sequence at a time: steps and keep-alive pings
+        self._lock = threading.Lock()
         self._last_message = time.monotonic()
         self.local_workers = LocalWorkers(config, rank, self._lost) if rank.launcher == "spawn" else None
         try:
@@ -210,7 +213,7 @@ class Executor:
         for seq, count in plan.draft_rows:
             drafts[seq.seq_id] = logits[offset:offset + count]
             offset += count
-        # (counted, not read off the tensor: a tensor's shape read right after the replay costs ~5 us in the loop)
+        # counted, not read off the tensor: reading a tensor's shape right after the replay is slow
         if offset != row:  # rows past the sampled ones: prompt logprobs, draft checks
             logits = logits[:row]
         if len(rows) != row:  # n > 1: children sample from their parent's row

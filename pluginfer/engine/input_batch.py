@@ -80,7 +80,8 @@ class InputBatch:
             blocks = [held[seq_id] for seq_id in seq_ids]
         except KeyError as exc:
             raise RuntimeError(f"step data continues sequence {exc.args[0]}, which this worker does not hold") from None
-        if len(held) != len(seq_ids):  # a held row neither scheduled nor removed: the driver lost count
+        if len(held) != len(seq_ids):
+            # a held row neither scheduled nor removed: the driver lost count
             stray = sorted(set(held) - set(seq_ids))
             raise RuntimeError(f"step data neither schedules nor removes held sequences {stray}")
         self.seq_ids, self._blocks, self._blocks_of = list(seq_ids), blocks, held
@@ -174,7 +175,8 @@ class InputBatch:
 
     def to_batch(self, device: torch.device) -> ForwardBatch:
         """The arrays as a ``ForwardBatch`` on ``device`` (on the CPU, over the arrays' own memory)."""
-        if torch.device(device).type == "cpu":  # the arrays' own memory: no copy (a decode step's fixed cost)
+        if torch.device(device).type == "cpu":
+            # the arrays' own memory: no copy (a decode step's fixed cost)
             tensor = torch.from_numpy
         else:
             def tensor(array: np.ndarray) -> torch.Tensor:

@@ -120,7 +120,7 @@ def _rank_heads(scales: torch.Tensor, layer: int, kind: str, total_heads: int, n
     if scales.numel() == 1:
         values = scales.expand(num_kv_heads)
     elif scales.numel() == total_heads:
-        if total_heads >= rank.tp_size:  # split
+        if total_heads >= rank.tp_size:
             values = scales[rank.tp_rank * num_kv_heads:(rank.tp_rank + 1) * num_kv_heads]
         else:  # replicated: this rank holds one head
             values = scales[rank.tp_rank * total_heads // rank.tp_size].reshape(1)

@@ -1,16 +1,9 @@
 """Launchers: where this process sits among the ranks, and starting the ranks a driver spawns.
 
-A launcher only produces a ``RankInfo`` (and, for ``spawn``, the local worker processes); the
-rest of the engine does not know which one ran.
-
-- ``inprocess``: one rank, this process.
-- ``spawn``: this process is rank 0 (the driver); it starts ranks 1..N-1 as local processes
-  (``python -m pluginfer.engine.launch``: each loads the plugins afresh) that rendezvous at
-  ``parallel.master_addr`` on a free port.
-- ``torchrun``: ranks from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-  ``MASTER_ADDR``...), possibly on several machines.
-- ``mpi``: ranks from ``mpiexec``'s environment (Open MPI's ``OMPI_COMM_WORLD_*`` or MPICH's
-  ``PMI_*``); the ``mpi`` collective by default.
+A launcher only produces a ``RankInfo`` (and, for ``spawn``, the local workers); the engine does not know which
+ran. ``inprocess``: one rank. ``spawn``: this process is rank 0 and starts ranks 1..N-1 locally
+(``python -m pluginfer.engine.launch``), meeting at ``parallel.master_addr``. ``torchrun``: ranks from its
+environment, possibly on several machines. ``mpi``: ranks from ``mpiexec``'s (Open MPI or MPICH).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The messages between the server and the engine core process, and their framing.
 
 Each message is a frozen dataclass; a frame is a 4-byte big-endian length, then the message pickled. A frame
-that does not decode to one of these classes is a ``MalformedFrame`` naming what it held: the reader drops
-that frame and goes on with the next (the length prefix keeps the stream in step).
-
-Server to core: ``ServerTokenizer`` first (while the core loads its weights), then ``AddRequest``,
-``AbortRequest``, ``Call`` (a utility answered off the step loop) and ``Stop``.
-Core to server: ``Ready`` once loaded (or ``StartFailed``), then after every step one ``Outputs`` (what each
-request gained since the last one, and the engine's ``EngineStats``), ``Rejected`` for a request the engine
-refused, ``CallResult`` for each ``Call``, ``Failure`` when the step loop dies.
-
-Standard library only: both processes import it before anything heavy.
+that does not decode to one of these is a ``MalformedFrame``: the reader drops it and goes on. Server to core:
+``ServerTokenizer``, ``AddRequest``, ``AbortRequest``, ``Call``, ``Stop``; core to server: ``Ready`` (or
+``StartFailed``), one ``Outputs`` per step, ``Rejected``, ``CallResult``, ``Failure``. Standard library only:
+both processes import it before anything heavy.
 """
 
 from __future__ import annotations
@@ -77,7 +71,8 @@ class Ready:
 
 @dataclass(frozen=True)
 class StartFailed:
-    error_type: str  # "ValueError" for pluginfer's own errors (a bad config, a missing file)
+    # "ValueError" for pluginfer's own errors (a bad config, a missing file)
+    error_type: str
     message: str
 
 

@@ -28,4 +28,5 @@ class RequestOutput:
     error: str | None = None  # why the request failed, when finish_reason is "error"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs; [0] None
-    embedding: list[float] | None = None  # an embedding request's result (PoolingParams), once finished
+    # an embedding request's result (PoolingParams), once finished
+    embedding: list[float] | None = None

@@ -34,7 +34,8 @@ class RankPlan:
 
     config: EngineConfig
     model_path: Path
-    checkpoint: Path | GGUFCheckpoint  # a GGUF file's metadata parsed once, for the config and the weights
+    # a GGUF file's metadata parsed once, for the config and the weights
+    checkpoint: Path | GGUFCheckpoint
     hf_config: dict
     backend: str  # plugin names, resolved
     collective: str | None  # None: the built backend's default_collective
@@ -43,7 +44,8 @@ class RankPlan:
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype
     max_model_len: int
-    seconds: float  # spent resolving (finding the checkpoint, reading its metadata)
+    # spent resolving (finding the checkpoint, reading its metadata)
+    seconds: float
 
     @property
     def plugins(self) -> list[tuple[str, str]]:

@@ -1,23 +1,11 @@
 """Embeddings: how a checkpoint pools its hidden states, and one request's pooling as its prompt is read.
 
-The pooling (last token, mean, CLS) and the normalization come from the checkpoint's
-sentence-transformers files: ``modules.json`` lists the modules (``Transformer``, ``Pooling``,
-``Normalize``), the Pooling module's folder holds ``config.json`` with its ``pooling_mode`` (v6) or
-``pooling_mode_*`` flags (before v6).
-A checkpoint without them has no pooling config: asking it for embeddings is an error that says
-what is missing (no silent default). ``dimensions`` (Matryoshka truncation) is allowed only where
-config.json says the model was trained for it (``is_matryoshka`` or ``matryoshka_dimensions``).
-``config_sentence_transformers.json``'s ``default_prompt_name``, where set, names a prompt put before
-every text input (as sentence-transformers' ``encode`` does); token-id inputs are taken as they are.
-
-``--pooling`` (``EngineConfig.pooling``) names the method for a checkpoint without these files (a causal LM; its
-embeddings are then L2-normalized, as vLLM's default) or replaces the Pooling module's mode.
-
-A score request (``task="score"``, ``engine/scoring.py``) pools one row the same way and keeps one number.
-
-An embedding request runs through the engine like a prompt that samples nothing: its prefill
-chunks are scheduled and batched with everything else, and each chunk returns the final hidden
-states of the rows its pooling needs (``PoolingState.rows``), which ``PoolingState.add`` folds in.
+The method (last token, mean, CLS) and normalization come from the checkpoint's sentence-transformers files
+(``modules.json``, the Pooling module's ``config.json``), its ``default_prompt_name`` prompt too; without them
+asking for embeddings is an error unless ``--pooling`` names a method (then L2-normalized, as vLLM). Matryoshka
+``dimensions`` only where the config says the model was trained for it. A request runs as a prompt that samples
+nothing: its prefill chunks batch with everything else and return the rows its pooling needs
+(``PoolingState.rows``), which ``PoolingState.add`` folds in. Scores (``engine/scoring.py``) pool the same way.
 """
 
 from __future__ import annotations
@@ -28,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where a state pools: importing the params stays cheap
+if TYPE_CHECKING:
+    # torch is imported where a state pools: importing the params stays cheap
     import torch
 
 TASKS = ("embed", "score")
@@ -47,10 +36,13 @@ _TRANSFORMER, _POOLING, _NORMALIZE = "Transformer", "Pooling", "Normalize"
 class PoolingParams:
     """What one embedding request asks for (``LLM.embed``, ``/v1/embeddings``)."""
 
-    dimensions: int | None = None  # keep the first ``dimensions`` values, renormalized (Matryoshka models only)
-    task: str = "embed"  # "score": the prompt is a pair (``LLM.score``), its result one score
+    # keep the first ``dimensions`` values, renormalized (Matryoshka models only)
+    dimensions: int | None = None
+    # "score": the prompt is a pair (``LLM.score``), its result one score
+    task: str = "embed"
 
-    n: int = field(default=1, init=False)  # one result per prompt (the engine's clients read ``params.n``)
+    # one result per prompt (the engine's clients read ``params.n``)
+    n: int = field(default=1, init=False)
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
@@ -71,8 +63,10 @@ class PoolerConfig:
     hidden_size: int
     matryoshka_dimensions: tuple[int, ...] | None = None  # None: any size up to hidden_size (if matryoshka)
     matryoshka: bool = False
-    problem: str | None = None  # why this checkpoint cannot embed (then the fields above are placeholders)
-    default_prompt: str = ""  # config_sentence_transformers.json's default prompt, put before every text input
+    # why this checkpoint cannot embed (then the fields above are placeholders)
+    problem: str | None = None
+    # config_sentence_transformers.json's default prompt, put before every text input
+    default_prompt: str = ""
 
     def check(self, params: PoolingParams) -> None:
         """Raise ValueError naming what is wrong for this model (no pooling config, a bad ``dimensions``)."""
@@ -194,7 +188,8 @@ class PoolingState:
     method: str
     normalize: bool
     dimensions: int | None = None
-    whole_prompt: bool = False  # an encoder's: read in one step, never from the prefix cache
+    # an encoder's: read in one step, never from the prefix cache
+    whole_prompt: bool = False
     score: Callable[[torch.Tensor], float] | None = None  # a score request's: the pooled row's logits -> its score
     total: torch.Tensor | None = None
     count: int = 0

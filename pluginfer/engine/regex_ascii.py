@@ -16,7 +16,8 @@ _CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": r" \t\n\r\x0C\x0B"}
 def ascii_regex(regex: str) -> str:
     r"""``regex`` with ``\d \w \s \D \W \S`` as ASCII classes; nothing else changes."""
     out: list[str] = []
-    depth = 0  # nesting of character classes (Rust's syntax nests them: [a[^0-9]])
+    # nesting of character classes (Rust's syntax nests them: [a[^0-9]])
+    depth = 0
     i = 0
     while i < len(regex):
         char = regex[i]
@@ -71,7 +72,8 @@ def _rewrite(node: Any) -> None:
         return
     for key, value in list(node.items()):
         if key in ("const", "enum", "default", "examples"):
-            continue  # data, not schemas: a property value named "pattern" is not a regex
+            # data, not schemas: a property value named "pattern" is not a regex
+            continue
         if key == "pattern" and isinstance(value, str):
             node[key] = ascii_regex(value)
         elif key == "patternProperties" and isinstance(value, dict):

@@ -172,7 +172,8 @@ class Scheduler:
         if not output.preempted:  # admitting now would only take back what was just freed
             self._admit_waiting(step)
         output.scheduled.extend(step.prefills)
-        if not output.scheduled:  # no forward runs this step: keep the copies for the next one
+        if not output.scheduled:
+            # no forward runs this step: keep the copies for the next one
             self._block_copies, output.block_copies = output.block_copies, []
         every_decode = output.scheduled and not step.prefills and len(output.scheduled) == len(self.running)
         steady = every_decode and not output.preempted and self.proposer is None  # drafts change every step
@@ -259,7 +260,8 @@ class Scheduler:
         if not requests:
             return
         name = type(self.proposer).__name__
-        try:  # drafts only save model passes: a proposer that fails costs its speedup, never a request
+        try:
+            # drafts only save model passes: a proposer that fails costs its speedup, never a request
             proposals = self.proposer.propose(requests)
             if len(proposals) != len(requests):
                 raise ValueError(f"{len(proposals)} drafts for {len(requests)} sequences")
@@ -361,7 +363,8 @@ class Scheduler:
         if remaining <= budget:
             return remaining
         if seq.pooling is not None and seq.pooling.whole_prompt:
-            return 0  # an encoder's prompt is read whole: wait for a step with room for it
+            # an encoder's prompt is read whole: wait for a step with room for it
+            return 0
         # A prefill longer than a whole step's budget is chunked even when chunking is off.
         if self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens:
             return budget
@@ -404,7 +407,8 @@ class Scheduler:
                 self._block_copies.extend(self.block_manager.fork(parent, child))
                 child.status = SequenceStatus.RUNNING
                 self.running.append(child)
-            else:  # no block for the copy: the child recomputes its prompt and first token
+            else:
+                # no block for the copy: the child recomputes its prompt and first token
                 child.reset_for_recompute()
                 self.waiting.appendleft(child)
                 self._num_waiting += 1

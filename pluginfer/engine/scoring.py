@@ -1,15 +1,10 @@
-"""Scores: how a model rates a pair of texts (``LLM.score``, ``/v1/score``, ``/v1/rerank``).
+"""Scores: how a model rates a pair of texts (``LLM.score``, ``/v1/score``, ``/v1/rerank``), as
+sentence-transformers and vLLM do.
 
-Two kinds of model score, as sentence-transformers and vLLM do:
-- a cross-encoder (a ``*ForSequenceClassification`` encoder whose pipeline has ``num_labels``): the pair is encoded
-  as the tokenizer encodes a pair (token types included), the classifier's one logit of the first token is the
-  score, through a sigmoid as sentence-transformers' ``CrossEncoder`` applies for one label (the ``activation_fn``
-  it saves, in ``config_sentence_transformers.json`` (v6) or config.json's ``sentence_transformers``, may say
-  Identity instead);
-- a causal LM scored from two tokens' logits at the last position (Qwen3-Reranker's recipe): ``score_tokens``
-  (``--score-tokens no --score-tokens yes``) or config.json's ``classifier_from_token`` (vLLM's override) name the
-  "false" and the "true" token; the score is ``sigmoid(logit(true) - logit(false))``, the softmax of the pair.
-In both the scored rows' logits come back from the worker in place of hidden states (``scores_pooled_rows``).
+A cross-encoder (``*ForSequenceClassification`` with ``num_labels``) encodes the pair as its tokenizer does and
+scores the first token's logit through the saved ``activation_fn`` (sigmoid by default); a causal LM reranker
+(Qwen3-Reranker's recipe) scores ``sigmoid(logit(true) - logit(false))`` at the last position, the tokens named
+by ``--score-tokens`` or config.json's ``classifier_from_token``. The worker returns the scored rows' logits.
 """
 
 from __future__ import annotations

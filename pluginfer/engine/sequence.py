@@ -33,7 +33,8 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # number of alternatives besides the sampled token
-    prompt_logprobs: int | None = None  # logprobs of the prompt's own tokens, with this many alternatives
+    # logprobs of the prompt's own tokens, with this many alternatives
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> value added to its logit (OpenAI's logit_bias)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -105,8 +106,10 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # the client went away or the engine shut down
-    ERROR = "error"  # this request could not run (e.g. prompt longer than the context)
-    FAILED = "failed"  # the step that ran it raised: the server's fault, not the request's
+    # this request could not run (e.g. prompt longer than the context)
+    ERROR = "error"
+    # the step that ran it raised: the server's fault, not the request's
+    FAILED = "failed"
 
 
 _sequence_ids = itertools.count()
@@ -136,9 +139,12 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # tokens found through prefix caching
     generator: object | None = None  # torch.Generator when params.seed is set
     grammar: object | None = None  # llguidance matcher when params.structured_outputs is set
-    pooling: PoolingState | None = None  # an embedding request: its prompt is pooled, nothing is sampled
-    multimodal: object | None = None  # the model's inputs for the request's media (MultiModalPrompt.inputs)
-    cache_salt: bytes = b""  # parent of its first prefix-cache block: blocks are shared only under the same salt
+    # an embedding request: its prompt is pooled, nothing is sampled
+    pooling: PoolingState | None = None
+    # the model's inputs for the request's media (MultiModalPrompt.inputs)
+    multimodal: object | None = None
+    # parent of its first prefix-cache block: blocks are shared only under the same salt
+    cache_salt: bytes = b""
     lora: LoRARequest | None = None  # the adapter this sequence runs with (None: the base model)
 
     @property

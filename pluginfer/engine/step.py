@@ -28,7 +28,8 @@ class NewRow:
 
     seq_id: int
     block_ids: list[int]
-    multimodal: object | None = None  # the request's media inputs for the model (Sequence.multimodal)
+    # the request's media inputs for the model (Sequence.multimodal)
+    multimodal: object | None = None
     lora_slot: int = -1  # the LoRA slot of its adapter (-1: the base model)
 
 
@@ -44,13 +45,17 @@ class StepData:
     num_computed_tokens: list[int]
     block_size: int
     num_new_tokens: list[int] | None = None
-    seq_ids: list[int] = field(default_factory=list)  # the rows in order (may be empty with same_rows: the last step's)
+    # the rows in order (may be empty with same_rows: the last step's)
+    seq_ids: list[int] = field(default_factory=list)
     new_rows: list[NewRow] = field(default_factory=list)  # rows the workers do not hold
     new_block_ids: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq id, blocks appended) of held rows
     removed_ids: list[int] = field(default_factory=list)  # held rows that leave the batch
-    same_rows: bool = False  # the last step's rows in the same order: none added, removed or moved
-    reset: bool = False  # the workers drop every row they hold first (the driver lost track of them)
-    sampled_rows: list[int] | None = None  # rows whose last token's logits are sampled; None: every row
+    # the last step's rows in the same order: none added, removed or moved
+    same_rows: bool = False
+    # the workers drop every row they hold first (the driver lost track of them)
+    reset: bool = False
+    # rows whose last token's logits are sampled; None: every row
+    sampled_rows: list[int] | None = None
     # (flat token row, count) of extra rows whose outputs come back after the sampled ones: prompt logprobs,
     # then speculative decoding's checks of draft tokens, then the pooled rows (embeddings), the last ``num_hidden_rows`` of them, whose final hidden states come
     # back instead of logits.
@@ -87,13 +92,16 @@ class StepPlan:
     """The driver's side of a step: the StepData and what its logits rows mean."""
 
     data: StepData
-    sample_rows: list[int]  # the logits row each sampling sequence samples from (n > 1: children share one)
+    # the logits row each sampling sequence samples from (n > 1: children share one)
+    sample_rows: list[int]
     sample_seqs: list[Sequence]
-    num_sampled_rows: int  # logits rows that are sampled; the prompt logprob rows follow them
+    # logits rows that are sampled; the prompt logprob rows follow them
+    num_sampled_rows: int
     prompt_logprob_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, first position, rows)
     pooling_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, first position, rows)
     draft_rows: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, its draft tokens' logits rows)
-    repeated: bool = False  # the last step's rows again: the same sequences sample, in the same order
+    # the last step's rows again: the same sequences sample, in the same order
+    repeated: bool = False
 
 
 class StepDataBuilder:
@@ -103,7 +111,8 @@ class StepDataBuilder:
 
     def __init__(self, block_size: int, lora_slots: LoRASlotTable | None = None) -> None:
         self.block_size = block_size
-        self.lora_slots = lora_slots  # which adapter each LoRA slot of the workers holds (None: no LoRA)
+        # which adapter each LoRA slot of the workers holds (None: no LoRA)
+        self.lora_slots = lora_slots
         self._held: dict[int, int] = {}  # seq id -> blocks of its table the workers hold
         self._order: list[int] = []  # the last step's rows, by seq id
         self._last_step_id: int | None = None  # the scheduler's id of the last step built

@@ -113,7 +113,8 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 try:
                     self._ll_tokenizer = _ll_tokenizer(self.hf_tokenizer, self.vocab_size, self.eos_token_ids)
-                except Exception as exc:  # a slow (Python) tokenizer, or a vocabulary llguidance rejects
+                except Exception as exc:
+                    # a slow (Python) tokenizer, or a vocabulary llguidance rejects
                     raise StructuredOutputError(f"structured output needs a fast tokenizer llguidance can "
                                                 f"read: {type(exc).__name__}: {exc}") from None
             return self._ll_tokenizer
@@ -173,7 +174,8 @@ def fill_token_bitmask(matchers: list[Any], vocab_size: int, forbidden: bool = F
     _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data,
                                       words * 4, len(matchers))
     if forbidden:
-        np.invert(bitmask, out=bitmask)  # on the words: 32 times fewer elements than on the unpacked mask
+        # on the words: 32 times fewer elements than on the unpacked mask
+        np.invert(bitmask, out=bitmask)
     # Little-endian int32 words: bit j of word w is token 32 * w + j.
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
     return torch.from_numpy(bits.view(np.bool_))

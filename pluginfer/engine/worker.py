@@ -38,7 +38,8 @@ T = TypeVar("T")
 
 # dtypes an intermediate tensor may have, by their code in the header sent before it
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
-_HEADER = 64  # int64 slots of the header that describes a stage's intermediate tensors
+# int64 slots of the header that describes a stage's intermediate tensors
+_HEADER = 64
 
 
 def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], float] = time.perf_counter) -> Iterator[T]:
@@ -74,7 +75,8 @@ class Worker:
         self.plan, self.config, self.rank, self.world, self.backend = plan, config, rank, world, backend
         self.max_model_len = plan.max_model_len
         self.kv_dtype = plan.kv_cache_dtype
-        self.decode_graphs = None  # set once the KV cache exists, where the backend captures decode steps
+        # set once the KV cache exists, where the backend captures decode steps
+        self.decode_graphs = None
         self.inputs = InputBatch(config.cache.block_size)
         self._last_batch: ForwardBatch | None = None  # the last step's batch over the inputs' arrays (see _batch)
         # Every rank creates every group (collective semantics), then keeps its own.
@@ -100,7 +102,8 @@ class Worker:
                              "mixture-of-experts layer to offload from")
         self.startup_times["build"] = time.perf_counter() - started
         started = time.perf_counter()
-        reading = [0.0]  # the checkpoint is read lazily: a layer is repacked as soon as its tensors arrived
+        # the checkpoint is read lazily: a layer is repacked as soon as its tensors arrived
+        reading = [0.0]
         self.kv_scale_tensors = ScaleTensors()  # a checkpoint's k_scale/v_scale: the KV cache's, no layer's
         weights = self.kv_scale_tensors.filter(iter_weights(plan.checkpoint, allow_pickle=config.allow_pickle))
         self.pipeline.load_weights(timed_items(weights, reading))
@@ -182,8 +185,8 @@ class Worker:
         logits of the sampled rows and the final hidden states of the pooled ones, None elsewhere.
 
         A decode step the backend replays (``decode_graphs``: the forward and the LM head) is run outside
-        ``torch.inference_mode``, which the replay enters itself where it runs torch ops (entering it costs a
-        tiny model's replayed step ~10 us); every other step runs in it."""
+        ``torch.inference_mode``, which the replay enters itself where it runs torch ops (entering it is a
+        large share of a tiny model's replayed step); every other step runs in it."""
         if step.block_copies:
             with torch.inference_mode():
                 self.backend.copy_blocks(self.kv_caches, step.block_copies)
@@ -209,13 +212,15 @@ class Worker:
         out = self.pipeline.forward(batch, intermediate)
         if not self.is_last_stage:
             self._send_intermediate(out, self.rank.stage_rank(self.rank.pp_rank + 1))
-            if self.rank.is_driver:  # the driver samples: the last stage's first rank sends it the results
+            if self.rank.is_driver:
+                # the driver samples: the last stage's first rank sends it the results
                 logits = self._recv_rows(self.inputs.num_logits - num_hidden_rows, self.vocab_size)
                 hidden = self._recv_rows(num_hidden_rows, self.hidden_size) if num_hidden_rows else None
                 return StepResult(logits, hidden)
             return None
         hidden = None
-        if num_hidden_rows:  # the pooled rows come last; they need no LM head, unless the model scores with it
+        if num_hidden_rows:
+            # the pooled rows come last; they need no LM head, unless the model scores with it
             split = out.shape[0] - num_hidden_rows
             out, hidden = out[:split], out[split:]
             hidden = self.pipeline.compute_logits(hidden) if self.scores_pooled_rows else hidden.float()

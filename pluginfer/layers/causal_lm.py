@@ -128,7 +128,8 @@ class CausalLM(nn.Module):
     ``can_generate`` is False (the engine then only embeds with it).
     """
 
-    can_generate = True  # ModelPipeline.can_generate (API 3): False once loaded without an LM head
+    # ModelPipeline.can_generate (API 3): False once loaded without an LM head
+    can_generate = True
 
     def __init__(self, config: dict, model: DecoderStack, tied_by_default: bool = False) -> None:
         super().__init__()
@@ -178,14 +179,16 @@ class CausalLM(nn.Module):
                 yield name, tensor
 
         weights = as_decoder_names(weights)
-        if self.tied:  # a tied head has no weight of its own; some checkpoints store a copy anyway
+        if self.tied:
+            # a tied head has no weight of its own; some checkpoints store a copy anyway
             weights = ((name, tensor) for name, tensor in weights if name != "lm_head.weight")
         weights = ((name, tensor) for name, tensor in weights if held_by_stage(name, self.model))
         head_optional = self.tied or self.lm_head is None or not self.model.is_last
         load_named_weights(self, weights, stacked=self.weight_routes(), optional=("lm_head.",))
         if self.tied or seen["head"] or self.backbone_only:
             self.can_generate = not self.backbone_only
-        elif seen["bare"]:  # an embedding checkpoint's decoder (Qwen3-Embedding-8B): no head to generate with
+        elif seen["bare"]:
+            # an embedding checkpoint's decoder (Qwen3-Embedding-8B): no head to generate with
             self.can_generate, self.lm_head = False, None
         elif not head_optional:
             raise KeyError("checkpoint is missing 1 tensor(s): lm_head.weight")

@@ -1,15 +1,9 @@
 """Vocabulary-parallel embedding and the LM head (each rank holds a slice of the vocabulary).
 
-Rank ``r`` of ``tp_size`` holds rows ``[r * shard_size, (r + 1) * shard_size)`` with ``shard_size =
-ceil(vocab_size / tp_size)``; rows past ``vocab_size`` (the last ranks' padding) are zeros. The embedding
-looks up the ids in its slice and all-reduces; the head all-gathers its logits slices and cuts the padding
-off (``[..., :vocab_size]``), so a padding row can never be sampled.
-
-A checkpoint tensor that is not a dense ``torch.Tensor`` (a GGUF file's quantized blocks) is handed to the
-context's quant method (``QuantMethod.vocab_table``), which keeps this rank's rows in their own format: the
-embedding then dequantizes only the rows it looks up and the head runs the format's matmul (a tied head
-shares the embedding's table). Such a table holds only the real rows; the head pads its logits with zeros
-in place of the padding rows.
+Rank ``r`` holds rows ``[r * shard_size, (r + 1) * shard_size)``, padding rows zero; the embedding all-reduces,
+the head all-gathers and cuts the padding off so it is never sampled. A quantized checkpoint tensor (GGUF
+blocks) goes to the quant method's ``vocab_table``, which keeps this rank's rows in their format: the embedding
+dequantizes only the rows it looks up, the head runs the format's matmul (a tied head shares the table).
 """
 
 from __future__ import annotations
@@ -33,7 +27,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.tp_rank * self.shard_size
         self.hidden_size = hidden_size
         self.table_method, self.backend = ctx.quant, ctx.backend  # for a quantized table (vocab_table)
-        self.table = None  # a VocabTable (protocols.py) in place of ``weight`` when the checkpoint's is quantized
+        # a VocabTable (protocols.py) in place of ``weight`` when the checkpoint's is quantized
+        self.table = None
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=ctx.dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 

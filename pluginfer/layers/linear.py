@@ -1,18 +1,10 @@
 """Tensor-parallel linear layers; parameters and matmul come from the context's QuantMethod.
 
-Column-parallel layers split the output features across ranks, row-parallel layers
-split the input features and all-reduce the result. Each parameter carries a
-``weight_loader`` that copies this rank's slice of a checkpoint tensor into it.
-
-Every layer describes its split as a ``ShardSpec`` (``layer.shard``, public) and hands it to
-``QuantMethod.create_weights``: a quant method learns everything about the split from it (never
-from the layer's private helpers). ``projection_rows(shard, index)`` is the one place that says
-which checkpoint rows of a fused projection a rank holds (key/value heads replicated when there
-are fewer of them than ranks); the layers' own loaders use it too.
-
-LoRA hook: a layer's ``lora`` (None by default; a ``pluginfer.layers.lora.LoRALayer`` once adapters are
-enabled) receives the input and the base output of every forward and returns the output with the adapters'
-deltas added, whatever quant method computed the base output.
+Column-parallel layers split the outputs, row-parallel ones the inputs (then all-reduce); each parameter's
+``weight_loader`` copies this rank's slice. A layer describes its split as a ``ShardSpec`` (``layer.shard``)
+for ``QuantMethod.create_weights``; ``projection_rows(shard, index)`` alone says which rows of a fused
+projection a rank holds. ``lora`` (None, or a ``layers.lora.LoRALayer``) adds the adapters' deltas to the
+base output, whatever quant method computed it.
 """
 
 from __future__ import annotations

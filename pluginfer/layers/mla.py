@@ -1,17 +1,9 @@
 """Multi-head latent attention (DeepSeek-V2/V3): the paged cache holds one compressed latent per token.
 
-Per token the cache stores ``kv_lora_rank`` latent features (after ``kv_a_layernorm``) followed by the
-``qk_rope_head_dim`` rotated key shared by every head: one cache "head", read back as both key and value.
-Attention runs in the absorbed form for prefill and decode alike: each head's no-rope query is carried
-into latent space through its slice of ``kv_b_proj`` (``W_UK``), so a score is ``q_latent . latent +
-q_rope . k_rope``; the softmax-weighted latent comes back through ``W_UV`` to the head's value space.
-No per-head key or value is ever materialised.
-
-Tensor parallelism splits the heads: ``q_proj`` / ``q_b_proj`` are column parallel, ``kv_b_proj`` holds this
-rank's heads' rows and ``o_proj`` is row parallel (one all-reduce per layer). ``q_a_proj``,
-``kv_a_proj_with_mqa`` and their norms are replicated, and so is the latent cache: its one "head" serves
-every query head, so each rank computes and keeps the whole latent (as vLLM does; the KV cache per rank is
-that of one rank, not 1/tp of it).
+A token's cache row is its ``kv_lora_rank`` latent and the shared rotated key, one "head" read as key and
+value. Attention runs absorbed for prefill and decode: queries go into latent space through ``W_UK``, the
+weighted latent comes back through ``W_UV``; no per-head key or value is materialised. Tensor parallelism
+splits the heads (one all-reduce per layer); the latent cache is replicated on every rank, as vLLM does.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Sparse mixture-of-experts block: a top-k router and experts held as stacked weights.
 
-Experts live in two tensors, ``gate_up_proj`` ``[num_experts, 2 * intermediate, hidden]`` (gate rows first)
-and ``down_proj`` ``[num_experts, hidden, intermediate]``; checkpoints that store one tensor per expert
-are routed into them by ``expert_weight_names`` and the parameters' ``weight_loader``.
-
-Routers are in ``layers.router``. Offloaded experts (``num_offloaded``) wait in a host store and are copied
-into a staging buffer on the compute device when a token is routed to them. Under a quant method that holds
-experts in its own format (``holds_experts``: a ``.gguf`` file's blocks), each expert's projections are
-instead that method's linear layers (``layers.expert_linears``), loaded through the same parameter names.
-
-Tensor parallelism runs inside the experts (as vLLM's default): every rank holds every expert's slice of
-the intermediate dimension (gate and up rows, down columns), the router is replicated so every rank routes
-alike, and the block's output is one all-reduce of the routed experts' and the shared experts' partial sums.
+Experts live in ``gate_up_proj`` ``[experts, 2 * intermediate, hidden]`` and ``down_proj`` ``[experts, hidden,
+intermediate]``, per-expert checkpoint tensors routed in by ``expert_weight_names``; under a quant method that
+``holds_experts`` (GGUF blocks) each expert is that method's linears (``layers.expert_linears``). Offloaded
+experts wait in host memory and are staged on the device when routed to. Tensor parallelism runs inside the
+experts, as vLLM's default: one all-reduce of the routed and shared experts' partial sums.
 """
 
 from __future__ import annotations
@@ -68,7 +61,8 @@ class _StagingPool:
         return sum(buffer.nbytes for buffer in self.buffers.values())
 
 
-_POOLS: dict[int, _StagingPool] = {}  # id(BuildContext) -> pool; layers built in one context share it
+# id(BuildContext) -> pool; layers built in one context share it
+_POOLS: dict[int, _StagingPool] = {}
 
 
 def _staging_pool(ctx: object, device: torch.device) -> _StagingPool:
@@ -137,7 +131,8 @@ class FusedExperts(nn.Module):
         self.kernel = backend_op(ctx.backend, "fused_moe") \
             if num_offloaded == 0 and self.activation and self.linears is None else None
         self.dense = dense.DenseMatmul.for_context(ctx)
-        self.layout = "checkpoint"  # a packed layout of layers/dense.py once the experts are packed
+        # a packed layout of layers/dense.py once the experts are packed
+        self.layout = "checkpoint"
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # packed copies of resident experts
 
     @property
@@ -235,7 +230,8 @@ class FusedExperts(nn.Module):
                 self._load_expert(param, expert, index, part, name)
             return
         target = self._expert_view(param, expert)
-        axis = 1 if half is None else 0  # down's inputs, gate's and up's outputs are the intermediate axis
+        # down's inputs, gate's and up's outputs are the intermediate axis
+        axis = 1 if half is None else 0
         if half is not None:
             target = target.narrow(0, half * self.shard_size, self.shard_size)
         full = list(target.shape)

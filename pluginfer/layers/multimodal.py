@@ -16,7 +16,8 @@ import torch
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.layers.causal_lm import DecoderStack
 
-ENCODER_CACHE_ENTRIES = 32  # requests' image embeddings kept (chunked prefill, recompute, repeated images)
+# requests' image embeddings kept (chunked prefill, recompute, repeated images)
+ENCODER_CACHE_ENTRIES = 32
 
 
 class EmbeddedDecoder(DecoderStack):

@@ -32,7 +32,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.kernel is not None:
             if residual is None and not x.is_contiguous():  # q/k norms of a view into the fused qkv output
-                x = x.contiguous()  # (one copy: the kernel then takes every batch size, and a decode step replays)
+                # (one copy: the kernel then takes every batch size, and a decode step replays)
+                x = x.contiguous()
             out = self.kernel(x, residual, self.weight, self.eps, self.offset)  # residual updated in place
             if out is not None:
                 return out if residual is None else (out, residual)

@@ -38,7 +38,7 @@ class SelfAttention(nn.Module):
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split_with_sizes([q_size, kv_size, kv_size], dim=-1)  # (no Python split wrapper: 2 us a layer)
+        q, k, v = qkv.split_with_sizes([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:

@@ -93,6 +93,7 @@ def load_named_weights(
         raise KeyError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:8])}")
     for owner in waiting:  # layers whose parameters were all optional
         layers[owner].quant_method.process_weights_after_loading(layers[owner])
-    for module in model.modules():  # other layers that re-lay their weights out (e.g. FusedExperts)
+    for module in model.modules():
+        # other layers that re-lay their weights out (e.g. FusedExperts)
         if not hasattr(module, "quant_method") and hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

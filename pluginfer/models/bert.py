@@ -153,7 +153,8 @@ class BertEncoder(nn.Module):
             for name, tensor in pairs:
                 name = name.removeprefix("bert.").removeprefix("roberta.")
                 if name.startswith("pooler.") and (self.head is None or not bert):
-                    continue  # a bare encoder's pooler: sentence-transformers pools the tokens instead
+                    # a bare encoder's pooler: sentence-transformers pools the tokens instead
+                    continue
                 if name.startswith("pooler.dense."):  # BERT's head begins with its pooler
                     name = "head.dense." + name.removeprefix("pooler.dense.")
                 elif bert and name.startswith("classifier."):

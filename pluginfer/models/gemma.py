@@ -44,7 +44,8 @@ class GemmaVersion:
 
 
 def hidden_activation(config: dict, generation: int) -> str:
-    if generation == 1:  # transformers reads hidden_act and maps Gemma 1's legacy "gelu" to the tanh form
+    if generation == 1:
+        # transformers reads hidden_act and maps Gemma 1's legacy "gelu" to the tanh form
         field, value = "hidden_act", config.get("hidden_act", "gelu_pytorch_tanh")
         value = "gelu_pytorch_tanh" if value == "gelu" else value
     else:
@@ -62,7 +63,8 @@ def layer_types(config: dict, generation: int) -> list[str]:
     if generation == 1:
         return [FULL] * num_layers
     types = config.get("layer_types")
-    if types is None:  # hub configs before layer_types: Gemma 2 alternates, Gemma 3 has a period of 6
+    if types is None:
+        # hub configs before layer_types: Gemma 2 alternates, Gemma 3 has a period of 6
         period = 2 if generation == 2 else config.get("sliding_window_pattern", 6)
         types = [SLIDING if (i + 1) % period else FULL for i in range(num_layers)]
     if len(types) != num_layers or any(t not in (SLIDING, FULL) for t in types):
@@ -85,7 +87,8 @@ def rope_configs(config: dict, generation: int) -> dict[str, dict]:
         return {SLIDING: single, FULL: single}
     if FULL in params or SLIDING in params:
         full, local = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
-    else:  # hub style: rope_theta and rope_scaling are global, rope_local_base_freq is local
+    else:
+        # hub style: rope_theta and rope_scaling are global, rope_local_base_freq is local
         full, local = {**params, **(config.get("rope_scaling") or {})}, {}
     full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
     local.setdefault("rope_theta", config.get("rope_local_base_freq", 10_000.0))

@@ -1,13 +1,9 @@
-"""GGUF files of DeepSeek-V2/V3 (llama.cpp's ``deepseek2``): their metadata as the ``config.json`` of the
-deepseek pipeline, their tensors under Hugging Face's names.
+"""GGUF files of DeepSeek-V2/V3 (llama.cpp's ``deepseek2``): their metadata as the deepseek pipeline's
+``config.json``, their tensors under Hugging Face's names.
 
-llama.cpp stores latent attention's ``kv_b_proj`` either whole (``attn_kv_b``, older files) or split per head
-into ``attn_k_b`` (``[heads, kv_lora_rank, qk_nope_head_dim]``: each head's key block transposed) and
-``attn_v_b`` (``[heads, v_head_dim, kv_lora_rank]``); the split form is joined back into ``kv_b_proj``, which
-``layers.mla`` holds dense. Merged experts are split per expert (``gguf_moe.expand_experts``); they and the
-other linear layers keep the file's GGML blocks. The router is V3's (sigmoid scores, a correction
-bias, ``noaux_tc``) where the file's ``expert_gating_func`` says sigmoid, else V2's softmax (``greedy``, or
-``group_limited_greedy`` when the file groups its experts).
+``kv_b_proj`` is read whole (older files) or joined back from ``attn_k_b`` / ``attn_v_b`` per head, since
+``layers.mla`` holds it dense; merged experts are split per expert (``gguf_moe.expand_experts``) and keep the
+file's GGML blocks. The router is V3's (sigmoid, ``noaux_tc``) where ``expert_gating_func`` says sigmoid, else V2's.
 """
 
 from __future__ import annotations
@@ -35,7 +31,8 @@ HF_MODULES = (
     "model.layers.{bid}.mlp.shared_experts.gate_proj", "model.layers.{bid}.mlp.shared_experts.up_proj",
     "model.layers.{bid}.mlp.shared_experts.down_proj",
 )
-_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, the default)
+# llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, the default)
+_SIGMOID = 2
 
 
 def convert(checkpoint: GGUFCheckpoint) -> GGUFModel:

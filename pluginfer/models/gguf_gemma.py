@@ -1,15 +1,9 @@
 """GGUF files of Gemma 1, 2 and 3 (``gemma``, ``gemma2``, ``gemma3``): the gemma spec's ``converters["gguf"]``.
 
-llama.cpp's conventions, as its converter writes them and its graphs read them:
-- RMSNorm weights are stored as ``1 + w`` (every ``*norm.weight``, Gemma 3's q/k norms included); the
-  gemma pipeline applies ``1 + w`` itself, so 1 is taken off at load.
-- Gemma 2: sliding-window layers alternate (``attention.sliding_window_pattern``, default 2; window default
-  4096), attention and final-logit soft-capping (defaults 50 and 30).
-- Gemma 3: one full-attention layer in 6 (the pattern key overrides), no sliding layers when the file has no
-  window; local rope base ``rope.freq_base_swa`` (default 10000), global ``rope.freq_base`` and scaling.
-- The query scale is ``head_dim ** -0.5``, except for the 27B models (46 Gemma 2 / 62 Gemma 3 layers), whose
-  ``query_pre_attn_scalar`` is ``hidden / heads``.
-- The head is tied to the embedding (no ``output.weight``).
+llama.cpp stores RMSNorm weights as ``1 + w`` (the pipeline adds the 1 itself, so it is taken off at load);
+Gemma 2 alternates sliding-window layers and soft-caps, Gemma 3 has one full-attention layer in 6 and a
+local rope base (``rope.freq_base_swa``); the 27B models scale queries by ``hidden / heads``; the head is
+tied to the embedding. Defaults are llama.cpp's where a key is missing.
 """
 
 from __future__ import annotations

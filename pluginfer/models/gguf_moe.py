@@ -51,7 +51,8 @@ def convert(checkpoint: GGUFCheckpoint) -> GGUFModel:
     ``converters["gguf"]``; llama files reach it through ``gguf_llama.convert``)."""
     config = hf_config(checkpoint)
     fix = None
-    if checkpoint.arch == "llama":  # llama's q/k rows are stored permuted, as in dense llama files
+    if checkpoint.arch == "llama":
+        # llama's q/k rows are stored permuted, as in dense llama files
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
 
         def fix(hf_name: str, loaded: Any) -> Any:
@@ -87,7 +88,8 @@ def hf_config(checkpoint: GGUFCheckpoint) -> dict:
     else:
         config["qkv_bias"] = "blk.0.attn_q.bias" in checkpoint.tensors
         shared = checkpoint.field("{arch}.expert_shared_feed_forward_length")
-        if not shared:  # files from before the key: the shared expert's own rows (GGML lists hidden first)
+        if not shared:
+            # files from before the key: the shared expert's own rows (GGML lists hidden first)
             first = next((f"blk.{layer}.ffn_gate_shexp.weight" for layer in range(config["num_hidden_layers"])
                           if f"blk.{layer}.ffn_gate_shexp.weight" in checkpoint.tensors), None)
             if first is None:

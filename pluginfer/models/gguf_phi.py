@@ -46,7 +46,8 @@ def convert(checkpoint: GGUFCheckpoint) -> GGUFModel:
 
 def phi2_config(checkpoint: GGUFCheckpoint) -> dict:
     config = decoder_config(checkpoint, "PhiForCausalLM", "phi")
-    config.pop("head_dim")  # the phi pipeline's head size is hidden / heads, as Phi-2's config has it
+    # the phi pipeline's head size is hidden / heads, as Phi-2's config has it
+    config.pop("head_dim")
     config["intermediate_size"] = rows_of(checkpoint, "blk.0.ffn_up.weight")
     config["layer_norm_eps"] = float(checkpoint.field("{arch}.attention.layer_norm_epsilon", 1e-5))
     config["partial_rotary_factor"] = rotary_factor(checkpoint, config["hidden_size"] // config["num_attention_heads"])
@@ -106,7 +107,8 @@ def write_hparams(writer: Any, config: dict) -> None:
         writer.add_rope_scaling_orig_ctx_len(int(original))
     if scaling["rope_type"] in ("longrope", "su"):
         given = [key for key in ("factor", "attention_factor") if scaling.get(key) is not None]
-        if given:  # the reader computes both from the context lengths, as transformers does by default
+        if given:
+            # the reader computes both from the context lengths, as transformers does by default
             raise ValueError(f"rope_scaling: longrope with {', '.join(given)} cannot be written to GGUF here")
         writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
         writer.add_tensor(_LONG, np.array(scaling["long_factor"], dtype=np.float32))

@@ -39,8 +39,10 @@ SELECT_STRATEGIES = ("default", "full")  # drop the class token's feature, or ke
 class LlavaInputs:
     """One request's images, ready for the pipeline."""
 
-    pixel_values: torch.Tensor  # [images, C, H, W], as the checkpoint's image processor made them
-    embed_index: torch.Tensor  # [prompt tokens]: row of the image features each token takes, -1 for text
+    # [images, C, H, W], as the checkpoint's image processor made them
+    pixel_values: torch.Tensor
+    # [prompt tokens]: row of the image features each token takes, -1 for text
+    embed_index: torch.Tensor
     content_hash: bytes
 
 

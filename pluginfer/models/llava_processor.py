@@ -31,7 +31,8 @@ class LlavaProcessor:
         images = checked_images(data, token_ids, self.image_token_id, "<image>")
         try:
             pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        except Exception as exc:  # the image processor's own words name what it could not read
+        except Exception as exc:
+            # the image processor's own words name what it could not read
             raise ValueError(f"multi_modal_data image: cannot be processed: {exc}") from None
         expanded: list[int] = []
         for token in token_ids:

@@ -1,17 +1,10 @@
 """The ``awq`` quant method: AWQ GEMM checkpoints (AutoAWQ, GPTQModel ``format=gemm``).
 
-4-bit, asymmetric (``zero_point: true``), group sizes dividing the inputs. Checkpoint tensors
-for an ``out x in`` layer: ``qweight`` int32 ``[in, out / 8]`` and ``qzeros`` int32
-``[groups, out / 8]``, both packed along the outputs in the nibble order
-``AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)``; ``scales`` float16 ``[groups, out]``; no ``g_idx``
-and no ``+1`` on the zero points. ``W[o, i] = (q[i, o] - zero[i // group, o]) * scale[i // group, o]``.
-Loading repacks ``qweight`` into GPTQ's layout (packed along the inputs) so both formats share
-one tiled matmul (``packing.GroupQuantLinear``).
-
-Tensor parallelism: a column-parallel rank takes its outputs of every tensor (whole int32 words of
-eight outputs); a row-parallel rank takes its input rows of ``qweight`` and its groups of
-``scales``/``qzeros``, so its inputs must hold whole groups (else a ``ValueError`` at build naming
-``parallel.tensor_parallel_size`` and ``quantization_config.group_size``).
+4-bit, asymmetric, group sizes dividing the inputs: ``qweight`` ``[in, out / 8]`` and ``qzeros`` ``[groups, out / 8]``
+int32 packed along the outputs in ``AWQ_ORDER``, ``scales`` ``[groups, out]``;
+``W[o, i] = (q[i, o] - zero[i // group, o]) * scale[i // group, o]``. Loading repacks ``qweight`` into GPTQ's
+layout so both share one tiled matmul (``packing.GroupQuantLinear``). A row-parallel rank's inputs must hold
+whole groups (else a ``ValueError`` naming the tensor-parallel size and the group size).
 """
 
 from __future__ import annotations

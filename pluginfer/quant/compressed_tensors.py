@@ -1,17 +1,10 @@
 """The ``compressed-tensors`` quant method: W8A8 int8 checkpoints as llm-compressor writes them.
 
-Served: format ``int-quantized``, weights int8 per output channel, symmetric (``weight`` int8 ``[out, in]``,
-``weight_scale`` ``[out, 1]``, no zero point), input activations int8 per token, symmetric and dynamic
-(quantized at every call: nothing stored). SmoothQuant is folded into the weights and norms by the tool, so
-nothing else runs. Any other scheme (asymmetric, groups, static activations, other bit widths, float8, a
-KV-cache scheme) is an error naming the scheme and the config group and targets it applies to.
-
-Activations are quantized per row as compressed-tensors' own forward does, the library that defines the format
-and with which llm-compressor calibrates (``scale = max|x| / 127.5``, round half to even, levels clamped to
-``[-128, 127]``); vLLM's int8 kernels divide by 127 and keep ``[-127, 127]``, a level apart at most.
-
-The matmul is two ops of the kernel table: ``w8a8_pack`` (once at load: the backend's layout) and
-``w8a8_linear``; their references below are exact on every device (integer sums in int32).
+Served: ``int-quantized``, int8 weights per output channel, symmetric, with int8 activations per token,
+symmetric and dynamic; any other scheme is an error naming it and the config group it applies to. Activations
+are quantized as compressed-tensors' own forward does (``scale = max|x| / 127.5``, half to even, ``[-128, 127]``;
+vLLM's kernels differ by a level at most). The matmul is two kernel-table ops, ``w8a8_pack`` (at load) and
+``w8a8_linear``, whose references below are exact on every device.
 """
 
 from __future__ import annotations
@@ -28,7 +21,8 @@ from pluginfer.layers.context import quant_kernel
 from pluginfer.quant.sharding import UNSPLIT
 
 FORMATS = ("int-quantized",)
-_EXACT_INPUTS = 1024  # float32 sums of up to 1024 products of int8 levels are exact integers (<= 2^24)
+# float32 sums of up to 1024 products of int8 levels are exact integers (<= 2^24)
+_EXACT_INPUTS = 1024
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

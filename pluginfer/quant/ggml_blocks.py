@@ -1,26 +1,10 @@
 """llama.cpp's GGML tensor types in torch: byte layout, dequantization and the matmul.
 
-The contract other modules (the GGUF loader, the in-situ quant methods) code against:
-
-- types are ``gguf.GGMLQuantizationType`` members or their int values;
-- ``row_bytes(qtype, cols)``: bytes of one row of ``cols`` weights (``ValueError`` unless ``cols``
-  is a multiple of the type's block size);
-- ``dequantize(raw, qtype, cols, dtype=torch.float32)``: ``raw`` uint8 ``[rows, row_bytes]``, exactly
-  as a GGUF file stores it, to ``[rows, cols]`` in ``dtype``;
-- ``ggml_quantize.quantize(weight, qtype, *, name="weight")``: float ``[rows, cols]`` to uint8
-  ``[rows, row_bytes]``; ``name`` is the tensor named in errors (quantization lives in
-  ``ggml_quantize.py``, which also says how it matches gguf-py and llama.cpp);
-- ``ggml_linear(x, raw, qtype, cols, bias, dequantize_rows=None)``: ``x @ W.T + bias``, dequantizing
-  a tile of rows at a time (``tiled.tiled_linear``), never the whole weight; ``dequantize_rows`` is
-  a backend's native tile dequantization (the cpu backend's ``ggml_dequantize`` op), if any; where
-  that op carries a fused int8-activation matmul (``quant_matmul``), up to ``QUANT_MATMUL_MAX_ROWS``
-  rows run through it instead (``quantize_activations`` is its rounding of ``x``, in torch).
-
-Dequantization is bit-exact with ``gguf.quants.dequantize`` for every type in ``DEQUANTIZABLE``
-(a NaN, which only a NaN scale field or F16 weight produces, stays a NaN, its payload not kept).
-Each block is a row of ``type_size`` bytes; the code below takes byte views of it and unpacks
-bits with shifts, for all blocks at once. On one CPU core dequantizing a 512 x 4096 tile takes
-about 1 ms (Q8_0), 2 ms (Q4_K) or 4 ms (Q6_K); the cpu backend's C kernel does it 3-7x faster.
+Types are ``gguf.GGMLQuantizationType`` members or their ints. ``row_bytes(qtype, cols)``; ``dequantize(raw,
+qtype, cols, dtype)`` from uint8 ``[rows, row_bytes]`` as a GGUF file stores it, bit-exact with
+``gguf.quants.dequantize`` (NaNs stay NaNs); ``ggml_linear(x, raw, qtype, cols, bias, dequantize_rows=None)``,
+a tile of rows dequantized at a time, a backend's native dequantization or fused int8-activation matmul
+(``quant_matmul``, up to ``QUANT_MATMUL_MAX_ROWS`` rows) where it has one. Quantizing is ``ggml_quantize.py``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """In-situ GGML quant methods (``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q4_k``, ``q6_k``).
 
-A floating-point checkpoint is loaded as usual; once a layer's weight has arrived it is quantized
-to llama.cpp's block type and kept as raw GGML bytes, ``qweight`` uint8 ``[out, row_bytes]``: the
-storage a GGUF file's tensor of that type gets, so both share ``ggml_blocks.ggml_linear``. The
-bytes are those llama.cpp writes (gguf-py's for the legacy types, its C reference for Q4_K and
-Q6_K). Each row holds whole blocks of 32 (256 for the K-quants) input weights; a weight whose
-input size (this rank's shard) is not a multiple of that is refused: at build time when a
-row-parallel split cuts a block (``sharding.check_input_split``), at load time otherwise. Blocks are
-quantized independently, so a rank's slice quantizes to the same bytes as on one rank.
+Each linear weight of a float checkpoint is quantized once loaded into llama.cpp's bytes (``qweight`` uint8
+``[out, row_bytes]``, as a GGUF tensor of that type, sharing ``ggml_blocks.ggml_linear``). Inputs (a rank's
+shard) must hold whole blocks of 32 (256 for K-quants), else refused at build or load; blocks quantize
+independently, so a rank's slice gives the same bytes as on one rank.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Quantization into llama.cpp's GGML block types (the layout and dequantization: ``ggml_blocks.py``).
 
-``quantize(weight, qtype, *, name="weight")``: float ``[rows, cols]`` to uint8 ``[rows, row_bytes]``,
-``name`` being the tensor named in errors. Quantization of F32, F16, BF16 and Q4_0 ... Q8_0 repeats
-``gguf.quants.quantize``'s float32 steps in the same order, so its bytes are those of gguf-py and
-of llama.cpp's C reference, with one exception where gguf-py departs from C and we follow C: a
-block's extremes among signed zeros (C keeps the first of -0 and +0, and an all-zero block's
-Q4_0/Q5_0 scale is -0). Q4_K and Q6_K port llama.cpp's ``quantize_row_q4_K_ref`` /
-``quantize_row_q6_K_ref``. The tests compare all of them with bytes the C library produced.
-
-The K-quant quantizers replay C's sequential float32 sums and its search over 21 (Q4_K) or 19
-(Q6_K) trial scales, so they are slow: on one CPU core about 0.35 s (Q4_K) and 0.25 s (Q6_K) per
-million weights, against 0.02 s for Q8_0 (a 7B model's linear weights: about 40 minutes in Q4_K).
+``quantize(weight, qtype, *, name="weight")``: float ``[rows, cols]`` to uint8 ``[rows, row_bytes]``. F32, F16,
+BF16 and Q4_0 ... Q8_0 repeat ``gguf.quants.quantize``'s float32 steps, so the bytes are gguf-py's and
+llama.cpp's (following C where gguf-py departs from it: signed zeros); Q4_K and Q6_K port llama.cpp's
+``quantize_row_q*_K_ref``. The tests compare all with bytes the C library produced. The K-quants replay C's
+sequential sums and trial-scale search, so they are slow: minutes for a large model.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """The ``gguf`` quant method: linear layers keep a ``.gguf`` file's tensors in their GGML block types.
 
-A fused layer (``qkv_proj``, ``gate_up_proj``) is loaded from several checkpoint tensors, and GGUF
-files mix types (e.g. Q4_K q/k with a Q6_K v), so each shard keeps its own (type, raw blocks).
-Adjacent shards of one type are concatenated once after loading, read from the file with ``pread`` into the
-group (``formats.gguf.checkpoint.read_file_bytes``: their pages never enter the process); the pages of any other
-tensor copied at load (a rank's columns, another dtype or device, llama's reordered q/k rows) are released
-after the copy (``formats.gguf.checkpoint.release_file_pages``); the matmul runs
-``ggml_blocks.ggml_linear`` per group (a tile of rows dequantized at a time) and concatenates the
-outputs. Float shards (F32/F16/BF16 files) are plain dense weights in the model dtype, except F16/BF16 ones in a
-float32 model whose backend has the ``half_linear`` op: those stay as the file stores them, read in place by it.
-
-The checkpoint side is ``pluginfer.formats.gguf.checkpoint`` (it yields ``GGMLTensor``s). The embedding and
-the LM head stay quantized too: ``vocab_table`` gives ``layers.embedding`` a ``GGMLVocabTable`` of its
-rows (docs/quantization.md).
-
-Tensor parallelism: ``create_weights`` keeps the layer's ``ShardSpec`` as ``layer.shard`` and each
-checkpoint tensor arrives whole. A column-parallel rank keeps its rows of blocks (of each fused
-projection; key/value rows shared by the ranks that replicate a KV head); a row-parallel rank keeps
-its columns of bytes, which must be whole blocks: its inputs must be a multiple of the type's block
-(32 weights, 256 for the K-quants), else loading stops naming the tensor, the tensor-parallel size,
-both input counts and the block. Blocks are independent, so a rank's bytes are those of its weights.
+Each shard of a fused layer keeps its own (type, raw blocks), since files mix types; adjacent shards of one
+type are read once into a group (``pread``: their pages never enter the process) and ``ggml_blocks.ggml_linear``
+runs per group. F16/BF16 shards of a float32 model stay as stored where the backend has ``half_linear``; other
+float shards are dense. Embedding and LM head stay quantized too (``vocab_table``). Under tensor parallelism a
+column-parallel rank keeps its rows of blocks and a row-parallel rank its columns of bytes, which must be
+whole blocks (else loading stops, naming the tensor, the sizes and the block).
 """
 
 from __future__ import annotations
@@ -59,7 +45,8 @@ class GGUFLinear:
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
                        shard: ShardSpec = UNSPLIT) -> None:
-        layer.shard = shard  # load_shard cuts each whole checkpoint tensor to this rank's part
+        # load_shard cuts each whole checkpoint tensor to this rank's part
+        layer.shard = shard
         # A placeholder the loader routes checkpoint tensors to; the blocks land in ``layer.gguf_shards``.
         weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         weight.output_dim, weight.input_dim = 0, 1
@@ -121,7 +108,8 @@ class GGUFLinear:
         else:
             kept = loaded.raw.to(param.device)
         layer.gguf_shards[index or 0] = (qtype, kept)
-        if not shares_memory(kept, source):  # a rank's columns, another dtype or device: the file's pages can go
+        if not shares_memory(kept, source):
+            # a rank's columns, another dtype or device: the file's pages can go
             release_file_pages(source)
 
     @staticmethod
@@ -224,7 +212,7 @@ class GGMLVocabTable:
 
 def _concatenate(parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts' rows in one tensor. A part that is a view of the ``.gguf`` file's mapping is read from the
-    file into its rows (``pread``: its pages never enter the process, and it is ~10x faster than faulting
+    file into its rows (``pread``: its pages never enter the process, and it is much faster than faulting
     them in on a busy machine); pages it was read through before (a part
     copied from the mapping) are released."""
     group = torch.empty(sum(part.shape[0] for part in parts), *parts[0].shape[1:], dtype=parts[0].dtype,
@@ -286,7 +274,8 @@ def _group_linear(x: torch.Tensor, qtype: object, weight: torch.Tensor, cols: in
         if half is not None and weight.dtype in _HALF_TYPES.values():  # the backend's 16-bit GEMV, F.linear above
             return half_weight_linear(x, weight, bias, half)
         return F.linear(x, weight, bias)
-    if matmul is not None:  # a device kernel reading the blocks (the cuda backend's Q8_0 / Q4_0)
+    if matmul is not None:
+        # a device kernel reading the blocks (the cuda backend's Q8_0 / Q4_0)
         return matmul(x, weight, cols, bias)
     return ggml_linear(x, weight, qtype, cols, bias, kernel)
 

@@ -1,21 +1,11 @@
 """The ``gptq`` quant method: GPTQ checkpoints as GPTQModel and AutoGPTQ write them.
 
-Bits 4 and 8, any group size dividing the inputs (or -1: one group per output row),
-act-order (``desc_act``: ``g_idx`` assigns each input to a group), symmetric or not.
-Checkpoint format ``gptq`` (v1) stores each zero point minus one, ``gptq_v2`` stores it as is.
-
-Checkpoint tensors, for a layer of ``out x in`` weights and ``pack = 32 // bits``:
-``qweight`` int32 ``[in / pack, out]`` (packed along the inputs), ``qzeros`` int32
-``[groups, out / pack]`` (packed along the outputs), ``scales`` float16 ``[groups, out]``,
-``g_idx`` int32 ``[in]``. ``W[o, i] = (q[i, o] - zero[g_idx[i], o]) * scale[g_idx[i], o]``.
-
-Tensor parallelism (the ``ShardSpec`` given to ``create_weights``): a column-parallel rank takes its
-outputs of every tensor (``qzeros`` cut at whole int32 words). A row-parallel rank takes its input
-rows of ``qweight`` and ``g_idx``; without act-order its inputs must hold whole groups and it takes
-those groups' ``scales``/``qzeros``. With act-order, ``g_idx`` sends each input row to any group, so
-every rank keeps the scales and zero points of *all* groups (``[groups, out]``, small beside
-``qweight``) and its slice of ``g_idx`` indexes them as they are: the shard only has to hold whole
-int32 words. After loading, a rank whose ``g_idx`` turns out to be contiguous keeps only its groups.
+Bits 4 and 8, any group size dividing the inputs (or -1), act-order (``g_idx``), symmetric or not; format
+``gptq`` (v1) stores each zero point minus one, ``gptq_v2`` as is. Tensors: ``qweight`` int32 ``[in / pack, out]``,
+``qzeros`` int32 ``[groups, out / pack]``, ``scales`` ``[groups, out]``, ``g_idx`` ``[in]``;
+``W[o, i] = (q[i, o] - zero[g_idx[i], o]) * scale[g_idx[i], o]``. Under tensor parallelism a column-parallel
+rank takes its outputs; a row-parallel rank its input rows, and with act-order every group's (small) scales
+and zero points, since ``g_idx`` may send its rows to any group.
 """
 
 from __future__ import annotations
@@ -127,7 +117,8 @@ class GPTQLinear(GroupQuantLinear):
                        shard: ShardSpec = UNSPLIT) -> None:
         all_groups = row_split(shard) and self.desc_act and self.group_size != -1
         self._check_sizes(layer, input_size, output_size, shard, whole_groups=not all_groups)
-        if all_groups:  # act-order, inputs split: every rank keeps every group (see the module docstring)
+        if all_groups:
+            # act-order, inputs split: every rank keeps every group (see the module docstring)
             full_inputs = input_size * shard.size
             if full_inputs % self.group_size:
                 raise ValueError(f"{self.name}: group_size {self.group_size} does not divide the layer's "

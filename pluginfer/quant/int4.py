@@ -1,17 +1,9 @@
 """The ``int4`` quant method: group-wise asymmetric 4-bit weights quantized at load (W4A16).
 
-Each run of ``GROUP_SIZE`` = 128 weights along the input dim gets an fp16 ``scale`` and an fp16
-``zero``, the weight that level 0 stands for (the group's minimum); the weights become levels
-``q`` in 0..15 and read back as ``q * scale + zero``:
-
-    scale = fp16((max - min) / 15),  zero = fp16(min),  q = clamp(round((w - zero) / scale), 0, 15)
-
-(``q = 0`` where ``scale`` is 0: a constant group reads back as its fp16 value). So each weight is
-off by at most ``scale / 2 + |min - zero| + 15 * |(max - min) / 15 - scale|``: half a step, plus
-what rounding the two parameters to fp16 moved the grid. Two levels share a byte, the even input
-index in the low nibble. Stored: ``qweight`` uint8 ``[out, in / 2]``, ``scales`` and ``zeros`` fp16
-``[out, in / 128]``: 0.53 bytes per weight. An input size (this rank's shard) that is not a
-multiple of 128 is refused: a smaller group would cost more than 0.6 bytes per weight at 32.
+Each 128 weights along the inputs get an fp16 ``scale = (max - min) / 15`` and ``zero = min``; levels
+``q = clamp(round((w - zero) / scale), 0, 15)`` read back as ``q * scale + zero`` (a constant group: ``q = 0``).
+Stored: ``qweight`` uint8 ``[out, in / 2]`` (even input in the low nibble), ``scales`` and ``zeros`` fp16
+``[out, in / 128]``: 0.53 bytes per weight. Inputs (a rank's shard) not a multiple of 128 are refused.
 """
 
 from __future__ import annotations

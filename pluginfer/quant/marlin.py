@@ -1,24 +1,11 @@
 """The ``marlin`` quant method: 4-bit GPTQ/AWQ weights held in the Marlin tile layout.
 
-Three kinds of checkpoint load into it:
-- GPTQ (``quant_method: gptq``): 4-bit, symmetric, group 128 or -1, no act-order (``desc_act``
-  is accepted when every layer's ``g_idx`` is the sorted ``i // group_size``);
-- AWQ (``quant_method: awq``, ``version: gemm``, with zero points), 4-bit, group 128 or -1;
-- checkpoints already in Marlin layout (``quant_method: marlin``, or GPTQ with
-  ``checkpoint_format: marlin`` / ``is_marlin_format: true``): tensors ``B`` int32
-  ``[in / 16, out * 2]`` and ``s`` ``[groups, out]``, as IST-DASLab marlin, AutoGPTQ and vLLM name them.
-GPTQ and AWQ tensors are loaded by those formats' own quant methods, then repacked
-(``marlin_layout.pack``) as soon as a layer is complete. ``apply`` runs the backend's ``marlin_matmul``
-kernel when it has one (the cuda backend's Triton kernel, ``DeviceBackend.op``) and otherwise dequantizes
-a few hundred output columns of the tiles at a time in torch.
-
-Tensor parallelism: GPTQ and AWQ checkpoints are sharded by their own methods (which get the
-``ShardSpec``), then each rank repacks its shard. A Marlin checkpoint's ``B`` splits along the
-outputs at whole column pairs (the permutation stays within 64 outputs, so each rank's outputs must
-be a multiple of 64) and along the inputs at whole 16-row tiles and groups; ``s`` follows. Marlin
-orders scales one way when a layer has several groups and another when it has one (``group_size``
-not below the inputs): a rank left with a single group of a multi-group checkpoint re-permutes its
-scales from the first order to the second after loading.
+It loads 4-bit GPTQ (symmetric, group 128 or -1, act-order only when ``g_idx`` is sorted), AWQ (gemm, zero
+points) through their own methods, then repacks each complete layer (``marlin_layout.pack``); Marlin
+checkpoints (``B`` ``[in / 16, out * 2]``, ``s`` ``[groups, out]``) load as stored. ``apply`` runs the backend's
+``marlin_matmul`` where it has one, else dequantizes a few hundred columns at a time in torch. Under tensor
+parallelism a Marlin ``B`` splits at 64 outputs and whole 16-row tiles and groups; a rank left with one group
+re-permutes its scales to the single-group order.
 """
 
 from __future__ import annotations
@@ -80,7 +67,8 @@ class MarlinLinear:
 
     def __init__(self, group_size: int, source: object | None, zero_points: bool) -> None:
         self.group_size = group_size
-        self.source = source  # the GPTQ/AWQ quant method that loads the checkpoint; None: already Marlin
+        # the GPTQ/AWQ quant method that loads the checkpoint; None: already Marlin
+        self.source = source
         self.zero_points = zero_points
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,

@@ -1,17 +1,10 @@
 """The Marlin weight layout (IST-DASLab ``marlin``, mirrored by GPTQModel and vLLM), in plain torch.
 
-A 4-bit weight ``q`` of ``[in, out]`` (``k x n``, unsigned codes 0..15) is cut into 16x16 tiles;
-each row of 16 input features becomes one row of ``B`` holding all its ``n / 16`` tiles one after
-the other (256 codes each). Within every run of four tiles (1024 codes, 64 output columns) the
-codes are reordered so that one GPU warp's tensor-core fragment is contiguous, and each group of
-eight is interleaved ``[0, 2, 4, 6, 1, 3, 5, 7]`` so that one int32 unpacks into fp16 pairs. Eight
-codes go into one int32, lowest nibble first: ``B`` is ``[k / 16, n * 2]`` int32.
-
-Scales ``[groups, out]`` are permuted within runs of 64 columns (grouped) or 32 columns (one
-group per column, ``group_size == -1``) to match the fragment order. Zero points (AWQ) use the
-grouped scale permutation, then the 4-bit interleave, packed eight columns per int32.
-
-``pack_*`` builds the layout, ``unpack_*`` is its exact inverse.
+A 4-bit ``[in, out]`` weight is cut into 16x16 tiles, each row of 16 inputs one row of ``B`` ``[k / 16, n * 2]``
+int32; within every run of four tiles (64 outputs) the codes are reordered so a GPU warp's tensor-core fragment
+is contiguous, each eight interleaved ``[0, 2, 4, 6, 1, 3, 5, 7]``, lowest nibble first. Scales are permuted
+within runs of 64 columns (grouped) or 32 (``group_size == -1``); AWQ zero points take the grouped order, then
+the interleave. ``pack_*`` builds the layout, ``unpack_*`` is its exact inverse.
 """
 
 from __future__ import annotations
@@ -21,7 +14,8 @@ import torch
 from pluginfer.core.kernels import define_op
 
 TILE = 16  # the tile is 16 input rows x 16 output columns
-CHUNK_COLUMNS = 64  # the weight permutation acts on runs of four tiles: 64 output columns
+# the weight permutation acts on runs of four tiles: 64 output columns
+CHUNK_COLUMNS = 64
 INTERLEAVE_4BIT = (0, 2, 4, 6, 1, 3, 5, 7)
 PACK = 8  # 4-bit codes per int32
 

@@ -174,7 +174,8 @@ class GroupQuantLinear:
                   input_dim: int | None, packed_dim: int | None = None, packed_factor: int = 1) -> None:
         param = nn.Parameter(tensor, requires_grad=False)
         param.output_dim, param.input_dim = output_dim, input_dim
-        if packed_dim is not None:  # the linear layers divide offsets along this axis by the factor
+        if packed_dim is not None:
+            # the linear layers divide offsets along this axis by the factor
             param.packed_dim, param.packed_factor = packed_dim, packed_factor
         if tensor.is_floating_point():
             param.weight_loader = partial(_load_in_checkpoint_dtype, layer)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pluginfer.core.protocols import ShardSpec
 
-UNSPLIT = ShardSpec()  # the default of ``create_weights``: one rank holds the whole weight
+# the default of ``create_weights``: one rank holds the whole weight
+UNSPLIT = ShardSpec()
 
 
 def row_split(shard: ShardSpec) -> bool:

@@ -2,7 +2,7 @@
 
 Only one tile of ``rows x input_size`` floating-point weights exists at any moment, never a
 layer's (let alone the model's) full dense weight. On the CPU this is also faster than
-converting the whole int8 weight per call (4096x4096, fp32, one token: 4.7 ms against 22 ms).
+converting the whole int8 weight per call.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pluginfer.core.protocols import ShardSpec
 from pluginfer.quant.sharding import UNSPLIT
 
 TILE_ROWS = 512
-_scratch = threading.local()  # one tile buffer per thread and dtype, grown to the largest tile seen
+# one tile buffer per thread and dtype, grown to the largest tile seen
+_scratch = threading.local()
 
 
 def tile_buffer(elements: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -65,7 +66,8 @@ def tiled_linear(x: torch.Tensor, output_size: int, dequantize_rows: Callable[[i
         for start in range(0, output_size, TILE_ROWS):
             stop = min(start + TILE_ROWS, output_size)
             torch.matmul(flat, dequantize_rows(start, stop).t(), out=out[:, start:stop])
-    else:  # one widening of the whole output at the end: faster than one per tile into strided columns
+    else:
+        # one widening of the whole output at the end: faster than one per tile into strided columns
         low, low_out = flat.to(tile_dtype), torch.empty(flat.shape[0], output_size, dtype=tile_dtype, device=x.device)
         for start in range(0, output_size, TILE_ROWS):
             stop = min(start + TILE_ROWS, output_size)

@@ -120,7 +120,8 @@ def _auth_middleware(api_keys: list[str]) -> Any:
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "pluginfer",
             "root": state.root, "max_model_len": state.model_info.max_model_len,
-            "vocab_size": state.vocab_size,  # token ids below it are valid prompts (`pluginfer bench serve`)
+            # token ids below it are valid prompts (`pluginfer bench serve`)
+            "vocab_size": state.vocab_size,
             "sampling_defaults": state.sampling.model_dump()}  # what a request that sets none of them gets
 
 

@@ -49,7 +49,8 @@ def render_prompt(state: ServerState, messages: list[dict[str, Any]], add_genera
         raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
     try:
         text = render_chat(state.tokenizer, messages, add_generation_prompt, **(template_kwargs or {}))
-    except Exception as exc:  # a missing template, or one that rejects these messages (raise_exception)
+    except Exception as exc:
+        # a missing template, or one that rejects these messages (raise_exception)
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
     return state.tokenizer.encode(text, add_special_tokens=False)
 

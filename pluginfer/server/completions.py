@@ -56,7 +56,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         params = replace(params, stop_token_ids=[*params.stop_token_ids, *fim.stop_token_ids])
     else:
         prompts = [state.tokenizer.encode(p) if isinstance(p, str) else p for p in body.prompt]
-    vocab_size = state.vocab_size  # as /v1/models and /detokenize say; checked before echo decodes them
+    # as /v1/models and /detokenize say; checked before echo decodes them
+    vocab_size = state.vocab_size
     bad = [t for p in body.prompt if not isinstance(p, str) for t in p if not 0 <= t < vocab_size]
     if bad:
         raise bad_request(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}", "prompt")
@@ -165,7 +166,8 @@ class _CompletionAnswer:
                 for choice in output.outputs:
                     i, done = prompt_index * n + choice.index, choice.finish_reason is not None
                     if finished[i] or (not choice.token_ids and not done):
-                        continue  # nothing generated yet (e.g. a prompt still being prefilled in chunks)
+                        # nothing generated yet (e.g. a prompt still being prefilled in chunks)
+                        continue
                     prefix = "" if started[i] else self.echo[prompt_index]
                     text = prefix + choice.text[sent_text[i]:]
                     new_tokens = len(choice.token_ids) > sent_tokens[i]

@@ -1,18 +1,10 @@
 """CoreProcessClient: the server's side of the engine core process (``pluginfer.engine.engine_core``).
 
-An ``EngineClient`` (``pluginfer.engine.client``), as ``AsyncEngine`` is, with the engine in another process:
-requests go there as ``AddRequest``/``AbortRequest`` messages, grammars are compiled there through ``Call``,
-and what comes back (``pluginfer.engine.messages``) is the model's ``ModelInfo`` once, then every step's
-``Outputs``: the requests' deltas and the engine's ``EngineStats``.
-
-The core's frames are read on the server's event loop (``loop.add_reader``: no thread, no
-``call_soon_threadsafe`` per token); one frame per engine step carries every request's new tokens and
-text, which are appended to the request's output in this process. A request's consumer that falls
-behind gets one output with everything new since it last looked, not a queue of stale ones.
-
-When the core process dies (killed, out of memory, a crash) its end of the socket closes: every open
-request fails with ``EngineDeadError`` at once (a stream ends with an error event), ``is_alive`` turns
-False (``/health`` answers 503) and one log line says which process died and how.
+An ``EngineClient`` with the engine in another process: requests go as ``AddRequest``/``AbortRequest``,
+grammars compile there through ``Call``; ``ModelInfo`` comes back once, then one ``Outputs`` per step, read on
+the event loop (``loop.add_reader``: no thread hop per token). A consumer that falls behind gets one output
+with everything new. When the core dies its socket closes: every open request fails with ``EngineDeadError``,
+``is_alive`` turns False (``/health`` answers 503) and one log line says how it died.
 """
 
 from __future__ import annotations
@@ -61,9 +53,9 @@ if TYPE_CHECKING:
     from pluginfer.engine.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-_RECV_BYTES = 1 << 20  # one read of the core's frames: a shorter read emptied the socket
-# (read into one buffer kept for the client's life: ``recv(1 MiB)`` allocates and maps a fresh 1 MiB each
-# time, ~10 us a frame against ~1 us for ``recv_into``)
+# one read of the core's frames: a shorter read emptied the socket
+_RECV_BYTES = 1 << 20
+# (read into one buffer kept for the client's life: ``recv(1 MiB)`` allocates and maps a fresh 1 MiB each time)
 
 
 class CoreProcessClient:
@@ -116,7 +108,8 @@ class CoreProcessClient:
                 tokenizer = None
             self._send_tokenizer(tokenizer, deadline)
             ready = self._wait_ready(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if ready.tokenizer is not None:  # not one built here (the core sends none of those: same file, code)
+            if ready.tokenizer is not None:
+                # not one built here (the core sends none of those: same file, code)
                 tokenizer = pickle.loads(ready.tokenizer)
             elif tokenizer is None:
                 tokenizer = load_tokenizer(self.config.tokenizer or ready.model_info.model_path)
@@ -332,7 +325,8 @@ class CoreProcessClient:
 
     def _send(self, message: ServerMessage) -> None:
         data = encode(message)
-        with self._send_lock:  # the core's reader thread always drains its end: this does not block long
+        with self._send_lock:
+            # the core's reader thread always drains its end: this does not block long
             self._sock.sendall(data)
 
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -375,7 +369,8 @@ class CoreProcessClient:
                 self._lost(None)
                 return
             self._receive(self._inbox[:size])
-            if size < _RECV_BYTES:  # the socket is drained: no second recv to hear EAGAIN (once a token)
+            if size < _RECV_BYTES:
+                # the socket is drained: no second recv to hear EAGAIN (once a token)
                 return
 
     def _receive(self, data: bytes | memoryview) -> None:
@@ -390,7 +385,8 @@ class CoreProcessClient:
                     continue  # its consumer left; the abort is on its way
                 if request.loop is self._loop:
                     request.apply(delta)
-                else:  # a request from another event loop (several servers over one client)
+                else:
+                    # a request from another event loop (several servers over one client)
                     request.loop.call_soon_threadsafe(request.apply, delta)
             self._stats = message.stats
         elif isinstance(message, Rejected):

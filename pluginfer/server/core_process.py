@@ -1,15 +1,9 @@
 """The engine core's process, spawned before its config exists: ``pluginfer serve`` starts it first thing.
 
-An interpreter for ``pluginfer.engine.engine_core`` is started (with its end of a socket pair and the
-environment its OpenMP threads read once, when torch loads them) and then waits on stdin for its log level
-and its config; ``configure`` sends them. ``CoreProcessClient`` spawns one for its config; the CLI spawns one for
-``pluginfer serve`` before it builds its parser and config (``prespawn``), so the core's interpreter, its
-``pluginfer`` and pydantic imports overlap the server's own (~0.1 s of the start), and
-``start_engine`` takes it (``take_prespawned``) when the config runs the core in a process of its own with
-the environment it was spawned with; otherwise it is discarded, and so is one never taken.
-
-It imports the standard library and two torch- and pydantic-free core modules (``engine_core``,
-``launcher_env``) only: it runs before the server imports anything else.
+The interpreter (with its end of a socket pair and the OpenMP environment torch reads once) waits on stdin
+for its log level and config (``configure``), so its imports overlap the server's. ``start_engine`` takes it
+(``take_prespawned``) when the config runs the core in a process of its own; otherwise it is discarded.
+It imports only the standard library and two torch- and pydantic-free modules: it runs before anything else.
 """
 
 from __future__ import annotations
@@ -85,7 +79,8 @@ def prespawn() -> None:
         return
     try:
         _prespawned = CoreProcess()
-    except OSError as exc:  # start_engine spawns one when it needs it, and reports what fails then
+    except OSError as exc:
+        # start_engine spawns one when it needs it, and reports what fails then
         logger.debug("no engine core process spawned ahead: %s", exc)
         return
     atexit.register(discard_prespawned)

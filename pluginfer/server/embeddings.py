@@ -35,7 +35,8 @@ class EmbeddingRequest(CheckedRequest):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    user: str | None = None  # informational: identifies the end user to OpenAI; no effect here
+    # informational: identifies the end user to OpenAI; no effect here
+    user: str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = EMBEDDING
 
@@ -125,6 +126,7 @@ def _tokens(state: ServerState, given: str | list[int], index: int) -> list[int]
 def _encode(embedding: list[float] | None, encoding_format: str) -> list[float] | str:
     if embedding is None:
         raise RuntimeError("an embedding request finished without its embedding")
-    if encoding_format == "base64":  # little-endian float32, as OpenAI sends and its clients decode
+    if encoding_format == "base64":
+        # little-endian float32, as OpenAI sends and its clients decode
         return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
     return embedding

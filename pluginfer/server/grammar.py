@@ -28,7 +28,8 @@ class JsonSchemaFormat(_Strict):
     name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None  # enforced either way; true: also an object without additionalProperties is closed
+    # enforced either way; true: also an object without additionalProperties is closed
+    strict: bool | None = None
 
 
 class ResponseFormat(_Strict):

@@ -1,15 +1,10 @@
 """Tool calls a model writes as bare JSON, without its parser's marker: ``{"name": ..., "arguments": {...}}``
-(or ``"parameters"``, Llama 3's key) naming a declared tool, or a JSON list of such calls (parallel calls).
+(or Llama 3's ``"parameters"``) naming a declared tool, or a JSON list of them.
 
-Qwen2.5-Coder under ``tool_choice: auto`` writes its call this way although its template asks for
-``<tool_call>`` tags, and other models do too; so the server reads it whatever the ``--tool-call-parser``,
-in the content the parser leaves. Only a value that names a declared tool, with no keys but ``name``,
-``arguments``/``parameters`` and ``type: "function"``, is a call: any other JSON stays content, and so does
-JSON inside a Markdown code fence (code the model shows), unless that fenced block is the whole output
-(Qwen2.5-Coder's other habit). Text before and after a call stays content.
-
-While the output still grows, the text from a ``{`` or ``[`` that may still become a call is held back (and
-so is trailing whitespace, which may precede one), so the content only ever grows.
+Models such as Qwen2.5-Coder write calls this way under ``tool_choice: auto``, so the server reads them whatever
+the parser. Only a value naming a declared tool with no other keys is a call; other JSON, and JSON in a
+Markdown fence unless the fence is the whole output, stays content. While the output grows, text that may
+still become a call is held back, so the content only ever grows.
 """
 
 from __future__ import annotations
@@ -73,7 +68,8 @@ def _may_become_call(text: str, at: int, names: set[str]) -> bool:
         return False
     named = _NAME.match(text, position)
     if named is None:
-        return True  # '"name": ' not yet followed by its value, or another first key: decided once complete
+        # '"name": ' not yet followed by its value, or another first key: decided once complete
+        return True
     name, closed = named.groups()
     return name in names if closed else any(declared.startswith(name) for declared in names)
 

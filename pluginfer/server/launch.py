@@ -19,8 +19,9 @@ from pluginfer.core.config import EngineConfig, quant_activations
 from pluginfer.engine.client import EngineClient
 from pluginfer.server.core_client import CoreProcessClient
 
-if TYPE_CHECKING:  # imported where used: `pluginfer serve` starts the engine process before these load here
-    from aiohttp import web  # ~0.1 s: the core process starts first
+if TYPE_CHECKING:
+    # imported where used: `pluginfer serve` starts the engine process before these load here
+    from aiohttp import web  # imported late: the core process starts first
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ async def _serve(engine: EngineClient, config: EngineConfig) -> int:
         print(f"pluginfer: GGUF-quantized linears take {mode} activations ({source}; --quant-activations float: "
               "float32, exact as transformers; int8: as llama.cpp)", file=sys.stderr, flush=True)
     stop = asyncio.Event()
-    terminated: list[int] = []  # SIGTERM (an orchestrator's stop) drains; SIGINT (Ctrl-C) stops at once
+    # SIGTERM (an orchestrator's stop) drains; SIGINT (Ctrl-C) stops at once
+    terminated: list[int] = []
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGTERM, lambda: (terminated.append(signal.SIGTERM), stop.set()))
@@ -144,7 +146,8 @@ def start_engine(config: EngineConfig) -> EngineClient:
     if os.environ.get("PLUGINFER_ENGINE_PROCESS", "1") != "0" and one_rank and in_process:
         client = CoreProcessClient(config, process=take_prespawned(config.server.core_spin_count))
     else:
-        discard_prespawned()  # `pluginfer serve` spawned one ahead: this config runs the engine here
+        # `pluginfer serve` spawned one ahead: this config runs the engine here
+        discard_prespawned()
     from pluginfer.server import app  # noqa: F401 - the server's own imports (no torch), while the core loads
 
     if client is None:

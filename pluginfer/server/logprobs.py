@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-_FLOOR = -9999.0  # JSON has no -Infinity; a probability that underflowed reads as this
+# JSON has no -Infinity; a probability that underflowed reads as this
+_FLOOR = -9999.0
 
 
 def _clamp(value: float) -> float:
@@ -53,7 +54,8 @@ def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list
     for token_id, entry in zip(token_ids, logprobs):
         token = text_of(token_id)
         tokens.append(token)
-        if entry is None:  # the first prompt token (echo): nothing before it to predict it
+        if entry is None:
+            # the first prompt token (echo): nothing before it to predict it
             token_logprobs.append(None)
             top_logprobs.append(None)
         else:

@@ -44,7 +44,8 @@ async def count_message_tokens(request: web.Request) -> web.Response:
     body = await read_body(request, CountTokensRequest)
     state.check_model(body.model)
     tools, _, _ = body.openai_tools()
-    try:  # rendered as /v1/messages renders them, whatever tool_choice asks of the output
+    try:
+        # rendered as /v1/messages renders them, whatever tool_choice asks of the output
         calling = ToolCalling.from_request(tools, "none", None, None)
     except APIError as exc:
         raise renamed(exc) from None
@@ -118,7 +119,8 @@ class MessageAnswer:
         if choice.finish_reason == "stop":
             matched = [stop for stop in self.stop_sequences if choice.text.endswith(stop)]
             if matched:
-                stop = max(matched, key=len)  # the engine stops at the earliest match: the longest ending here
+                # the engine stops at the earliest match: the longest ending here
+                stop = max(matched, key=len)
                 return choice.text[:-len(stop)], stop
         return choice.text, None
 

@@ -111,9 +111,11 @@ class AnthropicTool(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None  # server tools (bash, web search, ...) have other types: refused
+    # server tools (bash, web search, ...) have other types: refused
+    type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
-    strict: bool | None = None  # inputs are held to the schema either way (server.strict_tool_schemas)
+    # inputs are held to the schema either way (server.strict_tool_schemas)
+    strict: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -243,7 +245,8 @@ def _for_template(message: Message) -> list[dict[str, Any]]:
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     texts = [block.text for block in message.content if isinstance(block, TextBlock)]
-    if message.role == "user":  # tool results answer the previous turn's calls: they come first
+    if message.role == "user":
+        # tool results answer the previous turn's calls: they come first
         results = [{"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()}
                    for block in message.content if isinstance(block, ToolResultBlock)]
         return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])

@@ -40,7 +40,7 @@ class MessageEvents:
         self.tools = answer.tools.new_output() if answer.tools else None
         self.sent_text = 0
         self.index = -1  # the open block's index (-1: none yet)
-        self.open: str | None = None  # its type
+        self.open: str | None = None
         # A text delta is the event sent once a token: its JSON is written once (streaming.EventTemplate).
         self.text_delta = EventTemplate({"type": "content_block_delta", "index": HOLE,
                                          "delta": {"type": "text_delta", "text": HOLE}})
@@ -85,7 +85,8 @@ class MessageEvents:
         async with aclosing(outputs) as stream:
             async for _, output in stream:
                 [choice] = output.outputs
-                if not started:  # at the first output: the prompt was accepted and its cached tokens are known
+                if not started:
+                    # at the first output: the prompt was accepted and its cached tokens are known
                     started = True
                     shell = answer.shell([], None, None, usage(output, 0))
                     yield sse("message_start", {"type": "message_start", "message": shell})

@@ -40,7 +40,8 @@ class StreamOptions(_Body):
 class ContentPart(_Body):
     type: str
     text: str | None = None
-    image_url: dict[str, Any] | str | None = None  # {"url": "data:image/png;base64,..."}: decoded by the chat route
+    # {"url": "data:image/png;base64,..."}: decoded by the chat route
+    image_url: dict[str, Any] | str | None = None
 
 
 class ChatMessage(_Body):
@@ -128,7 +129,8 @@ class SamplingRequest(CheckedRequest):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # informational: identifies the end user to OpenAI; no effect here
+    # informational: identifies the end user to OpenAI; no effect here
+    user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     use_beam_search: bool = False  # vLLM's: the n best beams are the choices (server/beam.py)
@@ -173,7 +175,8 @@ class SamplingRequest(CheckedRequest):
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
         def pick(value: Any, default: Any, name: str = "") -> Any:
-            if value is None:  # the request's, else the defaults' (the model's already laid in), else built in
+            if value is None:
+                # the request's, else the defaults' (the model's already laid in), else built in
                 value = default
             return BUILTIN_SAMPLING[name] if value is None else value
 
@@ -260,7 +263,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: list[Prompt]
-    suffix: str | None = None  # fill-in-the-middle (text/fim.py): the text the completion goes before
+    # fill-in-the-middle (text/fim.py): the text the completion goes before
+    suffix: str | None = None
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -305,7 +309,8 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    tools: list[Tool] | None = None  # rendered with messages, as /v1/chat/completions renders them
+    # rendered with messages, as /v1/chat/completions renders them
+    tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

@@ -27,7 +27,8 @@ def _partial_tag_len(text: str, tag: str) -> int:
 class DeepSeekR1ReasoningParser:
     """DeepSeek-R1 style: the output is reasoning until ``</think>`` (the template may open ``<think>``)."""
 
-    needs_start_tag = False  # True: without a leading <think>, the whole output is content
+    # True: without a leading <think>, the whole output is content
+    needs_start_tag = False
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of ``text``; with ``final`` False, a possible partial tag is held back."""

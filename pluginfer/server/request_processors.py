@@ -63,7 +63,8 @@ class RequestProcessors:
 
     async def _processed(self, request: PromptRequest,
                          stream: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        async with aclosing(stream) as outputs:  # closing this closes the engine's streams, which aborts them
+        async with aclosing(stream) as outputs:
+            # closing this closes the engine's streams, which aborts them
             async for index, output in outputs:
                 choices = [replace(choice, text=self.text(request, choice.text, choice.finished))
                            for choice in output.outputs]

@@ -135,5 +135,6 @@ async def delete_response(request: web.Request) -> web.Response:
 
 
 def _refuse_query(request: web.Request) -> None:
-    for name in request.query:  # stream, starting_after, include: a stored response is only read back whole
+    for name in request.query:
+        # stream, starting_after, include: a stored response is only read back whole
         raise bad_request(f"{name}: query parameters are not supported; a stored response is read back whole", name)

@@ -45,7 +45,8 @@ def output_items(message: dict[str, Any], incomplete: bool) -> list[dict[str, An
     if message.get("reasoning_content"):
         items.append(reasoning_item(item_id("rs"), message["reasoning_content"]))
     content, calls = message.get("content"), message.get("tool_calls") or []
-    if content is not None:  # None: only calls (or a required/named choice cut before its first call)
+    if content is not None:
+        # None: only calls (or a required/named choice cut before its first call)
         items.append(message_item(item_id("msg"), content))
     for call in calls:
         items.append(function_call_item(item_id("fc"), call["id"], call["function"]["name"],

@@ -66,7 +66,8 @@ class TextConfig(_Strict):
 
 
 class ReasoningConfig(_Strict):
-    effort: str | None = None  # passed to chat templates that read it (reasoning_effort), else a 400
+    # passed to chat templates that read it (reasoning_effort), else a 400
+    effort: str | None = None
     summary: Any = None
     generate_summary: Any = None
 
@@ -97,7 +98,8 @@ class ResponsesRequest(CheckedRequest):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    store: bool | None = None  # default true: kept for GET and previous_response_id (server.responses_store_size)
+    # default true: kept for GET and previous_response_id (server.responses_store_size)
+    store: bool | None = None
     # Informational: OpenAI's account-side identifiers and tags; they change nothing in the answer.
     metadata: dict[str, str] | None = None
     user: str | None = None

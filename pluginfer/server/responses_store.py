@@ -17,7 +17,8 @@ from pluginfer.server.errors import APIError
 @dataclass(frozen=True)
 class StoredResponse:
     body: dict[str, Any]
-    conversation: list[dict[str, Any]]  # chat messages, instructions left out (they do not carry over)
+    # chat messages, instructions left out (they do not carry over)
+    conversation: list[dict[str, Any]]
 
 
 class ResponseStore:

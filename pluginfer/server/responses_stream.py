@@ -52,7 +52,8 @@ class ResponseEvents:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # the output: finished items, then the open one
         self.open: dict[str, Any] | None = None
-        self.pieces: list[str] = []  # the open item's text (or arguments) so far, joined when it closes
+        # the open item's text (or arguments) so far, joined when it closes
+        self.pieces: list[str] = []
         self.delta_templates: dict[str, EventTemplate] = {}
 
     def _event(self, kind: str, **fields: Any) -> bytes:
@@ -160,7 +161,8 @@ class ResponseEvents:
         called = any(item["type"] == "function_call" for item in self.items)
         if not self.constrained and not called and not any(item["type"] == "message" for item in self.items):
             for event in self._open(message_item(item_id("msg"), "", "in_progress")):
-                yield event  # an answer with no text is still a message, as the whole response has
+                # an answer with no text is still a message, as the whole response has
+                yield event
         for event in self._close("incomplete" if incomplete else "completed"):
             yield event
         reasoning = "".join(item["content"][0]["text"] for item in self.items if item["type"] == "reasoning")

@@ -42,10 +42,13 @@ class ServerState:
     tool_parser: Callable[[], ToolCallParser] | None = None  # the plugin's factory: one parser per request
     processors: RequestProcessors = field(default_factory=RequestProcessors)  # build_app loads the selected ones
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # every field set: what requests default to
-    aliases: tuple[str, ...] = ()  # other names a request may give the model (a GGUF file's name and path)
+    # other names a request may give the model (a GGUF file's name and path)
+    aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
-    draining: bool = False  # SIGTERM with server.shutdown_timeout: requests in flight finish, new ones get a 503
-    pooler: PoolerConfig | None = None  # the checkpoint's pooling, read at the first /v1/embeddings request
+    # SIGTERM with server.shutdown_timeout: requests in flight finish, new ones get a 503
+    draining: bool = False
+    # the checkpoint's pooling, read at the first /v1/embeddings request
+    pooler: PoolerConfig | None = None
     adapters: ServedAdapters | None = None  # the LoRA adapters a request may name as its model
     _vocab_size: int | None = field(default=None, repr=False)
     _fim: tuple[FimTokens | None] | None = field(default=None, repr=False)
@@ -139,7 +142,8 @@ async def read_body(request: web.Request, model: type[Body]) -> Body:
     if request.content_length is not None and request.content_length > limit:  # refused before it is read
         raise APIError(413, f"request body too large: {request.content_length} bytes, at most {limit} "
                        "(server.max_request_bytes)", code="request_too_large")
-    raw = await request.read()  # aiohttp answers 413 beyond the app's client_max_size (a chunked body)
+    # aiohttp answers 413 beyond the app's client_max_size (a chunked body)
+    raw = await request.read()
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -155,7 +155,8 @@ async def run_requests(state: ServerState, prompts: list[list[int]], params: Sam
                    for prompt, rid in zip(prompts, ids)]
     else:
         streams = [state.engine.generate(prompt, params, rid) for prompt, rid in zip(prompts, ids)]
-    single = len(streams) == 1  # the common case: its outputs as they come, without a merging layer per token
+    # the common case: its outputs as they come, without a merging layer per token
+    single = len(streams) == 1
     try:
         async with aclosing(streams[0] if single else _merge(streams)) as source:
             async for item in source:
@@ -166,7 +167,8 @@ async def run_requests(state: ServerState, prompts: list[list[int]], params: Sam
                 yield index, output
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_unavailable") from None
-    except ValueError as exc:  # the engine refused the request: a sampling field it names, else the prompt
+    except ValueError as exc:
+        # the engine refused the request: a sampling field it names, else the prompt
         error = from_sampling_error(exc)
         raise (error if error.param else bad_request(str(exc), prompt_field)) from None
     finally:
@@ -177,9 +179,11 @@ async def run_requests(state: ServerState, prompts: list[list[int]], params: Sam
 
 def _check_finished(output: RequestOutput, prompt_field: str) -> None:
     reasons = {choice.finish_reason for choice in output.outputs}
-    if "failed" in reasons:  # the engine step running it raised (logged there); the engine goes on
+    if "failed" in reasons:
+        # the engine step running it raised (logged there); the engine goes on
         raise APIError(500, output.error or "the engine step running this request failed", code="engine_step_failed")
-    if "error" in reasons or output.error:  # e.g. a prompt longer than the context: the message says by how much
+    if "error" in reasons or output.error:
+        # e.g. a prompt longer than the context: the message says by how much
         raise bad_request(output.error or "the request could not run", prompt_field)
     if "abort" in reasons:
         raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")

@@ -18,7 +18,8 @@ from pluginfer.core.parsers import ToolCallSyntax
 from pluginfer.engine.regex_ascii import ascii_patterns
 
 NAME = "{name}"
-CALL_WHITESPACE = "[ ]?"  # as models write their calls ({"city": "Oslo"}); none can run on in blanks
+# as models write their calls ({"city": "Oslo"}); none can run on in blanks
+CALL_WHITESPACE = "[ ]?"
 _TEXT = r"(.|\n)*"
 
 

@@ -1,14 +1,9 @@
 """Tool-call parsers: the tool calls a model wrote in its own format, as plain functions of text.
 
-A parser splits the output text so far into the content (text outside tool calls) and the
-complete calls. While the output still grows (``final`` False) it holds back a tail that may be
-the start of its marker, so the content only ever grows and streamed deltas are differences.
-A block that does not parse leaves the whole text as content, as vLLM does; a marker inside a Markdown code
-fence is text the model shows, not a call. Calls written as bare JSON, without a marker, are read for every
-parser by ``json_tool_calls.py``.
-
-Chosen with ``--tool-call-parser`` (``server.tool_call_parser``): these are the built-in plugin's
-parsers (``pluginfer/server/plugin.py``), looked up by name in the registry like a third party's.
+A parser splits the output so far into content and complete calls; while it grows (``final`` False) it holds
+back a tail that may start its marker, so the content only grows. A block that does not parse stays content,
+as vLLM does, and so does a marker inside a Markdown fence. Chosen with ``--tool-call-parser``: the built-in
+plugin's parsers, looked up by name like a third party's; bare JSON calls are ``json_tool_calls.py``'s.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Tool calling on /v1/chat/completions: ``tools`` and ``tool_choice`` to a prompt, a grammar and a parser,
 and the model's output back to ``message.tool_calls`` / streamed ``delta.tool_calls``.
 
-- ``none``: the tools are rendered by the chat template; the output is plain content.
-- ``auto`` (the default with tools): the model writes calls in its own format, which the server's
-  ``--tool-call-parser`` reads (``tool_parsers.py``), or as bare JSON naming a declared tool
-  (``json_tool_calls.py``). Where the parser says how its calls look
-  (``call_syntax``), a grammar lets the model write free text and holds a call, once its trigger
-  appears, to a declared tool and its (strict) parameters (``tool_grammar.py``).
-- ``required`` / a named function: constrained decoding makes the call valid, as vLLM does. A named
-  function's output is its arguments (the grammar is the function's ``parameters``); ``required``'s
-  output is a JSON array of ``{"name", "parameters"}`` (``anyOf`` over the tools). Both are read
-  here, whatever the model's own format. The parameters are strict (``strict_schema.py``): an object
-  that does not say ``additionalProperties`` holds only its declared keys, as OpenAI's and xgrammar's
-  strict mode read it (``server.strict_tool_schemas: false`` keeps JSON Schema's open objects).
+``none``: plain content. ``auto``: calls in the model's own format (``--tool-call-parser``, ``tool_parsers.py``)
+or bare JSON (``json_tool_calls.py``), held to a declared tool by a grammar once its trigger appears where the
+parser gives its ``call_syntax`` (``tool_grammar.py``). ``required`` / a named function: constrained decoding
+makes the call valid, as vLLM does, read here whatever the model's format. Parameters are strict
+(``strict_schema.py``) unless ``server.strict_tool_schemas: false``.
 """
 
 from __future__ import annotations
@@ -45,7 +38,8 @@ class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # enforced either way (auto: where the parser says how its calls look)
+    # enforced either way (auto: where the parser says how its calls look)
+    strict: bool | None = None
 
 
 class Tool(_Strict):
@@ -75,7 +69,8 @@ class ToolCalling:
     parallel: bool = True
     parser: ToolCallParser | None = None
     special_tokens: list[str] = field(default_factory=list)  # stripped from content when kept for the parser
-    strict_schemas: bool = True  # an object without additionalProperties holds only its declared keys
+    # an object without additionalProperties holds only its declared keys
+    strict_schemas: bool = True
 
     @classmethod
     def from_request(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None,

@@ -1,23 +1,10 @@
 """Conformance kit: what every ``DeviceBackend`` owes the engine, checked on small tensors.
 
-``check_backend(backend)`` (an instance, or a factory called with no arguments) raises AssertionError on the
-first broken promise of the protocol (``pluginfer/core/device_backend.py``), naming the member. A third-party
-backend plugin calls it from its own test suite, with its device or with a CPU stand-in of it. It checks:
-
-- the attributes: ``name``, ``device``, ``default_collective``, ``quant_kernels_required``;
-- ``kv_cache_budget_bytes``: a requested budget comes back as it is; otherwise an int, or a ValueError;
-- ``allocate_kv_cache``: one (key, value) pair per layer of ``[blocks, block_size, kv_heads, dim]`` in the
-  dtype, on the device, with the bytes per block the spec says (so the engine's budget arithmetic holds);
-  layers do not share memory; with ``value_in_key`` the value is a view of the key's first features;
-- ``prepare`` + ``paged_attention`` on a paged batch (decodes, a chunked prefill over cached keys, a whole
-  prompt; blocks shuffled) against the kernel table's torch references (``pluginfer.layers.attention_ops``), with
-  GQA, a sliding window with a soft cap, and a value inside the key; the cache written at ``slot_mapping``;
-  and for each quantized dtype in the optional ``kv_cache_dtypes``, the same against the reference's bytes;
-- ``copy_blocks``: whole blocks copied in every layer, the rest untouched, an empty list a no-op;
-- ``op``: a callable, with the reference's parameter names, for each op in ``ops`` (the ones the backend
-  claims); None for a name no backend knows;
-- ``capture_decode``: None, or a callable whose every answer for a decode batch is None (run eagerly) or the
-  logits the eager step gives, over several steps of a toy model made of this backend's own attention.
+``check_backend(backend)`` (an instance or a no-argument factory) raises AssertionError on the first broken
+promise of the protocol, naming the member: the attributes, the KV cache's budget and allocation (shape, dtype,
+device, bytes per block), ``prepare`` + ``paged_attention`` against the kernel table's torch references on a
+paged batch (and for each quantized dtype in ``kv_cache_dtypes``), ``copy_blocks``, ``op`` and
+``capture_decode``. A third-party backend calls it from its own tests; docs/plugins.md lists every check.
 """
 
 from __future__ import annotations
@@ -288,7 +275,8 @@ def _check_ops(backend: DeviceBackend, ops: Iterable[str]) -> None:
             raise _fail(f"op({name!r})", f"the backend claims this op; got {kernel!r}, not a callable")
         reference = kernels.OPS.get(name)
         if reference is None:
-            continue  # a backend's own op (the cpu backend's format ops): no reference signature to hold it to
+            # a backend's own op (the cpu backend's format ops): no reference signature to hold it to
+            continue
         try:
             parameters = tuple(inspect.signature(kernel).parameters)
         except (TypeError, ValueError):  # a builtin without a signature
@@ -299,7 +287,8 @@ def _check_ops(backend: DeviceBackend, ops: Iterable[str]) -> None:
     try:
         unknown = backend.op(NOT_AN_OP)
     except KeyError:
-        return  # an op no plugin defined is an error at build, naming the nearest ops
+        # an op no plugin defined is an error at build, naming the nearest ops
+        return
     raise _fail(f"op({NOT_AN_OP!r})", f"an op name no plugin defined must raise KeyError, got {unknown!r}")
 
 
@@ -338,7 +327,8 @@ def _check_capture_decode(backend: DeviceBackend, atol: float) -> None:
         raise _fail(member, f"None or a callable, got {type(replay).__name__}")
     tables, lengths = [[3, 1, 8], [7, 2, 9], [0, 4, 5]], [5, 2, 7]
     generator = torch.Generator().manual_seed(3)
-    for step in range(4):  # a backend may run a batch size eagerly first and record it later
+    for step in range(4):
+        # a backend may run a batch size eagerly first and record it later
         batch = paged_batch(backend.device, tables, lengths, [1] * len(lengths), BLOCK_SIZE)
         batch.input_ids.copy_(torch.randint(0, toy.vocab, (len(lengths),), generator=generator))
         before = [tensor[:NUM_BLOCKS].clone() for tensor in toy.cache]  # past them: a backend's scratch block

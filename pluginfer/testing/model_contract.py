@@ -1,22 +1,10 @@
 """Conformance kit: a ``ModelPipeline`` plugin against the transformers model it reimplements, through the engine.
 
-``check_model_pipeline(reference_class, config)`` builds a tiny random ``reference_class`` (a transformers
-``...ForCausalLM``) from ``config`` (its config keywords), saves it with a small tokenizer, loads the directory
-with ``pluginfer.LLM`` (which picks the model plugin by the checkpoint's architecture, as for any user) and
-raises AssertionError on the first broken promise, naming the member. It checks:
-
-- the architecture resolves to the plugin ``plugin`` (when given);
-- the pipeline the engine built is a ``ModelPipeline`` that can generate, whose ``kv_cache_spec`` is a
-  ``KVCacheSpec`` of every decoder layer;
-- ``forward`` + ``compute_logits``: float32 logits at every position of a few prompts equal transformers'
-  (``atol``), each prompt prefilled alone;
-- greedy tokens of those prompts, generated together (continuous batching, prefix cache), equal
-  transformers' ``generate(do_sample=False)`` run one prompt at a time;
-- ``load_weights`` raises KeyError naming a checkpoint tensor that matches no parameter, and for parameters
-  left unloaded; ``bind_kv_caches`` raises ValueError for a list of the wrong length.
-
-Random weights rarely end on EOS, so generation ignores it. Prefill logits come from the engine's own step
-(every position's, where the public API gives only the last).
+``check_model_pipeline(reference_class, config)`` builds a tiny random ``reference_class`` from ``config``, saves
+it with a small tokenizer, loads it with ``pluginfer.LLM`` as any user would and raises AssertionError on the
+first broken promise: the architecture resolves to the plugin, every position's float32 prefill logits and the
+batched greedy tokens equal transformers', ``load_weights`` and ``bind_kv_caches`` reject what they must.
+Generation ignores EOS (random weights rarely end on it). docs/plugins.md lists every check.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Conformance kit: what every tool-call parser and reasoning parser plugin owes the server.
 
-A parser plugin's tests call these with the spec's factory and a few texts in its format, each with the
-split the parser must give once the output is final. Each check raises AssertionError on the first
-broken promise of ``pluginfer.core.parsers``:
-
-- the whole text splits as expected;
-- cut anywhere and fed as a growing output (``final=False``), what the parser returns only grows (the
-  server streams the differences) and, at the end, adds up to the whole split;
-- no text makes it raise (noise, a marker cut in half, an unclosed block);
-- tool-call ids are strings, fresh each time; ``needs_special_tokens`` is a bool.
+Called with the spec's factory and a few texts in its format, each with the split it must give once final;
+raises AssertionError on the first broken promise of ``pluginfer.core.parsers``: the whole text splits as
+expected, a growing output (``final=False``) only grows and adds up to the whole split, no text makes it
+raise, tool-call ids are fresh strings and ``needs_special_tokens`` is a bool.
 """
 
 from __future__ import annotations

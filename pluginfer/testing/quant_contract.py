@@ -1,21 +1,10 @@
 """Conformance kit: what every ``QuantMethod`` owes the layers, checked on one small linear layer.
 
-``check_quant_method(method, checkpoint, reference)`` raises AssertionError on the first broken promise of the
-protocol (``pluginfer/core/protocols.py``), naming the member. The author supplies what a checkpoint holds for
-one ``[out, in]`` weight in their format (``checkpoint``: tensors by parameter name) and the dense weight those
-tensors stand for (``reference``: from an oracle, e.g. the quantizer's own dequantization). It checks:
-
-- ``name``: a non-empty str;
-- ``create_weights`` on a ``ReplicatedLinear`` (with a bias) built inside a ``BuildContext``: it registers a
-  parameter for every checkpoint tensor and none the checkpoint lacks, each with a ``weight_loader``;
-- the loaders accept the checkpoint tensors, then ``process_weights_after_loading`` runs;
-- ``apply`` (the layer's forward, and ``apply`` with bias None): ``x @ reference.T + bias`` for one row, a
-  few rows and a 3-d batch, in the model dtype and shape;
-- ``vocab_table``: given ``vocab`` (a checkpoint tensor of a ``[vocab, hidden]`` table in this format and its
-  dense rows), a ``VocabTable`` of the rows asked for whose ``embed`` and ``logits`` equal the dense rows';
-  without it, a method may keep no tables: None, or a ValueError naming what it cannot hold.
-
-Errors are measured against the output's scale: ``max |got - want| <= atol + rtol * max |want|``.
+``check_quant_method(method, checkpoint, reference)`` takes what a checkpoint holds for one ``[out, in]``
+weight in the format and the dense weight it stands for (from an oracle), and raises AssertionError on the
+first broken promise, naming the member: ``create_weights`` and its loaders, ``apply`` against
+``x @ reference.T + bias`` in the model dtype, and ``vocab_table``. Errors are measured against the output's
+scale: ``max |got - want| <= atol + rtol * max |want|``. docs/plugins.md lists every check.
 """
 
 from __future__ import annotations

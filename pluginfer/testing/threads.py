@@ -40,7 +40,8 @@ class ThreadCollective:
         self._shared, self.rank = shared, rank
         self.world_size = shared.world_size
         self._ranks = ranks or list(range(shared.world_size))  # this group's members, as world ranks
-        self.stats: dict[str, list[int]] = {}  # operation -> [calls, bytes], as the process collectives count
+        # operation -> [calls, bytes], as the process collectives count
+        self.stats: dict[str, list[int]] = {}
 
     @property
     def calls(self) -> dict[str, int]:

@@ -1,17 +1,9 @@
 """A checkpoint directory's ``tokenizer.json`` loaded by the ``tokenizers`` library, without transformers.
 
-Importing transformers' tokenizer classes takes ~1.6 s, more than torch's import, and a Hugging Face
-checkpoint's start paid it in the engine (and again in ``pluginfer serve``'s server, to unpickle the core's
-tokenizer). transformers 5 loads the file into the same Rust tokenizer; for its generic classes
-(``TokenizersBackend``, ``PreTrainedTokenizerFast``) what it adds on top is the special tokens of
-``tokenizer_config.json``, and in some cases it changes the tokenizer: it adds named or extra special
-tokens the file lacks, rewrites the post-processor when ``add_bos_token``/``add_eos_token`` are given or the
-file has none, applies ``clean_up_tokenization_spaces`` on decode, and patches the pre-tokenizer of some
-vocabularies past 100,000 tokens. ``build_hf_tokenizer`` loads the file only where none of that applies, and
-for any key of ``tokenizer_config.json`` it does not know, an added token the config gives otherwise than the
-file, any other tokenizer class or an older layout (``special_tokens_map.json``, ``added_tokens.json``), it
-returns None: transformers loads those (``text/tokenizer.py``).
-tests/text/test_hf_tokenizer.py holds it to transformers' tokenizer on the same directory.
+Importing transformers' tokenizer classes costs more than torch's import. ``build_hf_tokenizer`` loads the file
+alone only where transformers 5 would use it unchanged (no special tokens to add, no post-processor rewrite,
+no decode clean-up, no pre-tokenizer patch, no unknown ``tokenizer_config.json`` key); anywhere else it returns
+None and transformers loads it (``text/tokenizer.py``). tests/text/test_hf_tokenizer.py holds it to transformers.
 """
 
 from __future__ import annotations
@@ -29,7 +21,8 @@ _KNOWN_KEYS = {"backend", "tokenizer_class", "clean_up_tokenization_spaces", "ex
                "model_max_length", "chat_template", "padding_side", "truncation_side", "model_input_names",
                "is_local", "added_tokens_decoder", *NAMED_SPECIAL_TOKENS}
 _ADDED_TOKEN_FIELDS = ("content", "special", "lstrip", "rstrip", "single_word", "normalized")
-_MAX_PLAIN_VOCAB = 100_000  # past it transformers may patch the pre-tokenizer (its Mistral regex fix)
+# past it transformers may patch the pre-tokenizer (its Mistral regex fix)
+_MAX_PLAIN_VOCAB = 100_000
 
 
 class HFTokenizer(GGUFTokenizer):
@@ -73,7 +66,8 @@ def build_hf_tokenizer(directory: str | Path) -> HFTokenizer | None:
         return None
     special = {name: _content(config.get(name)) for name in NAMED_SPECIAL_TOKENS}
     given_extra = config.get("extra_special_tokens") or []
-    if not isinstance(given_extra, list):  # named extra tokens (a dict): transformers sets attributes for them
+    if not isinstance(given_extra, list):
+        # named extra tokens (a dict): transformers sets attributes for them
         return None
     extra = [_content(token) for token in given_extra]
     unread = [name for name in NAMED_SPECIAL_TOKENS if config.get(name) is not None and special[name] is None]

@@ -1,16 +1,10 @@
 """Tokenizer and chat template: a GGUF file's through the ``tokenizers`` library alone
-(``formats/gguf/tokenizer.py``), and a checkpoint directory's ``tokenizer.json`` the same way where transformers 5
-would use it unchanged (``text/hf_tokenizer.py``), without importing transformers (~1.6 s); any other through
-transformers' AutoTokenizer.
+(``formats/gguf/tokenizer.py``), a checkpoint's ``tokenizer.json`` the same way where transformers 5 would use it
+unchanged (``text/hf_tokenizer.py``), and any other through transformers' AutoTokenizer.
 
-A GGUF file whose tokenizer kind ``gguf_tokenizer`` does not build (unigram; Gemma's and Phi-3's
-SentencePiece variants) is built by transformers from the file's ``tokenizer.ggml.*`` metadata, which
-takes seconds for a large vocabulary; that result is pickled into ``$PLUGINFER_CACHE/tokenizers`` (default
-``~/.cache/pluginfer``) and unpickled on the next load (~0.1 s). An entry is keyed by the file (path,
-size, modification time), the transformers, tokenizers and Python versions and this module's source;
-the 16 newest entries are kept. The tokenizers built here are not cached: reading one back would save
-0.04-0.05 s of CPU (0.085 against 0.136 s for a 49k-token vocabulary with 47k added tokens),
-and ``TokenizerBuild`` builds it beside the weights' load.
+A GGUF tokenizer that only transformers builds (unigram; Gemma's and Phi-3's SentencePiece variants) takes
+seconds for a large vocabulary: it is pickled into ``$PLUGINFER_CACHE/tokenizers`` and unpickled on the next
+load, keyed by the file, the library versions and this module's source (16 newest entries kept).
 """
 
 from __future__ import annotations
@@ -29,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
-MAX_CACHED_TOKENIZERS = 16  # the most recently written entries are kept; older ones are removed
+# the most recently written entries are kept; older ones are removed
+MAX_CACHED_TOKENIZERS = 16
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -159,7 +154,8 @@ def transformers_gguf_tokenizer(path: Path) -> Any:
                         type(exc).__name__, exc)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except ValueError:  # an architecture transformers reads no model config of (gemma, phi2, glm4): its vocabulary
+    except ValueError:
+        # an architecture transformers reads no model config of (gemma, phi2, glm4): its vocabulary
         from transformers import PreTrainedTokenizerFast
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -170,7 +166,8 @@ def transformers_gguf_tokenizer(path: Path) -> Any:
         partial.write_bytes(data)
         os.replace(partial, cached)  # a reader never sees half an entry
         _prune(cached.parent)
-    except Exception as exc:  # no cache entry; the tokenizer is built, nothing else changes
+    except Exception as exc:
+        # no cache entry; the tokenizer is built, nothing else changes
         logger.info("cannot cache the tokenizer of %s in %s: %s: %s", path, cached, type(exc).__name__, exc)
     return tokenizer
 

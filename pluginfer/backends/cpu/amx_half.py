@@ -1,14 +1,9 @@
 """AMX bfloat16 tile kernel for 16-bit dense linears (``csrc/amx_half.c``), a library of its own.
 
-Where a CPU has AMX-BF16 (Sapphire Rapids and later), :func:`half_linear.half_linear` hands a matmul of
-:data:`MIN_ROWS` to :data:`MAX_ROWS` rows of a bfloat16 weight to this kernel instead of the AVX-512 GEMV of
-``csrc/half_linear.c`` or torch's GEMM: the checkpoint's ``[out, in]`` weight read in place as the tiles'
-A operand, products exact in float32 and summed in float32 as there; only the order of the sums differs.
-float16 weights too (from more rows), each value split exactly into two bfloat16: four products per pair,
-exact in float32, so no bit of the float16 values is lost (see the C file).
-The library is built apart from ``library.py``'s, so a compiler without AMX
-support, a CPU without AMX or a kernel that refuses to build leaves the GEMV as it is, with one log line
-saying why.
+On AMX-BF16 CPUs, :func:`half_linear.half_linear` hands matmuls of :data:`MIN_ROWS` to :data:`MAX_ROWS` rows to
+it: the ``[out, in]`` weight read in place, products exact and summed in float32 (only the order of the sums
+differs from the GEMV); float16 values are split exactly into two bfloat16. Built apart from ``library.py``'s,
+so a compiler or CPU without AMX leaves the GEMV as it is, with one log line saying why.
 """
 
 from __future__ import annotations
@@ -23,12 +18,8 @@ from pluginfer.backends.cpu import amx_library
 SOURCES = (Path(__file__).with_name("csrc") / "amx_half.c",)
 ENV = amx_library.ENV
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-# Rows of x from which, and up to which, half_linear.half_linear takes the tiles, by weight dtype; measured on
-# this project's machine (CPU time, one core,
-# 5632x1024 and 1024x2816): bfloat16 1.06-1.09x the GEMV at 4 rows (0.89-0.92x at 2-3), 1.01-1.14x torch's AMX
-# GEMM at 96 (0.95-1.07x at 128); float16, split in two, 1.05-1.15x the GEMV at 8 (0.85-1.02x at 6), and since
-# the sweeps over the weights, 1.9-2.0x torch's
-# float16 GEMM at 256-512 rows, 1.8-2.1x at 2048 (the engine's default step budget).
+# Rows of x from which, and up to which, half_linear.half_linear takes the tiles, by weight dtype: the
+# crossovers with the GEMV below and with torch's GEMM above (float16's GEMM in torch is slow, hence 2048).
 MIN_ROWS = {torch.bfloat16: 4, torch.float16: 8}
 MAX_ROWS = {torch.bfloat16: 96, torch.float16: 2048}
 # The same for float32 x against a 16-bit weight (amx_half_weight_linear: x split exactly into three bfloat16,
@@ -43,7 +34,8 @@ MAX_ROWS = {torch.bfloat16: 96, torch.float16: 2048}
 FLOAT_X_MIN_ROWS = {torch.bfloat16: 8, torch.float16: 12}
 FLOAT_X_MAX_ROWS = {torch.bfloat16: 2048, torch.float16: 2048}
 
-_library: list = []  # []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
+# []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
+_library: list = []
 
 
 def library() -> ctypes.CDLL | None:

@@ -22,12 +22,11 @@ from pluginfer.backends.cpu.library import _as
 SOURCES = (Path(__file__).with_name("csrc") / "amx_quant.c",)
 ENV = amx_library.ENV
 # gguf.GGMLQuantizationType -> the rows from which ggml_quant_matmul takes the tiles (Q4_0, Q8_0, Q4_K,
-# Q6_K): the crossovers measured on this project's machine (CPU time,
-# the 0.5B llama's 5632x1024 and 1024x2816 linears): below them the
-# VNNI kernel is as fast or faster (the tiles cost the same from 1 to 16 rows).
+# Q6_K): below them the VNNI kernel is as fast or faster (the tiles cost the same from 1 to 16 rows).
 MIN_ROWS = {2: 6, 8: 5, 12: 7, 14: 9}
 
-_library: list = []  # []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
+# []: not tried yet; [None]: unavailable (logged once); [CDLL]: tile state granted
+_library: list = []
 
 
 def library() -> ctypes.CDLL | None:

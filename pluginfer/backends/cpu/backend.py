@@ -53,7 +53,8 @@ def _report_unavailable(reason: str) -> None:
 class _Part:
     """Rows of the batch that share one padded attention call (the decodes, or the prefills)."""
 
-    token_rows: torch.Tensor | None  # [seqs, max_q] flat token index per padded query, None if contiguous decode
+    # [seqs, max_q] flat token index per padded query, None if contiguous decode
+    token_rows: torch.Tensor | None
     query_valid: torch.Tensor | None  # [seqs, max_q] bool
     key_slots: torch.Tensor  # [seqs, max_keys] cache slot per key
     query_positions: torch.Tensor  # [seqs, max_q]
@@ -99,7 +100,8 @@ def _part(batch: ForwardBatch, seqs: slice, block_size: int) -> _Part | None:
 
 @dataclass
 class CpuAttentionMetadata:
-    decode: _Part | None  # None when there are no decode rows or the native kernel serves them
+    # None when there are no decode rows or the native kernel serves them
+    decode: _Part | None
     prefill: _Part | None
     num_native_decodes: int = 0  # leading decode rows for the native kernel
     # Their block tables and key counts, int64 and contiguous, sliced once per step for every layer.
@@ -133,7 +135,8 @@ class CpuBackend:
     def __init__(self, config: EngineConfig | None = None, rank: RankInfo | None = None,
                  native_kernels: bool = True) -> None:
         """``native_kernels`` False: the torch path only, nothing compiled or probed (the metal backend's use)."""
-        if native_kernels:  # a bad PLUGINFER_CPU_ISA or PLUGINFER_AMX is an error naming it, before any build
+        if native_kernels:
+            # a bad PLUGINFER_CPU_ISA or PLUGINFER_AMX is an error naming it, before any build
             native_build.isa()
             amx_library.enabled()
         # GGUF linears' activations: the config's, else PLUGINFER_QUANT_ACTIVATIONS (a bad value fails here)
@@ -190,7 +193,8 @@ class CpuBackend:
         value_shape = None if spec.value_in_key is not None else (num_blocks, block_size, spec.num_kv_heads, v_dim)
         shapes = [shape for _ in range(spec.num_layers) for shape in (key_shape, value_shape) if shape is not None]
         tensors = iter(_lazy_zeros(shapes, dtype))
-        if spec.value_in_key is not None:  # the value is the key's first features: no storage of its own
+        if spec.value_in_key is not None:
+            # the value is the key's first features: no storage of its own
             keys = [next(tensors) for _ in range(spec.num_layers)]
             return [(key, key[..., :spec.value_in_key]) for key in keys]
         return [(next(tensors), next(tensors)) for _ in range(spec.num_layers)]
@@ -251,7 +255,8 @@ class CpuBackend:
             out[:decodes] = layer_ops.paged_decode_attention(
                 decode_query, key_cache, value_cache, meta.decode_block_tables,
                 meta.decode_seq_lens, scale, sliding_window, logit_soft_cap).to(out.dtype)
-        elif decodes:  # the kernel takes float32, float16, bfloat16 caches; others take the torch path
+        elif decodes:
+            # the kernel takes float32, float16, bfloat16 caches; others take the torch path
             _attend(_decode_part(batch, meta), query, flat_keys, flat_values, out, scale, sliding_window,
                     logit_soft_cap)
         for part in (None if decodes else meta.decode, meta.prefill):
@@ -294,7 +299,8 @@ def _decode_part(batch: ForwardBatch, meta: CpuAttentionMetadata) -> _Part:
 def _attend(part: _Part, query: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor,
             out: torch.Tensor, scale: float, sliding_window: int | None, logit_soft_cap: float | None) -> None:
     seqs, max_keys = part.key_slots.shape
-    slots = part.key_slots.view(-1)  # index_select copies whole rows: faster than advanced indexing
+    # index_select copies whole rows: faster than advanced indexing
+    slots = part.key_slots.view(-1)
     gather = _gather_dequantized if kv_quant.is_quantized(flat_keys.dtype) else torch.index_select
     keys = gather(flat_keys, 0, slots)
     keys = keys.view(seqs, max_keys, *keys.shape[1:]).transpose(1, 2)

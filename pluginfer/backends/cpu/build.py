@@ -65,7 +65,8 @@ class BuildInfo:
     flags: list[str]
     openmp: bool
     machine: str
-    features: list[str]  # the CPU features its code may use (the whole CPU's for -march=native)
+    # the CPU features its code may use (the whole CPU's for -march=native)
+    features: list[str]
 
 
 def _cache_dir() -> Path:
@@ -85,7 +86,8 @@ def _features_for(isa_name: str) -> frozenset[str]:
     return frozenset(f for f in reported_cpu_features() if not f.startswith(hidden)) if hidden else reported_cpu_features()
 
 
-@functools.cache  # asked ~130 times while a model loads (kernel choices per layer); read once
+# asked ~130 times while a model loads (kernel choices per layer); read once
+@functools.cache
 def reported_cpu_features() -> frozenset[str]:
     """The instruction-set extensions this CPU reports (Linux ``/proc/cpuinfo``, macOS ``sysctl``); empty
     where neither says."""

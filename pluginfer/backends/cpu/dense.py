@@ -1,22 +1,10 @@
 """The cpu backend's dense-weight layouts: ops ``dense_layout``, ``dense_pack`` and ``dense_linear``.
 
-On the CPU the checkpoint's ``[out, in]`` layout is replaced, once, by the one the fastest available
-kernel reads (measured on a 0.5B-shaped llama, float32, 2 cores):
-
-- ``panels``: the native ``panel_linear`` kernel (``csrc/panel_linear.c``), float32 on an
-  AVX-512 CPU, whatever the batch: ~1.3x oneDNN's prepacked GEMM at 1-32 rows, faster than MKL's
-  GEMV at one, ~0.9x oneDNN at prefill sizes.
-- ``onednn``: oneDNN's prepacked layout (``backends/onednn.py``) where that kernel is unavailable and
-  the engine batches several sequences (~1.3x MKL at 16 rows, ~10% slower at one).
-- ``half``: bfloat16/float16 weights keep ``[out, in]`` for the native 16-bit GEMV
-  (``csrc/half_linear.c``, AVX512-BF16 / AVX-512 / AVX2 + F16C) up to
-  ``half_linear.HALF_LINEAR_MAX_ROWS`` rows, and for ``F.linear`` (torch's GEMM) above.
-- ``transposed``: ``[in, out]``, which MKL's GEMV reads fastest, otherwise (and for half precision
-  where the 16-bit GEMV is unavailable).
-- ``checkpoint``: weights off the CPU (a composing backend's device) keep ``[out, in]`` for ``F.linear``.
-
-Every layout replaces the checkpoint's: the weight is held once. Layers reach these through the
-backend's kernel table (``layers/dense.py``); nothing outside this backend knows the layouts.
+The checkpoint's ``[out, in]`` is replaced once by what the fastest available kernel reads: ``panels``
+(``csrc/panel_linear.c``, float32 on AVX-512), ``onednn`` (oneDNN's prepacked layout, batched engines without
+it), ``half`` (16-bit weights for the native GEMV, ``F.linear`` past ``HALF_LINEAR_MAX_ROWS``), ``transposed``
+(``[in, out]`` for MKL's GEMV) or ``checkpoint`` (weights off the CPU). The weight is held once; layers reach
+these through the kernel table (``layers/dense.py``) and nothing outside this backend knows the layouts.
 """
 
 from __future__ import annotations

@@ -15,16 +15,11 @@ from pluginfer.backends.cpu.replay import _lib
 # What half_linear_supported() returns in C: the instruction set of the 16-bit GEMV.
 HALF_LINEAR_ISAS = {1: "AVX512-BF16", 2: "AVX-512", 3: "AVX2 + F16C"}
 HALF_LINEAR_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-# Rows above which half_linear hands the matmul back to torch's GEMM. Measured on this project's machine
-# (one core, CPU time, the 0.5B llama's shapes): the kernel runs
-# bfloat16 1.3-1.6x faster than torch's F.linear at 1-4 rows, 1.15-1.3x at 6, and ties torch's oneDNN
-# GEMM (AMX on this CPU) from 7-8 rows; float16, where torch's GEMM is slower, ties at 16.
+# Rows above which half_linear hands the matmul back to torch's GEMM: where torch's oneDNN GEMM (AMX on
+# Intel) catches up with the GEMV; later for float16, where torch's GEMM is slower.
 HALF_LINEAR_MAX_ROWS = {torch.bfloat16: 6, torch.float16: 16}
 # The same for float32 activations against a 16-bit weight (half_weight_linear), where the alternative is
-# tiles of the weight widened to float32 for torch's float32 GEMM (quant/gguf.py's tiled_linear). Measured
-# (one thread, CPU time, float16 weights): the
-# kernel is 1.2-1.8x faster than the tiles at 24 rows on 20480x256, 5632x1024 and 1024x2816, and ties them
-# at 32 on 20480x256 (at two threads it still leads at 32, 1.3x).
+# tiles of the weight widened to float32 for torch's float32 GEMM (quant/gguf.py's tiled_linear).
 HALF_WEIGHT_MAX_ROWS = 24
 
 
@@ -77,7 +72,8 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                     weight.data_ptr(), weight.shape[0], bias_address, out.data_ptr(), int(out_float))
     if status == -3:
         raise MemoryError("half_linear could not allocate its activation buffer")
-    if status != 0:  # -4: no kernel on this CPU (op() does not hand it out there)
+    if status != 0:
+        # -4: no kernel on this CPU (op() does not hand it out there)
         raise ValueError(f"half_linear: status {status} for {dtype} weights {tuple(weight.shape)}")
     return out
 
@@ -119,7 +115,8 @@ def half_linear_op() -> Callable | None:
     limits = HALF_LINEAR_MAX_ROWS
     _log_once(logging.INFO, f"16-bit linears: native GEMV ({isa}) up to {limits[torch.bfloat16]} rows of bfloat16 "
                             f"and {limits[torch.float16]} of float16, torch's matmul above")
-    if amx_half.library() is not None:  # its own line: whether AMX bfloat16 tiles take amx_half.MIN_ROWS..MAX_ROWS
+    if amx_half.library() is not None:
+        # its own line: whether AMX bfloat16 tiles take amx_half.MIN_ROWS..MAX_ROWS
         _log_once(logging.INFO, "float32 activations against 16-bit weights: AMX bfloat16 tiles (x split exactly "
                                 "in three bfloat16) from "
                                 + ", ".join(f"{amx_half.FLOAT_X_MIN_ROWS[d]} to {amx_half.FLOAT_X_MAX_ROWS[d]} rows "

@@ -86,7 +86,8 @@ def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tenso
         raise ValueError(f"w8a8_linear: packed weights {tuple(packed.shape)} are not {out_features} outputs of "
                          f"{k} inputs")
     recorder = getattr(_state, "recording", None)
-    if recorder is not None:  # a step recording cannot replay this library's kernel: the step runs eagerly
+    if recorder is not None:
+        # a step recording cannot replay this library's kernel: the step runs eagerly
         recorder.refuse("native int8_gemm has no replay entry")
     rows = x.numel() // k if k else 0
     flat = library._as(x.reshape(rows, k), torch.float32)

@@ -64,7 +64,8 @@ def _paged_decode_attention_16(query: torch.Tensor, key_cache: torch.Tensor, val
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
              offset: float) -> torch.Tensor | None:
     """Fused (residual add +) RMSNorm; updates ``residual`` in place. None: use the torch path."""
-    if x.dtype != torch.float32:  # float16/bfloat16: rounded where layers/norm.py's reference rounds
+    if x.dtype != torch.float32:
+        # float16/bfloat16: rounded where layers/norm.py's reference rounds
         half = _fits_half(x.dtype, x, weight) if residual is None else _fits_half(x.dtype, x, weight, residual)
         if half is None:
             return None

@@ -1,18 +1,10 @@
 """Every op the cpu backend implements, registered in its kernel table: the one place to look.
 
-:data:`NATIVE` maps each op name to the Python wrapper that calls its C kernel, and names the C file in
-``csrc/`` beside it (one file per op family: attention, norm, activation, rotary, dequant, ...). The dense
-layouts (``dense.py``) are registered always; the native kernels only where the library loads, and chosen
-at each lookup (``KernelTable.register_choice``): a kernel depends on this CPU and on settings read when a
-layer asks (``PLUGINFER_QUANT_TILES``, ``PLUGINFER_QUANT_ACTIVATIONS``), and tests switch a backend's native
-kernels off after building it. The table checks each name against the op a module defined: the core's
-(``core/kernels.py``), a quant format's (``quant/ggml_ops.py``, ``packing.py``, ``int4.py``,
-``compressed_tensors.py``), or the two
-this backend defines itself below (its panel GEMM, which its dense layouts use).
-
-The library is C compiled on first use with the system compiler (``build.py``) and loaded through ctypes
-(``library.py``); step recording is ``replay.py``. When no library can be had (or ``PLUGINFER_NATIVE=0``)
-the cpu backend keeps its torch path and logs once why, and how to get them.
+:data:`NATIVE` maps each op to the Python wrapper of its C kernel and names its file in ``csrc/`` (one per op
+family). Dense layouts (``dense.py``) are always registered; native kernels only where the library loads,
+chosen at each lookup (``KernelTable.register_choice``) since they depend on the CPU and on settings read then.
+The library is compiled on first use (``build.py``), loaded through ctypes (``library.py``); without it (or
+with ``PLUGINFER_NATIVE=0``) the backend keeps its torch path and logs once why.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ class StepRecording:
         return call
 
 
-_state = threading.local()  # .recording: the StepRecording of this thread, if one is active
+# .recording: the StepRecording of this thread, if one is active
+_state = threading.local()
 
 
 def _lib() -> ctypes.CDLL | StepRecording:
@@ -94,7 +95,7 @@ class StepProgram:
         self.program = torch.tensor(recorded.program, dtype=torch.int64)
         self.names = list(recorded.names)
         self._status = ctypes.c_int64(0)
-        # run()'s arguments, taken once: a torch call right after a replayed step's kernels costs ~10 us
+        # run()'s arguments, taken once: a torch call right after a replayed step's kernels is slow
         self._arguments = (self.program.data_ptr(), self.program.numel(), ctypes.addressof(self._status))
 
     def __len__(self) -> int:

@@ -1,24 +1,11 @@
 """Decode steps replayed in one native call: the cpu backend's ``capture_decode``.
 
-A decode step of a tiny model is mostly Python between the kernels.
-A decode step of ``n`` sequences (the cpu backend's second: ``eager_steps``) runs eagerly on
-static input buffers while ``replay.recording()`` notes every native call (its C function and
-arguments) and a
-``TorchDispatchMode`` watches every torch op: views and allocations pass, the few copy-like ops a step
-makes between the kernels (the embedding's row gather, the KV cache's ``index_copy_``, residual adds,
-products by a 0-dim tensor, 16-bit to float32 conversions) are noted as the equivalent entries of ``csrc/step_replay.c``, and any
-other op refuses the recording: that size then stays eager, with one debug line naming the op. Later
-steps of ``n`` sequences copy their inputs (token ids, positions, slot mapping, sequence lengths, block
-tables) into the static buffers and run the recorded program in one C call, so they compute what the
-eager step computes, bit for bit (same kernels, same arguments, same order). The worker hands over the
-forward with its LM head (``DecodeForward``): the head is recorded after the layers, so a replay gives the
-logits; where the head's recording is refused, the layers alone are replayed and the head runs eagerly after
-them. Prefill and mixed steps, and every step under ``--enforce-eager``, run eagerly.
-
-The tensors a recording used (its outputs, intermediates, weights and caches) are kept alive by the
-recording: the program holds their addresses. Each recorded batch size holds its own intermediates (about
-rows x the layers' activations, none shared), so the recordings of a worker hold at most ``MEMORY_BUDGET``
-bytes; a batch size whose recording would pass it stays eager.
+A tiny model's decode step is mostly Python between the kernels. The second step of ``n`` sequences runs
+eagerly on static buffers while ``replay.recording()`` notes every native call and a ``TorchDispatchMode``
+turns the few copy-like torch ops into ``csrc/step_replay.c`` entries (any other op refuses: that size stays
+eager). Later steps of ``n`` copy their inputs into the buffers and run the program in one C call: the same
+kernels and arguments, so the same bits. The LM head is recorded after the layers where it can be. The
+recordings keep their tensors alive, at most ``MEMORY_BUDGET`` bytes in all.
 """
 
 from __future__ import annotations
@@ -225,12 +212,13 @@ class _WatchTorchOps(TorchDispatchMode):
     def __init__(self, recorder: replay.StepRecording, keep: list[torch.Tensor]) -> None:
         super().__init__()
         self.recorder, self.keep = recorder, keep
-        self.new_bytes = 0  # memory the step's ops allocated, which the recording holds from now on
+        # memory the step's ops allocated, which the recording holds from now on
+        self.new_bytes = 0
         self._storages: set[int] = set()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        """Nothing here is compiled: without this, the first op imports torch._dynamo (~1 s of CPU)."""
+        """Nothing here is compiled: without this, the first op imports torch._dynamo, a slow import."""
         return False
 
     def __torch_dispatch__(self, func: object, types: object, args: tuple = (), kwargs: dict | None = None) -> object:
@@ -238,7 +226,8 @@ class _WatchTorchOps(TorchDispatchMode):
         out = func(*args, **kwargs)
         tensors = [value for value in tree_flatten((args, kwargs, out))[0] if isinstance(value, torch.Tensor)]
         self.keep.extend(tensors)
-        if not func.is_view:  # new memory: outputs in storages no input had (not an in-place op's target)
+        if not func.is_view:
+            # new memory: outputs in storages no input had (not an in-place op's target)
             inputs = {tensor.untyped_storage().data_ptr() for tensor in tree_flatten((args, kwargs))[0]
                       if _has_storage(tensor)}
             for tensor in tree_flatten(out)[0]:
@@ -294,8 +283,7 @@ class CpuDecodeReplay:
         self.input_ids, self.positions, self.slot_mapping = zeros(max_num_seqs), zeros(max_num_seqs), zeros(max_num_seqs)
         self.seq_lens, self.block_tables = zeros(max_num_seqs), zeros(max_num_seqs, max_blocks_per_seq)
         self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int64)
-        # numpy views of the buffers: a step's inputs go in by numpy assignment (8 us a step against 20 for
-        # torch's copy_, one row, timeit)
+        # numpy views of the buffers: a step's inputs go in by numpy assignment, cheaper than torch's copy_
         self._host = [buffer.numpy() for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens)]
         self._host_tables = self.block_tables.numpy()
         self._views: tuple[tuple, list] = ((None,) * 5, [])  # the last batch's input tensors and their numpy views
@@ -323,8 +311,7 @@ class CpuDecodeReplay:
                                                    batch.seq_lens, batch.block_tables)
         seen, views = self._views
         # The worker hands the same tensors again in a steady decode (their arrays written over): their numpy
-        # views too (0.6 us each to make; and no torch call here, whose first one after the last step's kernels
-        # costs ~10 us).
+        # views too (no torch call here: the first one after the last step's kernels is slow).
         if not (ids is seen[0] and positions is seen[1] and slots is seen[2] and seq_lens is seen[3]
                 and tables is seen[4]):
             seen = (ids, positions, slots, seq_lens, tables)
@@ -345,7 +332,8 @@ class CpuDecodeReplay:
     def _record(self, size: int) -> torch.Tensor:
         """Run the step eagerly on the static buffers, noting it; its output is this step's result."""
         keep: list[torch.Tensor] = []
-        forward_only = None  # (the recording of the forward alone, its output) when the head follows
+        # (the recording of the forward alone, its output) when the head follows
+        forward_only = None
         with torch.inference_mode(), replay.recording() as recorder, _WatchTorchOps(recorder, keep) as watch:
             out = self.forward(self.static_batch(size))
             if self.head is not None and isinstance(out, torch.Tensor):

@@ -17,7 +17,8 @@ import triton.language as tl
 
 from pluginfer.backends.triton_kernels import dot_in_float32, kv_codes
 
-KEYS_PER_SPLIT = 256  # a split's keys: long contexts fan out over several programs per head
+# a split's keys: long contexts fan out over several programs per head
+KEYS_PER_SPLIT = 256
 MAX_SPLITS = 32
 BLOCK_N = 16
 
@@ -48,7 +49,8 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, seq_len)
-    if HAS_WINDOW:  # the query sits at seq_len - 1 and sees positions > seq_len - 1 - window
+    if HAS_WINDOW:
+        # the query sits at seq_len - 1 and sees positions > seq_len - 1 - window
         start = tl.maximum(start, seq_len - sliding_window)
     in_group = head_block * BLOCK_G + tl.arange(0, BLOCK_G)
     head_mask = in_group < group
@@ -67,7 +69,8 @@ def _decode_split_kernel(
         offset = pos % block_size
         k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko + kv_head * stride_kh
                     + d[None, :] * stride_kd, mask=valid[:, None] & (d[None, :] < head_dim), other=0)
-        if KIND != 0:  # codes widened (exact in the query's dtype too); the row's scale joins the score's
+        if KIND != 0:
+            # codes widened (exact in the query's dtype too); the row's scale joins the score's
             k = kv_codes.widen(k, KIND)
             if not DOT_FP32:
                 k = k.to(q.dtype)
@@ -90,7 +93,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo + kv_head * stride_vh
                     + dv[None, :] * stride_vd, mask=valid[:, None] & (dv[None, :] < v_dim), other=0)
-        if KIND != 0:  # values dequantized in registers (then rounded as a 16-bit cache's would be)
+        if KIND != 0:
+            # values dequantized in registers (then rounded as a 16-bit cache's would be)
             v_scale = tl.load(vs_ptr + block * stride_vsb + offset * stride_vso + kv_head * stride_vsh, mask=valid,
                               other=0.0)
             v = kv_codes.widen(v, KIND) * (v_scale * kv_codes.wide_factor(KIND))[:, None]

@@ -1,14 +1,10 @@
 """Mixture-of-experts experts as two grouped GEMMs (op ``fused_moe``), vLLM's fused-MoE design.
 
-The ``tokens * top_k`` (token, expert) pairs are sorted by expert and each expert's run is padded to a
-multiple of ``BLOCK_M`` (in torch, with no host synchronisation: the padded length is bounded by
-``pairs + experts * (BLOCK_M - 1)``, so every shape is known on the host). A program of the grouped
-GEMM owns ``BLOCK_M`` sorted pairs of one expert and ``BLOCK_N`` outputs: it gathers the pairs' input
-rows, multiplies them by that expert's weight and scatters the rows back to the pairs' places. One
-launch runs every expert's gate/up projection, the gated activation is the ``silu_and_mul`` /
-``gelu_and_mul`` kernel, and a second launch runs every down projection, multiplying each row by its
-router weight in float32; the sum over ``top_k`` is one torch reduction. Reference:
-``layers.ops.fused_moe``.
+The (token, expert) pairs are sorted by expert, each run padded to ``BLOCK_M`` in torch with shapes bounded on
+the host (no synchronisation). A program takes ``BLOCK_M`` pairs of one expert and ``BLOCK_N`` outputs: it
+gathers their rows, multiplies by the expert's weight and scatters back. One launch for gate/up, the gated
+activation kernel, one launch for down (times the router weight, in float32), then one torch sum over
+``top_k``. Reference: ``layers.ops.fused_moe``.
 """
 
 from __future__ import annotations
@@ -48,7 +44,8 @@ def _grouped_gemm_kernel(
                     mask=valid[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if WIDEN:  # float32 operands (and bf16 under the interpreter, whose bf16 tl.dot is wrong): no tf32
+        if WIDEN:
+            # float32 operands (and bf16 under the interpreter, whose bf16 tl.dot is wrong): no tf32
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)

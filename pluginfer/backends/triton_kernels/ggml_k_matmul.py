@@ -1,19 +1,11 @@
 """``x @ W^T`` read straight from llama.cpp's Q4_K and Q6_K super-blocks (ops ``ggml_q4_k_matmul``,
 ``ggml_q6_k_matmul``).
 
-A super-block holds 256 weights; a k-step of the kernel is one of its eight groups of 32. For each of its
-``BLOCK_N`` output rows it reads the super-block's fp16 ``d`` (and Q4_K's ``dmin``), the group's scales and
-the 32 levels, dequantizes in float32 in the order ``ggml_blocks`` does, rounds to ``x``'s dtype and
-accumulates in float32. No float copy of W is made.
-
-- Q4_K (144 bytes): ``d``, ``dmin``, 12 bytes of eight 6-bit scales and mins (``get_scale_min_k4``), then
-  128 bytes of nibbles: group ``g`` is byte chunk ``g // 2``'s low (even ``g``) or high nibbles.
-  Weight = ``q * (d * scale) - dmin * min``.
-- Q6_K (210 bytes): 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 weights), ``d``.
-  Group ``g`` = half ``g // 4``, quarter ``r = g % 4``: nibble plane ``r // 2`` of bytes ``64h + 32(r % 2)``,
-  bits ``2r`` of ``qh`` bytes ``32h``. Weight = ``(q - 32) * (d * scale)``.
-
-References: ``quant.ggml_ops.ggml_q4_k_matmul`` / ``ggml_q6_k_matmul``.
+A k-step is one of a 256-weight super-block's eight groups of 32: for each of ``BLOCK_N`` output rows it reads
+``d`` (and Q4_K's ``dmin``), the group's scales and its 32 levels, dequantizes in float32 in ``ggml_blocks``'
+order, rounds to ``x``'s dtype and accumulates in float32; no float copy of W is made. Q4_K: weight =
+``q * (d * scale) - dmin * min``; Q6_K: ``(q - 32) * (d * scale)``. References:
+``quant.ggml_ops.ggml_q4_k_matmul`` / ``ggml_q6_k_matmul``.
 """
 
 from __future__ import annotations
@@ -73,7 +65,8 @@ def _ggml_k_matmul_kernel(
         else:
             d = _half(base, mask_n)
             dmin = _half(base + 2, mask_n)
-            gl = g % 4  # scales of groups 4-7 take their high bits from groups 0-3's bytes
+            # scales of groups 4-7 take their high bits from groups 0-3's bytes
+            gl = g % 4
             sc_byte = tl.load(base + 4 + gl, mask=mask_n, other=0)
             mn_byte = tl.load(base + 8 + gl, mask=mask_n, other=0)
             if g < 4:

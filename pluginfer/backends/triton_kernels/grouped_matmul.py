@@ -50,7 +50,8 @@ def _grouped_matmul_kernel(
         zero = (zword >> zero_shift[None, :]) & MASK
         scale = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :], mask=mask_w, other=0.0)
         weight = ((code - zero).to(tl.float32) * scale.to(tl.float32)).to(x.dtype)
-        if WIDEN:  # float32 (and bf16 under the interpreter): ieee products, no tf32
+        if WIDEN:
+            # float32 (and bf16 under the interpreter): ieee products, no tf32
             acc = tl.dot(x.to(tl.float32), weight.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, weight, acc)

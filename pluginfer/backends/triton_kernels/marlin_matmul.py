@@ -30,14 +30,17 @@ def _marlin_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    run = offs_n // 64  # 64 output columns per permutation run: 128 words of B per tile row
+    # 64 output columns per permutation run: 128 words of B per tile row
+    run = offs_n // 64
     column = offs_n % 64
     if GROUPED_SCALES:  # position 8i + j of a 64-column run holds column i + 8j
         scale_column = run * 64 + 8 * (column % 8) + column // 8
-    else:  # 32-column runs, order [2i + j for j in (0, 1, 8, 9, 16, 17, 24, 25)]
+    else:
+        # 32-column runs, order [2i + j for j in (0, 1, 8, 9, 16, 17, 24, 25)]
         c32 = offs_n % 32
         scale_column = (offs_n // 32) * 32 + 8 * ((c32 % 8) // 2) + 2 * (c32 // 8) + c32 % 2
-    if HAS_ZEROS:  # grouped scale order, then the [0, 2, 4, 6, 1, 3, 5, 7] interleave, 8 per word
+    if HAS_ZEROS:
+        # grouped scale order, then the [0, 2, 4, 6, 1, 3, 5, 7] interleave, 8 per word
         p = 8 * (column % 8) + column // 8
         zero_slot = run * 64 + (p // 8) * 8 + (p % 2) * 4 + (p % 8) // 2
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

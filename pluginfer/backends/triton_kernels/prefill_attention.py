@@ -66,7 +66,8 @@ def _prefill_kernel(
         offset = pos % block_size
         k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko + kv_head * stride_kh
                     + d[None, :] * stride_kd, mask=valid[:, None] & (d[None, :] < head_dim), other=0)
-        if KIND != 0:  # codes widened (exact in the query's dtype too); the row's scale joins the score's
+        if KIND != 0:
+            # codes widened (exact in the query's dtype too); the row's scale joins the score's
             k = kv_codes.widen(k, KIND)
             if not DOT_FP32:
                 k = k.to(q.dtype)
@@ -93,7 +94,8 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo + kv_head * stride_vh
                     + dv[None, :] * stride_vd, mask=valid[:, None] & (dv[None, :] < v_dim), other=0)
-        if KIND != 0:  # values dequantized in registers (then rounded as a 16-bit cache's would be)
+        if KIND != 0:
+            # values dequantized in registers (then rounded as a 16-bit cache's would be)
             v_scale = tl.load(vs_ptr + block * stride_vsb + offset * stride_vso + kv_head * stride_vsh, mask=valid,
                               other=0.0)
             v = kv_codes.widen(v, KIND) * (v_scale * kv_codes.wide_factor(KIND))[:, None]

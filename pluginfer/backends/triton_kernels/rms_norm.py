@@ -15,7 +15,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:  # residual <- x + residual, rounded to its dtype as torch's add is; that sum is normalized
+    if HAS_RESIDUAL:
+        # residual <- x + residual, rounded to its dtype as torch's add is; that sum is normalized
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual.dtype)
         tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
@@ -26,7 +27,8 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_
         out = normed * (weight + offset)
     elif IS_FP32:
         out = normed * weight
-    else:  # as layers.norm.RMSNorm: round the normalized row, then multiply by the weight in its dtype
+    else:
+        # as layers.norm.RMSNorm: round the normalized row, then multiply by the weight in its dtype
         out = normed.to(x.dtype).to(tl.float32) * weight
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 

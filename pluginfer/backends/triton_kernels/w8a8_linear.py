@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-_ROUND = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 to an integer, half to even
+# 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 to an integer, half to even
+_ROUND = 12582912.0
 
 
 @triton.jit

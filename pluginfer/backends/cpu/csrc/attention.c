@@ -32,7 +32,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * the value sum holds up to 4 query heads of one KV head x 64 features in registers over 16
  * positions, each value vector loaded once for them. Every output element is the same sequence of
  * float32 operations however the heads and positions are blocked (test_native_branches checks it).
- * On a shared one-core run this path reads the float32 cache near the memory's rate (docs/performance.md). */
+ * This path reads the float32 cache near the memory's rate. */
 
 /* 16 values at element index of a float32 (kind 0), float16 (1) or bfloat16 (2) cache, widened exactly: the
  * kernels below take kind as a constant (always inlined), so the float32 kernel's code is unchanged. */
@@ -44,8 +44,7 @@ static inline __attribute__((always_inline)) __m512 load_cache_ps(const void *ca
 }
 
 /* Software prefetch of the task's rows of positions [from, from + 8) of a 16-bit cache: without it the kv16
- * kernel read its half-size cache only ~1.15x faster than the float32 kernel its float32 one; with it ~1.6x
- * (batch 16, one thread; docs/performance.md). The float32 kernel gained nothing from it and goes without. */
+ * kernel gained little from reading half the bytes. The float32 kernel gained nothing from it and goes without. */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int64_t *cache_row, int64_t from,
                                                                 int64_t count, int64_t dim, int64_t heads, int kind) {
     const int64_t elem = kind ? 2 : 4, bytes = heads * dim * elem;

@@ -41,7 +41,7 @@ static inline uint16_t bf16_round(float f) {
 #define BLOCK_FUNCTION static inline __attribute__((always_inline)) void
 
 /* The loops below run over the 32 (or 32 of 256) weights with per-lane selects (j < 16 ? ...):
- * gcc 12 vectorises them well, where two loops of 16 or an unpacking loop first run 3-4x slower.
+ * gcc 12 vectorises them well, better than two loops of 16 or an unpacking loop first.
  * Weight j of a 32-weight block with nibbles: low nibble of byte j, or high nibble of byte j - 16. */
 #define NIBBLE(qs, j) ((j) < 16 ? (qs)[j] & 0x0F : (qs)[(j) - 16] >> 4)
 
@@ -237,7 +237,7 @@ int ggml_dequantize_rows(int type, const uint8_t *raw, int64_t rows, int64_t row
 /* Q4_0, Q8_0, Q4_K and Q6_K (the Q4_0, Q8_0 and Q4_K_M files' types) to bfloat16 with AVX-512, 16 weights
  * at a time: the same float32 operations per weight as dequantize_q4_0 ... dequantize_q6_k, each rounded as
  * bf16_round rounds it (as torch's vectorised conversion does: add 0x7FFF plus the kept lowest bit, shift,
- * NaN to 0xFFFF). The generic versions ran 1.1-1.8x slower to bfloat16 than to float32 for these types. */
+ * NaN to 0xFFFF): the generic versions were slower to bfloat16 than to float32 for these types. */
 static inline __m256i bf16_round16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),

@@ -10,9 +10,6 @@
  * it: the weight is read from memory once per PANEL_ROW_GROUPS row groups (once per call for up to
  * 112 rows, a decode step). x is first repacked into row groups, [groups][in][rows of the group],
  * so each broadcast reads the next float.
- *
- * Measured on this project's 2-core AVX-512 machine: 1.3x oneDNN's
- * prepacked GEMM for 1-32 rows and at or above MKL's GEMV for one row; ~0.9x oneDNN for prefill.
  */
 #include <omp.h>
 #include <stdint.h>

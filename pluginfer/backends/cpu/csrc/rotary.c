@@ -9,10 +9,9 @@
 #endif
 #include "half_values.h"
 
-/* The row-wise kernels below split their rows across the threads from about 3 us of work: under it a fork
- * costs more than the second thread saves (a hot loop at 2 threads: 16 rows of 256 took 0.93 us on one
- * thread and 1.39 on two; docs/performance.md, "Thread-team forks per decode step"). Below it they enter no
- * OpenMP region at all (a region whose `if` is false still costs ~0.2 us). Each row is computed by the one
+/* The row-wise kernels below split their rows across the threads only past GATED_PARALLEL_VALUES: under it
+ * forking the thread team costs more than the second thread saves. Below it they enter no OpenMP region at
+ * all (a region whose `if` is false still costs a fork's bookkeeping). Each row is computed by the one
  * compiled copy of its *_rows function (noinline) whichever thread takes it, so results are the same bits. */
 #define ROTARY_PARALLEL_VALUES (1 << 14)
 

@@ -23,7 +23,8 @@ class ShoutProcessor:
         return replace(request, params=params)
 
     def postprocess(self, request: PromptRequest, text: str, final: bool) -> str:
-        return text.upper()  # character by character: a growing text's capitals only grow
+        # character by character: a growing text's capitals only grow
+        return text.upper()
 
 
 def build(context: EndpointContext) -> ShoutProcessor:

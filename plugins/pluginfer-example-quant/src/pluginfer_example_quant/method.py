@@ -39,7 +39,8 @@ def dequantize(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _register(layer: nn.Module, name: str, tensor: torch.Tensor, input_dim: int | None) -> None:
     param = nn.Parameter(tensor, requires_grad=False)
-    param.output_dim, param.input_dim = 0, input_dim  # the layer's loader slices by these under tensor parallelism
+    # the layer's loader slices by these under tensor parallelism
+    param.output_dim, param.input_dim = 0, input_dim
     layer.register_parameter(name, param)
 
 
@@ -65,7 +66,8 @@ class Int8RowwiseLinear:
         if "weight" not in dict(layer.named_parameters(recurse=False)):
             return  # loaded as codes, or already quantized
         qweight, scale = quantize(layer.weight.data)
-        del layer.weight  # the float copy goes: only the int8 codes and the scales stay resident
+        # the float copy goes: only the int8 codes and the scales stay resident
+        del layer.weight
         _register(layer, "qweight", qweight, 1)
         _register(layer, "scale", scale, None)
 

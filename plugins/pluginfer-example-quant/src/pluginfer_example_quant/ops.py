@@ -9,7 +9,8 @@ import torch
 
 from pluginfer.core import kernels
 
-TILE_ROWS = 512  # output rows converted at a time: one small float tile, never the layer's whole weight
+# output rows converted at a time: one small float tile, never the layer's whole weight
+TILE_ROWS = 512
 
 
 @kernels.define_op

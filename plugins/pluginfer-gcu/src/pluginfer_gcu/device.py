@@ -22,7 +22,8 @@ def why_not_usable() -> str | None:
         return f"torch_gcu is not installed ({HOW_TO_GET})"
     try:
         load_torch_gcu()
-    except Exception as exc:  # a broken driver install: report it, never crash the listing
+    except Exception as exc:
+        # a broken driver install: report it, never crash the listing
         return f"torch_gcu fails to import: {type(exc).__name__}: {exc}"
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if accelerator is None or accelerator.type != DEVICE_TYPE or torch.accelerator.device_count() == 0:

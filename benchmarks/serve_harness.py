@@ -1,23 +1,104 @@
-"""The serving benchmarks' client: one streamed ``/v1/completions`` request through the official ``openai``
-package (``stream_one``) or through a minimal client (``stream_one_raw``: HTTP/1.1 on an asyncio stream,
-``json.loads`` per event, about a third of the openai package's CPU per token), and runs of them in waves.
+"""serve_vs_llamacpp.py's harness: the servers it starts and watches (``Server``: started and timed to its first
+ready answer; a free loopback port; the CPU a process tree uses while idle) and its streaming client: one streamed
+``/v1/completions`` request through the official ``openai`` package (``stream_one``) or a minimal client
+(``stream_one_raw``: about a third of the openai package's CPU per token), in waves, in a process of its own.
 
-    python benchmarks/serve_client.py URL CONCURRENCY REQUESTS GEN {openai,raw}   # one run; prints JSON
-
-``run_client`` runs that in a child process, so the client's CPU is its own process's (serve_vs_llamacpp.py).
+    python benchmarks/serve_harness.py URL CONCURRENCY REQUESTS GEN {openai,raw}   # one client run; prints JSON
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 PROMPT = "The quick brown fox jumps over the lazy dog; then it runs into the forest, where"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log: Path,
+                 ready_path: str = "/health") -> None:
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log
+        self.log = log.open("w")
+        started = time.perf_counter()
+        # Not in the checkout: `python -m` puts the working directory first on sys.path, before PYTHONPATH.
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=log.parent)
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.process.returncode}; see {log}")
+            try:
+                with urllib.request.urlopen(self.url + ready_path, timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.startup_s = time.perf_counter() - started
+
+    def exit_description(self) -> str | None:
+        """How the server's process ended ("exited on SIGSEGV", "exited with 1"); None while it runs."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                return f"exited on {signal.Signals(-code).name}"
+            except ValueError:
+                return f"exited on signal {-code}"
+        return f"exited with {code}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and all its descendants (Linux /proc), in seconds."""
+    total, pending = 0.0, [pid]
+    ticks = os.sysconf("SC_CLK_TCK")
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def idle_cpu(server: Server, seconds: float) -> float:
+    """Cores the server (and its engine core) use while no request is in flight, over ``seconds``."""
+    before = tree_cpu_seconds(server.process.pid)
+    time.sleep(seconds)
+    return (tree_cpu_seconds(server.process.pid) - before) / seconds
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
 
 
 async def stream_one(client: object, i: int, gen: int) -> tuple[float, list[float], int]:

@@ -1,23 +1,16 @@
-"""Load to first token phase by phase: pluginfer (one or more source trees) and llama.cpp on the same GGUF files.
+"""Load to first token phase by phase, and resident memory: pluginfer (one or more source trees) and llama.cpp
+on the same GGUF files, each run a fresh process.
 
-    python benchmarks/load_phases.py FILE.gguf [FILE.gguf ...] --runs 5 [--threads 1] [--llama-cpp] \
+    python benchmarks/load_and_memory.py FILE.gguf [FILE.gguf ...] --runs 5 [--threads 1] [--llama-cpp] \
         [--source before=/tmp/old-checkout --source after=.] [--bytecode DIR]
 
-Every run is a fresh process, interleaved over files and engines (the file is in the page cache after the
-first run); medians over the runs. Each child times, wall clock and its own CPU time:
-- pluginfer: ``import torch``, ``from pluginfer import LLM`` (the rest of our imports), ``LLM(model=...)``
-  (with the engine's ``startup_times``: config, build, load, repack, cache, graphs, tokenizer, and what is
-  left: plugins, backend, scheduler), then a one-token ``generate`` of a one-token prompt (the first token);
-- llama.cpp (``--llama-cpp``, llama-cpp-python): ``import llama_cpp``, ``Llama(...)``, one ``eval``;
-- ``python -c "import torch"`` alone (the bound: what any engine that imports torch pays).
-"total" is from the child's first line to its first token;
-"process" is the parent's clock from the spawn to the child's exit, interpreter start-up included.
-Both engines get a 1,024-token context. On a shared machine the CPU times are the steadier figures.
-
-``--bytecode DIR``: children write and read their compiled modules under DIR (``PYTHONPYCACHEPREFIX``,
-``PYTHONDONTWRITEBYTECODE`` cleared) as an installed package would; without it the environment decides (a
-tree run with ``PYTHONDONTWRITEBYTECODE=1`` and no ``__pycache__`` compiles each of its modules every start).
-"""
+Runs are interleaved over files and engines (the file is in the page cache after the first); medians. Each
+child times (wall and its own CPU) ``import torch``, ``from pluginfer import LLM``, ``LLM(...)`` (with the
+engine's ``startup_times``) and a one-token ``generate`` (llama.cpp: ``import llama_cpp``, ``Llama(...)``, one
+``eval``), then records its resident memory (VmRSS) and, after 64 greedy tokens of a 128-token prompt, its peak
+(VmHWM). ``python -c "import torch"`` runs alongside as the bound any engine that imports torch pays. Both
+engines get a 1,024-token context. ``--bytecode DIR``: children cache compiled modules under DIR, as an
+installed package would."""
 
 from __future__ import annotations
 
@@ -40,6 +33,10 @@ marks = {}
 def mark(name, since=[0.0, 0.0]):
     wall, cpu = time.perf_counter() - T0, time.process_time() - C0
     marks[name] = (wall - since[0], cpu - since[1]); since[:] = [wall, cpu]
+def memory_mb():
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    return {"rss_mb": int(fields["VmRSS"].split()[0]) / 1024, "peak_mb": int(fields["VmHWM"].split()[0]) / 1024}
+PROMPT = [10 + (i * 7919) % 20000 for i in range(128)]
 """
 
 CHILD_PLUGINFER = CHILD_MARKS + r"""
@@ -50,8 +47,11 @@ from pluginfer import LLM, SamplingParams; mark("import pluginfer")
 llm = LLM(model=PATH, max_model_len=CONTEXT, max_num_seqs=1, enable_prefix_caching=False); mark("LLM()")
 llm.generate([[10]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)); mark("first token")
 marks["total"] = (time.perf_counter() - T0, time.process_time() - C0)
+memory = {"first token": memory_mb()}
+llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+memory["64 tokens"] = memory_mb()
 phases = dict(llm.engine.startup_times)
-print(json.dumps({"marks": marks, "startup": phases}))
+print(json.dumps({"marks": marks, "startup": phases, "memory": memory}))
 """
 
 CHILD_LLAMA = CHILD_MARKS + r"""
@@ -60,7 +60,13 @@ import llama_cpp; mark("import llama_cpp")
 model = llama_cpp.Llama(model_path=PATH, n_ctx=CONTEXT, n_batch=512, n_threads=THREADS, verbose=False); mark("Llama()")
 model.eval([10]); mark("first token")
 marks["total"] = (time.perf_counter() - T0, time.process_time() - C0)
-print(json.dumps({"marks": marks, "startup": {}}))
+memory = {"first token": memory_mb()}
+model.reset()
+model.eval(PROMPT)
+for _ in range(63):
+    model.eval([int(model.scores[model.n_tokens - 1].argmax())])
+memory["64 tokens"] = memory_mb()
+print(json.dumps({"marks": marks, "startup": {}, "memory": memory}))
 """
 
 CHILD_TORCH = r"""
@@ -68,7 +74,9 @@ import time
 T0, C0 = time.perf_counter(), time.process_time()
 import json, torch
 print(json.dumps({"marks": {"import torch": (time.perf_counter() - T0, time.process_time() - C0),
-                            "total": (time.perf_counter() - T0, time.process_time() - C0)}, "startup": {}}))
+                            "total": (time.perf_counter() - T0, time.process_time() - C0)}, "startup": {},
+                  "memory": {"import torch": {"rss_mb": int(dict(line.split(":", 1) for line in open("/proc/self/status")
+                                                                  if ":" in line)["VmRSS"].split()[0]) / 1024}}}))
 """
 
 
@@ -84,7 +92,7 @@ def run_child(code: str, env: dict, cwd: str | None) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
@@ -128,6 +136,9 @@ def main() -> None:
             print(f"  {phase:18s} {wall:7.3f} / {cpu:7.3f}")
         for phase in runs[0]["startup"]:
             print(f"    LLM(): {phase:10s} {statistics.median(r['startup'][phase] for r in runs):7.3f} (wall)")
+        for when, figures in runs[0]["memory"].items():
+            print(f"  memory at {when}: " + ", ".join(
+                f"{name} {statistics.median(r['memory'][when][name] for r in runs):.0f} MB" for name in figures))
 
 
 if __name__ == "__main__":
