@@ -93,8 +93,8 @@ class ModelLoRA:
         for name, module in model.named_modules():
             if hasattr(module, "quant_method") and hasattr(module, "shard") and module.shard.dim is not None \
                     and "experts" not in name:
-                sizes = module.shard.output_sizes
-                module.lora = LoRALayer(module.input_size, sizes, max_loras, max_rank, self.mapping, dtype, device)
+                module.lora = LoRALayer(module.input_size, module.shard, max_loras, max_rank, self.mapping, dtype,
+                                        device)
                 self.layers[name] = module
         self._slot_of_seq: dict[int, int] = {}
         self._token_slots: np.ndarray | None = None

@@ -62,7 +62,7 @@ def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], floa
 
 
 def lora_slots(model: Any, config: Any, dtype: torch.dtype, device: Any) -> ModelLoRA | None:
-    """The model's LoRA slots when ``lora.enable_lora`` is set (on one rank: the config refuses more)."""
+    """The model's LoRA slots when ``lora.enable_lora`` is set (this rank's shard of each adapter)."""
     settings = config.lora
     if not settings.enable_lora:
         return None

@@ -7,15 +7,22 @@ layer's quant method computed, so quantized base weights (GGUF, int8, ...) take 
 
 A fused layer (QKV, gate/up) holds one rank block per projection: slot ``s``'s A is ``[k * max_rank, in]``
 (projection ``i``'s A in rows ``i * max_rank:``) and its B, kept transposed as ``[k * max_rank, out]``, is
-block diagonal.
+block diagonal. An adapter of a lower rank fills the first rows of its block (the rest stay zero), so adapters
+of every rank up to ``max_rank`` share one batch.
+
+Under tensor parallelism an adapter is split as the layer it modifies: a column-parallel layer's B keeps this
+rank's output rows (A whole); a row-parallel layer's A keeps this rank's input columns (B whole), and its partial
+delta is summed by the layer's own all-reduce.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from pluginfer.core.protocols import ShardSpec
+from pluginfer.layers.linear import projection_rows
 
 
 class LoRAMapping:
@@ -66,16 +73,21 @@ class LoRAMapping:
 
 
 class LoRALayer:
-    """The adapters of one linear layer: ``max_loras`` slots of rank up to ``max_rank`` per projection."""
+    """The adapters of one linear layer: ``max_loras`` slots of rank up to ``max_rank`` per projection.
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], max_loras: int, max_rank: int,
+    ``input_size``: this rank's inputs of the layer; ``shard``: the layer's split (``output_sizes`` the checkpoint's
+    projections, which an adapter's shapes are checked against)."""
+
+    def __init__(self, input_size: int, shard: ShardSpec, max_loras: int, max_rank: int,
                  mapping: LoRAMapping, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.input_size, self.output_sizes = input_size, list(output_sizes)
-        self.max_rank, self.mapping = max_rank, mapping
+        self.shard, self.max_rank, self.mapping = shard, max_rank, mapping
+        self.input_size, self.output_sizes = input_size, list(shard.output_sizes)
+        self.full_input_size = input_size * shard.size if shard.dim == 1 else input_size
+        self.rows = [projection_rows(shard, i) for i in range(len(self.output_sizes))]  # (start, rows, offset)
         width = len(self.output_sizes) * max_rank
         self.a = torch.zeros(max_loras, width, input_size, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, width, sum(self.output_sizes), dtype=dtype, device=device)  # B^T per slot
-        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        out = sum(rows for _, rows, _ in self.rows)
+        self.b = torch.zeros(max_loras, width, out, dtype=dtype, device=device)  # B^T per slot
 
     def check(self, index: int, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
         """Shapes of projection ``index``'s ``A [r, in]`` and ``B [out, r]``; a ValueError naming ``name``."""
@@ -84,17 +96,21 @@ class LoRALayer:
             raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
         if rank > self.max_rank:
             raise ValueError(f"{name}: rank {rank} is above max_lora_rank {self.max_rank} (--max-lora-rank)")
-        if a.shape[1] != self.input_size or b.shape[0] != self.output_sizes[index]:
+        if a.shape[1] != self.full_input_size or b.shape[0] != self.output_sizes[index]:
             raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the layer "
-                             f"({self.input_size} inputs, {self.output_sizes[index]} outputs)")
+                             f"({self.full_input_size} inputs, {self.output_sizes[index]} outputs)")
 
     def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """Load slot ``slot`` with projection index -> (A, B); projections not named get no adapter."""
         self.clear_slot(slot)
         for index, (a, b) in parts.items():
             rank, first = a.shape[0], index * self.max_rank
+            if self.shard.dim == 1 and self.shard.size > 1:  # row parallel: this rank's inputs
+                a = self.shard.narrow(a, 1, self.input_size)
+            start, rows, offset = self.rows[index]
+            b = b[start:start + rows]  # column parallel: this rank's outputs (every row otherwise)
             self.a[slot, first:first + rank] = a.to(self.a.dtype)
-            columns = slice(self.offsets[index], self.offsets[index] + self.output_sizes[index])
+            columns = slice(offset, offset + rows)
             precise = torch.promote_types(self.b.dtype, torch.float32)  # scaled before a 16-bit rounding
             self.b[slot, first:first + rank, columns] = (b.to(precise) * scale).t().to(self.b.dtype)
 

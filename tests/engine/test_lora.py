@@ -49,8 +49,8 @@ def lora_setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def make_llm(root: Path, **kwargs: object):
     from pluginfer import LLM
 
-    return LLM(str(root / "base"), enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=64, block_size=4,
-               **kwargs)
+    settings = dict(enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=64, block_size=4)
+    return LLM(str(root / "base"), **{**settings, **kwargs})
 
 
 @pytest.mark.slow
@@ -79,6 +79,22 @@ def test_each_adapter_and_the_base_alone_and_mixed(lora_setup: tuple) -> None:
         assert [list(o.outputs[0].token_ids) for o in outputs] == [expected[n][i] for i, n in enumerate(names)]
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_adapters_equal_peft(lora_setup: tuple) -> None:
+    """Two ranks, each holding its shard of every adapter (B by outputs on column-parallel layers, A by inputs on
+    row-parallel ones): greedy tokens of each adapter, of ranks 4, 8 and 2 mixed with the base in one batch."""
+    from pluginfer.engine.lora_request import LoRARequest
+
+    root, base, peft_models = lora_setup
+    prompts = random_prompts(base.config.vocab_size, [7, 5, 9, 6], seed=4)
+    names = [None, "all", "attn", "mlp"]
+    want = [hf_greedy(base if n is None else peft_models[n], p, MAX_TOKENS) for n, p in zip(names, prompts)]
+    requests = [None if n is None else LoRARequest(n, i, str(root / n)) for i, n in enumerate(names)]
+    with make_llm(root, max_loras=3, tensor_parallel_size=2, dtype="float32") as llm:
+        outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=requests)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
 
 
 def test_prefix_cache_is_keyed_by_adapter(lora_setup: tuple) -> None:
@@ -194,12 +210,13 @@ def test_adapters_on_a_quantized_base(lora_setup: tuple) -> None:
     assert 0 < error < 0.1 * effect, (error, effect)  # (not 0: the base weights are quantized)
 
 
-def test_config_refuses_lora_on_several_ranks_and_bad_modules() -> None:
+def test_config_refuses_lora_under_pipeline_parallelism_and_bad_modules() -> None:
     from pluginfer.core.config import ConfigError, build_config
     from pluginfer.engine.lora_request import lora_modules
 
-    with pytest.raises(ConfigError, match="lora.enable_lora: LoRA adapters run on one rank"):
-        build_config(None, model="x", **{"lora.enable_lora": True, "parallel.tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match="lora.enable_lora: LoRA adapters do not run under pipeline parallelism"):
+        build_config(None, model="x", **{"lora.enable_lora": True, "parallel.pipeline_parallel_size": 2})
+    build_config(None, model="x", **{"lora.enable_lora": True, "parallel.tensor_parallel_size": 2})
     with pytest.raises(ValueError, match=r"--lora-modules\): 'sql' is not name=path"):
         lora_modules(["sql"])
     with pytest.raises(ValueError, match="'a' is given twice"):
