@@ -84,17 +84,18 @@ def read_adapter(request: LoRARequest) -> Adapter:
 
 class ModelLoRA:
     """A model's adapter slots: a ``LoRALayer`` on each of its linear layers that adapters may target, and the
-    step's token -> slot mapping they share. ``load`` puts an adapter in a slot; ``prepare`` maps a step."""
+    step's token -> slot mapping they share. ``load`` puts an adapter in a slot; ``prepare`` maps a step.
+    ``kernel``: the backend's ``lora_sgmv`` op, or None."""
 
     def __init__(self, model: nn.Module, routes: tuple, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, kernel: Any = None) -> None:
         self.routes, self.mapping = routes, LoRAMapping(device)
         self.layers: dict[str, Any] = {}
         for name, module in model.named_modules():
             if hasattr(module, "quant_method") and hasattr(module, "shard") and module.shard.dim is not None \
                     and "experts" not in name:
                 module.lora = LoRALayer(module.input_size, module.shard, max_loras, max_rank, self.mapping, dtype,
-                                        device)
+                                        device, kernel)
                 self.layers[name] = module
         self._slot_of_seq: dict[int, int] = {}
         self._token_slots: np.ndarray | None = None
