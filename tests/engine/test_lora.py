@@ -97,6 +97,40 @@ def test_tensor_parallel_2_adapters_equal_peft(lora_setup: tuple) -> None:
     assert [list(o.outputs[0].token_ids) for o in outputs] == want
 
 
+MOE_ADAPTERS = {  # family case -> the adapter's target modules (peft regexes)
+    "qwen3-moe-norm-topk-mixed-layers": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen2-moe-shared-expert": r".*(self_attn\.(q_proj|v_proj)|shared_expert\.(gate_proj|up_proj|down_proj))",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(MOE_ADAPTERS))
+def test_adapters_on_a_mixture_of_experts_base(family: str, tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """Attention and a shared expert take adapters on a MoE base (peft's greedy tokens); an
+    adapter on routed experts is refused naming them."""
+    from pluginfer.engine.lora_request import LoRARequest
+    from tests.models.family_cases_moe import CASES
+
+    arch, overrides = CASES[family][:2]
+    base = save_hf_model(arch, {**TINY_LLAMA, **overrides}, tmp_path / "base", tiny_tokenizer_dir)
+    adapted = save_adapter(base, tmp_path / "adapter", 1, r=4, lora_alpha=8, target_modules=MOE_ADAPTERS[family])
+    prompts = random_prompts(base.config.vocab_size, [7, 5], seed=3)
+    want = [hf_greedy(adapted, p, MAX_TOKENS) for p in prompts]
+    assert want != [hf_greedy(base, p, MAX_TOKENS) for p in prompts]
+    experts = copy_adapter(tmp_path / "adapter", tmp_path / "experts")
+    _rename_module(experts, "self_attn.q_proj", "mlp.experts.0.gate_proj")
+    fused = copy_adapter(tmp_path / "adapter", tmp_path / "fused", target_parameters=["mlp.experts.gate_up_proj"])
+    with make_llm(tmp_path) as llm:
+        outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))
+        assert [list(o.outputs[0].token_ids) for o in outputs] == want
+        with pytest.raises(ValueError, match=r"target module .*layers\.\d+\.mlp\.experts\.0\.gate_proj is a "
+                                             "mixture-of-experts expert"):
+            llm.generate(prompts, greedy(2), lora_request=LoRARequest("e", 2, str(experts)))
+        with pytest.raises(ValueError, match=r"target_parameters \['mlp.experts.gate_up_proj'\]: adapters on "
+                                             "parameters"):
+            llm.generate(prompts, greedy(2), lora_request=LoRARequest("f", 3, str(fused)))
+
+
 def test_prefix_cache_is_keyed_by_adapter(lora_setup: tuple) -> None:
     """The same prompt under two adapters and the base shares no block; under one adapter it does."""
     from pluginfer.engine.lora import LoRARequest
