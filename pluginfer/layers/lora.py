@@ -17,7 +17,6 @@ delta is summed by the layer's own all-reduce.
 
 from __future__ import annotations
 
-
 from collections.abc import Callable
 
 import numpy as np
