@@ -2,11 +2,13 @@
 
     python benchmarks/lora_throughput.py                  # random llama, hidden 512, 8 layers; rank 16 adapters
     python benchmarks/lora_throughput.py --layers 2 --runs 1   # quick smoke run
+    python benchmarks/lora_throughput.py --cpu-time            # one thread, CPU time (a shared machine)
 
 The adapters (peft, random non-zero weights) adapt every projection. Three engines' figures, interleaved, medians
 of ``--runs`` runs: the base model without ``--enable-lora`` (decode steps replayed), the base model through a
 LoRA engine (eager steps, no adapter), and the 16 sequences through 4 adapters in one batch. Tokens/s counts the
-generated tokens over the whole ``generate`` (prefill included).
+generated tokens over the whole ``generate`` (prefill included); ``--cpu-time``: one thread, timed by the process's
+CPU time, so that other jobs on a shared machine do not enter the figure.
 """
 
 from __future__ import annotations
@@ -54,15 +56,20 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by the process's CPU time")
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    threads = dict(threads=1) if args.cpu_time else {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         vocab = build(root, args)
         generator = torch.Generator().manual_seed(1)
         prompts = torch.randint(10, vocab, (16, args.prompt_len), generator=generator).tolist()
         params = SamplingParams(temperature=0, max_tokens=args.gen_len, ignore_eos=True)
-        plain = LLM(str(root / "base"))
-        lora = LLM(str(root / "base"), enable_lora=True, max_loras=4, max_lora_rank=args.rank)
+        plain = LLM(str(root / "base"), **threads)
+        lora = LLM(str(root / "base"), enable_lora=True, max_loras=4, max_lora_rank=args.rank, **threads)
         adapters = [LoRARequest(f"adapter{i}", i + 1, str(root / f"adapter{i}")) for i in range(4)]
         runs = {"base, engine without --enable-lora": (plain, None),
                 "base, LoRA engine": (lora, None),
@@ -72,10 +79,12 @@ def main() -> None:
         rates: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(args.runs):
             for name, (llm, loras) in runs.items():
-                started = time.perf_counter()
+                started = clock()
                 outputs = llm.generate(prompts, params, lora_request=loras)
-                seconds = time.perf_counter() - started
+                seconds = clock() - started
                 rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
+        print(f"hidden {args.hidden}, {args.layers} layers, rank {args.rank}, prompt {args.prompt_len}, "
+              f"{args.gen_len} tokens; {'one thread, CPU time' if args.cpu_time else 'wall clock'}")
         for name, values in rates.items():
             print(f"{name:36s} {statistics.median(values):8.1f} tokens/s  (runs: "
                   f"{', '.join(f'{v:.0f}' for v in values)})")

@@ -245,10 +245,10 @@ class EngineConfig(_Section):
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     @model_validator(mode="after")
-    def _lora_on_one_rank(self) -> EngineConfig:
-        if self.lora.enable_lora and self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("lora.enable_lora: LoRA adapters run on one rank for now (tensor and pipeline "
-                             "parallelism do not shard them yet); unset --enable-lora or use one rank")
+    def _lora_on_one_stage(self) -> EngineConfig:
+        if self.lora.enable_lora and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("lora.enable_lora: LoRA adapters do not run under pipeline parallelism yet "
+                             "(tensor parallelism shards them); unset --enable-lora or pipeline_parallel_size")
         return self
     testing: TestingConfig = Field(default_factory=TestingConfig)
 

@@ -24,7 +24,8 @@ from pluginfer.layers.lora import LoRALayer, LoRAMapping
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _PREFIX = "base_model.model."
 _UNSUPPORTED = {"use_dora": "DoRA", "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
-                "modules_to_save": "modules_to_save"}
+                "modules_to_save": "modules_to_save",
+                "target_parameters": "adapters on parameters (a mixture-of-experts' fused experts)"}
 
 
 @dataclass
@@ -54,7 +55,7 @@ def read_adapter(request: LoRARequest) -> Adapter:
         raise ValueError(f"{where}: peft_type {config['peft_type']!r} is not LORA")
     for key, what in _UNSUPPORTED.items():
         if config.get(key):
-            raise ValueError(f"{where}: adapter_config.json {key}: {what} is not supported")
+            raise ValueError(f"{where}: adapter_config.json {key} {config[key]!r}: {what} is not supported")
     if config.get("bias", "none") != "none":
         raise ValueError(f"{where}: adapter_config.json bias {config['bias']!r}: only 'none' is supported")
     rank, alpha = config["r"], float(config.get("lora_alpha", config["r"]))
@@ -84,17 +85,18 @@ def read_adapter(request: LoRARequest) -> Adapter:
 
 class ModelLoRA:
     """A model's adapter slots: a ``LoRALayer`` on each of its linear layers that adapters may target, and the
-    step's token -> slot mapping they share. ``load`` puts an adapter in a slot; ``prepare`` maps a step."""
+    step's token -> slot mapping they share. ``load`` puts an adapter in a slot; ``prepare`` maps a step.
+    ``kernel``: the backend's ``lora_sgmv`` op, or None."""
 
     def __init__(self, model: nn.Module, routes: tuple, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, kernel: Any = None) -> None:
         self.routes, self.mapping = routes, LoRAMapping(device)
         self.layers: dict[str, Any] = {}
         for name, module in model.named_modules():
             if hasattr(module, "quant_method") and hasattr(module, "shard") and module.shard.dim is not None \
-                    and "experts" not in name:
-                sizes = module.shard.output_sizes
-                module.lora = LoRALayer(module.input_size, sizes, max_loras, max_rank, self.mapping, dtype, device)
+                    and "experts" not in name.split("."):  # routed experts take no adapter
+                module.lora = LoRALayer(module.input_size, module.shard, max_loras, max_rank, self.mapping, dtype,
+                                        device, kernel)
                 self.layers[name] = module
         self._slot_of_seq: dict[int, int] = {}
         self._token_slots: np.ndarray | None = None
@@ -120,6 +122,10 @@ class ModelLoRA:
             try:
                 layer, index = self._target(module)
             except KeyError:
+                if "experts" in module.split("."):
+                    raise ValueError(f"{where}: target module {module} is a mixture-of-experts expert: adapters on "
+                                     "routed experts are not supported (attention, dense MLP and shared-expert "
+                                     "projections are)") from None
                 raise ValueError(f"{where}: target module {module} is not a linear layer of this model "
                                  "(LoRA applies to its attention and MLP projections)") from None
             layer.lora.check(index, a, b, f"{where} module {module}")

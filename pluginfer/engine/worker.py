@@ -57,13 +57,14 @@ def timed_items(items: Iterable[T], spent: list[float], clock: Callable[[], floa
         yield item
 
 
-def lora_slots(model: Any, config: Any, dtype: torch.dtype, device: Any) -> ModelLoRA | None:
-    """The model's LoRA slots when ``lora.enable_lora`` is set (on one rank: the config refuses more)."""
+def lora_slots(model: Any, config: Any, dtype: torch.dtype, backend: Any) -> ModelLoRA | None:
+    """The model's LoRA slots when ``lora.enable_lora`` is set (this rank's shard of each adapter)."""
     settings = config.lora
     if not settings.enable_lora:
         return None
     routes = model.weight_routes() if hasattr(model, "weight_routes") else LLAMA_STACKED
-    return ModelLoRA(model, routes, settings.max_loras, settings.max_lora_rank, dtype, device)
+    return ModelLoRA(model, routes, settings.max_loras, settings.max_lora_rank, dtype, backend.device,
+                     backend.op("lora_sgmv"))
 
 
 class Worker:
@@ -114,7 +115,7 @@ class Worker:
                         "%d bytes staging", rank.rank, self.expert_memory.resident_bytes, self.backend.name,
                         self.expert_memory.offloaded_bytes, self.expert_memory.offloaded_experts,
                         self.expert_memory.staging_bytes)
-        self.lora = lora_slots(self.pipeline, config, self.dtype, self.backend.device)
+        self.lora = lora_slots(self.pipeline, config, self.dtype, self.backend)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # A cross-encoder's or a yes/no reranker's pooled rows come back as logits (engine/scoring.py reads them).
         self.scores_pooled_rows = scores_pooled_rows(self.pipeline, config, hf_config)

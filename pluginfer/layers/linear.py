@@ -144,7 +144,10 @@ class RowParallelLinear(LinearBase):
         if self.tp_size == 1:
             out = self.quant_method.apply(self, x, self.bias)
             return out if self.lora is None else self.lora(x, out)
-        out = self.collective.all_reduce(self.quant_method.apply(self, x, None))
+        out = self.quant_method.apply(self, x, None)
+        if self.lora is not None:  # this rank's inputs' share of the delta, summed with the base's
+            out = self.lora(x, out)
+        out = self.collective.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 

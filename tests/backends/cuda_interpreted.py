@@ -3,7 +3,8 @@
 ``python tests/backends/cuda_interpreted.py SPEC.json``: SPEC holds ``model``, ``backend``, ``engine``
 (LLM keyword arguments), ``prompt_groups`` (lists of token-id prompts, or ``{"prompt_token_ids": ...,
 "images": [image file paths]}`` for a model that takes images, generated one group after the
-other in one engine, so later groups hit the prefix cache) and ``max_tokens``. For the cuda backend on a
+other in one engine, so later groups hit the prefix cache), ``max_tokens`` and, optionally, ``adapters`` (per
+group, each prompt's LoRA adapter directory or null, with ``enable_lora`` in ``engine``). For the cuda backend on a
 machine without a GPU the caller sets ``TRITON_INTERPRET=1`` and ``PLUGINFER_CUDA_ON_CPU=1`` before this
 process starts (Triton reads the first once, at import); on a GPU it sets neither, and the kernels are
 compiled for it. Every kernel registered into a ``KernelTable`` is counted, so the caller can tell which
@@ -81,13 +82,23 @@ def main(spec_path: str) -> None:
     graphs = _stand_in_decode_graphs(llm) if spec.get("decode_graphs") else llm.engine.executor.worker.decode_graphs
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     groups, cached = [], []
-    for prompts in spec["prompt_groups"]:
-        outputs = llm.generate([_with_images(prompt) for prompt in prompts], params)
+    adapters = spec.get("adapters") or [None] * len(spec["prompt_groups"])
+    for prompts, paths in zip(spec["prompt_groups"], adapters):
+        loras = None if paths is None else [_adapter(path) for path in paths]
+        outputs = llm.generate([_with_images(prompt) for prompt in prompts], params, lora_request=loras)
         groups.append([output.outputs[0].token_ids for output in outputs])
         cached.append([output.num_cached_tokens for output in outputs])
     print(json.dumps({"backend": backend.name, "device": str(backend.device), "tokens": groups,
                       "cached_tokens": cached, "kernel_calls": dict(CALLS),
                       "graph_replays": graphs.replays if graphs is not None else None}))
+
+
+def _adapter(path: str | None) -> object:
+    from pathlib import Path
+
+    from pluginfer import LoRARequest
+
+    return None if path is None else LoRARequest(Path(path).name, abs(hash(path)) % 10**6 + 1, path)
 
 
 def _with_images(prompt: list[int] | dict) -> list[int] | dict:

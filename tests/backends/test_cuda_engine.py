@@ -71,10 +71,10 @@ CASES = {
 
 def run_engine(tmp_path: Path, model: Path, prompt_groups: list[list[list[int]]], backend: str = "cuda",
                decode_graphs: bool = False, target: str = "interpreter", poison_allocations: bool = False,
-               **engine: object) -> dict:
+               adapters: list[list[str | None]] | None = None, **engine: object) -> dict:
     spec = tmp_path / f"spec-{backend}.json"
     spec.write_text(json.dumps({"model": str(model), "backend": backend, "engine": {**ENGINE, **engine},
-                                "prompt_groups": prompt_groups, "max_tokens": MAX_TOKENS,
+                                "prompt_groups": prompt_groups, "max_tokens": MAX_TOKENS, "adapters": adapters,
                                 "decode_graphs": decode_graphs, "poison_allocations": poison_allocations}))
     # Float activations for GGML blocks on the cpu backend too (its default for short steps quantizes them to
     # int8, which the cuda kernels do not): both backends then compute the same products.
@@ -108,6 +108,27 @@ def test_greedy_on_cuda_backend_equals_transformers(name: str, target: str, tmp_
     assert all(count >= 16 for count in report["cached_tokens"][1]), report["cached_tokens"]  # prefix hits
     missing = (COMMON | kernels) - set(report["kernel_calls"])
     assert not missing, f"{name}: Triton kernels that never ran: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_lora_adapters_through_the_grouped_kernel(target: str, tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """Two peft adapters of ranks 4 and 8 and the base model mixed in each step: the Triton ``lora_sgmv`` (reached
+    through ``DeviceBackend.op``) gives peft's greedy tokens."""
+    from tests.engine.test_lora import ALL_TARGETS, save_adapter
+
+    model = save_hf_model("LlamaForCausalLM", BASE, tmp_path / "llama", tiny_tokenizer_dir)
+    adapters = {"wide": save_adapter(model, tmp_path / "wide", 1, r=8, lora_alpha=8, target_modules=ALL_TARGETS),
+                "narrow": save_adapter(model, tmp_path / "narrow", 2, r=4, lora_alpha=16,
+                                       target_modules=["q_proj", "v_proj", "down_proj"])}
+    prompts = random_prompts(model.config.vocab_size, [5, 18, 9], seed=4)
+    names = ["wide", None, "narrow"]
+    expected = [hf_greedy(model if n is None else adapters[n], p, MAX_TOKENS) for n, p in zip(names, prompts)]
+    assert expected[0] != hf_greedy(model, prompts[0], MAX_TOKENS)  # the adapters change the tokens
+    paths = [None if n is None else str(tmp_path / n) for n in names]
+    report = run_engine(tmp_path, tmp_path / "llama", [prompts], target=target, adapters=[paths],
+                        enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert report["tokens"] == [expected]
+    assert report["kernel_calls"].get("lora_sgmv", 0) > 0
 
 
 @pytest.mark.parametrize("target", TARGETS)

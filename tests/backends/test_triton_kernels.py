@@ -28,6 +28,7 @@ from tests.backends.triton_cases import (
     case_decode,
     case_fused_moe,
     case_gated,
+    case_lora_sgmv,
     case_prefill,
     case_rms_norm,
     case_rotary,
@@ -62,6 +63,7 @@ for _dtype in ("float32", "bfloat16", "float16"):
         f"w8a8-{_dtype}": (case_w8a8, _dtype),
         f"ggml-q8_0-{_dtype}": (case_ggml, _dtype, "q8_0"),
         f"ggml-q4_0-{_dtype}": (case_ggml, _dtype, "q4_0"),
+        f"lora_sgmv-{_dtype}": (case_lora_sgmv, _dtype),
     }
 CASES |= {
     "rotary-interleaved-full-float32": (case_rotary, "float32", False, 32),
@@ -138,24 +140,27 @@ REFERENCE_ON_CUDA = {"dense_layout", "dense_pack", "dense_linear", "half_linear"
 # ggml_ops.py, compressed_tensors.py); their dequantize-to-tiles ops are the cpu backend's.
 QUANT_MATMULS = {"marlin_matmul", "grouped_matmul", "int8_matmul", "ggml_q8_0_matmul", "ggml_q4_0_matmul",
                  "ggml_q4_k_matmul", "ggml_q6_k_matmul", "w8a8_pack", "w8a8_linear"}
+LAYER_OPS = {"lora_sgmv"}  # defined by their layers' modules (layers/lora.py)
 
 
 def test_every_op_but_none_has_a_triton_kernel() -> None:
-    """The cuda backend's table covers every op of layers/ops.py and attention_ops.py but the dense layouts (cuBLAS), and every quant
-    format's matmul; each kernel's parameters are its op's (``KernelTable.check``, once the formats defined them)."""
+    """The cuda backend's table covers every op of layers/ops.py and attention_ops.py but the dense layouts
+    (cuBLAS), every quant format's matmul and the layers' own ops; each kernel's parameters are its op's
+    (``KernelTable.check``, once the formats defined them)."""
     from pluginfer.core import kernels
     from pluginfer.layers import attention_ops, ops  # noqa: F401 - they define the layers' ops
 
     done = subprocess.run([sys.executable, "-c", "from pluginfer.core.kernels import KernelTable; "
                            "from pluginfer.backends import triton_kernels; t = KernelTable('cuda'); "
                            "triton_kernels.register(t); "
-                           "from pluginfer.layers import attention_ops, ops; "
+                           "from pluginfer.layers import attention_ops, lora, ops; "
                            "from pluginfer.quant import compressed_tensors, ggml_ops, int8, marlin_layout, packing; t.check(); "
                            "print(','.join(t.names()))"],
                           env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    core_ops = {name for name, op in kernels.OPS.items() if op.reference.__module__ in ("pluginfer.layers.ops", "pluginfer.layers.attention_ops")}
-    assert set(done.stdout.strip().split(",")) == (core_ops - REFERENCE_ON_CUDA) | QUANT_MATMULS
+    core_ops = {name for name, op in kernels.OPS.items()
+                if op.reference.__module__ in ("pluginfer.layers.ops", "pluginfer.layers.attention_ops")}
+    assert set(done.stdout.strip().split(",")) == (core_ops - REFERENCE_ON_CUDA) | QUANT_MATMULS | LAYER_OPS
 
 
 if __name__ == "__main__":

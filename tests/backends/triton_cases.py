@@ -213,6 +213,48 @@ def case_fused_moe(dtype: str, shape: str, activation: str, one_expert: bool = F
     return compare_truncated(ours, expected, 3e-2) if dtype == "bfloat16" else compare(ours, expected, dtype)
 
 
+def case_lora_sgmv(dtype: str) -> dict:
+    """A mixed LoRA step: 21 token rows over three slots of ranks 8, 3 and 5 (padded to 8) and base rows, through a
+    fused layer of two projections; the shrink (A read transposed, strided) and the expand against the op's
+    reference, then the layer's whole delta against the masked torch path."""
+    import numpy as np
+
+    from pluginfer.backends.triton_kernels import lora_sgmv
+    from pluginfer.core.protocols import ShardSpec
+    from pluginfer.layers import lora
+
+    randn, _ = tensors(11)
+    kind, device = getattr(torch, dtype), torch.get_default_device()
+    token_slots = np.array([2, -1, 0, 0, 2, 1, -1, 2, 0, 0, 0, 1, 1, 2, 2, -1, 0, 2, 2, 2, 2])
+    layers = []
+    for kernel in (lora_sgmv.lora_sgmv, None):
+        mapping = lora.LoRAMapping(device)
+        layer = lora.LoRALayer(40, ShardSpec(output_sizes=(24, 18)), 3, 8, mapping, kind, device, kernel)
+        layers.append((mapping, layer))
+    for slot, rank in enumerate((8, 3, 5)):
+        parts = {0: (randn(rank, 40) * 0.3, randn(24, rank) * 0.3), 1: (randn(rank, 40) * 0.3, randn(18, rank) * 0.3)}
+        for _, layer in layers:
+            layer.set_slot(slot, parts, 0.5)
+    x, base = randn(21, 40, dtype=kind), randn(21, 42, dtype=kind)
+    for mapping, _ in layers:
+        mapping.set(token_slots)
+    (mapping, ours_layer), (_, torch_layer) = layers
+    groups = mapping.groups
+    shrunk, expected_shrunk = (torch.zeros(21, 16) for _ in range(2))
+    lora_sgmv.lora_sgmv(x, ours_layer.a.transpose(1, 2), shrunk, *groups)
+    lora.lora_sgmv(x, ours_layer.a.transpose(1, 2), expected_shrunk, *groups)
+    report = compare(shrunk, expected_shrunk, "float32" if dtype == "float32" else "bfloat16")
+    if report["error"] is not None:
+        return {**report, "error": f"shrink: {report['error']}"}
+    ours, expected = base.clone(), base.clone()
+    lora_sgmv.lora_sgmv(expected_shrunk, ours_layer.b, ours, *groups)
+    lora.lora_sgmv(expected_shrunk, ours_layer.b, expected, *groups)
+    report = compare(ours, expected, dtype)
+    if report["error"] is not None:
+        return {**report, "error": f"expand: {report['error']}"}
+    return compare(ours_layer(x, base.clone()), torch_layer(x, base.clone()), dtype)
+
+
 def case_align_by_expert() -> dict:
     """The sorted pairs hold every pair once, grouped by expert in runs padded to 16; blocks name their expert."""
     from pluginfer.backends.triton_kernels import fused_moe

@@ -49,8 +49,8 @@ def lora_setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def make_llm(root: Path, **kwargs: object):
     from pluginfer import LLM
 
-    return LLM(str(root / "base"), enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=64, block_size=4,
-               **kwargs)
+    settings = dict(enable_lora=True, max_loras=2, max_lora_rank=8, num_blocks=64, block_size=4)
+    return LLM(str(root / "base"), **{**settings, **kwargs})
 
 
 @pytest.mark.slow
@@ -79,6 +79,56 @@ def test_each_adapter_and_the_base_alone_and_mixed(lora_setup: tuple) -> None:
         assert [list(o.outputs[0].token_ids) for o in outputs] == [expected[n][i] for i, n in enumerate(names)]
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_adapters_equal_peft(lora_setup: tuple) -> None:
+    """Two ranks, each holding its shard of every adapter (B by outputs on column-parallel layers, A by inputs on
+    row-parallel ones): greedy tokens of each adapter, of ranks 4, 8 and 2 mixed with the base in one batch."""
+    from pluginfer.engine.lora_request import LoRARequest
+
+    root, base, peft_models = lora_setup
+    prompts = random_prompts(base.config.vocab_size, [7, 5, 9, 6], seed=4)
+    names = [None, "all", "attn", "mlp"]
+    want = [hf_greedy(base if n is None else peft_models[n], p, MAX_TOKENS) for n, p in zip(names, prompts)]
+    requests = [None if n is None else LoRARequest(n, i, str(root / n)) for i, n in enumerate(names)]
+    with make_llm(root, max_loras=3, tensor_parallel_size=2, dtype="float32") as llm:
+        outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=requests)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+
+
+MOE_ADAPTERS = {  # family case -> the adapter's target modules (peft regexes)
+    "qwen3-moe-norm-topk-mixed-layers": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen2-moe-shared-expert": r".*(self_attn\.(q_proj|v_proj)|shared_expert\.(gate_proj|up_proj|down_proj))",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(MOE_ADAPTERS))
+def test_adapters_on_a_mixture_of_experts_base(family: str, tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """Attention and a shared expert take adapters on a MoE base (peft's greedy tokens); an
+    adapter on routed experts is refused naming them."""
+    from pluginfer.engine.lora_request import LoRARequest
+    from tests.models.family_cases_moe import CASES
+
+    arch, overrides = CASES[family][:2]
+    base = save_hf_model(arch, {**TINY_LLAMA, **overrides}, tmp_path / "base", tiny_tokenizer_dir)
+    adapted = save_adapter(base, tmp_path / "adapter", 1, r=4, lora_alpha=8, target_modules=MOE_ADAPTERS[family])
+    prompts = random_prompts(base.config.vocab_size, [7, 5], seed=3)
+    want = [hf_greedy(adapted, p, MAX_TOKENS) for p in prompts]
+    assert want != [hf_greedy(base, p, MAX_TOKENS) for p in prompts]
+    experts = copy_adapter(tmp_path / "adapter", tmp_path / "experts")
+    _rename_module(experts, "self_attn.q_proj", "mlp.experts.0.gate_proj")
+    fused = copy_adapter(tmp_path / "adapter", tmp_path / "fused", target_parameters=["mlp.experts.gate_up_proj"])
+    with make_llm(tmp_path) as llm:
+        outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))
+        assert [list(o.outputs[0].token_ids) for o in outputs] == want
+        with pytest.raises(ValueError, match=r"target module .*layers\.\d+\.mlp\.experts\.0\.gate_proj is a "
+                                             "mixture-of-experts expert"):
+            llm.generate(prompts, greedy(2), lora_request=LoRARequest("e", 2, str(experts)))
+        with pytest.raises(ValueError, match=r"target_parameters \['mlp.experts.gate_up_proj'\]: adapters on "
+                                             "parameters"):
+            llm.generate(prompts, greedy(2), lora_request=LoRARequest("f", 3, str(fused)))
 
 
 def test_prefix_cache_is_keyed_by_adapter(lora_setup: tuple) -> None:
@@ -194,12 +244,13 @@ def test_adapters_on_a_quantized_base(lora_setup: tuple) -> None:
     assert 0 < error < 0.1 * effect, (error, effect)  # (not 0: the base weights are quantized)
 
 
-def test_config_refuses_lora_on_several_ranks_and_bad_modules() -> None:
+def test_config_refuses_lora_under_pipeline_parallelism_and_bad_modules() -> None:
     from pluginfer.core.config import ConfigError, build_config
     from pluginfer.engine.lora_request import lora_modules
 
-    with pytest.raises(ConfigError, match="lora.enable_lora: LoRA adapters run on one rank"):
-        build_config(None, model="x", **{"lora.enable_lora": True, "parallel.tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match="lora.enable_lora: LoRA adapters do not run under pipeline parallelism"):
+        build_config(None, model="x", **{"lora.enable_lora": True, "parallel.pipeline_parallel_size": 2})
+    build_config(None, model="x", **{"lora.enable_lora": True, "parallel.tensor_parallel_size": 2})
     with pytest.raises(ValueError, match=r"--lora-modules\): 'sql' is not name=path"):
         lora_modules(["sql"])
     with pytest.raises(ValueError, match="'a' is given twice"):

@@ -55,6 +55,7 @@ _CUDA = """
 import sys, torch
 from pluginfer.backends.cuda import CudaBackend
 from pluginfer.quant import compressed_tensors, ggml_ops, int8, marlin_layout, packing  # the modules defining quant ops
+from pluginfer.layers import lora  # defines lora_sgmv
 from pluginfer.testing.backend_contract import check_backend
 ops = CudaBackend().kernels.names()  # every op it registers a Triton kernel for
 assert "rms_norm" in ops and "ggml_q4_k_matmul" in ops, ops

@@ -29,6 +29,7 @@ def register(table: KernelTable) -> None:
         ggml_matmul,
         grouped_matmul,
         int8_matmul,
+        lora_sgmv,
         marlin_matmul,
         prefill_attention,
         rms_norm,
@@ -55,3 +56,4 @@ def register(table: KernelTable) -> None:
     table.register("ggml_q4_0_matmul", ggml_matmul.ggml_q4_0_matmul)
     table.register("ggml_q4_k_matmul", ggml_k_matmul.ggml_q4_k_matmul)
     table.register("ggml_q6_k_matmul", ggml_k_matmul.ggml_q6_k_matmul)
+    table.register("lora_sgmv", lora_sgmv.lora_sgmv)
