@@ -21,7 +21,8 @@ def write(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor,
     tokens, heads, dim = x.shape
     if tokens == 0:
         return
-    x = x if x.dtype == torch.float32 else x.float()
+    # a 16-bit x made contiguous before it is widened: a recorded step notes copy_rows then to_f32 (step_replay.py)
+    x = x if x.dtype == torch.float32 else x.contiguous().float()
     if x.stride()[1:] != (dim, 1):
         x = x.contiguous()
     slots = _as(slot_mapping, torch.int64)
@@ -44,7 +45,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     tokens, heads, head_dim = query.shape
     _, block_size, kv_heads, v_row = value_cache.shape
     v_dim = v_row - kv_quant.SCALE_BYTES
-    q = _as(query, torch.float32)
+    q = _as(query if query.dtype == torch.float32 else query.contiguous(), torch.float32)
     tables, starts, lens = (_as(block_tables, torch.int64), _as(query_start_loc, torch.int64),
                             _as(seq_lens, torch.int64))
     out = torch.empty(tokens, heads, v_dim, dtype=torch.float32)

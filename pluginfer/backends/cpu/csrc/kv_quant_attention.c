@@ -5,8 +5,13 @@
  * value = code * scale. kind 0: int8 codes; 1: float8 E4M3 (bias 7, max 448); 2: float8 E5M2 (bias 15,
  * max 57344). Codes are widened in registers: int8 by sign extension; E5M2 is the high byte of an IEEE half;
  * E4M3's bits shifted into a half's place read as value * 2^-8 for normals and subnormals alike, the 2^8
- * folded into the row's scale. The scale multiplies a key's dot product and a value's softmax weight, never
- * each feature.
+ * folded into the row's scale. The scale multiplies a key's dot product and is folded into a value's softmax
+ * weight, never each feature.
+ *
+ * Where a decode step's time goes (batch 16 x 2048 positions, 14 query heads on 2 KV heads x 64): the arithmetic,
+ * not the reads, on a few cores. So each code is widened once for all the query heads of its KV head (keys: 16
+ * positions into an L1 tile, one transpose tree per head's 16 dot products; values: up to 8 heads x 32 features
+ * of sums in registers per widened vector), where the 16-bit kernels widen a key once per query head (or pair of heads).
  */
 #include <math.h>
 #include <omp.h>
