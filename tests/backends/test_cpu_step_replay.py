@@ -151,6 +151,19 @@ def test_float32_model_with_a_16_bit_kv_cache_replays_like_eager(kv_dtype: str,
         assert "paged_decode_attention" not in program[0].names
 
 
+@needs_panels
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [("float32", "int8"), ("float32", "fp8"), ("bfloat16", "int8")])
+def test_a_quantized_kv_cache_replays_like_eager(dtype: str, kv_dtype: str, checkpoints: dict[str, Path]) -> None:
+    """A quantized KV cache (``kv_cache_dtype`` int8 / fp8): the write that quantizes this step's keys and values
+    (``kv_quantize_rows``) and the attention over the codes (``paged_attention_quantized``) are recorded, and the
+    replayed steps equal --enforce-eager's exactly."""
+    replay, _ = assert_replayed_like_eager(checkpoints["llama"], schedule(), dtype=dtype, kv_cache_dtype=kv_dtype)
+    recorded = {size: program for size, program in replay.programs.items() if program is not None}
+    assert len(recorded) >= 3, replay.programs
+    for program in recorded.values():
+        assert {"kv_quantize_rows", "paged_attention_quantized"} <= set(program[0].names)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_16_bit_gemma_decode_equals_eager(dtype: str, checkpoints: dict[str, Path]) -> None:
     """Gemma 2 in 16 bits: the embedding scale rounded as torch rounds it (``mul_scalar``), the 16-bit tanh GELU."""

@@ -267,7 +267,7 @@ class CpuBackend:
     def _quantized_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, scale: float,
                              sliding_window: int | None, logit_soft_cap: float | None) -> torch.Tensor:
-        """A quantized cache (``core/kv_quant.py``): the native write and one native attention call over every
+        """A quantized cache (``layers/kv_quant.py``): the native write and one native attention call over every
         row of the step; without the library, the reference write and the torch path on dequantized rows."""
         key_cache, value_cache = kv_cache
         key_scales, value_scales = kv_quant.fixed_scales(kv_cache)

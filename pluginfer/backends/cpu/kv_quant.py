@@ -1,4 +1,4 @@
-"""Native kernels of quantized KV caches (``csrc/kv_quant_attention.c``; the layout is ``core/kv_quant.py``'s):
+"""Native kernels of quantized KV caches (``csrc/kv_quant_attention.c``; the layout is ``layers/kv_quant.py``'s):
 the write that quantizes this step's keys and values, and paged attention over the codes for every row of a
 step, decodes and prefills in one call.
 """
@@ -21,7 +21,8 @@ def write(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor,
     tokens, heads, dim = x.shape
     if tokens == 0:
         return
-    x = x if x.dtype == torch.float32 else x.float()
+    # a 16-bit x made contiguous before it is widened: a recorded step notes copy_rows then to_f32 (step_replay.py)
+    x = x if x.dtype == torch.float32 else x.contiguous().float()
     if x.stride()[1:] != (dim, 1):
         x = x.contiguous()
     slots = _as(slot_mapping, torch.int64)
@@ -36,7 +37,7 @@ def write(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor,
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
-    """``core.kernels.paged_prefill_attention`` over quantized caches for any mix of decode and prefill rows:
+    """``layers.attention_ops.paged_prefill_attention`` over quantized caches for any mix of decode and prefill rows:
     query ``[tokens, heads, dim]`` (float32 inside; the result in the query's dtype)."""
     if key_cache.dtype != value_cache.dtype or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError(f"paged_attention_quantized needs contiguous key and value caches of one dtype, got "
@@ -44,7 +45,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     tokens, heads, head_dim = query.shape
     _, block_size, kv_heads, v_row = value_cache.shape
     v_dim = v_row - kv_quant.SCALE_BYTES
-    q = _as(query, torch.float32)
+    q = _as(query if query.dtype == torch.float32 else query.contiguous(), torch.float32)
     tables, starts, lens = (_as(block_tables, torch.int64), _as(query_start_loc, torch.int64),
                             _as(seq_lens, torch.int64))
     out = torch.empty(tokens, heads, v_dim, dtype=torch.float32)

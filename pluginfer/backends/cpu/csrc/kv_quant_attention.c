@@ -1,12 +1,17 @@
 /* Quantized KV caches of the cpu backend (kv_quant.py): the write that quantizes, and paged attention that
  * reads the 1-byte codes in place, for decode and prefill rows alike.
  *
- * A cache row (one token, one KV head; pluginfer/core/kv_quant.py) is dim codes then the float32 scale:
+ * A cache row (one token, one KV head; pluginfer/layers/kv_quant.py) is dim codes then the float32 scale:
  * value = code * scale. kind 0: int8 codes; 1: float8 E4M3 (bias 7, max 448); 2: float8 E5M2 (bias 15,
  * max 57344). Codes are widened in registers: int8 by sign extension; E5M2 is the high byte of an IEEE half;
  * E4M3's bits shifted into a half's place read as value * 2^-8 for normals and subnormals alike, the 2^8
- * folded into the row's scale. The scale multiplies a key's dot product and a value's softmax weight, never
- * each feature.
+ * folded into the row's scale. The scale multiplies a key's dot product and is folded into a value's softmax
+ * weight, never each feature.
+ *
+ * Where a decode step's time goes (batch 16 x 2048 positions, 14 query heads on 2 KV heads x 64): the arithmetic,
+ * not the reads, on a few cores. So each code is widened once for all the query heads of its KV head (keys: 16
+ * positions into an L1 tile, one transpose tree per head's 16 dot products; values: up to 8 heads x 32 features
+ * of sums in registers per widened vector), where the 16-bit kernels widen a key once per query head (or pair of heads).
  */
 #include <math.h>
 #include <omp.h>
@@ -62,7 +67,7 @@ static inline float row_scale(const uint8_t *row, int64_t dim) {
 
 /* Rows src[t * token_stride + h * dim + d] (float32) quantized into cache slot slots[t] (a negative slot is
  * a padding row: skipped). fixed: a scale per head, or NULL for each row's absmax / code max (1 for zeros).
- * Codes round to nearest even from x / scale, as core/kv_quant.py's quantize. */
+ * Codes round to nearest even from x / scale, as layers/kv_quant.py's quantize. */
 int kv_quantize_rows(const float *src, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride,
                      const int64_t *slots, const float *fixed, uint8_t *cache, int kind) {
     const float code_max = CODE_MAX[kind];
@@ -77,10 +82,13 @@ int kv_quantize_rows(const float *src, int64_t tokens, int64_t heads, int64_t di
             scale = fixed[h];
         } else {
             float absmax = 0.0f;
-            for (int64_t d = 0; d < dim; d++) absmax = fmaxf(absmax, fabsf(x[d]));
+            for (int64_t d = 0; d < dim; d++) absmax = fabsf(x[d]) > absmax ? fabsf(x[d]) : absmax;
             scale = absmax > 0.0f ? absmax / code_max : 1.0f;
         }
-        for (int64_t d = 0; d < dim; d++) row[d] = encode(fminf(fmaxf(x[d] / scale, -code_max), code_max), kind);
+        for (int64_t d = 0; d < dim; d++) {
+            const float y = x[d] / scale; /* clamped by ternaries: fminf and fmaxf are libm calls */
+            row[d] = encode(y < -code_max ? -code_max : y > code_max ? code_max : y, kind);
+        }
         memcpy(row + dim, &scale, sizeof scale);
     }
     return 0;
@@ -143,23 +151,38 @@ static inline vf sum_w(vf a[W]) {
 }
 #endif
 
-/* What one task (a query token and a KV head) reads. */
+/* What one (query token, KV head) reads and the scratch it writes. */
 typedef struct {
     const float *q;         /* the group's query heads, [group, head_dim] */
     float *o;               /* their outputs, [group, v_dim] */
     const uint8_t *keys;    /* key_cache */
     const uint8_t *values;  /* value_cache */
     const int64_t *rows;    /* cache row (slot * kv_heads + kv_head) of each position */
-    float *scores;          /* [group, count] */
+    float *scores;          /* [group, count]: scores, then softmax weights times each value row's scale */
+    float *factors;         /* [count]: each position's value-row scale */
+    float *widened;         /* W rows of max(head_dim, v_dim) floats (the scalar path: one) */
     int64_t count, group, head_dim, v_dim;
     float scale, soft_cap;
 } task_t;
 
-static void softmax_rows(float *scores, int64_t rows, int64_t count) {
-    for (int64_t h = 0; h < rows; h++) {
+/* Softmax over each query head's scores, in place, each weight then times its position's value-row scale (and
+ * the widening's factor), so that the value sums multiply each widened code by one weight. */
+static void softmax_and_fold(const task_t *t, int kind) {
+    float *const scores = t->scores, *const factors = t->factors;
+    const int64_t count = t->count, vs = t->v_dim + 4;
+    for (int64_t i = 0; i < count; i++) factors[i] = row_scale(t->values + t->rows[i] * vs, t->v_dim) * WIDE_FACTOR[kind];
+    for (int64_t h = 0; h < t->group; h++) {
         float *row = scores + h * count, max_score = -INFINITY, sum = 0.0f;
-        for (int64_t i = 0; i < count; i++) max_score = fmaxf(max_score, row[i]);
+        if (t->soft_cap > 0.0f)
+            for (int64_t i = 0; i < count; i++) row[i] = t->soft_cap * tanhf(row[i] / t->soft_cap);
         int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (; i + 16 <= count; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + i));
+        max_score = _mm512_reduce_max_ps(vmax);
+#endif
+        for (; i < count; i++) max_score = row[i] > max_score ? row[i] : max_score; /* fmaxf: a libm call */
+        i = 0;
 #if defined(__AVX512F__)
         __m512 vsum = _mm512_setzero_ps();
         for (; i + 16 <= count; i += 16) {
@@ -171,98 +194,126 @@ static void softmax_rows(float *scores, int64_t rows, int64_t count) {
 #endif
         for (; i < count; i++) sum += row[i] = expf(row[i] - max_score);
         const float inverse = 1.0f / sum;
-        for (int64_t i = 0; i < count; i++) row[i] *= inverse;
+        for (int64_t i = 0; i < count; i++) row[i] = row[i] * inverse * factors[i];
     }
 }
 
-/* Scalar: any dims. */
+/* Scalar: any dims. Each row widened once into t->widened, then used by every query head of the group. */
 static void attend_scalar(const task_t *t, int kind) {
     const int64_t ks = t->head_dim + 4, vs = t->v_dim + 4;
     for (int64_t i = 0; i < t->count; i++) {
         const uint8_t *k = t->keys + t->rows[i] * ks;
+        for (int64_t d = 0; d < t->head_dim; d++) t->widened[d] = widen(k + d, kind);
         const float factor = row_scale(k, t->head_dim) * WIDE_FACTOR[kind] * t->scale;
         for (int64_t g = 0; g < t->group; g++) {
             float acc = 0.0f;
-            for (int64_t d = 0; d < t->head_dim; d++) acc += t->q[g * t->head_dim + d] * widen(k + d, kind);
-            float score = acc * factor;
-            if (t->soft_cap > 0.0f) score = t->soft_cap * tanhf(score / t->soft_cap);
-            t->scores[g * t->count + i] = score;
+            for (int64_t d = 0; d < t->head_dim; d++) acc += t->q[g * t->head_dim + d] * t->widened[d];
+            t->scores[g * t->count + i] = acc * factor;
         }
     }
-    softmax_rows(t->scores, t->group, t->count);
+    softmax_and_fold(t, kind);
     memset(t->o, 0, sizeof(float) * (size_t)(t->group * t->v_dim));
     for (int64_t i = 0; i < t->count; i++) {
         const uint8_t *v = t->values + t->rows[i] * vs;
-        const float factor = row_scale(v, t->v_dim) * WIDE_FACTOR[kind];
+        for (int64_t d = 0; d < t->v_dim; d++) t->widened[d] = widen(v + d, kind);
         for (int64_t g = 0; g < t->group; g++) {
-            const float weight = t->scores[g * t->count + i] * factor;
-            for (int64_t d = 0; d < t->v_dim; d++) t->o[g * t->v_dim + d] += weight * widen(v + d, kind);
+            const float weight = t->scores[g * t->count + i];
+            for (int64_t d = 0; d < t->v_dim; d++) t->o[g * t->v_dim + d] += weight * t->widened[d];
         }
     }
 }
 
 #ifdef W
-/* Scores W / 2 positions at a time: their keys widened once into kbuf (L1) for every query head of the group,
- * W dot products summed by one tree (sum_w) and scaled by each row's scale. Values: up to 4 query heads x 4
- * vectors of features in registers over every position, each value's codes widened once for them. */
-static inline __attribute__((always_inline)) void attend_vec(const task_t *t, float *kbuf, const int kind) {
-    const int64_t ks = t->head_dim + 4, vs = t->v_dim + 4;
-    /* W / 2 positions x two query heads a tile: each widened key loaded once for both heads, the W dot products
-     * summed by one tree (lanes below W / 2 the first head's); a lone last head pairs with itself. */
-    enum { P = W / 2 };
-    for (int64_t i0 = 0; i0 < t->count; i0 += P) {
-        const int64_t n = t->count - i0 < P ? t->count - i0 : P;
-        float factors[W], tile[W];
-        for (int64_t j = 0; j < P; j++) {
+/* The cache lines of the row of position i (a row is dim + 4 bytes: one or two more lines than its start). */
+static inline __attribute__((always_inline)) void prefetch_row(const uint8_t *cache, const int64_t *rows,
+                                                               int64_t i, int64_t count, int64_t row_bytes) {
+    if (i >= count) return;
+    const char *row = (const char *)cache + rows[i] * row_bytes;
+    for (int64_t b = 0; b < row_bytes + 63; b += 64) _mm_prefetch(row + (b < row_bytes ? b : row_bytes - 1), _MM_HINT_T0);
+}
+
+/* Scores W positions at a time: their keys widened once into t->widened (L1) for every query head of the
+ * group, each head's W dot products summed by one tree (sum_w) and scaled by the rows' scales in one multiply. */
+static inline __attribute__((always_inline)) void scores_vec(const task_t *t, const int kind) {
+    const int64_t ks = t->head_dim + 4, hd = t->head_dim;
+    float *const kbuf = t->widened;
+    for (int64_t i0 = 0; i0 < t->count; i0 += W) {
+        const int64_t n = t->count - i0 < W ? t->count - i0 : W;
+        float factors[W];
+        for (int64_t j = 0; j < W; j++) {
+            prefetch_row(t->keys, t->rows, i0 + W + j, t->count, ks);
             const uint8_t *k = t->keys + t->rows[i0 + (j < n ? j : 0)] * ks;
-            for (int64_t d = 0; d < t->head_dim; d += W) VF_STORE(kbuf + j * t->head_dim + d, widen_vec(k + d, kind));
-            factors[j] = factors[P + j] = row_scale(k, t->head_dim) * WIDE_FACTOR[kind] * t->scale;
+            for (int64_t d = 0; d < hd; d += W) VF_STORE(kbuf + j * hd + d, widen_vec(k + d, kind));
+            factors[j] = row_scale(k, hd) * WIDE_FACTOR[kind] * t->scale;
         }
-        for (int64_t g = 0; g < t->group; g += 2) {
-            const int64_t h = g + 1 < t->group ? g + 1 : g;
-            const float *qa = t->q + g * t->head_dim, *qb = t->q + h * t->head_dim;
+        const vf factor = VF_LOAD(factors);
+        for (int64_t g = 0; g < t->group; g++) {
+            const float *q = t->q + g * hd;
             vf acc[W];
             for (int j = 0; j < W; j++) acc[j] = VF_ZERO();
-            for (int64_t d = 0; d < t->head_dim; d += W) {
-                const vf va = VF_LOAD(qa + d), vb = VF_LOAD(qb + d);
-                for (int j = 0; j < P; j++) {
-                    const vf kv = VF_LOAD(kbuf + j * t->head_dim + d);
-                    acc[j] = VF_FMA(va, kv, acc[j]);
-                    acc[P + j] = VF_FMA(vb, kv, acc[P + j]);
-                }
+            for (int64_t d = 0; d < hd; d += W) {
+                const vf qv = VF_LOAD(q + d);
+                for (int j = 0; j < W; j++) acc[j] = VF_FMA(qv, VF_LOAD(kbuf + j * hd + d), acc[j]);
             }
-            VF_STORE(tile, VF_MUL(sum_w(acc), VF_LOAD(factors)));
-            for (int64_t j = 0; j < n; j++) {
-                const float sa = tile[j], sb = tile[P + j];
-                t->scores[g * t->count + i0 + j] = t->soft_cap > 0.0f ? t->soft_cap * tanhf(sa / t->soft_cap) : sa;
-                t->scores[h * t->count + i0 + j] = t->soft_cap > 0.0f ? t->soft_cap * tanhf(sb / t->soft_cap) : sb;
+            float *dst = t->scores + g * t->count + i0;
+            if (n == W) {
+                VF_STORE(dst, VF_MUL(sum_w(acc), factor));
+            } else {
+                float tile[W];
+                VF_STORE(tile, VF_MUL(sum_w(acc), factor));
+                memcpy(dst, tile, sizeof(float) * (size_t)n);
             }
-        }
-    }
-    softmax_rows(t->scores, t->group, t->count);
-    /* 4 heads x 4 vectors of value features in registers over every position */
-    for (int64_t g0 = 0; g0 < t->group; g0 += 4) {
-        const int ng = (int)(t->group - g0 < 4 ? t->group - g0 : 4);
-        for (int64_t d0 = 0; d0 < t->v_dim; d0 += 4 * W) {
-            const int chunks = (int)((t->v_dim - d0) / W < 4 ? (t->v_dim - d0) / W : 4);
-            vf acc[4][4];
-            for (int g = 0; g < 4; g++)
-                for (int c = 0; c < 4; c++) acc[g][c] = VF_ZERO();
-            for (int64_t i = 0; i < t->count; i++) {
-                const uint8_t *v = t->values + t->rows[i] * vs;
-                const float factor = row_scale(v, t->v_dim) * WIDE_FACTOR[kind];
-                vf vv[4];
-                for (int c = 0; c < chunks; c++) vv[c] = widen_vec(v + d0 + c * W, kind);
-                for (int g = 0; g < ng; g++) {
-                    const vf weight = VF_SET1(t->scores[(g0 + g) * t->count + i] * factor);
-                    for (int c = 0; c < chunks; c++) acc[g][c] = VF_FMA(weight, vv[c], acc[g][c]);
-                }
-            }
-            for (int g = 0; g < ng; g++)
-                for (int c = 0; c < chunks; c++) VF_STORE(t->o + (g0 + g) * t->v_dim + d0 + c * W, acc[g][c]);
         }
     }
 }
+
+/* The value sums of NG query heads x CH vectors of features from d0, over every position: each value vector
+ * widened once for the NG heads, each weight (already times the row's scale) broadcast once per vector. */
+static inline __attribute__((always_inline)) void values_tile(const task_t *t, int64_t g0, int64_t d0, const int NG,
+                                                              const int CH, const int kind) {
+    const int64_t vs = t->v_dim + 4;
+    const float *p = t->scores + g0 * t->count;
+    vf acc[W / 2][2];
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < CH; c++) acc[g][c] = VF_ZERO();
+    for (int64_t i = 0; i < t->count; i++) {
+        prefetch_row(t->values, t->rows, i + 8, t->count, vs);
+        const uint8_t *v = t->values + t->rows[i] * vs + d0;
+        vf vv[2];
+        for (int c = 0; c < CH; c++) vv[c] = widen_vec(v + c * W, kind);
+        for (int g = 0; g < NG; g++) {
+            const vf weight = VF_SET1(p[g * t->count + i]);
+            for (int c = 0; c < CH; c++) acc[g][c] = VF_FMA(weight, vv[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int c = 0; c < CH; c++) VF_STORE(t->o + (g0 + g) * t->v_dim + d0 + c * W, acc[g][c]);
+}
+
+#define VALUES_TILE(ng, ch) \
+    case (ng) * 2 + (ch) - 3: values_tile(t, g0, d0, ng, ch, kind); break;
+
+/* One task on the vector path: scores, softmax (weights folded with the value scales), value sums of up to
+ * W / 2 query heads x 2 vectors of features at a time (registers: W / 2 x 2 sums and 2 widened values). */
+static inline __attribute__((always_inline)) void attend_vec(const task_t *t, const int kind) {
+    scores_vec(t, kind);
+    softmax_and_fold(t, kind);
+    for (int64_t g0 = 0; g0 < t->group; g0 += W / 2) {
+        const int ng = (int)(t->group - g0 < W / 2 ? t->group - g0 : W / 2);
+        for (int64_t d0 = 0; d0 < t->v_dim; d0 += 2 * W) {
+            const int ch = t->v_dim - d0 >= 2 * W ? 2 : 1;
+            switch (ng * 2 + ch - 3) {
+                VALUES_TILE(1, 1) VALUES_TILE(1, 2) VALUES_TILE(2, 1) VALUES_TILE(2, 2)
+                VALUES_TILE(3, 1) VALUES_TILE(3, 2) VALUES_TILE(4, 1) VALUES_TILE(4, 2)
+#if W == 16
+                VALUES_TILE(5, 1) VALUES_TILE(5, 2) VALUES_TILE(6, 1) VALUES_TILE(6, 2)
+                VALUES_TILE(7, 1) VALUES_TILE(7, 2) VALUES_TILE(8, 1) VALUES_TILE(8, 2)
+#endif
+            }
+        }
+    }
+}
+#undef VALUES_TILE
 #endif
 
 /* Whether the vector path runs here for these dims (tests ask: the scalar path is the fallback). */
@@ -277,7 +328,9 @@ int kv_quant_attention_width(void) {
 /* Paged attention over quantized caches for every query token of the batch: sequence s owns query rows
  * query_start_loc[s]..query_start_loc[s + 1], the last positions of its seq_lens[s] keys (decode: one row).
  * Causal; sliding_window > 0 keeps the keys at positions > position - window; soft_cap > 0 caps the scores.
- * query float32 [tokens, heads, head_dim] and out [tokens, heads, v_dim]; a task is (token, KV head). */
+ * query float32 [tokens, heads, head_dim] and out [tokens, heads, v_dim]. A thread's task is a query token and
+ * a run of its KV heads: all of them (a slot's rows read by one thread) unless there are fewer tokens than
+ * threads. */
 int paged_attention_quantized(const float *query, const uint8_t *key_cache, const uint8_t *value_cache,
                               const int64_t *block_tables, const int64_t *query_start_loc, const int64_t *seq_lens,
                               float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -285,40 +338,54 @@ int paged_attention_quantized(const float *query, const uint8_t *key_cache, cons
                               int64_t sliding_window, float soft_cap, int kind) {
     const int64_t num_tokens = query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     if (num_tokens <= 0) return 0;
-    int64_t max_len = 1;
+    int64_t max_len = 1, total = 0;
     int64_t *seq_of = malloc(sizeof(int64_t) * (size_t)num_tokens);
     if (!seq_of) return -1;
     for (int64_t s = 0; s < num_seqs; s++) {
         max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
-        for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) seq_of[t] = s;
+        for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) seq_of[t] = s, total += seq_lens[s];
     }
+    /* below ~1M multiply-adds a second thread costs more to wake than it saves (as attention.c) */
+    const int parallel = total * num_heads * (head_dim + v_dim) > (1 << 20);
+    const int64_t threads = parallel ? omp_get_max_threads() : 1;
+    int64_t splits = num_tokens >= threads ? 1 : (threads + num_tokens - 1) / num_tokens;
+    splits = splits < num_kv_heads ? splits : num_kv_heads;
+    const int64_t heads_per_task = (num_kv_heads + splits - 1) / splits;
 #ifdef W
     const int vector = head_dim % W == 0 && v_dim % W == 0;
+    const int64_t widened_floats = W * (head_dim > v_dim ? head_dim : v_dim);
+#else
+    const int64_t widened_floats = head_dim > v_dim ? head_dim : v_dim;
 #endif
     int failed = 0;
-#pragma omp parallel if (num_tokens * num_kv_heads > 1)
+#pragma omp parallel if (parallel)
     {
-        const int64_t score_floats = (group * max_len + 1) / 2 * 2; /* the rows after it 8-byte aligned */
-        /* scores, each position's cache row, then the widened keys of W positions (the vector path's) */
-        float *scores = malloc(sizeof(float) * (size_t)(score_floats + 16 * head_dim) + sizeof(int64_t) * (size_t)max_len);
+        const int64_t score_floats = (group * max_len + 15) / 16 * 16; /* the rows after it 64-byte aligned */
+        /* scores, each position's value scale, each position's cache row, then the widened rows */
+        const int64_t factor_floats = (max_len + 15) / 16 * 16;
+        float *scores = aligned_alloc(64, (sizeof(float) * (size_t)(score_floats + factor_floats + widened_floats)
+                                           + sizeof(int64_t) * (size_t)max_len + 63) / 64 * 64);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(2) schedule(dynamic)
-        for (int64_t t = 0; t < num_tokens; t++) {
-            for (int64_t kv = 0; kv < num_kv_heads; kv++) {
-                if (!scores) continue;
-                const int64_t s = seq_of[t];
-                const int64_t position = seq_lens[s] - (query_start_loc[s + 1] - query_start_loc[s])
-                                         + (t - query_start_loc[s]);
-                const int64_t start = sliding_window > 0 && position + 1 > sliding_window
-                                      ? position + 1 - sliding_window : 0;
-                int64_t *rows = (int64_t *)(scores + score_floats);
-                const int64_t *table = block_tables + s * max_blocks;
+#pragma omp for schedule(dynamic)
+        for (int64_t task_index = 0; task_index < num_tokens * splits; task_index++) {
+            if (!scores) continue;
+            const int64_t t = task_index / splits, kv_begin = task_index % splits * heads_per_task;
+            const int64_t kv_end = kv_begin + heads_per_task < num_kv_heads ? kv_begin + heads_per_task : num_kv_heads;
+            const int64_t s = seq_of[t];
+            const int64_t position = seq_lens[s] - (query_start_loc[s + 1] - query_start_loc[s])
+                                     + (t - query_start_loc[s]);
+            const int64_t start = sliding_window > 0 && position + 1 > sliding_window ? position + 1 - sliding_window : 0;
+            float *factors = scores + score_floats;
+            int64_t *rows = (int64_t *)(factors + factor_floats);
+            float *widened = (float *)(rows + max_len);
+            const int64_t *table = block_tables + s * max_blocks;
+            for (int64_t kv = kv_begin; kv < kv_end; kv++) {
                 task_t task = {query + (t * num_heads + kv * group) * head_dim, out + (t * num_heads + kv * group) * v_dim,
-                               key_cache, value_cache, rows, scores, position + 1 - start, group, head_dim, v_dim,
-                               scale, soft_cap};
+                               key_cache, value_cache, rows, scores, factors, widened, position + 1 - start, group, head_dim,
+                               v_dim, scale, soft_cap};
                 int64_t block = start / block_size, within = start % block_size; /* no division per position */
                 for (int64_t i = 0; i < task.count; i++) {
                     rows[i] = (table[block] * block_size + within) * num_kv_heads + kv;
@@ -327,10 +394,9 @@ int paged_attention_quantized(const float *query, const uint8_t *key_cache, cons
 #ifdef W
                 if (vector) {
                     /* kind as a literal: each variant compiled with its own widening */
-                    float *kbuf = (float *)(rows + max_len);
-                    if (kind == KV_INT8) attend_vec(&task, kbuf, KV_INT8);
-                    else if (kind == KV_E4M3) attend_vec(&task, kbuf, KV_E4M3);
-                    else attend_vec(&task, kbuf, KV_E5M2);
+                    if (kind == KV_INT8) attend_vec(&task, KV_INT8);
+                    else if (kind == KV_E4M3) attend_vec(&task, KV_E4M3);
+                    else attend_vec(&task, KV_E5M2);
                     continue;
                 }
 #endif
