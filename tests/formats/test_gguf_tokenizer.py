@@ -58,6 +58,11 @@ CONVERSATIONS = [
 LLAMA_CPP_FILES = ("llama-q8_0", "qwen2-q8_0", "stablelm-q8_0", "qwen3moe-q8_0", "phi3-q8_0", "gemma2-q8_0",
                    "gemma3-q8_0")
 
+# tokenizer.ggml.pre values with their own split rule, and those of our families' real files that split as GPT-2
+# (DeepSeek V2/V3, GLM-4, StableLM 2, Phi-2: transformers maps no rule for them either).
+SPLIT_RULES = ("llama-bpe", "qwen2", "tekken", "gpt-4o")
+GPT2_RULE = ("deepseek-llm", "deepseek-v3", "glm4", "stablelm2", "phi-2", "gpt-2")
+
 
 def write_gguf(path: Path, tokens: list[str], kind: str, token_types: list[int], *, scores: list[float] | None = None,
                merges: list[str] | None = None, pre: str | None = None, chat_template: str = CHAT_TEMPLATE,
@@ -131,7 +136,7 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tokens, merges = source.get("tokenizer.ggml.tokens"), source.get("tokenizer.ggml.merges")
     types = list(source.get("tokenizer.ggml.token_type"))
     types[-1] = 4
-    for pre in ("llama-bpe", "qwen2", "tekken", "gpt-4o"):
+    for pre in (*SPLIT_RULES, *GPT2_RULE):
         files[f"byte-level-{pre}"] = write_gguf(out / f"bpe-{pre}.gguf", tokens, "gpt2", types, merges=merges,
                                                 pre=pre, add_bos=True, chat_template=TOOLS_TEMPLATE)
     # A token not spelled in the byte alphabet is respelled (the vocabulary's slow path).
@@ -160,8 +165,8 @@ def _without_endoftext_artifact(state: dict, vocab_size: int) -> dict:
 
 
 @pytest.mark.parametrize("name", [*LLAMA_CPP_FILES, "sentencepiece", "sentencepiece-bos-eos",
-                                  "byte-level-llama-bpe", "byte-level-qwen2", "byte-level-tekken",
-                                  "byte-level-gpt-4o", "byte-level-respelled"])
+                                  *(f"byte-level-{pre}" for pre in (*SPLIT_RULES, *GPT2_RULE)),
+                                  "byte-level-respelled"])
 def test_the_tokenizer_is_transformers_tokenizer_of_the_file(pairs: dict, name: str) -> None:
     ours, theirs = pairs[name]
     assert isinstance(ours, GGUFTokenizer)
