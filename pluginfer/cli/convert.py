@@ -1,5 +1,5 @@
-"""``pluginfer convert``: a Hugging Face checkpoint (llama, qwen2/3, gemma 1-3, phi-2/3, stablelm, glm4) to a
-quantized ``.gguf`` file.
+"""``pluginfer convert``: a Hugging Face checkpoint (llama, qwen2/3, gemma 1-3, phi-2/3, stablelm, glm4, and the
+experts of Mixtral, Qwen2-MoE and Qwen3-MoE merged per layer as llama.cpp merges them) to a quantized ``.gguf`` file.
 
 The file follows llama.cpp's ``convert_hf_to_gguf.py``: the same metadata keys, a gpt2-style BPE
 vocabulary with merges and token types, the chat template, llama's q/k rows permuted, 1-D
@@ -30,7 +30,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  "PhiForCausalLM": "phi2", "Phi3ForCausalLM": "phi3", "StableLmForCausalLM": "stablelm",
-                 "Glm4ForCausalLM": "glm4"}
+                 "Glm4ForCausalLM": "glm4", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+                 "Qwen3MoeForCausalLM": "qwen3moe"}
 # GGUF architecture -> the module writing its own keys (``write_hparams``) and tensor changes (``tensor_for_file``).
 _FAMILY_WRITERS = {**dict.fromkeys(("gemma", "gemma2", "gemma3"), "pluginfer.models.gguf_gemma"),
                    **dict.fromkeys(("phi2", "phi3"), "pluginfer.models.gguf_phi"),
@@ -94,7 +95,9 @@ def convert_to_gguf(model_dir: Path, output: Path, quant: str, embedding_type: s
     if config.get("quantization_config"):
         raise ValueError(f"{model_dir} is already quantized ({config['quantization_config'].get('quant_method')}); "
                          f"convert reads floating-point checkpoints")
-    total = sum(not _skipped(name, config) for name in tensor_names(model_dir))
+    from pluginfer.models.gguf_moe import merged_name
+
+    total = len({merged_name(name) for name in tensor_names(model_dir) if not _skipped(name, config)})
     return write_gguf(output, config, load_tokenizer(model_dir), iter_weights(model_dir, progress=False),
                       quant, embedding_type, progress=progress, total=total)
 
@@ -128,6 +131,7 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
     import gguf
 
     from pluginfer.formats.gguf.checkpoint import GGMLTensor
+    from pluginfer.models import gguf_moe
     from pluginfer.models.gguf_llama import permute_rows
 
     names = [a for a in config.get("architectures") or [] if a in ARCHITECTURES]
@@ -142,6 +146,9 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
         _write_llama_hparams(writer, config)
     else:
         family.write_hparams(writer, config)
+    if names[0] in gguf_moe.WRITTEN_ARCHITECTURES:  # experts merged per layer and projection, routers in F32
+        gguf_moe.write_hparams(writer, config)
+        weights = gguf_moe.merge_experts(weights, int(config.get("num_local_experts") or config["num_experts"]))
     to_file = getattr(family, "tensor_for_file", None)
     _write_tokenizer(writer, tokenizer, int(config["vocab_size"]))
     name_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
@@ -168,8 +175,13 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
             if arch == "llama" and projection in heads:
                 tensor = permute_rows(tensor, heads[projection])
             wanted = embedding_type if hf_name in ("model.embed_tokens.weight", "lm_head.weight") else quant
+            if hf_name.endswith(gguf_moe.ROUTERS):  # as llama.cpp's converter: the routers stay F32
+                wanted = "f32"
             written = _add_tensor(writer, gguf_name, tensor, _qtype((types or {}).get(hf_name, wanted)))
             shape = tuple(tensor.shape)
+            if hf_name == "model.embed_tokens.weight" and config.get("tie_word_embeddings") \
+                    and arch in gguf_moe.HEAD_REQUIRED:
+                _add_tensor(writer, "output.weight", tensor, written)
         if progress is not None:
             progress(index, total, gguf_name, written.name, shape, time.perf_counter() - started)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +209,9 @@ def _add_tensor(writer: object, name: str, tensor: torch.Tensor, qtype: GGMLQuan
         return T.F16
     from pluginfer.quant.ggml_quantize import quantize
 
-    blocks = quantize(tensor, qtype, name=name).numpy()
+    # merged experts [experts, rows, cols]: each row quantized on its own, as a 2-D weight's
+    blocks = quantize(tensor.reshape(-1, tensor.shape[-1]), qtype, name=name)
+    blocks = blocks.reshape(*tensor.shape[:-1], blocks.shape[-1]).numpy()
     writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
     return qtype
 

@@ -112,3 +112,63 @@ def expand_experts(hf_name: str, loaded: Any) -> Iterator[tuple[str, Any]]:
         else:
             weight = loaded[expert]
         yield f"{match['prefix']}.{expert}.{match['projection']}.weight", weight
+
+
+# HF architecture -> GGUF general.architecture ``pluginfer convert`` writes (Mixtral as llama.cpp does: a llama file).
+WRITTEN_ARCHITECTURES = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+                         "Qwen3MoeForCausalLM": "qwen3moe"}
+# Architectures whose llama.cpp loader requires output.weight: a tied head is written as a copy of the embedding.
+HEAD_REQUIRED = ("qwen2moe",)
+# An HF name of one expert's projection: "<layer>.experts.<e>.<projection>.weight".
+_ONE_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<projection>[a-z0-9_]+)\.weight$")
+# Routers llama.cpp's converter keeps in F32 (its graph reads them as float rows).
+ROUTERS = (".block_sparse_moe.gate.weight", ".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
+
+
+def write_hparams(writer: Any, config: dict) -> None:
+    """The expert keys llama.cpp's converter writes beside the llama/qwen ones."""
+    experts = config.get("num_local_experts") or config["num_experts"]
+    writer.add_expert_count(int(experts))
+    writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+    if writer.arch == "llama":  # Mixtral's experts are intermediate_size wide (feed_forward_length)
+        return
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError("mlp_only_layers / decoder_sparse_step: dense layers between expert layers cannot be "
+                         "written to GGUF here")
+    writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+    if writer.arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
+    elif not config.get("norm_topk_prob", False):  # llama.cpp's qwen3moe graph always renormalizes
+        raise ValueError("norm_topk_prob: a Qwen3-MoE model that does not renormalize its top-k weights cannot be "
+                         "written to GGUF (llama.cpp's qwen3moe graph renormalizes them)")
+
+
+def merged_name(hf_name: str) -> str:
+    """The name ``merge_experts`` gives the tensor holding ``hf_name``."""
+    match = _ONE_EXPERT.match(hf_name)
+    return hf_name if match is None else f"{match['prefix']}.{match['projection']}.weight"
+
+
+def merge_experts(weights: Iterator[tuple[str, Any]], experts: int) -> Iterator[tuple[str, Any]]:
+    """Each layer's per-expert projections as one ``[experts, rows, cols]`` tensor under
+    ``<layer>.experts.<projection>.weight`` (llama.cpp's ``ffn_*_exps``), once all its experts have come;
+    any other tensor as it is."""
+    import torch
+
+    pending: dict[str, dict[int, Any]] = {}
+    for hf_name, tensor in weights:
+        match = _ONE_EXPERT.match(hf_name)
+        if match is None:
+            yield hf_name, tensor
+            continue
+        if isinstance(tensor, GGMLTensor):
+            raise ValueError(f"{hf_name}: experts already in GGML blocks cannot be merged here")
+        merged = merged_name(hf_name)
+        group = pending.setdefault(merged, {})
+        group[int(match["expert"])] = tensor
+        if len(group) == experts:
+            yield merged, torch.stack([group[e] for e in range(experts)])
+            del pending[merged]
+    if pending:
+        raise ValueError(f"{next(iter(pending))}: the checkpoint has {len(next(iter(pending.values())))} of its "
+                         f"{experts} experts")

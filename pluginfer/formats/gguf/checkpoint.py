@@ -96,11 +96,19 @@ class GGUFCheckpoint:
         except Exception as exc:
             raise ValueError(f"{self.path} is not a readable GGUF file: {type(exc).__name__}: {exc}") from None
         self.arch = str(self.field("general.architecture", ""))
+        self._registry = registry or get_registry()
         try:
-            self._converter = (registry or get_registry()).converter("gguf", self.arch)
+            self._converter = self._registry.converter("gguf", self.arch)
         except UnknownPluginError as exc:
             raise ValueError(f"{self.path}: {exc}") from None
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
+
+    def _architectures(self) -> str:
+        """The GGUF architectures the registered model plugins read, for error messages."""
+        from pluginfer.core.specs import ModelSpec
+
+        return ", ".join(sorted({arch for spec in self._registry.specs("model") if isinstance(spec, ModelSpec)
+                                 for arch in spec.converters.get("gguf", {})}))
 
     @cached_property
     def model(self) -> GGUFModel:
@@ -147,7 +155,7 @@ class GGUFCheckpoint:
             base, _, suffix = tensor_name.rpartition(".")
             if base not in to_hf or suffix not in ("weight", "bias"):
                 raise KeyError(f"{self.path}: GGUF tensor {tensor_name!r} has no counterpart in the "
-                               f"{self.arch} pipeline")
+                               f"{self.arch} pipeline (GGUF architectures supported: {self._architectures()})")
             names[tensor_name] = f"{to_hf[base]}.{suffix}"
         return names
 

@@ -4,11 +4,11 @@ transformers builds the same Rust tokenizer from the same ``tokenizer.ggml.*`` k
 (``integrations/gguf/gguf_tokenizer_mapping.py``) and wraps it in classes whose import alone takes ~0.5 s
 and whose build of a 49k-token vocabulary takes ~2 s. ``build_gguf_tokenizer`` builds the byte-level BPE
 (``tokenizer.ggml.model`` "gpt2": GPT-2, Llama 3, Qwen2, SmolLM, ...) and the SentencePiece BPE ("llama":
-Llama 2, Mistral, ...) vocabularies as transformers 5 does: the same model, pre-tokenizer (with the split
-rule of the file's ``tokenizer.ggml.pre``), decoder, post-processor and added tokens (control tokens
+Llama 2, Mistral, Phi-3, Gemma 1-3, ...) vocabularies as transformers 5 does: the same model, pre-tokenizer
+(with the split rule of the file's ``tokenizer.ggml.pre``), decoder, post-processor and added tokens (control tokens
 special, user-defined tokens plain, the named special tokens special); tests/formats/test_gguf_tokenizer.py
-holds it to transformers' tokenizer on the same files. Other kinds (unigram, and the Gemma and Phi-3
-SentencePiece variants) return None: ``text/tokenizer.py`` builds those through transformers.
+holds it to transformers' tokenizer on the same files. Other kinds (unigram) return None:
+``text/tokenizer.py`` builds those through transformers.
 
 One difference, on purpose: transformers adds its wrapping class's default special tokens (GPT2Tokenizer's
 ``<|endoftext|>``, LlamaTokenizer's ``<s>``, ``</s>``, ``<unk>``) to a vocabulary that lacks them, as ids past
@@ -31,7 +31,7 @@ from pluginfer.text.chat_template import render_chat_template
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
 _SPECIAL_TOKENS = (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                    ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
-_NOT_SENTENCEPIECE_BPE = ("gemma", "gemma2", "gemma3", "phi3")  # transformers builds these differently
+_GEMMA = ("gemma", "gemma2", "gemma3")  # SentencePiece as GemmaTokenizer builds it
 
 # How text is split before byte-level BPE, by ``tokenizer.ggml.pre`` (as transformers' GGUF_PRE_TOKENIZER_SPLITS).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -62,6 +62,7 @@ class GGUFTokenizer:
         self.backend_tokenizer = backend
         self.bos_token, self.eos_token = special_tokens.get("bos_token"), special_tokens.get("eos_token")
         self.unk_token, self.pad_token = special_tokens.get("unk_token"), special_tokens.get("pad_token")
+        self.mask_token = special_tokens.get("mask_token")
         self.chat_template = chat_template
         self.fim_token_ids: dict[str, Any] | None = None  # a GGUF file's fill-in-the-middle ids (text/fim.py)
 
@@ -119,7 +120,7 @@ class GGUFTokenizer:
     @property
     def special_tokens_map(self) -> dict[str, str]:
         """The named special tokens the file gives (the chat template reads them as variables)."""
-        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        names = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     @property
@@ -173,12 +174,18 @@ def build_gguf_tokenizer(gguf: Any) -> GGUFTokenizer | None:
     if kind == "gpt2" and merges is not None:
         backend, vocab = _byte_level(tokens, merges)
         defaults = ["<|endoftext|>"]  # GPT2Tokenizer's special tokens
-    elif kind == "llama" and architecture not in _NOT_SENTENCEPIECE_BPE:
+    elif kind == "llama":
         scores = gguf.get("tokenizer.ggml.scores")
         if merges is None and scores is None:
             return None
-        backend, vocab = _sentencepiece(tokens, merges, scores)
-        defaults = ["<s>", "</s>", "<unk>"]  # LlamaTokenizer's
+        if architecture in _GEMMA:
+            backend, vocab = _gemma(tokens, merges)
+            defaults = ["<bos>", "<eos>", "<unk>", "<pad>", "<mask>"]  # GemmaTokenizer's
+        else:
+            backend, vocab = _sentencepiece(tokens, merges, scores)
+            defaults = ["<s>", "</s>", "<unk>"]  # LlamaTokenizer's
+            if architecture == "phi3":
+                _phi3_prefix_space(backend)
     else:
         return None
     from tokenizers import AddedToken, Regex, pre_tokenizers
@@ -201,6 +208,8 @@ def build_gguf_tokenizer(gguf: Any) -> GGUFTokenizer | None:
         else:
             backend.add_tokens(tokens_to_add)
 
+    if architecture in _GEMMA and "<mask>" in vocab:  # GemmaTokenizer names its mask token
+        special["mask_token"] = "<mask>"
     add([token for token in defaults if token in vocab], True)  # (the module docstring: not past the vocabulary)
     spelled = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
     add([token for token, token_type in zip(tokens, token_types)
@@ -274,6 +283,37 @@ def _sentencepiece(tokens: list[str], merges: list[str] | None, scores: list[flo
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(content=" ", left=1)])
     return backend, vocab
+
+
+def _gemma(tokens: list[str], merges: list[str] | None) -> tuple[Any, dict[str, int]]:
+    """Gemma's SentencePiece BPE (GemmaTokenizer's): spaces normalized to "\u2581", no prefix space; its files
+    spell whitespace-run tokens with real spaces (respelled here), and their merge order is the tokens' order in
+    the file, not their scores (transformers' ``gemma_tokenizer``)."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    tokens = ["\u2581" * len(token) if " " in token and not token.strip() else token for token in tokens]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if merges is not None:
+        pairs = [tuple(merge.split(" ")) for merge in merges]
+    else:
+        pairs = _merges_from_scores(vocab, {token: -index for index, token in enumerate(tokens)})
+    backend = Tokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=True, unk_token="<unk>", dropout=None,
+                            byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    return backend, vocab
+
+
+def _phi3_prefix_space(backend: Any) -> None:
+    """Phi-3's prefix space comes from a normalizer, not the pre-tokenizer: "  hi" is three "\u2581" then "hi"
+    (transformers' ``phi3_tokenizer``, rebuilt from Phi-3's tokenizer.json, which a GGUF file does not carry)."""
+    from tokenizers import normalizers
+
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(prepend="\u2581"),
+                                               normalizers.Replace(pattern=" ", content="\u2581")])
+    backend.pre_tokenizer = None
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
