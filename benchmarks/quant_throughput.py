@@ -1,14 +1,18 @@
-"""Quantization's speed and size, three ways (one subcommand each):
+"""Quantization's speed and size, four ways (one subcommand each):
 
     python benchmarks/quant_throughput.py checkpoint CHECKPOINT_DIR [--formats none int8 q8_0 q4_k gptq awq ...]
     python benchmarks/quant_throughput.py linear [--inputs 896] [--outputs 4864] [--rows 1 16 512] [--runs 7]
     python benchmarks/quant_throughput.py kv-cache [--batch 16] [--context 2048] [--dtypes float16 int8 fp8]
+    python benchmarks/quant_throughput.py kv-decode --work-dir DIR [--dtype float32] [--kv float16 int8 fp8]
 
 - ``checkpoint``: decode tokens/s at batch 1 and 16 and bytes per linear parameter of each quant format of one
   checkpoint, against its float32 self (``gptq``/``awq``: written out by round-to-nearest, then loaded).
 - ``linear``: one linear layer on the cpu backend: W8A8 (``compressed-tensors``) against W8A16 (``int8``) and
   dense bf16 / float32 weights, interleaved, medians of ``--runs``.
 - ``kv-cache``: per KV cache dtype, the tokens a GiB holds and one decode step's attention over a long context.
+- ``kv-decode``: per KV cache dtype in one engine run, on a random Qwen2.5-0.5B-shaped model built once in
+  ``--work-dir``: a text's mean NLL (prompt logprobs of the demo corpus; a random model's NLL is near log(vocab)
+  whatever the cache: it shows the cache changes the outputs little), bytes per token, batch decode tokens/s.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 128
 BLOCK = 16
+CORPUS = Path(__file__).parents[1] / "pluginfer" / "demo" / "corpus.txt"
 
 
 def write_packed(checkpoint: Path, out: Path, method: str) -> None:
@@ -270,6 +275,75 @@ def _fill(pair: tuple, history: object, values: torch.Tensor) -> None:
     attention_ops.write_kv(values, values, pair[0], pair[1], history.slot_mapping)
 
 
+def _qwen_shaped_checkpoint(out: Path) -> None:
+    """A random model with Qwen2.5-0.5B's layer shapes and a 32000-token vocabulary."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from pluginfer.demo.tokenizer import train_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(out)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.add_tokens([f"<pad_{i}>" for i in range(32000 - len(tokenizer))])
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32000, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+
+
+def kv_decode(args: argparse.Namespace) -> int:
+    """The engine with each KV cache dtype, side by side: a text's mean NLL, bytes per token, batch decode tokens/s
+    at a long context (tokens/s = batch * (gen - 1) / (time(gen tokens) - time(1 token)), runs alternating)."""
+    from pluginfer import LLM, SamplingParams
+
+    path = Path(args.work_dir)
+    if not (path / "config.json").exists():
+        _qwen_shaped_checkpoint(path)
+    llms = {kv: LLM(model=str(path), dtype=args.dtype, kv_cache_dtype=kv, max_model_len=args.context + 256,
+                    max_num_seqs=args.batch, num_blocks=args.batch * (args.context + 256) // 16 + 64, block_size=16,
+                    max_num_batched_tokens=2048) for kv in args.kv}
+    ids = next(iter(llms.values())).engine.tokenizer.encode(CORPUS.read_text())
+    while len(ids) < max(args.nll, args.context, 1000 + 32 * args.batch):
+        ids = ids + ids
+    nll = {}
+    for kv, llm in llms.items():
+        text = ids[:args.nll]
+        [out] = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1))
+        logprobs = [entry[text[i]] for i, entry in enumerate(out.prompt_logprobs) if i > 0]
+        nll[kv] = -sum(getattr(value, "logprob", value) for value in logprobs) / len(logprobs)
+    prompts = [ids[:args.context - args.gen - 32] + ids[1000 + 32 * s:1000 + 32 * (s + 1)] for s in range(args.batch)]
+
+    def run(llm: LLM, tokens: int) -> float:
+        started = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        assert all(len(out.outputs[0].token_ids) == tokens for out in outs)
+        return time.perf_counter() - started
+
+    for llm in llms.values():
+        run(llm, 2)  # the prefill once (prefix caching keeps the prompts' blocks), the decode step recorded
+    rates: dict[str, list[float]] = {kv: [] for kv in args.kv}
+    for _ in range(args.runs):
+        for kv, llm in llms.items():
+            first = run(llm, 1)
+            rates[kv].append(args.batch * (args.gen - 1) / (run(llm, args.gen) - first))
+    base, base_nll = statistics.median(rates[args.kv[0]]), nll[args.kv[0]]
+    print(f"model {args.dtype}, batch {args.batch} x context {args.context}, threads {torch.get_num_threads()}")
+    print(f"| KV cache dtype | bytes per token | mean NLL ({args.nll} tokens) | vs {args.kv[0]} | decode tok/s "
+          f"| vs {args.kv[0]} |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for kv, llm in llms.items():
+        rate = statistics.median(rates[kv])
+        executor = llm.engine.executor
+        per_token = executor.pipeline.kv_cache_spec().bytes_per_token(executor.kv_caches[0][0].dtype)
+        print(f"| {kv} | {per_token} | {nll[kv]:.4f} | {100 * (nll[kv] / base_nll - 1):+.2f}% | {rate:.1f} "
+              f"| {rate / base:.2f}x |")
+
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = parser.add_subparsers(dest="mode", required=True)
@@ -296,8 +370,18 @@ def main(argv: list[str] | None = None) -> int:
     cache.add_argument("--context", type=int, default=2048)
     cache.add_argument("--runs", type=int, default=5)
     cache.add_argument("--dtypes", nargs="+", default=["float16", "int8", "fp8", "fp8_e5m2"])
+    decode = modes.add_parser("kv-decode", help="the engine per KV cache dtype: NLL, bytes per token, decode tokens/s")
+    decode.add_argument("--work-dir", required=True, help="where the model is built (once)")
+    decode.add_argument("--dtype", default="float32", help="the model's dtype")
+    decode.add_argument("--kv", nargs="+", default=["float16", "int8", "fp8"], help="KV cache dtypes, baseline first")
+    decode.add_argument("--batch", type=int, default=16)
+    decode.add_argument("--context", type=int, default=2048)
+    decode.add_argument("--gen", type=int, default=9)
+    decode.add_argument("--runs", type=int, default=2)
+    decode.add_argument("--nll", type=int, default=2048, help="tokens of the text whose mean NLL is taken")
     args = parser.parse_args(argv)
-    return {"checkpoint": checkpoint_formats, "linear": linear_layer, "kv-cache": kv_cache}[args.mode](args)
+    return {"checkpoint": checkpoint_formats, "linear": linear_layer, "kv-cache": kv_cache,
+            "kv-decode": kv_decode}[args.mode](args)
 
 
 if __name__ == "__main__":
