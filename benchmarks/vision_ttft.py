@@ -145,9 +145,9 @@ def main() -> int:
             if args.profile:
                 from torch.profiler import ProfilerActivity, profile
 
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                     ours_first_token(llm, picture(args.size, next(seeds)))
-                print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+                print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=25))
     shape = (f"text hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads; "
               f"vision {args.vision_depth} blocks x 1280")
     print(f"{args.size}x{args.size} image, {shape}, {args.dtype}, {torch.get_num_threads()} threads, "
