@@ -106,6 +106,7 @@ HOOKS_BY_KIND = {
 
 __all__ = [
     "HOOKS_BY_KIND", "KINDS", "PLUGIN_API_VERSION", "PROJECT_NAME", "SPEC_CLASSES", "BackendSpec",
-    "CheckpointFormatSpec", "CollectiveSpec", "EndpointSpec", "ModelSpec", "MultimodalProcessorSpec", "PluginSpec", "ProposerSpec", "QuantSpec",
-    "ReasoningParserSpec", "RequestProcessorSpec", "ToolParserSpec", "hookimpl", "hookspec",
+    "CheckpointFormatSpec", "CollectiveSpec", "EndpointSpec", "ModelSpec", "MultimodalProcessorSpec", "PluginSpec",
+    "ProposerSpec", "QuantSpec", "ReasoningParserSpec", "RequestProcessorSpec", "ToolParserSpec", "hookimpl",
+    "hookspec",
 ]
