@@ -19,6 +19,7 @@ from pluginfer.core.specs import (
     CollectiveSpec,
     EndpointSpec,
     ModelSpec,
+    MultimodalProcessorSpec,
     PluginSpec,
     ProposerSpec,
     QuantSpec,
@@ -83,6 +84,12 @@ def pluginfer_proposers() -> list[ProposerSpec]:
     """Speculative proposers: factory(config: SpeculativeConfig, engine: EngineConfig) -> Proposer."""
 
 
+@hookspec
+def pluginfer_multimodal_processors() -> list[MultimodalProcessorSpec]:
+    """Media preprocessing: factory(model_path: str, hf_config: dict, tokenizer) -> MultiModalProcessor
+    (``pluginfer.core.protocols``), for the checkpoints of the spec's ``architectures``."""
+
+
 HOOKS_BY_KIND = {
     "model": "pluginfer_models",
     "quant": "pluginfer_quant_methods",
@@ -94,10 +101,12 @@ HOOKS_BY_KIND = {
     "request_processor": "pluginfer_request_processors",
     "checkpoint_format": "pluginfer_checkpoint_formats",
     "proposer": "pluginfer_proposers",
+    "multimodal_processor": "pluginfer_multimodal_processors",
 }
 
 __all__ = [
     "HOOKS_BY_KIND", "KINDS", "PLUGIN_API_VERSION", "PROJECT_NAME", "SPEC_CLASSES", "BackendSpec",
-    "CheckpointFormatSpec", "CollectiveSpec", "EndpointSpec", "ModelSpec", "PluginSpec", "ProposerSpec", "QuantSpec",
-    "ReasoningParserSpec", "RequestProcessorSpec", "ToolParserSpec", "hookimpl", "hookspec",
+    "CheckpointFormatSpec", "CollectiveSpec", "EndpointSpec", "ModelSpec", "MultimodalProcessorSpec", "PluginSpec",
+    "ProposerSpec", "QuantSpec", "ReasoningParserSpec", "RequestProcessorSpec", "ToolParserSpec", "hookimpl",
+    "hookspec",
 ]

@@ -239,7 +239,7 @@ class MultiModalPrompt:
 
 @runtime_checkable
 class MultiModalProcessor(Protocol):
-    """A model's preprocessing of media (``ModelSpec.multimodal_processor``, API 5), run where requests arrive.
+    """A model's preprocessing of media (a ``MultimodalProcessorSpec``'s factory, API 5), run where requests arrive.
 
     Factory signature: ``factory(model_path: str, hf_config: dict, tokenizer) -> MultiModalProcessor``.
     """

@@ -270,11 +270,13 @@ class Registry:
                                      f"plugin (supported: {', '.join(known) or '(none)'})")
         return self._import(owners[0], owners[0].converters[format_name][architecture], "converter")
 
-    def multimodal_processor(self, model: str) -> Callable | None:
-        """The ``MultiModalProcessor`` factory of model plugin ``model`` (None: it takes text only)."""
-        spec = self.resolve("model", model)
-        ref = getattr(spec, "multimodal_processor", None)
-        return None if ref is None else self._import(spec, ref, "multimodal_processor")
+    def multimodal_processor(self, architectures: list[str]) -> Callable | None:
+        """The ``MultiModalProcessor`` factory for a checkpoint of HF ``architectures`` (None: no
+        ``multimodal_processor`` spec lists them, so the model takes text only)."""
+        for architecture in architectures:
+            if any(self._candidates("multimodal_processor", architecture, healthy) for healthy in (True, False)):
+                return self.load("multimodal_processor", architecture)  # a broken or old plugin's error, named
+        return None
 
     def _add(self, plugin: object, info: PluginInfo) -> None:
         self._plugins.append(info)

@@ -62,7 +62,7 @@ class PluginSpec:
         return (self.name, *self.aliases, *self.exact_names)
 
 
-_REFERENCES = frozenset({"factory", "check", "details", "claims", "multimodal_processor"})
+_REFERENCES = frozenset({"factory", "check", "details", "claims"})
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,11 @@ class ModelSpec(PluginSpec):
     ``converters``: for each checkpoint format, the format's own architecture names this plugin reads and
     the ``"module:attr"`` function that reads them, e.g. ``{"gguf": {"gemma3": "my_plugin.gguf:convert"}}``.
     What that function is given and returns is the format plugin's contract (docs/plugins.md).
-    ``multimodal_processor``: ``"module:attr"`` of the factory of the ``MultiModalProcessor`` that readies a
-    request's images for this model (None: the model takes text only).
     """
 
     kind: ClassVar[str] = "model"
     architectures: tuple[str, ...] = ()
     converters: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    multimodal_processor: str | None = None  # "module:attr" of a MultiModalProcessor factory (API 5)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -171,10 +168,24 @@ class ProposerSpec(PluginSpec):
     kind: ClassVar[str] = "proposer"
 
 
+@dataclass(frozen=True)
+class MultimodalProcessorSpec(PluginSpec):
+    """A model's preprocessing of media (images): ``factory(model_path, hf_config, tokenizer)`` makes the
+    ``MultiModalProcessor`` for checkpoints whose HF ``architectures`` (exact case) this spec lists.
+    A checkpoint no such spec lists takes text only."""
+
+    kind: ClassVar[str] = "multimodal_processor"
+    architectures: tuple[str, ...] = ()
+
+    @property
+    def exact_names(self) -> tuple[str, ...]:
+        return self.architectures
+
+
 SPEC_CLASSES: dict[str, type[PluginSpec]] = {
     cls.kind: cls for cls in (ModelSpec, QuantSpec, BackendSpec, CollectiveSpec, ToolParserSpec,
                               ReasoningParserSpec, EndpointSpec, RequestProcessorSpec, CheckpointFormatSpec,
-                              ProposerSpec)
+                              ProposerSpec, MultimodalProcessorSpec)
 }
 KINDS = tuple(SPEC_CLASSES)
 CLAIMING_KINDS = ("quant", "checkpoint_format")

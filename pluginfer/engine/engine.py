@@ -114,8 +114,8 @@ class LLMEngine:
         self.step_count = 0
         self.num_accepted_tokens = 0  # draft tokens the model agreed with, since the start
         self._fail_on_token = config.testing.fail_step_on_token_id
-        factory = self.executor.registry.multimodal_processor(self.executor.model_plugin)
-        # the model's multimodal processor (None: it takes text only)
+        # the checkpoint's multimodal processor plugin (None: the model takes text only)
+        factory = self.executor.registry.multimodal_processor(self.executor.hf_config.get("architectures") or [])
         self._media: MultiModalProcessor | None = factory(str(self.model_path), self.executor.hf_config,
                                                           self.tokenizer) if factory is not None else None
 

@@ -100,9 +100,11 @@ class VisionAttention(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         outs = []
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # one image each: a handful per step
-            qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))
-            outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1))
-        return self.proj(torch.cat(outs).reshape(x.shape[0], -1))  # RowParallelLinear all-reduces the ranks' parts
+            # batched 4-D: torch's CPU flash kernel takes only 4-D inputs (3-D falls back to the slow math path)
+            qi, ki, vi = (t[None, start:end].transpose(1, 2) for t in (q, k, v))
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.proj(out.reshape(x.shape[0], -1))  # RowParallelLinear all-reduces the ranks' parts
 
 
 class VisionMLP(nn.Module):

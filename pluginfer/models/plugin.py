@@ -1,6 +1,7 @@
-"""Registers the built-in model pipelines (cheap: the model modules load only when selected)."""
+"""Registers the built-in model pipelines and their image processors (cheap: the modules load only when
+selected)."""
 
-from pluginfer.core.hookspecs import ModelSpec, hookimpl
+from pluginfer.core.hookspecs import ModelSpec, MultimodalProcessorSpec, hookimpl
 
 
 @hookimpl
@@ -19,11 +20,9 @@ def pluginfer_models() -> list[ModelSpec]:
         ModelSpec(name="qwen2-vl", aliases=("qwen2_vl", "qwen2.5-vl", "qwen2_5_vl"),
                   architectures=("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"),
                   factory="pluginfer.models.qwen2_vl:build",
-                  multimodal_processor="pluginfer.models.qwen2_vl_processor:build",
                   description="Qwen2-VL, Qwen2.5-VL (images in)"),
         ModelSpec(name="llava", architectures=("LlavaForConditionalGeneration",),
                   factory="pluginfer.models.llava:build",
-                  multimodal_processor="pluginfer.models.llava_processor:build",
                   description="LLaVA-1.5 style: CLIP tower, MLP projector, Llama decoder (images in)"),
         ModelSpec(name="glm4", architectures=("Glm4ForCausalLM",),
                   factory="pluginfer.models.glm4:build",
@@ -69,4 +68,18 @@ def pluginfer_models() -> list[ModelSpec]:
         ModelSpec(name="modernbert", architectures=("ModernBertModel", "ModernBertForSequenceClassification"),
                   factory="pluginfer.models.modernbert:build",
                   description="ModernBERT encoders: embeddings, cross-encoders (scores)"),
+    ]
+
+
+@hookimpl
+def pluginfer_multimodal_processors() -> list[MultimodalProcessorSpec]:
+    return [
+        MultimodalProcessorSpec(name="qwen2-vl-images",
+                                architectures=("Qwen2VLForConditionalGeneration",
+                                               "Qwen2_5_VLForConditionalGeneration"),
+                                factory="pluginfer.models.qwen2_vl_processor:build",
+                                description="Qwen2-VL, Qwen2.5-VL: the checkpoint's image processor, M-RoPE positions"),
+        MultimodalProcessorSpec(name="llava-images", architectures=("LlavaForConditionalGeneration",),
+                                factory="pluginfer.models.llava_processor:build",
+                                description="LLaVA-1.5: the checkpoint's CLIP image processor"),
     ]

@@ -18,6 +18,7 @@ from pluginfer.core.hookspecs import (
     CollectiveSpec,
     EndpointSpec,
     ModelSpec,
+    MultimodalProcessorSpec,
     PluginSpec,
     QuantSpec,
     ReasoningParserSpec,
@@ -236,6 +237,7 @@ def test_every_kind_is_listed_with_its_hook() -> None:
         "pluginfer_endpoints": EndpointSpec(name="e", factory="m:f"),
         "pluginfer_request_processors": RequestProcessorSpec(name="p", factory="m:f"),
         "pluginfer_checkpoint_formats": CheckpointFormatSpec(name="f", factory="m:f", claims="m:c"),
+        "pluginfer_multimodal_processors": MultimodalProcessorSpec(name="i", factory="m:f"),
     }
     for hook, spec in specs.items():
         registry.register(plugin(hook, spec), name=f"plug-{spec.kind}")
@@ -264,3 +266,30 @@ def test_every_kind_resolves_names_and_aliases_and_reports_unknown_and_broken(ki
                       name="q")
     with pytest.raises(DuplicatePluginError, match=f"{kind} name 'thing' is claimed by plugin p .* and plugin q"):
         registry.resolve(kind, "thing")
+
+
+def test_multimodal_processors_are_found_by_the_checkpoints_architectures(site: Path) -> None:
+    (site / "mm_images.py").write_text("def build(model_path, hf_config, tokenizer):\n    return 'processor'\n")
+    registry = Registry()
+    spec = MultimodalProcessorSpec(name="images", architectures=("PicForConditionalGeneration",),
+                                   factory="mm_images:build")
+    registry.register(plugin("pluginfer_multimodal_processors", spec), name="pics")
+    factory = registry.multimodal_processor(["SomethingElse", "PicForConditionalGeneration"])
+    assert factory("dir", {}, None) == "processor"
+    assert registry.multimodal_processor(["LlamaForCausalLM"]) is None  # text only
+    assert registry.multimodal_processor(["picforconditionalgeneration"]) is None  # architectures keep their case
+    broken = MultimodalProcessorSpec(name="gone", architectures=("GoneForConditionalGeneration",),
+                                     factory="no_such_module_anywhere:build")
+    registry.register(plugin("pluginfer_multimodal_processors", broken), name="gone")
+    with pytest.raises(BrokenPluginError, match="cannot import factory 'no_such_module_anywhere:build' of "
+                                                "multimodal_processor 'gone'"):
+        registry.multimodal_processor(["GoneForConditionalGeneration"])
+    assert "multimodal_processor images [PicForConditionalGeneration] - usable" in registry.describe()
+
+
+def test_the_built_in_vision_models_register_their_processors_as_plugins() -> None:
+    registry = Registry.discover()
+    names = {spec.name: spec.architectures for spec in registry.specs("multimodal_processor")}
+    assert names["qwen2-vl-images"] == ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+    assert names["llava-images"] == ("LlavaForConditionalGeneration",)
+    assert registry.multimodal_processor(["Qwen2ForCausalLM"]) is None
