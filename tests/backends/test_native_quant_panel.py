@@ -7,6 +7,8 @@ on real quantized weights.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -16,10 +18,17 @@ from pluginfer.backends.cpu import library as native_library
 from pluginfer.backends.cpu import ops as native
 from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.quant import ggml_blocks, ggml_quantize
-from tests.backends.test_native_quant_dot import (FUSED, assert_exact_oracle, cols_for, half_step_bound,
-                                                  weight_bytes)
+from tests.backends import test_native_quant_dot as quant_dot_tests
+from tests.backends.test_native_quant_dot import (
+    FUSED,
+    assert_exact_oracle,
+    cols_for,
+    half_step_bound,
+    weight_bytes,
+)
 
 T = GGMLQuantizationType
+avx2_library = quant_dot_tests.avx2_library  # the fixture: quant_dot.c built without AVX-512
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -120,3 +129,16 @@ def test_nan_rows_and_the_float_paths_bound(qtype: GGMLQuantizationType) -> None
     x[1, 3], x[2, 700], x[3, 0] = float("nan"), float("inf"), -float("inf")
     out = panel_matmul(x, raw, qtype, cols)
     assert out[1:4].isnan().all() and torch.equal(out[[0, *range(4, 12)]], clean[[0, *range(4, 12)]])
+
+
+@pytest.mark.slow  # builds quant_dot.c twice more (without AVX-512, with and without AVX-VNNI)
+def test_avx2_builds_have_no_panel(avx2_library: ctypes.CDLL) -> None:
+    """Without AVX-512 VNNI the panel entry is a stub (-4) and ``panel_supported`` would say no: the VNNI
+    kernel's AVX2 form takes every row count there (its tests: test_native_quant_dot.py)."""
+    raw = weight_bytes(T.Q4_0, 4, 64, seed=1)
+    x, out = torch.randn(8, 64), torch.empty(8, 4)
+    avx2_library.quant_panel_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    assert avx2_library.quant_panel_matmul(int(T.Q4_0), x.data_ptr(), 8, 64, raw.data_ptr(), 4, raw.shape[1],
+                                           out.data_ptr()) == -4
+    assert avx2_library.quant_dot_supported() in (2, 3)
