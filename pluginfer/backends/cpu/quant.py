@@ -269,8 +269,10 @@ def quant_matmul_op() -> Callable | None:
         _log_once(logging.WARNING, "quantized linears: no fused int8-activation kernel for this CPU (it needs "
                                    "AVX2); every step dequantizes tiles for a GEMM")
         return None
+    panel = ("its many-row int8 panel GEMM where AMX tiles do not take a step" if panel_supported() else
+             "no many-row panel GEMM (it needs AVX-512 VNNI): float32 tiles past 128 rows")
     _log_once(logging.INFO, f"quantized linears: fused int8-activation kernel ({quant_dot_isa()}) for Q4_0, "
-                            "Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K")
+                            f"Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; {panel}")
     return ggml_quant_matmul
 
 
