@@ -34,7 +34,7 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "GGML dequantize": (("ggml_dequantize_rows", "ggml_dequantize_rows_bf16"), ()),
     "GPTQ/AWQ dequantize": (("grouped_dequantize",), ()),
     "int4 dequantize": (("int4_dequantize_rows",), ()),
-    "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)": (("quant_matmul",), ("avx2", "fma", "f16c")),
+    "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)": (("quant_matmul", "quant_panel_matmul"), ("avx2", "fma", "f16c")),
     "16-bit GEMV (AVX2 / AVX512-BF16)": (("half_linear", "half_weight_linear"), ("avx2", "fma", "f16c")),
 }
 PANELS, FUSED = "panel GEMM (AVX-512)", "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)"

@@ -41,6 +41,7 @@ SIGNATURES = {
     "quant_dot_supported": (ctypes.c_int, []),
     "quant_dot_max_threads": (ctypes.c_int, []),
     "quant_matmul": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),
+    "quant_panel_matmul": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),
     "quant_dot_quantize": (ctypes.c_int, [_pointer, _i64, _i64, _pointer, _pointer]),
     "half_linear_supported": (ctypes.c_int, []),
     "half_linear": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _pointer, _pointer, ctypes.c_int]),

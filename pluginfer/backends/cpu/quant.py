@@ -135,7 +135,9 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
     """``x @ W^T`` for float ``x [..., cols]`` and ``W`` the raw GGML blocks uint8 ``[rows, row_bytes]``,
     without a float copy of ``W`` (``csrc/quant_dot.c``): each row of ``x`` is quantized per block of
     32 to int8 with a float32 scale, as llama.cpp's Q8_0, and multiplied with the weights' levels in
-    integers; from a few rows up, on a CPU with AMX, on int8 tiles (``backends/cpu/amx_quant.py``).
+    integers; from a few rows up, on a CPU with AMX, on int8 tiles (``backends/cpu/amx_quant.py``), and
+    without them, from :data:`PANEL_MIN_ROWS` rows (3-8) on AVX-512 VNNI, by the panel GEMM
+    (``csrc/quant_panel_avx512.h``: each weight block decoded once per call and reused by every row).
     The result has ``x``'s dtype (float16/bfloat16 ``x`` is converted to float32 and back).
     None: a type, dtype, device or layout it does not handle; use the dequantizing path."""
     qtype = int(qtype)
@@ -151,8 +153,10 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
         rows = x.numel() // cols if cols else 0
         flat = _as(x.reshape(rows, cols), torch.float32)
         out = torch.empty(*x.shape[:-1], raw.shape[0], dtype=torch.float32)
+    amx = False
     if rows >= 2:  # AMX int8 tiles from amx_quant.MIN_ROWS rows, where the CPU has them
         from pluginfer.backends.cpu import amx_quant
+        amx = amx_quant.takes(qtype, 1 << 61)  # this type on the tiles (fewer rows: quant_dot.c's, as before)
         if amx_quant.takes(qtype, rows):
             amx_quant.call(qtype, flat, rows, cols, raw, out)
             recorder = getattr(_state, "recording", None)
@@ -160,8 +164,16 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
                 _record_at(recorder, amx_quant.library().amx_quant_matmul, qtype, flat.data_ptr(), rows, cols,
                            raw.data_ptr(), raw.shape[0], raw.shape[1], out.data_ptr())
             return out if x.dtype == torch.float32 else out.to(x.dtype)
-    status = _lib().quant_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1],
-                                 out.data_ptr())
+    if rows >= PANEL_MIN_ROWS[qtype] and not amx and panel_supported():  # many rows, no AMX tiles: the panel GEMM
+        kernel = library.load().quant_panel_matmul
+        status = kernel(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1], out.data_ptr())
+        recorder = getattr(_state, "recording", None)
+        if recorder is not None and status == 0:
+            _record_at(recorder, kernel, qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0],
+                       raw.shape[1], out.data_ptr())
+    else:
+        status = _lib().quant_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1],
+                                     out.data_ptr())
     if status == -3:
         raise MemoryError("quant_matmul could not allocate its activation buffer")
     if status != 0:  # -2: the columns are not whole blocks filling each row; -4: no kernel on this CPU
@@ -226,6 +238,21 @@ def quant_dot_isa() -> str | None:
     return QUANT_DOT_ISAS.get(library.load().quant_dot_supported())
 
 
+# Rows of x from which ggml_quant_matmul hands a step to the panel GEMM (AVX-512 VNNI, where AMX tiles do not
+# take it), by GGML type: one core, CPU time, 1024 x 1024 and the 0.5B llama's 4864 x 896 and 896 x 4864
+# linears: the panel as fast as quant_dot.c's few-row tiles at 3 rows (Q4_0), 4 (Q4_K, Q6_K), 5-6 (Q8_0),
+# 5-8 (the types decoded per column, then transposed); 1.9-2.2x theirs at 16 rows, 2.5-3.2x at 512.
+PANEL_MIN_ROWS = {2: 3, 8: 6, 12: 4, 14: 4, 3: 8, 6: 8, 7: 8, 13: 8}
+_PANEL: list[bool] = []  # whether this library has the panel GEMM, once asked
+
+
+def panel_supported() -> bool:
+    """Whether the fused matmul's many-row panel GEMM runs here (its AVX-512 VNNI build)."""
+    if not _PANEL:
+        _PANEL.append(library.load().quant_dot_supported() == 1)
+    return _PANEL[0]
+
+
 def quant_dot_supported() -> bool:
     """Whether this CPU runs the fused quantized matmul (AVX-512 VNNI, or AVX2)."""
     return quant_dot_isa() is not None
@@ -242,8 +269,10 @@ def quant_matmul_op() -> Callable | None:
         _log_once(logging.WARNING, "quantized linears: no fused int8-activation kernel for this CPU (it needs "
                                    "AVX2); every step dequantizes tiles for a GEMM")
         return None
+    panel = ("its many-row int8 panel GEMM where AMX tiles do not take a step" if panel_supported() else
+             "no many-row panel GEMM (it needs AVX-512 VNNI): float32 tiles past 128 rows")
     _log_once(logging.INFO, f"quantized linears: fused int8-activation kernel ({quant_dot_isa()}) for Q4_0, "
-                            "Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K")
+                            f"Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; {panel}")
     return ggml_quant_matmul
 
 
@@ -255,6 +284,8 @@ QUANT_TILES_ENV = "PLUGINFER_QUANT_TILES"
 # int8 kernel (amx_quant.py) up to ~128 for Q4_0 and Q4_K (0.92-1.0x at 128, 1.2x at 192) and ~256 for Q8_0
 # (0.94-1.16x at 256, 1.14-1.33x at 384); Q6_K not measured, given Q4_K's.
 QUANT_MATMUL_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 48}
+# Where the panel GEMM runs (AVX-512 VNNI) and tiles would be float32 (no AMX): every step takes the int8 path.
+PANEL_MAX_ROWS = 1 << 40
 # With bfloat16 tiles, for the GGML types the AMX int8 kernel takes (Q4_0, Q8_0, Q4_K, Q6_K).
 AMX_INT8_MAX_ROWS = {2: 128, 8: 256, 12: 128, 14: 128}
 
@@ -263,8 +294,8 @@ def quant_matmul_max_rows(tile_dtype: torch.dtype) -> dict[int, int]:
     """GGML type -> the rows of x up to which ``ggml_blocks.ggml_linear`` takes the fused matmul, where the
     rows above it dequantize tiles to ``tile_dtype``."""
     limit = QUANT_MATMUL_MAX_ROWS[tile_dtype]
-    if tile_dtype == torch.float32:
-        return dict.fromkeys(QUANT_MATMUL_TYPES, limit)
+    if tile_dtype == torch.float32:  # the panel GEMM outruns float32 tiles at every row count (3x at 512)
+        return dict.fromkeys(QUANT_MATMUL_TYPES, PANEL_MAX_ROWS if panel_supported() else limit)
     from pluginfer.backends.cpu import amx_quant
 
     return {qtype: AMX_INT8_MAX_ROWS[qtype] if amx_quant.takes(qtype, AMX_INT8_MAX_ROWS.get(qtype, 0)) else limit

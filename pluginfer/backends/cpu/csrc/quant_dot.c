@@ -1093,3 +1093,14 @@ int quant_dot_quantize(const float *x, int64_t m, int64_t k, int8_t *q, float *d
     return 0;
 }
 #endif
+
+#if defined(QD_AVX512)
+#include "quant_panel_avx512.h"
+#else
+/* The many-row GEMM is AVX-512 VNNI's (quant_panel_avx512.h); elsewhere quant_matmul takes every row count. */
+int quant_panel_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                       float *out) {
+    (void)type, (void)x, (void)m, (void)k, (void)w, (void)n, (void)row_bytes, (void)out;
+    return -4;
+}
+#endif

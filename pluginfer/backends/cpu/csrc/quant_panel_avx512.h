@@ -1,0 +1,404 @@
+/* quant_panel_matmul: y = x W^T for many rows of x on AVX-512 VNNI without AMX, the GEMM of a prefill or a
+ * large batch (quant_dot.c's tiles are for a few rows). Included by quant_dot.c inside its AVX-512 part (it
+ * uses that file's per-type unit decoders T##_prep / T##_decode and quantize_row's rounding).
+ *
+ * The layout of llama.cpp's repacked GEMMs (ggml-cpu/repack.cpp), built per call instead of at load: the
+ * weights of 32 output columns are decoded once per call into an int8 "panel" where one 32-bit lane holds
+ * 4 consecutive levels of one column, so a 512-bit vector holds the same 4 inputs of 16 columns and
+ *     lanes += dpbusd(panel vector, broadcast of 4 int8 activations of one row)
+ * sums a whole block (8 vectors for a block of 32) in int32 per column; then one float step per block:
+ *     acc += (float(lanes) * dx) * dw    (dw: the 16 columns' block scales; + min * dx * sum(x) for types
+ *                                         with a min)
+ * A micro-tile is 4 rows x 32 columns (8 int32 and 8 float32 accumulators), each panel vector reused by the
+ * 4 rows, each broadcast by the 2 vectors. Levels are unsigned with quant_dot.c's offsets (Q4_0 + 8, Q8_0
+ * + 128, ...), the accumulator starting at -offset * (the block's sum of activation levels), so the integer
+ * sums are exact. The panel is decoded per chunk of 1024 inputs (L1-sized), and a chunk's partial sums are
+ * kept in the output between chunks (exact: a float32 store and load). Q6_K takes blocks of 16 (its scales).
+ *
+ * Every output of every row takes the same operations in the same order whatever the rows, tile or thread
+ * count, so a row's result does not depend on the rows batched with it (it differs in float rounding from
+ * quant_dot.c's few-row tiles, which sum lanes of 4 inputs before the blocks' scales).
+ * OpenMP: the rows are quantized in parallel, then the threads split the panels (output columns).
+ */
+
+#define QP_COLS 32    /* columns per panel */
+#define QP_ROWS 4     /* rows per micro-tile */
+#define QP_CHUNK 1024 /* inputs per decoded chunk of a panel */
+
+/* 16 vectors of 16 dwords transposed: out[q] lane c = in[c] lane q. */
+static inline void qp_transpose16(const uint8_t (*in)[64], __m512i *out) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(in[i]);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + q], 128-bit lane L: dword 4L + q of rows 4i .. 4i + 3 */
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int q = 0; q < 4; q++) { /* a 4 x 4 transpose of 128-bit lanes */
+        const __m512i a = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x44), b = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xEE);
+        const __m512i c = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x44);
+        const __m512i d = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xEE);
+        out[q] = _mm512_shuffle_i32x4(a, c, 0x88);
+        out[4 + q] = _mm512_shuffle_i32x4(a, c, 0xDD);
+        out[8 + q] = _mm512_shuffle_i32x4(b, d, 0x88);
+        out[12 + q] = _mm512_shuffle_i32x4(b, d, 0xDD);
+    }
+}
+
+/* KIND 0: the legacy types (a unit of two blocks of 32, one vector); 1: Q4_K / Q5_K (a super-block of 8
+ * blocks, vector j holding blocks k4_pair(j) and + 2); 2: Q6_K (a super-block of 16 blocks of 16, vector j
+ * its blocks 4j .. 4j + 3). Dword q of vector j of unit u: the chunk's block and the dword within it. */
+static inline int qp_block(int kind, int64_t u, int j, int q) {
+    return kind == 0 ? 2 * (int)u + q / 8 : kind == 1 ? 8 * (int)u + k4_pair(j) + 2 * (q / 8) : 16 * (int)u + 4 * j + q / 4;
+}
+
+/* T##_panel: units u0 .. u1 of the nc (<= 32) weight rows at w into a chunk's panel: for its block b, dword
+ * group g, half h (columns 16h ..), 64 bytes at panel + (b * G + g) * 128 + 64 h; scales S[32 b + column],
+ * mins M[32 b + column]. Columns past nc are zero. */
+#define QP_PANEL(T, KIND)                                                                                     \
+    static void T##_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1, int64_t nb, \
+                          uint8_t *panel, float *S, float *M) {                                               \
+        enum { G = (KIND) == 2 ? 4 : 8 };                                                                     \
+        uint8_t wbuf[16][64] __attribute__((aligned(64)));                                                    \
+        float sbuf[16][16] __attribute__((aligned(64))), mbuf[16][16] __attribute__((aligned(64)));           \
+        const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, \
+                                                                   14, 15), _mm512_set1_epi32(16));           \
+        for (int h = 0; h < 2; h++) {                                                                         \
+            const int64_t cols = nc - 16 * h <= 0 ? 0 : nc - 16 * h > 16 ? 16 : nc - 16 * h;                  \
+            for (int64_t u = u0; u < u1; u++) {                                                               \
+                T##_UNIT U[16];                                                                               \
+                for (int64_t c = 0; c < cols; c++) T##_prep(&U[c], w + (16 * h + c) * row_bytes, u, nb);    \
+                for (int j = 0; j < T##_VPU; j++) {                                                           \
+                    for (int64_t c = 0; c < 16; c++) {                                                        \
+                        __m512i wv = _mm512_setzero_si512();                                                  \
+                        __m512 sv = _mm512_setzero_ps(), mv = _mm512_setzero_ps();                            \
+                        if (c < cols) {                                                                       \
+                            T##_decode(&U[c], j, &wv, &sv, &mv);                                             \
+                            if ((KIND) == 1) mv = T##_mins(&U[c]); /* lanes 0-7: the 8 blocks' -dmin * m */  \
+                        }                                                                                     \
+                        _mm512_store_si512(wbuf[c], wv);                                                      \
+                        _mm512_store_ps(sbuf[c], sv);                                                         \
+                        _mm512_store_ps(mbuf[c], mv);                                                         \
+                    }                                                                                         \
+                    __m512i t[16];                                                                            \
+                    qp_transpose16(wbuf, t);                                                                  \
+                    for (int q = 0; q < 16; q++) {                                                            \
+                        const int b = qp_block(KIND, u, j, q), first = qp_block(KIND, u0, 0, 0);              \
+                        const int g = q % G;                                                                  \
+                        if ((KIND) == 0 && b >= nb) break; /* an odd count of blocks: the unit's second is absent */ \
+                        _mm512_store_si512(panel + ((int64_t)(b - first) * G + g) * 128 + 64 * h, t[q]);     \
+                        if (g) continue;                                                                      \
+                        const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(q));                     \
+                        _mm512_store_ps(S + 32 * (b - first) + 16 * h, _mm512_i32gather_ps(at, &sbuf[0][0], 4)); \
+                        const __m512i min_at = (KIND) == 1 ? _mm512_add_epi32(lanes, _mm512_set1_epi32(b % 8)) : at; \
+                        _mm512_store_ps(M + 32 * (b - first) + 16 * h, _mm512_i32gather_ps(min_at, &mbuf[0][0], 4)); \
+                    }                                                                                         \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+
+QP_PANEL(q4_0, 0)
+QP_PANEL(q4_1, 0)
+QP_PANEL(q5_0, 0)
+QP_PANEL(q5_1, 0)
+QP_PANEL(q8_0, 0)
+QP_PANEL(q4_k, 1)
+QP_PANEL(q5_k, 1)
+QP_PANEL(q6_k, 2)
+
+/* The types of llama.cpp's common files decoded straight into the panel, a lane per column: one gather
+ * (vpgatherdd, masked past nc) reads the same 4 bytes of 16 columns' blocks, so no transpose is needed (the
+ * generic T##_panel above decodes per column, then transposes: ~2x the work per weight). */
+static inline __m512i qp_gather(__mmask16 cols, __m512i at, const uint8_t *p) {
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), cols, at, p, 1);
+}
+
+static inline __mmask16 qp_half_mask(int64_t nc, int h) {
+    const int64_t cols = nc - 16 * h <= 0 ? 0 : nc - 16 * h > 16 ? 16 : nc - 16 * h;
+    return (__mmask16)((1u << cols) - 1);
+}
+
+static inline __m512 qp_fp16_low(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+
+#define QP_GATHER_PANEL(T, ...)                                                                               \
+    static void T##_gather_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1,      \
+                                 int64_t nb, uint8_t *panel, float *S, float *M) {                            \
+        (void)nb, (void)M;                                                                                    \
+        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, \
+                                                                 14, 15), _mm512_set1_epi32((int)row_bytes)); \
+        const __m512i low = _mm512_set1_epi8(0x0F);                                                           \
+        for (int h = 0; h < 2; h++) {                                                                         \
+            const __mmask16 cols = qp_half_mask(nc, h);                                                       \
+            const uint8_t *base = w + 16 * h * row_bytes;                                                     \
+            __VA_ARGS__                                                                                       \
+        }                                                                                                     \
+    }
+
+/* Q4_0 block b: qs dword g holds inputs 4g .. 4g + 3 (low nibbles) and 16 + 4g .. (high ones). */
+QP_GATHER_PANEL(q4_0, {
+    const int64_t b0 = 2 * u0, b1 = 2 * u1 < nb ? 2 * u1 : nb;
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *block = base + b * 18;
+        uint8_t *dst = panel + (b - b0) * 8 * 128 + 64 * h;
+        for (int g = 0; g < 4; g++) {
+            const __m512i v = qp_gather(cols, at, block + 2 + 4 * g);
+            _mm512_store_si512(dst + 128 * g, _mm512_and_si512(v, low));
+            _mm512_store_si512(dst + 128 * (g + 4), _mm512_and_si512(_mm512_srli_epi32(v, 4), low));
+        }
+        _mm512_store_ps(S + 32 * (b - b0) + 16 * h, qp_fp16_low(qp_gather(cols, at, block)));
+    }
+})
+
+/* Q8_0 block b: qs dword g, levels + 128 (xor 0x80, as quant_dot.c's offset). */
+QP_GATHER_PANEL(q8_0, {
+    const int64_t b0 = 2 * u0, b1 = 2 * u1 < nb ? 2 * u1 : nb;
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *block = base + b * 34;
+        uint8_t *dst = panel + (b - b0) * 8 * 128 + 64 * h;
+        for (int g = 0; g < 8; g++)
+            _mm512_store_si512(dst + 128 * g, _mm512_xor_si512(qp_gather(cols, at, block + 2 + 4 * g),
+                                                               _mm512_set1_epi8((char)0x80)));
+        _mm512_store_ps(S + 32 * (b - b0) + 16 * h, qp_fp16_low(qp_gather(cols, at, block)));
+    }
+})
+
+/* Q4_K super-block u: qs bytes 32i .. 32i + 31 hold block 2i (low nibbles) and 2i + 1 (high); the 6-bit
+ * scales and mins of get_scale_min_k4 from the 12 bytes q: for i < 4, with a, c, e bytes i of q[0..3],
+ * q[4..7], q[8..11]: scale i = a & 63, min i = c & 63, scale i + 4 = (e & 15) | (a >> 6) << 4,
+ * min i + 4 = (e >> 4) | (c >> 6) << 4; the panel's min is -dmin * min. */
+QP_GATHER_PANEL(q4_k, {
+    const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15), byte = _mm512_set1_epi32(0xFF);
+    for (int64_t u = u0; u < u1; u++) {
+        const uint8_t *block = base + u * 144;
+        uint8_t *dst = panel + (u - u0) * 8 * 8 * 128 + 64 * h;
+        for (int i = 0; i < 4; i++)
+            for (int g = 0; g < 8; g++) {
+                const __m512i v = qp_gather(cols, at, block + 16 + 32 * i + 4 * g);
+                _mm512_store_si512(dst + (2 * i * 8 + g) * 128, _mm512_and_si512(v, low));
+                _mm512_store_si512(dst + ((2 * i + 1) * 8 + g) * 128, _mm512_and_si512(_mm512_srli_epi32(v, 4), low));
+            }
+        const __m512i dm = qp_gather(cols, at, block), q0 = qp_gather(cols, at, block + 4);
+        const __m512i q1 = qp_gather(cols, at, block + 8), q2 = qp_gather(cols, at, block + 12);
+        const __m512 d = qp_fp16_low(dm), dmin = qp_fp16_low(_mm512_srli_epi32(dm, 16));
+        const __m512 neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), dmin);
+        float *s = S + 32 * 8 * (u - u0) + 16 * h, *m = M + 32 * 8 * (u - u0) + 16 * h;
+        for (int i = 0; i < 4; i++) {
+            const __m512i a = _mm512_and_si512(_mm512_srli_epi32(q0, 8 * i), byte);
+            const __m512i c = _mm512_and_si512(_mm512_srli_epi32(q1, 8 * i), byte);
+            const __m512i e = _mm512_and_si512(_mm512_srli_epi32(q2, 8 * i), byte);
+            const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(e, four), _mm512_slli_epi32(_mm512_srli_epi32(a, 6), 4));
+            const __m512i mn_hi = _mm512_or_si512(_mm512_srli_epi32(e, 4), _mm512_slli_epi32(_mm512_srli_epi32(c, 6), 4));
+            _mm512_store_ps(s + 32 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(a, six)), d));
+            _mm512_store_ps(m + 32 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, six)), neg_dmin));
+            _mm512_store_ps(s + 32 * (i + 4), _mm512_mul_ps(_mm512_cvtepi32_ps(sc_hi), d));
+            _mm512_store_ps(m + 32 * (i + 4), _mm512_mul_ps(_mm512_cvtepi32_ps(mn_hi), neg_dmin));
+        }
+    }
+})
+
+/* Q6_K super-block u, half p (128 inputs): ql dwords A (bytes 64p + 4g) and B (+ 32), qh dword Q (128 + 32p +
+ * 4g): inputs 128p + 4g (A low nibbles), + 32 (B low), + 64 (A high), + 96 (B high), their high bit pairs
+ * 0-1, 2-3, 4-5, 6-7 of Q; blocks of 16 with int8 scales (bytes 192 ..), d at 208. */
+QP_GATHER_PANEL(q6_k, {
+    const __m512i pair = _mm512_set1_epi8(3);
+    for (int64_t u = u0; u < u1; u++) {
+        const uint8_t *block = base + u * 210;
+        uint8_t *dst = panel + (u - u0) * 16 * 4 * 128 + 64 * h;
+        for (int p = 0; p < 2; p++)
+            for (int g = 0; g < 8; g++) {
+                const __m512i A = qp_gather(cols, at, block + 64 * p + 4 * g);
+                const __m512i B = qp_gather(cols, at, block + 64 * p + 32 + 4 * g);
+                const __m512i Q = qp_gather(cols, at, block + 128 + 32 * p + 4 * g);
+                const __m512i parts[4] = {_mm512_and_si512(A, low), _mm512_and_si512(B, low),
+                                          _mm512_and_si512(_mm512_srli_epi32(A, 4), low),
+                                          _mm512_and_si512(_mm512_srli_epi32(B, 4), low)};
+                for (int s = 0; s < 4; s++) {
+                    const __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(Q, 2 * s), pair), 4);
+                    const int at_input = 128 * p + 32 * s + 4 * g; /* block at_input / 16, dword (at_input % 16) / 4 */
+                    _mm512_store_si512(dst + (at_input / 4) * 128, _mm512_or_si512(parts[s], high));
+                }
+            }
+        const __m512 d = qp_fp16_low(_mm512_srli_epi32(qp_gather(cols, at, block + 206), 16));
+        float *s = S + 32 * 16 * (u - u0) + 16 * h;
+        for (int i = 0; i < 4; i++) {
+            const __m512i q = qp_gather(cols, at, block + 192 + 4 * i);
+            for (int j = 0; j < 4; j++)
+                _mm512_store_ps(s + 32 * (4 * i + j),
+                                _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(q, 24 - 8 * j), 24))));
+        }
+    }
+})
+
+typedef void (*qp_panel_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, uint8_t *, float *, float *);
+
+static qp_panel_fn qp_panels(int type) {
+    switch (type) {
+    case QD_Q4_0: return q4_0_gather_panel;
+    case QD_Q4_1: return q4_1_panel;
+    case QD_Q5_0: return q5_0_panel;
+    case QD_Q5_1: return q5_1_panel;
+    case QD_Q8_0: return q8_0_gather_panel;
+    case QD_Q4_K: return q4_k_gather_panel;
+    case QD_Q5_K: return q5_k_panel;
+    case QD_Q6_K: return q6_k_gather_panel;
+    default: return 0;
+    }
+}
+
+/* R rows (xq, dx, corr, cs at the chunk's first block of the tile's first row; a row's blocks nbb apart) x
+ * one panel chunk of nbc blocks of 4 G inputs; out's rows ldo apart, columns masked by m0 / m1; first: the
+ * chunk starts the row (the accumulators start at zero, else at out). */
+#define QP_TILE(R, MIN, G)                                                                                    \
+    static void qp_tile_##R##_##MIN##_##G(const uint8_t *panel, const float *S, const float *M, int64_t nbc,   \
+                                          const int8_t *xq, int64_t k, const float *dx, const int32_t *corr,   \
+                                          const float *cs, int64_t nbb, float *out, int64_t ldo, __mmask16 m0, \
+                                          __mmask16 m1, int first) {                                          \
+        __m512 acc[R][2];                                                                                     \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
+            acc[r][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, out + r * ldo);               \
+            acc[r][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, out + r * ldo + 16);          \
+        }                                                                                                     \
+        for (int64_t b = 0; b < nbc; b++) {                                                                   \
+            __m512i s[R][2];                                                                                  \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) s[r][0] = s[r][1] =                           \
+                _mm512_set1_epi32(corr[r * nbb + b]);                                                         \
+            const uint8_t *wp = panel + b * (G) * 128;                                                        \
+            const int8_t *xb = xq + b * 4 * (G);                                                              \
+            _Pragma("GCC unroll 8") for (int g = 0; g < (G); g++) {                                           \
+                const __m512i w0 = _mm512_load_si512(wp + 128 * g), w1 = _mm512_load_si512(wp + 128 * g + 64); \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
+                    int32_t four;                                                                             \
+                    memcpy(&four, xb + r * k + 4 * g, 4);                                                     \
+                    const __m512i x = _mm512_set1_epi32(four);                                                \
+                    s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, x);                                            \
+                    s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, x);                                            \
+                }                                                                                             \
+            }                                                                                                 \
+            const __m512 s0 = _mm512_load_ps(S + 32 * b), s1 = _mm512_load_ps(S + 32 * b + 16);               \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
+                const __m512 d = _mm512_set1_ps(dx[r * nbb + b]);                                             \
+                acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][0]), d), s0, acc[r][0]);    \
+                acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][1]), d), s1, acc[r][1]);    \
+            }                                                                                                 \
+            if (MIN) {                                                                                        \
+                const __m512 n0 = _mm512_load_ps(M + 32 * b), n1 = _mm512_load_ps(M + 32 * b + 16);           \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
+                    const __m512 c = _mm512_set1_ps(cs[r * nbb + b]);                                         \
+                    acc[r][0] = _mm512_fmadd_ps(n0, c, acc[r][0]);                                            \
+                    acc[r][1] = _mm512_fmadd_ps(n1, c, acc[r][1]);                                            \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
+            _mm512_mask_storeu_ps(out + r * ldo, m0, acc[r][0]);                                              \
+            _mm512_mask_storeu_ps(out + r * ldo + 16, m1, acc[r][1]);                                         \
+        }                                                                                                     \
+    }
+
+#define QP_TILES(MIN, G) QP_TILE(1, MIN, G) QP_TILE(2, MIN, G) QP_TILE(3, MIN, G) QP_TILE(4, MIN, G)
+QP_TILES(0, 8)
+QP_TILES(1, 8)
+QP_TILES(0, 4)
+
+typedef void (*qp_tile_fn)(const uint8_t *, const float *, const float *, int64_t, const int8_t *, int64_t,
+                           const float *, const int32_t *, const float *, int64_t, float *, int64_t, __mmask16,
+                           __mmask16, int);
+static const qp_tile_fn qp_tiles_plain[QP_ROWS + 1] = {0, qp_tile_1_0_8, qp_tile_2_0_8, qp_tile_3_0_8, qp_tile_4_0_8};
+static const qp_tile_fn qp_tiles_min[QP_ROWS + 1] = {0, qp_tile_1_1_8, qp_tile_2_1_8, qp_tile_3_1_8, qp_tile_4_1_8};
+static const qp_tile_fn qp_tiles_16[QP_ROWS + 1] = {0, qp_tile_1_0_4, qp_tile_2_0_4, qp_tile_3_0_4, qp_tile_4_0_4};
+
+/* Row x [k] as int8 levels xq [k] (quantize_row's rounding) and per block of blk (32, or 16): the scale dx,
+ * the offset's correction -offset * sum of levels, and for types with a min dx * sum (quant_dot.c's order). */
+static void qp_quantize_row(const float *x, int64_t k, int blk, int offset, int8_t *xq, float *dx, int32_t *corr,
+                            float *cs) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        __m128i q0, q1;
+        int32_t sum;
+        const float d = q8_block_avx512(x + 32 * b, &q0, &q1, &sum);
+        _mm_storeu_si128((__m128i *)(xq + 32 * b), q0);
+        _mm_storeu_si128((__m128i *)(xq + 32 * b + 16), q1);
+        if (blk == 32) {
+            dx[b] = d;
+            corr[b] = -offset * sum;
+            cs[b] = d * (float)sum;
+        } else {
+            const int32_t s0 = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q0));
+            dx[2 * b] = dx[2 * b + 1] = d;
+            corr[2 * b] = -offset * s0;
+            corr[2 * b + 1] = -offset * (sum - s0);
+            cs[2 * b] = cs[2 * b + 1] = 0.0f;
+        }
+    }
+}
+
+/* Weights per unit of T##_prep and the blocks a unit holds. */
+static void qp_unit(int type, int64_t *weights, int *blocks) {
+    if (type == QD_Q4_K || type == QD_Q5_K) *weights = 256, *blocks = 8;
+    else if (type == QD_Q6_K) *weights = 256, *blocks = 16;
+    else *weights = 64, *blocks = 2;
+}
+
+/* out [m][n] = x [m][k] W^T, as quant_matmul (same arguments and statuses). */
+int quant_panel_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
+                       float *out) {
+    int64_t weights, bytes;
+    if (!qd_block(type, &weights, &bytes)) return -1;
+    if (k <= 0 || k % weights || k / weights * bytes != row_bytes) return -2;
+    if (m <= 0 || n <= 0) return 0;
+    const int blk = type == QD_Q6_K ? 16 : 32, offset = qd_offset(type), has_min = qd_has_min(type) != 0;
+    const int64_t nbb = k / blk, nb = k / 32;
+    int64_t unit_weights;
+    int unit_blocks;
+    qp_unit(type, &unit_weights, &unit_blocks);
+    const int64_t units = (k + unit_weights - 1) / unit_weights, chunk_units = QP_CHUNK / unit_weights;
+    const int64_t chunk_blocks = chunk_units * unit_blocks;
+    const size_t xq_bytes = (size_t)((m * k + 63) / 64 * 64), side = (size_t)(m * nbb) * 4;
+    uint8_t *act = qd_rows(xq_bytes + 3 * side);
+    if (!act) return -3;
+    int8_t *xq = (int8_t *)act;
+    float *dx = (float *)(act + xq_bytes), *cs = (float *)(act + xq_bytes + 2 * side);
+    int32_t *corr = (int32_t *)(act + xq_bytes + side);
+    const qp_panel_fn decode = qp_panels(type);
+    const qp_tile_fn *tiles = blk == 16 ? qp_tiles_16 : has_min ? qp_tiles_min : qp_tiles_plain;
+    const int64_t panels = (n + QP_COLS - 1) / QP_COLS;
+    const size_t panel_bytes = (size_t)chunk_blocks * blk * QP_COLS, scale_bytes = (size_t)chunk_blocks * QP_COLS * 4;
+    int failed = 0;
+#pragma omp parallel if (m * n * k > (1 << 16))
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            qp_quantize_row(x + r * k, k, blk, offset, xq + r * k, dx + r * nbb, corr + r * nbb, cs + r * nbb);
+        uint8_t *panel = aligned_alloc(64, panel_bytes + 2 * scale_bytes);
+        if (!panel) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t lo = panels * id / threads, hi = panels * (id + 1) / threads;
+        float *S = (float *)(panel + panel_bytes), *M = (float *)(panel + panel_bytes + scale_bytes);
+        for (int64_t p = lo; panel && p < hi; p++) {
+            const int64_t c0 = p * QP_COLS, nc = n - c0 < QP_COLS ? n - c0 : QP_COLS;
+            const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
+            const __mmask16 m1 = nc >= 32 ? 0xFFFF : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
+            for (int64_t u0 = 0; u0 < units; u0 += chunk_units) {
+                const int64_t u1 = u0 + chunk_units < units ? u0 + chunk_units : units;
+                decode(w + c0 * row_bytes, row_bytes, nc, u0, u1, nb, panel, S, M);
+                const int64_t fb = u0 * unit_blocks;
+                const int64_t nbc = (u1 * unit_blocks < nbb ? u1 * unit_blocks : nbb) - fb;
+                for (int64_t r0 = 0; r0 < m; r0 += QP_ROWS) {
+                    const int64_t rows = m - r0 < QP_ROWS ? m - r0 : QP_ROWS;
+                    tiles[rows](panel, S, M, nbc, xq + r0 * k + fb * blk, k, dx + r0 * nbb + fb,
+                                corr + r0 * nbb + fb, cs + r0 * nbb + fb, nbb, out + r0 * n + c0, n, m0, m1, u0 == 0);
+                }
+            }
+        }
+        free(panel);
+    }
+    return failed ? -3 : 0;
+}
