@@ -96,6 +96,9 @@ class ServerConfig(_Section):
         default_factory=list, description="Hosts whose http(s) image URLs chat requests may name (fetched with a "
                                           "size and time limit); none by default: only base64 data URIs.")
     media_fetch_timeout_s: float = Field(10.0, gt=0, description="Longest wait for one remote image URL.")
+    allowed_local_media_path: str | None = Field(
+        None, description="A directory whose files chat requests may name as file:// image URLs (symlinks "
+                          "resolved, at most 20 MiB); none by default.")
     request_processors: list[str] = Field(
         default_factory=list, description="request_processor plugins run on every chat (and responses) and "
                                           "completions request, in this order; none by default.")

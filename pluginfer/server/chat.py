@@ -90,7 +90,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     server = state.config.server
     try:
         fetched = await fetch_media(processed.messages or [], server.allowed_media_domains,
-                                    server.media_fetch_timeout_s) if accepted else {}
+                                    server.media_fetch_timeout_s, server.allowed_local_media_path) if accepted else {}
         messages, images = extract_images(processed.messages or [], accepted, fetched)
     except ImagePartError as exc:
         raise bad_request(str(exc), exc.part) from None

@@ -1,6 +1,6 @@
 """OpenAI ``image_url`` content parts: base64 data URIs decoded to PIL images, the parts turned into the
-``{"type": "image"}`` placeholders chat templates render. Remote URLs only as bytes fetched beforehand (the
-server fetches those of the hosts it allows)."""
+``{"type": "image"}`` placeholders chat templates render. Remote and file URLs only as bytes fetched beforehand
+(the server reads those of the hosts and the directory it allows)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ class ImagePartError(ValueError):
 
 
 def is_remote(url: object) -> bool:
-    return isinstance(url, str) and url.startswith(("http://", "https://"))
+    """An http(s) or file URL: its bytes come from the server's fetch, never from the request."""
+    return isinstance(url, str) and url.startswith(("http://", "https://", "file:"))
 
 
 def decode_image_url(url: object, part: str, fetched: dict[str, bytes] | None = None) -> Any:
@@ -32,7 +33,8 @@ def decode_image_url(url: object, part: str, fetched: dict[str, bytes] | None = 
         raw = (fetched or {})[url]
     elif is_remote(url):
         raise ImagePartError(part, "remote image URLs are not fetched (unless server.allowed_media_domains names "
-                                   "their host); send the image as a base64 data URI (data:image/png;base64,...)")
+                                   "their host, or server.allowed_local_media_path the directory of a file:// URL); "
+                                   "send the image as a base64 data URI (data:image/png;base64,...)")
     else:
         header, comma, payload = url.partition(",")
         if not url.startswith("data:") or not comma or not header.endswith(";base64"):

@@ -154,6 +154,44 @@ def test_remote_urls_of_allowed_hosts_are_fetched(vision_server, image_host: str
         server.stop()
 
 
+def test_file_urls_are_read_only_under_the_allowed_directory(vision_server, tmp_path: Path) -> None:
+    _, _, _, _, engine, path = vision_server
+    allowed, outside = tmp_path / "media", tmp_path / "private"
+    allowed.mkdir()
+    outside.mkdir()
+    image(40, 40, 5).save(allowed / "cat.png")
+    image(40, 40, 5).save(outside / "cat.png")
+    (allowed / "escape.png").symlink_to(outside / "cat.png")
+    (allowed / "notes.txt").write_text("not an image")
+    server = BackgroundServer(engine, server_config(path, **{"server.allowed_local_media_path": str(allowed)}))
+    plain = BackgroundServer(engine, server_config(path))
+    try:
+        def ask(on: BackgroundServer, url: str) -> tuple[int, dict]:
+            status, _, body = http(on, "POST", "/v1/chat/completions", {
+                "model": MODEL_NAME, "max_tokens": 2, "temperature": 0,
+                "messages": user({"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}})})
+            return status, json.loads(body)
+
+        status, read = ask(server, (allowed / "cat.png").as_uri())
+        assert status == 200
+        assert read["choices"][0]["message"] == ask(server, data_uri(image(40, 40, 5)))[1]["choices"][0]["message"]
+        for on, url, why in [
+            (server, (outside / "cat.png").as_uri(), "outside server.allowed_local_media_path"),
+            (server, f"file://{allowed}/../private/cat.png", "outside server.allowed_local_media_path"),
+            (server, (allowed / "escape.png").as_uri(), "outside server.allowed_local_media_path"),
+            (server, (allowed / "missing.png").as_uri(), "cannot be read"),
+            (server, (allowed / "notes.txt").as_uri(), "not an image"),
+            (server, f"file://example.com{allowed}/cat.png", "not of 'example.com'"),
+            (plain, (allowed / "cat.png").as_uri(), "which is not set"),
+        ]:
+            status, body = ask(on, url)
+            assert status == 400 and why in body["error"]["message"], (url, body)
+            assert body["error"]["param"] == "messages[0].content[1]"
+    finally:
+        server.stop()
+        plain.stop()
+
+
 def test_through_the_engine_core_process(vision_server) -> None:
     """As ``pluginfer serve`` runs it: the request's images cross to the engine core process."""
     from pluginfer.server.core_client import CoreProcessClient
