@@ -217,10 +217,10 @@ def summary_lines() -> list[str]:
     from pluginfer.backends.cpu import library as native_library
 
     lines = []
-    if "info" in native_library._loaded:
-        info = native_library._loaded["info"]
+    if "info" in native_library.loaded_build:
+        info = native_library.loaded_build["info"]
         lines.append(f"native library: loaded ({info.machine}, {'OpenMP' if info.openmp else 'single-threaded'}) "
-                     f"from {native_library._loaded['path']}")
+                     f"from {native_library.loaded_build['path']}")
     else:
         why = native_excused()
         lines.append("native library: not loaded in this run" + (f" ({why})" if why else ""))

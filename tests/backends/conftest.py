@@ -29,7 +29,7 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(request.param)
     # The library links libgomp by soname and torch loaded its own libgomp.so.1 first: one runtime, so
     # torch's setting is the kernels' (omp_get_max_threads resolved through the kernel library's handle).
-    openmp = native_library._loaded["info"].openmp
+    openmp = native_library.loaded_build["info"].openmp
     assert native_library.load().omp_get_max_threads() == (request.param if openmp else 1)
     yield request.param
     torch.set_num_threads(previous)

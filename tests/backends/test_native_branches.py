@@ -44,7 +44,7 @@ def avx512() -> bool:
 
 
 def openmp() -> bool:
-    return native_library._loaded["info"].openmp
+    return native_library.loaded_build["info"].openmp
 
 
 # --------------------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def test_a_16_bit_query_gets_its_result_in_its_dtype() -> None:
 
 
 def test_the_vector_width_is_the_instruction_sets() -> None:
-    features = library._loaded["info"].features
+    features = library.loaded_build["info"].features
     expected = 16 if "avx512f" in features else 8 if "avx2" in features else 1
     assert library.load().kv_quant_attention_width() == expected
 

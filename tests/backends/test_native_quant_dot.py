@@ -96,7 +96,7 @@ def test_kernel_equals_the_int8_reference_for_every_row_count(qtype: GGMLQuantiz
     """37 outputs (not a multiple of the tiles' 2 or 4 outputs, nor of 8 or 16); 3 blocks of 32 (an
     odd count: the last vector holds one block) or 2 super-blocks of 256; rows 1..17 (every tile of
     rows, and 16 + 1)."""
-    openmp = native_library._loaded["info"].openmp
+    openmp = native_library.loaded_build["info"].openmp
     assert native_library.load().quant_dot_max_threads() == (threads if openmp else 1)  # the kernel's OpenMP is torch's
     cols = cols_for(qtype, 2 if GGML_QUANT_SIZES[qtype][0] == 256 else 3)
     raw = weight_bytes(qtype, 37, cols, seed=int(qtype))

@@ -62,6 +62,6 @@ def load_once(cache: list, unavailable: str, available: str, *args, **kwargs) ->
     line: ``unavailable`` with ``{why}`` filled in, or ``available``; later calls give ``cache[0]``."""
     if not cache:
         loaded, why = load(*args, **kwargs)
-        library._log_once(logging.INFO, unavailable.format(why=why) if loaded is None else available)
+        library.log_once(logging.INFO, unavailable.format(why=why) if loaded is None else available)
         cache.append(loaded)
     return cache[0]

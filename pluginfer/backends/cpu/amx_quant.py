@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pluginfer.backends.cpu import amx_library
-from pluginfer.backends.cpu.library import _as
+from pluginfer.backends.cpu.library import contiguous_as
 
 SOURCES = (Path(__file__).with_name("csrc") / "amx_quant.c",)
 ENV = amx_library.ENV
@@ -70,7 +70,7 @@ def quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int) -> t
             or x.shape[-1] != cols):
         return None
     rows = x.numel() // cols if cols else 0
-    flat = _as(x.reshape(rows, cols), torch.float32)
+    flat = contiguous_as(x.reshape(rows, cols), torch.float32)
     out = torch.empty(*x.shape[:-1], raw.shape[0], dtype=torch.float32)
     call(qtype, flat, rows, cols, raw, out)
     return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pluginfer.backends.cpu import half_linear, onednn, ops, panels
-from pluginfer.backends.cpu.library import _log_once
+from pluginfer.backends.cpu.library import log_once
 
 
 class CpuDenseLayouts:
@@ -29,7 +29,7 @@ class CpuDenseLayouts:
         if not self.backend.native_kernels:
             return False
         if ops.op("panel_linear") is None:
-            _log_once(logging.INFO, "float32 linears: no native panel GEMM (it needs AVX-512F); oneDNN's "
+            log_once(logging.INFO, "float32 linears: no native panel GEMM (it needs AVX-512F); oneDNN's "
                                     "prepacked GEMM when batched, MKL's otherwise")
             return False
         return True

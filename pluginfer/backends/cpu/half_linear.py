@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 
 from pluginfer.backends.cpu import amx_half, library, replay
-from pluginfer.backends.cpu.library import _log_once
-from pluginfer.backends.cpu.replay import _lib
+from pluginfer.backends.cpu.library import log_once
+from pluginfer.backends.cpu.replay import native
 
 # What half_linear_supported() returns in C: the instruction set of the 16-bit GEMV.
 HALF_LINEAR_ISAS = {1: "AVX512-BF16", 2: "AVX-512", 3: "AVX2 + F16C"}
@@ -65,10 +65,10 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         bias = bias.contiguous()
     bias_address = bias.data_ptr() if bias is not None else None
     if float_x:
-        status = _lib().half_weight_linear(HALF_LINEAR_DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1],
+        status = native().half_weight_linear(HALF_LINEAR_DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1],
                                            weight.data_ptr(), weight.shape[0], bias_address, out.data_ptr())
     else:
-        status = _lib().half_linear(HALF_LINEAR_DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1],
+        status = native().half_linear(HALF_LINEAR_DTYPES[dtype], flat.data_ptr(), rows, weight.shape[1],
                                     weight.data_ptr(), weight.shape[0], bias_address, out.data_ptr(), int(out_float))
     if status == -3:
         raise MemoryError("half_linear could not allocate its activation buffer")
@@ -86,9 +86,9 @@ def _on_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32 if out_float else dtype)
     args = amx_half.call(dtype, x.reshape(rows, x.shape[-1]).contiguous(), rows, weight,
                          bias.contiguous() if bias is not None else None, out, out_float)
-    recorder = getattr(replay._state, "recording", None)
+    recorder = replay.active_recording()
     if recorder is not None:
-        replay._record_at(recorder, amx_half.library().amx_half_linear, *args, entry="half_linear_at")
+        replay.record_at(recorder, amx_half.library().amx_half_linear, *args, entry="half_linear_at")
     return out
 
 
@@ -99,9 +99,9 @@ def _float_x_on_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
     args = amx_half.call_float_x(weight.dtype, x.reshape(rows, x.shape[-1]).contiguous(), rows, weight,
                                  bias.contiguous() if bias is not None else None, out)
-    recorder = getattr(replay._state, "recording", None)
+    recorder = replay.active_recording()
     if recorder is not None:
-        replay._record_at(recorder, amx_half.library().amx_half_weight_linear, *args, entry="half_linear_at")
+        replay.record_at(recorder, amx_half.library().amx_half_weight_linear, *args, entry="half_linear_at")
     return out
 
 
@@ -109,15 +109,15 @@ def half_linear_op() -> Callable | None:
     """:func:`half_linear` where this CPU runs it, else None; says which, once per process."""
     isa = half_linear_isa()
     if isa is None:
-        _log_once(logging.WARNING, "16-bit linears: no bfloat16/float16 GEMV for this CPU (it needs AVX2 + F16C); "
+        log_once(logging.WARNING, "16-bit linears: no bfloat16/float16 GEMV for this CPU (it needs AVX2 + F16C); "
                                    "torch's matmul")
         return None
     limits = HALF_LINEAR_MAX_ROWS
-    _log_once(logging.INFO, f"16-bit linears: native GEMV ({isa}) up to {limits[torch.bfloat16]} rows of bfloat16 "
+    log_once(logging.INFO, f"16-bit linears: native GEMV ({isa}) up to {limits[torch.bfloat16]} rows of bfloat16 "
                             f"and {limits[torch.float16]} of float16, torch's matmul above")
     if amx_half.library() is not None:
         # its own line: whether AMX bfloat16 tiles take amx_half.MIN_ROWS..MAX_ROWS
-        _log_once(logging.INFO, "float32 activations against 16-bit weights: AMX bfloat16 tiles (x split exactly "
+        log_once(logging.INFO, "float32 activations against 16-bit weights: AMX bfloat16 tiles (x split exactly "
                                 "in three bfloat16) from "
                                 + ", ".join(f"{amx_half.FLOAT_X_MIN_ROWS[d]} to {amx_half.FLOAT_X_MAX_ROWS[d]} rows "
                                             f"of {str(d)[6:]}" for d in amx_half.DTYPES)

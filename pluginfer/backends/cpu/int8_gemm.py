@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from pluginfer.backends.cpu import build, library
-from pluginfer.backends.cpu.replay import _state
+from pluginfer.backends.cpu.replay import active_recording
 
 SOURCES = (Path(__file__).with_name("csrc") / "int8_gemm.c",)
 ISAS = {3: "AVX-512 VNNI", 2: "AVX-VNNI", 1: "AVX2", 0: "portable C"}  # int8_gemm_isa()'s answers
@@ -44,9 +44,9 @@ def load() -> ctypes.CDLL | None:
         for name, (restype, argtypes) in SIGNATURES.items():
             function = getattr(loaded, name)
             function.restype, function.argtypes = restype, argtypes
-        library._log_once(logging.INFO, f"W8A8 int8 GEMM: {ISAS[loaded.int8_gemm_isa()]}")
+        library.log_once(logging.INFO, f"W8A8 int8 GEMM: {ISAS[loaded.int8_gemm_isa()]}")
     except (build.NativeKernelsUnavailable, OSError) as exc:
-        library._log_once(logging.WARNING, f"W8A8 int8 GEMM not built ({exc}); W8A8 linears take the torch "
+        library.log_once(logging.WARNING, f"W8A8 int8 GEMM not built ({exc}); W8A8 linears take the torch "
                                            f"reference path (float64 matmul of the levels)")
     _loaded.append(loaded)
     return loaded
@@ -85,14 +85,14 @@ def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tenso
     if packed.shape != (-(-out_features // 16), lib.int8_gemm_packed_bytes(1, k)):
         raise ValueError(f"w8a8_linear: packed weights {tuple(packed.shape)} are not {out_features} outputs of "
                          f"{k} inputs")
-    recorder = getattr(_state, "recording", None)
+    recorder = active_recording()
     if recorder is not None:
         # a step recording cannot replay this library's kernel: the step runs eagerly
         recorder.refuse("native int8_gemm has no replay entry")
     rows = x.numel() // k if k else 0
-    flat = library._as(x.reshape(rows, k), torch.float32)
-    scale = library._as(weight_scale, torch.float32)
-    bias32 = None if bias is None else library._as(bias, torch.float32)
+    flat = library.contiguous_as(x.reshape(rows, k), torch.float32)
+    scale = library.contiguous_as(weight_scale, torch.float32)
+    bias32 = None if bias is None else library.contiguous_as(bias, torch.float32)
     out = torch.empty(rows, out_features, dtype=torch.float32)
     status = lib.int8_gemm(flat.data_ptr(), rows, k, packed.data_ptr(), out_features, scale.data_ptr(),
                            None if bias32 is None else bias32.data_ptr(), out.data_ptr())
@@ -107,7 +107,7 @@ def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tenso
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's activation quantization alone (for tests): float32 ``[m, k]`` -> (int8 levels ``[m, k]``,
     float32 scales ``[m]``)."""
-    x = library._as(x, torch.float32)
+    x = library.contiguous_as(x, torch.float32)
     m, k = x.shape
     lib = load()
     padded = -(-k // 4) * 4

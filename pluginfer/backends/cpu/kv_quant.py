@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from pluginfer.backends.cpu.library import _as
-from pluginfer.backends.cpu.replay import _lib
+from pluginfer.backends.cpu.library import contiguous_as
+from pluginfer.backends.cpu.replay import native
 from pluginfer.layers import kv_quant
 
 # The C kernels' code for each quantized cache dtype.
@@ -25,12 +25,12 @@ def write(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor,
     x = x if x.dtype == torch.float32 else x.contiguous().float()
     if x.stride()[1:] != (dim, 1):
         x = x.contiguous()
-    slots = _as(slot_mapping, torch.int64)
-    fixed = None if fixed_scales is None else _as(fixed_scales, torch.float32)
+    slots = contiguous_as(slot_mapping, torch.int64)
+    fixed = None if fixed_scales is None else contiguous_as(fixed_scales, torch.float32)
     if not cache.is_contiguous() or cache.shape[2:] != (heads, dim + kv_quant.SCALE_BYTES):
         raise ValueError(f"kv_quantize_rows: a contiguous cache of rows [{heads}, {dim + kv_quant.SCALE_BYTES}], "
                          f"got {tuple(cache.shape)}")
-    _lib().kv_quantize_rows(x.data_ptr(), tokens, heads, dim, x.stride(0), slots.data_ptr(),
+    native().kv_quantize_rows(x.data_ptr(), tokens, heads, dim, x.stride(0), slots.data_ptr(),
                             fixed.data_ptr() if fixed is not None else None, cache.data_ptr(), KINDS[cache.dtype])
 
 
@@ -45,11 +45,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     tokens, heads, head_dim = query.shape
     _, block_size, kv_heads, v_row = value_cache.shape
     v_dim = v_row - kv_quant.SCALE_BYTES
-    q = _as(query if query.dtype == torch.float32 else query.contiguous(), torch.float32)
-    tables, starts, lens = (_as(block_tables, torch.int64), _as(query_start_loc, torch.int64),
-                            _as(seq_lens, torch.int64))
+    q = contiguous_as(query if query.dtype == torch.float32 else query.contiguous(), torch.float32)
+    tables, starts, lens = (contiguous_as(block_tables, torch.int64), contiguous_as(query_start_loc, torch.int64),
+                            contiguous_as(seq_lens, torch.int64))
     out = torch.empty(tokens, heads, v_dim, dtype=torch.float32)
-    status = _lib().paged_attention_quantized(
+    status = native().paged_attention_quantized(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(),
         lens.data_ptr(), out.data_ptr(), lens.shape[0], heads, kv_heads, head_dim, v_dim, block_size,
         tables.shape[1], scale, sliding_window or 0, soft_cap or 0.0, KINDS[key_cache.dtype])

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from pluginfer.backends.cpu.library import HALF_CODES, _as, _fits, _fits_half
-from pluginfer.backends.cpu.replay import _lib
+from pluginfer.backends.cpu.library import HALF_CODES, contiguous_as, fits_f32, fits_half
+from pluginfer.backends.cpu.replay import native
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -22,13 +22,13 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if half is not None:
         return _paged_decode_attention_16(query, key_cache, value_cache, block_tables, seq_lens, scale,
                                           sliding_window, soft_cap, half)
-    query, block_tables, seq_lens = _as(query, torch.float32), _as(block_tables, torch.int64), _as(seq_lens, torch.int64)
-    if not (_fits(key_cache) and _fits(value_cache)):
+    query, block_tables, seq_lens = contiguous_as(query, torch.float32), contiguous_as(block_tables, torch.int64), contiguous_as(seq_lens, torch.int64)
+    if not (fits_f32(key_cache) and fits_f32(value_cache)):
         raise ValueError("paged_decode_attention needs contiguous float32 key and value caches")
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, v_dim = value_cache.shape
     out = torch.empty(num_seqs, num_heads, v_dim, dtype=torch.float32)
-    status = _lib().paged_decode_attention(
+    status = native().paged_decode_attention(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, v_dim, block_size,
         block_tables.shape[1], scale, sliding_window or 0, soft_cap or 0.0,
@@ -43,14 +43,14 @@ def _paged_decode_attention_16(query: torch.Tensor, key_cache: torch.Tensor, val
                                sliding_window: int | None, soft_cap: float | None, half: int) -> torch.Tensor:
     dtype = key_cache.dtype
     io_dtype = torch.float32 if query.dtype == torch.float32 else dtype  # float32: the kv16 kernel
-    query, block_tables, seq_lens = _as(query, io_dtype), _as(block_tables, torch.int64), _as(seq_lens, torch.int64)
+    query, block_tables, seq_lens = contiguous_as(query, io_dtype), contiguous_as(block_tables, torch.int64), contiguous_as(seq_lens, torch.int64)
     if value_cache.dtype != dtype or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError(f"paged_decode_attention needs contiguous key and value caches of one dtype, got "
                          f"{key_cache.dtype} and {value_cache.dtype}")
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, v_dim = value_cache.shape
     out = torch.empty(num_seqs, num_heads, v_dim, dtype=io_dtype)
-    kernel = _lib().paged_decode_attention_kv16 if io_dtype == torch.float32 else _lib().paged_decode_attention_16
+    kernel = native().paged_decode_attention_kv16 if io_dtype == torch.float32 else native().paged_decode_attention_16
     status = kernel(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, v_dim, block_size,
@@ -66,17 +66,17 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     """Fused (residual add +) RMSNorm; updates ``residual`` in place. None: use the torch path."""
     if x.dtype != torch.float32:
         # float16/bfloat16: rounded where layers/norm.py's reference rounds
-        half = _fits_half(x.dtype, x, weight) if residual is None else _fits_half(x.dtype, x, weight, residual)
+        half = fits_half(x.dtype, x, weight) if residual is None else fits_half(x.dtype, x, weight, residual)
         if half is None:
             return None
         out = torch.empty_like(x)
-        _lib().rms_norm_16(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+        native().rms_norm_16(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                            out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, offset, half)
         return out
-    if not (_fits(x) and _fits(weight)) or (residual is not None and not _fits(residual)):
+    if not (fits_f32(x) and fits_f32(weight)) or (residual is not None and not fits_f32(residual)):
         return None
     out = torch.empty_like(x)
-    _lib().rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+    native().rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                     out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, offset)
     return out
 
@@ -85,17 +85,17 @@ def _gated_and_mul(x: torch.Tensor, kernel: str) -> torch.Tensor | None:
     """``activation(x[:, :n]) * x[:, n:]`` by the float32 ``kernel`` of csrc/activation.c, or for float16/bfloat16
     its ``kernel_16`` (rounded where torch's ``activation(gate) * up`` rounds). None: use the torch path."""
     if x.dtype != torch.float32:
-        half = _fits_half(x.dtype, x)
+        half = fits_half(x.dtype, x)
         if half is None:
             return None
         kernel, extra = kernel + "_16", (half,)
-    elif not _fits(x):
+    elif not fits_f32(x):
         return None
     else:
         extra = ()
     n = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], n)
-    getattr(_lib(), kernel)(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n, *extra)
+    getattr(native(), kernel)(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], n, *extra)
     return out
 
 
@@ -115,15 +115,15 @@ def rotary_neox(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: 
     """Rotate q ``[tokens, heads, dim]`` and k in place (rows may be strided), float32 or float16/bfloat16 (in
     float32 with the float32 cos/sin, rounded once). False: use the torch path."""
     half = HALF_CODES.get(query.dtype)
-    if half is not None and key.dtype == query.dtype and _fits(cos) and _fits(sin) \
+    if half is not None and key.dtype == query.dtype and fits_f32(cos) and fits_f32(sin) \
             and query.stride()[1:] == (query.shape[2], 1) and key.stride()[1:] == (key.shape[2], 1):
-        _lib().rotary_neox_16(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.shape[0],
+        native().rotary_neox_16(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.shape[0],
                               query.shape[1], key.shape[1], query.shape[2], rotary_dim, query.stride(0),
                               key.stride(0), half)
         return True
-    if not (query.dtype == key.dtype == torch.float32 and _fits(cos) and _fits(sin)
+    if not (query.dtype == key.dtype == torch.float32 and fits_f32(cos) and fits_f32(sin)
             and query.stride()[1:] == (query.shape[2], 1) and key.stride()[1:] == (key.shape[2], 1)):
         return False
-    _lib().rotary_neox(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.shape[0],
+    native().rotary_neox(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.shape[0],
                        query.shape[1], key.shape[1], query.shape[2], rotary_dim, query.stride(0), key.stride(0))
     return True

@@ -86,17 +86,17 @@ def load() -> ctypes.CDLL:
     if os.environ.get("PLUGINFER_NATIVE", "1") == "0":
         raise NativeKernelsUnavailable("disabled by PLUGINFER_NATIVE=0")
     library, info, path = build_library("cpu_kernels", SOURCES)
-    _loaded.update(info=info, path=path)
+    loaded_build.update(info=info, path=path)
     for name, (restype, argtypes) in SIGNATURES.items():
         function = getattr(library, name)
         function.restype, function.argtypes = restype, argtypes
     return library
 
 
-_loaded: dict = {}  # the BuildInfo and path of the library load() returned last
+loaded_build: dict = {}  # "info" and "path": the BuildInfo and path of the library load() returned last
 
 
-def _fits_half(dtype: torch.dtype, *tensors: torch.Tensor) -> int | None:
+def fits_half(dtype: torch.dtype, *tensors: torch.Tensor) -> int | None:
     """The kernel's code for 16-bit ``dtype`` when every tensor has it and is contiguous, else None."""
     half = HALF_CODES.get(dtype)
     for tensor in tensors:
@@ -105,7 +105,7 @@ def _fits_half(dtype: torch.dtype, *tensors: torch.Tensor) -> int | None:
     return half
 
 
-def _fits(*tensors: torch.Tensor) -> bool:
+def fits_f32(*tensors: torch.Tensor) -> bool:
     """Every tensor float32 and contiguous (a plain loop: these checks run several times per layer and step)."""
     for tensor in tensors:
         if tensor.dtype != torch.float32 or not tensor.is_contiguous():
@@ -113,7 +113,7 @@ def _fits(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def contiguous_as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` in ``dtype`` and contiguous, the tensor itself when it is already (no call otherwise)."""
     if tensor.dtype != dtype:
         tensor = tensor.to(dtype)
@@ -123,7 +123,8 @@ def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 _logged: set[str] = set()
 
 
-def _log_once(level: int, message: str) -> None:
+def log_once(level: int, message: str) -> None:
+    """Log ``message`` at ``level`` the first time this process sees it, never again."""
     if message not in _logged:
         _logged.add(message)
         logger.log(level, message)

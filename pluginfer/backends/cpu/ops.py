@@ -61,7 +61,7 @@ def report() -> str:
     reason = available()
     if reason is not None:
         return f"native kernels: not loaded ({reason}); torch path"
-    loaded, info = library.load(), library._loaded["info"]
+    loaded, info = library.load(), library.loaded_build["info"]
     isa = "AVX-512" if loaded.panel_linear_supported() else info.machine
     fused_isa = quant.QUANT_DOT_ISAS.get(loaded.quant_dot_supported())
     fused = f"int8 GGML matmul ({fused_isa})" if fused_isa else "no fused int8 GGML matmul"
@@ -70,7 +70,7 @@ def report() -> str:
     mode, source = quant.quant_activations()
     fused += f"; GGUF linears take {mode} activations ({source}; --quant-activations int8 or float)"
     threads = "OpenMP" if info.openmp else "single-threaded (no OpenMP)"
-    path = library._loaded["path"]
+    path = library.loaded_build["path"]
     return (f"native kernels: loaded for {info.machine} {isa} (attention, norms, rotary, dequantization"
             f"{', panel GEMM' if isa == 'AVX-512' else ''}; {fused}), {threads}, from {path}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pluginfer.backends.cpu import library
-from pluginfer.backends.cpu.replay import _lib
+from pluginfer.backends.cpu.replay import native
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     weight = weight.contiguous()
     padded = library.load().panel_padded_outputs(out_features)
     packed = torch.empty(padded // 16, in_features, 16, dtype=torch.float32)
-    _lib().pack_panels(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+    native().pack_panels(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
     return packed
 
 
@@ -34,7 +34,7 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     out = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    if rows and _lib().panel_linear(flat.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+    if rows and native().panel_linear(flat.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
                                     out.data_ptr(), rows, out_features, in_features):
         raise MemoryError("panel_linear could not allocate its row buffer")
     return out

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 
 from pluginfer.backends.cpu import amx_library, build, library
-from pluginfer.backends.cpu.library import _as, _log_once
-from pluginfer.backends.cpu.replay import _lib, _record_at, _state
+from pluginfer.backends.cpu.library import contiguous_as, log_once
+from pluginfer.backends.cpu.replay import active_recording, native, record_at
 from pluginfer.core.config import QUANT_ACTIVATIONS_ENV  # noqa: F401 - read here by the tests
 from pluginfer.core.config import quant_activations as resolve_quant_activations
 
@@ -52,7 +52,7 @@ def ggml_dequantize(raw: torch.Tensor, qtype: int, cols: int, out: torch.Tensor 
     if qtype not in GGML_DEQUANTIZABLE or raw.dtype != torch.uint8 or not raw.is_contiguous():
         return None
     out = _output(out, rows, cols, "ggml_dequantize", dtype)
-    kernel = _lib().ggml_dequantize_rows if out.dtype == torch.float32 else _lib().ggml_dequantize_rows_bf16
+    kernel = native().ggml_dequantize_rows if out.dtype == torch.float32 else native().ggml_dequantize_rows_bf16
     status = kernel(qtype, raw.data_ptr(), rows, raw.shape[1], cols, out.data_ptr())
     if status != 0:  # the columns are not whole blocks filling each row
         raise ValueError(f"ggml_dequantize: {cols} columns of GGML type {qtype} do not fit rows of "
@@ -86,7 +86,7 @@ def grouped_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torc
             or not 0 <= start < stop <= qweight.shape[1] or qzeros.shape[1] * pack < stop):
         return None
     out = _output(out, in_features, rows, "grouped_dequantize", dtype)
-    status = _lib().grouped_dequantize(
+    status = native().grouped_dequantize(
         bits, qweight.data_ptr(), qzeros.data_ptr(), scales.data_ptr(), SCALE_TYPES[scales.dtype],
         g_idx.data_ptr() if g_idx is not None else None, in_features, qweight.shape[1], groups, qzeros.shape[1],
         start, stop, out.data_ptr(), int(out.dtype == torch.bfloat16))
@@ -111,7 +111,7 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
             or in_features % scales.shape[1] or (in_features // scales.shape[1]) % 2):
         return None
     out = _output(out, rows, in_features, "int4_dequantize", dtype)
-    _lib().int4_dequantize_rows(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), rows, in_features,
+    native().int4_dequantize_rows(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), rows, in_features,
                                 in_features // scales.shape[1], out.data_ptr(), int(out.dtype == torch.bfloat16))
     return out
 
@@ -147,11 +147,11 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
         return None
     if x.dim() == 2:  # the engine's flat [tokens, features]
         rows = x.shape[0]
-        flat = _as(x, torch.float32)
+        flat = contiguous_as(x, torch.float32)
         out = torch.empty((rows, raw.shape[0]), dtype=torch.float32)
     else:
         rows = x.numel() // cols if cols else 0
-        flat = _as(x.reshape(rows, cols), torch.float32)
+        flat = contiguous_as(x.reshape(rows, cols), torch.float32)
         out = torch.empty(*x.shape[:-1], raw.shape[0], dtype=torch.float32)
     amx = False
     if rows >= 2:  # AMX int8 tiles from amx_quant.MIN_ROWS rows, where the CPU has them
@@ -159,20 +159,20 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
         amx = amx_quant.takes(qtype, 1 << 61)  # this type on the tiles (fewer rows: quant_dot.c's, as before)
         if amx_quant.takes(qtype, rows):
             amx_quant.call(qtype, flat, rows, cols, raw, out)
-            recorder = getattr(_state, "recording", None)
+            recorder = active_recording()
             if recorder is not None:  # the tiles' kernel lives in its own library: replayed through its address
-                _record_at(recorder, amx_quant.library().amx_quant_matmul, qtype, flat.data_ptr(), rows, cols,
+                record_at(recorder, amx_quant.library().amx_quant_matmul, qtype, flat.data_ptr(), rows, cols,
                            raw.data_ptr(), raw.shape[0], raw.shape[1], out.data_ptr())
             return out if x.dtype == torch.float32 else out.to(x.dtype)
     if rows >= PANEL_MIN_ROWS[qtype] and not amx and panel_supported():  # many rows, no AMX tiles: the panel GEMM
         kernel = library.load().quant_panel_matmul
         status = kernel(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1], out.data_ptr())
-        recorder = getattr(_state, "recording", None)
+        recorder = active_recording()
         if recorder is not None and status == 0:
-            _record_at(recorder, kernel, qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0],
+            record_at(recorder, kernel, qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0],
                        raw.shape[1], out.data_ptr())
     else:
-        status = _lib().quant_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1],
+        status = native().quant_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1],
                                      out.data_ptr())
     if status == -3:
         raise MemoryError("quant_matmul could not allocate its activation buffer")
@@ -189,7 +189,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     levels = torch.empty(rows, cols, dtype=torch.int8)
     scales = torch.empty(rows, cols // 32, dtype=torch.float32)
-    status = _lib().quant_dot_quantize(x.data_ptr(), rows, cols, levels.data_ptr(), scales.data_ptr())
+    status = native().quant_dot_quantize(x.data_ptr(), rows, cols, levels.data_ptr(), scales.data_ptr())
     if status != 0:
         raise ValueError(f"quantize_activations: status {status} for shape {tuple(x.shape)}")
     return levels, scales
@@ -263,15 +263,15 @@ def quant_matmul_op() -> Callable | None:
     ``float``; else None. Says which, once per process."""
     mode, source = quant_activations()
     if mode == "float":
-        _log_once(logging.INFO, f"quantized linears: {source}=float, float32 activations against dequantized tiles")
+        log_once(logging.INFO, f"quantized linears: {source}=float, float32 activations against dequantized tiles")
         return None
     if not quant_dot_supported():
-        _log_once(logging.WARNING, "quantized linears: no fused int8-activation kernel for this CPU (it needs "
+        log_once(logging.WARNING, "quantized linears: no fused int8-activation kernel for this CPU (it needs "
                                    "AVX2); every step dequantizes tiles for a GEMM")
         return None
     panel = ("its many-row int8 panel GEMM where AMX tiles do not take a step" if panel_supported() else
              "no many-row panel GEMM (it needs AVX-512 VNNI): float32 tiles past 128 rows")
-    _log_once(logging.INFO, f"quantized linears: fused int8-activation kernel ({quant_dot_isa()}) for Q4_0, "
+    log_once(logging.INFO, f"quantized linears: fused int8-activation kernel ({quant_dot_isa()}) for Q4_0, "
                             f"Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; {panel}")
     return ggml_quant_matmul
 
@@ -324,10 +324,10 @@ def tile_dtype() -> torch.dtype:
     if mode == "float32" or (mode == "auto" and not bfloat16_gemm_is_fast()):
         why = (f"{QUANT_TILES_ENV}=float32" if mode == "float32" else
                f"{amx_library.ENV}=0" if not amx_library.enabled() else "no AMX-BF16 for torch's bfloat16 GEMM")
-        _log_once(logging.INFO, f"quantized linears: tiles dequantized to float32 for torch's float32 GEMM ({why})")
+        log_once(logging.INFO, f"quantized linears: tiles dequantized to float32 for torch's float32 GEMM ({why})")
         return torch.float32
     why = f"{QUANT_TILES_ENV}=bfloat16" if mode == "bfloat16" else "AMX-BF16"
-    _log_once(logging.INFO, f"quantized linears: tiles dequantized to bfloat16 for torch's bfloat16 GEMM ({why}), "
+    log_once(logging.INFO, f"quantized linears: tiles dequantized to bfloat16 for torch's bfloat16 GEMM ({why}), "
                             f"from {TILE_DTYPE_MIN_ROWS[torch.bfloat16]} rows and past the fused kernel's "
                             f"{QUANT_MATMUL_MAX_ROWS[torch.bfloat16]} (128-256 on AMX int8 tiles); "
                             f"{QUANT_TILES_ENV}=float32 keeps float32 tiles")

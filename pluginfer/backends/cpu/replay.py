@@ -1,5 +1,5 @@
 """Step recording: the native calls of one eager step noted as a program that ``csrc/step_replay.c`` runs
-again in one C call (``step_replay.py``), and the library as the wrappers reach it (:func:`_lib`).
+again in one C call (``step_replay.py``), and the library as the wrappers reach it (:func:`native`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from pluginfer.backends.cpu import library
-from pluginfer.backends.cpu.library import REPLAY_SIGNATURES, SIGNATURES, _f32, _pointer
+from pluginfer.backends.cpu.library import REPLAY_SIGNATURES, SIGNATURES
 
 # Kernels a recorded step may call, by their code in csrc/step_replay.c (its enum, in this order).
 REPLAY_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_neox", "ggml_dequantize_rows",
@@ -48,7 +48,7 @@ class StepRecording:
         if code is None:
             self.refuse(f"native {name} has no replay entry")
             return
-        packed = [struct.unpack("<q", struct.pack("<d", value))[0] if kind is _f32 else int(value or 0)
+        packed = [struct.unpack("<q", struct.pack("<d", value))[0] if kind is ctypes.c_float else int(value or 0)
                   for value, kind in zip(args, (SIGNATURES.get(name) or REPLAY_SIGNATURES[name])[1], strict=True)]
         self.program += [code, len(packed), *packed]
         self.names.append(name)
@@ -68,8 +68,13 @@ class StepRecording:
 _state = threading.local()
 
 
-def _lib() -> ctypes.CDLL | StepRecording:
-    """The library, or this thread's active recording in front of it."""
+def active_recording() -> StepRecording | None:
+    """This thread's active recording, or None."""
+    return getattr(_state, "recording", None)
+
+
+def native() -> ctypes.CDLL | StepRecording:
+    """The library, or this thread's active recording in front of it (every kernel wrapper calls through this)."""
     recorder = getattr(_state, "recording", None)
     return library.load() if recorder is None else recorder
 
@@ -108,12 +113,12 @@ class StepProgram:
                                f"{self._status.value}")
 
 
-def _record_at(recorder: StepRecording, kernel: object, *args: object, entry: str = "quant_matmul_at") -> None:
+def record_at(recorder: StepRecording, kernel: object, *args: object, entry: str = "quant_matmul_at") -> None:
     """Note a call of another library's ctypes function as ``entry``: of quant_matmul's signature
     (``quant_matmul_at``) or of half_linear's (``half_linear_at``); its address, then its arguments. Anything
     else in its place (not a C function) refuses the recording."""
     try:
-        address = ctypes.cast(kernel, _pointer).value
+        address = ctypes.cast(kernel, ctypes.c_void_p).value
     except (ctypes.ArgumentError, TypeError):
         recorder.refuse(f"{kernel!r} is not a C function a replay can call")
         return
