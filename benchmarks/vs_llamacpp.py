@@ -33,6 +33,12 @@ time (and a second thread waits at every barrier), while the CPU time of one thr
 
 ``--plot FILE.png`` draws decode tokens/s against batch size, ours and llama.cpp's, one colour per file
 (needs matplotlib).
+
+``--nll N`` also compares accuracy on each file: N tokens of the demo corpus (tokenized by the file's tokenizer)
+in one prefill, both engines with float32 KV caches; printed: both mean NLLs, the largest logit difference, the
+logits' spread and how often both pick the same top-1 token. With random weights the logits are nearly flat and
+NLL sits near log(vocab) for both; the logit difference and top-1 agreement are the sharper comparison.
+``--runs 0 --nll N`` compares accuracy only.
 """
 
 from __future__ import annotations
@@ -208,6 +214,49 @@ def plot(path: Path, rates: dict[str, dict[str, dict[int, float]]], title: str) 
     plt.close(fig)
 
 
+def ours_logits(path: Path, prompt: list[int]) -> torch.Tensor:
+    from pluginfer import LLM
+    from pluginfer.testing.model_contract import prefill_logits
+
+    llm = LLM(model=str(path), max_model_len=len(prompt) + 16, enable_prefix_caching=False,
+              max_num_batched_tokens=max(2048, len(prompt)))
+    return prefill_logits(llm, prompt)
+
+
+def llama_cpp_logits(path: Path, prompt: list[int], threads: int) -> torch.Tensor:
+    import llama_cpp
+
+    # type_k / type_v 0 (GGML_TYPE_F32): a float32 KV cache as ours; its default F16 cache alone moves logits.
+    model = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + 16, n_batch=len(prompt), n_ubatch=len(prompt),
+                            logits_all=True, verbose=False, n_threads=threads, n_threads_batch=threads,
+                            type_k=0, type_v=0)
+    model.eval(prompt)
+    return torch.tensor(np.array(model.scores[: len(prompt)]), dtype=torch.float32)
+
+
+def compare_nll(files: dict[str, Path], tokens: int, threads: int) -> None:
+    """Mean NLL and logits of the demo corpus's first ``tokens`` tokens, ours against llama.cpp, per file."""
+    import math
+
+    from pluginfer.demo.tokenizer import CORPUS_PATH
+    from pluginfer.formats.gguf.reader import GGUFFile
+    from pluginfer.formats.gguf.tokenizer import build_gguf_tokenizer
+
+    tokenizer = build_gguf_tokenizer(GGUFFile(next(iter(files.values()))))
+    prompt = tokenizer.encode(CORPUS_PATH.read_text(encoding="utf-8"))[:tokens]
+    target = torch.tensor(prompt[1:])
+    print(f"accuracy: {len(prompt)} tokens of the demo corpus in one prefill (log vocab "
+          f"{math.log(len(tokenizer)):.4f})")
+    print("format  | NLL ours | NLL llama.cpp | rel diff | max |logit diff| | logit std | top-1 agree")
+    for name, path in files.items():
+        ours, theirs = ours_logits(path, prompt), llama_cpp_logits(path, prompt, threads)
+        nll_ours, nll_theirs = (torch.nn.functional.cross_entropy(x[:-1].double(), target).item()
+                                for x in (ours, theirs))
+        agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+        print(f"{name:7} | {nll_ours:8.4f} | {nll_theirs:13.4f} | {(nll_ours - nll_theirs) / nll_theirs:+8.2%} | "
+              f"{(ours - theirs).abs().max().item():19.4f} | {theirs.std().item():9.4f} | {agree:11.1%}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=24)
@@ -218,7 +267,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per engine (0: no timing, with --nll)")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the model and files here between runs")
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"],
                         choices=["auto", "float32", "float16", "bfloat16"],
@@ -230,11 +279,15 @@ def main() -> None:
                         help="decode batch sizes to time (sequences decoded together)")
     parser.add_argument("--no-amx", action="store_true",
                         help="our engine with PLUGINFER_AMX=0 against a llama.cpp built without AMX (checked)")
+    parser.add_argument("--nll", type=int, default=0, metavar="TOKENS",
+                        help="also compare mean NLL and logits on this many tokens of the demo corpus")
     parser.add_argument("--plot", type=Path, default=None,
                         help="write a PNG of decode tokens/s against batch size, ours and llama.cpp's (matplotlib)")
     args = parser.parse_args()
     if min(args.batch_sizes) < 1:
         parser.error("--batch-sizes must be positive")
+    if args.runs < 0 or args.nll < 0 or args.runs == 0 and not args.nll:
+        parser.error("--runs must be positive (or 0 with --nll TOKENS), --nll not negative")
     if args.plot is not None:
         import matplotlib  # noqa: F401 - fail before the runs, not after them
     if args.no_amx:
@@ -255,41 +308,49 @@ def main() -> None:
         if not (model_dir / "config.json").exists():
             build_checkpoint(model_dir, args)
         files = write_files(model_dir, root, args.formats)
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(10, args.vocab - 10, 128).tolist() for _ in range(max(args.batch_sizes))]
-        long_prompt = rng.integers(10, args.vocab - 10, 512).tolist()
-        bandwidth = memory_bandwidth("cpu", torch.float32)
-        print(f"llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.threads} threads; "
-              f"{'no AMX (PLUGINFER_AMX=0, llama.cpp without AMX); ' if args.no_amx else ''}"
-              f"read bandwidth {bandwidth / 1e9:.1f} GB/s; timed by {'CPU time' if args.cpu_time else 'wall clock'}")
-        measures = [*args.batch_sizes, "prefill"]
-        print("format   file MB  bound b1 | " + " | ".join(f"batch-{b} tok/s" for b in args.batch_sizes)
-              + " | prefill-512 tok/s   (each: ours / llama.cpp (ratio))")
-        rates: dict[str, dict[str, dict[int, float]]] = {}
-        for name, path in files.items():
-            engines = [*(Ours(path, args, kv) for kv in args.kv_cache_dtypes), LlamaCpp(path, args)]
-            results = {engine.name: {measure: [] for measure in measures} for engine in engines}
-            for _ in range(args.runs):
-                for engine in engines:  # interleaved
-                    for batch in args.batch_sizes:
-                        results[engine.name][batch].append(
-                            engine.decode_rate(prompts[:batch], 128 if batch == 1 else 32))
-                    results[engine.name]["prefill"].append(engine.prefill_rate(long_prompt))
-            size = path.stat().st_size
-            rates[name] = {engine: {b: statistics.median(results[engine][b]) for b in args.batch_sizes}
-                           for engine in results}
-            for ours_name in (engine.name for engine in engines[:-1]):
-                cells = []
-                for measure in measures:
-                    ours, theirs = (statistics.median(results[e][measure]) for e in (ours_name, "llama.cpp"))
-                    cells.append(f"{ours:7.1f} / {theirs:7.1f} ({ours / theirs:4.2f}x)")
-                label = name if len(engines) == 2 else f"{name} ({ours_name.removeprefix('pluginfer').strip() or 'kv auto'})"
-                print(f"{label:7s} {size / 1e6:8.1f} {bandwidth / size:7.1f}  | " + " | ".join(cells), flush=True)
-            del engines
-        if args.plot is not None:
-            plot(args.plot, rates, f"llama {args.layers} layers, hidden {args.hidden}; {args.threads} threads; "
-                 f"{'CPU time' if args.cpu_time else 'wall clock'}")
-            print(f"plot written to {args.plot}")
+        if args.runs:
+            time_files(files, args)
+        if args.nll:
+            compare_nll(files, args.nll, args.threads)
+
+
+def time_files(files: dict[str, Path], args: argparse.Namespace) -> None:
+    """The speed table (and the plot): each engine's decode and prefill tokens/s per file, runs interleaved."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, args.vocab - 10, 128).tolist() for _ in range(max(args.batch_sizes))]
+    long_prompt = rng.integers(10, args.vocab - 10, 512).tolist()
+    bandwidth = memory_bandwidth("cpu", torch.float32)
+    print(f"llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.threads} threads; "
+          f"{'no AMX (PLUGINFER_AMX=0, llama.cpp without AMX); ' if args.no_amx else ''}"
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s; timed by {'CPU time' if args.cpu_time else 'wall clock'}")
+    measures = [*args.batch_sizes, "prefill"]
+    print("format   file MB  bound b1 | " + " | ".join(f"batch-{b} tok/s" for b in args.batch_sizes)
+          + " | prefill-512 tok/s   (each: ours / llama.cpp (ratio))")
+    rates: dict[str, dict[str, dict[int, float]]] = {}
+    for name, path in files.items():
+        engines = [*(Ours(path, args, kv) for kv in args.kv_cache_dtypes), LlamaCpp(path, args)]
+        results = {engine.name: {measure: [] for measure in measures} for engine in engines}
+        for _ in range(args.runs):
+            for engine in engines:  # interleaved
+                for batch in args.batch_sizes:
+                    results[engine.name][batch].append(
+                        engine.decode_rate(prompts[:batch], 128 if batch == 1 else 32))
+                results[engine.name]["prefill"].append(engine.prefill_rate(long_prompt))
+        size = path.stat().st_size
+        rates[name] = {engine: {b: statistics.median(results[engine][b]) for b in args.batch_sizes}
+                       for engine in results}
+        for ours_name in (engine.name for engine in engines[:-1]):
+            cells = []
+            for measure in measures:
+                ours, theirs = (statistics.median(results[e][measure]) for e in (ours_name, "llama.cpp"))
+                cells.append(f"{ours:7.1f} / {theirs:7.1f} ({ours / theirs:4.2f}x)")
+            label = name if len(engines) == 2 else f"{name} ({ours_name.removeprefix('pluginfer').strip() or 'kv auto'})"
+            print(f"{label:7s} {size / 1e6:8.1f} {bandwidth / size:7.1f}  | " + " | ".join(cells), flush=True)
+        del engines
+    if args.plot is not None:
+        plot(args.plot, rates, f"llama {args.layers} layers, hidden {args.hidden}; {args.threads} threads; "
+             f"{'CPU time' if args.cpu_time else 'wall clock'}")
+        print(f"plot written to {args.plot}")
 
 
 if __name__ == "__main__":
