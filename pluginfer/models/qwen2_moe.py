@@ -9,15 +9,14 @@ from __future__ import annotations
 import torch
 
 from pluginfer.core.protocols import BuildContext
-from pluginfer.layers.causal_lm import CausalLM, DecoderStack, PreNormDecoderLayer
+from pluginfer.layers.causal_lm import PreNormDecoderLayer
 from pluginfer.layers.context import current_context
 from pluginfer.layers.linear import ReplicatedLinear
 from pluginfer.layers.mlp import GatedMLP
-from pluginfer.layers.moe import SparseMoeBlock, expert_weight_names
+from pluginfer.layers.moe import SparseMoeBlock
 from pluginfer.layers.norm import RMSNorm
-from pluginfer.layers.rotary import RotaryEmbedding, get_rope
+from pluginfer.layers.rotary import RotaryEmbedding
 from pluginfer.layers.self_attention import SelfAttention
-from pluginfer.layers.weights import LLAMA_STACKED
 from pluginfer.models import qwen3_moe
 from pluginfer.models.qwen3_moe import head_dim_of, num_experts_of, sparse_layers
 
@@ -54,17 +53,12 @@ class Qwen2MoeDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
 
-class Qwen2MoeForCausalLM(CausalLM):
-    def __init__(self, config: dict, ctx: BuildContext) -> None:
-        validate_config(config)
-        rope = get_rope(config, head_dim_of(config), max_position=ctx.max_model_len, yarn=True)
-        sparse = sparse_layers(config)
-        super().__init__(config, DecoderStack(config, lambda i: Qwen2MoeDecoderLayer(config, rope, sparse[i])))
+class Qwen2MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
+    decoder_layer = Qwen2MoeDecoderLayer
 
-    def weight_routes(self) -> tuple:
-        # Expert names first: LLAMA_STACKED's ".gate_proj." would also match "experts.{e}.gate_proj.".
-        experts = expert_weight_names(num_experts_of(self.config), "gate_proj", "up_proj", "down_proj")
-        return experts + LLAMA_STACKED
+    @staticmethod
+    def check_config(config: dict) -> None:
+        validate_config(config)
 
 
 def validate_config(config: dict) -> None:

@@ -64,11 +64,17 @@ class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
 
 
 class Qwen3MoeForCausalLM(CausalLM):
+    decoder_layer = Qwen3MoeDecoderLayer  # Qwen2-MoE's pipeline is this one with its own layer and checks
+
     def __init__(self, config: dict, ctx: BuildContext) -> None:
-        validate_config(config)
+        self.check_config(config)
         rope = get_rope(config, head_dim_of(config), max_position=ctx.max_model_len, yarn=True)
         sparse = sparse_layers(config)
-        super().__init__(config, DecoderStack(config, lambda i: Qwen3MoeDecoderLayer(config, rope, sparse[i])))
+        super().__init__(config, DecoderStack(config, lambda i: self.decoder_layer(config, rope, sparse[i])))
+
+    @staticmethod
+    def check_config(config: dict) -> None:
+        validate_config(config)
 
     def weight_routes(self) -> tuple:
         # Expert names first: LLAMA_STACKED's ".gate_proj." would also match "experts.{e}.gate_proj.".
