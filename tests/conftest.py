@@ -98,6 +98,20 @@ def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectRep
     return report
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests import native_usage
+
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its counts go to the controller
+        session.config.workeroutput.update(native_usage.worker_output())
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a worker ended
+def pytest_testnodedown(node, error) -> None:
+    from tests import native_usage
+
+    native_usage.merge_worker(getattr(node, "workeroutput", {}))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     from tests import native_usage
 

@@ -6,7 +6,8 @@ whether it ran. ``required(reason)`` tells the conftest whether a skip with that
 machine can run: a C compiler and the CPU features a kernel needs are here, yet its test skipped (the
 library did not load, a hard dependency is missing). Such a skip is turned into a failure.
 
-Counts are this process's only: spawned tensor-parallel ranks run the same kernels uncounted.
+Counts are the test processes' (under pytest-xdist each worker hands its counts to the controller); spawned
+tensor-parallel ranks run the same kernels uncounted.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ PANELS, FUSED = "panel GEMM (AVX-512)", "fused int8 GGML matmul (AVX2 / AVX-512 
 HALF = "16-bit GEMV (AVX2 / AVX512-BF16)"
 ONEDNN = "oneDNN prepacked GEMM (torch)"
 
-calls: Counter[str] = Counter()  # C function or ONEDNN -> calls in this process
+calls: Counter[str] = Counter()  # C function or ONEDNN -> calls in this process (and its xdist workers')
 _installed = False
+_worker_library: list[str] = []  # the library lines of xdist workers (the controller runs no test)
 
 
 def _counted(name: str, function: Callable) -> Callable:
@@ -212,18 +214,35 @@ def _load_failure() -> str | None:
     return native.available()
 
 
-def summary_lines() -> list[str]:
-    """The terminal summary: the library, then each family and whether it ran."""
+def _library_line() -> str:
     from pluginfer.backends.cpu import library as native_library
 
-    lines = []
     if "info" in native_library.loaded_build:
         info = native_library.loaded_build["info"]
-        lines.append(f"native library: loaded ({info.machine}, {'OpenMP' if info.openmp else 'single-threaded'}) "
-                     f"from {native_library.loaded_build['path']}")
-    else:
-        why = native_excused()
-        lines.append("native library: not loaded in this run" + (f" ({why})" if why else ""))
+        return (f"native library: loaded ({info.machine}, {'OpenMP' if info.openmp else 'single-threaded'}) "
+                f"from {native_library.loaded_build['path']}")
+    why = native_excused()
+    return "native library: not loaded in this run" + (f" ({why})" if why else "")
+
+
+def worker_output() -> dict:
+    """What an xdist worker hands the controller at its end, for ``merge_worker``."""
+    return {"native_calls": dict(calls), "native_library": _library_line()}
+
+
+def merge_worker(output: dict) -> None:
+    """Add an xdist worker's counts (``worker_output``) to this process's summary."""
+    calls.update(output.get("native_calls", {}))
+    if "native_library" in output:
+        _worker_library.append(output["native_library"])
+
+
+def summary_lines() -> list[str]:
+    """The terminal summary: the library, then each family and whether it ran."""
+    lines = [_library_line()]
+    if _worker_library:  # under xdist: what the workers loaded, not the idle controller
+        loaded = [line for line in _worker_library if line.startswith("native library: loaded")]
+        lines = sorted(set(loaded or _worker_library))
     width = max(len(name) for name in [*FAMILIES, ONEDNN]) + 2
     for family in FAMILIES:
         count = ran(family)
@@ -238,5 +257,5 @@ def summary_lines() -> list[str]:
     state = f"ran ({count} calls)" if count else (
         "NOT RUN by the selected tests" if onednn_available() else "not run: this torch has no oneDNN")
     lines.append(f"  {ONEDNN:<{width}}{state}")
-    lines.append("  (calls made in this process; spawned tensor-parallel ranks run the same kernels uncounted)")
+    lines.append("  (calls made in the test processes; spawned tensor-parallel ranks run the same kernels uncounted)")
     return lines

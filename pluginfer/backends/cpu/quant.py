@@ -165,12 +165,8 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
                            raw.data_ptr(), raw.shape[0], raw.shape[1], out.data_ptr())
             return out if x.dtype == torch.float32 else out.to(x.dtype)
     if rows >= PANEL_MIN_ROWS[qtype] and not amx and panel_supported():  # many rows, no AMX tiles: the panel GEMM
-        kernel = library.load().quant_panel_matmul
-        status = kernel(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1], out.data_ptr())
-        recorder = active_recording()
-        if recorder is not None and status == 0:
-            record_at(recorder, kernel, qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0],
-                       raw.shape[1], out.data_ptr())
+        status = native().quant_panel_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0],
+                                             raw.shape[1], out.data_ptr())
     else:
         status = native().quant_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0], raw.shape[1],
                                      out.data_ptr())

@@ -30,6 +30,8 @@ int panel_linear(const float *x, const float *packed, const float *bias, float *
                  int64_t k);
 int quant_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                  float *out);
+int quant_panel_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,
+                       int64_t row_bytes, float *out);
 int half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                 const uint16_t *bias, void *out, int out_float);
 int half_weight_linear(int dtype, const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
@@ -90,6 +92,7 @@ enum {
     OP_PAGED_DECODE_ATTENTION_KV16,
     OP_KV_QUANTIZE_ROWS,
     OP_PAGED_ATTENTION_QUANTIZED,
+    OP_QUANT_PANEL_MATMUL,
 };
 
 /* quant_matmul's signature: another library's kernel (amx_quant.c's tiles) called through its address. */
@@ -361,6 +364,9 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
         case OP_PAGED_ATTENTION_QUANTIZED:
             result = paged_attention_quantized(P(0), P(1), P(2), P(3), P(4), P(5), P(6), a[7], a[8], a[9], a[10], a[11],
                                                a[12], a[13], as_float(a[14]), a[15], as_float(a[16]), (int)a[17]);
+            break;
+        case OP_QUANT_PANEL_MATMUL:
+            result = quant_panel_matmul((int)a[0], P(1), a[2], a[3], P(4), a[5], a[6], P(7));
             break;
         default:
             result = -100;
