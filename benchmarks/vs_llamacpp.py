@@ -31,6 +31,11 @@ time (and a second thread waits at every barrier), while the CPU time of one thr
 ``--no-amx`` times what a CPU without AMX gets (AMD Zen 4, most cloud CPUs) on one with it: our engine with
 ``PLUGINFER_AMX=0`` against a llama.cpp built without AMX (its build is checked).
 
+``--avx2`` times what a CPU with AVX2 but no AVX-512 gets, on one with AVX-512: the tool runs itself again with
+``PLUGINFER_CPU_ISA=avx2 PLUGINFER_AMX=0 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` (our kernels, oneDNN
+and torch's own all on AVX2), against a llama.cpp built with AVX2 and without AVX-512 (checked; put its build first on
+``PYTHONPATH``; docs/performance.md has the command).
+
 ``--plot FILE.png`` draws decode tokens/s against batch size, ours and llama.cpp's, one colour per file
 (needs matplotlib).
 
@@ -279,6 +284,9 @@ def main() -> None:
                         help="decode batch sizes to time (sequences decoded together)")
     parser.add_argument("--no-amx", action="store_true",
                         help="our engine with PLUGINFER_AMX=0 against a llama.cpp built without AMX (checked)")
+    parser.add_argument("--avx2", action="store_true",
+                        help="every kernel on AVX2 (ours, oneDNN, torch) against a llama.cpp built without AVX-512 "
+                             "(checked)")
     parser.add_argument("--nll", type=int, default=0, metavar="TOKENS",
                         help="also compare mean NLL and logits on this many tokens of the demo corpus")
     parser.add_argument("--plot", type=Path, default=None,
@@ -290,6 +298,17 @@ def main() -> None:
         parser.error("--runs must be positive (or 0 with --nll TOKENS), --nll not negative")
     if args.plot is not None:
         import matplotlib  # noqa: F401 - fail before the runs, not after them
+    if args.avx2 and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
+        # torch reads its capability at import, so the whole run starts again with the AVX2 settings
+        env = dict(os.environ, PLUGINFER_CPU_ISA="avx2", PLUGINFER_AMX="0", ONEDNN_MAX_CPU_ISA="AVX2",
+                   ATEN_CPU_CAPABILITY="avx2")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if args.avx2:
+        import llama_cpp
+
+        if "AVX512 = 1" in llama_cpp.llama_print_system_info().decode():
+            parser.error(f"--avx2: {llama_cpp.__file__} was built with AVX-512; build it without "
+                         "(docs/performance.md) and put it first on PYTHONPATH")
     if args.no_amx:
         import llama_cpp
 
@@ -322,6 +341,7 @@ def time_files(files: dict[str, Path], args: argparse.Namespace) -> None:
     bandwidth = memory_bandwidth("cpu", torch.float32)
     print(f"llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.threads} threads; "
           f"{'no AMX (PLUGINFER_AMX=0, llama.cpp without AMX); ' if args.no_amx else ''}"
+          f"{'AVX2 only (PLUGINFER_CPU_ISA=avx2, oneDNN and torch on AVX2, llama.cpp without AVX-512); ' if args.avx2 else ''}"
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s; timed by {'CPU time' if args.cpu_time else 'wall clock'}")
     measures = [*args.batch_sizes, "prefill"]
     print("format   file MB  bound b1 | " + " | ".join(f"batch-{b} tok/s" for b in args.batch_sizes)
