@@ -311,7 +311,7 @@ def kv_decode(args: argparse.Namespace) -> int:
                     max_num_seqs=args.batch, num_blocks=args.batch * (args.context + 256) // 16 + 64, block_size=16,
                     max_num_batched_tokens=2048, threads=1 if args.cpu_time else None) for kv in args.kv}
     ids = next(iter(llms.values())).engine.tokenizer.encode(CORPUS.read_text())
-    while len(ids) < max(args.nll, args.context, 1000 + 32 * args.batch):
+    while len(ids) < max(args.nll, args.context):
         ids = ids + ids
     nll = {}
     for kv, llm in llms.items():
@@ -319,7 +319,12 @@ def kv_decode(args: argparse.Namespace) -> int:
         [out] = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1))
         logprobs = [entry[text[i]] for i, entry in enumerate(out.prompt_logprobs) if i > 0]
         nll[kv] = -sum(getattr(value, "logprob", value) for value in logprobs) / len(logprobs)
-    prompts = [ids[:args.context - args.gen - 32] + ids[1000 + 32 * s:1000 + 32 * (s + 1)] for s in range(args.batch)]
+    # a context of its own per sequence (shifted windows of the text), as separate conversations have: a shared
+    # prefix would keep one context's rows in the CPU's cache for all 16, which no longer measures reading the cache
+    length = args.context - args.gen
+    while len(ids) < length + 97 * args.batch:
+        ids = ids + ids
+    prompts = [ids[97 * s:97 * s + length] for s in range(args.batch)]
 
     def run(llm: LLM, tokens: int) -> float:
         started = clock()
