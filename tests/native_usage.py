@@ -176,7 +176,7 @@ NATIVE_SKIPS = {"native kernels unavailable": None, "needs the native library": 
                 "16-bit GEMV needs": HALF}
 
 
-# tests/server/test_web_chat.py's skip when no Chromium is found; CI installs Debian's (.ci/run).
+# tests/server/web_chat/'s skip when no Chromium is found; CI installs Debian's (.ci/run).
 NO_BROWSER = "no Chromium browser"
 
 

@@ -35,7 +35,7 @@ def test_a_skip_for_a_missing_dependency_becomes_a_failure() -> None:
 
 
 def test_a_skip_for_a_missing_browser_fails_under_ci_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/server/test_web_chat.py skips without Chromium: a developer may lack it, CI installs it (.ci/run)."""
+    """tests/server/web_chat/ skips without Chromium: a developer may lack it, CI installs it (.ci/run)."""
     reason = f"{native_usage.NO_BROWSER}: install Debian's chromium"
     monkeypatch.delenv("CI", raising=False)
     assert native_usage.required(reason) is None

@@ -4,7 +4,7 @@
 
 chat-demo.png: the page over ``pluginfer serve --model demo`` (random weights: the answer is noise), with the
 settings open. chat-markdown.png: the same page rendering a canned stream (written below, as
-tests/server/test_web_chat.py does) with reasoning and markdown, since the demo model writes neither.
+tests/server/web_chat/ does) with reasoning and markdown, since the demo model writes neither.
 """
 
 from __future__ import annotations

@@ -13,9 +13,7 @@ import asyncio
 import itertools
 import logging
 import pickle
-import signal
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -34,17 +32,15 @@ from pluginfer.engine.messages import (
     FrameReader,
     MalformedFrame,
     Outputs,
-    Ready,
     Rejected,
     ServerMessage,
-    ServerTokenizer,
-    StartFailed,
     Stop,
     encode,
 )
 from pluginfer.engine.outputs import RequestOutput
 from pluginfer.server.client_request import ClientRequest
 from pluginfer.server.core_process import CoreProcess
+from pluginfer.server.core_startup import exit_code, how_it_ended, send_tokenizer, wait_ready
 
 if TYPE_CHECKING:
     from pluginfer.engine.lora_request import LoRARequest
@@ -106,8 +102,9 @@ class CoreProcessClient:
             except Exception as exc:  # noqa: BLE001 - the core reports what is wrong with the file
                 logger.info("no tokenizer built in the server (%s: %s)", type(exc).__name__, exc)
                 tokenizer = None
-            self._send_tokenizer(tokenizer, deadline)
-            ready = self._wait_ready(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            send_tokenizer(self._sock, tokenizer, deadline)
+            ready = wait_ready(self._sock, self._reader, self.process,
+                               None if deadline is None else max(0.0, deadline - time.monotonic()))
             if ready.tokenizer is not None:
                 # not one built here (the core sends none of those: same file, code)
                 tokenizer = pickle.loads(ready.tokenizer)
@@ -120,47 +117,6 @@ class CoreProcessClient:
         self.startup_times = dict(ready.startup_times)
         self.startup_times["total"] = time.perf_counter() - self._spawned  # from the spawn: its phases overlap ours
         return self
-
-    def _send_tokenizer(self, tokenizer: Any, deadline: float | None) -> None:
-        """The core's first message: the tokenizer built here, or None (the core loads its own)."""
-        try:
-            frame = encode(ServerTokenizer(tokenizer))
-        except Exception as exc:  # noqa: BLE001 - a tokenizer that does not pickle: the core loads its own
-            logger.info("the tokenizer does not pickle (%s); the engine process loads its own", exc)
-            frame = encode(ServerTokenizer(None))
-        self._sock.settimeout(None if deadline is None else max(0.001, deadline - time.monotonic()))
-        try:
-            self._sock.sendall(frame)  # the core reads it while its weights load
-        except TimeoutError:
-            raise RuntimeError("the engine process did not take its tokenizer in time") from None
-        except OSError:
-            pass  # the core is gone: _wait_ready reads why
-        finally:
-            self._sock.settimeout(None)
-
-    def _wait_ready(self, timeout: float | None) -> Ready:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._sock.settimeout(remaining)
-            try:
-                data = self._sock.recv(1 << 20)
-            except TimeoutError:
-                raise RuntimeError(f"the engine process did not start within {timeout} s") from None
-            finally:
-                self._sock.settimeout(None)
-            if not data:
-                code = self._exit_code(10.0)
-                raise RuntimeError(f"the engine process (pid {self.process.pid}) exited {_how(code)} while "
-                                   "loading the model (its log is above)")
-            for message in self._reader.feed(data):
-                if isinstance(message, Ready):
-                    return message
-                if isinstance(message, StartFailed):
-                    self._exit_code(10.0)
-                    if message.error_type == "ValueError":
-                        raise ValueError(message.message)
-                    raise RuntimeError(f"{message.error_type}: {message.message}")
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core (requests still running are aborted there, and end here with EngineDeadError);
@@ -186,10 +142,7 @@ class CoreProcessClient:
             self.process.wait()
 
     def _exit_code(self, timeout: float) -> int | None:
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
+        return exit_code(self.process, timeout)
 
     def attach(self) -> None:
         """Read the core's frames on the running event loop from now on (the server calls it as it starts;
@@ -206,7 +159,7 @@ class CoreProcessClient:
         """Why the engine cannot serve (None while it runs or after a clean shutdown)."""
         if self._error is None and not self._stopping and self.process.poll() is not None:
             self._error = RuntimeError(f"the engine process (pid {self.process.pid}) exited "
-                                       f"{_how(self.process.returncode)}")
+                                       f"{how_it_ended(self.process.returncode)}")
         return self._error
 
     @property
@@ -426,7 +379,7 @@ class CoreProcessClient:
             return
         code = self._exit_code(2.0)
         if why is None:
-            why = f"exited {_how(code)}" if code is not None else "closed its channel"
+            why = f"exited {how_it_ended(code)}" if code is not None else "closed its channel"
         if self._error is None:
             self._error = RuntimeError(f"the engine process (pid {self.process.pid}) {why}")
             logger.error("pluginfer: the engine process (pid %d) %s; no request can be served", self.process.pid,
@@ -452,13 +405,3 @@ class CoreProcessClient:
                 pass
         self._sock.close()
 
-
-def _how(code: int | None) -> str:
-    if code is None:
-        return "(still running)"
-    if code < 0:
-        try:
-            return f"on signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"on signal {-code}"
-    return f"with code {code}"

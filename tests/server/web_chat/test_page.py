@@ -2,12 +2,8 @@
 
 A real server over a tiny random llama answers: the test types a prompt, reads the streamed answer, stops a
 long one, signs in with an API key (typed: the model label fills), reads a reasoning model's answer folded
-away, sees the first screen and the server's defaults in Settings, and copies a code block. The markdown
-renderer is checked in the page on hostile text, and through the page on a canned stream.
-
-The browser: $PLUGINFER_CHROMIUM, else Debian's ``chromium`` on PATH, else playwright's own (``playwright
-install chromium``). Without any the tests skip, which tests/native_usage.py turns into a failure under CI
-(.ci/run installs Debian's chromium).
+away, and sees the first screen and the server's defaults in Settings. The markdown renderer and the code
+block's copy button: test_markdown.py; the browser and the server: conftest.py.
 """
 
 from __future__ import annotations
@@ -15,114 +11,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from pluginfer.engine.async_engine import AsyncEngine
 from pluginfer.server.launch import BackgroundServer
-from tests.checkpoints import save_hf_model
-from tests.conftest import TINY_LLAMA
-from tests.native_usage import NO_BROWSER  # a skip the conftest fails under CI
-from tests.server.conftest import API_KEY, MODEL_NAME, http, server_config, start_engine, wait_until_idle
+from tests.server.conftest import API_KEY, MODEL_NAME, http, wait_until_idle
+from tests.server.web_chat.page import MAX_TOKENS, assistant_messages, finished, send, serve
 
 sync_api = pytest.importorskip("playwright.sync_api")
-
-MAX_TOKENS = 3000  # the stop test's answer: long enough to be stopped half way
-
-
-def chromium_executable(playwright: object) -> str | None:
-    """A Chromium to drive: $PLUGINFER_CHROMIUM, Debian's, or the one ``playwright install`` fetched."""
-    named = os.environ.get("PLUGINFER_CHROMIUM")
-    if named:
-        return named
-    for name in ("chromium", "chromium-browser"):
-        if shutil.which(name):
-            return shutil.which(name)
-    own = playwright.chromium.executable_path
-    return own if own and Path(own).is_file() else None
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    with sync_api.sync_playwright() as playwright:
-        executable = chromium_executable(playwright)
-        if executable is None:
-            pytest.skip(f"{NO_BROWSER}: install Debian's chromium (apt-get install chromium) or run "
-                        f"`playwright install chromium`, or set PLUGINFER_CHROMIUM")
-        browser = playwright.chromium.launch(executable_path=executable, headless=True)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
-def endless_llama(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
-    """The tiny llama with a 4096-token context whose LM head never picks a special token (EOS included):
-    their rows are zero (logit 0) and the others' are scaled up, so every answer runs to max_tokens."""
-    out = tmp_path_factory.mktemp("endless_llama")
-    save_hf_model("LlamaForCausalLM", {**TINY_LLAMA, "max_position_embeddings": 4096}, out, tiny_tokenizer_dir)
-    from transformers import AutoTokenizer
-
-    special = AutoTokenizer.from_pretrained(str(out)).all_special_ids
-    weights = load_file(out / "model.safetensors")
-    head = weights["lm_head.weight"] * 40
-    head[special] = 0
-    weights["lm_head.weight"] = head.contiguous()
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
-@pytest.fixture(scope="module")
-def engine(endless_llama: Path) -> Iterator[AsyncEngine]:
-    engine = start_engine(server_config(endless_llama, **{"cache.num_blocks": 1024}))
-    yield engine
-    engine.shutdown()
-
-
-def serve(engine: AsyncEngine, endless_llama: Path, **overrides: object) -> BackgroundServer:
-    return BackgroundServer(engine, server_config(endless_llama, **{"cache.num_blocks": 1024, **overrides}))
-
-
-@pytest.fixture(scope="module")
-def open_server(engine: AsyncEngine, endless_llama: Path) -> Iterator[BackgroundServer]:
-    server = serve(engine, endless_llama)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def page(browser: object, engine: AsyncEngine) -> Iterator[object]:
-    context = browser.new_context(viewport={"width": 1100, "height": 760})
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
-    page.errors = errors
-    yield page
-    context.close()
-    wait_until_idle(engine)
-
-
-def assistant_messages(page: object) -> object:
-    return page.locator(".message.assistant")
-
-
-def send(page: object, text: str) -> None:
-    page.fill("#prompt", text)
-    page.press("#prompt", "Enter")
-
-
-def finished(page: object, index: int = 0, state: str = "done") -> object:
-    message = assistant_messages(page).nth(index)
-    sync_api.expect(message).to_have_attribute("data-state", state, timeout=30_000)
-    return message
 
 
 # -- The page and its files ---------------------------------------------------------------------------------------
@@ -140,7 +42,7 @@ def test_page_and_files_are_served_with_a_strict_content_security_policy(open_se
         status, headers, body = http(open_server, "GET", f"/static/{name}")
         assert status == 200 and body, name
     # Nothing is fetched from outside the server: no absolute URL in the page or its files.
-    web = Path(__file__).resolve().parents[2] / "pluginfer" / "server" / "web"
+    web = Path(__file__).resolve().parents[3] / "pluginfer" / "server" / "web"
     for path in web.iterdir():
         assert not re.search(r"(src|href)=\"(https?:)?//", path.read_text()), path.name
         assert not re.search(r"fetch\(\s*[\"'`]https?:", path.read_text()), path.name
@@ -360,7 +262,7 @@ def test_a_typed_api_key_fills_the_model_label(page: object, engine: AsyncEngine
 def test_the_page_through_pluginfer_serve(browser: object, endless_llama: Path, tmp_path: Path) -> None:
     """As a user runs it: ``pluginfer serve`` (the engine in its own process) answers the page, and Stop reaches
     the engine process (no request left running)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
            "PLUGINFER_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     env.pop("PLUGINFER_PLUGINS", None)
@@ -401,98 +303,3 @@ def test_the_page_through_pluginfer_serve(browser: object, endless_llama: Path, 
     finally:
         process.terminate()
         process.communicate(timeout=60)
-
-
-# -- Markdown ------------------------------------------------------------------------------------------------------
-
-HOSTILE = ("**bold** and *italic* and `<b>code</b>`\n"
-           "<img src=x onerror=\"window.owned=1\"> <script>window.owned=2</script>\n"
-           "[good](https://example.org/?a=1&b=2) [bad](javascript:window.owned=3) [data](data:text/html,x)\n"
-           "- one\n- **two**\n\n1. first\n2. second\n\n"
-           "```python\nprint(\"<script>\")\n```")
-
-
-def test_markdown_is_rendered_from_escaped_text(page: object, open_server: BackgroundServer) -> None:
-    page.goto(open_server.url + "/")
-    html = page.evaluate("text => renderMarkdown(text)", HOSTILE)
-    assert "<strong>bold</strong>" in html and "<em>italic</em>" in html
-    assert "<code>&lt;b&gt;code&lt;/b&gt;</code>" in html
-    assert "&lt;img src=x onerror=&quot;window.owned=1&quot;&gt;" in html and "<img" not in html
-    assert "&lt;script&gt;" in html and "<script" not in html
-    assert '<a href="https://example.org/?a=1&amp;b=2" target="_blank" rel="noopener noreferrer">good</a>' in html
-    assert "javascript:" not in re.sub(r"\[bad\]\(javascript:[^)]*\)", "", html)  # left as text, not a link
-    assert html.count("<a ") == 1
-    assert "<ul><li>one</li><li><strong>two</strong></li></ul>" in html
-    assert "<ol><li>first</li><li>second</li></ol>" in html
-    assert '<pre><code class="language-python">print(&quot;&lt;script&gt;&quot;)</code></pre>' in html
-    assert page.evaluate("renderMarkdown('```\\nstill streaming <x>')") == "<pre><code>still streaming &lt;x&gt;</code></pre>"
-
-
-def test_markdown_of_a_streamed_answer_through_the_page(page: object, open_server: BackgroundServer) -> None:
-    """A canned stream in the server's shape (the tiny model writes no markdown): the page parses the events,
-    folds the reasoning away, renders the content's markdown and runs none of its HTML."""
-    pieces = [{"role": "assistant", "content": ""}, {"reasoning_content": "Let me think <b>hard</b>."},
-              *({"content": piece} for piece in re.findall(r".{1,7}", HOSTILE, re.S))]
-    events = [{"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL_NAME,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": None}]} for delta in pieces]
-    events[-1]["choices"][0]["finish_reason"] = "stop"
-    body = "".join(f"data: {json.dumps(event)}\n\n" for event in events) + "data: [DONE]\n\n"
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(
-        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
-    page.goto(open_server.url + "/")
-    send(page, "Show me markdown")
-    message = finished(page)
-    content = message.locator(".content")
-    sync_api.expect(content.locator("strong").first).to_have_text("bold")
-    sync_api.expect(content.locator("pre code")).to_have_text('print("<script>")')
-    assert content.locator("img, script").count() == 0
-    assert content.locator("a").count() == 1 and content.locator("a").get_attribute("href").startswith("https://")
-    assert "<img src=x" in content.inner_text()
-    assert message.locator(".reasoning-text").text_content() == "Let me think <b>hard</b>."
-    assert message.locator(".reasoning-text b").count() == 0
-    assert page.evaluate("window.owned") is None
-
-
-def test_an_error_event_mid_stream_is_shown(page: object, open_server: BackgroundServer) -> None:
-    """The server's error event after a stream began (e.g. the engine died): the partial answer stays, marked."""
-    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL_NAME,
-             "choices": [{"index": 0, "delta": {"content": "Partial **answer**"}, "finish_reason": None}]}
-    error = {"error": {"message": "the engine process 42 died (SIGKILL)", "type": "server_error", "param": None,
-                       "code": "engine_unavailable"}}
-    body = f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n"
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(
-        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
-    page.goto(open_server.url + "/")
-    send(page, "Hello")
-    message = finished(page, state="failed")
-    assert message.locator(".content").inner_html() == "<p>Partial <strong>answer</strong></p>"
-    assert message.locator(".status").inner_text() == "failed: the engine process 42 died (SIGKILL)"
-    sync_api.expect(page.locator("#error")).to_have_text("the engine process 42 died (SIGKILL)")
-    sync_api.expect(page.locator("#send")).to_be_enabled()
-
-
-def test_a_code_block_is_copied_by_its_button(page: object, open_server: BackgroundServer) -> None:
-    """The Copy button puts the block's text, as written (markup characters, indentation, trailing spaces), on
-    the clipboard; read back through Chromium's clipboard with the permission granted."""
-    first = 'if a < b && c:\n    print("<b>&amp;</b>")  '
-    answer = f"Two blocks:\n```python\n{first}\n```\nand\n```\nsecond `block`\n```"
-    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL_NAME,
-             "choices": [{"index": 0, "delta": {"content": answer}, "finish_reason": "stop"}]}
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(
-        status=200, headers={"Content-Type": "text/event-stream"},
-        body=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"))
-    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=open_server.url)
-    page.goto(open_server.url + "/")
-    send(page, "Show me code")
-    message = finished(page)
-    buttons = message.locator("pre button.copy")
-    sync_api.expect(buttons).to_have_count(2)
-    sync_api.expect(message.locator("pre code").first).to_have_text(first)  # the button is not part of the code
-    buttons.first.click()
-    sync_api.expect(buttons.first).to_have_text("Copied")
-    assert page.evaluate("navigator.clipboard.readText()") == first
-    buttons.nth(1).click()
-    sync_api.expect(buttons.nth(1)).to_have_text("Copied")
-    assert page.evaluate("navigator.clipboard.readText()") == "second `block`"
-    sync_api.expect(buttons.first).to_have_text("Copy")  # back to its label after a moment
-    assert not page.errors, page.errors
