@@ -1,14 +1,17 @@
 """The chat page with an image: picked or pasted, previewed, sent as an image_url part, shown in the user's
-message; the served model (a tiny Qwen2-VL) answers it. Headless Chromium, as tests/server/test_web_chat.py."""
+message; the served model (a tiny Qwen2-VL) answers it. Headless Chromium (the browser: conftest.py)."""
 
 from __future__ import annotations
 
 import io
 import json
 
+import pytest
+
 from tests.models.test_qwen2_vl import image
 from tests.server.test_images import vision_server  # noqa: F401  (fixture)
-from tests.server.test_web_chat import browser, sync_api  # noqa: F401  (fixture)
+
+sync_api = pytest.importorskip("playwright.sync_api")
 
 
 def png_bytes(seed: int) -> bytes:
@@ -17,7 +20,7 @@ def png_bytes(seed: int) -> bytes:
     return buffer.getvalue()
 
 
-def test_an_image_is_attached_sent_and_shown(browser, vision_server) -> None:  # noqa: F811
+def test_an_image_is_attached_sent_and_shown(browser, vision_server) -> None:  # noqa: F811 - the fixture
     server = vision_server[0]
     context = browser.new_context(viewport={"width": 1100, "height": 760})
     page = context.new_page()
