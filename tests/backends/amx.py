@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from pluginfer.backends.cpu import amx_library
 from pluginfer.backends.cpu import build as native_build
+from pluginfer.backends.cpu import library as native_library
 from pluginfer.backends.cpu import ops as native
 
 
@@ -21,7 +21,7 @@ def require_amx(library: Callable[[], object], features: set[str], extension: st
         pytest.skip(f"native kernels unavailable: {reason}")
     if not features <= native_build.cpu_features():
         pytest.skip(f"this CPU has no {extension} ({otherwise})")
-    if os.environ.get(amx_library.ENV, "1") == "0":
+    if os.environ.get(native_library.AMX_ENV, "1") == "0":
         pytest.skip("PLUGINFER_AMX=0 turns the AMX kernels off")
     if library() is None:
         pytest.fail(f"{what} did not load on a CPU with {extension} (the compiler, or Linux refused the tile "

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from pluginfer.backends.cpu import amx_library
+from pluginfer.backends.cpu import library as native_library
 
 SOURCES = (Path(__file__).with_name("csrc") / "amx_half.c",)
-ENV = amx_library.ENV
+ENV = native_library.AMX_ENV
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # Rows of x from which, and up to which, half_linear.half_linear takes the tiles, by weight dtype: the
 # crossovers with the GEMV below and with torch's GEMM above (float16's GEMM in torch is slow, hence 2048).
@@ -44,7 +44,7 @@ def library() -> ctypes.CDLL | None:
     if _library:
         return _library[0]
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    return amx_library.load_once(
+    return native_library.load_amx_once(
         _library, "16-bit linears: no AMX bfloat16 tiles ({why}); the GEMV of half_linear.c and torch's GEMM",
         "16-bit linears: AMX bfloat16 tiles from "
         + ", ".join(f"{MIN_ROWS[d]} to {MAX_ROWS[d]} rows of {str(d)[6:]}" for d in DTYPES),

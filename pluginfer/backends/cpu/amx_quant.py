@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from pluginfer.backends.cpu import amx_library
+from pluginfer.backends.cpu import library as native_library
 from pluginfer.backends.cpu.library import contiguous_as
 
 SOURCES = (Path(__file__).with_name("csrc") / "amx_quant.c",)
-ENV = amx_library.ENV
+ENV = native_library.AMX_ENV
 # gguf.GGMLQuantizationType -> the rows from which ggml_quant_matmul takes the tiles (Q4_0, Q8_0, Q4_K,
 # Q6_K): below them the VNNI kernel is as fast or faster (the tiles cost the same from 1 to 16 rows).
 MIN_ROWS = {2: 6, 8: 5, 12: 7, 14: 9}
@@ -35,7 +35,7 @@ def library() -> ctypes.CDLL | None:
     if _library:
         return _library[0]
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    return amx_library.load_once(
+    return native_library.load_amx_once(
         _library, "quantized linears: no AMX int8 tiles ({why}); the fused kernel of quant_dot.c takes every row count",
         f"quantized linears: AMX int8 tiles for Q4_0, Q8_0, Q4_K and Q6_K from {min(MIN_ROWS.values())} rows",
         "amx_quant", SOURCES, frozenset({"amx_tile", "amx_int8"}), "AMX-INT8",

@@ -18,9 +18,9 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends.cpu import amx_library, layer_ops, ops
 from pluginfer.backends.cpu import build as native_build
 from pluginfer.backends.cpu import kv_quant as native_kv
+from pluginfer.backends.cpu import layer_ops, library, ops
 from pluginfer.backends.cpu import quant as native_quant
 from pluginfer.backends.cpu.step_replay import CpuDecodeReplay
 from pluginfer.core.batch import ForwardBatch
@@ -138,7 +138,7 @@ class CpuBackend:
         if native_kernels:
             # a bad PLUGINFER_CPU_ISA or PLUGINFER_AMX is an error naming it, before any build
             native_build.isa()
-            amx_library.enabled()
+            library.amx_enabled()
         # GGUF linears' activations: the config's, else PLUGINFER_QUANT_ACTIVATIONS (a bad value fails here)
         native_quant.configure_quant_activations(config.quant_activations if config is not None else None)
         native_quant.quant_activations()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from pluginfer.backends.cpu import amx_library, build, library
+from pluginfer.backends.cpu import build, library
 from pluginfer.backends.cpu.library import contiguous_as, log_once
 from pluginfer.backends.cpu.replay import active_recording, native, record_at
 from pluginfer.core.config import QUANT_ACTIVATIONS_ENV  # noqa: F401 - read here by the tests
@@ -303,7 +303,7 @@ TILE_DTYPE_MIN_ROWS = {torch.bfloat16: 32}
 
 def bfloat16_gemm_is_fast() -> bool:
     """Whether torch's bfloat16 GEMM runs on AMX here (AMX-BF16 and oneDNN): several times its float32 GEMM."""
-    return ("amx_bf16" in build.cpu_features() and amx_library.enabled()
+    return ("amx_bf16" in build.cpu_features() and library.amx_enabled()
             and torch.backends.mkldnn.is_available())
 
 
@@ -319,7 +319,7 @@ def tile_dtype() -> torch.dtype:
         return torch.float32
     if mode == "float32" or (mode == "auto" and not bfloat16_gemm_is_fast()):
         why = (f"{QUANT_TILES_ENV}=float32" if mode == "float32" else
-               f"{amx_library.ENV}=0" if not amx_library.enabled() else "no AMX-BF16 for torch's bfloat16 GEMM")
+               f"{library.AMX_ENV}=0" if not library.amx_enabled() else "no AMX-BF16 for torch's bfloat16 GEMM")
         log_once(logging.INFO, f"quantized linears: tiles dequantized to float32 for torch's float32 GEMM ({why})")
         return torch.float32
     why = f"{QUANT_TILES_ENV}=bfloat16" if mode == "bfloat16" else "AMX-BF16"
