@@ -1,7 +1,16 @@
-"""Speculative decoding's batch-1 decode speed against plain decoding, same random llama, one session.
+"""Speculative decoding's batch-1 decode speed against plain decoding, same model, one session.
 
     python benchmarks/speculative.py                       # ~0.5B shape, float32, k = 4, acceptance 1.0 0.8 0.6 0
     python benchmarks/speculative.py --layers 2 --runs 1   # quick smoke run
+    python benchmarks/speculative.py --workload code-edit --work-dir DIR   # prompt lookup on a trained model
+    python benchmarks/speculative.py --workload chat --work-dir DIR        # a draft model on a trained model
+
+``--workload code-edit`` and ``chat`` run a model that has learned something: a small llama trained here on the
+standard library (``trained_llama.py``: renaming a name in a function; answering with a module's docstring), widened
+to the 0.5B shape without changing its function, so a step costs what a 0.5B model's does and the drafts are taken
+as a trained model takes them. ``code-edit``: prompt lookup (``method: ngram``) against plain decoding on held-out
+functions; ``chat``: a separately trained smaller llama as the draft model. Both greedy, float32, the outputs
+compared token for token; tokens/s over each answer (until its end token or ``--gen-len``), summed over the prompts.
 
 A random model repeats nothing, so the prompt-lookup proposer would draft nothing it accepts. This tool
 instead drafts the model's own greedy continuation (found by a plain run first), each draft token replaced
@@ -61,12 +70,18 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--work-dir", type=Path, help="keep the checkpoint here (default: a temp dir)")
     parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by the process's CPU time")
+    parser.add_argument("--workload", choices=["synthetic", "code-edit", "chat"], default="synthetic",
+                        help="synthetic: a random model, drafts of a set acceptance; code-edit / chat: a trained model")
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts of a trained workload")
+    parser.add_argument("--train-steps", type=int, default=1500, help="training steps of each small model")
     args = parser.parse_args()
     if args.cpu_time:
         global clock
         clock = time.process_time
         torch.set_num_threads(1)
     args.arch = "llama"
+    if args.workload != "synthetic":
+        return trained_workload(args)
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="pluginfer-spec-"))
     if not (work / "config.json").exists():
@@ -114,6 +129,66 @@ def main() -> int:
         print(f"{rate:>16.2f} {measured:>9.2f} {theirs:>12.1f} {ours:>18.1f} {ours / theirs:>5.2f}x "
               f"{same:>5d} of {args.gen_len}")
     return 0
+
+
+def answer_rate(llm: LLM, prompts: list[list[int]], gen_len: int) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s over every prompt's answer (greedy, to its end token or ``gen_len``), and the answers."""
+    first = SamplingParams(temperature=0.0, max_tokens=1)
+    params = SamplingParams(temperature=0.0, max_tokens=gen_len)
+    decoding, tokens, answers = 0.0, 0, []
+    for prompt in prompts:
+        start = clock()
+        llm.generate(prompt, first)
+        prefill = clock() - start
+        start = clock()
+        answer = llm.generate(prompt, params)[0].outputs[0].token_ids
+        decoding += clock() - start - prefill
+        tokens += len(answer) - 1
+        answers.append(list(answer))
+    return tokens / decoding, answers
+
+
+def trained_workload(args: argparse.Namespace) -> int:
+    """Prompt lookup (code-edit) or a draft model (chat) against plain decoding, on the trained, widened llama."""
+    import trained_llama
+    from transformers import AutoTokenizer
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="pluginfer-spec-"))
+    shape = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                 intermediate=args.intermediate)
+    wide, draft, texts = trained_llama.build(work, args.workload, shape, args.train_steps)
+    tokenizer = AutoTokenizer.from_pretrained(str(wide))
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts[:args.prompts]]
+    common = dict(dtype="float32", max_model_len=2048, max_num_seqs=1, enable_prefix_caching=False,
+                  threads=1 if args.cpu_time else None)
+    if args.workload == "code-edit":
+        speculative = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
+    else:
+        speculative = {"model": str(draft), "num_speculative_tokens": args.k}
+    plain = LLM(str(wide), **common)
+    spec = LLM(str(wide), **common, speculative_config=speculative)
+    answer_rate(plain, prompts[:1], 8)  # warm-up
+    answer_rate(spec, prompts[:1], 8)
+    theirs, ours, accepted, same = [], [], [], True
+    for _ in range(args.runs):
+        rate, expected = answer_rate(plain, prompts, args.gen_len)
+        theirs.append(rate)
+        before = spec.engine.stats()
+        rate, answers = answer_rate(spec, prompts, args.gen_len)
+        after = spec.engine.stats()
+        ours.append(rate)
+        same = same and answers == expected
+        drafted = after.spec_draft_tokens - before.spec_draft_tokens
+        accepted.append((after.spec_accepted_tokens - before.spec_accepted_tokens) / max(1, drafted))
+    tokens = sum(len(answer) for answer in expected)
+    print(f"{args.workload}: {speculative}; the trained llama widened to {args.layers} layers, hidden {args.hidden} "
+          f"(float32); {len(prompts)} held-out prompts, {tokens} answer tokens; medians of {args.runs}; "
+          f"{'one thread, CPU time' if args.cpu_time else 'wall clock'}")
+    print(f"{'plain tok/s':>12} {'speculative tok/s':>18} {'ratio':>6} {'drafts taken':>13} {'same output':>12}")
+    print(f"{statistics.median(theirs):>12.1f} {statistics.median(ours):>18.1f} "
+          f"{statistics.median(ours) / statistics.median(theirs):>5.2f}x {statistics.median(accepted):>13.2f} "
+          f"{'yes' if same else 'NO':>12}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
