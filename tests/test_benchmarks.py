@@ -39,3 +39,48 @@ def test_quant_throughput_modes_are_subcommands(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(SystemExit) as exited:
         quant_throughput.main(["no-such-mode"])
     assert exited.value.code == 2
+
+
+def test_a_widened_llama_computes_the_small_ones_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        tiny_tokenizer_dir: Path) -> None:
+    """trained_llama.widen (the speculative benchmark's trained model at the 0.5B shape): more features, heads, KV
+    heads, intermediate size and layers, the same logits as the small model in transformers."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import trained_llama
+
+    torch.manual_seed(0)
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                         initializer_range=0.2, rms_norm_eps=1e-5, tie_word_embeddings=False))
+    small.save_pretrained(tmp_path / "small")
+    AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir)).save_pretrained(tmp_path / "small")
+    trained_llama.widen(tmp_path / "small", tmp_path / "wide", hidden=256, layers=3, heads=4, kv_heads=2,
+                        intermediate=384)
+    wide = LlamaForCausalLM.from_pretrained(tmp_path / "wide")
+    assert wide.config.num_hidden_layers == 3 and wide.config.hidden_size == 256
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = small(ids).logits, wide(ids).logits
+    assert expected.abs().max() > 1  # logits that differ between tokens, not a flat zero
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_widen_refuses_a_shape_that_would_change_the_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import trained_llama
+
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text(json.dumps(
+        {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 192,
+         "num_hidden_layers": 2, "head_dim": 64}))
+    with pytest.raises(ValueError, match="grouping of query heads"):
+        trained_llama.widen(tmp_path / "small", tmp_path / "wide", hidden=256, layers=3, heads=4, kv_heads=4,
+                            intermediate=384)
+    with pytest.raises(ValueError, match="only grows"):
+        trained_llama.widen(tmp_path / "small", tmp_path / "wide", hidden=256, layers=1, heads=4, kv_heads=2,
+                            intermediate=384)
