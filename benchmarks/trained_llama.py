@@ -121,15 +121,20 @@ def train_tokenizer(texts: list[str], out: Path, vocab_size: int) -> None:
 
 
 def train(out: Path, tokenizer_dir: Path, examples: list[tuple[str, str]], hidden: int, layers: int, steps: int,
-          seed: int, batch: int = 8, seq_len: int = 512, log: bool = True) -> None:
-    """A llama of ``hidden`` (heads of 64) and ``layers`` trained ``steps`` AdamW steps on the examples (the loss over
-    whole examples, packed ``seq_len`` tokens a row), saved with the tokenizer in ``out``."""
+          seed: int, batch: int = 8, seq_len: int = 384, log: bool = True) -> None:
+    """A llama of ``hidden`` (heads of 64) and ``layers`` trained ``steps`` AdamW steps on the examples, one example a
+    row (cut at ``seq_len`` tokens), the loss on the answers' tokens only (what to learn is to answer: to copy),
+    saved with the tokenizer in ``out``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    stream: list[int] = []
+    rows = []
     for prompt, answer in examples:
-        stream += tokenizer.encode(prompt + answer, add_special_tokens=False)
+        asked, answered = (tokenizer.encode(text, add_special_tokens=False) for text in (prompt, answer))
+        ids = (asked + answered)[:seq_len]
+        labels = ([-100] * len(asked) + answered)[:seq_len]
+        pad = seq_len - len(ids)
+        rows.append((ids + [tokenizer.eos_token_id] * pad, labels + [-100] * pad))
     torch.manual_seed(seed)
     heads = hidden // HEAD_DIM
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 3,
@@ -139,14 +144,14 @@ def train(out: Path, tokenizer_dir: Path, examples: list[tuple[str, str]], hidde
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
     rng = random.Random(seed)
-    data = torch.tensor(stream)
     for step in range(steps):
         lr = 3e-3 * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        starts = [rng.randrange(0, len(stream) - seq_len - 1) for _ in range(batch)]
-        rows = torch.stack([data[s:s + seq_len] for s in starts])
-        loss = model(input_ids=rows, labels=rows).loss
+        chosen = [rows[rng.randrange(len(rows))] for _ in range(batch)]
+        ids = torch.tensor([row[0] for row in chosen])
+        labels = torch.tensor([row[1] for row in chosen])
+        loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -184,6 +184,23 @@ def test_bfloat16_cache(backend: CpuBackend) -> None:
     torch.testing.assert_close(out.double(), reference(step), **BF16_TOLERANCE)
 
 
+def test_a_bfloat16_query_over_a_float16_cache(backend: CpuBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 model with ``kv_cache_dtype`` float16: its decode rows take the native kernel with the query widened
+    to float32 (the result back in bfloat16), not the torch path; the reference attends with the same query."""
+    if not backend.native_kernels:
+        pytest.skip("the torch-path backend (PLUGINFER_NATIVE=0): no native kernel to reach")
+    step = build_step(backend, *CASES["decode"], dtype=torch.float16, seed=4)
+    step.query = step.query.to(torch.bfloat16)
+    queries = []
+    kernel = native_layer_ops.paged_decode_attention
+    monkeypatch.setattr(native_layer_ops, "paged_decode_attention",
+                        lambda query, *args: queries.append(query.dtype) or kernel(query, *args))
+    out = run(backend, step)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), reference(step), **BF16_TOLERANCE)
+    assert queries == [torch.float32], "the decode rows did not reach the native kernel with a float32 query"
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_new_keys_and_values_are_written_to_their_slots(backend: CpuBackend, case: str) -> None:
     step = build_step(backend, *CASES[case], seed=5)

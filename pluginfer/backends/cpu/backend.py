@@ -242,6 +242,13 @@ class CpuBackend:
         # The C kernel reads contiguous value rows; a value inside the key takes the torch path.
         # A float32 query against a 16-bit cache (a float32 model's kv_cache_dtype) stays float32: the kernel
         # widens the cached values, the query is not rounded. A 16-bit query takes a cache of its own dtype.
+        if decodes and torch.float32 not in (query.dtype, key_cache.dtype) and query.dtype != key_cache.dtype:
+            # the other 16-bit dtype (a bfloat16 model's float16 cache): the query widened to float32 (exactly) takes
+            # the kernel that widens the cached rows, as a float32 model's does, not the torch path
+            if decodes == query.shape[0] and key_cache.dtype in NATIVE_CACHE_DTYPES and value_cache.is_contiguous():
+                return layer_ops.paged_decode_attention(query.float(), key_cache, value_cache,
+                                                        meta.decode_block_tables, meta.decode_seq_lens, scale,
+                                                        sliding_window, logit_soft_cap).to(query.dtype)
         native_decodes = decodes and key_cache.dtype in NATIVE_CACHE_DTYPES and value_cache.is_contiguous() \
             and (key_cache.dtype == torch.float32 or query.dtype in (key_cache.dtype, torch.float32))
         if native_decodes and decodes == query.shape[0] and query.dtype in (key_cache.dtype, torch.float32):
