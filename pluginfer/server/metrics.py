@@ -34,7 +34,8 @@ class ServerMetrics:
             "pluginfer_time_to_first_token_seconds", "From arrival to the first generated token",
             buckets=_LATENCY_BUCKETS, registry=registry)
         self.inter_token_latency = Histogram(
-            "pluginfer_inter_token_latency_seconds", "Between two outputs of one request",
+            "pluginfer_inter_token_latency_seconds",
+            "Between two generated tokens of one request as delivered (tokens that arrive together share the gap)",
             buckets=_LATENCY_BUCKETS, registry=registry)
         Gauge("pluginfer_num_requests_running", "Sequences in the running batch",
               registry=registry).set_function(lambda: engine.stats.num_running)
@@ -102,10 +103,15 @@ class RequestTimer:
         if generated <= self.num_generated:
             return
         now = time.monotonic()
+        new = generated - self.num_generated
         if self.last is None:
             self.metrics.time_to_first_token.observe(now - self.start)
+            gap, new = 0.0, new - 1  # tokens that came with the first arrived with it
         else:
-            self.metrics.inter_token_latency.observe(now - self.last)
+            gap = (now - self.last) / new
+        # one sample a token, whether a step's outputs arrive one by one or coalesced (a busy consumer, drafts)
+        for _ in range(new):
+            self.metrics.inter_token_latency.observe(gap)
         self.last, self.num_generated = now, generated
 
     def close(self) -> None:
