@@ -150,7 +150,7 @@ def amx_enabled() -> bool:
 
 
 def load_amx(name: str, sources: tuple[Path, ...], features: frozenset[str], extension: str,
-         signatures: Iterable[Signature], what: str = "kernels") -> tuple[ctypes.CDLL | None, str | None]:
+             signatures: Iterable[Signature], what: str = "kernels") -> tuple[ctypes.CDLL | None, str | None]:
     """``(library, None)`` with ``signatures`` set and the tile state granted, or ``(None, why)``: ``PLUGINFER_AMX=0``,
     a CPU without ``features`` (``extension`` names them, e.g. "AMX-INT8"), ``PLUGINFER_NATIVE=0``, a build that
     failed (``what``: "kernel" or "kernels", for the message), a compiler that did not enable the instructions or
