@@ -61,8 +61,8 @@ class DeviceBackend(Protocol):
         """One (key, value) pair of tensors per layer, ``[num_blocks, block_size, heads, dim]``; of a quantized
         ``dtype``, ``[..., dim + 4]`` (``kv_quant.row_width``: each row's codes, then its scale's bytes).
 
-        With ``spec.value_in_key`` the value tensor is a view of the key tensor's first features
-        (no storage of its own).
+        With ``spec.value_in_key`` the value tensor is a view of the key tensor's last features
+        (``core.kv_layout.value_in_key``; no storage of its own).
         """
 
     def prepare(self, batch: ForwardBatch) -> Any:

@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 class KVCacheSpec:
     """What one token costs in the paged cache: per layer, K of ``head_dim`` and V of ``v_head_dim``.
 
-    ``value_in_key``: no value is stored; the value is the first ``value_in_key`` features of the
-    cached key. Multi-head latent attention (DeepSeek) caches one "head" per token, the compressed
-    latent followed by the rope key, and reads the latent back as the value.
+    ``value_in_key``: no value is stored; the value is the last ``value_in_key`` features of the
+    cached key (``core.kv_layout.value_in_key``: a quantized row's scale, at its end, serves both).
+    Multi-head latent attention (DeepSeek) caches one "head" per token, the rope key followed by the
+    compressed latent, and reads the latent back as the value.
     """
 
     num_layers: int

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-PLUGIN_API_VERSION = 5
+PLUGIN_API_VERSION = 6
 """Bump when a protocol or a spec changes incompatibly; a spec lists the versions it was written for."""
 
 

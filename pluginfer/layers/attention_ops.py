@@ -3,7 +3,7 @@ their torch references, and ``DeviceBackend.paged_attention`` built from a backe
 
 The references are defined as ops of the core's open table (``pluginfer.core.kernels.define_op``) as in
 ``ops.py``. Paged caches are ``[num_blocks, block_size, kv_heads, dim]``; a value cache may be a view of the key
-cache's first features (multi-head latent attention), which every op reads as it is. A quantized cache (int8,
+cache's last features (multi-head latent attention, ``core.kv_layout.value_in_key``), which every op reads as it is. A quantized cache (int8,
 float8) is ``[..., dim + 4]``: each row's codes and its float32 scale (``layers/kv_quant.py``).
 """
 
@@ -130,7 +130,8 @@ def paged_attention(kernels: KernelTable, query: torch.Tensor, key: torch.Tensor
     key_scales, value_scales = kv_quant.fixed_scales(kv_cache)
     if key_scales is not None:  # a checkpoint's scales: the reference write (no op takes them)
         kv_quant.write_rows(key_cache, batch.slot_mapping, key, key_scales)
-        kv_quant.write_rows(value_cache, batch.slot_mapping, value, value_scales)
+        if value is not None:
+            kv_quant.write_rows(value_cache, batch.slot_mapping, value, value_scales)
     else:
         kernels.get("write_kv")(key, value, key_cache, value_cache, batch.slot_mapping)
     decodes = meta.num_decodes

@@ -17,6 +17,7 @@ import torch
 
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.kernels import KernelTable
+from pluginfer.core.kv_layout import is_view_of, value_in_key
 from pluginfer.core.protocols import KVCacheSpec
 from pluginfer.layers import attention_ops
 from pluginfer.layers.attention_ops import PagedAttentionMetadata
@@ -67,9 +68,9 @@ class BaseDeviceBackend:
             return torch.zeros(num_blocks, block_size, spec.num_kv_heads, row_width(dim, dtype), dtype=dtype,
                                device=self.device)
 
-        if spec.value_in_key is not None:  # the value is the key's first features: no storage of its own
+        if spec.value_in_key is not None:  # the value is the key's last features: no storage of its own
             keys = [zeros(spec.head_dim) for _ in range(spec.num_layers)]
-            return [(key, key[..., :spec.value_in_key]) for key in keys]
+            return [(key, value_in_key(key, spec.value_in_key)) for key in keys]
         return [(zeros(spec.head_dim), zeros(spec.v_head_dim or spec.head_dim)) for _ in range(spec.num_layers)]
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -79,7 +80,7 @@ class BaseDeviceBackend:
         src, dst = torch.tensor(copies, device=self.device).T
         for key_cache, value_cache in kv_caches:
             key_cache[dst] = key_cache[src]
-            if value_cache.data_ptr() != key_cache.data_ptr():  # a value inside the key moved with it
+            if not is_view_of(value_cache, key_cache):  # a value inside the key moved with it
                 value_cache[dst] = value_cache[src]
 
     def prepare(self, batch: ForwardBatch) -> PagedAttentionMetadata:

@@ -101,11 +101,9 @@ def check_kv_cache_dtype(backend: object, spec: object, dtype: torch.dtype, name
                          f"reading {dtype_name(dtype)} KV caches (it reads {names})")
     if not is_quantized(dtype):
         return
-    if getattr(spec, "value_in_key", None) is not None:
-        raise ValueError(f"cache.kv_cache_dtype {name}: this model caches its value inside its key (multi-head "
-                         "latent attention), which no quantized KV kernel reads; use a float KV cache dtype")
     check_head_dim(spec.head_dim, dtype)
-    check_head_dim(spec.v_head_dim or spec.head_dim, dtype)
+    # a value in the key (multi-head latent attention) starts that many features into the key's row
+    check_head_dim(spec.value_in_key or spec.v_head_dim or spec.head_dim, dtype)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -84,7 +84,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = LatentUpProjection(kv_lora_rank, self.num_heads, qk_nope_head_dim, v_head_dim)
         self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias=bias)
         self.rotary_emb = rope
-        # One cache head of latent + rope key; the value is the latent (its first kv_lora_rank features).
+        # One cache head of rope key + latent; the value is the latent (its last kv_lora_rank features).
         self.attn = Attention(self.num_heads, kv_lora_rank + qk_rope_head_dim, scale, num_kv_heads=1)
         self.num_kv_heads, self.head_dim = 1, kv_lora_rank + qk_rope_head_dim
 
@@ -101,8 +101,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_rope, k_rope = self.rotary_emb(batch, q_rope.contiguous(), k_rope.reshape(tokens, 1, self.rope_dim))
         w_uk, w_uv = self.kv_b_proj.absorbed()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [heads, tokens, kv_lora_rank]
-        query = torch.cat((q_latent.transpose(0, 1), q_rope), dim=-1)
-        key = torch.cat((latent, k_rope.reshape(tokens, self.rope_dim)), dim=-1).unsqueeze(1)
+        query = torch.cat((q_rope, q_latent.transpose(0, 1)), dim=-1)
+        key = torch.cat((k_rope.reshape(tokens, self.rope_dim), latent), dim=-1).unsqueeze(1)
         out_latent = self.attn(batch, query, key, None).view(tokens, self.num_heads, self.kv_lora_rank)
         out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [heads, tokens, v_head_dim]
         return self.o_proj(out.transpose(0, 1).reshape(tokens, self.num_heads * self.v_dim))

@@ -19,6 +19,7 @@ import torch
 from pluginfer.core import kernels
 from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.device_backend import DecodeForward, DeviceBackend
+from pluginfer.core.kv_layout import value_in_key
 from pluginfer.core.protocols import KVCacheSpec
 from pluginfer.layers import attention_ops, kv_quant
 from pluginfer.layers import ops as layer_ops  # noqa: F401 - defines the ops a backend claims
@@ -114,9 +115,10 @@ def _check_allocation(backend: DeviceBackend, dtype: torch.dtype) -> None:
                     raise _fail(member, f"{where}: dtype {tensor.dtype}, asked for {dtype}")
                 if not _same_device(tensor.device, backend.device):
                     raise _fail(member, f"{where}: on {tensor.device}, the backend's device is {backend.device}")
-            if spec.value_in_key is not None and value.data_ptr() != key.data_ptr():
-                raise _fail(member, f"{spec}: the value must be a view of the key's first {spec.value_in_key} "
-                            "features (value_in_key), not memory of its own")
+            view = value_in_key(key, spec.value_in_key) if spec.value_in_key is not None else None
+            if view is not None and (value.data_ptr(), value.stride()) != (view.data_ptr(), view.stride()):
+                raise _fail(member, f"{spec}: the value must be a view of the key's last {spec.value_in_key} "
+                            "features (core.kv_layout.value_in_key), not memory of its own")
             per_block = key.element_size() * key[0].numel() + (
                 0 if spec.value_in_key is not None else value.element_size() * value[0].numel())
             if per_block != spec.bytes_per_token(dtype) * BLOCK_SIZE // spec.num_layers:
@@ -180,7 +182,7 @@ def _check_attention(backend: DeviceBackend, dtype: torch.dtype, case: str, atol
     window, cap = (5, 2.0) if case == "window_soft_cap" else (None, None)
     expected_key, expected_value = key_cache.clone(), value_cache.clone()
     if latent:
-        expected_value = expected_key[..., :8]
+        expected_value = value_in_key(expected_key, 8)
     reference = paged_batch(backend.device, tables, seq_lens, query_lens, BLOCK_SIZE)
     reference.attention = attention_ops.paged_attention_metadata(reference)
     expected = attention_ops.paged_attention(kernels.KernelTable("reference"), query, key, value,
@@ -262,7 +264,7 @@ def _check_copy_blocks(backend: DeviceBackend, dtype: torch.dtype) -> None:
                 want_key[dst] = old_key[src]
                 want_value[dst] = old_value[src]
             if spec.value_in_key is not None:
-                want_value = want_key[..., :spec.value_in_key]
+                want_value = value_in_key(want_key, spec.value_in_key)
             if not torch.equal(key.cpu(), want_key) or not torch.equal(value.cpu(), want_value):
                 raise _fail(member, f"{spec}, layer {layer}: after copies {copies} the cache is not the blocks "
                             "copied src -> dst with every other block untouched")

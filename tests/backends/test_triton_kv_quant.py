@@ -74,6 +74,29 @@ def case_attention(kv_dtype: str, model_dtype: str, prefill: bool, window: int |
     return compare(ours, expected, model_dtype)
 
 
+def case_latent(kv_dtype: str, prefill: bool) -> dict:
+    """Multi-head latent attention's cache: one KV head whose value is a view of the key row's last features
+    and its scale (``core.kv_layout.value_in_key``)."""
+    from pluginfer.backends.triton_kernels import decode_attention, prefill_attention
+    from pluginfer.core.kv_layout import value_in_key
+    from pluginfer.layers import attention_ops
+    from tests.backends.triton_cases import _paged, compare
+
+    seq_lens, query_lens = ([40, 9, 23], [1, 1, 1]) if not prefill else ([21, 30], [7, 30])
+    query, _, _, key_cache, _, tables, starts, lens, _ = _paged(seq_lens, query_lens, 4, 1, 24, 24, 8, torch.float32, 8)
+    key_cache = _quantized(key_cache, kv_dtype, 5)
+    value_cache = value_in_key(key_cache, 16)
+    scale = 24 ** -0.5
+    if prefill:
+        arguments = (query, key_cache, value_cache, tables, starts, lens, max(query_lens), scale, None, None)
+        ours, expected = prefill_attention.paged_prefill_attention(*arguments), attention_ops.paged_prefill_attention(*arguments)
+    else:
+        arguments = (query, key_cache, value_cache, tables, lens, scale, None, None)
+        ours = decode_attention.decode_attention(*arguments, keys_per_split=16)
+        expected = attention_ops.paged_decode_attention(*arguments)
+    return compare(ours, expected, "float32")
+
+
 CASES: dict[str, tuple] = {}
 for _kv in KV_DTYPES:
     CASES |= {
@@ -85,7 +108,9 @@ for _kv in KV_DTYPES:
         f"prefill-window-softcap-{_kv}-float32": (case_attention, _kv, "float32", True, 6, 2.0),
     }
 CASES |= {"decode-int8-float16": (case_attention, "int8", "float16", False, None, None),
-          "prefill-fp8_e4m3-bfloat16": (case_attention, "fp8_e4m3", "bfloat16", True, None, None)}
+          "prefill-fp8_e4m3-bfloat16": (case_attention, "fp8_e4m3", "bfloat16", True, None, None),
+          "decode-latent-int8": (case_latent, "int8", False), "prefill-latent-fp8_e4m3": (case_latent, "fp8_e4m3", True),
+          "decode-latent-fp8_e5m2": (case_latent, "fp8_e5m2", False)}
 
 
 def _run(interpret: bool) -> dict:

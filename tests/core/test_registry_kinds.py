@@ -101,7 +101,7 @@ def test_one_spec_class_per_kind_with_only_its_fields() -> None:
     assert ModelSpec(name="m", factory="m:f", architectures=("MForCausalLM",)).names == ("m", "MForCausalLM")
     with pytest.raises(TypeError, match="unexpected keyword argument 'gguf_architectures'"):  # version 5: converters
         ModelSpec(name="x", factory="m:f", gguf_architectures=("llama",))  # type: ignore[call-arg]
-    assert ToolParserSpec(name="t", factory="m:f").api_versions == (PLUGIN_API_VERSION,) == (5,)
+    assert ToolParserSpec(name="t", factory="m:f").api_versions == (PLUGIN_API_VERSION,) == (6,)
 
 
 def test_parsers_register_resolve_and_build(site: Path) -> None:
@@ -134,7 +134,7 @@ def test_a_spec_from_another_kinds_hook_and_an_old_api_version_are_broken() -> N
     old = RequestProcessorSpec(name="old", factory="m:f", api_versions=(2, 3))
     registry.register(plugin("pluginfer_request_processors", old), name="oldplug")
     assert info_of(registry, "oldplug").error.startswith(
-        "plugin oldplug was written for plugin API versions (2, 3), this pluginfer has 5 (request_processor 'old')")
+        "plugin oldplug was written for plugin API versions (2, 3), this pluginfer has 6 (request_processor 'old')")
     with pytest.raises(PluginVersionError):
         registry.load("request_processor", "old")
     with pytest.raises(UnknownPluginError, match="broken plugins: wrong: pluginfer_tool_parsers gave EndpointSpec"):

@@ -84,8 +84,9 @@ def test_a_backend_without_a_kernel_for_the_dtype_is_a_start_up_error_naming_bot
     latent = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=576, value_in_key=512)
     from pluginfer.backends.cpu.backend import CpuBackend
 
-    with pytest.raises(ValueError, match="fp8: this model caches its value inside its key"):
-        kv_quant.check_kv_cache_dtype(CpuBackend, latent, torch.float8_e4m3fn, "fp8")
+    kv_quant.check_kv_cache_dtype(CpuBackend, latent, torch.float8_e4m3fn, "fp8")  # the latent's view reads the key's scale
+    with pytest.raises(ValueError, match="a head dimension of 510 is no multiple of 4"):
+        kv_quant.check_kv_cache_dtype(CpuBackend, KVCacheSpec(2, 1, 576, value_in_key=510), torch.int8, "int8")
     with pytest.raises(ValueError, match="a head dimension of 18 is no multiple of 4"):
         kv_quant.check_kv_cache_dtype(CpuBackend, KVCacheSpec(1, 1, 18), torch.int8, "int8")
 

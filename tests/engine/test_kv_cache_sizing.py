@@ -51,7 +51,7 @@ def test_a_latent_cache_keeps_its_value_inside_the_key():
     for key, value in caches:
         assert key.shape == (8, 4, 1, 40) and value.shape == (8, 4, 1, 32) and key.dtype == torch.bfloat16
         key.fill_(3)
-        assert float(value.float().mean()) == 3.0  # a view of the key's first features
+        assert float(value.float().mean()) == 3.0  # a view of the key's last features
 
 
 def test_under_another_default_device_it_allocates_there():

@@ -7,9 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends.cpu import amx_half
+from pluginfer.backends.cpu import amx_half, onednn
 from pluginfer.backends.cpu import half_linear as native_half_linear
-from pluginfer.backends.cpu import onednn
 from pluginfer.backends.cpu import ops as native
 from pluginfer.layers import dense
 from tests.layers.conftest import PANELS_AVAILABLE, backend_with

@@ -150,15 +150,15 @@ def test_paged_attention_reference_equals_cpu_backend(case: str, shape: tuple, o
 
 @pytest.mark.parametrize("case", ["decode", "mixed"])
 def test_latent_attention_reference_equals_cpu_backend(case: str) -> None:
-    """MLA's cache: one KV head, the value a view of the key's first features, only keys written."""
+    """MLA's cache: one KV head, the value a view of the key's last features, only keys written."""
     seq_lens, query_lens = ATTENTION_CASES[case]
     backend = backend_with(False)
     tables, key_cache, _, query, key, _ = _attention_case(seq_lens, query_lens, HEAD_DIM, 1, torch.float32, seed=4)
     latent = 12
     batch = paged_batch(backend, tables, seq_lens, query_lens, BLOCK_SIZE)
     expected_cache = key_cache.clone()
-    expected = backend.paged_attention(query, key, None, (expected_cache, expected_cache[..., :latent]), batch, 0.3)
-    ours = _reference_attention(batch, query, key, None, key_cache, key_cache[..., :latent], 0.3, None, None)
+    expected = backend.paged_attention(query, key, None, (expected_cache, expected_cache[..., -latent:]), batch, 0.3)
+    ours = _reference_attention(batch, query, key, None, key_cache, key_cache[..., -latent:], 0.3, None, None)
     assert torch.equal(key_cache, expected_cache)
     assert ours.shape == (sum(query_lens), HEADS, latent)
     torch.testing.assert_close(ours, expected, atol=2e-5, rtol=2e-5)

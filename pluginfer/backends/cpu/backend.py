@@ -27,6 +27,7 @@ from pluginfer.core.batch import ForwardBatch
 from pluginfer.core.config import EngineConfig
 from pluginfer.core.device_backend import DecodeForward
 from pluginfer.core.kernels import KernelTable
+from pluginfer.core.kv_layout import is_view_of, value_in_key
 from pluginfer.core.protocols import KVCacheSpec, RankInfo
 from pluginfer.layers import kv_quant
 from pluginfer.layers.kv_quant import FLOAT_KV_DTYPES, QUANTIZED_KV_DTYPES, row_width
@@ -194,9 +195,9 @@ class CpuBackend:
         shapes = [shape for _ in range(spec.num_layers) for shape in (key_shape, value_shape) if shape is not None]
         tensors = iter(_lazy_zeros(shapes, dtype))
         if spec.value_in_key is not None:
-            # the value is the key's first features: no storage of its own
+            # the value is the key's last features: no storage of its own
             keys = [next(tensors) for _ in range(spec.num_layers)]
-            return [(key, key[..., :spec.value_in_key]) for key in keys]
+            return [(key, value_in_key(key, spec.value_in_key)) for key in keys]
         return [(next(tensors), next(tensors)) for _ in range(spec.num_layers)]
 
     def copy_blocks(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -206,7 +207,7 @@ class CpuBackend:
         src, dst = torch.tensor(copies).T
         for key_cache, value_cache in kv_caches:
             key_cache[dst] = key_cache[src]
-            if value_cache.data_ptr() != key_cache.data_ptr():  # a value inside the key moved with it
+            if not is_view_of(value_cache, key_cache):  # a value inside the key moved with it
                 value_cache[dst] = value_cache[src]
 
     def prepare(self, batch: ForwardBatch) -> CpuAttentionMetadata:
@@ -280,12 +281,14 @@ class CpuBackend:
         key_scales, value_scales = kv_quant.fixed_scales(kv_cache)
         if self.native_kernels:
             native_kv.write(key_cache, batch.slot_mapping, key, key_scales)
-            native_kv.write(value_cache, batch.slot_mapping, value, value_scales)
+            if value is not None:  # None: the value is the key's last features (value_in_key), written with it
+                native_kv.write(value_cache, batch.slot_mapping, value, value_scales)
             return native_kv.paged_attention(query, key_cache, value_cache, batch.block_tables,
                                              batch.query_start_loc, batch.seq_lens, scale, sliding_window,
                                              logit_soft_cap)
         kv_quant.write_rows(key_cache, batch.slot_mapping, key, key_scales)
-        kv_quant.write_rows(value_cache, batch.slot_mapping, value, value_scales)
+        if value is not None:
+            kv_quant.write_rows(value_cache, batch.slot_mapping, value, value_scales)
         out = query.new_empty(query.shape[0], query.shape[1], kv_quant.feature_dim(value_cache))
         flat_keys, flat_values = (cache.view(-1, *cache.shape[2:]) for cache in kv_cache)
         for part in (batch.attention.decode, batch.attention.prefill):
@@ -311,8 +314,8 @@ def _attend(part: _Part, query: torch.Tensor, flat_keys: torch.Tensor, flat_valu
     gather = _gather_dequantized if kv_quant.is_quantized(flat_keys.dtype) else torch.index_select
     keys = gather(flat_keys, 0, slots)
     keys = keys.view(seqs, max_keys, *keys.shape[1:]).transpose(1, 2)
-    if flat_values.data_ptr() == flat_keys.data_ptr():  # the value is the key's first features: gathered already
-        values = keys[..., :flat_values.shape[-1]]
+    if is_view_of(flat_values, flat_keys):  # the value is the key's last features: gathered already
+        values = keys[..., keys.shape[-1] - kv_quant.feature_dim(flat_values):]
     else:
         values = gather(flat_values, 0, slots)
         values = values.view(seqs, max_keys, *values.shape[1:]).transpose(1, 2)

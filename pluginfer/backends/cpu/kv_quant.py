@@ -39,19 +39,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
     """``layers.attention_ops.paged_prefill_attention`` over quantized caches for any mix of decode and prefill rows:
     query ``[tokens, heads, dim]`` (float32 inside; the result in the query's dtype)."""
-    if key_cache.dtype != value_cache.dtype or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError(f"paged_attention_quantized needs contiguous key and value caches of one dtype, got "
-                         f"{key_cache.dtype} and {value_cache.dtype}")
+    _, block_size, kv_heads, value_width = value_cache.shape
+    v_row = value_cache.stride(2)  # a value inside the key (value_in_key): a key row apart
+    rows_apart = value_cache.stride() == (block_size * kv_heads * v_row, kv_heads * v_row, v_row, 1)
+    if key_cache.dtype != value_cache.dtype or not key_cache.is_contiguous() or not rows_apart:
+        raise ValueError(f"paged_attention_quantized needs a contiguous key cache and value rows of one stride, of "
+                         f"one dtype, got {key_cache.dtype} and {value_cache.dtype} {tuple(value_cache.stride())}")
     tokens, heads, head_dim = query.shape
-    _, block_size, kv_heads, v_row = value_cache.shape
-    v_dim = v_row - kv_quant.SCALE_BYTES
+    v_dim = value_width - kv_quant.SCALE_BYTES
     q = contiguous_as(query if query.dtype == torch.float32 else query.contiguous(), torch.float32)
     tables, starts, lens = (contiguous_as(block_tables, torch.int64), contiguous_as(query_start_loc, torch.int64),
                             contiguous_as(seq_lens, torch.int64))
     out = torch.empty(tokens, heads, v_dim, dtype=torch.float32)
     status = native().paged_attention_quantized(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(),
-        lens.data_ptr(), out.data_ptr(), lens.shape[0], heads, kv_heads, head_dim, v_dim, block_size,
+        lens.data_ptr(), out.data_ptr(), lens.shape[0], heads, kv_heads, head_dim, v_dim, v_row, block_size,
         tables.shape[1], scale, sliding_window or 0, soft_cap or 0.0, KINDS[key_cache.dtype])
     if status != 0:
         raise MemoryError("paged_attention_quantized could not allocate its score buffer")

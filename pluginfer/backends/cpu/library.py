@@ -63,7 +63,7 @@ SIGNATURES = {
     "paged_decode_attention_kv16": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),
     # quantized KV caches (the last argument: kv_quant.KINDS)
     "kv_quantize_rows": (ctypes.c_int, [_pointer] + [_i64] * 4 + [_pointer] * 3 + [ctypes.c_int]),
-    "paged_attention_quantized": (ctypes.c_int, [_pointer] * 7 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),
+    "paged_attention_quantized": (ctypes.c_int, [_pointer] * 7 + [_i64] * 8 + [_f32, _i64, _f32, ctypes.c_int]),
     "kv_quant_attention_width": (ctypes.c_int, []),
     "rms_norm_16": (None, [_pointer] * 4 + [_i64, _i64, _f32, _f32, ctypes.c_int]),
     "silu_and_mul_16": (None, [_pointer, _pointer, _i64, _i64, ctypes.c_int]),

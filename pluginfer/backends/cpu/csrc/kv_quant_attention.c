@@ -162,6 +162,7 @@ typedef struct {
     float *factors;         /* [count]: each position's value-row scale */
     float *widened;         /* W rows of max(head_dim, v_dim) floats (the scalar path: one) */
     int64_t count, group, head_dim, v_dim;
+    int64_t v_row;          /* bytes from one value row to the next: v_dim + 4, or a key row's (a value in the key) */
     float scale, soft_cap;
 } task_t;
 
@@ -169,7 +170,7 @@ typedef struct {
  * the widening's factor), so that the value sums multiply each widened code by one weight. */
 static void softmax_and_fold(const task_t *t, int kind) {
     float *const scores = t->scores, *const factors = t->factors;
-    const int64_t count = t->count, vs = t->v_dim + 4;
+    const int64_t count = t->count, vs = t->v_row;
     for (int64_t i = 0; i < count; i++) factors[i] = row_scale(t->values + t->rows[i] * vs, t->v_dim) * WIDE_FACTOR[kind];
     for (int64_t h = 0; h < t->group; h++) {
         float *row = scores + h * count, max_score = -INFINITY, sum = 0.0f;
@@ -200,7 +201,7 @@ static void softmax_and_fold(const task_t *t, int kind) {
 
 /* Scalar: any dims. Each row widened once into t->widened, then used by every query head of the group. */
 static void attend_scalar(const task_t *t, int kind) {
-    const int64_t ks = t->head_dim + 4, vs = t->v_dim + 4;
+    const int64_t ks = t->head_dim + 4, vs = t->v_row;
     for (int64_t i = 0; i < t->count; i++) {
         const uint8_t *k = t->keys + t->rows[i] * ks;
         for (int64_t d = 0; d < t->head_dim; d++) t->widened[d] = widen(k + d, kind);
@@ -271,7 +272,7 @@ static inline __attribute__((always_inline)) void scores_vec(const task_t *t, co
  * widened once for the NG heads, each weight (already times the row's scale) broadcast once per vector. */
 static inline __attribute__((always_inline)) void values_tile(const task_t *t, int64_t g0, int64_t d0, const int NG,
                                                               const int CH, const int kind) {
-    const int64_t vs = t->v_dim + 4;
+    const int64_t vs = t->v_row;
     const float *p = t->scores + g0 * t->count;
     vf acc[W / 2][2];
     for (int g = 0; g < NG; g++)
@@ -328,14 +329,16 @@ int kv_quant_attention_width(void) {
 /* Paged attention over quantized caches for every query token of the batch: sequence s owns query rows
  * query_start_loc[s]..query_start_loc[s + 1], the last positions of its seq_lens[s] keys (decode: one row).
  * Causal; sliding_window > 0 keeps the keys at positions > position - window; soft_cap > 0 caps the scores.
- * query float32 [tokens, heads, head_dim] and out [tokens, heads, v_dim]. A thread's task is a query token and
+ * query float32 [tokens, heads, head_dim] and out [tokens, heads, v_dim]. Value rows lie v_row bytes apart: v_dim + 4
+ * in a cache of their own, a key row's head_dim + 4 where the value is the key's last features (its scale the key's).
+ * A thread's task is a query token and
  * a run of its KV heads: all of them (a slot's rows read by one thread) unless there are fewer tokens than
  * threads. */
 int paged_attention_quantized(const float *query, const uint8_t *key_cache, const uint8_t *value_cache,
                               const int64_t *block_tables, const int64_t *query_start_loc, const int64_t *seq_lens,
                               float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, int64_t v_dim, int64_t block_size, int64_t max_blocks, float scale,
-                              int64_t sliding_window, float soft_cap, int kind) {
+                              int64_t head_dim, int64_t v_dim, int64_t v_row, int64_t block_size, int64_t max_blocks,
+                              float scale, int64_t sliding_window, float soft_cap, int kind) {
     const int64_t num_tokens = query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     if (num_tokens <= 0) return 0;
     int64_t max_len = 1, total = 0;
@@ -385,7 +388,7 @@ int paged_attention_quantized(const float *query, const uint8_t *key_cache, cons
             for (int64_t kv = kv_begin; kv < kv_end; kv++) {
                 task_t task = {query + (t * num_heads + kv * group) * head_dim, out + (t * num_heads + kv * group) * v_dim,
                                key_cache, value_cache, rows, scores, factors, widened, position + 1 - start, group, head_dim,
-                               v_dim, scale, soft_cap};
+                               v_dim, v_row, scale, soft_cap};
                 int64_t block = start / block_size, within = start % block_size; /* no division per position */
                 for (int64_t i = 0; i < task.count; i++) {
                     rows[i] = (table[block] * block_size + within) * num_kv_heads + kv;

@@ -51,8 +51,8 @@ int kv_quantize_rows(const float *src, int64_t tokens, int64_t heads, int64_t di
 int paged_attention_quantized(const float *query, const uint8_t *key_cache, const uint8_t *value_cache,
                               const int64_t *block_tables, const int64_t *query_start_loc, const int64_t *seq_lens,
                               float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, int64_t v_dim, int64_t block_size, int64_t max_blocks, float scale,
-                              int64_t sliding_window, float soft_cap, int kind);
+                              int64_t head_dim, int64_t v_dim, int64_t v_row, int64_t block_size, int64_t max_blocks,
+                              float scale, int64_t sliding_window, float soft_cap, int kind);
 void rms_norm_16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
                  int64_t cols, float eps, float offset, int dtype);
 void silu_and_mul_16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int dtype);
@@ -363,7 +363,7 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
             break;
         case OP_PAGED_ATTENTION_QUANTIZED:
             result = paged_attention_quantized(P(0), P(1), P(2), P(3), P(4), P(5), P(6), a[7], a[8], a[9], a[10], a[11],
-                                               a[12], a[13], as_float(a[14]), a[15], as_float(a[16]), (int)a[17]);
+                                               a[12], a[13], a[14], as_float(a[15]), a[16], as_float(a[17]), (int)a[18]);
             break;
         case OP_QUANT_PANEL_MATMUL:
             result = quant_panel_matmul((int)a[0], P(1), a[2], a[3], P(4), a[5], a[6], P(7));

@@ -14,6 +14,6 @@ def claims(quantization_config: dict) -> bool:
 def pluginfer_quant_methods() -> list[QuantSpec]:
     return [
         QuantSpec(name=NAME, factory="pluginfer_example_quant.method:build",
-                  claims="pluginfer_example_quant.plugin:claims", api_versions=(4, 5),
+                  claims="pluginfer_example_quant.plugin:claims", api_versions=(5, 6),
                   description="int8 weights, one float scale per output row (example out-of-tree plugin)"),
     ]

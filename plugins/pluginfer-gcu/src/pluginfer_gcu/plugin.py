@@ -7,7 +7,7 @@ from pluginfer.core.hookspecs import BackendSpec, CollectiveSpec, hookimpl
 def pluginfer_backends() -> list[BackendSpec]:
     return [
         BackendSpec(name="gcu", factory="pluginfer_gcu.backend:build",
-                    check="pluginfer_gcu.device:why_not_usable", priority=15, api_versions=(4, 5),
+                    check="pluginfer_gcu.device:why_not_usable", priority=15, api_versions=(5, 6),
                     description="Enflame GCUs through torch_gcu (gcu:local_rank), torch attention"),
     ]
 
@@ -16,6 +16,6 @@ def pluginfer_backends() -> list[BackendSpec]:
 def pluginfer_collectives() -> list[CollectiveSpec]:
     return [
         CollectiveSpec(name="eccl", factory="pluginfer_gcu.collective:build",
-                       check="pluginfer_gcu.collective:why_not_usable", api_versions=(4, 5),
+                       check="pluginfer_gcu.collective:why_not_usable", api_versions=(5, 6),
                        description="Enflame ECCL through torch.distributed (the process group torch_gcu registers)"),
     ]
