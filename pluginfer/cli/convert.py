@@ -1,10 +1,11 @@
-"""``pluginfer convert``: a Hugging Face checkpoint (llama, qwen2/3, gemma 1-3, phi-2/3, stablelm, glm4, and the
-experts of Mixtral, Qwen2-MoE and Qwen3-MoE merged per layer as llama.cpp merges them) to a quantized ``.gguf`` file.
+"""``pluginfer convert``: a Hugging Face checkpoint (llama, qwen2/3, gemma 1-3, phi-2/3, stablelm, glm4, DeepSeek-V2/V3,
+and the experts of Mixtral, Qwen2-MoE and Qwen3-MoE merged per layer as llama.cpp merges them) to a quantized ``.gguf``
+file.
 
 The file follows llama.cpp's ``convert_hf_to_gguf.py``: the same metadata keys, a gpt2-style BPE
 vocabulary with merges and token types, the chat template, llama's q/k rows permuted, 1-D
 tensors in F32; the other families' keys and tensor changes (Gemma's norms stored ``1 + w``) come from
-their GGUF module's ``write_hparams`` / ``tensor_for_file`` (``pluginfer/models/gguf_*.py``). Linear weights take the requested type, quantized by ``quant/ggml_blocks.py``
+their GGUF module's ``write_hparams`` / ``tensor_for_file`` / ``weights_for_file`` (``pluginfer/models/gguf_*.py``). Linear weights take the requested type, quantized by ``quant/ggml_blocks.py``
 (F16 where a row does not divide into its blocks, as llama.cpp falls back); the embedding and the
 LM head take ``--embedding-type``.
 """
@@ -31,11 +32,15 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  "PhiForCausalLM": "phi2", "Phi3ForCausalLM": "phi3", "StableLmForCausalLM": "stablelm",
                  "Glm4ForCausalLM": "glm4", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
-                 "Qwen3MoeForCausalLM": "qwen3moe"}
+                 "Qwen3MoeForCausalLM": "qwen3moe", "DeepseekV2ForCausalLM": "deepseek2",
+                 "DeepseekV3ForCausalLM": "deepseek2"}
 # GGUF architecture -> the module writing its own keys (``write_hparams``) and tensor changes (``tensor_for_file``).
 _FAMILY_WRITERS = {**dict.fromkeys(("gemma", "gemma2", "gemma3"), "pluginfer.models.gguf_gemma"),
                    **dict.fromkeys(("phi2", "phi3"), "pluginfer.models.gguf_phi"),
-                   "stablelm": "pluginfer.models.gguf_stablelm", "glm4": "pluginfer.models.gguf_glm4"}
+                   "stablelm": "pluginfer.models.gguf_stablelm", "glm4": "pluginfer.models.gguf_glm4",
+                   "deepseek2": "pluginfer.models.gguf_deepseek"}
+# Families whose writer gives the attention's head and key/value lengths itself (a latent cache's)
+_OWN_ATTENTION_SIZES = ("deepseek2",)
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
 # Our type names -> llama.cpp's general.file_type.
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
@@ -97,7 +102,8 @@ def convert_to_gguf(model_dir: Path, output: Path, quant: str, embedding_type: s
                          f"convert reads floating-point checkpoints")
     from pluginfer.models.gguf_moe import merged_name
 
-    total = len({merged_name(name) for name in tensor_names(model_dir) if not _skipped(name, config)})
+    names = {merged_name(name) for name in tensor_names(model_dir) if not _skipped(name, config)}
+    total = len(names) + sum(name.endswith(".kv_b_proj.weight") for name in names)  # deepseek2: k_b and v_b
     return write_gguf(output, config, load_tokenizer(model_dir), iter_weights(model_dir, progress=False),
                       quant, embedding_type, progress=progress, total=total)
 
@@ -141,7 +147,7 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
     arch = ARCHITECTURES[names[0]]
     writer = gguf.GGUFWriter(str(output), arch)
     family = importlib.import_module(_FAMILY_WRITERS[arch]) if arch in _FAMILY_WRITERS else None
-    _write_sizes(writer, config, gguf.LlamaFileType[_FILE_TYPES[quant]])
+    _write_sizes(writer, config, gguf.LlamaFileType[_FILE_TYPES[quant]], attention=arch not in _OWN_ATTENTION_SIZES)
     if family is None:
         _write_llama_hparams(writer, config)
     else:
@@ -149,6 +155,9 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
     if names[0] in gguf_moe.WRITTEN_ARCHITECTURES:  # experts merged per layer and projection, routers in F32
         gguf_moe.write_hparams(writer, config)
         weights = gguf_moe.merge_experts(weights, int(config.get("num_local_experts") or config["num_experts"]))
+    for_file = getattr(family, "weights_for_file", None)
+    if for_file is not None:  # tensors renamed, split or merged as the family's files hold them
+        weights = for_file(weights, config)
     to_file = getattr(family, "tensor_for_file", None)
     _write_tokenizer(writer, tokenizer, int(config["vocab_size"]))
     name_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
@@ -221,8 +230,8 @@ _YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "attention_factor": None, "ms
                   "truncate": True}
 
 
-def _write_sizes(writer: object, config: dict, file_type: object) -> None:
-    """The keys every family's file has."""
+def _write_sizes(writer: object, config: dict, file_type: object, attention: bool = True) -> None:
+    """The keys every family's file has (``attention``: with the head's KV count and key/value lengths)."""
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer.add_name(config.get("_name_or_path") or "pluginfer-convert")
@@ -231,9 +240,10 @@ def _write_sizes(writer: object, config: dict, file_type: object) -> None:
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if attention:
+        writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(file_type)
 

@@ -4,17 +4,21 @@
 ``kv_b_proj`` is read whole (older files) or joined back from ``attn_k_b`` / ``attn_v_b`` per head, since
 ``layers.mla`` holds it dense; merged experts are split per expert (``gguf_moe.expand_experts``) and keep the
 file's GGML blocks. The router is V3's (sigmoid, ``noaux_tc``) where ``expert_gating_func`` says sigmoid, else V2's.
+
+``write_hparams`` and ``weights_for_file`` write such a file (``pluginfer convert``) as llama.cpp's converter does:
+``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and ``attn_v_b``, experts merged, V3's router bias as
+``exp_probs_b``, the cache's one KV head and the latent's key/value lengths beside the per-head ``*_mla`` ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from pluginfer.formats.gguf.checkpoint import GGMLTensor, GGUFCheckpoint, GGUFModel
-from pluginfer.models.gguf_moe import expand_experts
+from pluginfer.models.gguf_moe import expand_experts, merge_experts
 
 HF_MODULES = (
     "model.embed_tokens", "model.norm", "lm_head",
@@ -147,3 +151,83 @@ class _KvBJoiner:
         if key.shape[2] != value.shape[2]:
             raise ValueError(f"{prefix}: attn_k_b's kv_lora_rank {key.shape[2]} differs from attn_v_b's {value.shape[2]}")
         yield f"{prefix}.kv_b_proj.weight", torch.cat((key, value), dim=1).reshape(-1, key.shape[2]).contiguous()
+
+
+def write_hparams(writer: Any, config: dict) -> None:
+    """``pluginfer convert``: the keys of llama.cpp's converter for DeepSeek-V2/V3 beside the common sizes (whose
+    attention lengths are the latent cache's here: one KV head of ``kv_lora_rank + qk_rope_head_dim``)."""
+    import gguf
+
+    from pluginfer.layers.rotary import rope_parameters
+
+    rank, rope, nope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"]), int(config["qk_nope_head_dim"])
+    experts = config.get("n_routed_experts")
+    if int(config.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"moe_layer_freq {config['moe_layer_freq']}: only every layer past first_k_dense_replace "
+                         "holding experts can be written to GGUF (llama.cpp's deepseek2 layout)")
+    writer.add_head_count_kv(1)
+    writer.add_key_length(rank + rope)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(nope + rope)
+    writer.add_value_length_mla(int(config["v_head_dim"]))
+    writer.add_kv_lora_rank(rank)
+    if config.get("q_lora_rank"):
+        writer.add_q_lora_rank(int(config["q_lora_rank"]))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    theta, scaling = rope_parameters(config)
+    writer.add_rope_freq_base(theta)
+    writer.add_rope_dimension_count(rope)
+    if scaling["rope_type"] == "yarn":
+        mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale is not None and all_dim is not None and float(mscale) != float(all_dim):
+            raise ValueError(f"rope_scaling: mscale {mscale} differs from mscale_all_dim {all_dim}; a deepseek2 "
+                             "GGUF file carries one (yarn_log_multiplier)")
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        if all_dim is not None:
+            writer.add_rope_scaling_yarn_log_mul(0.1 * float(all_dim))
+    elif scaling["rope_type"] != "default":
+        raise ValueError(f"rope scaling {scaling['rope_type']!r} cannot be written to a deepseek2 GGUF file "
+                         "(supported: yarn)")
+    dense = config.get("first_k_dense_replace")
+    writer.add_leading_dense_block_count(int(dense) if dense is not None else
+                                         (0 if experts else int(config["num_hidden_layers"])))
+    writer.add_expert_feed_forward_length(int(config.get("moe_intermediate_size") or config["intermediate_size"]))
+    if experts:
+        writer.add_expert_count(int(experts))
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+    writer.add_expert_shared_count(int(config.get("n_shared_experts") or 0))
+    if config.get("routed_scaling_factor") is not None:
+        writer.add_expert_weights_scale(float(config["routed_scaling_factor"]))
+    if config.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    if config.get("n_group") is not None:
+        writer.add_expert_group_count(int(config["n_group"]))
+    if config.get("topk_group") is not None:
+        writer.add_expert_group_used_count(int(config["topk_group"]))
+    # as llama.cpp's converter, from scoring_func (its absence: softmax); V3's noaux_tc router is sigmoid's anyway
+    scoring = config.get("scoring_func") or ("sigmoid" if config.get("topk_method") == "noaux_tc" else None)
+    if scoring not in (None, "softmax", "sigmoid"):
+        raise ValueError(f"scoring_func {scoring!r} cannot be written to a deepseek2 GGUF file (softmax, sigmoid)")
+    if scoring is not None:
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType[scoring.upper()])
+
+
+def weights_for_file(weights: Iterable[tuple[str, Any]], config: dict) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's (HF name, tensor) pairs under the names llama.cpp's tensor map gives deepseek2 tensors:
+    experts merged, ``kv_b_proj`` split into ``k_b_proj`` ``[heads, kv_lora_rank, nope]`` and ``v_b_proj``
+    ``[heads, v_head_dim, kv_lora_rank]``, the router bias as ``e_score_correction.bias``."""
+    heads, nope, v_dim = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    if config.get("n_routed_experts"):
+        weights = merge_experts(weights, int(config["n_routed_experts"]))
+    for hf_name, tensor in weights:
+        if hf_name.endswith(".e_score_correction_bias"):
+            yield hf_name.replace(".e_score_correction_bias", ".e_score_correction.bias"), tensor
+        elif hf_name.endswith(".kv_b_proj.weight"):
+            dense = tensor.dequantize(torch.float32) if isinstance(tensor, GGMLTensor) else tensor.float()
+            key, value = dense.view(heads, nope + v_dim, dense.shape[-1]).split([nope, v_dim], dim=1)
+            yield hf_name.replace("kv_b_proj", "k_b_proj"), key.transpose(1, 2).contiguous()
+            yield hf_name.replace("kv_b_proj", "v_b_proj"), value.contiguous()
+        else:
+            yield hf_name, tensor
