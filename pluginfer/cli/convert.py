@@ -104,8 +104,10 @@ def convert_to_gguf(model_dir: Path, output: Path, quant: str, embedding_type: s
 
     names = {merged_name(name) for name in tensor_names(model_dir) if not _skipped(name, config)}
     total = len(names) + sum(name.endswith(".kv_b_proj.weight") for name in names)  # deepseek2: k_b and v_b
-    return write_gguf(output, config, load_tokenizer(model_dir), iter_weights(model_dir, progress=False),
-                      quant, embedding_type, progress=progress, total=total)
+    # a SentencePiece model is read from its file (as llama.cpp's converter does), the rest through the tokenizer
+    tokenizer = None if (model_dir / "tokenizer.model").is_file() else load_tokenizer(model_dir)
+    return write_gguf(output, config, tokenizer, iter_weights(model_dir, progress=False),
+                      quant, embedding_type, progress=progress, total=total, tokenizer_dir=model_dir)
 
 
 def tensor_names(model_dir: Path) -> list[str]:
@@ -128,8 +130,9 @@ def _skipped(hf_name: str, config: dict) -> bool:
 
 def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[tuple[str, object]],
                quant: str, embedding_type: str = "f16", types: dict[str, str] | None = None,
-               progress: Progress | None = None, total: int | None = None) -> Path:
+               progress: Progress | None = None, total: int | None = None, tokenizer_dir: Path | None = None) -> Path:
     """Write (HF name, tensor) pairs as llama.cpp would; ``types``: a type per HF name, overriding ``quant``.
+    ``tokenizer_dir`` with a ``tokenizer.model``: its SentencePiece vocabulary (``tokenizer`` may then be None).
 
     A ``GGMLTensor`` (already in blocks) is written as it is, after the q/k row permutation. ``progress`` is
     called after each tensor written, with ``total`` (the count of tensors written, if known).
@@ -159,7 +162,10 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
     if for_file is not None:  # tensors renamed, split or merged as the family's files hold them
         weights = for_file(weights, config)
     to_file = getattr(family, "tensor_for_file", None)
-    _write_tokenizer(writer, tokenizer, int(config["vocab_size"]))
+    if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.model").is_file():
+        _write_sentencepiece_vocab(writer, tokenizer_dir, config, arch)
+    else:
+        _write_tokenizer(writer, tokenizer, int(config["vocab_size"]))
     name_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                         int(config["num_hidden_layers"]))
     heads = {"q_proj": config["num_attention_heads"],
@@ -294,8 +300,10 @@ def _write_tokenizer(writer: object, tokenizer: object, vocab_size: int) -> None
 
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     model = state["model"]
-    if model.get("type") != "BPE":
-        raise ValueError(f"convert writes byte-level BPE tokenizers only, this one is {model.get('type')}")
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(state.get("pre_tokenizer")):
+        kind = model.get("type") if model.get("type") != "BPE" else "a BPE without a byte-level pre-tokenizer"
+        raise ValueError(f"convert writes byte-level BPE tokenizers, or SentencePiece ones from a tokenizer.model "
+                         f"beside the weights; this one is {kind}")
     by_id = {index: token for token, index in tokenizer.get_vocab().items()}
     added = {token.content: token.special for token in tokenizer.added_tokens_decoder.values()}
     tokens, types = [], []
@@ -322,3 +330,59 @@ def _write_tokenizer(writer: object, tokenizer: object, vocab_size: int) -> None
     writer.add_add_bos_token(False)
     if getattr(tokenizer, "chat_template", None):
         writer.add_chat_template(tokenizer.chat_template)
+
+
+def _write_sentencepiece_vocab(writer: object, model_dir: Path, config: dict, arch: str) -> None:
+    """``tokenizer.model``'s vocabulary as llama.cpp's ``_set_vocab_sentencepiece`` writes it: each piece with its
+    score and type (user-defined pieces as normal ones), the ids past the model up to ``vocab_size`` as ``[PAD<i>]``
+    (unused), the added tokens of ``added_tokens.json`` / ``tokenizer_config.json`` over them (control when special),
+    the special ids of ``config.json``, ``tokenizer_config.json``'s BOS/EOS flags and chat template; Gemma's files
+    without the leading space SentencePiece would add."""
+    from pluginfer.text import sentencepiece_model as sp
+
+    pieces = sp.read_pieces(model_dir / "tokenizer.model")
+    vocab_size = int(config["vocab_size"])
+    tokens = [f"[PAD{index}]" for index in range(vocab_size)]
+    scores, types = [-10000.0] * vocab_size, [sp.UNUSED] * vocab_size
+    for index, piece in enumerate(pieces[:vocab_size]):
+        tokens[index], scores[index] = piece.text, piece.score
+        types[index] = piece.type if piece.type in (sp.UNKNOWN, sp.CONTROL, sp.UNUSED, sp.BYTE) else sp.NORMAL
+    added = model_dir / "added_tokens.json"
+    for text, index in (json.loads(added.read_text()) if added.is_file() else {}).items():
+        if index < vocab_size:
+            tokens[index], scores[index], types[index] = text, -1000.0, sp.USER_DEFINED
+    settings_file = model_dir / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.is_file() else {}
+    for index, entry in ((int(key), value) for key, value in settings.get("added_tokens_decoder", {}).items()):
+        if index >= vocab_size:
+            continue
+        text = entry["content"]
+        special = entry.get("special") or text in ("<pad>", "<mask>") or (text.startswith("<|") and text.endswith("|>"))
+        tokens[index] = text if special else text.replace("\u2581", " ")
+        scores[index], types[index] = -1000.0, sp.CONTROL if special else sp.USER_DEFINED
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                     ("pad_token_id", writer.add_pad_token_id)):
+        value = config.get(key)
+        if isinstance(value, list):  # several end tokens: the first, as llama.cpp's converter takes
+            value = value[0] if value else None
+        if value is not None and 0 <= int(value) < vocab_size:
+            add(int(value))
+    for key, add in (("add_bos_token", writer.add_add_bos_token), ("add_eos_token", writer.add_add_eos_token)):
+        if isinstance(settings.get(key), bool):
+            add(settings[key])
+    template = model_dir / "chat_template.jinja"  # where transformers 4.50+ saves it
+    if isinstance(settings.get("chat_template"), str):
+        writer.add_chat_template(settings["chat_template"])
+    elif template.is_file():
+        writer.add_chat_template(template.read_text())
+    if arch == "gemma":  # llama.cpp's converter gives Gemma 1 files the end-of-turn id of Gemma's vocabulary
+        eot = tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else 107
+        if eot < vocab_size:
+            writer.add_eot_token_id(eot)
+    if arch in ("gemma", "gemma2", "gemma3"):
+        writer.add_add_space_prefix(False)
