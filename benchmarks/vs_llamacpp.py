@@ -19,7 +19,9 @@ Measured per file, runs interleaved between the engines, medians reported with t
   batch API, one `llama_decode` per step for all 16 sequences); `--batch-sizes` sets the batches (1 and 16
   by default; batch 1 decodes 128 tokens, larger batches 32 each);
 - prefill tokens/s: one 512-token prompt.
-Also the file's weight bytes (what a batch-1 token reads) and the memory-bandwidth bound they imply.
+Also the file's weight bytes (what a batch-1 token reads) and the memory-bandwidth bound they imply, and for the F16
+file the bound of float32 multiply-adds (its linears run float32 activations against the 16-bit weights): the
+linears' FLOPs per token against torch's float32 GEMM rate here.
 
 ``--kv-cache-dtypes auto float16`` adds our engine with a float16 KV cache to the interleaved runs (a GGUF
 model's activations are float32, so ``auto`` is a float32 cache); llama.cpp keeps its default F16 cache.
@@ -333,6 +335,26 @@ def main() -> None:
             compare_nll(files, args.nll, args.threads)
 
 
+def linear_flops(args: argparse.Namespace, head: bool) -> float:
+    """Multiply-add FLOPs of one token through the model's linear layers (the LM head with ``head``)."""
+    kv_width = args.kv_heads * (args.hidden // args.heads)
+    per_layer = 2 * args.hidden * args.hidden + 2 * args.hidden * kv_width + 3 * args.hidden * args.intermediate
+    return 2.0 * (args.layers * per_layer + (args.vocab * args.hidden if head else 0))
+
+
+def float32_gemm_rate(args: argparse.Namespace) -> float:
+    """FLOP/s of torch's float32 GEMM (512 rows x the MLP's shape) on this run's threads, by this run's clock:
+    the multiply-add rate our engine's float32 arithmetic cannot pass."""
+    x, weight = torch.randn(512, args.hidden), torch.randn(args.hidden, args.intermediate)
+    torch.mm(x, weight)
+    seconds = []
+    for _ in range(7):
+        started = clock()
+        torch.mm(x, weight)
+        seconds.append(clock() - started)
+    return 2.0 * 512 * args.hidden * args.intermediate / statistics.median(seconds)
+
+
 def time_files(files: dict[str, Path], args: argparse.Namespace) -> None:
     """The speed table (and the plot): each engine's decode and prefill tokens/s per file, runs interleaved."""
     rng = np.random.default_rng(0)
@@ -367,6 +389,13 @@ def time_files(files: dict[str, Path], args: argparse.Namespace) -> None:
             label = name if len(engines) == 2 else f"{name} ({ours_name.removeprefix('pluginfer').strip() or 'kv auto'})"
             print(f"{label:7s} {size / 1e6:8.1f} {bandwidth / size:7.1f}  | " + " | ".join(cells), flush=True)
         del engines
+    if "f16" in files:
+        # a 16-bit file runs float32 activations against its weights: bounded by float32 multiply-adds
+        rate, with_head, without = float32_gemm_rate(args), linear_flops(args, True), linear_flops(args, False)
+        prefill = rate * 512 / (511 * without + with_head)  # the head for the last position only
+        print(f"f16 file, the float32 multiply-add bound of its linears alone (torch's float32 GEMM at 512 rows: "
+              f"{rate / 1e9:.1f} GFLOP/s): decode <= {rate / with_head:.1f} tok/s at any batch, "
+              f"prefill-512 <= {prefill:.1f} tok/s")
     if args.plot is not None:
         plot(args.plot, rates, f"llama {args.layers} layers, hidden {args.hidden}; {args.threads} threads; "
              f"{'CPU time' if args.cpu_time else 'wall clock'}")

@@ -282,7 +282,7 @@ class LLMEngine:
             try:
                 self._run(scheduled, touched)
             except Exception as exc:
-                if self.executor.failure:  # a rank was lost: nothing can run any more
+                if self.executor.rank_lost(within=1.0):  # a rank was lost: nothing can run any more
                     raise
                 self._fail_step(scheduled, exc, touched)
         for seq in self.scheduler.update(scheduled):

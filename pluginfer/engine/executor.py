@@ -98,6 +98,7 @@ class Executor:
                                "(`pluginfer serve` and `pluginfer generate` do so under torchrun and mpiexec)")
         self.rank, self.config = rank, config
         self.failure: str | None = None
+        self._rank_lost = threading.Event()  # set with failure when a local rank's process exits
         # one collective sequence at a time: steps and keep-alive pings
         self._lock = threading.Lock()
         self._last_message = time.monotonic()
@@ -146,7 +147,15 @@ class Executor:
 
     def _lost(self, reason: str) -> None:
         self.failure = reason
+        self._rank_lost.set()
         logger.error("pluginfer: %s; the engine cannot go on", reason)
+
+    def rank_lost(self, within: float) -> str | None:
+        """Why a rank was lost, waiting up to ``within`` seconds for a local rank's watcher to say so: a step that
+        failed on a collective may raise before the watcher of the rank that died has reported it."""
+        if self.failure is None and self.local_workers is not None and self.local_workers.processes:
+            self._rank_lost.wait(within)
+        return self.failure
 
     def _keep_alive(self) -> None:
         """Idle ranks wait in a broadcast whose timeout is ``parallel.timeout_s``: ping them meanwhile."""
@@ -180,7 +189,8 @@ class Executor:
                 try:
                     self.world.broadcast_object(step, src=0)
                 except Exception as exc:
-                    raise RuntimeError(f"a rank stopped answering: {self.failure or exc}") from exc
+                    self.failure = self.failure or f"a rank stopped answering: {exc}"
+                    raise RuntimeError(f"a rank stopped answering: {self.failure}") from exc
             self._last_message = time.monotonic()
             try:
                 return self.worker.execute(step)

@@ -68,7 +68,7 @@ def test_attention_equals_the_reference(dtype: torch.dtype, latent: bool) -> Non
     batch = paged_batch(cpu.CpuBackend(native_kernels=False), tables, seq_lens, query_lens, 4)
     batch.attention = attention_ops.paged_attention_metadata(batch)
     expected = attention_ops.paged_attention(kernels.KernelTable("reference"), query, key, value,
-                                       (expected_key, expected_key[..., :8] if latent else expected_value), batch,
+                                       (expected_key, expected_key[..., -8:] if latent else expected_value), batch,
                                        0.25, 5, 2.0)
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ours, expected, **tolerance)
