@@ -74,6 +74,8 @@ def main() -> int:
                         help="synthetic: a random model, drafts of a set acceptance; code-edit / chat: a trained model")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts of a trained workload")
     parser.add_argument("--train-steps", type=int, default=1500, help="training steps of each small model")
+    parser.add_argument("--copy-steps", type=int, default=1000,
+                        help="steps of copying random tokens before them (the 2-layer model: trained_llama.py)")
     args = parser.parse_args()
     if args.cpu_time:
         global clock
@@ -156,7 +158,7 @@ def trained_workload(args: argparse.Namespace) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="pluginfer-spec-"))
     shape = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                  intermediate=args.intermediate)
-    wide, draft, texts = trained_llama.build(work, args.workload, shape, args.train_steps)
+    wide, draft, texts = trained_llama.build(work, args.workload, shape, args.train_steps, copy_steps=args.copy_steps)
     tokenizer = AutoTokenizer.from_pretrained(str(wide))
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts[:args.prompts]]
     common = dict(dtype="float32", max_model_len=2048, max_num_seqs=1, enable_prefix_caching=False,
