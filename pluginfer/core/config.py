@@ -246,13 +246,6 @@ class EngineConfig(_Section):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     speculative_config: SpeculativeConfig | None = Field(None, description="Speculative decoding; off when unset.")
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
-
-    @model_validator(mode="after")
-    def _lora_on_one_stage(self) -> EngineConfig:
-        if self.lora.enable_lora and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("lora.enable_lora: LoRA adapters do not run under pipeline parallelism yet "
-                             "(tensor parallelism shards them); unset --enable-lora or pipeline_parallel_size")
-        return self
     testing: TestingConfig = Field(default_factory=TestingConfig)
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pluginfer.engine.lora_request import LoRARequest
+from pluginfer.layers.causal_lm import MissingLayer
 from pluginfer.layers.lora import LoRALayer, LoRAMapping
 
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -86,7 +87,8 @@ def read_adapter(request: LoRARequest) -> Adapter:
 class ModelLoRA:
     """A model's adapter slots: a ``LoRALayer`` on each of its linear layers that adapters may target, and the
     step's token -> slot mapping they share. ``load`` puts an adapter in a slot; ``prepare`` maps a step.
-    ``kernel``: the backend's ``lora_sgmv`` op, or None."""
+    ``kernel``: the backend's ``lora_sgmv`` op, or None. Under pipeline parallelism a stage holds the slots of its
+    own decoder layers: an adapter's modules in the layers another stage holds are that stage's to load."""
 
     def __init__(self, model: nn.Module, routes: tuple, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device | str, kernel: Any = None) -> None:
@@ -98,6 +100,11 @@ class ModelLoRA:
                 module.lora = LoRALayer(module.input_size, module.shard, max_loras, max_rank, self.mapping, dtype,
                                         device, kernel)
                 self.layers[name] = module
+        # decoder layers another pipeline stage holds, and one this stage holds (to check a module name against)
+        self._elsewhere = tuple(name + "." for name, module in model.named_modules() if isinstance(module, MissingLayer))
+        self._held_layer = next((name for name, module in model.named_modules()
+                                 if name.rpartition(".")[2].isdigit() and not isinstance(module, MissingLayer)
+                                 and any(layer.startswith(name + ".") for layer in self.layers)), None)
         self._slot_of_seq: dict[int, int] = {}
         self._token_slots: np.ndarray | None = None
 
@@ -114,11 +121,25 @@ class ModelLoRA:
             raise KeyError(module)
         return layer, 0
 
+    def _on_another_stage(self, module: str) -> bool:
+        """Whether ``module`` lies in a decoder layer another pipeline stage holds, where a layer of this stage has
+        the same module (checked here with that layer's shapes by the stage that holds it)."""
+        owner = next((prefix for prefix in self._elsewhere if module.startswith(prefix)), None)
+        if owner is None or self._held_layer is None:
+            return False
+        try:
+            self._target(self._held_layer + "." + module[len(owner):])
+        except KeyError:
+            return False
+        return True
+
     def resolve(self, adapter: Adapter, request: LoRARequest) -> dict[str, dict[int, tuple]]:
         """Layer name -> projection -> (A, B), every shape checked; a ValueError naming the adapter's module."""
         where = f"LoRA adapter {request.lora_name!r}"
         placed: dict[str, dict[int, tuple]] = {}
         for module, (a, b) in adapter.modules.items():
+            if self._on_another_stage(module):
+                continue
             try:
                 layer, index = self._target(module)
             except KeyError:
