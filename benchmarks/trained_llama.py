@@ -25,6 +25,7 @@ import math
 import random
 import sysconfig
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -158,35 +159,36 @@ def train(out: Path, tokenizer_dir: Path, examples: list[tuple[str, str]], hidde
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.convert_tokens_to_ids(CODE_END))
     model = LlamaForCausalLM(config)
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01, betas=(0.9, 0.98))
-    for step in range(copy_steps):
+    low = max(tokenizer.all_special_ids) + 1  # copied segments: any token but the special ones
+    _run(model, copy_steps, lambda step: 2e-3 * min(1.0, (step + 1) / 100),
+         lambda: copy_rows(rng, 32, 128, low, len(tokenizer), tokenizer.eos_token_id),
+         f"{out.name}: copy step" if log else None)
+
+    def texts() -> tuple[list, list]:
+        chosen = [rows[rng.randrange(len(rows))] for _ in range(batch)]
+        return [row[0] for row in chosen], [row[1] for row in chosen]
+
+    _run(model, steps, lambda step: 3e-3 * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps)),
+         texts, f"{out.name}: step" if log else None)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def _run(model: torch.nn.Module, steps: int, lr_at: Callable[[int], float], batch_of: Callable[[], tuple[list, list]],
+         log_as: str | None) -> None:
+    """``steps`` AdamW steps (a fresh optimizer) on the batches ``batch_of`` draws, at the learning rate ``lr_at``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr_at(0), weight_decay=0.01, betas=(0.9, 0.98))
+    for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = 2e-3 * min(1.0, (step + 1) / 100)
-        ids, labels = copy_rows(rng, 32, 128, max(tokenizer.all_special_ids) + 1, len(tokenizer), tokenizer.eos_token_id)
+            group["lr"] = lr_at(step)
+        ids, labels = batch_of()
         loss = model(input_ids=torch.tensor(ids), labels=torch.tensor(labels)).loss
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        if log and (step % 100 == 0 or step == copy_steps - 1):
-            print(f"  train {out.name}: copy step {step}, loss {loss.item():.3f}", flush=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
-    for step in range(steps):
-        lr = 3e-3 * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        chosen = [rows[rng.randrange(len(rows))] for _ in range(batch)]
-        ids = torch.tensor([row[0] for row in chosen])
-        labels = torch.tensor([row[1] for row in chosen])
-        loss = model(input_ids=ids, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if log and (step % 100 == 0 or step == steps - 1):
-            print(f"  train {out.name}: step {step}, loss {loss.item():.3f}", flush=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+        if log_as and (step % 100 == 0 or step == steps - 1):
+            print(f"  train {log_as} {step}, loss {loss.item():.3f}", flush=True)
 
 
 def widen(small: Path, out: Path, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> None:

@@ -81,17 +81,23 @@ def test_each_adapter_and_the_base_alone_and_mixed(lora_setup: tuple) -> None:
         llm.close()
 
 
+def mixed_batch(lora_setup: tuple, seed: int) -> tuple[list, list, list]:
+    """(prompts, peft's greedy tokens, requests): the base and each adapter, one prompt each, in one batch."""
+    from pluginfer.engine.lora_request import LoRARequest
+
+    root, base, peft_models = lora_setup
+    prompts = random_prompts(base.config.vocab_size, [7, 5, 9, 6], seed=seed)
+    names = [None, "all", "attn", "mlp"]
+    want = [hf_greedy(base if n is None else peft_models[n], p, MAX_TOKENS) for n, p in zip(names, prompts)]
+    return prompts, want, [None if n is None else LoRARequest(n, i, str(root / n)) for i, n in enumerate(names)]
+
+
 @pytest.mark.slow
 def test_tensor_parallel_2_adapters_equal_peft(lora_setup: tuple) -> None:
     """Two ranks, each holding its shard of every adapter (B by outputs on column-parallel layers, A by inputs on
     row-parallel ones): greedy tokens of each adapter, of ranks 4, 8 and 2 mixed with the base in one batch."""
-    from pluginfer.engine.lora_request import LoRARequest
-
-    root, base, peft_models = lora_setup
-    prompts = random_prompts(base.config.vocab_size, [7, 5, 9, 6], seed=4)
-    names = [None, "all", "attn", "mlp"]
-    want = [hf_greedy(base if n is None else peft_models[n], p, MAX_TOKENS) for n, p in zip(names, prompts)]
-    requests = [None if n is None else LoRARequest(n, i, str(root / n)) for i, n in enumerate(names)]
+    root, _, _ = lora_setup
+    prompts, want, requests = mixed_batch(lora_setup, seed=4)
     with make_llm(root, max_loras=3, tensor_parallel_size=2, dtype="float32") as llm:
         outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=requests)
     assert [list(o.outputs[0].token_ids) for o in outputs] == want
@@ -103,11 +109,8 @@ def test_pipeline_parallel_2_adapters_equal_peft(lora_setup: tuple) -> None:
     base in one batch equal peft's; an adapter naming a module of no layer is still refused at the driver."""
     from pluginfer.engine.lora_request import LoRARequest
 
-    root, base, peft_models = lora_setup
-    prompts = random_prompts(base.config.vocab_size, [7, 5, 9, 6], seed=6)
-    names = [None, "all", "attn", "mlp"]
-    want = [hf_greedy(base if n is None else peft_models[n], p, MAX_TOKENS) for n, p in zip(names, prompts)]
-    requests = [None if n is None else LoRARequest(n, i, str(root / n)) for i, n in enumerate(names)]
+    root, _, _ = lora_setup
+    prompts, want, requests = mixed_batch(lora_setup, seed=6)
     with make_llm(root, max_loras=3, pipeline_parallel_size=2, dtype="float32") as llm:
         outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=requests)
         assert [list(o.outputs[0].token_ids) for o in outputs] == want
