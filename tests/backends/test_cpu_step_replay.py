@@ -203,6 +203,23 @@ def test_gguf_f16_decode_in_a_16_bit_model_equals_eager(dtype: str) -> None:
     assert ("from_f32" in names) == (dtype == "bfloat16"), names
 
 
+def test_w8a8_decode_equals_eager(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """A W8A8 compressed-tensors checkpoint: its linears run int8_gemm.c's GEMM, a library of its own, which the
+    program calls through its address (``int8_gemm_at``)."""
+    pytest.importorskip("compressed_tensors")
+    from pluginfer.backends.cpu import int8_gemm
+    from tests.conftest import TINY_LLAMA
+    from tests.quant.compressed_tensors_checkpoints import save_w8a8_checkpoint
+
+    if int8_gemm.load() is None:
+        pytest.skip("the W8A8 int8 GEMM did not build here")
+    model = save_hf_model("LlamaForCausalLM", TINY_LLAMA, tmp_path / "float", tiny_tokenizer_dir)
+    path = save_w8a8_checkpoint(model, tmp_path / "w8a8", tiny_tokenizer_dir)
+    replay, _ = assert_replayed_like_eager(path, schedule())
+    names = replay.programs[1][0].names
+    assert names.count("int8_gemm_at") >= 4, names  # qkv, o, gate_up, down a layer
+
+
 def test_batches_on_amx_tiles_are_replayed_through_the_kernels_address(checkpoints: dict[str, Path]) -> None:
     """From amx_quant.MIN_ROWS rows the fused matmul runs on AMX tiles, a kernel of another library: the
     program calls it through its address (``quant_matmul_at``); batches of 8 down to 1 all replay."""

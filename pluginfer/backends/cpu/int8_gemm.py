@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from pluginfer.backends.cpu import build, library
-from pluginfer.backends.cpu.replay import active_recording
+from pluginfer.backends.cpu.replay import active_recording, record_at
 
 SOURCES = (Path(__file__).with_name("csrc") / "int8_gemm.c",)
 ISAS = {3: "AVX-512 VNNI", 2: "AVX-VNNI", 1: "AVX2", 0: "portable C"}  # int8_gemm_isa()'s answers
@@ -85,17 +85,17 @@ def w8a8_linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tenso
     if packed.shape != (-(-out_features // 16), lib.int8_gemm_packed_bytes(1, k)):
         raise ValueError(f"w8a8_linear: packed weights {tuple(packed.shape)} are not {out_features} outputs of "
                          f"{k} inputs")
-    recorder = active_recording()
-    if recorder is not None:
-        # a step recording cannot replay this library's kernel: the step runs eagerly
-        recorder.refuse("native int8_gemm has no replay entry")
     rows = x.numel() // k if k else 0
     flat = library.contiguous_as(x.reshape(rows, k), torch.float32)
     scale = library.contiguous_as(weight_scale, torch.float32)
     bias32 = None if bias is None else library.contiguous_as(bias, torch.float32)
     out = torch.empty(rows, out_features, dtype=torch.float32)
-    status = lib.int8_gemm(flat.data_ptr(), rows, k, packed.data_ptr(), out_features, scale.data_ptr(),
-                           None if bias32 is None else bias32.data_ptr(), out.data_ptr())
+    args = (flat.data_ptr(), rows, k, packed.data_ptr(), out_features, scale.data_ptr(),
+            None if bias32 is None else bias32.data_ptr(), out.data_ptr())
+    status = lib.int8_gemm(*args)
+    recorder = active_recording()
+    if recorder is not None:  # a recorded step calls this library's kernel through its address
+        record_at(recorder, lib.int8_gemm, *args, entry="int8_gemm_at")
     if status == -3:
         raise MemoryError("int8_gemm could not allocate its activation buffer")
     if status != 0:

@@ -78,6 +78,7 @@ REPLAY_SIGNATURES = {
     "quant_matmul_at": (ctypes.c_int, [_pointer, ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),
     "half_linear_at": (ctypes.c_int, [_pointer, ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _pointer, _pointer,
                                       ctypes.c_int]),
+    "int8_gemm_at": (ctypes.c_int, [_pointer, _pointer, _i64, _i64, _pointer, _i64, _pointer, _pointer, _pointer]),
 }
 
 

@@ -21,7 +21,8 @@ REPLAY_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_neox
               "copy_rows", "quant_matmul_at", "paged_decode_attention_16", "rms_norm_16", "silu_and_mul_16",
               "rotary_neox_16", "add_bf16", "add_f16", "half_linear_at", "half_weight_linear",
               "gelu_tanh_and_mul", "gelu_tanh_and_mul_16", "mul_scalar", "from_f32",
-              "paged_decode_attention_kv16", "kv_quantize_rows", "paged_attention_quantized", "quant_panel_matmul")
+              "paged_decode_attention_kv16", "kv_quantize_rows", "paged_attention_quantized", "quant_panel_matmul",
+              "int8_gemm_at")
 _REPLAY_CODES = {name: code for code, name in enumerate(REPLAY_OPS, start=1)}
 
 
@@ -115,7 +116,8 @@ class StepProgram:
 
 def record_at(recorder: StepRecording, kernel: object, *args: object, entry: str = "quant_matmul_at") -> None:
     """Note a call of another library's ctypes function as ``entry``: of quant_matmul's signature
-    (``quant_matmul_at``) or of half_linear's (``half_linear_at``); its address, then its arguments. Anything
+    (``quant_matmul_at``), of half_linear's (``half_linear_at``) or of int8_gemm's (``int8_gemm_at``); its address,
+    then its arguments. Anything
     else in its place (not a C function) refuses the recording."""
     try:
         address = ctypes.cast(kernel, ctypes.c_void_p).value

@@ -93,6 +93,7 @@ enum {
     OP_KV_QUANTIZE_ROWS,
     OP_PAGED_ATTENTION_QUANTIZED,
     OP_QUANT_PANEL_MATMUL,
+    OP_INT8_GEMM_AT,
 };
 
 /* quant_matmul's signature: another library's kernel (amx_quant.c's tiles) called through its address. */
@@ -100,6 +101,9 @@ typedef int (*quant_matmul_fn)(int, const float *, int64_t, int64_t, const uint8
 /* half_linear's signature: another library's kernel (amx_half.c's tiles) called through its address. */
 typedef int (*half_linear_fn)(int, const uint16_t *, int64_t, int64_t, const uint16_t *, int64_t, const uint16_t *,
                               void *, int);
+/* int8_gemm's signature: int8_gemm.c's W8A8 GEMM (a library of its own) called through its address. */
+typedef int (*int8_gemm_fn)(const float *, int64_t, int64_t, const int8_t *, int64_t, const float *, const float *,
+                            float *);
 
 /* out[i] = src[index[i]] for rows of row_bytes (src rows row_stride bytes apart); -1 for an index outside
  * [0, src_rows), as torch's embedding / index_select refuse one. */
@@ -367,6 +371,9 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
             break;
         case OP_QUANT_PANEL_MATMUL:
             result = quant_panel_matmul((int)a[0], P(1), a[2], a[3], P(4), a[5], a[6], P(7));
+            break;
+        case OP_INT8_GEMM_AT:
+            result = ((int8_gemm_fn)P(0))(P(1), a[2], a[3], P(4), a[5], P(6), P(7), P(8));
             break;
         default:
             result = -100;
