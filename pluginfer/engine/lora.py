@@ -121,24 +121,26 @@ class ModelLoRA:
             raise KeyError(module)
         return layer, 0
 
-    def _on_another_stage(self, module: str) -> bool:
-        """Whether ``module`` lies in a decoder layer another pipeline stage holds, where a layer of this stage has
-        the same module (checked here with that layer's shapes by the stage that holds it)."""
+    def _on_another_stage(self, module: str) -> tuple[Any, int] | None:
+        """For ``module`` in a decoder layer another pipeline stage holds: the same module of a layer this stage holds
+        (layer, projection), whose shapes it must have (a module has the same shapes in every decoder layer of the
+        families served); None for a module of this stage or of no layer."""
         owner = next((prefix for prefix in self._elsewhere if module.startswith(prefix)), None)
         if owner is None or self._held_layer is None:
-            return False
+            return None
         try:
-            self._target(self._held_layer + "." + module[len(owner):])
+            return self._target(self._held_layer + "." + module[len(owner):])
         except KeyError:
-            return False
-        return True
+            return None
 
     def resolve(self, adapter: Adapter, request: LoRARequest) -> dict[str, dict[int, tuple]]:
         """Layer name -> projection -> (A, B), every shape checked; a ValueError naming the adapter's module."""
         where = f"LoRA adapter {request.lora_name!r}"
         placed: dict[str, dict[int, tuple]] = {}
         for module, (a, b) in adapter.modules.items():
-            if self._on_another_stage(module):
+            same = self._on_another_stage(module)
+            if same is not None:  # the stage holding it loads it; checked here, so that no stage meets a bad one
+                same[0].lora.check(same[1], a, b, f"{where} module {module}")
                 continue
             try:
                 layer, index = self._target(module)

@@ -114,17 +114,21 @@ def test_pipeline_parallel_2_adapters_equal_peft(lora_setup: tuple) -> None:
     with make_llm(root, max_loras=3, pipeline_parallel_size=2, dtype="float32") as llm:
         outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=requests)
         assert [list(o.outputs[0].token_ids) for o in outputs] == want
-        bad = root / "bad-pp"
-        if not bad.exists():
-            bad.mkdir()
-            (bad / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2, "peft_type": "LORA"}))
-            from safetensors.torch import save_file
+        from safetensors.torch import save_file
 
-            prefix = "base_model.model.model.layers.1.self_attn.nonexistent"  # layer 1: the second stage's
-            save_file({f"{prefix}.lora_A.weight": torch.zeros(2, 64), f"{prefix}.lora_B.weight": torch.zeros(64, 2)},
-                      str(bad / "adapter_model.safetensors"))
-        with pytest.raises(ValueError, match="self_attn.nonexistent is not a linear layer of this model"):
-            llm.generate(prompts[:1], greedy(2), lora_request=LoRARequest("bad", 9, str(bad)))
+        for name, module, inputs, message in (("bad-pp-name", "nonexistent", 64, "is not a linear layer of this model"),
+                                              ("bad-pp-shape", "q_proj", 63, "q_proj")):
+            bad = root / name
+            if not bad.exists():
+                bad.mkdir()
+                (bad / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2, "peft_type": "LORA"}))
+                prefix = f"base_model.model.model.layers.1.self_attn.{module}"  # layer 1: the second stage's
+                save_file({f"{prefix}.lora_A.weight": torch.zeros(2, inputs),
+                           f"{prefix}.lora_B.weight": torch.zeros(64, 2)}, str(bad / "adapter_model.safetensors"))
+            with pytest.raises(ValueError, match=message):  # at the driver: no stage meets it
+                llm.generate(prompts[:1], greedy(2), lora_request=LoRARequest(name, 9, str(bad)))
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy(MAX_TOKENS),
+                                                                    lora_request=requests)] == want
 
 
 MOE_ADAPTERS = {  # family case -> the adapter's target modules (peft regexes)
