@@ -5,7 +5,8 @@ file.
 The file follows llama.cpp's ``convert_hf_to_gguf.py``: the same metadata keys, a gpt2-style BPE
 vocabulary with merges and token types, the chat template, llama's q/k rows permuted, 1-D
 tensors in F32; the other families' keys and tensor changes (Gemma's norms stored ``1 + w``) come from
-their GGUF module's ``write_hparams`` / ``tensor_for_file`` / ``weights_for_file`` (``pluginfer/models/gguf_*.py``). Linear weights take the requested type, quantized by ``quant/ggml_blocks.py``
+their GGUF module's ``write_hparams`` / ``tensor_for_file`` / ``weights_for_file`` / ``write_sentencepiece_extras``
+(``pluginfer/models/gguf_*.py``). Linear weights take the requested type, quantized by ``quant/ggml_blocks.py``
 (F16 where a row does not divide into its blocks, as llama.cpp falls back); the embedding and the
 LM head take ``--embedding-type``.
 """
@@ -163,7 +164,10 @@ def write_gguf(output: Path, config: dict, tokenizer: object, weights: Iterable[
         weights = for_file(weights, config)
     to_file = getattr(family, "tensor_for_file", None)
     if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.model").is_file():
-        _write_sentencepiece_vocab(writer, tokenizer_dir, config, arch)
+        tokens = _write_sentencepiece_vocab(writer, tokenizer_dir, config)
+        extras = getattr(family, "write_sentencepiece_extras", None)
+        if extras is not None:  # a family's own keys beside such a vocabulary (Gemma's)
+            extras(writer, arch, tokens)
     else:
         _write_tokenizer(writer, tokenizer, int(config["vocab_size"]))
     name_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
@@ -332,12 +336,11 @@ def _write_tokenizer(writer: object, tokenizer: object, vocab_size: int) -> None
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def _write_sentencepiece_vocab(writer: object, model_dir: Path, config: dict, arch: str) -> None:
+def _write_sentencepiece_vocab(writer: object, model_dir: Path, config: dict) -> list[str]:
     """``tokenizer.model``'s vocabulary as llama.cpp's ``_set_vocab_sentencepiece`` writes it: each piece with its
     score and type (user-defined pieces as normal ones), the ids past the model up to ``vocab_size`` as ``[PAD<i>]``
     (unused), the added tokens of ``added_tokens.json`` / ``tokenizer_config.json`` over them (control when special),
-    the special ids of ``config.json``, ``tokenizer_config.json``'s BOS/EOS flags and chat template; Gemma's files
-    without the leading space SentencePiece would add."""
+    the special ids of ``config.json``, ``tokenizer_config.json``'s BOS/EOS flags and chat template. The tokens."""
     from pluginfer.text import sentencepiece_model as sp
 
     pieces = sp.read_pieces(model_dir / "tokenizer.model")
@@ -380,9 +383,4 @@ def _write_sentencepiece_vocab(writer: object, model_dir: Path, config: dict, ar
         writer.add_chat_template(settings["chat_template"])
     elif template.is_file():
         writer.add_chat_template(template.read_text())
-    if arch == "gemma":  # llama.cpp's converter gives Gemma 1 files the end-of-turn id of Gemma's vocabulary
-        eot = tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else 107
-        if eot < vocab_size:
-            writer.add_eot_token_id(eot)
-    if arch in ("gemma", "gemma2", "gemma3"):
-        writer.add_add_space_prefix(False)
+    return tokens

@@ -100,6 +100,16 @@ def _norm_without_offset(hf_name: str, loaded: Any) -> Any:
     return loaded.float() - 1.0
 
 
+def write_sentencepiece_extras(writer: Any, arch: str, tokens: list[str]) -> None:
+    """``pluginfer convert`` beside a SentencePiece vocabulary, as llama.cpp's converter: no space prefix, and for
+    Gemma 1 the end-of-turn id of Gemma's vocabulary."""
+    if arch == "gemma":
+        eot = tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else 107
+        if eot < len(tokens):
+            writer.add_eot_token_id(eot)
+    writer.add_add_space_prefix(False)
+
+
 def write_hparams(writer: Any, config: dict) -> None:
     """``pluginfer convert``: the keys llama.cpp's converter writes for Gemma beside the common sizes, refusing
     what a GGUF reader would read otherwise (llama.cpp decides the query scale and Gemma 2's soft-caps)."""
