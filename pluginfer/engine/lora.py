@@ -1,15 +1,22 @@
 """LoRA adapters in PEFT's format: the request that names one, reading it, and a model's adapter slots.
 
 An adapter is a directory with ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``,
-``target_modules``) and ``adapter_model.safetensors`` (``...<module>.lora_A.weight [r, in]`` and
-``...<module>.lora_B.weight [out, r]``). Its modules are mapped onto the model's linear layers by the
+``target_modules``, ``target_parameters``) and ``adapter_model.safetensors`` (``...<module>.lora_A.weight [r, in]``
+and ``...<module>.lora_B.weight [out, r]``). Its modules are mapped onto the model's linear layers by the
 model's weight routes (``q_proj`` -> projection ``q`` of ``qkv_proj``), as its checkpoint's tensors are.
+
+A mixture-of-experts layer's routed experts take adapters in either of PEFT's forms: ``target_parameters`` on
+the fused expert tensors (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``;
+A ``[r * E, in]``, B ``[out, r * E]``, saved as ``experts.lora_A`` and, a second parameter wrapping the first,
+``experts.base_layer.lora_A``: which tensor each pair adapts is told by its shapes), or per-expert linears
+(``experts.3.w1``, named as the checkpoint's experts are).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,13 +27,18 @@ from torch import nn
 
 from pluginfer.engine.lora_request import LoRARequest
 from pluginfer.layers.causal_lm import MissingLayer
+from pluginfer.layers.expert_lora import PARTS, ExpertLoRA
 from pluginfer.layers.lora import LoRALayer, LoRAMapping
+from pluginfer.layers.moe import FusedExperts
 
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _PREFIX = "base_model.model."
 _UNSUPPORTED = {"use_dora": "DoRA", "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
-                "modules_to_save": "modules_to_save",
-                "target_parameters": "adapters on parameters (a mixture-of-experts' fused experts)"}
+                "modules_to_save": "modules_to_save"}
+_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the fused expert tensors target_parameters may name
+# an adapter module on routed experts: a fused tensor's wrapper(s), or one expert's linear
+_EXPERTS = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\..*\bexperts(?:\.(?P<expert>\d+)\.(?P<proj>\w+)|"
+                      r"(?:\.base_layer)*)$")
 
 
 @dataclass
@@ -57,6 +69,11 @@ def read_adapter(request: LoRARequest) -> Adapter:
     for key, what in _UNSUPPORTED.items():
         if config.get(key):
             raise ValueError(f"{where}: adapter_config.json {key} {config[key]!r}: {what} is not supported")
+    for parameter in config.get("target_parameters") or ():
+        if not isinstance(parameter, str) or parameter.rpartition(".")[2] not in _EXPERT_PARAMETERS:
+            raise ValueError(f"{where}: adapter_config.json target_parameters {parameter!r}: only a "
+                             f"mixture-of-experts' fused expert tensors ({', '.join(_EXPERT_PARAMETERS)}) take "
+                             "adapters on parameters")
     if config.get("bias", "none") != "none":
         raise ValueError(f"{where}: adapter_config.json bias {config['bias']!r}: only 'none' is supported")
     rank, alpha = config["r"], float(config.get("lora_alpha", config["r"]))
@@ -87,8 +104,9 @@ def read_adapter(request: LoRARequest) -> Adapter:
 class ModelLoRA:
     """A model's adapter slots: a ``LoRALayer`` on each of its linear layers that adapters may target, and the
     step's token -> slot mapping they share. ``load`` puts an adapter in a slot; ``prepare`` maps a step.
-    ``kernel``: the backend's ``lora_sgmv`` op, or None. Under pipeline parallelism a stage holds the slots of its
-    own decoder layers: an adapter's modules in the layers another stage holds are that stage's to load."""
+    ``kernel``: the backend's ``lora_sgmv`` op, or None. A mixture-of-experts layer's routed experts hold an
+    ``ExpertLoRA``. Under pipeline parallelism a stage holds the slots of its own decoder layers: an adapter's
+    modules in the layers another stage holds are that stage's to load."""
 
     def __init__(self, model: nn.Module, routes: tuple, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device | str, kernel: Any = None) -> None:
@@ -96,10 +114,23 @@ class ModelLoRA:
         self.layers: dict[str, Any] = {}
         for name, module in model.named_modules():
             if hasattr(module, "quant_method") and hasattr(module, "shard") and module.shard.dim is not None \
-                    and "experts" not in name.split("."):  # routed experts take no adapter
+                    and "experts" not in name.split("."):  # experts: adapted by their layer's ExpertLoRA
                 module.lora = LoRALayer(module.input_size, module.shard, max_loras, max_rank, self.mapping, dtype,
                                         device, kernel)
                 self.layers[name] = module
+        self.experts: dict[str, FusedExperts] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, FusedExperts):
+                module.lora = ExpertLoRA(module.num_experts, module.hidden_size, module.intermediate_size,
+                                         module.shard_size, module.tp_rank, max_loras, max_rank, self.mapping, dtype,
+                                         device)
+                self.experts[name] = module
+        # decoder layer ("model.layers.3") -> its experts' name; a checkpoint's expert projection name -> its part
+        self._experts_of_layer = {match["layer"]: name for name in self.experts
+                                  if (match := _EXPERTS.match(name)) is not None}
+        self._expert_parts = {match[1]: ("down" if shard[1] is None else ("gate", "up")[shard[1]])
+                              for _, part, shard in routes
+                              if (match := re.fullmatch(r"\.experts\.\d+\.(\w+)\.weight", part)) is not None}
         # decoder layers another pipeline stage holds, and one this stage holds (to check a module name against)
         self._elsewhere = tuple(name + "." for name, module in model.named_modules() if isinstance(module, MissingLayer))
         self._held_layer = next((name for name, module in model.named_modules()
@@ -136,8 +167,12 @@ class ModelLoRA:
     def resolve(self, adapter: Adapter, request: LoRARequest) -> dict[str, dict[int, tuple]]:
         """Layer name -> projection -> (A, B), every shape checked; a ValueError naming the adapter's module."""
         where = f"LoRA adapter {request.lora_name!r}"
-        placed: dict[str, dict[int, tuple]] = {}
+        placed: dict[str, dict] = {}
         for module, (a, b) in adapter.modules.items():
+            match = _EXPERTS.match(module)
+            if match is not None:
+                self._resolve_experts(match, a, b, f"{where} module {module}", placed)
+                continue
             same = self._on_another_stage(module)
             if same is not None:  # the stage holding it loads it; checked here, so that no stage meets a bad one
                 same[0].lora.check(same[1], a, b, f"{where} module {module}")
@@ -145,10 +180,6 @@ class ModelLoRA:
             try:
                 layer, index = self._target(module)
             except KeyError:
-                if "experts" in module.split("."):
-                    raise ValueError(f"{where}: target module {module} is a mixture-of-experts expert: adapters on "
-                                     "routed experts are not supported (attention, dense MLP and shared-expert "
-                                     "projections are)") from None
                 raise ValueError(f"{where}: target module {module} is not a linear layer of this model "
                                  "(LoRA applies to its attention and MLP projections)") from None
             layer.lora.check(index, a, b, f"{where} module {module}")
@@ -156,11 +187,50 @@ class ModelLoRA:
             placed.setdefault(name, {})[index] = (a, b)
         return placed
 
+    def _resolve_experts(self, match: re.Match, a: torch.Tensor, b: torch.Tensor, name: str,
+                         placed: dict[str, dict]) -> None:
+        """Place one adapter module on routed experts as (expert, part) -> (A, B) of its layer's experts. In a
+        layer another pipeline stage holds: checked against experts this stage holds, left to that stage."""
+        layer = match["layer"]
+        elsewhere = any((layer + ".").startswith(prefix) for prefix in self._elsewhere)
+        owner = next(iter(self.experts), None) if elsewhere else self._experts_of_layer.get(layer)
+        if owner is None:
+            if elsewhere:  # this stage holds no experts to check it against: the other stage checks it
+                return
+            raise ValueError(f"{name}: {layer} has no mixture-of-experts experts (LoRA applies to the attention "
+                             "and MLP projections, and to a sparse layer's experts)")
+        experts = self.experts[owner].lora
+        if match["expert"] is not None:  # one expert's linear, named as the checkpoint's
+            part, expert = self._expert_parts.get(match["proj"]), int(match["expert"])
+            if part is None or expert >= experts.num_experts:
+                raise ValueError(f"{name}: not an expert projection of this model (experts 0-"
+                                 f"{experts.num_experts - 1}, projections {', '.join(self._expert_parts)})")
+            parts = {(expert, part): (a, b)}
+        else:  # a fused expert tensor: A [r * E, in], B [out, r * E]; expert e's ranks at r * e (A), every E-th (B)
+            count, shapes = experts.num_experts, {experts.shapes(p): p for p in ("gate_up", "down")}
+            part = shapes.get((a.shape[-1], b.shape[0])) if a.dim() == b.dim() == 2 else None
+            if part is None or a.shape[0] % count or b.shape[1] != a.shape[0]:
+                raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit neither the "
+                                 f"experts' gate_up_proj nor their down_proj ([r * {count}, in] and [out, r * {count}]:"
+                                 f" gate_up {experts.shapes('gate_up')[::-1]}, down {experts.shapes('down')[::-1]})")
+            rank = a.shape[0] // count
+            a_of, b_of = a.reshape(count, rank, -1), b.reshape(b.shape[0], rank, count)
+            parts = {(expert, part): (a_of[expert], b_of[:, :, expert]) for expert in range(count)}
+        target = placed.setdefault(owner, {}) if not elsewhere else {}
+        for (expert, part), (a_part, b_part) in parts.items():
+            experts.check(part, a_part, b_part, name)
+            block = PARTS[part][:2]
+            if any(PARTS[held][:2] == block for e, held in target if e == expert):
+                raise ValueError(f"{name}: expert {expert}'s {part} projection is adapted twice")
+            target[(expert, part)] = (a_part, b_part)
+
     def load(self, slot: int, request: LoRARequest) -> None:
         adapter = read_adapter(request)
         placed = self.resolve(adapter, request)
         for name, layer in self.layers.items():
             layer.lora.set_slot(slot, placed.get(name, {}), adapter.scale)
+        for name, experts in self.experts.items():
+            experts.lora.set_slot(slot, placed.get(name, {}), adapter.scale)
 
     def prepare(self, step: Any, seq_ids: list[int], query_start_loc: np.ndarray) -> None:
         """Map this step's tokens to their rows' slots (``step``: a ``StepData``; its loads done first)."""

@@ -20,6 +20,7 @@ from pluginfer.layers import dense
 from pluginfer.layers.activation import gated_activation
 from pluginfer.layers.context import backend_op, current_context
 from pluginfer.layers.expert_linears import ExpertLinear, expert_linears
+from pluginfer.layers.expert_lora import DOWN, GATE_UP, ExpertLoRA
 from pluginfer.layers.mlp import check_tp_divisible
 from pluginfer.layers.router import RouterSpec, TopKRouter, route, select_experts
 
@@ -75,6 +76,9 @@ def _staging_pool(ctx: object, device: torch.device) -> _StagingPool:
 
 class FusedExperts(nn.Module):
     """Every expert's gated MLP; each token's output is the router-weighted sum over its top-k experts.
+
+    ``lora`` (None, or a ``layers.expert_lora.ExpertLoRA``): adapters' deltas on the experts; a step whose tokens
+    use one runs the experts' loop below (not the backend's ``fused_moe`` op) with the deltas added in it.
 
     ``num_offloaded`` (default: the build context's ``num_experts_offload_per_rank``): the last experts of the
     layer live in a host store, not in the parameters; a routed one is copied into a staging buffer on the
@@ -134,6 +138,8 @@ class FusedExperts(nn.Module):
         # a packed layout of layers/dense.py once the experts are packed
         self.layout = "checkpoint"
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # packed copies of resident experts
+
+    lora: ExpertLoRA | None = None
 
     @property
     def num_offloaded(self) -> int:
@@ -276,7 +282,8 @@ class FusedExperts(nn.Module):
 
     def partial(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output (the whole output on one rank): its slice of every expert."""
-        if self.kernel is not None:
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        if self.kernel is not None and lora is None:
             out = self.kernel(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation)
             if out is not None:
                 return out
@@ -293,14 +300,23 @@ class FusedExperts(nn.Module):
             if count == 0:
                 continue
             rows = slice(start, start + count)
+            x = routed[rows]
             if self.linears is not None:
                 gate_up_layer, down_layer = self.linears[expert]
-                outputs[rows] = down_layer(self.act_fn(gate_up_layer(routed[rows])))
-                start += count
-                continue
-            gate_up_weight, down_weight = self._weights(expert)
-            gate_up = self.dense.linear(self.layout, routed[rows], gate_up_weight, None, 2 * self.shard_size)
-            outputs[rows] = self.dense.linear(self.layout, self.act_fn(gate_up), down_weight, None, self.hidden_size)
+                gate_up = gate_up_layer(x)
+            else:
+                gate_up_weight, down_weight = self._weights(expert)
+                gate_up = self.dense.linear(self.layout, x, gate_up_weight, None, 2 * self.shard_size)
+            if lora is not None:
+                lora.add(GATE_UP, expert, x, gate_up, tokens[rows])
+            activated = self.act_fn(gate_up)
+            if self.linears is not None:
+                down = down_layer(activated)
+            else:
+                down = self.dense.linear(self.layout, activated, down_weight, None, self.hidden_size)
+            if lora is not None:
+                lora.add(DOWN, expert, activated, down, tokens[rows])
+            outputs[rows] = down
             start += count
         weighted = outputs.float() * topk_weights.flatten()[order, None]
         # Back to (token, k) order, then each token's sum over its k experts. (index_add_ into the

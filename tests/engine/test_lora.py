@@ -134,35 +134,141 @@ def test_pipeline_parallel_2_adapters_equal_peft(lora_setup: tuple) -> None:
 MOE_ADAPTERS = {  # family case -> the adapter's target modules (peft regexes)
     "qwen3-moe-norm-topk-mixed-layers": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "qwen2-moe-shared-expert": r".*(self_attn\.(q_proj|v_proj)|shared_expert\.(gate_proj|up_proj|down_proj))",
+    "mixtral-8-experts-top2": ["q_proj", "o_proj"],
+    "deepseek-v2-lite": ["o_proj"],
 }
+EXPERT_TENSORS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # transformers' fused expert parameters
+
+
+def moe_case(family: str) -> tuple[str, dict]:
+    from tests.models.family_cases_deepseek import CASES as DEEPSEEK
+    from tests.models.family_cases_moe import CASES
+
+    arch, overrides = {**CASES, **DEEPSEEK}[family][:2]
+    return arch, overrides
+
+
+def moe_adapters(family: str, tmp_path: Path, tiny_tokenizer_dir: Path) -> tuple:
+    """A MoE base and three peft adapters on it: "modules" (attention / shared expert linears), "experts" (the
+    routed experts' fused tensors and q_proj) and "per-expert" ("experts" rewritten as one adapter per expert
+    linear, as adapters of checkpoints whose experts were linears are: the same deltas, so peft's tokens of
+    "experts"); (base, adapter name -> peft model, adapter name -> directory)."""
+    arch, overrides = moe_case(family)
+    base = save_hf_model(arch, {**TINY_LLAMA, **overrides}, tmp_path / "base", tiny_tokenizer_dir)
+    models = {"modules": save_adapter(base, tmp_path / "modules", 1, r=4, lora_alpha=8,
+                                      target_modules=MOE_ADAPTERS[family]),
+              "experts": save_adapter(base, tmp_path / "experts", 2, r=3, lora_alpha=6, target_modules=["q_proj"],
+                                      target_parameters=EXPERT_TENSORS)}
+    models["per-expert"] = models["experts"]
+    per_expert(tmp_path / "experts", tmp_path / "per-expert", base)
+    return base, models, {name: tmp_path / name for name in models}
+
+
+def per_expert(source: Path, target: Path, base: torch.nn.Module) -> None:
+    """``source``'s fused-tensor adapters written per expert linear, named as ``base``'s checkpoint names them."""
+    from safetensors.torch import load_file, save_file
+
+    config = base.config
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) \
+        or config.n_routed_experts
+    block, gate, up, down = ("block_sparse_moe", "w1", "w3", "w2") if config.model_type == "mixtral" else \
+        ("mlp", "gate_proj", "up_proj", "down_proj")
+    tensors, out = load_file(str(source / "adapter_model.safetensors")), {}
+    for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
+        module = key[:-len(".lora_A.weight")]
+        a, b = tensors[key], tensors[module + ".lora_B.weight"]
+        if ".experts" not in module:
+            out[key], out[module + ".lora_B.weight"] = a, b
+            continue
+        prefix, rank = module.split(".mlp.experts")[0] + f".{block}.experts", a.shape[0] // experts
+        for e in range(experts):
+            a_e, b_e = a.reshape(experts, rank, -1)[e], b.reshape(b.shape[0], rank, experts)[:, :, e]
+            halves = {gate: b_e[:b_e.shape[0] // 2], up: b_e[b_e.shape[0] // 2:]} \
+                if b.shape[0] != config.hidden_size else {down: b_e}
+            for name, b_half in halves.items():
+                out[f"{prefix}.{e}.{name}.lora_A.weight"] = a_e.clone()
+                out[f"{prefix}.{e}.{name}.lora_B.weight"] = b_half.clone()
+    target.mkdir()
+    save_file(out, str(target / "adapter_model.safetensors"))
+    adapter_config = json.loads((source / "adapter_config.json").read_text())
+    adapter_config.update(target_parameters=None, target_modules=["q_proj", gate, up, down])
+    (target / "adapter_config.json").write_text(json.dumps(adapter_config))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(MOE_ADAPTERS))
 def test_adapters_on_a_mixture_of_experts_base(family: str, tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
-    """Attention and a shared expert take adapters on a MoE base (peft's greedy tokens); an
-    adapter on routed experts is refused naming them."""
+    """Attention, shared-expert and routed-expert adapters on a MoE base: peft's greedy tokens for each alone and
+    for all of them mixed with the base in one batch."""
     from pluginfer.engine.lora_request import LoRARequest
-    from tests.models.family_cases_moe import CASES
 
-    arch, overrides = CASES[family][:2]
-    base = save_hf_model(arch, {**TINY_LLAMA, **overrides}, tmp_path / "base", tiny_tokenizer_dir)
-    adapted = save_adapter(base, tmp_path / "adapter", 1, r=4, lora_alpha=8, target_modules=MOE_ADAPTERS[family])
-    prompts = random_prompts(base.config.vocab_size, [7, 5], seed=3)
-    want = [hf_greedy(adapted, p, MAX_TOKENS) for p in prompts]
-    assert want != [hf_greedy(base, p, MAX_TOKENS) for p in prompts]
-    experts = copy_adapter(tmp_path / "adapter", tmp_path / "experts")
-    _rename_module(experts, "self_attn.q_proj", "mlp.experts.0.gate_proj")
-    fused = copy_adapter(tmp_path / "adapter", tmp_path / "fused", target_parameters=["mlp.experts.gate_up_proj"])
+    base, models, paths = moe_adapters(family, tmp_path, tiny_tokenizer_dir)
+    prompts = random_prompts(base.config.vocab_size, [7, 5, 8, 6], seed=3)
+    want = {name: [hf_greedy(model, p, MAX_TOKENS) for p in prompts] for name, model in models.items()}
+    want[None] = [hf_greedy(base, p, MAX_TOKENS) for p in prompts]
+    assert want["modules"] != want[None] and want["experts"] != want[None]
+    requests = {name: LoRARequest(name, i, str(path)) for i, (name, path) in enumerate(paths.items(), start=1)}
+    with make_llm(tmp_path, max_loras=3) as llm:
+        for name in models:
+            outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=requests[name])
+            assert [list(o.outputs[0].token_ids) for o in outputs] == want[name], name
+        names = [None, "modules", "experts", "per-expert"]
+        outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=[requests.get(n) for n in names])
+        assert [list(o.outputs[0].token_ids) for o in outputs] == [want[n][i] for i, n in enumerate(names)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_expert_adapters_under_parallelism_equal_peft(parallel: str, tmp_path: Path,
+                                                      tiny_tokenizer_dir: Path) -> None:
+    """Two ranks: each expert's deltas split as its weights (tensor parallel) or loaded by the stage holding the
+    layer (pipeline parallel; layer 0 dense, 1 and 3 sparse); the base and both forms mixed in one batch."""
+    from pluginfer.engine.lora_request import LoRARequest
+
+    base, models, paths = moe_adapters("qwen3-moe-norm-topk-mixed-layers", tmp_path, tiny_tokenizer_dir)
+    prompts = random_prompts(base.config.vocab_size, [7, 5, 8], seed=4)
+    names = [None, "experts", "per-expert"]
+    want = [hf_greedy(base if n is None else models[n], p, MAX_TOKENS) for n, p in zip(names, prompts)]
+    requests = [None if n is None else LoRARequest(n, i, str(paths[n])) for i, n in enumerate(names)]
+    with make_llm(tmp_path, max_loras=2, dtype="float32", **{parallel: 2}) as llm:
+        outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=requests)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+
+
+def test_bad_expert_adapters_are_named(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """Expert adapters on a dense layer, on an expert the layer lacks, of a shape no expert tensor has, on a
+    parameter that is no expert tensor, or of a rank above the limit: each refused naming it; the engine serves on."""
+    from safetensors.torch import load_file, save_file
+
+    from pluginfer.engine.lora_request import LoRARequest
+
+    base, _, paths = moe_adapters("qwen3-moe-norm-topk-mixed-layers", tmp_path, tiny_tokenizer_dir)
+
+    def edited(name: str, source: str, rename: tuple[str, str] = ("", ""), **config: object) -> Path:
+        target = copy_adapter(paths[source], tmp_path / name, **config)
+        tensors = load_file(str(target / "adapter_model.safetensors"))
+        save_file({k.replace(*rename): v for k, v in tensors.items()}, str(target / "adapter_model.safetensors"))
+        return target
+
+    squeezed = edited("squeezed", "experts")
+    tensors = load_file(str(squeezed / "adapter_model.safetensors"))
+    tensors = {k: v[:, :-1].contiguous() if "experts.lora_A" in k else v for k, v in tensors.items()}
+    save_file(tensors, str(squeezed / "adapter_model.safetensors"))
+    cases = [(edited("dense", "experts", ("layers.1.", "layers.0.")), r"layers\.0 has no mixture-of-experts experts"),
+             (edited("alien", "per-expert", ("experts.5.", "experts.9.")),
+              r"experts\.9\.\w+_proj: not an expert projection of this model \(experts 0-5"),
+             (squeezed, r"fit neither the experts' gate_up_proj nor their down_proj"),
+             (edited("router", "experts", target_parameters=["mlp.gate.weight"]),
+              r"target_parameters 'mlp.gate.weight': only a mixture-of-experts' fused expert tensors")]
+    big = edited("big", "per-expert")
+    _scale_rank(big, 16)
+    cases.append((big, "rank 16 is above max_lora_rank 8"))
     with make_llm(tmp_path) as llm:
-        outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))
-        assert [list(o.outputs[0].token_ids) for o in outputs] == want
-        with pytest.raises(ValueError, match=r"target module .*layers\.\d+\.mlp\.experts\.0\.gate_proj is a "
-                                             "mixture-of-experts expert"):
-            llm.generate(prompts, greedy(2), lora_request=LoRARequest("e", 2, str(experts)))
-        with pytest.raises(ValueError, match=r"target_parameters \['mlp.experts.gate_up_proj'\]: adapters on "
-                                             "parameters"):
-            llm.generate(prompts, greedy(2), lora_request=LoRARequest("f", 3, str(fused)))
+        for i, (path, message) in enumerate(cases):
+            with pytest.raises(ValueError, match=message):
+                llm.generate("hello", greedy(2), lora_request=LoRARequest(path.name, 10 + i, str(path)))
+        good = llm.generate("hello", greedy(2), lora_request=LoRARequest("experts", 1, str(paths["experts"])))
+        assert len(good[0].outputs[0].token_ids) == 2
 
 
 def test_prefix_cache_is_keyed_by_adapter(lora_setup: tuple) -> None:

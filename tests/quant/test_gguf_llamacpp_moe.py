@@ -93,6 +93,42 @@ def through_file_type(model: torch.nn.Module, qtype: gguf.GGMLQuantizationType) 
                 param.copy_(rounded(param))
 
 
+def test_expert_adapters_on_experts_held_in_blocks_equal_peft(tmp_path: Path) -> None:
+    """A peft adapter on the routed experts' fused tensors over a llama.cpp Q8_0 file, whose experts stay
+    Q8_0 linears of the gguf method: the deltas go around each expert's linears, the logits equal peft's on the
+    file's transformers model (float activations), and the greedy tokens too."""
+    peft = pytest.importorskip("peft")
+    from pluginfer.engine.lora_request import LoRARequest
+    from pluginfer.engine.step import NewRow, StepData
+
+    path = FIXTURES / "llamacpp-qwen3moe-q8_0.gguf"
+    oracle = transformers_oracle(path)
+    torch.manual_seed(1)
+    adapted = peft.get_peft_model(oracle, peft.LoraConfig(
+        r=3, lora_alpha=6, target_modules=[], init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    adapted.save_pretrained(str(tmp_path / "experts"))
+    adapted.eval()
+    prompt = random_prompts(900, [24], seed=9)[0]
+    request = LoRARequest("experts", 1, str(tmp_path / "experts"))
+    with LLM(model=str(path), num_blocks=64, block_size=8, enable_lora=True, max_lora_rank=4) as llm:
+        experts = next(m for m in llm.engine.executor.pipeline.modules() if isinstance(m, FusedExperts))
+        assert experts.linears is not None
+        got = llm.generate([prompt], greedy(16), lora_request=request)[0].outputs[0].token_ids
+        logits = llm.engine.executor.run_step(StepData(
+            token_ids=list(prompt), num_computed_tokens=[0], block_size=8, num_new_tokens=[len(prompt)],
+            seq_ids=[10**9], new_rows=[NewRow(10**9, [40, 41, 42], lora_slot=0)], reset=True))[-1]
+    want = hf_logits(adapted, prompt)[-1]
+    with adapted.disable_adapter():
+        assert (want - hf_logits(adapted, prompt)[-1]).abs().max() > 0.1
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    assert list(got) == hf_greedy(adapted, prompt, 16)
+
+
 @pytest.mark.parametrize("name", list(FILES))
 def test_llama_cpp_moe_file_generates_like_transformers(name: str) -> None:
     path = FIXTURES / name
