@@ -3,7 +3,7 @@
     python benchmarks/quant_throughput.py checkpoint CHECKPOINT_DIR [--formats none int8 q8_0 q4_k gptq awq ...]
     python benchmarks/quant_throughput.py linear [--inputs 896] [--outputs 4864] [--rows 1 16 512] [--runs 7]
     python benchmarks/quant_throughput.py kv-cache [--batch 16] [--context 2048] [--dtypes float16 int8 fp8]
-    python benchmarks/quant_throughput.py kv-decode --work-dir DIR [--dtype float32] [--kv float16 int8 fp8] [--cpu-time]
+    python benchmarks/quant_throughput.py kv-decode --work-dir DIR [--dtype float32] [--quant q8_0] [--kv float16 int8 fp8] [--cpu-time]
 
 - ``checkpoint``: decode tokens/s at batch 1 and 16 and bytes per linear parameter of each quant format of one
   checkpoint, against its float32 self (``gptq``/``awq``: written out by round-to-nearest, then loaded).
@@ -307,7 +307,8 @@ def kv_decode(args: argparse.Namespace) -> int:
     if args.cpu_time:
         clock = time.process_time
         torch.set_num_threads(1)
-    llms = {kv: LLM(model=str(path), dtype=args.dtype, kv_cache_dtype=kv, max_model_len=args.context + 256,
+    quant = {"quant": args.quant} if args.quant else {}
+    llms = {kv: LLM(model=str(path), dtype=args.dtype, kv_cache_dtype=kv, **quant, max_model_len=args.context + 256,
                     max_num_seqs=args.batch, num_blocks=args.batch * (args.context + 256) // 16 + 64, block_size=16,
                     max_num_batched_tokens=2048, threads=1 if args.cpu_time else None) for kv in args.kv}
     ids = next(iter(llms.values())).engine.tokenizer.encode(CORPUS.read_text())
@@ -340,7 +341,7 @@ def kv_decode(args: argparse.Namespace) -> int:
             first = run(llm, 1)
             rates[kv].append(args.batch * (args.gen - 1) / (run(llm, args.gen) - first))
     base, base_nll = statistics.median(rates[args.kv[0]]), nll[args.kv[0]]
-    print(f"model {args.dtype}, batch {args.batch} x context {args.context}, threads {torch.get_num_threads()}, "
+    print(f"model {args.dtype}{f' ({args.quant} weights)' if args.quant else ''}, batch {args.batch} x context {args.context}, threads {torch.get_num_threads()}, "
           f"timed by {'CPU time' if args.cpu_time else 'wall clock'}")
     print(f"| KV cache dtype | bytes per token | mean NLL ({args.nll} tokens) | vs {args.kv[0]} | decode tok/s "
           f"| vs {args.kv[0]} |")
@@ -384,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     decode = modes.add_parser("kv-decode", help="the engine per KV cache dtype: NLL, bytes per token, decode tokens/s")
     decode.add_argument("--work-dir", required=True, help="where the model is built (once)")
     decode.add_argument("--dtype", default="float32", help="the model's dtype")
+    decode.add_argument("--quant", help="quantize the weights at load (pluginfer's --quant: q8_0, q4_0, int8, ...)")
     decode.add_argument("--kv", nargs="+", default=["float16", "int8", "fp8"], help="KV cache dtypes, baseline first")
     decode.add_argument("--batch", type=int, default=16)
     decode.add_argument("--context", type=int, default=2048)

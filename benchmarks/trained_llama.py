@@ -89,16 +89,22 @@ def code_edit_examples(count: int, seed: int) -> list[tuple[str, str]]:
 
 
 def prose_examples(count: int, seed: int) -> list[tuple[str, str]]:
-    """(prompt, answer) pairs: a user asks about a standard-library module, the assistant answers with its docstring."""
+    """(prompt, answer) pairs: a user asks what a standard-library module, class or function does, the assistant
+    answers with its docstring (public names, docstrings of 100-1500 characters)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     examples = []
     for path in sorted(root.glob("*.py")):
         try:
-            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+            tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        if doc and 200 <= len(doc) <= 2000:
-            prompt = f"{CODE_START}user\nWhat does the {path.stem} module do?\n{CODE_END}\n{CODE_START}assistant\n"
+        for node in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef)))]:
+            doc = ast.get_docstring(node)
+            if not doc or not 100 <= len(doc) <= 1500 or node is not tree and node.name.startswith("_"):
+                continue
+            kind = "module" if node is tree else "class" if isinstance(node, ast.ClassDef) else "function"
+            name = path.stem if node is tree else f"{path.stem}.{node.name}"
+            prompt = f"{CODE_START}user\nWhat does the {name} {kind} do?\n{CODE_END}\n{CODE_START}assistant\n"
             examples.append((prompt, doc.strip() + f"\n{CODE_END}\n"))
     random.Random(seed).shuffle(examples)
     return examples[:count]
@@ -244,7 +250,7 @@ def build(work: Path, workload: str, shape: dict, steps: int, log: bool = True,
     """(the widened model, the small draft model, held-out prompts) of ``workload`` (``code-edit`` or ``chat``), made
     once in ``work``: the tokenizer, the small model (hidden 128, 2 layers, ``copy_steps`` of copying first) and its
     widening to ``shape``, and for the chat a draft trained apart (hidden 64, 1 layer, another seed)."""
-    examples = code_edit_examples(3000, 0) if workload == "code-edit" else prose_examples(400, 0)
+    examples = code_edit_examples(3000, 0) if workload == "code-edit" else prose_examples(3000, 0)
     train_set, held_out = examples[:-16], examples[-16:]
     base = work / workload
     if not (base / "tokenizer" / "tokenizer.json").exists():

@@ -76,6 +76,8 @@ def start_rank(config: EngineConfig, rank: RankInfo, registry: Registry) -> Star
         _check_agreement(world, config, registry, rank, plan.plugins)
         worker = Worker(plan, rank, world, backend, registry)
         num_blocks = min(world.all_gather_object(worker.max_num_blocks()))
+        if worker.lora is not None and rank.pp_size > 1:  # every stage's adaptable modules, to check adapters by
+            worker.lora.share_targets(world.all_gather_object(worker.lora.targets))
         worker.allocate_kv_cache(num_blocks)
     except BaseException:
         world.close()

@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from pluginfer.engine.lora_request import LoRARequest
-from pluginfer.layers.causal_lm import MissingLayer
-from pluginfer.layers.expert_lora import PARTS, ExpertLoRA
+from pluginfer.layers.expert_lora import PARTS, ExpertLoRA, ExpertShapes
 from pluginfer.layers.lora import LoRALayer, LoRAMapping
 from pluginfer.layers.moe import FusedExperts
 
@@ -105,67 +104,65 @@ class ModelLoRA:
     """A model's adapter slots: a ``LoRALayer`` on each of its linear layers that adapters may target, and the
     step's token -> slot mapping they share. ``load`` puts an adapter in a slot; ``prepare`` maps a step.
     ``kernel``: the backend's ``lora_sgmv`` op, or None. A mixture-of-experts layer's routed experts hold an
-    ``ExpertLoRA``. Under pipeline parallelism a stage holds the slots of its own decoder layers: an adapter's
-    modules in the layers another stage holds are that stage's to load."""
+    ``ExpertLoRA``.
+
+    ``targets``: what each adaptable module must fit, by name: a linear layer's ``(LinearShapes, shard id ->
+    projection)``, a layer's experts' ``ExpertShapes``. Under pipeline parallelism a stage holds the slots of its own
+    decoder layers, and ``share_targets`` adds the other stages' targets, so that the driver checks every module
+    of an adapter (which no stage then meets unchecked) and each stage loads those of its own layers."""
 
     def __init__(self, model: nn.Module, routes: tuple, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device | str, kernel: Any = None) -> None:
         self.routes, self.mapping = routes, LoRAMapping(device)
         self.layers: dict[str, Any] = {}
-        for name, module in model.named_modules():
-            if hasattr(module, "quant_method") and hasattr(module, "shard") and module.shard.dim is not None \
-                    and "experts" not in name.split("."):  # experts: adapted by their layer's ExpertLoRA
-                module.lora = LoRALayer(module.input_size, module.shard, max_loras, max_rank, self.mapping, dtype,
-                                        device, kernel)
-                self.layers[name] = module
         self.experts: dict[str, FusedExperts] = {}
+        self.targets: dict[str, Any] = {}
         for name, module in model.named_modules():
             if isinstance(module, FusedExperts):
                 module.lora = ExpertLoRA(module.num_experts, module.hidden_size, module.intermediate_size,
                                          module.shard_size, module.tp_rank, max_loras, max_rank, self.mapping, dtype,
                                          device)
-                self.experts[name] = module
-        # decoder layer ("model.layers.3") -> its experts' name; a checkpoint's expert projection name -> its part
-        self._experts_of_layer = {match["layer"]: name for name in self.experts
-                                  if (match := _EXPERTS.match(name)) is not None}
+                self.experts[name], self.targets[name] = module, module.lora.shapes
+            elif hasattr(module, "quant_method") and hasattr(module, "shard") and module.shard.dim is not None \
+                    and "experts" not in name.split("."):  # experts: adapted by their layer's ExpertLoRA
+                module.lora = LoRALayer(module.input_size, module.shard, max_loras, max_rank, self.mapping, dtype,
+                                        device, kernel)
+                self.layers[name] = module
+                projections = {shard: module._projection(shard) for fused, _, shard in routes
+                               if fused in name + "." and not isinstance(shard, tuple)}
+                self.targets[name] = (module.lora.shapes, projections)
+        # a checkpoint's expert projection name (w1, gate_proj, ...) -> its part
         self._expert_parts = {match[1]: ("down" if shard[1] is None else ("gate", "up")[shard[1]])
                               for _, part, shard in routes
                               if (match := re.fullmatch(r"\.experts\.\d+\.(\w+)\.weight", part)) is not None}
-        # decoder layers another pipeline stage holds, and one this stage holds (to check a module name against)
-        self._elsewhere = tuple(name + "." for name, module in model.named_modules() if isinstance(module, MissingLayer))
-        self._held_layer = next((name for name, module in model.named_modules()
-                                 if name.rpartition(".")[2].isdigit() and not isinstance(module, MissingLayer)
-                                 and any(layer.startswith(name + ".") for layer in self.layers)), None)
+        self._experts_of_layer: dict[str, str] = {}
+        self.share_targets([])
         self._slot_of_seq: dict[int, int] = {}
         self._token_slots: np.ndarray | None = None
 
-    def _target(self, module: str) -> tuple[Any, int]:
-        """The layer and projection index a PEFT module name lands on (q_proj -> qkv_proj's q)."""
+    def share_targets(self, others: list[dict[str, Any]]) -> None:
+        """Add every stage's ``targets`` (pipeline parallelism: each holds its own decoder layers')."""
+        for targets in others:
+            self.targets.update(targets)
+        # decoder layer ("model.layers.3") -> the name of its experts
+        self._experts_of_layer = {match["layer"]: name for name, target in self.targets.items()
+                                  if isinstance(target, ExpertShapes) and (match := _EXPERTS.match(name))}
+
+    def _target(self, module: str) -> tuple[str, int]:
+        """The linear layer and projection index a PEFT module name lands on (q_proj -> qkv_proj's q)."""
         name = module + "."
         for fused, part, shard in self.routes:
             if part in name:
-                layer = self.layers.get(name.replace(part, fused)[:-1])
-                if layer is not None:
-                    return layer, layer._projection(shard)
-        layer = self.layers.get(module)
-        if layer is None:
+                target = self.targets.get(name.replace(part, fused)[:-1])
+                if isinstance(target, tuple):
+                    return name.replace(part, fused)[:-1], target[1][shard]
+        if not isinstance(self.targets.get(module), tuple):
             raise KeyError(module)
-        return layer, 0
+        return module, 0
 
-    def _on_another_stage(self, module: str) -> tuple[Any, int] | None:
-        """For ``module`` in a decoder layer another pipeline stage holds: the same module of a layer this stage holds
-        (layer, projection), whose shapes it must have (a module has the same shapes in every decoder layer of the
-        families served); None for a module of this stage or of no layer."""
-        owner = next((prefix for prefix in self._elsewhere if module.startswith(prefix)), None)
-        if owner is None or self._held_layer is None:
-            return None
-        try:
-            return self._target(self._held_layer + "." + module[len(owner):])
-        except KeyError:
-            return None
-
-    def resolve(self, adapter: Adapter, request: LoRARequest) -> dict[str, dict[int, tuple]]:
-        """Layer name -> projection -> (A, B), every shape checked; a ValueError naming the adapter's module."""
+    def resolve(self, adapter: Adapter, request: LoRARequest) -> dict[str, dict]:
+        """This stage's layers' parts of the adapter: layer name -> projection -> (A, B), experts' name ->
+        (expert, part) -> (A, B); every module of every stage checked, a ValueError naming the adapter's module."""
         where = f"LoRA adapter {request.lora_name!r}"
         placed: dict[str, dict] = {}
         for module, (a, b) in adapter.modules.items():
@@ -173,56 +170,51 @@ class ModelLoRA:
             if match is not None:
                 self._resolve_experts(match, a, b, f"{where} module {module}", placed)
                 continue
-            same = self._on_another_stage(module)
-            if same is not None:  # the stage holding it loads it; checked here, so that no stage meets a bad one
-                same[0].lora.check(same[1], a, b, f"{where} module {module}")
-                continue
             try:
-                layer, index = self._target(module)
+                name, index = self._target(module)
             except KeyError:
                 raise ValueError(f"{where}: target module {module} is not a linear layer of this model "
                                  "(LoRA applies to its attention and MLP projections)") from None
-            layer.lora.check(index, a, b, f"{where} module {module}")
-            name = next(n for n, m in self.layers.items() if m is layer)
-            placed.setdefault(name, {})[index] = (a, b)
+            self.targets[name][0].check(index, a, b, f"{where} module {module}")
+            if name in self.layers:  # else another pipeline stage's, loaded there
+                placed.setdefault(name, {})[index] = (a, b)
         return placed
 
     def _resolve_experts(self, match: re.Match, a: torch.Tensor, b: torch.Tensor, name: str,
                          placed: dict[str, dict]) -> None:
-        """Place one adapter module on routed experts as (expert, part) -> (A, B) of its layer's experts. In a
-        layer another pipeline stage holds: checked against experts this stage holds, left to that stage."""
+        """One adapter module on routed experts as (expert, part) -> (A, B) of its layer's experts, checked."""
         layer = match["layer"]
-        elsewhere = any((layer + ".").startswith(prefix) for prefix in self._elsewhere)
-        owner = next(iter(self.experts), None) if elsewhere else self._experts_of_layer.get(layer)
+        owner = self._experts_of_layer.get(layer)
         if owner is None:
-            if elsewhere:  # this stage holds no experts to check it against: the other stage checks it
-                return
             raise ValueError(f"{name}: {layer} has no mixture-of-experts experts (LoRA applies to the attention "
                              "and MLP projections, and to a sparse layer's experts)")
-        experts = self.experts[owner].lora
+        shapes = self.targets[owner]
+        count = shapes.num_experts
         if match["expert"] is not None:  # one expert's linear, named as the checkpoint's
             part, expert = self._expert_parts.get(match["proj"]), int(match["expert"])
-            if part is None or expert >= experts.num_experts:
-                raise ValueError(f"{name}: not an expert projection of this model (experts 0-"
-                                 f"{experts.num_experts - 1}, projections {', '.join(self._expert_parts)})")
+            if part is None or expert >= count:
+                raise ValueError(f"{name}: not an expert projection of this model (experts 0-{count - 1}, "
+                                 f"projections {', '.join(self._expert_parts)})")
             parts = {(expert, part): (a, b)}
         else:  # a fused expert tensor: A [r * E, in], B [out, r * E]; expert e's ranks at r * e (A), every E-th (B)
-            count, shapes = experts.num_experts, {experts.shapes(p): p for p in ("gate_up", "down")}
-            part = shapes.get((a.shape[-1], b.shape[0])) if a.dim() == b.dim() == 2 else None
+            part = {shapes.of(p): p for p in ("gate_up", "down")}.get((a.shape[-1], b.shape[0])) \
+                if a.dim() == b.dim() == 2 else None
             if part is None or a.shape[0] % count or b.shape[1] != a.shape[0]:
                 raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} fit neither the "
                                  f"experts' gate_up_proj nor their down_proj ([r * {count}, in] and [out, r * {count}]:"
-                                 f" gate_up {experts.shapes('gate_up')[::-1]}, down {experts.shapes('down')[::-1]})")
+                                 f" gate_up {shapes.of('gate_up')[::-1]}, down {shapes.of('down')[::-1]})")
             rank = a.shape[0] // count
             a_of, b_of = a.reshape(count, rank, -1), b.reshape(b.shape[0], rank, count)
             parts = {(expert, part): (a_of[expert], b_of[:, :, expert]) for expert in range(count)}
-        target = placed.setdefault(owner, {}) if not elsewhere else {}
+        target = placed.setdefault(owner, {})
         for (expert, part), (a_part, b_part) in parts.items():
-            experts.check(part, a_part, b_part, name)
+            shapes.check(part, a_part, b_part, name)
             block = PARTS[part][:2]
             if any(PARTS[held][:2] == block for e, held in target if e == expert):
                 raise ValueError(f"{name}: expert {expert}'s {part} projection is adapted twice")
             target[(expert, part)] = (a_part, b_part)
+        if owner not in self.experts:  # another pipeline stage's, loaded there
+            placed.pop(owner)
 
     def load(self, slot: int, request: LoRARequest) -> None:
         adapter = read_adapter(request)

@@ -17,6 +17,8 @@ all-reduce.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -28,28 +30,21 @@ PARTS = {"gate": (GATE_UP, 0, "gate"), "up": (GATE_UP, 1, "up"), "gate_up": (GAT
          "down": (DOWN, 0, "down")}
 
 
-class ExpertLoRA:
-    """The adapters of one layer's ``num_experts`` routed experts in ``max_loras`` slots of rank up to
-    ``max_rank``. ``shard_size``: this rank's share of ``intermediate_size``."""
+@dataclass(frozen=True)
+class ExpertShapes:
+    """What an adapter of a layer's routed experts must fit (the checkpoint's sizes, every rank's together).
+    Picklable: pipeline stages share them."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, shard_size: int, tp_rank: int,
-                 max_loras: int, max_rank: int, mapping: LoRAMapping, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.shard_size, self.tp_rank, self.max_rank, self.mapping = shard_size, tp_rank, max_rank, mapping
-        shape = (num_experts, max_loras)  # expert first: one expert's slots are one contiguous block
-        # A [.., ranks, inputs] and B^T [.., ranks, outputs] of gate/up (2 rank blocks) and of down (1)
-        self.a = (torch.zeros(*shape, 2 * max_rank, hidden_size, dtype=dtype, device=device),
-                  torch.zeros(*shape, max_rank, shard_size, dtype=dtype, device=device))
-        self.b = (torch.zeros(*shape, 2 * max_rank, 2 * shard_size, dtype=dtype, device=device),
-                  torch.zeros(*shape, max_rank, hidden_size, dtype=dtype, device=device))
-        self.held = np.zeros(max_loras, bool)  # slots holding an adapter on these experts
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    max_rank: int
 
-    def shapes(self, part: str) -> tuple[int, int]:
+    def of(self, part: str) -> tuple[int, int]:
         """(inputs of A, outputs of B) of a checkpoint's ``part`` of one expert."""
-        return {"gate": (self.hidden_size, self.intermediate_size), "up": (self.hidden_size, self.intermediate_size),
-                "gate_up": (self.hidden_size, 2 * self.intermediate_size),
-                "down": (self.intermediate_size, self.hidden_size)}[part]
+        hidden, intermediate = self.hidden_size, self.intermediate_size
+        return {"gate": (hidden, intermediate), "up": (hidden, intermediate), "gate_up": (hidden, 2 * intermediate),
+                "down": (intermediate, hidden)}[part]
 
     def check(self, part: str, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
         """Shapes of one expert's ``A [r, in]`` and ``B [out, r]`` for ``part``; a ValueError naming ``name``."""
@@ -58,10 +53,29 @@ class ExpertLoRA:
             raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
         if rank > self.max_rank:
             raise ValueError(f"{name}: rank {rank} is above max_lora_rank {self.max_rank} (--max-lora-rank)")
-        inputs, outputs = self.shapes(part)
+        inputs, outputs = self.of(part)
         if (a.shape[1], b.shape[0]) != (inputs, outputs):
             raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the experts' "
                              f"{part} projection ({inputs} inputs, {outputs} outputs)")
+
+
+class ExpertLoRA:
+    """The adapters of one layer's ``num_experts`` routed experts in ``max_loras`` slots of rank up to
+    ``max_rank``. ``shard_size``: this rank's share of ``intermediate_size``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, shard_size: int, tp_rank: int,
+                 max_loras: int, max_rank: int, mapping: LoRAMapping, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.shapes = ExpertShapes(num_experts, hidden_size, intermediate_size, max_rank)
+        self.intermediate_size, self.shard_size, self.tp_rank, self.max_rank = intermediate_size, shard_size, tp_rank, max_rank
+        self.mapping = mapping
+        shape = (num_experts, max_loras)  # expert first: one expert's slots are one contiguous block
+        # A [.., ranks, inputs] and B^T [.., ranks, outputs] of gate/up (2 rank blocks) and of down (1)
+        self.a = (torch.zeros(*shape, 2 * max_rank, hidden_size, dtype=dtype, device=device),
+                  torch.zeros(*shape, max_rank, shard_size, dtype=dtype, device=device))
+        self.b = (torch.zeros(*shape, 2 * max_rank, 2 * shard_size, dtype=dtype, device=device),
+                  torch.zeros(*shape, max_rank, hidden_size, dtype=dtype, device=device))
+        self.held = np.zeros(max_loras, bool)  # slots holding an adapter on these experts
 
     def set_slot(self, slot: int, parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
                  scale: float) -> None:

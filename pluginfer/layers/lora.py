@@ -18,6 +18,7 @@ delta is summed by the layer's own all-reduce.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -96,6 +97,27 @@ class LoRAMapping:
         self._masks = {}
 
 
+@dataclass(frozen=True)
+class LinearShapes:
+    """What an adapter of a linear layer must fit: the layer's inputs and its projections' outputs in the
+    checkpoint (every rank's together), and the rank limit. Picklable: pipeline stages share them."""
+
+    input_size: int
+    output_sizes: tuple[int, ...]
+    max_rank: int
+
+    def check(self, index: int, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+        """Shapes of projection ``index``'s ``A [r, in]`` and ``B [out, r]``; a ValueError naming ``name``."""
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+            raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
+        if rank > self.max_rank:
+            raise ValueError(f"{name}: rank {rank} is above max_lora_rank {self.max_rank} (--max-lora-rank)")
+        if a.shape[1] != self.input_size or b.shape[0] != self.output_sizes[index]:
+            raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the layer "
+                             f"({self.input_size} inputs, {self.output_sizes[index]} outputs)")
+
+
 class LoRALayer:
     """The adapters of one linear layer: ``max_loras`` slots of rank up to ``max_rank`` per projection.
 
@@ -108,23 +130,13 @@ class LoRALayer:
                  kernel: Callable | None = None) -> None:
         self.shard, self.max_rank, self.mapping, self.kernel = shard, max_rank, mapping, kernel
         self.input_size, self.output_sizes = input_size, list(shard.output_sizes)
-        self.full_input_size = input_size * shard.size if shard.dim == 1 else input_size
+        self.shapes = LinearShapes(input_size * shard.size if shard.dim == 1 else input_size,
+                                   tuple(self.output_sizes), max_rank)
         self.rows = [projection_rows(shard, i) for i in range(len(self.output_sizes))]  # (start, rows, offset)
         width = len(self.output_sizes) * max_rank
         self.a = torch.zeros(max_loras, width, input_size, dtype=dtype, device=device)
         out = sum(rows for _, rows, _ in self.rows)
         self.b = torch.zeros(max_loras, width, out, dtype=dtype, device=device)  # B^T per slot
-
-    def check(self, index: int, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
-        """Shapes of projection ``index``'s ``A [r, in]`` and ``B [out, r]``; a ValueError naming ``name``."""
-        rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
-            raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
-        if rank > self.max_rank:
-            raise ValueError(f"{name}: rank {rank} is above max_lora_rank {self.max_rank} (--max-lora-rank)")
-        if a.shape[1] != self.full_input_size or b.shape[0] != self.output_sizes[index]:
-            raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the layer "
-                             f"({self.full_input_size} inputs, {self.output_sizes[index]} outputs)")
 
     def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """Load slot ``slot`` with projection index -> (A, B); projections not named get no adapter."""

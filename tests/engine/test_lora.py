@@ -232,7 +232,21 @@ def test_expert_adapters_under_parallelism_equal_peft(parallel: str, tmp_path: P
     requests = [None if n is None else LoRARequest(n, i, str(paths[n])) for i, n in enumerate(names)]
     with make_llm(tmp_path, max_loras=2, dtype="float32", **{parallel: 2}) as llm:
         outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=requests)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+        assert [list(o.outputs[0].token_ids) for o in outputs] == want
+        if parallel == "pipeline_parallel_size":  # modules of no layer of the second stage: refused at the driver
+            from safetensors.torch import load_file, save_file
+
+            for name, old, new, message in (
+                    ("dense-experts", "layers.3.", "layers.2.", r"layers\.2 has no mixture-of-experts experts"),
+                    ("sparse-mlp", "layers.1.self_attn.q_proj", "layers.3.mlp.gate_proj",
+                     r"layers\.3\.mlp\.gate_proj is not a linear layer")):
+                bad = copy_adapter(paths["experts"], tmp_path / name)
+                tensors = load_file(str(bad / "adapter_model.safetensors"))
+                save_file({k.replace(old, new): v for k, v in tensors.items()}, str(bad / "adapter_model.safetensors"))
+                with pytest.raises(ValueError, match=message):
+                    llm.generate(prompts[:1], greedy(2), lora_request=LoRARequest(name, 9, str(bad)))
+            outputs = llm.generate(prompts, greedy(MAX_TOKENS), lora_request=requests)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == want
 
 
 def test_bad_expert_adapters_are_named(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from pluginfer.core.protocols import BuildContext, RankInfo
 from pluginfer.layers.context import building
-from pluginfer.layers.expert_lora import ExpertLoRA
+from pluginfer.layers.expert_lora import ExpertLoRA, ExpertShapes
 from pluginfer.layers.lora import LoRAMapping
 from pluginfer.layers.moe import FusedExperts
 from pluginfer.layers.router import route
@@ -130,8 +130,7 @@ def test_two_ranks_shares_sum_to_the_whole() -> None:
 
 
 def test_parts_are_checked_by_name() -> None:
-    lora = ExpertLoRA(EXPERTS, HIDDEN, INTERMEDIATE, INTERMEDIATE, 0, 2, MAX_RANK, LoRAMapping("cpu"),
-                      torch.float32, "cpu")
+    lora = ExpertShapes(EXPERTS, HIDDEN, INTERMEDIATE, MAX_RANK)
     lora.check("gate_up", torch.zeros(2, HIDDEN), torch.zeros(2 * INTERMEDIATE, 2), "ok")
     with pytest.raises(ValueError, match="m: rank 5 is above max_lora_rank 4"):
         lora.check("down", torch.zeros(5, INTERMEDIATE), torch.zeros(HIDDEN, 5), "m")
