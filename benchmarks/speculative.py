@@ -6,10 +6,10 @@
     python benchmarks/speculative.py --workload chat --work-dir DIR        # a draft model on a trained model
 
 ``--workload code-edit`` and ``chat`` run a model that has learned something: a small llama trained here on the
-standard library (``trained_llama.py``: renaming a name in a function; answering with a module's docstring), widened
+standard library (``trained_llama.py``: renaming a name in a function; answering with a docstring), widened
 to the 0.5B shape without changing its function, so a step costs what a 0.5B model's does and the drafts are taken
 as a trained model takes them. ``code-edit``: prompt lookup (``method: ngram``) against plain decoding on held-out
-functions; ``chat``: a separately trained smaller llama as the draft model. Both greedy, float32, the outputs
+functions; ``chat``: a smaller llama distilled from the small model (its greedy answers) as the draft model. Both greedy, float32, the outputs
 compared token for token; tokens/s over each answer (until its end token or ``--gen-len``), summed over the prompts.
 
 A random model repeats nothing, so the prompt-lookup proposer would draft nothing it accepts. This tool

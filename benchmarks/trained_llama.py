@@ -5,8 +5,10 @@ in a few minutes on the CPU, seeded, and kept in a work directory.
 
 - ``code_edit_examples``: functions of the standard library (``ast``), each a prompt ("rename NAME to NEW in this
   function", the function) and an answer (the function with the rename): the answer mostly repeats the prompt.
-- ``prose_examples``: the standard library's docstrings as a chat: a user asks about a module, the assistant answers
-  with its text.
+- ``prose_examples``: the standard library's docstrings as a chat: a user asks what a module, class or function does,
+  the assistant answers with its docstring.
+- ``distill``: a model's greedy answers to prompts, which a draft model is trained on (so that it proposes what
+  that model says, not what the texts said).
 - ``train``: a llama of ``hidden``/``layers`` (head size 64) trained on such texts (AdamW, one thread), after
   ``copy_steps`` steps on rows of random tokens repeated once (the loss on the repeat): a model of this size learns
   to copy its context there (an induction head, a few hundred steps in), which the texts alone did not teach it in
@@ -180,6 +182,28 @@ def train(out: Path, tokenizer_dir: Path, examples: list[tuple[str, str]], hidde
     tokenizer.save_pretrained(out)
 
 
+def distill(model_dir: Path, tokenizer_dir: Path, prompts: list[str], max_new: int = 160,
+            batch: int = 64) -> list[tuple[str, str]]:
+    """(prompt, the model's greedy answer) for each prompt, to its end-of-turn token or ``max_new`` tokens: what a
+    draft model learns from, so that it proposes what this model says (as draft models are distilled)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.padding_side, tokenizer.pad_token = "left", tokenizer.eos_token
+    model = LlamaForCausalLM.from_pretrained(str(model_dir)).eval()
+    end = tokenizer.convert_tokens_to_ids(CODE_END)
+    pairs = []
+    for first in range(0, len(prompts), batch):
+        chunk = prompts[first:first + batch]
+        encoded = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**encoded, max_new_tokens=max_new, do_sample=False, eos_token_id=end,
+                                 pad_token_id=tokenizer.eos_token_id)
+        for prompt, answer in zip(chunk, out[:, encoded["input_ids"].shape[1]:].tolist()):
+            pairs.append((prompt, tokenizer.decode(answer[:answer.index(end) + 1] if end in answer else answer)))
+    return pairs
+
+
 def _run(model: torch.nn.Module, steps: int, lr_at: Callable[[int], float], batch_of: Callable[[], tuple[list, list]],
          log_as: str | None) -> None:
     """``steps`` AdamW steps (a fresh optimizer) on the batches ``batch_of`` draws, at the learning rate ``lr_at``."""
@@ -249,7 +273,8 @@ def build(work: Path, workload: str, shape: dict, steps: int, log: bool = True,
           copy_steps: int = 1000) -> tuple[Path, Path, list[str]]:
     """(the widened model, the small draft model, held-out prompts) of ``workload`` (``code-edit`` or ``chat``), made
     once in ``work``: the tokenizer, the small model (hidden 128, 2 layers, ``copy_steps`` of copying first) and its
-    widening to ``shape``, and for the chat a draft trained apart (hidden 64, 1 layer, another seed)."""
+    widening to ``shape``, and for the chat a draft (hidden 64, 1 layer, another seed) distilled from the small
+    model: trained on its greedy answers to the training prompts."""
     examples = code_edit_examples(3000, 0) if workload == "code-edit" else prose_examples(3000, 0)
     train_set, held_out = examples[:-16], examples[-16:]
     base = work / workload
@@ -259,7 +284,8 @@ def build(work: Path, workload: str, shape: dict, steps: int, log: bool = True,
         train(base / "small", base / "tokenizer", train_set, hidden=128, layers=2, steps=steps, seed=0, log=log,
               copy_steps=copy_steps)
     if workload == "chat" and not (base / "draft" / "model.safetensors").exists():  # prompt lookup needs none
-        train(base / "draft", base / "tokenizer", train_set, hidden=64, layers=1, steps=steps, seed=1, log=log)
+        answers = distill(base / "small", base / "tokenizer", [prompt for prompt, _ in train_set])
+        train(base / "draft", base / "tokenizer", answers, hidden=64, layers=1, steps=steps, seed=1, log=log)
     if not (base / "wide" / "model.safetensors").exists():
         widen(base / "small", base / "wide", **shape)
     return base / "wide", base / "draft", [prompt for prompt, _ in held_out]
