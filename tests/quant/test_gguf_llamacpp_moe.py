@@ -93,15 +93,17 @@ def through_file_type(model: torch.nn.Module, qtype: gguf.GGMLQuantizationType) 
                 param.copy_(rounded(param))
 
 
-def test_expert_adapters_on_experts_held_in_blocks_equal_peft(tmp_path: Path) -> None:
-    """A peft adapter on the routed experts' fused tensors over a llama.cpp Q8_0 file, whose experts stay
-    Q8_0 linears of the gguf method: the deltas go around each expert's linears, the logits equal peft's on the
-    file's transformers model (float activations), and the greedy tokens too."""
+# the Q8_0 file's experts (32 inputs to down) split into no whole blocks over two ranks: the F16 file there
+@pytest.mark.parametrize(("name", "tp"), [("llamacpp-qwen3moe-q8_0.gguf", 1), ("llamacpp-qwen2moe-f16.gguf", 2)])
+def test_expert_adapters_on_experts_held_in_blocks_equal_peft(name: str, tp: int, tmp_path: Path) -> None:
+    """A peft adapter on the routed experts' fused tensors over a llama.cpp file, whose experts stay linears of
+    the gguf method (Q8_0 blocks; F16 split over two ranks): the deltas go around each expert's linears, the logits
+    equal peft's on the file's transformers model (float activations), and the greedy tokens too."""
     peft = pytest.importorskip("peft")
     from pluginfer.engine.lora_request import LoRARequest
     from pluginfer.engine.step import NewRow, StepData
 
-    path = FIXTURES / "llamacpp-qwen3moe-q8_0.gguf"
+    path = FIXTURES / name
     oracle = transformers_oracle(path)
     torch.manual_seed(1)
     adapted = peft.get_peft_model(oracle, peft.LoraConfig(
@@ -115,7 +117,8 @@ def test_expert_adapters_on_experts_held_in_blocks_equal_peft(tmp_path: Path) ->
     adapted.eval()
     prompt = random_prompts(900, [24], seed=9)[0]
     request = LoRARequest("experts", 1, str(tmp_path / "experts"))
-    with LLM(model=str(path), num_blocks=64, block_size=8, enable_lora=True, max_lora_rank=4) as llm:
+    with LLM(model=str(path), num_blocks=64, block_size=8, enable_lora=True, max_lora_rank=4,
+             tensor_parallel_size=tp) as llm:
         experts = next(m for m in llm.engine.executor.pipeline.modules() if isinstance(m, FusedExperts))
         assert experts.linears is not None
         got = llm.generate([prompt], greedy(16), lora_request=request)[0].outputs[0].token_ids
