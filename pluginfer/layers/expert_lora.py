@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pluginfer.layers.lora import LoRAMapping
+from pluginfer.layers.lora import LoRAMapping, check_pair
 
 GATE_UP, DOWN = 0, 1
 # an adapter part's projection -> (the slot it fills, first rank block, which rows of the checkpoint's B it holds)
@@ -48,15 +48,7 @@ class ExpertShapes:
 
     def check(self, part: str, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
         """Shapes of one expert's ``A [r, in]`` and ``B [out, r]`` for ``part``; a ValueError naming ``name``."""
-        rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
-            raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
-        if rank > self.max_rank:
-            raise ValueError(f"{name}: rank {rank} is above max_lora_rank {self.max_rank} (--max-lora-rank)")
-        inputs, outputs = self.of(part)
-        if (a.shape[1], b.shape[0]) != (inputs, outputs):
-            raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the experts' "
-                             f"{part} projection ({inputs} inputs, {outputs} outputs)")
+        check_pair(a, b, *self.of(part), self.max_rank, name, f"the experts' {part} projection")
 
 
 class ExpertLoRA:

@@ -97,6 +97,20 @@ class LoRAMapping:
         self._masks = {}
 
 
+def check_pair(a: torch.Tensor, b: torch.Tensor, inputs: int, outputs: int, max_rank: int, name: str,
+               what: str) -> None:
+    """An adapter module's ``A [r, in]`` and ``B [out, r]``: ``r`` within ``max_rank``, ``in``/``out`` those of
+    ``what`` (the layer or projection it adapts); a ValueError naming ``name``."""
+    rank = a.shape[0]
+    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+        raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
+    if rank > max_rank:
+        raise ValueError(f"{name}: rank {rank} is above max_lora_rank {max_rank} (--max-lora-rank)")
+    if (a.shape[1], b.shape[0]) != (inputs, outputs):
+        raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit {what} "
+                         f"({inputs} inputs, {outputs} outputs)")
+
+
 @dataclass(frozen=True)
 class LinearShapes:
     """What an adapter of a linear layer must fit: the layer's inputs and its projections' outputs in the
@@ -108,14 +122,7 @@ class LinearShapes:
 
     def check(self, index: int, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
         """Shapes of projection ``index``'s ``A [r, in]`` and ``B [out, r]``; a ValueError naming ``name``."""
-        rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
-            raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
-        if rank > self.max_rank:
-            raise ValueError(f"{name}: rank {rank} is above max_lora_rank {self.max_rank} (--max-lora-rank)")
-        if a.shape[1] != self.input_size or b.shape[0] != self.output_sizes[index]:
-            raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the layer "
-                             f"({self.input_size} inputs, {self.output_sizes[index]} outputs)")
+        check_pair(a, b, self.input_size, self.output_sizes[index], self.max_rank, name, "the layer")
 
 
 class LoRALayer:
