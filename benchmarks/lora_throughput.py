@@ -3,8 +3,10 @@
     python benchmarks/lora_throughput.py                  # random llama, hidden 512, 8 layers; rank 16 adapters
     python benchmarks/lora_throughput.py --layers 2 --runs 1   # quick smoke run
     python benchmarks/lora_throughput.py --cpu-time            # one thread, CPU time (a shared machine)
+    python benchmarks/lora_throughput.py --experts 8           # a Qwen3-MoE; adapters on the routed experts too
 
-The adapters (peft, random non-zero weights) adapt every projection. Three engines' figures, interleaved, medians
+The adapters (peft, random non-zero weights) adapt every projection (``--experts``: a Qwen3-MoE of that many
+experts, top 2, whose adapters take the attention projections and the routed experts' fused tensors). Three engines' figures, interleaved, medians
 of ``--runs`` runs: the base model without ``--enable-lora`` (decode steps replayed), the base model through a
 LoRA engine (eager steps, no adapter), and the 16 sequences through 4 adapters in one batch. Tokens/s counts the
 generated tokens over the whole ``generate`` (prefill included); ``--cpu-time``: one thread, timed by the process's
@@ -24,24 +26,30 @@ import torch
 
 
 def build(out: Path, args: argparse.Namespace) -> int:
-    """A random llama and 4 adapters under ``out``; the vocabulary size."""
+    """A random llama (or Qwen3-MoE) and 4 adapters under ``out``; the vocabulary size."""
     import peft
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from pluginfer.demo.tokenizer import train_tokenizer
 
     train_tokenizer(out / "base")
     tokenizer = AutoTokenizer.from_pretrained(str(out / "base"))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                 num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                 max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
-    base = LlamaForCausalLM(config)
+    if args.experts:
+        base = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_experts=args.experts, num_experts_per_tok=2,
+                                                  moe_intermediate_size=args.hidden * 3 // 4, norm_topk_prob=True,
+                                                  head_dim=args.hidden // 8))
+        targets = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                   "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    else:
+        base = LlamaForCausalLM(LlamaConfig(**shape))
+        targets = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
     base.save_pretrained(out / "base", safe_serialization=True)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     for i in range(4):
-        lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets, init_lora_weights=False)
+        lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, init_lora_weights=False, **targets)
         peft.get_peft_model(copy.deepcopy(base), lora).save_pretrained(str(out / f"adapter{i}"))
     return len(tokenizer)
 
@@ -53,6 +61,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE of this many experts (0: a llama)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
@@ -83,7 +92,7 @@ def main() -> None:
                 outputs = llm.generate(prompts, params, lora_request=loras)
                 seconds = clock() - started
                 rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
-        print(f"hidden {args.hidden}, {args.layers} layers, rank {args.rank}, prompt {args.prompt_len}, "
+        print(f"{f'Qwen3-MoE, {args.experts} experts, ' if args.experts else ''}hidden {args.hidden}, {args.layers} layers, rank {args.rank}, prompt {args.prompt_len}, "
               f"{args.gen_len} tokens; {'one thread, CPU time' if args.cpu_time else 'wall clock'}")
         for name, values in rates.items():
             print(f"{name:36s} {statistics.median(values):8.1f} tokens/s  (runs: "
