@@ -153,9 +153,9 @@ class ModelLoRA:
         name = module + "."
         for fused, part, shard in self.routes:
             if part in name:
-                target = self.targets.get(name.replace(part, fused)[:-1])
-                if isinstance(target, tuple):
-                    return name.replace(part, fused)[:-1], target[1][shard]
+                layer = name.replace(part, fused)[:-1]
+                if isinstance(self.targets.get(layer), tuple):
+                    return layer, self.targets[layer][1][shard]
         if not isinstance(self.targets.get(module), tuple):
             raise KeyError(module)
         return module, 0

@@ -25,9 +25,10 @@ import torch
 from pluginfer.layers.lora import LoRAMapping, check_pair
 
 GATE_UP, DOWN = 0, 1
-# an adapter part's projection -> (the slot it fills, first rank block, which rows of the checkpoint's B it holds)
-PARTS = {"gate": (GATE_UP, 0, "gate"), "up": (GATE_UP, 1, "up"), "gate_up": (GATE_UP, 0, "gate_up"),
-         "down": (DOWN, 0, "down")}
+# an adapter part -> (the slot it fills, its rank block, and for gate/up each (block of B's rows in the checkpoint,
+# half of this rank's gate|up outputs) it lands on; None: down, whose A is split instead)
+PARTS = {"gate": (GATE_UP, 0, ((0, 0),)), "up": (GATE_UP, 1, ((0, 1),)), "gate_up": (GATE_UP, 0, ((0, 0), (1, 1))),
+         "down": (DOWN, 0, None)}
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,7 @@ class ExpertLoRA:
                  max_loras: int, max_rank: int, mapping: LoRAMapping, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         self.shapes = ExpertShapes(num_experts, hidden_size, intermediate_size, max_rank)
-        self.intermediate_size, self.shard_size, self.tp_rank, self.max_rank = intermediate_size, shard_size, tp_rank, max_rank
-        self.mapping = mapping
+        self.shard_size, self.tp_rank, self.mapping = shard_size, tp_rank, mapping
         shape = (num_experts, max_loras)  # expert first: one expert's slots are one contiguous block
         # A [.., ranks, inputs] and B^T [.., ranks, outputs] of gate/up (2 rank blocks) and of down (1)
         self.a = (torch.zeros(*shape, 2 * max_rank, hidden_size, dtype=dtype, device=device),
@@ -73,21 +73,19 @@ class ExpertLoRA:
                  scale: float) -> None:
         """Load slot ``slot`` with (expert, part) -> (A, B); experts and parts not named get no adapter."""
         self.clear_slot(slot)
-        size, start = self.shard_size, self.tp_rank * self.shard_size
+        size, start, full = self.shard_size, self.tp_rank * self.shard_size, self.shapes.intermediate_size
         for (expert, part), (a, b) in parts.items():
-            which, block, rows = PARTS[part]
-            rank, first = a.shape[0], block * self.max_rank
+            which, block, halves = PARTS[part]
+            rank, first = a.shape[0], block * self.shapes.max_rank
             precise = b.to(torch.promote_types(self.b[which].dtype, torch.float32)) * scale  # scaled, then rounded
-            if rows == "down":
-                a, columns = a[:, start:start + size], [(precise, slice(None))]  # this rank's intermediate inputs
-            else:  # this rank's gate rows and up rows; a one-projection part is one of them
-                halves = [precise[start:start + size], precise[self.intermediate_size + start:][:size]] \
-                    if rows == "gate_up" else [precise[start:start + size]]
-                offsets = [0, size] if rows != "up" else [size]
-                columns = [(half, slice(offset, offset + size)) for half, offset in zip(halves, offsets)]
+            if halves is None:  # down: this rank's intermediate inputs
+                a, columns = a[:, start:start + size], [(precise, slice(None))]
+            else:  # this rank's gate rows and up rows
+                columns = [(precise[row * full + start:][:size], slice(half * size, (half + 1) * size))
+                           for row, half in halves]
             self.a[which][expert, slot, first:first + rank] = a.to(self.a[which].dtype)
-            for half, where in columns:
-                self.b[which][expert, slot, first:first + rank, where] = half.t().to(self.b[which].dtype)
+            for rows, where in columns:
+                self.b[which][expert, slot, first:first + rank, where] = rows.t().to(self.b[which].dtype)
         self.held[slot] = bool(parts)
 
     def clear_slot(self, slot: int) -> None:

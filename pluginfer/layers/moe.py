@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -271,6 +272,14 @@ class FusedExperts(nn.Module):
         self.transferred_bytes += self.host_gate_up[index].nbytes + self.host_down[index].nbytes
         return gate_up, down
 
+    def _projections(self, expert: int) -> tuple[Callable, Callable]:
+        """This expert's gate/up and down projections, as the quant method's layers or on its stacked weights."""
+        if self.linears is not None:
+            return self.linears[expert]
+        gate_up, down = self._weights(expert)
+        return (lambda x: self.dense.linear(self.layout, x, gate_up, None, 2 * self.shard_size),
+                lambda x: self.dense.linear(self.layout, x, down, None, self.hidden_size))
+
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         return self.dense.pack(self.layout, weight)
 
@@ -301,19 +310,12 @@ class FusedExperts(nn.Module):
                 continue
             rows = slice(start, start + count)
             x = routed[rows]
-            if self.linears is not None:
-                gate_up_layer, down_layer = self.linears[expert]
-                gate_up = gate_up_layer(x)
-            else:
-                gate_up_weight, down_weight = self._weights(expert)
-                gate_up = self.dense.linear(self.layout, x, gate_up_weight, None, 2 * self.shard_size)
+            gate_up_of, down_of = self._projections(expert)
+            gate_up = gate_up_of(x)
             if lora is not None:
                 lora.add(GATE_UP, expert, x, gate_up, tokens[rows])
             activated = self.act_fn(gate_up)
-            if self.linears is not None:
-                down = down_layer(activated)
-            else:
-                down = self.dense.linear(self.layout, activated, down_weight, None, self.hidden_size)
+            down = down_of(activated)
             if lora is not None:
                 lora.add(DOWN, expert, activated, down, tokens[rows])
             outputs[rows] = down
