@@ -27,11 +27,12 @@
  *
  * Threads (OpenMP) split the output tiles into contiguous ranges. Rows go in blocks of HL_ROW_BLOCK
  * whose activations stay in cache while the tiles pass over them, so the weight is read from memory
- * once per block (once per call in decode). At the first row group of a block each weight row's
- * reads are followed by a prefetch of the same columns of the row HL_NO rows on, which the thread's
- * next tile reads: one tile of reads in flight ahead of the loads (one core then reads a bfloat16
- * weight at about the machine's read bandwidth, 11-15 GB/s, where a prefetch 2 KiB ahead in the row, i.e.
- * into the tile's own next row for 1024 inputs, got 8-11). The
+ * once per block (once per call in decode). Each weight row's reads are followed by a prefetch of the
+ * same columns of the row HL_NO rows on, which the thread's next tile reads: one tile of reads in flight
+ * ahead of the loads (one core then reads a bfloat16 weight at about the machine's read bandwidth,
+ * 11-15 GB/s, where a prefetch 2 KiB ahead in the row, i.e. into the tile's own next row for 1024 inputs,
+ * got 8-11). In the float tiles the lines are dealt out to the block's row groups in turn (all in the
+ * first group's pass left the memory idle during the others': ~6 % of a 16-row step's linears). The
  * prefetch goes to L2 (_MM_HINT_T1), not L1: with 1024 inputs (tiles then of 8 weight rows of 2 KiB) an L1 prefetch
  * left one core 10-15 % under a plain sum's read rate over the same bytes (float16 12.5-13.3 GB/s against
  * 15-16), an L2 one 5-9 % (14.0-14.5); at 2816 inputs both read at the sum's rate.
@@ -140,12 +141,19 @@ static inline __attribute__((always_inline)) void tile_float(const int dtype, co
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 8
         for (int o = 0; o < HL_NO; o++) acc[r][o] = hl_zero();
+    /* prefetch: 0, or 1 + this row group's share + 16 * the shares (row groups) the lines are split in */
+    const int shares = prefetch ? (prefetch - 1) >> 4 : 0, share = prefetch ? (prefetch - 1) & 15 : 0;
+    int line = 0;
     int64_t i = 0;
     for (; i + HL_LANES <= k; i += HL_LANES) {
         hl_vec xv[HL_MR];
 #pragma GCC unroll 8
         for (int r = 0; r < mr; r++) xv[r] = hl_load_x(x + r * ldx + i);
-        const int fetch = prefetch && (i & 31) == 0; /* one prefetch per 64-byte line */
+        int fetch = 0;
+        if (shares && (i & 31) == 0) { /* one prefetch per 64-byte line, the lines dealt out to the row groups */
+            fetch = line == share;
+            line = line + 1 == shares ? 0 : line + 1;
+        }
 #pragma GCC unroll 8
         for (int o = 0; o < HL_NO; o++) {
             if (fetch) _mm_prefetch((const char *)(w[o] + i + HL_NO * k), _MM_HINT_T1);
@@ -279,8 +287,9 @@ static void run_tiles(int dpbf16, int dtype, const void *xs, int64_t ldx, int64_
             for (int64_t r0 = rb; r0 < rb_end; r0 += HL_MR) {
                 const int rows = rb_end - r0 < HL_MR ? (int)(rb_end - r0) : HL_MR;
                 float sums[HL_MR * HL_NO];
+                const int groups = (int)((rb_end - rb + HL_MR - 1) / HL_MR), group = (int)((r0 - rb) / HL_MR);
                 tile(dpbf16, dtype, rows, (const char *)xs + (size_t)(r0 * ldx) * x_row_bytes, ldx, rows_w, k, sums,
-                     r0 == rb);
+                     dpbf16 ? r0 == rb : 1 + group + 16 * (groups < 16 ? groups : 16));
                 for (int o = 0; o < HL_NO && t * HL_NO + o < n; o++) {
                     const int64_t j = t * HL_NO + o;
                     const float b = bias16 ? half_to_float(dtype, bias16[j]) : bias32 ? bias32[j] : 0.0f;
