@@ -1,5 +1,6 @@
 """The kernel ops of llama.cpp's GGML blocks, defined at import: the whole-tile dequantization, the fused
-int8-activation matmul, and one matmul per block type a device kernel reads (Q8_0, Q4_0, Q4_K, Q6_K).
+int8-activation matmul, one matmul per block type a device kernel reads (Q8_0, Q4_0, Q4_K, Q6_K), and the
+packing and matmul of F16/BF16 weights read by float32 activations.
 
 The gguf and in-situ GGML methods ask their backend for these (``DeviceBackend.op``); importing them from
 here defines them first. Each reference's body is the oracle of the backends' kernels (the cpu backend's C,
@@ -111,6 +112,24 @@ def ggml_q6_k_matmul(x: torch.Tensor, raw: torch.Tensor, cols: int, bias: torch.
     scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
     weight = levels * (_f16_at(blocks, 208) * scales).unsqueeze(-1)
     return _ggml_k_matmul(x, weight, bias)
+
+
+
+@define_op
+def ggml_half_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """A GGUF file's F16/BF16 linear weight ``[out, in]``, kept 16-bit for float32 activations, in the layout the
+    backend's :func:`ggml_half_linear` reads (a new tensor: the file's mapped bytes are released). The reference
+    keeps the checkpoint's layout. None from a kernel: it does not take this weight here (the caller keeps the
+    weight as stored, for the ``half_linear`` op or float tiles)."""
+    return weight
+
+
+@define_op
+def ggml_half_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + bias`` for float32 ``x [..., in]`` and W packed by :func:`ggml_half_pack` of the same backend,
+    float32 out: each weight widened exactly, the float32 ``x @ W.float().T`` up to the order of its sum."""
+    return torch.nn.functional.linear(x, packed[:out_features].to(x.dtype), bias)
 
 
 # GGML type -> the op of a device kernel reading its blocks; the other types have none.

@@ -61,6 +61,9 @@ class GGUFLinear:
         # and a 16-bit model's 16-bit linears take it as its HF checkpoint's do.
         layer.gguf_half = backend_op(current_context().backend, "half_linear") \
             if has_context() and dtype in (torch.float32, torch.float16, torch.bfloat16) else None
+        # The backend's own layout for those in a float32 model, where it has one (packed after loading).
+        layer.gguf_half_panels = _half_panel_ops(current_context().backend) \
+            if has_context() and dtype == torch.float32 else None
         # Per GGML type, the backend's kernel reading its blocks (op ggml_<type>_matmul), found as shards load.
         layer.gguf_backend = current_context().backend if has_context() else None
         layer.gguf_matmuls = {}
@@ -143,6 +146,10 @@ class GGUFLinear:
             else:
                 groups.append((qtype, [tensor]))
         layer.gguf_groups = [(qtype, parts[0] if len(parts) == 1 else _concatenate(parts)) for qtype, parts in groups]
+        ops = getattr(layer, "gguf_half_panels", None)
+        if ops is not None:
+            layer.gguf_groups = [(qtype, _packed_half(weight, *ops) if qtype is None else weight)
+                                 for qtype, weight in layer.gguf_groups]
         layer.gguf_shards = {}
         del layer.weight  # the placeholder; the groups hold the weights
 
@@ -169,7 +176,12 @@ class GGUFLinear:
         kept = raw if device is None else raw.to(device)
         if not shares_memory(kept, raw):
             release_file_pages(raw)
-        return GGMLVocabTable(kept, qtype, cols, dtype, kernel, half)
+        table = GGMLVocabTable(kept, qtype, cols, dtype, kernel, half)
+        ops = _half_panel_ops(backend) if half is not None and dtype == torch.float32 else None
+        if ops is not None:  # the head in the backend's layout; the embedding still reads the file's rows
+            packed = _packed_half(table.half_weight, *ops)
+            table.head = packed if isinstance(packed, PackedHalf) else None
+        return table
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         groups, kernel = layer.gguf_groups, getattr(layer, "ggml_dequantize", None)
@@ -196,6 +208,7 @@ class GGMLVocabTable:
         self.rows = raw.shape[0]
         self.half = half
         self.half_weight = raw.view(_HALF_TYPES[qtype.name]) if half is not None else None
+        self.head: PackedHalf | None = None  # the 16-bit rows in the backend's layout, for the logits
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         picked = self.raw.index_select(0, ids.reshape(-1))
@@ -205,6 +218,8 @@ class GGMLVocabTable:
         return dense.to(self.dtype).reshape(*ids.shape, self.cols)
 
     def logits(self, hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.head is not None:
+            return self.head(hidden, bias)
         if self.half is not None:
             return half_weight_linear(hidden, self.half_weight, bias, self.half)
         return ggml_linear(hidden, self.raw, self.qtype, self.cols, bias, self.kernel)
@@ -267,9 +282,41 @@ def half_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return tiled_linear(x, weight.shape[0], lambda start, stop: weight[start:stop].to(x.dtype), bias)
 
 
-def _group_linear(x: torch.Tensor, qtype: object, weight: torch.Tensor, cols: int, bias: torch.Tensor | None,
-                  kernel: DequantizeKernel | None, matmul: Callable | None = None,
+class PackedHalf:
+    """An F16/BF16 weight of a float32 model in its backend's layout (op ``ggml_half_pack``), called as its
+    linear (op ``ggml_half_linear``)."""
+
+    def __init__(self, packed: torch.Tensor, out_features: int, linear: Callable) -> None:
+        self.packed, self.out_features, self.linear = packed, out_features, linear
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.linear(x, self.packed, self.out_features, bias)
+
+
+def _half_panel_ops(backend: object | None) -> tuple[Callable, Callable] | None:
+    """The backend's (``ggml_half_pack``, ``ggml_half_linear``), or None where it lacks either."""
+    if backend is None:
+        return None
+    pack, linear = backend_op(backend, "ggml_half_pack"), backend_op(backend, "ggml_half_linear")
+    return None if pack is None or linear is None else (pack, linear)
+
+
+def _packed_half(weight: torch.Tensor, pack: Callable, linear: Callable) -> torch.Tensor | PackedHalf:
+    """A 16-bit CPU weight packed by the backend (its file pages released), or the weight where it declines."""
+    if weight.dtype not in _HALF_TYPES.values() or weight.device.type != "cpu":
+        return weight
+    packed = pack(weight)
+    if packed is None:
+        return weight
+    release_file_pages(weight)
+    return PackedHalf(packed, weight.shape[0], linear)
+
+
+def _group_linear(x: torch.Tensor, qtype: object, weight: torch.Tensor | PackedHalf, cols: int,
+                  bias: torch.Tensor | None, kernel: DequantizeKernel | None, matmul: Callable | None = None,
                   half: Callable | None = None) -> torch.Tensor:
+    if isinstance(weight, PackedHalf):
+        return weight(x, bias)
     if qtype is None:
         if half is not None and weight.dtype in _HALF_TYPES.values():  # the backend's 16-bit GEMV, F.linear above
             return half_weight_linear(x, weight, bias, half)

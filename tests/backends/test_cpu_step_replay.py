@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pluginfer import LLM, SamplingParams
+from pluginfer.backends.cpu import amx_half, half_panels
 from pluginfer.backends.cpu import half_linear as native_half_linear
 from pluginfer.backends.cpu import ops as native
 from pluginfer.backends.cpu.step_replay import CpuDecodeReplay
@@ -181,14 +182,23 @@ def test_quantized_decode_equals_eager(checkpoints: dict[str, Path]) -> None:
     assert_replayed_like_eager(gguf, schedule(vocab=250))
 
 
-def test_gguf_f16_decode_equals_eager() -> None:
+@pytest.mark.parametrize("layout", ["stored", "panels"])
+def test_gguf_f16_decode_equals_eager(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp's F16 file in a float32 model: the linears' and the head's 16-bit weights read in place
-    (half_weight_linear, a replay entry), the embedding's F16 rows widened after their gather (to_f32)."""
+    (half_weight_linear, a replay entry) or packed into the 16-bit panels where the CPU has AVX-512 and no AMX
+    (half_panel_linear), the embedding's F16 rows widened after their gather (to_f32)."""
     if native_half_linear.half_linear_isa() is None:
         pytest.skip("no native 16-bit GEMV here")
+    if layout == "stored":
+        monkeypatch.setitem(native.NATIVE, "ggml_half_pack", lambda weight: None)
+    elif not half_panels.supported():
+        pytest.skip("no 16-bit panel GEMM here (it needs AVX-512F)")
+    else:
+        monkeypatch.setattr(amx_half, "library", lambda: None)
     replay, _ = assert_replayed_like_eager(FIXTURES / "llamacpp-llama-f16.gguf", schedule(vocab=250))
     names = replay.programs[1][0].names
-    assert "half_weight_linear" in names and "to_f32" in names, names
+    kernel = "half_weight_linear" if layout == "stored" else "half_panel_linear"
+    assert kernel in names and "to_f32" in names, names
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

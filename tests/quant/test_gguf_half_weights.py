@@ -1,7 +1,9 @@
 """A GGUF file's F16/BF16 tensors in a float32 model, kept as the file stores them (``quant/gguf.py``): the
 embedding and LM head as a ``GGMLVocabTable`` of 16-bit rows, the linears as 16-bit weights, both read in
 place by the cpu backend's ``half_linear`` op (float32 activations: ``half_weight_linear``) for a few rows,
-and by tiles widened to float32 for torch's GEMM above.
+and by tiles widened to float32 for torch's GEMM above; or, on a CPU with AVX-512 and without AMX, packed at
+load into the backend's 16-bit panels (ops ``ggml_half_pack`` / ``ggml_half_linear``; the embedding still
+reads the file's rows).
 
 Oracle: the same weights widened to float32 (exact) and multiplied in float64. Widening is exact and every
 sum is float32, so each output is within ``(k + 2) * 2^-24 * S`` of the exact value (``S`` the sum of the
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from pluginfer import LLM
-from pluginfer.backends.cpu import amx_half
+from pluginfer.backends.cpu import amx_half, half_panels
 from pluginfer.backends.cpu import half_linear as native_half_linear
 from pluginfer.backends.cpu import ops as native
 from pluginfer.collectives import single
@@ -36,6 +38,19 @@ FIXTURES = Path(__file__).parent / "fixtures"
 VOCAB, HIDDEN = 1001, 96
 HALF = {T.F16: torch.float16, T.BF16: torch.bfloat16}
 NATIVE = native.available() is None and native_half_linear.half_linear_isa() is not None
+
+
+@pytest.fixture(params=["stored", "panels"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where the cpu backend keeps a float32 model's 16-bit weights: as the file stores them (a CPU with AMX-BF16,
+    whose tiles read them, or without AVX-512) or packed into its 16-bit panels (AVX-512 without AMX)."""
+    if request.param == "stored":
+        monkeypatch.setitem(native.NATIVE, "ggml_half_pack", lambda weight: None)
+    elif not NATIVE or not half_panels.supported():
+        pytest.skip("no 16-bit panel GEMM here (it needs AVX-512F)")
+    else:
+        monkeypatch.setattr(amx_half, "library", lambda: None)
+    return request.param
 
 
 def table(qtype: T, name: str, seed: int) -> tuple[torch.Tensor, GGMLTensor]:
@@ -56,9 +71,11 @@ def within_float32_sums(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 
 @pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("qtype", list(HALF), ids=lambda t: t.name)
-def test_a_16_bit_table_is_read_in_place(qtype: T, native_kernels: bool) -> None:
+def test_a_16_bit_table_is_read_in_place(qtype: T, native_kernels: bool, layout: str) -> None:
     if native_kernels and not NATIVE:
         pytest.skip("no native 16-bit GEMV here")
+    if not native_kernels and layout == "panels":
+        pytest.skip("the torch path has one layout")
     ctx = BuildContext(backend=backend_with(native_kernels), quant=gguf.build(), collective=single.build(),
                        dtype=torch.float32, max_model_len=128)
     model = build_on(ctx, lambda: Holder(embed=VocabParallelEmbedding(VOCAB, HIDDEN), head=LMHead(VOCAB, HIDDEN)))
@@ -68,18 +85,20 @@ def test_a_16_bit_table_is_read_in_place(qtype: T, native_kernels: bool) -> None
     assert model.embed.weight.numel() == model.head.weight.numel() == 0  # no float32 copy
     assert model.head.table.raw.data_ptr() == head_loaded.raw.data_ptr()  # the file's bytes themselves
     assert (model.head.table.half is not None) == native_kernels
+    assert (model.head.table.head is not None) == (layout == "panels")  # the head packed, the embedding in place
     ids = torch.tensor([0, 1000, 7, 500, 7])
     generator = torch.Generator().manual_seed(5)
     with torch.inference_mode():
         assert torch.equal(model.embed(ids), F.embedding(ids, embed.float()))
-        for rows in (1, 3, native_half_linear.HALF_WEIGHT_MAX_ROWS, 40):  # the GEMV's rows, then tiles for torch's GEMM
+        # the GEMV's rows, then tiles for torch's GEMM; every tile kind of the panels
+        for rows in (1, 3, native_half_linear.HALF_WEIGHT_MAX_ROWS, 40, 64):
             hidden = torch.randn(rows, HIDDEN, generator=generator)
             logits = model.head(hidden)
             assert logits.shape == (rows, VOCAB) and logits.dtype == torch.float32
             assert within_float32_sums(logits, hidden, head)
 
 
-def test_f16_linears_stay_16_bit_in_a_float32_model() -> None:
+def test_f16_linears_stay_16_bit_in_a_float32_model(layout: str) -> None:
     if not NATIVE:
         pytest.skip("no native 16-bit GEMV here")
     path = FIXTURES / "llamacpp-llama-f16.gguf"
@@ -87,7 +106,9 @@ def test_f16_linears_stay_16_bit_in_a_float32_model() -> None:
         model = llm.engine.executor.pipeline.model
         layer = model.layers[0]
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert [weight.dtype for _, weight in linear.gguf_groups] == [torch.float16]
+            kept = [weight.packed if isinstance(weight, gguf.PackedHalf) else weight for _, weight in linear.gguf_groups]
+            assert [weight.dtype for weight in kept] == [torch.float16]
+            assert all(isinstance(weight, gguf.PackedHalf) == (layout == "panels") for _, weight in linear.gguf_groups)
         assert model.embed_tokens.table.qtype == T.F16
     # another model dtype converts them at load, as before
     with LLM(str(path), num_blocks=64, block_size=8, dtype="bfloat16") as llm:
@@ -96,8 +117,8 @@ def test_f16_linears_stay_16_bit_in_a_float32_model() -> None:
 
 
 @pytest.mark.skipif(not NATIVE, reason="no native 16-bit GEMV here")
-@pytest.mark.parametrize("rows", [1, 2, 16, 33])
-def test_a_16_bit_linear_through_the_quant_method(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 16, 33, 64])
+def test_a_16_bit_linear_through_the_quant_method(rows: int, layout: str) -> None:
     ctx = BuildContext(backend=backend_with(True), quant=gguf.build(), collective=single.build(),
                        dtype=torch.float32, max_model_len=128)
     from pluginfer.layers.linear import RowParallelLinear
@@ -107,7 +128,10 @@ def test_a_16_bit_linear_through_the_quant_method(rows: int) -> None:
     load_named_weights(layer, [("proj.weight", weight)], stacked=())
     layer.proj.quant_method.process_weights_after_loading(layer.proj)
     (_, kept), = layer.proj.gguf_groups
-    assert kept.dtype == torch.float16 and kept.data_ptr() == weight.data_ptr()  # read in place
+    if layout == "stored":
+        assert kept.dtype == torch.float16 and kept.data_ptr() == weight.data_ptr()  # read in place
+    else:
+        assert isinstance(kept, gguf.PackedHalf) and kept.packed.dtype == torch.float16 and kept.out_features == 70
     x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(100 + rows))
     with torch.inference_mode():
         out = layer.proj(x)

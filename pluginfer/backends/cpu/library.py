@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("attention.c", "norm.c", "activation.c", "rotary.c", "dequant.c", "panel_linear.c",
-                             "quant_dot.c", "half_linear.c", "step_replay.c", "kv_quant_attention.c"))
+                             "quant_dot.c", "half_linear.c", "half_panel.c", "step_replay.c", "kv_quant_attention.c"))
 
 _pointer, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # Every C function the wrappers call: (restype, argtypes); a recording packs arguments by these.
@@ -39,6 +39,10 @@ SIGNATURES = {
     "panel_padded_outputs": (_i64, [_i64]),
     "pack_panels": (None, [_pointer, _pointer, _i64, _i64]),
     "panel_linear": (ctypes.c_int, [_pointer] * 4 + [_i64] * 3),
+    "half_panel_supported": (ctypes.c_int, []),
+    "half_panel_padded_outputs": (_i64, [_i64]),
+    "pack_half_panels": (None, [_pointer, _pointer, _i64, _i64]),
+    "half_panel_linear": (ctypes.c_int, [ctypes.c_int] + [_pointer] * 4 + [_i64] * 3),
     "quant_dot_supported": (ctypes.c_int, []),
     "quant_dot_max_threads": (ctypes.c_int, []),
     "quant_matmul": (ctypes.c_int, [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer]),

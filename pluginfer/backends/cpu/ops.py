@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends.cpu import build, half_linear, int8_gemm, layer_ops, library, panels, quant
+from pluginfer.backends.cpu import amx_half, build, half_linear, half_panels, int8_gemm, layer_ops, library, panels, quant
 from pluginfer.core.kernels import KernelTable, define_op
 
 # What a log line about missing kernels tells the user to do.
@@ -67,6 +67,9 @@ def report() -> str:
     fused = f"int8 GGML matmul ({fused_isa})" if fused_isa else "no fused int8 GGML matmul"
     half_isa = half_linear.HALF_LINEAR_ISAS.get(loaded.half_linear_supported())
     fused += f"; 16-bit GEMV ({half_isa})" if half_isa else "; no 16-bit GEMV"
+    if half_panels.supported():
+        fused += "; GGUF F16/BF16 weights " + ("as stored (AMX tiles)" if amx_half.library() is not None
+                                               else "packed in 16-bit panels")
     mode, source = quant.quant_activations()
     fused += f"; GGUF linears take {mode} activations ({source}; --quant-activations int8 or float)"
     threads = "OpenMP" if info.openmp else "single-threaded (no OpenMP)"
@@ -88,6 +91,8 @@ def op(name: str) -> Callable | None:
     """The native kernel for op ``name`` on this CPU now, or None; the panel ops need a CPU with AVX-512, the
     fused quantized matmul AVX2 (fastest with AVX-512 VNNI)."""
     if name in ("pack_panels", "panel_linear") and not library.load().panel_linear_supported():
+        return None
+    if name in ("ggml_half_pack", "ggml_half_linear") and not half_panels.supported():
         return None
     if name == "half_linear":
         return half_linear.half_linear_op()
@@ -121,6 +126,8 @@ NATIVE = {
     "half_linear": half_linear.half_linear,  # half_linear.c, amx_half.c
     "pack_panels": panels.pack_panels,  # panel_linear.c
     "panel_linear": panels.panel_linear,  # panel_linear.c
+    "ggml_half_pack": half_panels.pack,  # half_panel.c
+    "ggml_half_linear": half_panels.half_panel_linear,  # half_panel.c
     "w8a8_pack": int8_gemm.w8a8_pack,  # int8_gemm.c (a library of its own)
     "w8a8_linear": int8_gemm.w8a8_linear,  # int8_gemm.c
 }

@@ -22,7 +22,7 @@ REPLAY_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_neox
               "rotary_neox_16", "add_bf16", "add_f16", "half_linear_at", "half_weight_linear",
               "gelu_tanh_and_mul", "gelu_tanh_and_mul_16", "mul_scalar", "from_f32",
               "paged_decode_attention_kv16", "kv_quantize_rows", "paged_attention_quantized", "quant_panel_matmul",
-              "int8_gemm_at")
+              "int8_gemm_at", "half_panel_linear")
 _REPLAY_CODES = {name: code for code, name in enumerate(REPLAY_OPS, start=1)}
 
 

@@ -281,8 +281,9 @@ static inline void qp_fetch_lines(qp_fetch *f) {
             acc[r][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, out + r * ldo);               \
             acc[r][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, out + r * ldo + 16);          \
         }                                                                                                     \
+        qp_fetch f = *fetch; /* in registers through the loop */                                           \
         for (int64_t b = 0; b < nbc; b++) {                                                                   \
-            qp_fetch_lines(fetch);                                                                            \
+            qp_fetch_lines(&f);                                                                               \
             __m512i s[R][2];                                                                                  \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) s[r][0] = s[r][1] =                           \
                 _mm512_set1_epi32(corr[r * nbb + b]);                                                         \
@@ -313,6 +314,7 @@ static inline void qp_fetch_lines(qp_fetch *f) {
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
+        *fetch = f;                                                                                           \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
             _mm512_mask_storeu_ps(out + r * ldo, m0, acc[r][0]);                                              \
             _mm512_mask_storeu_ps(out + r * ldo + 16, m1, acc[r][1]);                                         \

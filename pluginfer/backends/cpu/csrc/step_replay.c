@@ -36,6 +36,8 @@ int half_linear(int dtype, const uint16_t *x, int64_t m, int64_t k, const uint16
                 const uint16_t *bias, void *out, int out_float);
 int half_weight_linear(int dtype, const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                        const float *bias, float *out);
+int half_panel_linear(int dtype, const float *x, const uint16_t *packed, const float *bias, float *out, int64_t m,
+                      int64_t n, int64_t k);
 int paged_decode_attention_16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                               const int64_t *block_tables, const int64_t *seq_lens, uint16_t *out, int64_t num_seqs,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
@@ -94,6 +96,7 @@ enum {
     OP_PAGED_ATTENTION_QUANTIZED,
     OP_QUANT_PANEL_MATMUL,
     OP_INT8_GEMM_AT,
+    OP_HALF_PANEL_LINEAR,
 };
 
 /* quant_matmul's signature: another library's kernel (amx_quant.c's tiles) called through its address. */
@@ -374,6 +377,9 @@ int64_t step_replay(const int64_t *program, int64_t length, int64_t *status) {
             break;
         case OP_INT8_GEMM_AT:
             result = ((int8_gemm_fn)P(0))(P(1), a[2], a[3], P(4), a[5], P(6), P(7), P(8));
+            break;
+        case OP_HALF_PANEL_LINEAR:
+            result = half_panel_linear((int)a[0], P(1), P(2), P(3), P(4), a[5], a[6], a[7]);
             break;
         default:
             result = -100;

@@ -1,0 +1,226 @@
+/* half_panel_linear: float32 y = x W^T (+ bias) for a bfloat16/float16 weight (a GGUF file's F16/BF16 tensors in
+ * a float32 model) on AVX-512 without AMX, packed once at load (pack_half_panels) into groups of 48 outputs,
+ * group g holding W[48g : 48g + 48, :] transposed, [in][48] of the file's 16-bit values (the same bytes), the
+ * groups one after another with zero rows padding the outputs to a multiple of 48. A tile of 3 panels reads its group as one stream, 96 bytes an input (3 streams of 32, a new
+ * page every 4 KiB each, left one row's decode 12 % slower than half_linear.c's GEMV).
+ *
+ * A tile is up to 8 rows x 3 panels (48 outputs, 24 accumulators), or from 49 rows up to 14 rows x 2 panels
+ * (28): each step broadcasts one input of each row (x repacked into groups of rows, [k][group rows]) against
+ * one 16-wide line of each panel. With more than one row group the panels are widened exactly to float32 a
+ * block of HP_KB inputs at a time into a per-thread buffer (24 KiB) that every row group then reads: the
+ * widening (which shares the multiply-adds' ports) is paid once per row block, not per group; one group (up to
+ * 8 rows: decode of a few sequences) widens each line in registers as it reads it. Against the dot-product
+ * GEMV of half_linear.c, whose tiles re-read every row of x for each 4 outputs (at 16 rows x no longer fits
+ * L1: the reads of x bound it), x is read once per 48 outputs: an F16 0.5B model's linears at 16 rows
+ * 103 -> 87 ms a step.
+ * While a block's tiles run, the lines of the thread's next block are prefetched into L2, one per step of the
+ * tiles' loop, so the weight streams from memory under the arithmetic.
+ *
+ * Each output is one float32 fused multiply-add chain over k in order (partial sums kept in out between
+ * blocks: a float32 store and load, exact), whatever the rows, tile or thread count: a row's result never
+ * depends on its batch. Against the exact product, the float32 x @ W.float().T up to the order of its sum.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define HP_PANEL 16
+#define HP_GROUP 48       /* outputs per packed group: 3 panels, interleaved by input */
+#define HP_PAD 48         /* outputs padded to whole groups (a tile of 2 panels past them is not read) */
+#define HP_KB 128         /* inputs per widened block of 3 panels (24 KiB); 2 panels take twice as many */
+#define HP_ROW_BLOCK 112  /* rows per pass over the weight (their x stays in L2) */
+#define HP_WIDE_ROWS 48   /* above: tiles of 14 rows x 2 panels, else 8 x 3 */
+
+int64_t half_panel_padded_outputs(int64_t n) { return (n + HP_PAD - 1) / HP_PAD * HP_PAD; }
+
+/* w [n][k] 16-bit -> out [padded n / 48][k][48], zero past n. */
+void pack_half_panels(const uint16_t *w, uint16_t *out, int64_t n, int64_t k) {
+    const int64_t groups = half_panel_padded_outputs(n) / HP_GROUP;
+#pragma omp parallel for
+    for (int64_t g = 0; g < groups; g++) {
+        uint16_t *dst = out + g * k * HP_GROUP;
+        for (int64_t j = 0; j < HP_GROUP; j++) {
+            const int64_t row = g * HP_GROUP + j;
+            for (int64_t i = 0; i < k; i++) dst[i * HP_GROUP + j] = row < n ? w[row * k + i] : 0;
+        }
+    }
+}
+
+/* Panel p's first value (input 0, output 16p); its inputs HP_GROUP values apart. */
+static inline const uint16_t *hp_panel(const uint16_t *packed, int64_t k, int64_t p) {
+    return packed + p / 3 * k * HP_GROUP + p % 3 * HP_PANEL;
+}
+
+#if defined(__AVX512F__)
+int half_panel_supported(void) { return 1; }
+
+/* The lines of the next block of the tile's panels (runs of `lines` lines, `stride` bytes apart: the rows of
+ * the block's inputs in each group the panels fall in), prefetched `per` at each step of the tiles' loop. */
+typedef struct {
+    const char *panel;
+    int64_t stride, lines, line, left, per;
+} hp_fetch;
+
+static inline void hp_fetch_line(hp_fetch *f) {
+    for (int64_t q = 0; q < f->per && f->left > 0; q++, f->left--) {
+        _mm_prefetch(f->panel + 64 * f->line, _MM_HINT_T1);
+        if (++f->line == f->lines) f->line = 0, f->panel += f->stride;
+    }
+}
+
+/* MR rows x P panels over kk inputs: at the group's x at the block ([kk][GR], GR the group's rows), w the block's
+ * panels (WIDE: widened float32, [P][kk][16]; else the packed 16-bit values of one group, [kk][48], dtype 0
+ * bfloat16, 1 float16), c row 0 of the outputs (rows ldc apart); first / last: the block is the first / last
+ * of the inputs (start from zero or from c; add the bias). */
+#define HP_TILE(MR, P, GR, WIDE)                                                                                \
+    static void hp_tile_##MR##x##P##_##WIDE(const float *at, const void *w, int dtype, int64_t kk,              \
+                                            float *c, int64_t ldc, const __mmask16 *masks, const float *bias,   \
+                                            int first, int last, hp_fetch *fetch) {                              \
+        __m512 acc[MR][P];                                                                                     \
+        for (int r = 0; r < MR; r++)                                                                           \
+            for (int p = 0; p < P; p++)                                                                        \
+                acc[r][p] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[p], c + r * ldc + p * HP_PANEL); \
+        hp_fetch f = *fetch; /* in registers through the loop */                                            \
+        for (int64_t i = 0; i < kk; i++) {                                                                     \
+            hp_fetch_line(&f);                                                                                 \
+            __m512 wv[P];                                                                                      \
+            for (int p = 0; p < P; p++)                                                                        \
+                wv[p] = WIDE ? _mm512_load_ps((const float *)w + (p * kk + i) * HP_PANEL)                       \
+                             : hp_widen_line(dtype, (const uint16_t *)w + i * HP_GROUP + p * HP_PANEL);         \
+            for (int r = 0; r < MR; r++) {                                                                     \
+                const __m512 a = _mm512_set1_ps(at[i * (GR) + r]);                                            \
+                for (int p = 0; p < P; p++) acc[r][p] = _mm512_fmadd_ps(a, wv[p], acc[r][p]);                  \
+            }                                                                                                  \
+        }                                                                                                      \
+        *fetch = f;                                                                                            \
+        for (int p = 0; p < P; p++) {                                                                          \
+            const __m512 b = last && bias ? _mm512_maskz_loadu_ps(masks[p], bias + p * HP_PANEL) : _mm512_setzero_ps(); \
+            for (int r = 0; r < MR; r++)                                                                       \
+                _mm512_mask_storeu_ps(c + r * ldc + p * HP_PANEL, masks[p], _mm512_add_ps(acc[r][p], b));      \
+        }                                                                                                      \
+    }
+
+/* 16 values of a panel line widened exactly. */
+static inline __m512 hp_widen_line(int dtype, const uint16_t *line) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)line);
+    return dtype == 0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+
+#pragma GCC push_options
+#pragma GCC optimize("unroll-loops")
+#define HP_TILES_8(P, WIDE) HP_TILE(1, P, 8, WIDE) HP_TILE(2, P, 8, WIDE) HP_TILE(3, P, 8, WIDE) HP_TILE(4, P, 8, WIDE) \
+    HP_TILE(5, P, 8, WIDE) HP_TILE(6, P, 8, WIDE) HP_TILE(7, P, 8, WIDE) HP_TILE(8, P, 8, WIDE)
+HP_TILES_8(3, 1)
+HP_TILES_8(3, 0)
+HP_TILE(1, 2, 14, 1) HP_TILE(2, 2, 14, 1) HP_TILE(3, 2, 14, 1) HP_TILE(4, 2, 14, 1) HP_TILE(5, 2, 14, 1)
+HP_TILE(6, 2, 14, 1) HP_TILE(7, 2, 14, 1) HP_TILE(8, 2, 14, 1) HP_TILE(9, 2, 14, 1) HP_TILE(10, 2, 14, 1)
+HP_TILE(11, 2, 14, 1) HP_TILE(12, 2, 14, 1) HP_TILE(13, 2, 14, 1) HP_TILE(14, 2, 14, 1)
+#pragma GCC pop_options
+
+typedef void (*hp_tile)(const float *, const void *, int, int64_t, float *, int64_t, const __mmask16 *,
+                        const float *, int, int, hp_fetch *);
+/* By rows: 8 x 3 on widened blocks, 8 x 3 widening in registers (one group), 14 x 2 on widened blocks. */
+static const hp_tile HP_WIDE_3[9] = {0, hp_tile_1x3_1, hp_tile_2x3_1, hp_tile_3x3_1, hp_tile_4x3_1,
+                                     hp_tile_5x3_1, hp_tile_6x3_1, hp_tile_7x3_1, hp_tile_8x3_1};
+static const hp_tile HP_HALF_3[9] = {0, hp_tile_1x3_0, hp_tile_2x3_0, hp_tile_3x3_0, hp_tile_4x3_0,
+                                     hp_tile_5x3_0, hp_tile_6x3_0, hp_tile_7x3_0, hp_tile_8x3_0};
+static const hp_tile HP_WIDE_2[15] = {0, hp_tile_1x2_1, hp_tile_2x2_1, hp_tile_3x2_1, hp_tile_4x2_1, hp_tile_5x2_1,
+                                      hp_tile_6x2_1, hp_tile_7x2_1, hp_tile_8x2_1, hp_tile_9x2_1, hp_tile_10x2_1,
+                                      hp_tile_11x2_1, hp_tile_12x2_1, hp_tile_13x2_1, hp_tile_14x2_1};
+
+/* The kk inputs from i0 of panels p0 .. p0 + P - 1 widened into wide [P][kk][16]; zeros for a panel past
+ * `panels` (a tile's outputs there are masked). */
+static void hp_widen(int dtype, const uint16_t *packed, int64_t k, int64_t p0, int64_t i0, int64_t kk, int P,
+                     int64_t panels, float *wide) {
+    for (int p = 0; p < P; p++) {
+        const uint16_t *src = hp_panel(packed, k, p0 + p) + i0 * HP_GROUP;
+        float *dst = wide + p * kk * HP_PANEL;
+        if (p0 + p >= panels) {
+            memset(dst, 0, (size_t)(kk * HP_PANEL) * sizeof(float));
+            continue;
+        }
+        for (int64_t i = 0; i < kk; i++) _mm512_store_ps(dst + i * HP_PANEL, hp_widen_line(dtype, src + i * HP_GROUP));
+    }
+}
+
+/* The repacked rows of x, one buffer per calling thread, grown as needed. */
+static _Thread_local float *hp_rows;
+static _Thread_local int64_t hp_rows_capacity;
+
+/* dtype 0 bfloat16, 1 float16; x [m][k] float32, packed from pack_half_panels, bias [n] float32 or NULL, out [m][n]
+ * float32. Returns 0; -1: the row buffer could not be allocated; -2: a bad dtype. */
+int half_panel_linear(int dtype, const float *x, const uint16_t *packed, const float *bias, float *out, int64_t m,
+                      int64_t n, int64_t k) {
+    if (dtype != 0 && dtype != 1) return -2;
+    if (m <= 0 || n <= 0) return 0;
+    const int P = m > HP_WIDE_ROWS ? 2 : 3, GR = P == 2 ? 14 : 8, in_registers = m <= 8;
+    const hp_tile *tiles = P == 2 ? HP_WIDE_2 : in_registers ? HP_HALF_3 : HP_WIDE_3;
+    const int64_t groups = (m + GR - 1) / GR, needed = groups * GR * k;
+    if (needed > hp_rows_capacity) {
+        float *grown = realloc(hp_rows, (size_t)needed * sizeof(float));
+        if (!grown) return -1;
+        hp_rows = grown;
+        hp_rows_capacity = needed;
+    }
+    float *at = hp_rows;
+#pragma omp parallel for if (m * k >= (1 << 16))
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = g * GR, rows = m - r0 < GR ? m - r0 : GR;
+        float *dst = at + r0 * k;
+        const float *src = x + r0 * k;
+        for (int64_t i = 0; i < k; i++)
+            for (int64_t r = 0; r < rows; r++) dst[i * GR + r] = src[r * k + i];
+    }
+    const int64_t width = (int64_t)P * HP_PANEL, blocks = (n + width - 1) / width;
+    const int64_t panels = half_panel_padded_outputs(n) / HP_PANEL;
+    const int64_t KB = P == 2 ? 2 * HP_KB : HP_KB, kblocks = (k + KB - 1) / KB, row_block = HP_ROW_BLOCK / GR * GR;
+    /* below 256 x 1024 weights for one row a second thread saves less than its fork costs */
+#pragma omp parallel if (m * n * k >= (1 << 18))
+    {
+        static _Thread_local float wide[4 * HP_KB * HP_PANEL] __attribute__((aligned(64)));
+        for (int64_t rb = 0; rb < m; rb += row_block) {
+            const int64_t rb_end = m - rb < row_block ? m : rb + row_block, steps = (rb_end - rb + GR - 1) / GR;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                __mmask16 masks[3];
+                for (int p = 0; p < P; p++) {
+                    const int64_t valid = n - b * width - p * HP_PANEL;
+                    masks[p] = valid >= HP_PANEL ? (__mmask16)0xFFFF : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
+                }
+                const float *bias_b = bias ? bias + b * width : NULL;
+                for (int64_t kb = 0; kb < kblocks; kb++) {
+                    const int64_t i0 = kb * KB, kk = k - i0 < KB ? k - i0 : KB;
+                    if (!in_registers) hp_widen(dtype, packed, k, b * P, i0, kk, P, panels, wide);
+                    /* the next block: these panels' next inputs, else the next panels' first; the rows of those
+                     * inputs in the groups its panels fall in (one group, or two for tiles of 2 panels) */
+                    const int64_t nb = kb + 1 < kblocks ? b : b + 1, ni0 = kb + 1 < kblocks ? i0 + KB : 0;
+                    const int64_t nkk = k - ni0 < KB ? k - ni0 : KB, lines = (nkk * HP_GROUP * 2 + 63) / 64 + 1;
+                    const int64_t g0 = nb * P / 3, g1 = (nb * P + P - 1) / 3 < panels / 3 ? (nb * P + P - 1) / 3 : g0;
+                    hp_fetch fetch = {(const char *)(packed + (g0 * k + ni0) * HP_GROUP), k * HP_GROUP * 2, lines, 0,
+                                      nb < blocks ? (g1 - g0 + 1) * lines : 0, 0};
+                    fetch.per = (fetch.left + steps * kk - 1) / (steps * kk);
+                    const void *w = in_registers ? (const void *)(packed + (b * k + i0) * HP_GROUP) : (const void *)wide;
+                    for (int64_t r0 = rb; r0 < rb_end; r0 += GR) {
+                        const int64_t rows = rb_end - r0 < GR ? rb_end - r0 : GR;
+                        tiles[rows](at + r0 * k + i0 * GR, w, dtype, kk, out + r0 * n + b * width, n, masks,
+                                    bias_b, kb == 0, kb + 1 == kblocks, &fetch);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+#else
+int half_panel_supported(void) { return 0; }
+
+int half_panel_linear(int dtype, const float *x, const uint16_t *packed, const float *bias, float *out, int64_t m,
+                      int64_t n, int64_t k) {
+    (void)dtype, (void)x, (void)packed, (void)bias, (void)out, (void)m, (void)n, (void)k;
+    return -2;
+}
+#endif
