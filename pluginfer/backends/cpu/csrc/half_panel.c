@@ -147,9 +147,9 @@ static void hp_widen(int dtype, const uint16_t *packed, int64_t k, int64_t p0, i
     }
 }
 
-/* The repacked rows of x, one buffer per calling thread, grown as needed. */
-static _Thread_local float *hp_rows;
-static _Thread_local int64_t hp_rows_capacity;
+/* panel_linear.c's: x in groups of `rows` rows, [groups][k][rows], in the calling thread's buffer (NULL: it
+ * could not grow). */
+float *repack_row_groups(const float *x, int64_t m, int64_t k, int64_t rows);
 
 /* dtype 0 bfloat16, 1 float16; x [m][k] float32, packed from pack_half_panels, bias [n] float32 or NULL, out [m][n]
  * float32. Returns 0; -1: the row buffer could not be allocated; -2: a bad dtype. */
@@ -159,22 +159,8 @@ int half_panel_linear(int dtype, const float *x, const uint16_t *packed, const f
     if (m <= 0 || n <= 0) return 0;
     const int P = m > HP_WIDE_ROWS ? 2 : 3, GR = P == 2 ? 14 : 8, in_registers = m <= 8;
     const hp_tile *tiles = P == 2 ? HP_WIDE_2 : in_registers ? HP_HALF_3 : HP_WIDE_3;
-    const int64_t groups = (m + GR - 1) / GR, needed = groups * GR * k;
-    if (needed > hp_rows_capacity) {
-        float *grown = realloc(hp_rows, (size_t)needed * sizeof(float));
-        if (!grown) return -1;
-        hp_rows = grown;
-        hp_rows_capacity = needed;
-    }
-    float *at = hp_rows;
-#pragma omp parallel for if (m * k >= (1 << 16))
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t r0 = g * GR, rows = m - r0 < GR ? m - r0 : GR;
-        float *dst = at + r0 * k;
-        const float *src = x + r0 * k;
-        for (int64_t i = 0; i < k; i++)
-            for (int64_t r = 0; r < rows; r++) dst[i * GR + r] = src[r * k + i];
-    }
+    const float *at = repack_row_groups(x, m, k, GR);
+    if (!at) return -1;
     const int64_t width = (int64_t)P * HP_PANEL, blocks = (n + width - 1) / width;
     const int64_t panels = half_panel_padded_outputs(n) / HP_PANEL;
     const int64_t KB = P == 2 ? 2 * HP_KB : HP_KB, kblocks = (k + KB - 1) / KB, row_block = HP_ROW_BLOCK / GR * GR;

@@ -103,28 +103,37 @@ static const panel_tile TILES_4[5] = {0, tile_1x4, tile_2x4, tile_3x4, tile_4x4}
 static _Thread_local float *row_groups;
 static _Thread_local int64_t row_groups_capacity;
 
-/* x [m][k], packed weight from pack_panels, bias [n] or NULL, out [m][n]. Returns -1 when the
- * row-group buffer cannot be allocated. */
-int panel_linear(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
-                 int64_t k) {
-    const int P = m <= 4 ? 4 : 2, MR = GROUP_ROWS(P);
-    const panel_tile *tiles = P == 4 ? TILES_4 : TILES_2;
-    const int64_t groups = (m + MR - 1) / MR, needed = groups * MR * k;
+/* x [m][k] repacked into groups of `rows` rows, [groups][k][rows] (the group's inputs in turn, its rows' values
+ * side by side, so a tile's broadcasts read the next float), in the calling thread's buffer; NULL when it cannot
+ * grow. Shared with half_panel.c. */
+float *repack_row_groups(const float *x, int64_t m, int64_t k, int64_t rows) {
+    const int64_t groups = (m + rows - 1) / rows, needed = groups * rows * k;
     if (needed > row_groups_capacity) {
         float *grown = realloc(row_groups, (size_t)needed * sizeof(float));
-        if (!grown) return -1;
+        if (!grown) return NULL;
         row_groups = grown;
         row_groups_capacity = needed;
     }
     float *at = row_groups;
 #pragma omp parallel for if (m * k >= (1 << 16))
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t r0 = g * MR, rows = m - r0 < MR ? m - r0 : MR;
+        const int64_t r0 = g * rows, count = m - r0 < rows ? m - r0 : rows;
         float *dst = at + r0 * k;
         const float *src = x + r0 * k;
         for (int64_t i = 0; i < k; i++)
-            for (int64_t r = 0; r < rows; r++) dst[i * MR + r] = src[r * k + i];
+            for (int64_t r = 0; r < count; r++) dst[i * rows + r] = src[r * k + i];
     }
+    return at;
+}
+
+/* x [m][k], packed weight from pack_panels, bias [n] or NULL, out [m][n]. Returns -1 when the
+ * row-group buffer cannot be allocated. */
+int panel_linear(const float *x, const float *packed, const float *bias, float *out, int64_t m, int64_t n,
+                 int64_t k) {
+    const int P = m <= 4 ? 4 : 2, MR = GROUP_ROWS(P);
+    const panel_tile *tiles = P == 4 ? TILES_4 : TILES_2;
+    const float *at = repack_row_groups(x, m, k, MR);
+    if (!at) return -1;
     const int64_t width = (int64_t)P * PANEL, blocks = (n + width - 1) / width;
     const int64_t row_block = PANEL_ROW_GROUPS * MR;
     /* below 256 x 1024 weights for one row a second thread saves less than its fork costs;
