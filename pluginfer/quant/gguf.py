@@ -302,8 +302,8 @@ def _half_panel_ops(backend: object | None) -> tuple[Callable, Callable] | None:
 
 
 def _packed_half(weight: torch.Tensor, pack: Callable, linear: Callable) -> torch.Tensor | PackedHalf:
-    """A 16-bit CPU weight packed by the backend (its file pages released), or the weight where it declines."""
-    if weight.dtype not in _HALF_TYPES.values() or weight.device.type != "cpu":
+    """A 16-bit weight packed by the backend (its file pages released), or the weight where it declines."""
+    if weight.dtype not in _HALF_TYPES.values():
         return weight
     packed = pack(weight)
     if packed is None:
