@@ -1,20 +1,21 @@
 /* half_panel_linear: float32 y = x W^T (+ bias) for a bfloat16/float16 weight (a GGUF file's F16/BF16 tensors in
  * a float32 model) on AVX-512 without AMX, packed once at load (pack_half_panels) into groups of 48 outputs,
  * group g holding W[48g : 48g + 48, :] transposed, [in][48] of the file's 16-bit values (the same bytes), the
- * groups one after another with zero rows padding the outputs to a multiple of 48. A tile of 3 panels reads its group as one stream, 96 bytes an input (3 streams of 32, a new
- * page every 4 KiB each, left one row's decode 12 % slower than half_linear.c's GEMV).
+ * groups one after another with zero rows padding the outputs to a multiple of 48. A tile of 3 panels reads its
+ * group as one stream, 96 bytes an input. One row's decode still reads ~7 % slower than half_linear.c's GEMV
+ * (its four row streams); blocks of 32-512 inputs, other prefetch hints or none were slower still.
  *
  * A tile is up to 8 rows x 3 panels (48 outputs, 24 accumulators), or from 49 rows up to 14 rows x 2 panels
  * (28): each step broadcasts one input of each row (x repacked into groups of rows, [k][group rows]) against
  * one 16-wide line of each panel. With more than one row group the panels are widened exactly to float32 a
- * block of HP_KB inputs at a time into a per-thread buffer (24 KiB) that every row group then reads: the
- * widening (which shares the multiply-adds' ports) is paid once per row block, not per group; one group (up to
+ * block of inputs at a time (HP_KB for 3 panels, twice that for 2: 24 or 32 KiB) into a per-thread buffer that
+ * every row group then reads: the widening (which shares the multiply-adds' ports) is paid once per row block,
+ * not per group; one group (up to
  * 8 rows: decode of a few sequences) widens each line in registers as it reads it. Against the dot-product
  * GEMV of half_linear.c, whose tiles re-read every row of x for each 4 outputs (at 16 rows x no longer fits
  * L1: the reads of x bound it), x is read once per 48 outputs: an F16 0.5B model's linears at 16 rows
- * 103 -> 87 ms a step.
- * While a block's tiles run, the lines of the thread's next block are prefetched into L2, one per step of the
- * tiles' loop, so the weight streams from memory under the arithmetic.
+ * 103 -> 91 ms a step. While a block's tiles run, the lines of the thread's next block are prefetched into
+ * L2, a few per step of the tiles' loop, so the weight streams from memory under the arithmetic.
  *
  * Each output is one float32 fused multiply-add chain over k in order (partial sums kept in out between
  * blocks: a float32 store and load, exact), whatever the rows, tile or thread count: a row's result never
