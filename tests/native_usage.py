@@ -23,9 +23,10 @@ from pathlib import Path
 
 # family -> (the C functions that are the family, the /proc/cpuinfo flags its fast path needs).
 # The C guards: panel_linear.c needs __AVX512F__; quant_dot.c AVX-512 VNNI (with BW, VL, F16C) or, at least,
-# AVX2 with FMA and F16C (its AVX2 kernels); half_linear.c AVX2 with FMA and F16C at least; half_panel.c __AVX512F__.
+# AVX2 with FMA and F16C (its AVX2 kernels); half_linear.c AVX2 with FMA and F16C at least; half_panel.c and prefill_attention.c __AVX512F__.
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "decode attention": (("paged_decode_attention", "paged_decode_attention_kv16"), ()),
+    "prefill attention (AVX-512)": (("paged_prefill_attention",), ("avx512f",)),
     "quantized KV attention": (("paged_attention_quantized", "kv_quantize_rows"), ()),
     "RMSNorm": (("rms_norm",), ()),
     "SiLU-and-mul": (("silu_and_mul",), ()),

@@ -30,6 +30,7 @@ from pluginfer.backends.cpu import layer_ops as native_layer_ops
 from pluginfer.backends.cpu import library as native_library
 from pluginfer.backends.cpu import ops as native
 from pluginfer.backends.cpu import panels as native_panels
+from pluginfer.quant import ggml_ops, int4, packing  # noqa: F401  (they define the dequantize ops)
 from tests import native_usage
 from tests.backends.paged import attention_reference, paged_inputs
 

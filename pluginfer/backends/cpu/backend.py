@@ -103,11 +103,18 @@ def _part(batch: ForwardBatch, seqs: slice, block_size: int) -> _Part | None:
 class CpuAttentionMetadata:
     # None when there are no decode rows or the native kernel serves them
     decode: _Part | None
+    # None when there are no prefill rows or the native kernel serves them (built on first use otherwise)
     prefill: _Part | None
     num_native_decodes: int = 0  # leading decode rows for the native kernel
     # Their block tables and key counts, int64 and contiguous, sliced once per step for every layer.
     decode_block_tables: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
+    # The prefill rows' (after the decodes): their sequences' block tables, key counts and query_start_loc from 0,
+    # int64 and contiguous (None without the native kernels or prefill rows).
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+    prefill_starts: torch.Tensor | None = None
+    num_decodes: int = 0
 
 
 THREADS_ENV = "PLUGINFER_CPU_THREADS"
@@ -213,13 +220,21 @@ class CpuBackend:
     def prepare(self, batch: ForwardBatch) -> CpuAttentionMetadata:
         query_lens = batch.query_lens
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
-        prefill = _part(batch, slice(num_decodes, len(query_lens)), batch.block_size)
-        if self.native_kernels and num_decodes:
-            tables = batch.block_tables[:num_decodes].to(torch.int64).contiguous()
-            seq_lens = batch.seq_lens[:num_decodes].to(torch.int64).contiguous()
-            return CpuAttentionMetadata(None, prefill, num_native_decodes=num_decodes, decode_block_tables=tables,
-                                        decode_seq_lens=seq_lens)
-        return CpuAttentionMetadata(_part(batch, slice(0, num_decodes), batch.block_size), prefill)
+        if not self.native_kernels:
+            return CpuAttentionMetadata(_part(batch, slice(0, num_decodes), batch.block_size),
+                                        _part(batch, slice(num_decodes, len(query_lens)), batch.block_size),
+                                        num_decodes=num_decodes)
+        meta = CpuAttentionMetadata(None, None, num_decodes=num_decodes)
+        if num_decodes:
+            meta.num_native_decodes = num_decodes
+            meta.decode_block_tables = batch.block_tables[:num_decodes].to(torch.int64).contiguous()
+            meta.decode_seq_lens = batch.seq_lens[:num_decodes].to(torch.int64).contiguous()
+        if num_decodes < len(query_lens):
+            meta.prefill_block_tables = batch.block_tables[num_decodes:].to(torch.int64).contiguous()
+            meta.prefill_seq_lens = batch.seq_lens[num_decodes:].to(torch.int64).contiguous()
+            meta.prefill_starts = (batch.query_start_loc[num_decodes:] - batch.query_start_loc[num_decodes]).to(
+                torch.int64).contiguous()
+        return meta
 
     def paged_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
                         kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, scale: float,
@@ -267,10 +282,30 @@ class CpuBackend:
             # the kernel takes float32, float16, bfloat16 caches; others take the torch path
             _attend(_decode_part(batch, meta), query, flat_keys, flat_values, out, scale, sliding_window,
                     logit_soft_cap)
-        for part in (None if decodes else meta.decode, meta.prefill):
-            if part is not None:
-                _attend(part, query, flat_keys, flat_values, out, scale, sliding_window, logit_soft_cap)
+        if not decodes and meta.decode is not None:
+            _attend(meta.decode, query, flat_keys, flat_values, out, scale, sliding_window, logit_soft_cap)
+        if meta.num_decodes < query.shape[0]:
+            self._prefill_attention(query, key_cache, value_cache, flat_keys, flat_values, out, batch, scale,
+                                    sliding_window, logit_soft_cap)
         return out
+
+    def _prefill_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           flat_keys: torch.Tensor, flat_values: torch.Tensor, out: torch.Tensor, batch: ForwardBatch,
+                           scale: float, sliding_window: int | None, logit_soft_cap: float | None) -> None:
+        """``out``'s prefill rows (those after the decodes): the native kernel over the paged cache where it takes
+        them (``layer_ops.paged_prefill_attention``), else SDPA on the gathered rows."""
+        meta: CpuAttentionMetadata = batch.attention
+        start = meta.num_decodes
+        if meta.prefill_block_tables is not None:
+            result = layer_ops.paged_prefill_attention(query[start:], key_cache, value_cache,
+                                                       meta.prefill_block_tables, meta.prefill_starts,
+                                                       meta.prefill_seq_lens, scale, sliding_window, logit_soft_cap)
+            if result is not None:
+                out[start:] = result.to(out.dtype)
+                return
+        if meta.prefill is None:
+            meta.prefill = _part(batch, slice(start, len(batch.query_lens)), batch.block_size)
+        _attend(meta.prefill, query, flat_keys, flat_values, out, scale, sliding_window, logit_soft_cap)
 
     def _quantized_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              kv_cache: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, scale: float,

@@ -1,5 +1,5 @@
-"""Native kernels of the layers' float ops: paged decode attention, RMSNorm, SiLU-and-mul, GELU(tanh)-and-mul
-and NeoX rotary, on float32 or float16/bfloat16 tensors (``csrc/attention.c``, ``norm.c``,
+"""Native kernels of the layers' float ops: paged decode and prefill attention, RMSNorm, SiLU-and-mul, GELU(tanh)-and-mul
+and NeoX rotary, on float32 or float16/bfloat16 tensors (``csrc/attention.c``, ``prefill_attention.c``, ``norm.c``,
 ``activation.c``, ``rotary.c``).
 """
 
@@ -58,6 +58,35 @@ def _paged_decode_attention_16(query: torch.Tensor, key_cache: torch.Tensor, val
     )
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its score buffer")
+    return out
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, sliding_window: int | None,
+                            soft_cap: float | None) -> torch.Tensor | None:
+    """The op ``paged_prefill_attention`` (``layers/attention_ops.py``) for a float32 query ``[tokens, heads, dim]``
+    over float32 or float16/bfloat16 caches, read in place (``csrc/prefill_attention.c``, AVX-512; each cached
+    value widened exactly); ``query_start_loc`` from 0. None: use the torch path (no AVX-512 build, a soft cap,
+    another dtype, dims not multiples of 16, value rows inside the key's)."""
+    kind = 0 if key_cache.dtype == torch.float32 else HALF_CODES.get(key_cache.dtype)
+    head_dim, v_dim = key_cache.shape[-1], value_cache.shape[-1]
+    if (kind is None or query.dtype != torch.float32 or value_cache.dtype != key_cache.dtype or soft_cap is not None
+            or head_dim % 16 or v_dim % 16 or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+            or not native().prefill_attention_supported()):
+        return None
+    query = query.contiguous()
+    tables, starts, lens = (contiguous_as(block_tables, torch.int64), contiguous_as(query_start_loc, torch.int64),
+                            contiguous_as(seq_lens, torch.int64))
+    tokens, heads, _ = query.shape
+    _, block_size, kv_heads, _ = value_cache.shape
+    out = torch.empty(tokens, heads, v_dim, dtype=torch.float32)
+    status = native().paged_prefill_attention(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(),
+        lens.data_ptr(), out.data_ptr(), lens.shape[0], heads, kv_heads, head_dim, v_dim, block_size, tables.shape[1],
+        scale, sliding_window or 0, kind)
+    if status != 0:
+        raise MemoryError("paged_prefill_attention could not allocate its buffers")
     return out
 
 

@@ -15,7 +15,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pluginfer.backends.cpu import amx_half, build, half_linear, half_panels, int8_gemm, layer_ops, library, panels, quant
+from pluginfer.backends.cpu import (
+    amx_half,
+    build,
+    half_linear,
+    half_panels,
+    int8_gemm,
+    layer_ops,
+    library,
+    panels,
+    quant,
+)
 from pluginfer.core.kernels import KernelTable, define_op
 
 # What a log line about missing kernels tells the user to do.
@@ -131,5 +141,6 @@ NATIVE = {
     "w8a8_pack": int8_gemm.w8a8_pack,  # int8_gemm.c (a library of its own)
     "w8a8_linear": int8_gemm.w8a8_linear,  # int8_gemm.c
 }
-# paged_decode_attention (attention.c) and a quantized KV cache's write and attention (kv_quant_attention.c) are
-# called by the backend's own paged_attention (backend.py), not looked up.
+# paged_decode_attention (attention.c), paged_prefill_attention (prefill_attention.c) and a quantized KV cache's
+# write and attention (kv_quant_attention.c) are called by the backend's own paged_attention (backend.py), not
+# looked up.
