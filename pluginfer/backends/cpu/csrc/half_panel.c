@@ -7,11 +7,11 @@
  *
  * A tile is up to 8 rows x 3 panels (48 outputs, 24 accumulators), or from 49 rows up to 14 rows x 2 panels
  * (28): each step broadcasts one input of each row (x repacked into groups of rows, [k][group rows]) against
- * one 16-wide line of each panel. With more than one row group the panels are widened exactly to float32 a
- * block of inputs at a time (HP_KB for 3 panels, twice that for 2: 24 or 32 KiB) into a per-thread buffer that
- * every row group then reads: the widening (which shares the multiply-adds' ports) is paid once per row block,
- * not per group; one group (up to
- * 8 rows: decode of a few sequences) widens each line in registers as it reads it. Against the dot-product
+ * one 16-wide line of each panel. Tiles of 3 panels (up to 48 rows): the first row group widens each line
+ * exactly to float32 in registers as it reads it and, with more groups to come, stores the widened block of
+ * HP_KB inputs (24 KiB, per thread) for them, under its own multiply-adds (a separate widening pass, which
+ * also took the stalls of reading the weights from memory, cost 7-12 % at 16-32 rows). Tiles of 2 panels
+ * read blocks of twice as many inputs widened by such a pass, paid once per 112 rows. Against the dot-product
  * GEMV of half_linear.c, whose tiles re-read every row of x for each 4 outputs (at 16 rows x no longer fits
  * L1: the reads of x bound it), x is read once per 48 outputs: an F16 0.5B model's linears at 16 rows
  * 103 -> 91 ms a step. While a block's tiles run, the lines of the thread's next block are prefetched into
@@ -80,7 +80,7 @@ static inline void hp_fetch_line(hp_fetch *f) {
 #define HP_TILE(MR, P, GR, WIDE)                                                                                \
     static void hp_tile_##MR##x##P##_##WIDE(const float *at, const void *w, int dtype, int64_t kk,              \
                                             float *c, int64_t ldc, const __mmask16 *masks, const float *bias,   \
-                                            int first, int last, hp_fetch *fetch) {                              \
+                                            int first, int last, hp_fetch *fetch, float *widened) {              \
         __m512 acc[MR][P];                                                                                     \
         for (int r = 0; r < MR; r++)                                                                           \
             for (int p = 0; p < P; p++)                                                                        \
@@ -92,6 +92,8 @@ static inline void hp_fetch_line(hp_fetch *f) {
             for (int p = 0; p < P; p++)                                                                        \
                 wv[p] = WIDE ? _mm512_load_ps((const float *)w + (p * kk + i) * HP_PANEL)                       \
                              : hp_widen_line(dtype, (const uint16_t *)w + i * HP_GROUP + p * HP_PANEL);         \
+            if (!WIDE && widened)                                                                              \
+                for (int p = 0; p < P; p++) _mm512_store_ps(widened + (p * kk + i) * HP_PANEL, wv[p]);         \
             for (int r = 0; r < MR; r++) {                                                                     \
                 const __m512 a = _mm512_set1_ps(at[i * (GR) + r]);                                            \
                 for (int p = 0; p < P; p++) acc[r][p] = _mm512_fmadd_ps(a, wv[p], acc[r][p]);                  \
@@ -123,7 +125,7 @@ HP_TILE(11, 2, 14, 1) HP_TILE(12, 2, 14, 1) HP_TILE(13, 2, 14, 1) HP_TILE(14, 2,
 #pragma GCC pop_options
 
 typedef void (*hp_tile)(const float *, const void *, int, int64_t, float *, int64_t, const __mmask16 *,
-                        const float *, int, int, hp_fetch *);
+                        const float *, int, int, hp_fetch *, float *);
 /* By rows: 8 x 3 on widened blocks, 8 x 3 widening in registers (one group), 14 x 2 on widened blocks. */
 static const hp_tile HP_WIDE_3[9] = {0, hp_tile_1x3_1, hp_tile_2x3_1, hp_tile_3x3_1, hp_tile_4x3_1,
                                      hp_tile_5x3_1, hp_tile_6x3_1, hp_tile_7x3_1, hp_tile_8x3_1};
@@ -158,8 +160,8 @@ int half_panel_linear(int dtype, const float *x, const uint16_t *packed, const f
                       int64_t n, int64_t k) {
     if (dtype != 0 && dtype != 1) return -2;
     if (m <= 0 || n <= 0) return 0;
-    const int P = m > HP_WIDE_ROWS ? 2 : 3, GR = P == 2 ? 14 : 8, in_registers = m <= 8;
-    const hp_tile *tiles = P == 2 ? HP_WIDE_2 : in_registers ? HP_HALF_3 : HP_WIDE_3;
+    const int P = m > HP_WIDE_ROWS ? 2 : 3, GR = P == 2 ? 14 : 8;
+    const hp_tile *tiles = P == 2 ? HP_WIDE_2 : HP_WIDE_3;
     const float *at = repack_row_groups(x, m, k, GR);
     if (!at) return -1;
     const int64_t width = (int64_t)P * HP_PANEL, blocks = (n + width - 1) / width;
@@ -181,7 +183,7 @@ int half_panel_linear(int dtype, const float *x, const uint16_t *packed, const f
                 const float *bias_b = bias ? bias + b * width : NULL;
                 for (int64_t kb = 0; kb < kblocks; kb++) {
                     const int64_t i0 = kb * KB, kk = k - i0 < KB ? k - i0 : KB;
-                    if (!in_registers) hp_widen(dtype, packed, k, b * P, i0, kk, P, panels, wide);
+                    if (P == 2) hp_widen(dtype, packed, k, b * P, i0, kk, P, panels, wide);
                     /* the next block: these panels' next inputs, else the next panels' first; the rows of those
                      * inputs in the groups its panels fall in (one group, or two for tiles of 2 panels) */
                     const int64_t nb = kb + 1 < kblocks ? b : b + 1, ni0 = kb + 1 < kblocks ? i0 + KB : 0;
@@ -190,11 +192,16 @@ int half_panel_linear(int dtype, const float *x, const uint16_t *packed, const f
                     hp_fetch fetch = {(const char *)(packed + (g0 * k + ni0) * HP_GROUP), k * HP_GROUP * 2, lines, 0,
                                       nb < blocks ? (g1 - g0 + 1) * lines : 0, 0};
                     fetch.per = (fetch.left + steps * kk - 1) / (steps * kk);
-                    const void *w = in_registers ? (const void *)(packed + (b * k + i0) * HP_GROUP) : (const void *)wide;
+                    const uint16_t *half = packed + (b * k + i0) * HP_GROUP;
                     for (int64_t r0 = rb; r0 < rb_end; r0 += GR) {
                         const int64_t rows = rb_end - r0 < GR ? rb_end - r0 : GR;
-                        tiles[rows](at + r0 * k + i0 * GR, w, dtype, kk, out + r0 * n + b * width, n, masks,
-                                    bias_b, kb == 0, kb + 1 == kblocks, &fetch);
+                        /* 3 panels: the first group widens each line in registers (and, with more groups to
+                         * come, stores it widened for them) */
+                        const int widens = P == 3 && r0 == rb;
+                        const hp_tile tile = widens ? HP_HALF_3[rows] : tiles[rows];
+                        tile(at + r0 * k + i0 * GR, widens ? (const void *)half : (const void *)wide, dtype, kk,
+                             out + r0 * n + b * width, n, masks, bias_b, kb == 0, kb + 1 == kblocks, &fetch,
+                             widens && rb_end - rb > GR ? wide : NULL);
                     }
                 }
             }
