@@ -106,13 +106,21 @@ def test_a_row_does_not_depend_on_its_batch_or_chunk(window: int | None) -> None
     assert torch.equal(torch.cat(chunks), whole)
 
 
-@pytest.mark.parametrize("case", ["soft cap", "head dim 40", "bfloat16 query", "mixed caches"])
+def test_a_16_bit_query_is_widened_exactly() -> None:
+    """A bfloat16 model's prefill: its query widened to float32 gives the float32 query's very bits."""
+    keys, values, tables = paged([70], 2, 64, 64, torch.bfloat16)
+    query = torch.randn(70, 4, 64).bfloat16()
+    got = attend(query, keys, values, tables, [0, 70], [70], 0.125, None)
+    assert torch.equal(got, attend(query.float(), keys, values, tables, [0, 70], [70], 0.125, None))
+
+
+@pytest.mark.parametrize("case", ["soft cap", "head dim 40", "float64 query", "mixed caches"])
 def test_what_it_does_not_take_goes_to_the_torch_path(case: str) -> None:
     keys, values, tables = paged([20], 2, 64 if case != "head dim 40" else 40, 64, torch.float32)
     query = torch.randn(20, 4, keys.shape[-1])
     soft_cap = 30.0 if case == "soft cap" else None
-    if case == "bfloat16 query":
-        query = query.bfloat16()
+    if case == "float64 query":
+        query = query.double()
     if case == "mixed caches":
         values = values.half()
     assert layer_ops.paged_prefill_attention(query, keys, values, tables, torch.tensor([0, 20]), torch.tensor([20]),

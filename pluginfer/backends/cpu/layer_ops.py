@@ -65,17 +65,19 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             scale: float, sliding_window: int | None,
                             soft_cap: float | None) -> torch.Tensor | None:
-    """The op ``paged_prefill_attention`` (``layers/attention_ops.py``) for a float32 query ``[tokens, heads, dim]``
-    over float32 or float16/bfloat16 caches, read in place (``csrc/prefill_attention.c``, AVX-512; each cached
-    value widened exactly); ``query_start_loc`` from 0. None: use the torch path (no AVX-512 build, a soft cap,
-    another dtype, dims not multiples of 16, value rows inside the key's)."""
+    """The op ``paged_prefill_attention`` (``layers/attention_ops.py``) for a query ``[tokens, heads, dim]`` over
+    float32 or float16/bfloat16 caches, read in place (``csrc/prefill_attention.c``, AVX-512): the arithmetic in
+    float32 on the query and each cached value widened exactly, the result float32 (a 16-bit model rounds it
+    once); ``query_start_loc`` from 0. None: use the torch path (no AVX-512 build, a soft cap, another dtype, dims
+    not multiples of 16, value rows inside the key's)."""
     kind = 0 if key_cache.dtype == torch.float32 else HALF_CODES.get(key_cache.dtype)
     head_dim, v_dim = key_cache.shape[-1], value_cache.shape[-1]
-    if (kind is None or query.dtype != torch.float32 or value_cache.dtype != key_cache.dtype or soft_cap is not None
-            or head_dim % 16 or v_dim % 16 or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+    if (kind is None or (query.dtype != torch.float32 and query.dtype not in HALF_CODES)
+            or value_cache.dtype != key_cache.dtype or soft_cap is not None or head_dim % 16 or v_dim % 16
+            or not (key_cache.is_contiguous() and value_cache.is_contiguous())
             or not native().prefill_attention_supported()):
         return None
-    query = query.contiguous()
+    query = query.to(torch.float32).contiguous()
     tables, starts, lens = (contiguous_as(block_tables, torch.int64), contiguous_as(query_start_loc, torch.int64),
                             contiguous_as(seq_lens, torch.int64))
     tokens, heads, _ = query.shape
