@@ -84,8 +84,10 @@ def report() -> str:
     fused += f"; GGUF linears take {mode} activations ({source}; --quant-activations int8 or float)"
     threads = "OpenMP" if info.openmp else "single-threaded (no OpenMP)"
     path = library.loaded_build["path"]
-    return (f"native kernels: loaded for {info.machine} {isa} (attention, norms, rotary, dequantization"
-            f"{', panel GEMM' if isa == 'AVX-512' else ''}; {fused}), {threads}, from {path}")
+    prefill = ("prefill attention" if loaded.prefill_attention_supported()
+               else "prefill attention by torch's SDPA (its kernel needs AVX-512)")
+    return (f"native kernels: loaded for {info.machine} {isa} (decode attention, norms, rotary, dequantization"
+            f"{', panel GEMM' if isa == 'AVX-512' else ''}; {prefill}; {fused}), {threads}, from {path}")
 
 
 def available() -> str | None:
