@@ -44,7 +44,8 @@ def paged(seq_lens: list[int], kv_heads: int, head_dim: int, v_dim: int, dtype: 
 
 
 def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor,
-              starts: list[int], seq_lens: list[int], scale: float, window: int | None) -> torch.Tensor:
+              starts: list[int], seq_lens: list[int], scale: float, window: int | None,
+              soft_cap: float | None = None) -> torch.Tensor:
     block_size, heads = keys.shape[1], query.shape[1]
     out = []
     for s, length in enumerate(seq_lens):
@@ -57,28 +58,32 @@ def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tab
         allowed = rows[None, :] <= positions
         if window is not None:
             allowed &= rows[None, :] > positions - window
-        scores = torch.einsum("qhd,khd->hqk", q, k).mul(scale).masked_fill(~allowed, float("-inf"))
+        scores = torch.einsum("qhd,khd->hqk", q, k).mul(scale)
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        scores = scores.masked_fill(~allowed, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(out)
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, starts: list[int],
-           seq_lens: list[int], scale: float, window: int | None) -> torch.Tensor:
+           seq_lens: list[int], scale: float, window: int | None, soft_cap: float | None = None) -> torch.Tensor:
     out = layer_ops.paged_prefill_attention(query, keys, values, tables, torch.tensor(starts),
-                                            torch.tensor(seq_lens), scale, window, None)
+                                            torch.tensor(seq_lens), scale, window, soft_cap)
     assert out is not None and out.dtype == torch.float32
     return out
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "v_dim", "window", "dtype"), [
-    (16, 8, 64, 64, None, torch.float32),
-    (14, 2, 64, 64, None, torch.float16),  # 7 query heads a KV head: tiles of 48 rows cut across tokens
-    (8, 8, 128, 128, 37, torch.bfloat16),
-    (4, 1, 32, 80, 16, torch.float32),  # a value dim that is not a whole number of 4-register chunks
-    (6, 2, 16, 16, 200, torch.float32),
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "v_dim", "window", "dtype", "soft_cap"), [
+    (16, 8, 64, 64, None, torch.float32, None),
+    (14, 2, 64, 64, None, torch.float16, None),  # 7 query heads a KV head: tiles of 48 rows cut across tokens
+    (8, 8, 128, 128, 37, torch.bfloat16, None),
+    (4, 1, 32, 80, 16, torch.float32, None),  # a value dim that is not a whole number of 4-register chunks
+    (6, 2, 16, 16, 200, torch.float32, None),
+    (8, 4, 64, 64, 40, torch.float32, 2.0),  # Gemma 2's soft cap, low enough to bend most scores
 ])
 def test_matches_the_float64_reference(heads: int, kv_heads: int, head_dim: int, v_dim: int, window: int | None,
-                                       dtype: torch.dtype) -> None:
+                                       dtype: torch.dtype, soft_cap: float | None) -> None:
     """Whole prompts, prompts after cached tokens (a prefix-cache hit, a later chunk), one-token rows, lengths around
     the 16-key columns and the 48-row tiles."""
     seq_lens, query_lens = [1, 17, 150, 64, 97], [1, 17, 61, 16, 3]
@@ -86,10 +91,10 @@ def test_matches_the_float64_reference(heads: int, kv_heads: int, head_dim: int,
     starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
     query = 2 * torch.randn(starts[-1], heads, head_dim, generator=torch.Generator().manual_seed(1))
     scale = head_dim ** -0.5
-    out = attend(query, keys, values, tables, starts, seq_lens, scale, window)
+    out = attend(query, keys, values, tables, starts, seq_lens, scale, window, soft_cap)
     # the cache's 16-bit values widen exactly: the reference reads the same values
-    torch.testing.assert_close(out.double(), reference(query, keys, values, tables, starts, seq_lens, scale, window),
-                               atol=2e-5, rtol=2e-5)
+    expected = reference(query, keys, values, tables, starts, seq_lens, scale, window, soft_cap)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("window", [None, 50])
@@ -114,14 +119,13 @@ def test_a_16_bit_query_is_widened_exactly() -> None:
     assert torch.equal(got, attend(query.float(), keys, values, tables, [0, 70], [70], 0.125, None))
 
 
-@pytest.mark.parametrize("case", ["soft cap", "head dim 40", "float64 query", "mixed caches"])
+@pytest.mark.parametrize("case", ["head dim 40", "float64 query", "mixed caches"])
 def test_what_it_does_not_take_goes_to_the_torch_path(case: str) -> None:
     keys, values, tables = paged([20], 2, 64 if case != "head dim 40" else 40, 64, torch.float32)
     query = torch.randn(20, 4, keys.shape[-1])
-    soft_cap = 30.0 if case == "soft cap" else None
     if case == "float64 query":
         query = query.double()
     if case == "mixed caches":
         values = values.half()
     assert layer_ops.paged_prefill_attention(query, keys, values, tables, torch.tensor([0, 20]), torch.tensor([20]),
-                                             0.125, None, soft_cap) is None
+                                             0.125, None, None) is None

@@ -68,12 +68,12 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     """The op ``paged_prefill_attention`` (``layers/attention_ops.py``) for a query ``[tokens, heads, dim]`` over
     float32 or float16/bfloat16 caches, read in place (``csrc/prefill_attention.c``, AVX-512): the arithmetic in
     float32 on the query and each cached value widened exactly, the result float32 (a 16-bit model rounds it
-    once); ``query_start_loc`` from 0. None: use the torch path (no AVX-512 build, a soft cap, another dtype, dims
-    not multiples of 16, value rows inside the key's)."""
+    once); ``query_start_loc`` from 0. None: use the torch path (no AVX-512 build, another dtype, dims not multiples
+    of 16, value rows inside the key's)."""
     kind = 0 if key_cache.dtype == torch.float32 else HALF_CODES.get(key_cache.dtype)
     head_dim, v_dim = key_cache.shape[-1], value_cache.shape[-1]
     if (kind is None or (query.dtype != torch.float32 and query.dtype not in HALF_CODES)
-            or value_cache.dtype != key_cache.dtype or soft_cap is not None or head_dim % 16 or v_dim % 16
+            or value_cache.dtype != key_cache.dtype or head_dim % 16 or v_dim % 16
             or not (key_cache.is_contiguous() and value_cache.is_contiguous())
             or not native().prefill_attention_supported()):
         return None
@@ -86,7 +86,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     status = native().paged_prefill_attention(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(),
         lens.data_ptr(), out.data_ptr(), lens.shape[0], heads, kv_heads, head_dim, v_dim, block_size, tables.shape[1],
-        scale, sliding_window or 0, kind)
+        scale, sliding_window or 0, soft_cap or 0.0, kind)
     if status != 0:
         raise MemoryError("paged_prefill_attention could not allocate its buffers")
     return out

@@ -29,7 +29,7 @@ SIGNATURES = {
     "paged_decode_attention": (ctypes.c_int, [_pointer] * 6 + [_i64] * 7 + [_f32, _i64, _f32]),
     "prefill_attention_supported": (ctypes.c_int, []),
     # float32 query and output, float32 or 16-bit caches (the last argument: 0, or HALF_CODES)
-    "paged_prefill_attention": (ctypes.c_int, [_pointer] * 7 + [_i64] * 7 + [_f32, _i64, ctypes.c_int]),
+    "paged_prefill_attention": (ctypes.c_int, [_pointer] * 7 + [_i64] * 7 + [_f32, _i64, _f32, ctypes.c_int]),
     "rms_norm": (None, [_pointer] * 4 + [_i64, _i64, _f32, _f32]),
     "silu_and_mul": (None, [_pointer, _pointer, _i64, _i64]),
     "gelu_tanh_and_mul": (None, [_pointer, _pointer, _i64, _i64]),

@@ -8,7 +8,8 @@
  * buffers, [key][dim], once; then per tile of up to 48 rows:
  *   scores^T [key][row] = K Q^T: 8 keys x 3 panels of 16 rows, each key value broadcast against the rows'
  *     transposed queries (no transpose of the keys, no horizontal sums);
- *   the softmax down each column, rows in lanes: the masked scores (causal, sliding window) are zeroed;
+ *   the softmax down each column, rows in lanes (after a soft cap, if any): the masked scores (causal, sliding
+ *     window) are zeroed;
  *   out [row][dim] = P V / sum: 4 rows x 4 panels of 16 features, each weight broadcast against value rows.
  * The keys start at a multiple of 16 (earlier ones masked): a row's scores, sums and products are then the
  * same float32 operations in the same order whatever its task, batch, chunk or thread count, so a prompt
@@ -37,6 +38,13 @@ static inline __attribute__((always_inline)) __m512 pa_load(const void *cache, i
     const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + index));
     if (kind == 1) return _mm512_cvtph_ps(bits);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* tanh(x) = 1 - 2 / (exp(2x) + 1) (exp512 saturates: +-1 at the ends), within ~1e-7 of tanhf: a soft cap's
+ * scores (Gemma 2) to ~cap x 1e-7. */
+static inline __m512 tanh512(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(exp512(_mm512_add_ps(x, x)), one)));
 }
 
 /* r[i] lane j becomes r[j] lane i (64 shuffles). */
@@ -140,7 +148,7 @@ static inline __attribute__((always_inline)) void pa_values(const float *st, int
  * (krow, vrow) from position `first` (a multiple of 16) up to the tile's last position. */
 static void pa_tile(int64_t rows, const int64_t *pos, const float *const *qrow, float *const *orow,
                     const float *const *krow, const float *const *vrow, int64_t first, int64_t head_dim,
-                    int64_t v_dim, float scale, int64_t window, float *qt, float *st, float *inv) {
+                    int64_t v_dim, float scale, int64_t window, float soft_cap, float *qt, float *st, float *inv) {
     const int64_t np = (rows + 15) / 16;
     int64_t lo = pos[0], hi = pos[0];
     for (int64_t r = 1; r < rows; r++) lo = pos[r] < lo ? pos[r] : lo, hi = pos[r] > hi ? pos[r] : hi;
@@ -164,8 +172,18 @@ static void pa_tile(int64_t rows, const int64_t *pos, const float *const *qrow, 
     }
     /* the softmax of each row (lane) over its allowed keys, kp <= pos and kp > pos - window: only the keys from
      * `masked_from` (past the lowest row's position) or below `masked_below` (out of the highest's window) need
-     * the comparison; exp(score x scale - max x scale) in one rounding (scale > 0) */
+     * the comparison; exp(score x scale - max x scale) in one rounding (scale > 0). A soft cap first turns each
+     * score into cap tanh(score x scale / cap), in place */
     const int64_t masked_from = lo + 1 - tile_first, masked_below = window > 0 ? hi + 1 - window - tile_first : 0;
+    if (soft_cap > 0.0f) {
+        const __m512 inward = _mm512_set1_ps(scale / soft_cap), cap = _mm512_set1_ps(soft_cap);
+        for (int64_t j = 0; j < keys; j++)
+            for (int64_t p = 0; p < np; p++) {
+                float *col = st + j * PA_TILE + 16 * p;
+                _mm512_store_ps(col, _mm512_mul_ps(cap, tanh512(_mm512_mul_ps(_mm512_load_ps(col), inward))));
+            }
+        scale = 1.0f;
+    }
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t p = 0; p < np; p++) {
         int32_t lane_pos[16];
@@ -245,7 +263,7 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
                             const int64_t *block_tables, const int64_t *query_start_loc, const int64_t *seq_lens,
                             float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t v_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                            int kind) {
+                            float soft_cap, int kind) {
     if (head_dim % 16 || v_dim % 16 || kind < 0 || kind > 2) return -2;
     const int64_t group = num_heads / num_kv_heads;
     /* tasks: (sequence, kv head, PA_TASK_ROWS rows), the sequences' row chunks listed first to last */
@@ -304,7 +322,7 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
                 for (int64_t r0 = 0; r0 < r_end - r_first; r0 += PA_TILE) {
                     const int64_t rows = r_end - r_first - r0 < PA_TILE ? r_end - r_first - r0 : PA_TILE;
                     pa_tile(rows, pos + r0, qrow + r0, orow + r0, krow, vrow, first, head_dim, v_dim, scale, window,
-                            qt, st, inv);
+                            soft_cap, qt, st, inv);
                 }
             }
         }
@@ -319,10 +337,10 @@ int paged_prefill_attention(const float *query, const void *key_cache, const voi
                             const int64_t *block_tables, const int64_t *query_start_loc, const int64_t *seq_lens,
                             float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t v_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                            int kind) {
+                            float soft_cap, int kind) {
     (void)query, (void)key_cache, (void)value_cache, (void)block_tables, (void)query_start_loc, (void)seq_lens;
     (void)out, (void)num_seqs, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)v_dim, (void)block_size;
-    (void)max_blocks, (void)scale, (void)window, (void)kind;
+    (void)max_blocks, (void)scale, (void)window, (void)soft_cap, (void)kind;
     return -2;
 }
 #endif
