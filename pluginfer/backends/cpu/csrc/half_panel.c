@@ -7,11 +7,11 @@
  *
  * A tile is up to 8 rows x 3 panels (48 outputs, 24 accumulators), or from 49 rows up to 14 rows x 2 panels
  * (28): each step broadcasts one input of each row (x repacked into groups of rows, [k][group rows]) against
- * one 16-wide line of each panel. Tiles of 3 panels (up to 48 rows): the first row group widens each line
- * exactly to float32 in registers as it reads it and, with more groups to come, stores the widened block of
- * HP_KB inputs (24 KiB, per thread) for them, under its own multiply-adds (a separate widening pass, which
- * also took the stalls of reading the weights from memory, cost 7-12 % at 16-32 rows). Tiles of 2 panels
- * read blocks of twice as many inputs widened by such a pass, paid once per 112 rows. Against the dot-product
+ * one 16-wide line of each panel. The first row group of a block widens each line exactly to float32 in
+ * registers as it reads it and, with more groups to come, stores the widened block (HP_KB inputs of 3 panels,
+ * twice as many of 2: 24 or 32 KiB, per thread) for them, under its own multiply-adds: a separate widening
+ * pass, which also took the stalls of reading the weights from memory, cost 7-12 % at 16-32 rows and 4-10 % at
+ * 64-512 (all linears of an F16 0.5B model, one thread). Against the dot-product
  * GEMV of half_linear.c, whose tiles re-read every row of x for each 4 outputs (at 16 rows x no longer fits
  * L1: the reads of x bound it), x is read once per 48 outputs: an F16 0.5B model's linears at 16 rows
  * 103 -> 91 ms a step. While a block's tiles run, the lines of the thread's next block are prefetched into
@@ -74,8 +74,9 @@ static inline void hp_fetch_line(hp_fetch *f) {
 }
 
 /* MR rows x P panels over kk inputs: at the group's x at the block ([kk][GR], GR the group's rows), w the block's
- * panels (WIDE: widened float32, [P][kk][16]; else the packed 16-bit values of one group, [kk][48], dtype 0
- * bfloat16, 1 float16), c row 0 of the outputs (rows ldc apart); first / last: the block is the first / last
+ * panels (WIDE: widened float32, [P][kk][16]; else P pointers to each panel's first packed 16-bit line of the
+ * block, lines HP_GROUP values apart, dtype 0 bfloat16, 1 float16; widened, if not NULL, receives those lines
+ * widened, [P][kk][16]), c row 0 of the outputs (rows ldc apart); first / last: the block is the first / last
  * of the inputs (start from zero or from c; add the bias). */
 #define HP_TILE(MR, P, GR, WIDE)                                                                                \
     static void hp_tile_##MR##x##P##_##WIDE(const float *at, const void *w, int dtype, int64_t kk,              \
@@ -86,12 +87,14 @@ static inline void hp_fetch_line(hp_fetch *f) {
             for (int p = 0; p < P; p++)                                                                        \
                 acc[r][p] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[p], c + r * ldc + p * HP_PANEL); \
         hp_fetch f = *fetch; /* in registers through the loop */                                            \
+        const uint16_t *line[P];                                                                               \
+        for (int p = 0; p < P; p++) line[p] = WIDE ? NULL : ((const uint16_t *const *)w)[p];                   \
         for (int64_t i = 0; i < kk; i++) {                                                                     \
             hp_fetch_line(&f);                                                                                 \
             __m512 wv[P];                                                                                      \
             for (int p = 0; p < P; p++)                                                                        \
                 wv[p] = WIDE ? _mm512_load_ps((const float *)w + (p * kk + i) * HP_PANEL)                       \
-                             : hp_widen_line(dtype, (const uint16_t *)w + i * HP_GROUP + p * HP_PANEL);         \
+                             : hp_widen_line(dtype, line[p] + i * HP_GROUP);                                    \
             if (!WIDE && widened)                                                                              \
                 for (int p = 0; p < P; p++) _mm512_store_ps(widened + (p * kk + i) * HP_PANEL, wv[p]);         \
             for (int r = 0; r < MR; r++) {                                                                     \
@@ -122,6 +125,9 @@ HP_TILES_8(3, 0)
 HP_TILE(1, 2, 14, 1) HP_TILE(2, 2, 14, 1) HP_TILE(3, 2, 14, 1) HP_TILE(4, 2, 14, 1) HP_TILE(5, 2, 14, 1)
 HP_TILE(6, 2, 14, 1) HP_TILE(7, 2, 14, 1) HP_TILE(8, 2, 14, 1) HP_TILE(9, 2, 14, 1) HP_TILE(10, 2, 14, 1)
 HP_TILE(11, 2, 14, 1) HP_TILE(12, 2, 14, 1) HP_TILE(13, 2, 14, 1) HP_TILE(14, 2, 14, 1)
+HP_TILE(1, 2, 14, 0) HP_TILE(2, 2, 14, 0) HP_TILE(3, 2, 14, 0) HP_TILE(4, 2, 14, 0) HP_TILE(5, 2, 14, 0)
+HP_TILE(6, 2, 14, 0) HP_TILE(7, 2, 14, 0) HP_TILE(8, 2, 14, 0) HP_TILE(9, 2, 14, 0) HP_TILE(10, 2, 14, 0)
+HP_TILE(11, 2, 14, 0) HP_TILE(12, 2, 14, 0) HP_TILE(13, 2, 14, 0) HP_TILE(14, 2, 14, 0)
 #pragma GCC pop_options
 
 typedef void (*hp_tile)(const float *, const void *, int, int64_t, float *, int64_t, const __mmask16 *,
@@ -134,21 +140,11 @@ static const hp_tile HP_HALF_3[9] = {0, hp_tile_1x3_0, hp_tile_2x3_0, hp_tile_3x
 static const hp_tile HP_WIDE_2[15] = {0, hp_tile_1x2_1, hp_tile_2x2_1, hp_tile_3x2_1, hp_tile_4x2_1, hp_tile_5x2_1,
                                       hp_tile_6x2_1, hp_tile_7x2_1, hp_tile_8x2_1, hp_tile_9x2_1, hp_tile_10x2_1,
                                       hp_tile_11x2_1, hp_tile_12x2_1, hp_tile_13x2_1, hp_tile_14x2_1};
-
-/* The kk inputs from i0 of panels p0 .. p0 + P - 1 widened into wide [P][kk][16]; zeros for a panel past
- * `panels` (a tile's outputs there are masked). */
-static void hp_widen(int dtype, const uint16_t *packed, int64_t k, int64_t p0, int64_t i0, int64_t kk, int P,
-                     int64_t panels, float *wide) {
-    for (int p = 0; p < P; p++) {
-        const uint16_t *src = hp_panel(packed, k, p0 + p) + i0 * HP_GROUP;
-        float *dst = wide + p * kk * HP_PANEL;
-        if (p0 + p >= panels) {
-            memset(dst, 0, (size_t)(kk * HP_PANEL) * sizeof(float));
-            continue;
-        }
-        for (int64_t i = 0; i < kk; i++) _mm512_store_ps(dst + i * HP_PANEL, hp_widen_line(dtype, src + i * HP_GROUP));
-    }
-}
+static const hp_tile HP_HALF_2[15] = {0, hp_tile_1x2_0, hp_tile_2x2_0, hp_tile_3x2_0, hp_tile_4x2_0, hp_tile_5x2_0,
+                                      hp_tile_6x2_0, hp_tile_7x2_0, hp_tile_8x2_0, hp_tile_9x2_0, hp_tile_10x2_0,
+                                      hp_tile_11x2_0, hp_tile_12x2_0, hp_tile_13x2_0, hp_tile_14x2_0};
+/* The packed lines of a panel past the outputs (a tile of 2 panels at the end; its outputs are masked). */
+static const uint16_t HP_ZERO_LINES[2 * HP_KB * HP_GROUP];
 
 /* panel_linear.c's: x in groups of `rows` rows, [groups][k][rows], in the calling thread's buffer (NULL: it
  * could not grow). */
@@ -183,7 +179,6 @@ int half_panel_linear(int dtype, const float *x, const uint16_t *packed, const f
                 const float *bias_b = bias ? bias + b * width : NULL;
                 for (int64_t kb = 0; kb < kblocks; kb++) {
                     const int64_t i0 = kb * KB, kk = k - i0 < KB ? k - i0 : KB;
-                    if (P == 2) hp_widen(dtype, packed, k, b * P, i0, kk, P, panels, wide);
                     /* the next block: these panels' next inputs, else the next panels' first; the rows of those
                      * inputs in the groups its panels fall in (one group, or two for tiles of 2 panels) */
                     const int64_t nb = kb + 1 < kblocks ? b : b + 1, ni0 = kb + 1 < kblocks ? i0 + KB : 0;
@@ -192,14 +187,17 @@ int half_panel_linear(int dtype, const float *x, const uint16_t *packed, const f
                     hp_fetch fetch = {(const char *)(packed + (g0 * k + ni0) * HP_GROUP), k * HP_GROUP * 2, lines, 0,
                                       nb < blocks ? (g1 - g0 + 1) * lines : 0, 0};
                     fetch.per = (fetch.left + steps * kk - 1) / (steps * kk);
-                    const uint16_t *half = packed + (b * k + i0) * HP_GROUP;
+                    const uint16_t *first_lines[3];
+                    for (int p = 0; p < P; p++)
+                        first_lines[p] = b * P + p < panels ? hp_panel(packed, k, b * P + p) + i0 * HP_GROUP
+                                                            : HP_ZERO_LINES;
                     for (int64_t r0 = rb; r0 < rb_end; r0 += GR) {
                         const int64_t rows = rb_end - r0 < GR ? rb_end - r0 : GR;
-                        /* 3 panels: the first group widens each line in registers (and, with more groups to
-                         * come, stores it widened for them) */
-                        const int widens = P == 3 && r0 == rb;
-                        const hp_tile tile = widens ? HP_HALF_3[rows] : tiles[rows];
-                        tile(at + r0 * k + i0 * GR, widens ? (const void *)half : (const void *)wide, dtype, kk,
+                        /* the first group widens each line in registers (and, with more groups to come, stores it
+                         * widened for them) */
+                        const int widens = r0 == rb;
+                        const hp_tile tile = widens ? (P == 3 ? HP_HALF_3 : HP_HALF_2)[rows] : tiles[rows];
+                        tile(at + r0 * k + i0 * GR, widens ? (const void *)first_lines : (const void *)wide, dtype, kk,
                              out + r0 * n + b * width, n, masks, bias_b, kb == 0, kb + 1 == kblocks, &fetch,
                              widens && rb_end - rb > GR ? wide : NULL);
                     }
