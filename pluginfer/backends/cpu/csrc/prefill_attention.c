@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #endif
 #include "exp_avx512.h"
+#include "transpose16_avx512.h"
 
 #define PA_TILE 48       /* query rows per tile: 3 panels of 16 */
 #define PA_TASK_ROWS 96  /* query rows per task (two tiles): the keys widened once for them */
@@ -45,32 +46,6 @@ static inline __attribute__((always_inline)) __m512 pa_load(const void *cache, i
 static inline __m512 tanh512(__m512 x) {
     const __m512 one = _mm512_set1_ps(1.0f);
     return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(exp512(_mm512_add_ps(x, x)), one)));
-}
-
-/* r[i] lane j becomes r[j] lane i (64 shuffles). */
-static inline void transpose16_ps(__m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    /* u[4g + c], 128-bit lane L: column 4L + c of rows 4g .. 4g + 3 */
-    for (int g = 0; g < 4; g++) {
-        u[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-        u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
-        u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-        u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
-    }
-    /* for each c, the 4 x 4 transpose of 128-bit lanes across u[c], u[4 + c], u[8 + c], u[12 + c] */
-    for (int c = 0; c < 4; c++) {
-        const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
-        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
-        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
-        r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
-        r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
-        r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
-    }
 }
 
 /* row[i]: the float32 features of position from + i of one KV head (dim, a multiple of 16), for i < to - from:
@@ -159,11 +134,11 @@ static void pa_tile(int64_t rows, const int64_t *pos, const float *const *qrow, 
     /* the queries transposed, 16 rows x 16 features at a time; rows past `rows` zero */
     for (int64_t p = 0; p < np; p++)
         for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
-            __m512 block[16];
+            __m512i block[16];
             for (int64_t r = 0; r < 16; r++)
-                block[r] = p * 16 + r < rows ? _mm512_loadu_ps(qrow[p * 16 + r] + d0) : _mm512_setzero_ps();
-            transpose16_ps(block);
-            for (int64_t d = 0; d < 16; d++) _mm512_store_ps(qt + (d0 + d) * PA_TILE + 16 * p, block[d]);
+                block[r] = p * 16 + r < rows ? _mm512_loadu_si512(qrow[p * 16 + r] + d0) : _mm512_setzero_si512();
+            transpose16_epi32(block);
+            for (int64_t d = 0; d < 16; d++) _mm512_store_si512(qt + (d0 + d) * PA_TILE + 16 * p, block[d]);
         }
     for (int64_t j = 0; j < keys; j += 8) {
         switch (np) {

@@ -30,27 +30,8 @@
 
 /* 16 vectors of 16 dwords transposed: out[q] lane c = in[c] lane q. */
 static inline void qp_transpose16(const uint8_t (*in)[64], __m512i *out) {
-    __m512i r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(in[i]);
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* r[4i + q], 128-bit lane L: dword 4L + q of rows 4i .. 4i + 3 */
-        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int q = 0; q < 4; q++) { /* a 4 x 4 transpose of 128-bit lanes */
-        const __m512i a = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x44), b = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xEE);
-        const __m512i c = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x44);
-        const __m512i d = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xEE);
-        out[q] = _mm512_shuffle_i32x4(a, c, 0x88);
-        out[4 + q] = _mm512_shuffle_i32x4(a, c, 0xDD);
-        out[8 + q] = _mm512_shuffle_i32x4(b, d, 0x88);
-        out[12 + q] = _mm512_shuffle_i32x4(b, d, 0xDD);
-    }
+    for (int i = 0; i < 16; i++) out[i] = _mm512_load_si512(in[i]);
+    transpose16_epi32(out);
 }
 
 /* KIND 0: the legacy types (a unit of two blocks of 32, one vector); 1: Q4_K / Q5_K (a super-block of 8
