@@ -4,8 +4,8 @@
  * (16 heads x 64, one thread, the gathered keys and a mask), this is two register-tiled GEMMs a layer.
  *
  * A task is one sequence, one KV head and up to PA_TASK_ROWS of its query rows (row r: token r / group,
- * query head r % group of the KV head). It widens the keys and values its rows may see into float32
- * buffers, [key][dim], once; then per tile of up to 48 rows:
+ * query head r % group of the KV head). It points at the key and value rows its rows may see, once (a 16-bit
+ * cache's rows widened into float32 buffers); then per tile of up to 48 rows:
  *   scores^T [key][row] = K Q^T: 8 keys x 3 panels of 16 rows, each key value broadcast against the rows'
  *     transposed queries (no transpose of the keys, no horizontal sums);
  *   the softmax down each column, rows in lanes (after a soft cap, if any): the masked scores (causal, sliding
