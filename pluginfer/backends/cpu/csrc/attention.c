@@ -34,15 +34,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * float32 operations however the heads and positions are blocked (test_native_branches checks it).
  * This path reads the float32 cache near the memory's rate. */
 
-/* 16 values at element index of a float32 (kind 0), float16 (1) or bfloat16 (2) cache, widened exactly: the
- * kernels below take kind as a constant (always inlined), so the float32 kernel's code is unchanged. */
-static inline __attribute__((always_inline)) __m512 load_cache_ps(const void *cache, int64_t index, int kind) {
-    if (kind == 0) return _mm512_loadu_ps((const float *)cache + index);
-    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + index));
-    if (kind == 1) return _mm512_cvtph_ps(bits);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 /* Software prefetch of the task's rows of positions [from, from + 8) of a 16-bit cache: without it the kv16
  * kernel gained little from reading half the bytes. The float32 kernel gained nothing from it and goes without. */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int64_t *cache_row, int64_t from,

@@ -98,6 +98,13 @@ static inline __m512 widen16_ps(__m256i bits, int dtype) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+/* 16 values at element index of a float32 (kind 0), float16 (1) or bfloat16 (2) cache, widened exactly (the
+ * attention kernels: always inlined with a constant kind, so the float32 kernels' code has no branch). */
+static inline __attribute__((always_inline)) __m512 load_cache_ps(const void *cache, int64_t index, int kind) {
+    if (kind == 0) return _mm512_loadu_ps((const float *)cache + index);
+    return widen16_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + index)), kind);
+}
+
 /* 16 floats to 16-bit bits, as store16 does each. */
 static inline __m256i narrow16_ps(__m512 v, int dtype) {
     if (dtype == HALF_F16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

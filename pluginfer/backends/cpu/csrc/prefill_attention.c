@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #endif
 #include "exp_avx512.h"
+#include "half_values.h"
 #include "transpose16_avx512.h"
 
 #define PA_TILE 48       /* query rows per tile: 3 panels of 16 */
@@ -32,14 +33,6 @@
 
 #if defined(__AVX512F__)
 int prefill_attention_supported(void) { return 1; }
-
-/* 16 values from element index of a float32 (kind 0), float16 (1) or bfloat16 (2) cache, widened exactly. */
-static inline __attribute__((always_inline)) __m512 pa_load(const void *cache, int64_t index, int kind) {
-    if (kind == 0) return _mm512_loadu_ps((const float *)cache + index);
-    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + index));
-    if (kind == 1) return _mm512_cvtph_ps(bits);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 
 /* tanh(x) = 1 - 2 / (exp(2x) + 1) (exp512 saturates: +-1 at the ends), within ~1e-7 of tanhf: a soft cap's
  * scores (Gemma 2) to ~cap x 1e-7. */
@@ -65,7 +58,7 @@ static void pa_rows(const void *cache, int kind, const int64_t *table, int64_t b
             continue;
         }
         float *dst = wide + (pos - from) * dim;
-        for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, pa_load(cache, base + d, kind));
+        for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, load_cache_ps(cache, base + d, kind));
         row[pos - from] = dst;
     }
 }
