@@ -16,7 +16,7 @@
  * L1: the reads of x bound it), x is read once per 48 outputs: an F16 0.5B model's linears at 16 rows
  * 103 -> 91 ms a step. While a block's tiles run, the lines of the thread's next block but one are prefetched
  * into L2, a few per turn of the tiles' loop, so the weight streams from memory under the arithmetic (one block
- * ahead left them late: 16 rows 6 %, 32 rows 11 % slower). One core keeps ~16 lines in flight for its loads and
+ * ahead left them late: 32-512 rows 3-9 % slower). One core keeps ~16 lines in flight for its loads and
  * prefetches: streaming under arithmetic reaches ~7.5 GB/s here, against ~13 GB/s for reads alone.
  *
  * Each output is one float32 fused multiply-add chain over k in order (partial sums kept in out between
