@@ -1095,7 +1095,6 @@ int quant_dot_quantize(const float *x, int64_t m, int64_t k, int8_t *q, float *d
 #endif
 
 #if defined(QD_AVX512)
-#include "transpose16_avx512.h"
 #include "quant_panel_avx512.h"
 #else
 /* The many-row GEMM is AVX-512 VNNI's (quant_panel_avx512.h); elsewhere quant_matmul takes every row count. */

@@ -23,6 +23,7 @@
  * quant_dot.c's few-row tiles, which sum lanes of 4 inputs before the blocks' scales).
  * OpenMP: the rows are quantized in parallel, then the threads split the panels (output columns).
  */
+#include "transpose16_avx512.h"
 
 #define QP_COLS 32    /* columns per panel */
 #define QP_ROWS 4     /* rows per micro-tile */
