@@ -65,7 +65,9 @@ def test_the_search_equals_transformers_on_its_own_logprobs(tiny_llama_checkpoin
         expected, scores = hf_beams(model, prompt, params, frequent_token)
         length = len(expected[0])
         assert [padded(beam.token_ids, length, frequent_token) for beam in beams] == expected
-        assert [beam.score for beam in beams] == pytest.approx(scores, abs=1e-4)
+        # the sums of logprobs agree to 1e-4 (transformers' whole-prompt forward against its cached one: float32
+        # rounding, which the CPU's GEMM kernel changes); a score is its sum times length ** -length_penalty
+        assert [beam.score for beam in beams] == pytest.approx(scores, abs=1e-4 * max(1.0, 10 ** -length_penalty))
         assert all(beam.finished for beam in beams)
     if length_penalty <= 1.0:  # (a penalty above 1 favours the long beams: the short ones lose)
         assert any(beam.token_ids[-1] == frequent_token and len(beam.token_ids) < 10 for beams in ours
