@@ -282,7 +282,7 @@ def fresh_logs() -> Iterator[None]:
     native_library._logged.clear()
 
 
-def test_ggml_linear_takes_the_fused_kernel_up_to_the_row_threshold(monkeypatch: pytest.MonkeyPatch,
+def test_ggml_linear_takes_the_fused_kernel_at_every_row_count_with_float32_tiles(monkeypatch: pytest.MonkeyPatch,
                                                                       fresh_logs: None) -> None:
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setenv(native_quant.QUANT_TILES_ENV, "float32")  # bfloat16 tiles past the threshold: test_bf16_tiles.py
@@ -290,8 +290,8 @@ def test_ggml_linear_takes_the_fused_kernel_up_to_the_row_threshold(monkeypatch:
     assert isinstance(kernel, native_quant.GGMLDequantize) and kernel.quant_matmul is native_quant.ggml_quant_matmul
     assert native.op("ggml_quant_matmul") is native_quant.ggml_quant_matmul
     cols, limit = 256, ggml_blocks.QUANT_MATMUL_MAX_ROWS
-    panel = native_quant.panel_supported()  # AVX-512 VNNI: the panel GEMM takes every row count
-    assert set(kernel.quant_matmul_max_rows.values()) == {native_quant.PANEL_MAX_ROWS if panel else limit}
+    # with float32 tiles the panel GEMM takes every row count
+    assert set(kernel.quant_matmul_max_rows.values()) == {native_quant.PANEL_MAX_ROWS}
     raw = weight_bytes(T.Q4_K, 600, cols, seed=2)  # two tiles of the dequantizing path
     weights = ggml_blocks.dequantize(raw, T.Q4_K, cols)
     bias = torch.randn(600)
@@ -299,12 +299,9 @@ def test_ggml_linear_takes_the_fused_kernel_up_to_the_row_threshold(monkeypatch:
         x = torch.randn(rows, cols)
         out = ggml_blocks.ggml_linear(x, raw, T.Q4_K, cols, bias, kernel)
         plain = ggml_blocks.ggml_linear(x, raw, T.Q4_K, cols, bias, native_quant.ggml_dequantize)
-        if rows <= limit or panel:
-            assert torch.equal(out, native_quant.ggml_quant_matmul(x, raw, T.Q4_K, cols) + bias)
-            assert not torch.equal(out, plain)
-        else:  # prefill sizes: dequantized tiles and the float GEMM, as before
-            assert torch.equal(out, plain)
-            torch.testing.assert_close(out, F.linear(x, weights, bias), atol=1e-4, rtol=1e-4)
+        assert torch.equal(out, native_quant.ggml_quant_matmul(x, raw, T.Q4_K, cols) + bias)
+        assert not torch.equal(out, plain)
+        torch.testing.assert_close(plain, F.linear(x, weights, bias), atol=1e-4, rtol=1e-4)
     # Types without a fused kernel keep the dequantizing path.
     raw = weight_bytes(T.Q3_K, 40, cols, seed=2)
     x = torch.randn(3, cols)
@@ -350,9 +347,8 @@ def k_llama(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) 
 @pytest.mark.parametrize("quant", ["q4_0", "q8_0", "q4_k"])
 def test_quantized_llama_logits_with_int8_and_float_activations(
         quant: str, k_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prompt of 24 tokens (under the row threshold: every linear fused) stays within the stated
-    bound of the float path; one over the threshold is the float path exactly (with the panel GEMM,
-    AVX-512 VNNI, fused too: within the same bound); greedy tokens match or were near-ties."""
+    """Prompts of 24 and 144 tokens (every linear fused: the few-row tiles, the panel GEMM) stay within the
+    stated bound of the float path; greedy tokens match or were near-ties."""
     short, long = random_prompts(200, [24, ggml_blocks.QUANT_MATMUL_MAX_ROWS + 16], seed=4)
     results = {}
     # float32 tiles over the threshold, as the float path's (bfloat16 ones there: test_bf16_tiles.py)
@@ -367,11 +363,9 @@ def test_quantized_llama_logits_with_int8_and_float_activations(
                          llm.generate([short], greedy(8))[0].outputs[0].token_ids)
         del llm
     fused, floats = results["int8"], results["float"]
-    if not native_quant.panel_supported():
-        assert torch.equal(fused[1], floats[1])
     # Log-probabilities within 0.15 nats: measured 0.057-0.075 for three prompts and these three types
     # (~0.5 % per linear, compounded over two layers of this random model, whose logits' spread is ~0.8).
-    for prompt in (0, 1) if native_quant.panel_supported() else (0,):
+    for prompt in (0, 1):
         assert float((fused[prompt].log_softmax(-1) - floats[prompt].log_softmax(-1)).abs().max()) < 0.15
     # Greedy continuations (they differ for some prompts): up to the first difference they are the
     # same tokens, and the fused path's token there was a near-tie (within 0.15 nats) for the float path.

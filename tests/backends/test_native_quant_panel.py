@@ -1,8 +1,9 @@
-"""The many-row int8 GEMM of the fused quantized matmul without AMX (``csrc/quant_panel_avx512.h``) against
-the torch reference: the activations rounded as the kernel rounds them (``ggml_blocks.quantize_activations``)
-times the weights dequantized by the bit-exact torch dequantizer, in float64. Then batch invariance, the
-routing of ``ggml_quant_matmul`` with ``PLUGINFER_AMX=0`` and with AMX, NaN rows, and the float path's bound
-on real quantized weights.
+"""The many-row int8 GEMM of the fused quantized matmul without AMX (``csrc/quant_panel.h`` with its AVX-512
+VNNI and AVX2 forms) against the torch reference: the activations rounded as the kernel rounds them
+(``ggml_blocks.quantize_activations``) times the weights dequantized by the bit-exact torch dequantizer, in
+float64. Then batch invariance, the routing of ``ggml_quant_matmul`` with ``PLUGINFER_AMX=0`` and with AMX, NaN
+rows, the float path's bound on real quantized weights, and the AVX2 forms (built here without AVX-512, with
+and without AVX-VNNI) against the same oracle and, bit for bit, the AVX-512 form.
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ def panel_kernel() -> None:
     reason = native.available()
     if reason is not None:
         pytest.skip(f"native kernels unavailable: {reason}")
-    if not native_quant.panel_supported():
-        pytest.skip("the panel GEMM needs AVX-512 VNNI (quant_dot.c's tiles take every row count instead)")
+    if not native_quant.quant_dot_supported():
+        pytest.skip("the panel GEMM needs AVX2 (the dequantizing path runs instead)")
 
 
-def panel_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, cols: int) -> torch.Tensor:
+def panel_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType, cols: int,
+                 library: ctypes.CDLL | None = None) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], raw.shape[0])
-    assert native_library.load().quant_panel_matmul(int(qtype), x.data_ptr(), x.shape[0], cols, raw.data_ptr(),
-                                                    raw.shape[0], raw.shape[1], out.data_ptr()) == 0
+    assert (library or native_library.load()).quant_panel_matmul(
+        int(qtype), x.data_ptr(), x.shape[0], cols, raw.data_ptr(), raw.shape[0], raw.shape[1], out.data_ptr()) == 0
     return out
 
 
@@ -92,7 +94,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it_or_the_threads(qtype: GGMLQ
 
 @pytest.mark.parametrize("amx", [False, True], ids=["PLUGINFER_AMX=0", "AMX"])
 def test_ggml_quant_matmul_takes_the_panel_from_its_row_threshold(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without AMX tiles every type takes the panel from ``PANEL_MIN_ROWS`` rows (quant_dot.c's tiles below);
+    """Without AMX tiles every type takes the panel from ``panel_min_rows()`` rows (quant_dot.c's tiles below);
     with them, the types the tiles take keep their path unchanged (quant_dot.c's tiles below
     ``amx_quant.MIN_ROWS``), the others take the panel."""
     if amx and amx_quant.library() is None:
@@ -104,7 +106,7 @@ def test_ggml_quant_matmul_takes_the_panel_from_its_row_threshold(amx: bool, mon
         cols = cols_for(qtype, shapes(qtype)[1])
         raw = weight_bytes(qtype, 45, cols, seed=3)
         weights = ggml_blocks.dequantize(raw, qtype, cols).double()
-        threshold = native_quant.PANEL_MIN_ROWS[int(qtype)]
+        threshold = native_quant.panel_min_rows()[int(qtype)]
         for rows in (1, threshold - 1, threshold, 33):
             x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
             out = native_quant.ggml_quant_matmul(x, raw, qtype, cols)
@@ -131,14 +133,29 @@ def test_nan_rows_and_the_float_paths_bound(qtype: GGMLQuantizationType) -> None
     assert out[1:4].isnan().all() and torch.equal(out[[0, *range(4, 12)]], clean[[0, *range(4, 12)]])
 
 
-@pytest.mark.slow  # builds quant_dot.c twice more (without AVX-512, with and without AVX-VNNI)
-def test_avx2_builds_have_no_panel(avx2_library: ctypes.CDLL) -> None:
-    """Without AVX-512 VNNI the panel entry is a stub (-4) and ``panel_supported`` would say no: the VNNI
-    kernel's AVX2 form takes every row count there (its tests: test_native_quant_dot.py)."""
-    raw = weight_bytes(T.Q4_0, 4, 64, seed=1)
-    x, out = torch.randn(8, 64), torch.empty(8, 4)
+@pytest.mark.parametrize("qtype", FUSED, ids=lambda t: t.name)
+def test_avx2_panel_equals_the_int8_reference_and_the_avx512_panel(avx2_library: ctypes.CDLL,
+                                                                   qtype: GGMLQuantizationType) -> None:
+    """quant_panel_avx2.h: the exact oracle and batch invariance for rows 1..9, 16 and 17 (tiles of 4 rows and
+    every remainder), outputs 37 and 70 (panels of 8 and a partial one), more than one chunk; Q8_0 with levels
+    of -128 (without AVX-VNNI it takes the sign trick). Its integer sums are exact and its float operations
+    those of the AVX-512 form, so where this CPU runs that form the outputs are the same bits."""
     avx2_library.quant_panel_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    assert avx2_library.quant_panel_matmul(int(T.Q4_0), x.data_ptr(), 8, 64, raw.data_ptr(), 4, raw.shape[1],
-                                           out.data_ptr()) == -4
-    assert avx2_library.quant_dot_supported() in (2, 3)
+    generator = torch.Generator().manual_seed(int(qtype) + 100)
+    avx512 = native_quant.quant_dot_isa() == "AVX-512 VNNI"
+    for blocks in shapes(qtype)[1:]:
+        cols = cols_for(qtype, blocks)
+        for outputs in (37, 70):
+            raw = weight_bytes(qtype, outputs, cols, seed=int(qtype) + blocks)
+            if qtype == T.Q8_0:
+                raw.view(outputs, -1, 34)[2:, :, 2] = 0x80
+            weights = ggml_blocks.dequantize(raw, qtype, cols).double()
+            x = torch.randn(17, cols, generator=generator)
+            alone = torch.cat([panel_matmul(row[None], raw, qtype, cols, avx2_library) for row in x])
+            for rows in (*range(1, 10), 16, 17):
+                out = panel_matmul(x[:rows], raw, qtype, cols, avx2_library)
+                assert_exact_oracle(out, x[:rows], weights)
+                assert torch.equal(out, alone[:rows])
+                if avx512:
+                    assert torch.equal(out, panel_matmul(x[:rows], raw, qtype, cols))

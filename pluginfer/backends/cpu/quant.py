@@ -136,8 +136,8 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
     without a float copy of ``W`` (``csrc/quant_dot.c``): each row of ``x`` is quantized per block of
     32 to int8 with a float32 scale, as llama.cpp's Q8_0, and multiplied with the weights' levels in
     integers; from a few rows up, on a CPU with AMX, on int8 tiles (``backends/cpu/amx_quant.py``), and
-    without them, from :data:`PANEL_MIN_ROWS` rows (3-8) on AVX-512 VNNI, by the panel GEMM
-    (``csrc/quant_panel_avx512.h``: each weight block decoded once per call and reused by every row).
+    without them, from :func:`panel_min_rows` rows (3-12 by type and instruction set), by the panel GEMM
+    (``csrc/quant_panel.h``: each weight block decoded once per call and reused by every row).
     The result has ``x``'s dtype (float16/bfloat16 ``x`` is converted to float32 and back).
     None: a type, dtype, device or layout it does not handle; use the dequantizing path."""
     qtype = int(qtype)
@@ -164,7 +164,7 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
                 record_at(recorder, amx_quant.library().amx_quant_matmul, qtype, flat.data_ptr(), rows, cols,
                            raw.data_ptr(), raw.shape[0], raw.shape[1], out.data_ptr())
             return out if x.dtype == torch.float32 else out.to(x.dtype)
-    if rows >= PANEL_MIN_ROWS[qtype] and not amx and panel_supported():  # many rows, no AMX tiles: the panel GEMM
+    if rows >= panel_min_rows()[qtype] and not amx:  # many rows, no AMX tiles: the panel GEMM
         status = native().quant_panel_matmul(qtype, flat.data_ptr(), rows, cols, raw.data_ptr(), raw.shape[0],
                                              raw.shape[1], out.data_ptr())
     else:
@@ -234,18 +234,25 @@ def quant_dot_isa() -> str | None:
     return QUANT_DOT_ISAS.get(library.load().quant_dot_supported())
 
 
-# Rows of x from which ggml_quant_matmul hands a step to the panel GEMM (AVX-512 VNNI, where AMX tiles do not
-# take it), by GGML type: one core, CPU time, 1024 x 1024 and the 0.5B llama's 4864 x 896 and 896 x 4864
-# linears: the panel as fast as quant_dot.c's few-row tiles at 3 rows (Q4_0), 4 (Q4_K, Q6_K), 5-6 (Q8_0),
-# 5-8 (the types decoded per column, then transposed); 1.9-2.2x theirs at 16 rows, 2.5-3.2x at 512.
-PANEL_MIN_ROWS = {2: 3, 8: 6, 12: 4, 14: 4, 3: 8, 6: 8, 7: 8, 13: 8}
-_PANEL: list[bool] = []  # whether this library has the panel GEMM, once asked
+# Rows of x from which ggml_quant_matmul hands a step to the panel GEMM (where AMX tiles do not take it), by
+# the instruction set it was built for and GGML type: one core, CPU time. AVX-512 VNNI, 1024 x 1024 and the
+# 0.5B llama's 4864 x 896 and 896 x 4864 linears: the panel as fast as quant_dot.c's few-row tiles at 3 rows
+# (Q4_0), 4 (Q4_K, Q6_K), 5-6 (Q8_0), 5-8 (the types decoded per column, then transposed); 1.9-2.2x theirs at
+# 16 rows, 2.5-3.2x at 512. AVX2 (vpmaddubsw), 2816 x 1024 and 1024 x 2816: from 5 rows (Q4_1, Q5_0), 6 (Q4_0,
+# Q6_K), 8-9 (Q4_K), 12 (Q8_0: its sign trick takes twice the operations); 1.1-1.9x at 16 rows, 1.3-2.6x at 128.
+PANEL_MIN_ROWS = {
+    "AVX-512 VNNI": {2: 3, 8: 6, 12: 4, 14: 4, 3: 8, 6: 8, 7: 8, 13: 8},
+    "AVX2": {2: 6, 8: 12, 12: 9, 14: 6, 3: 5, 6: 5, 7: 5, 13: 9},
+}
+PANEL_MIN_ROWS["AVX2 + AVX-VNNI"] = PANEL_MIN_ROWS["AVX2"]
+_PANEL: list[dict[int, int]] = []  # this library's PANEL_MIN_ROWS, once asked
 
 
-def panel_supported() -> bool:
-    """Whether the fused matmul's many-row panel GEMM runs here (its AVX-512 VNNI build)."""
+def panel_min_rows() -> dict[int, int]:
+    """GGML type -> rows of x from which the panel GEMM takes a step here; every type at 2**62 where it has no
+    panel GEMM (no AVX2)."""
     if not _PANEL:
-        _PANEL.append(library.load().quant_dot_supported() == 1)
+        _PANEL.append(PANEL_MIN_ROWS.get(quant_dot_isa(), dict.fromkeys(QUANT_MATMUL_TYPES, 1 << 62)))
     return _PANEL[0]
 
 
@@ -265,22 +272,19 @@ def quant_matmul_op() -> Callable | None:
         log_once(logging.WARNING, "quantized linears: no fused int8-activation kernel for this CPU (it needs "
                                    "AVX2); every step dequantizes tiles for a GEMM")
         return None
-    panel = ("its many-row int8 panel GEMM where AMX tiles do not take a step" if panel_supported() else
-             "no many-row panel GEMM (it needs AVX-512 VNNI): float32 tiles past 128 rows")
     log_once(logging.INFO, f"quantized linears: fused int8-activation kernel ({quant_dot_isa()}) for Q4_0, "
-                            f"Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; {panel}")
+                            f"Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; its many-row int8 panel GEMM where AMX "
+                            f"tiles do not take a step")
     return ggml_quant_matmul
 
 
 QUANT_TILES_ENV = "PLUGINFER_QUANT_TILES"
-# Rows of x up to which a GGML linear takes the fused int8-activation matmul, by the dtype of the tiles the
-# rows above it dequantize to; measured on one core, by CPU time.
-# Against float32 tiles the fused kernel wins up to ~128 rows. Against bfloat16 tiles on the AMX GEMM the
-# AVX-512 VNNI kernel wins up to ~48 (Q4_K, Q8_0, Q4_0: 0.86-1.1x at 48 rows, 1.0-1.4x at 64), and the AMX
-# int8 kernel (amx_quant.py) up to ~128 for Q4_0 and Q4_K (0.92-1.0x at 128, 1.2x at 192) and ~256 for Q8_0
-# (0.94-1.16x at 256, 1.14-1.33x at 384); Q6_K not measured, given Q4_K's.
-QUANT_MATMUL_MAX_ROWS = {torch.float32: 128, torch.bfloat16: 48}
-# Where the panel GEMM runs (AVX-512 VNNI) and tiles would be float32 (no AMX): every step takes the int8 path.
+# Rows of x up to which a GGML linear takes the fused int8-activation matmul against bfloat16 tiles on the AMX
+# GEMM above it, measured on one core, by CPU time: the AVX-512 VNNI kernel wins up to ~48 (Q4_K, Q8_0, Q4_0:
+# 0.86-1.1x at 48 rows, 1.0-1.4x at 64), and the AMX int8 kernel (amx_quant.py) up to ~128 for Q4_0 and Q4_K
+# (0.92-1.0x at 128, 1.2x at 192) and ~256 for Q8_0 (0.94-1.16x at 256, 1.14-1.33x at 384); Q6_K not measured,
+# given Q4_K's. Against float32 tiles the panel GEMM wins at every row count (AVX2 or AVX-512 VNNI, 3x at 512).
+BFLOAT16_TILES_FROM_ROWS = 48
 PANEL_MAX_ROWS = 1 << 40
 # With bfloat16 tiles, for the GGML types the AMX int8 kernel takes (Q4_0, Q8_0, Q4_K, Q6_K).
 AMX_INT8_MAX_ROWS = {2: 128, 8: 256, 12: 128, 14: 128}
@@ -289,13 +293,12 @@ AMX_INT8_MAX_ROWS = {2: 128, 8: 256, 12: 128, 14: 128}
 def quant_matmul_max_rows(tile_dtype: torch.dtype) -> dict[int, int]:
     """GGML type -> the rows of x up to which ``ggml_blocks.ggml_linear`` takes the fused matmul, where the
     rows above it dequantize tiles to ``tile_dtype``."""
-    limit = QUANT_MATMUL_MAX_ROWS[tile_dtype]
-    if tile_dtype == torch.float32:  # the panel GEMM outruns float32 tiles at every row count (3x at 512)
-        return dict.fromkeys(QUANT_MATMUL_TYPES, PANEL_MAX_ROWS if panel_supported() else limit)
+    if tile_dtype == torch.float32:
+        return dict.fromkeys(QUANT_MATMUL_TYPES, PANEL_MAX_ROWS)
     from pluginfer.backends.cpu import amx_quant
 
-    return {qtype: AMX_INT8_MAX_ROWS[qtype] if amx_quant.takes(qtype, AMX_INT8_MAX_ROWS.get(qtype, 0)) else limit
-            for qtype in QUANT_MATMUL_TYPES}
+    return {qtype: AMX_INT8_MAX_ROWS[qtype] if amx_quant.takes(qtype, AMX_INT8_MAX_ROWS.get(qtype, 0))
+            else BFLOAT16_TILES_FROM_ROWS for qtype in QUANT_MATMUL_TYPES}
 # Rows of float32 x from which tiles take that dtype (one core, CPU time, float32 tiles
 # against bfloat16: 0.9-1.3x as fast at 16-24 rows, 1.1-1.6x at 32, 1.3-1.7x at 48, 3.4-3.8x at 512).
 TILE_DTYPE_MIN_ROWS = {torch.bfloat16: 32}
@@ -325,7 +328,7 @@ def tile_dtype() -> torch.dtype:
     why = f"{QUANT_TILES_ENV}=bfloat16" if mode == "bfloat16" else "AMX-BF16"
     log_once(logging.INFO, f"quantized linears: tiles dequantized to bfloat16 for torch's bfloat16 GEMM ({why}), "
                             f"from {TILE_DTYPE_MIN_ROWS[torch.bfloat16]} rows and past the fused kernel's "
-                            f"{QUANT_MATMUL_MAX_ROWS[torch.bfloat16]} (128-256 on AMX int8 tiles); "
+                            f"{BFLOAT16_TILES_FROM_ROWS} (128-256 on AMX int8 tiles); "
                             f"{QUANT_TILES_ENV}=float32 keeps float32 tiles")
     return torch.bfloat16
 

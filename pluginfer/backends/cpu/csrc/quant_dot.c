@@ -630,9 +630,43 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* x[0..31] to int8 levels q and their sums (sum0: of the first 16, sum: all); returns the scale: the rounding
+ * of q8_block_avx512.h, bit for bit. */
+static inline float q8_block_avx2(const float *x, __m256i *q, int32_t *sum0, int32_t *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(FLT_MAX);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    int bad = 0;
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        const __m256 a = _mm256_andnot_ps(sign, v[i]);
+        bad |= _mm256_movemask_ps(_mm256_cmp_ps(a, largest, _CMP_NLE_UQ)); /* an infinity or a NaN */
+        amax = _mm256_max_ps(amax, a);
+    }
+    const float top = hmax8(amax);
+    float d = top / 127.0f, id = top != 0.0f ? 127.0f / top : 0.0f;
+    if (bad) {
+        d = NAN;
+        id = 0.0f;
+    } else if (!(id <= FLT_MAX)) { /* max|x| below ~3.7e-37: the block counts as zeros */
+        d = 0.0f;
+        id = 0.0f;
+    }
+    __m256i l[4];
+    for (int i = 0; i < 4; i++) {
+        l[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        if (bad) l[i] = _mm256_setzero_si256();
+    }
+    *sum0 = hsum8_epi32(_mm256_add_epi32(l[0], l[1]));
+    *sum = *sum0 + hsum8_epi32(_mm256_add_epi32(l[2], l[3]));
+    /* int32 -> int8 in order: packs work within 128-bit lanes, the permute puts them back */
+    const __m256i p16a = _mm256_packs_epi32(l[0], l[1]), p16b = _mm256_packs_epi32(l[2], l[3]);
+    *q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return d;
+}
+
 /* Row x [k] into its records (the layout above), vector v's at base + v * vstride. */
 static void quantize_row(const float *x, int64_t k, uint8_t *base, int64_t vstride, int offset, int has_min) {
-    const __m256 sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(FLT_MAX);
     const int64_t nb = k / 32, nv = (k + 63) / 64;
     const int cs_at = offset ? 192 : 128;
     for (int64_t b = 0; b < 2 * nv; b++) {
@@ -645,37 +679,12 @@ static void quantize_row(const float *x, int64_t k, uint8_t *base, int64_t vstri
             if (has_min == 1) _mm256_storeu_ps(cs, _mm256_setzero_ps());
             continue;
         }
-        __m256 v[4], amax = _mm256_setzero_ps();
-        int bad = 0;
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
-            const __m256 a = _mm256_andnot_ps(sign, v[i]);
-            bad |= _mm256_movemask_ps(_mm256_cmp_ps(a, largest, _CMP_NLE_UQ)); /* an infinity or a NaN */
-            amax = _mm256_max_ps(amax, a);
-        }
-        const float top = hmax8(amax);
-        float d = top / 127.0f, id = top != 0.0f ? 127.0f / top : 0.0f;
-        if (bad) {
-            d = NAN;
-            id = 0.0f;
-        } else if (!(id <= FLT_MAX)) { /* max|x| below ~3.7e-37: the block counts as zeros */
-            d = 0.0f;
-            id = 0.0f;
-        }
-        __m256i q[4], sum = _mm256_setzero_si256();
-        for (int i = 0; i < 4; i++) {
-            q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)),
-                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            if (bad) q[i] = _mm256_setzero_si256();
-            sum = _mm256_add_epi32(sum, q[i]);
-        }
-        /* int32 -> int8 in order: packs work within 128-bit lanes, the permute puts them back */
-        const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
-        const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
-                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(record + 32 * half), p8);
+        __m256i q;
+        int32_t sum0, sum;
+        const float d = q8_block_avx2(x + 32 * b, &q, &sum0, &sum);
+        _mm256_storeu_si256((__m256i *)(record + 32 * half), q);
         _mm256_storeu_ps(dxv, _mm256_set1_ps(d));
-        const float block_sum = d * (float)hsum8_epi32(sum);
+        const float block_sum = d * (float)sum;
         if (has_min == 1) {
             _mm256_storeu_ps(cs, _mm256_setzero_ps());
             cs[0] = block_sum;
@@ -1096,8 +1105,10 @@ int quant_dot_quantize(const float *x, int64_t m, int64_t k, int8_t *q, float *d
 
 #if defined(QD_AVX512)
 #include "quant_panel_avx512.h"
+#elif defined(QD_AVX2)
+#include "quant_panel_avx2.h"
 #else
-/* The many-row GEMM is AVX-512 VNNI's (quant_panel_avx512.h); elsewhere quant_matmul takes every row count. */
+/* No many-row GEMM without AVX2 (the caller dequantizes). */
 int quant_panel_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
                        float *out) {
     (void)type, (void)x, (void)m, (void)k, (void)w, (void)n, (void)row_bytes, (void)out;

@@ -14,9 +14,7 @@
  * + 128, ...), the accumulator starting at -offset * (the block's sum of activation levels), so the integer
  * sums are exact. The panel is decoded per chunk of 1024 inputs (L1-sized), and a chunk's partial sums are
  * kept in the output between chunks (exact: a float32 store and load). Q6_K takes blocks of 16 (its scales).
- * While a chunk's row tiles run, the thread's next chunk of weights is prefetched into L2, a few lines per
- * block of the tiles' loop (qp_fetch): decoded straight from memory, a 0.5B model's 16-row step waited ~10 ms
- * of its ~43 on the weights' short row streams.
+ * The driver (threads, chunks, prefetching the next chunk) is quant_panel.h's, shared with the AVX2 form.
  *
  * Every output of every row takes the same operations in the same order whatever the rows, tile or thread
  * count, so a row's result does not depend on the rows batched with it (it differs in float rounding from
@@ -28,6 +26,7 @@
 #define QP_COLS 32    /* columns per panel */
 #define QP_ROWS 4     /* rows per micro-tile */
 #define QP_CHUNK 1024 /* inputs per decoded chunk of a panel */
+#include "quant_panel.h"
 
 /* 16 vectors of 16 dwords transposed: out[q] lane c = in[c] lane q. */
 static inline void qp_transpose16(const uint8_t (*in)[64], __m512i *out) {
@@ -220,8 +219,6 @@ QP_GATHER_PANEL(q6_k, {
     }
 })
 
-typedef void (*qp_panel_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t, uint8_t *, float *, float *);
-
 static qp_panel_fn qp_panels(int type) {
     switch (type) {
     case QD_Q4_0: return q4_0_gather_panel;
@@ -236,28 +233,13 @@ static qp_panel_fn qp_panels(int type) {
     }
 }
 
-/* The lines of the thread's next chunk of weights (rows row_bytes apart, `width` lines each), prefetched into
- * L2 a few per block of the tiles' loop (the same lines in one burst per tile gained a third as much). */
-typedef struct {
-    const uint8_t *row;   /* the next line's row, at the chunk's first byte */
-    int64_t row_bytes, width, col, left, per_block;
-} qp_fetch;
-
-static inline void qp_fetch_lines(qp_fetch *f) {
-    for (int64_t q = 0; q < f->per_block && f->left > 0; q++, f->left--) {
-        _mm_prefetch((const char *)(f->row + 64 * f->col), _MM_HINT_T1);
-        if (++f->col == f->width) f->col = 0, f->row += f->row_bytes;
-    }
-}
-
-/* R rows (xq, dx, corr, cs at the chunk's first block of the tile's first row; a row's blocks nbb apart) x
- * one panel chunk of nbc blocks of 4 G inputs; out's rows ldo apart, columns masked by m0 / m1; first: the
- * chunk starts the row (the accumulators start at zero, else at out). */
+/* A qp_tile_fn: R rows x one panel chunk of nbc blocks of 4 G inputs. */
 #define QP_TILE(R, MIN, G)                                                                                    \
     static void qp_tile_##R##_##MIN##_##G(const uint8_t *panel, const float *S, const float *M, int64_t nbc,   \
                                           const int8_t *xq, int64_t k, const float *dx, const int32_t *corr,   \
-                                          const float *cs, int64_t nbb, float *out, int64_t ldo, __mmask16 m0, \
-                                          __mmask16 m1, int first, qp_fetch *fetch) {                         \
+                                          const float *cs, int64_t nbb, float *out, int64_t ldo, int64_t nc,   \
+                                          int first, qp_fetch *fetch) {                                       \
+        const __mmask16 m0 = qp_half_mask(nc, 0), m1 = qp_half_mask(nc, 1);                                   \
         __m512 acc[R][2];                                                                                     \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
             acc[r][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, out + r * ldo);               \
@@ -308,15 +290,14 @@ QP_TILES(0, 8)
 QP_TILES(1, 8)
 QP_TILES(0, 4)
 
-typedef void (*qp_tile_fn)(const uint8_t *, const float *, const float *, int64_t, const int8_t *, int64_t,
-                           const float *, const int32_t *, const float *, int64_t, float *, int64_t, __mmask16,
-                           __mmask16, int, qp_fetch *);
 static const qp_tile_fn qp_tiles_plain[QP_ROWS + 1] = {0, qp_tile_1_0_8, qp_tile_2_0_8, qp_tile_3_0_8, qp_tile_4_0_8};
 static const qp_tile_fn qp_tiles_min[QP_ROWS + 1] = {0, qp_tile_1_1_8, qp_tile_2_1_8, qp_tile_3_1_8, qp_tile_4_1_8};
 static const qp_tile_fn qp_tiles_16[QP_ROWS + 1] = {0, qp_tile_1_0_4, qp_tile_2_0_4, qp_tile_3_0_4, qp_tile_4_0_4};
 
-/* Row x [k] as int8 levels xq [k] (quantize_row's rounding) and per block of blk (32, or 16): the scale dx,
- * the offset's correction -offset * sum of levels, and for types with a min dx * sum (quant_dot.c's order). */
+static const qp_tile_fn *qp_tiles_for(int type) {
+    return type == QD_Q6_K ? qp_tiles_16 : qd_has_min(type) ? qp_tiles_min : qp_tiles_plain;
+}
+
 static void qp_quantize_row(const float *x, int64_t k, int blk, int offset, int8_t *xq, float *dx, int32_t *corr,
                             float *cs) {
     for (int64_t b = 0; b < k / 32; b++) {
@@ -339,77 +320,3 @@ static void qp_quantize_row(const float *x, int64_t k, int blk, int offset, int8
     }
 }
 
-/* Weights per unit of T##_prep and the blocks a unit holds. */
-static void qp_unit(int type, int64_t *weights, int *blocks) {
-    if (type == QD_Q4_K || type == QD_Q5_K) *weights = 256, *blocks = 8;
-    else if (type == QD_Q6_K) *weights = 256, *blocks = 16;
-    else *weights = 64, *blocks = 2;
-}
-
-/* out [m][n] = x [m][k] W^T, as quant_matmul (same arguments and statuses). */
-int quant_panel_matmul(int type, const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, int64_t row_bytes,
-                       float *out) {
-    int64_t weights, bytes;
-    if (!qd_block(type, &weights, &bytes)) return -1;
-    if (k <= 0 || k % weights || k / weights * bytes != row_bytes) return -2;
-    if (m <= 0 || n <= 0) return 0;
-    const int blk = type == QD_Q6_K ? 16 : 32, offset = qd_offset(type), has_min = qd_has_min(type) != 0;
-    const int64_t nbb = k / blk, nb = k / 32;
-    int64_t unit_weights;
-    int unit_blocks;
-    qp_unit(type, &unit_weights, &unit_blocks);
-    const int64_t units = (k + unit_weights - 1) / unit_weights, chunk_units = QP_CHUNK / unit_weights;
-    const int64_t unit_bytes = unit_weights / weights * bytes; /* a unit's bytes in a row (the last may be short) */
-    const int64_t chunk_blocks = chunk_units * unit_blocks;
-    const size_t xq_bytes = (size_t)((m * k + 63) / 64 * 64), side = (size_t)(m * nbb) * 4;
-    uint8_t *act = qd_rows(xq_bytes + 3 * side);
-    if (!act) return -3;
-    int8_t *xq = (int8_t *)act;
-    float *dx = (float *)(act + xq_bytes), *cs = (float *)(act + xq_bytes + 2 * side);
-    int32_t *corr = (int32_t *)(act + xq_bytes + side);
-    const qp_panel_fn decode = qp_panels(type);
-    const qp_tile_fn *tiles = blk == 16 ? qp_tiles_16 : has_min ? qp_tiles_min : qp_tiles_plain;
-    const int64_t panels = (n + QP_COLS - 1) / QP_COLS;
-    const size_t panel_bytes = (size_t)chunk_blocks * blk * QP_COLS, scale_bytes = (size_t)chunk_blocks * QP_COLS * 4;
-    int failed = 0;
-#pragma omp parallel if (m * n * k > (1 << 16))
-    {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++)
-            qp_quantize_row(x + r * k, k, blk, offset, xq + r * k, dx + r * nbb, corr + r * nbb, cs + r * nbb);
-        uint8_t *panel = aligned_alloc(64, panel_bytes + 2 * scale_bytes);
-        if (!panel) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t lo = panels * id / threads, hi = panels * (id + 1) / threads;
-        float *S = (float *)(panel + panel_bytes), *M = (float *)(panel + panel_bytes + scale_bytes);
-        for (int64_t p = lo; panel && p < hi; p++) {
-            const int64_t c0 = p * QP_COLS, nc = n - c0 < QP_COLS ? n - c0 : QP_COLS;
-            const __mmask16 m0 = nc >= 16 ? 0xFFFF : (__mmask16)((1u << nc) - 1);
-            const __mmask16 m1 = nc >= 32 ? 0xFFFF : nc <= 16 ? 0 : (__mmask16)((1u << (nc - 16)) - 1);
-            for (int64_t u0 = 0; u0 < units; u0 += chunk_units) {
-                const int64_t u1 = u0 + chunk_units < units ? u0 + chunk_units : units;
-                decode(w + c0 * row_bytes, row_bytes, nc, u0, u1, nb, panel, S, M);
-                const int64_t fb = u0 * unit_blocks;
-                const int64_t nbc = (u1 * unit_blocks < nbb ? u1 * unit_blocks : nbb) - fb;
-                const int64_t np = u1 < units ? p : p + 1, nu0 = u1 < units ? u1 : 0;
-                const int64_t nu1 = nu0 + chunk_units < units ? nu0 + chunk_units : units;
-                const int64_t next_rows = np < hi ? (n - np * QP_COLS < QP_COLS ? n - np * QP_COLS : QP_COLS) : 0;
-                /* + 1: a row's range need not start on a line */
-                const int64_t width = ((nu1 - nu0) * unit_bytes + 63) / 64 + 1, row_tiles = (m + QP_ROWS - 1) / QP_ROWS;
-                qp_fetch fetch = {w + np * QP_COLS * row_bytes + nu0 * unit_bytes, row_bytes, width, 0,
-                                  next_rows * width, 0};
-                fetch.per_block = (fetch.left + row_tiles * nbc - 1) / (row_tiles * nbc);
-                for (int64_t r0 = 0; r0 < m; r0 += QP_ROWS) {
-                    const int64_t rows = m - r0 < QP_ROWS ? m - r0 : QP_ROWS;
-                    tiles[rows](panel, S, M, nbc, xq + r0 * k + fb * blk, k, dx + r0 * nbb + fb,
-                                corr + r0 * nbb + fb, cs + r0 * nbb + fb, nbb, out + r0 * n + c0, n, m0, m1, u0 == 0, &fetch);
-                }
-            }
-        }
-        free(panel);
-    }
-    return failed ? -3 : 0;
-}
