@@ -6,7 +6,8 @@
  *
  * A panel is 8 output columns: one 32-bit lane holds 4 consecutive levels of one column, so a vector holds the
  * same 4 inputs of the 8 columns, decoded per column and transposed 8 x 8 (llama.cpp's repacked 8-column
- * layout, built per chunk of a call instead of at load). A block's integer sums per column:
+ * layout, built per chunk of a call instead of at load; Q4_0, Q8_0 and Q4_K straight from their bytes). A
+ * block's integer sums per column:
  * - with AVX-VNNI, lanes += vpdpbusd(panel vector, broadcast of 4 activation levels of one row), as AVX-512;
  * - without it, vpmaddubsw gives 16-bit sums of input pairs, added in 16 bits for as many steps as cannot
  *   overflow (levels below 16: a whole block of 8 steps, 8 * 2 * 15 * 127 = 30480 <= 32767; below 32: 4 steps;
@@ -87,23 +88,116 @@ static inline void qp_transpose8(__m256i r[8]) {
 
 /* The first input of half h of vector j of a unit, by the decoders' layouts: a legacy unit's two blocks; a
  * Q4_K / Q5_K super-block's blocks 2j and 2j + 1; Q6_K's inputs 128 (j / 2) + 32 (2 (j % 2) + h). */
-QP_PANEL(q4_0, 32 * h, 32)
 QP_PANEL(q4_1, 32 * h, 32)
 QP_PANEL(q5_0, 32 * h, 32)
 QP_PANEL(q5_1, 32 * h, 32)
-QP_PANEL(q8_0, 32 * h, 32)
-QP_PANEL(q4_k, 64 * j + 32 * h, 32)
 QP_PANEL(q5_k, 64 * j + 32 * h, 32)
 QP_PANEL(q6_k, 128 * (j / 2) + 32 * (2 * (j % 2) + h), 16)
 
+/* The types of llama.cpp's common files decoded straight into the panel: each column's bytes loaded as they lie
+ * and transposed by dwords (the generic T##_panel above decodes per column first: ~3x the work per weight).
+ * Columns past nc repeat the last one (their lanes are never stored). */
+static inline void qp_columns(const uint8_t *w, int64_t row_bytes, int64_t nc, const uint8_t *rows[8]) {
+    for (int64_t c = 0; c < 8; c++) rows[c] = w + (c < nc ? c : nc - 1) * row_bytes;
+}
+
+/* The 8 columns' float16 at byte `at` of their rows, as float32 lanes. */
+static inline __m256 qp_fp16_columns(const uint8_t *const rows[8], int64_t at) {
+    uint16_t h[8];
+    for (int c = 0; c < 8; c++) memcpy(&h[c], rows[c] + at, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* Q4_0 block b: qs dword g holds inputs 4g .. 4g + 3 (low nibbles) and 16 + 4g .. (high ones); columns c and
+ * c + 4 share a vector (128-bit halves), so a 4 x 4 transpose within halves gives dword g of all 8. */
+static void q4_0_direct_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1, int64_t nb,
+                              uint8_t *panel, float *S, float *M) {
+    (void)M;
+    const uint8_t *rows[8];
+    qp_columns(w, row_bytes, nc, rows);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const int64_t b0 = 2 * u0, b1 = 2 * u1 < nb ? 2 * u1 : nb;
+    for (int64_t b = b0; b < b1; b++) {
+        __m256i v[4];
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rows[i] + b * 18 + 2))),
+                _mm_loadu_si128((const __m128i *)(rows[i + 4] + b * 18 + 2)), 1);
+        const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+        const __m256i q[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+        uint8_t *dst = panel + (b - b0) * 8 * 32;
+        for (int g = 0; g < 4; g++) {
+            _mm256_store_si256((__m256i *)(dst + 32 * g), _mm256_and_si256(q[g], low));
+            _mm256_store_si256((__m256i *)(dst + 32 * (g + 4)), _mm256_and_si256(_mm256_srli_epi16(q[g], 4), low));
+        }
+        _mm256_store_ps(S + 8 * (b - b0), qp_fp16_columns(rows, b * 18));
+    }
+}
+
+/* Q8_0 block b: its 32 levels (+ 128 for AVX-VNNI's unsigned operand, as quant_dot.c's decoder), 8 x 8 dwords. */
+static void q8_0_direct_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1, int64_t nb,
+                              uint8_t *panel, float *S, float *M) {
+    (void)M;
+    const uint8_t *rows[8];
+    qp_columns(w, row_bytes, nc, rows);
+    const __m256i offset = _mm256_set1_epi8(QD_Q8_SIGNED ? 0 : (char)0x80);
+    const int64_t b0 = 2 * u0, b1 = 2 * u1 < nb ? 2 * u1 : nb;
+    for (int64_t b = b0; b < b1; b++) {
+        __m256i v[8];
+        for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(rows[c] + b * 34 + 2));
+        qp_transpose8(v);
+        uint8_t *dst = panel + (b - b0) * 8 * 32;
+        for (int g = 0; g < 8; g++) _mm256_store_si256((__m256i *)(dst + 32 * g), _mm256_xor_si256(v[g], offset));
+        _mm256_store_ps(S + 8 * (b - b0), qp_fp16_columns(rows, b * 34));
+    }
+}
+
+/* Q4_K super-block u: qs bytes 32i .. 32i + 31 hold block 2i (low nibbles) and 2i + 1 (high); each column's 8
+ * scales and mins by quant_dot.c's k4_scales, transposed to 8 columns a block. */
+static void q4_k_direct_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1, int64_t nb,
+                              uint8_t *panel, float *S, float *M) {
+    (void)nb;
+    const uint8_t *rows[8];
+    qp_columns(w, row_bytes, nc, rows);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t u = u0; u < u1; u++) {
+        __m256i scales[8], mins[8];
+        for (int c = 0; c < 8; c++) {
+            unit_k4 U;
+            k4_scales(&U, rows[c] + u * 144);
+            scales[c] = _mm256_castps_si256(U.scales);
+            mins[c] = _mm256_castps_si256(U.mins);
+        }
+        qp_transpose8(scales);
+        qp_transpose8(mins);
+        const int64_t first = 8 * (u - u0); /* the super-block's first block in the chunk */
+        for (int b = 0; b < 8; b++) {
+            _mm256_store_si256((__m256i *)(S + 8 * (first + b)), scales[b]);
+            _mm256_store_si256((__m256i *)(M + 8 * (first + b)), mins[b]);
+        }
+        for (int i = 0; i < 4; i++) {
+            __m256i v[8];
+            for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(rows[c] + u * 144 + 16 + 32 * i));
+            qp_transpose8(v);
+            uint8_t *dst = panel + (first + 2 * i) * 8 * 32;
+            for (int g = 0; g < 8; g++) {
+                _mm256_store_si256((__m256i *)(dst + 32 * g), _mm256_and_si256(v[g], low));
+                _mm256_store_si256((__m256i *)(dst + 256 + 32 * g), _mm256_and_si256(_mm256_srli_epi16(v[g], 4), low));
+            }
+        }
+    }
+}
+
 static qp_panel_fn qp_panels(int type) {
     switch (type) {
-    case QD_Q4_0: return q4_0_panel;
+    case QD_Q4_0: return q4_0_direct_panel;
     case QD_Q4_1: return q4_1_panel;
     case QD_Q5_0: return q5_0_panel;
     case QD_Q5_1: return q5_1_panel;
-    case QD_Q8_0: return q8_0_panel;
-    case QD_Q4_K: return q4_k_panel;
+    case QD_Q8_0: return q8_0_direct_panel;
+    case QD_Q4_K: return q4_k_direct_panel;
     case QD_Q5_K: return q5_k_panel;
     case QD_Q6_K: return q6_k_panel;
     default: return 0;
