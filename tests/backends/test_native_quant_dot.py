@@ -290,8 +290,10 @@ def test_ggml_linear_takes_the_fused_kernel_at_every_row_count_with_float32_tile
     assert isinstance(kernel, native_quant.GGMLDequantize) and kernel.quant_matmul is native_quant.ggml_quant_matmul
     assert native.op("ggml_quant_matmul") is native_quant.ggml_quant_matmul
     cols, limit = 256, ggml_blocks.QUANT_MATMUL_MAX_ROWS
-    # with float32 tiles the panel GEMM takes every row count
-    assert set(kernel.quant_matmul_max_rows.values()) == {native_quant.PANEL_MAX_ROWS}
+    # with float32 tiles the panel GEMM takes every row count (Q8_0 on AVX2 without AVX-VNNI up to 128)
+    assert kernel.quant_matmul_max_rows == {
+        qtype: native_quant.AVX2_Q8_0_MAX_ROWS if qtype == 8 and native_quant.quant_dot_isa() == "AVX2"
+        else native_quant.PANEL_MAX_ROWS for qtype in native_quant.QUANT_MATMUL_TYPES}
     raw = weight_bytes(T.Q4_K, 600, cols, seed=2)  # two tiles of the dequantizing path
     weights = ggml_blocks.dequantize(raw, T.Q4_K, cols)
     bias = torch.randn(600)

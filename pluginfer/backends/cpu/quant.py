@@ -239,12 +239,12 @@ def quant_dot_isa() -> str | None:
 # 0.5B llama's 4864 x 896 and 896 x 4864 linears: the panel as fast as quant_dot.c's few-row tiles at 3 rows
 # (Q4_0), 4 (Q4_K, Q6_K), 5-6 (Q8_0), 5-8 (the types decoded per column, then transposed); 1.9-2.2x theirs at
 # 16 rows, 2.5-3.2x at 512. AVX2 (vpmaddubsw), 2816 x 1024 and 1024 x 2816: from 2 rows (Q4_0: 1.44x, 1.18x at
-# one), 3 (Q8_0: its sign trick takes twice the operations), 4 (Q4_K), 5-6 (the types decoded per column, then
-# transposed), Q5_K as Q4_K's generic form (9); 1.3-2.3x at 16 rows, 1.4-2.7x at 128. AVX2 with AVX-VNNI: as
-# AVX2 (not measured apart).
+# one), 3 (Q8_0: its sign trick takes twice the operations), 4 (Q4_K, Q6_K), 5 (the types decoded per column,
+# then transposed), Q5_K as Q4_K's generic form did (9); 1.3-2.3x at 16 rows, 1.4-2.7x at 128. AVX2 with
+# AVX-VNNI: as AVX2 (not measured apart).
 PANEL_MIN_ROWS = {
     "AVX-512 VNNI": {2: 3, 8: 6, 12: 4, 14: 4, 3: 8, 6: 8, 7: 8, 13: 8},
-    "AVX2": {2: 2, 8: 3, 12: 4, 14: 6, 3: 5, 6: 5, 7: 5, 13: 9},
+    "AVX2": {2: 2, 8: 3, 12: 4, 14: 4, 3: 5, 6: 5, 7: 5, 13: 9},
 }
 PANEL_MIN_ROWS["AVX2 + AVX-VNNI"] = PANEL_MIN_ROWS["AVX2"]
 _PANEL: list[dict[int, int]] = []  # this library's PANEL_MIN_ROWS, once asked
@@ -285,9 +285,12 @@ QUANT_TILES_ENV = "PLUGINFER_QUANT_TILES"
 # GEMM above it, measured on one core, by CPU time: the AVX-512 VNNI kernel wins up to ~48 (Q4_K, Q8_0, Q4_0:
 # 0.86-1.1x at 48 rows, 1.0-1.4x at 64), and the AMX int8 kernel (amx_quant.py) up to ~128 for Q4_0 and Q4_K
 # (0.92-1.0x at 128, 1.2x at 192) and ~256 for Q8_0 (0.94-1.16x at 256, 1.14-1.33x at 384); Q6_K not measured,
-# given Q4_K's. Against float32 tiles the panel GEMM wins at every row count (AVX2 or AVX-512 VNNI, 3x at 512).
+# given Q4_K's. Against float32 tiles the panel GEMM wins at every row count (AVX2 or AVX-512 VNNI, 3x at 512),
+# but for Q8_0 on AVX2 without AVX-VNNI: its sign trick takes twice the operations, and dequantize + float32
+# GEMM takes its steps past 128 rows (a 512-token prefill at 137.6 tok/s on the panel, 161.6 on the tiles).
 BFLOAT16_TILES_FROM_ROWS = 48
 PANEL_MAX_ROWS = 1 << 40
+AVX2_Q8_0_MAX_ROWS = 128
 # With bfloat16 tiles, for the GGML types the AMX int8 kernel takes (Q4_0, Q8_0, Q4_K, Q6_K).
 AMX_INT8_MAX_ROWS = {2: 128, 8: 256, 12: 128, 14: 128}
 
@@ -296,7 +299,10 @@ def quant_matmul_max_rows(tile_dtype: torch.dtype) -> dict[int, int]:
     """GGML type -> the rows of x up to which ``ggml_blocks.ggml_linear`` takes the fused matmul, where the
     rows above it dequantize tiles to ``tile_dtype``."""
     if tile_dtype == torch.float32:
-        return dict.fromkeys(QUANT_MATMUL_TYPES, PANEL_MAX_ROWS)
+        limits = dict.fromkeys(QUANT_MATMUL_TYPES, PANEL_MAX_ROWS)
+        if quant_dot_isa() == "AVX2":
+            limits[8] = AVX2_Q8_0_MAX_ROWS
+        return limits
     from pluginfer.backends.cpu import amx_quant
 
     return {qtype: AMX_INT8_MAX_ROWS[qtype] if amx_quant.takes(qtype, AMX_INT8_MAX_ROWS.get(qtype, 0))

@@ -6,7 +6,7 @@
  *
  * A panel is 8 output columns: one 32-bit lane holds 4 consecutive levels of one column, so a vector holds the
  * same 4 inputs of the 8 columns, decoded per column and transposed 8 x 8 (llama.cpp's repacked 8-column
- * layout, built per chunk of a call instead of at load; Q4_0, Q8_0 and Q4_K straight from their bytes). A
+ * layout, built per chunk of a call instead of at load; Q4_0, Q8_0, Q4_K and Q6_K straight from their bytes). A
  * block's integer sums per column:
  * - with AVX-VNNI, lanes += vpdpbusd(panel vector, broadcast of 4 activation levels of one row), as AVX-512;
  * - without it, vpmaddubsw gives 16-bit sums of input pairs, added in 16 bits for as many steps as cannot
@@ -43,9 +43,9 @@ static inline void qp_transpose8(__m256i r[8]) {
 
 /* T##_panel: units u0 .. u1 of the nc (<= 8) weight rows at w into a chunk's panel: the 4 inputs 4i .. 4i + 3
  * of the chunk (from its first input) in the 32 bytes at panel + 32 i, a dword per column; the scale of the
- * chunk's block b (of 32 inputs, 16 for Q6_K) and column c at S[8 b + c], its min at M[8 b + c] (types with
- * one). Columns past nc are zero. Vector j of unit u holds its inputs from FIRST (two halves of 32). */
-#define QP_PANEL(T, FIRST, BLK)                                                                               \
+ * chunk's block b (of 32 inputs; Q6_K's of 16 below) and column c at S[8 b + c], its min at M[8 b + c] (types
+ * with one). Columns past nc are zero. Vector j of unit u holds its inputs from FIRST (two halves of 32). */
+#define QP_PANEL(T, FIRST)                                                                                    \
     static void T##_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1, int64_t nb, \
                           uint8_t *panel, float *S, float *M) {                                               \
         enum { UNIT = 32 * 2 * T##_VPU };                                                                     \
@@ -71,14 +71,13 @@ static inline void qp_transpose8(__m256i r[8]) {
                     for (int c = 0; c < 8; c++) t[c] = wv[c][h];                                              \
                     qp_transpose8(t);                                                                         \
                     for (int q = 0; q < 8; q++) _mm256_store_si256((__m256i *)(panel + 8 * at + 32 * q), t[q]); \
-                    const int64_t b = at / (BLK);                                                             \
+                    const int64_t b = at / 32;                                                                \
                     for (int c = 0; c < 8; c++) {                                                             \
                         float s[8], m[8], n[8];                                                               \
                         _mm256_storeu_ps(s, sv[c][h]);                                                        \
                         _mm256_storeu_ps(m, mv[c][h]);                                                        \
                         _mm256_storeu_ps(n, mins[c]);                                                         \
                         S[8 * b + c] = s[0];                                                                  \
-                        if ((BLK) == 16) S[8 * (b + 1) + c] = s[4];                                           \
                         M[8 * b + c] = T##_VPU == 1 ? m[0] : n[(b % 8)];                                      \
                     }                                                                                         \
                 }                                                                                             \
@@ -87,14 +86,14 @@ static inline void qp_transpose8(__m256i r[8]) {
     }
 
 /* The first input of half h of vector j of a unit, by the decoders' layouts: a legacy unit's two blocks; a
- * Q4_K / Q5_K super-block's blocks 2j and 2j + 1; Q6_K's inputs 128 (j / 2) + 32 (2 (j % 2) + h). */
-QP_PANEL(q4_1, 32 * h, 32)
-QP_PANEL(q5_0, 32 * h, 32)
-QP_PANEL(q5_1, 32 * h, 32)
-QP_PANEL(q5_k, 64 * j + 32 * h, 32)
-QP_PANEL(q6_k, 128 * (j / 2) + 32 * (2 * (j % 2) + h), 16)
+ * Q5_K super-block's blocks 2j and 2j + 1. */
+QP_PANEL(q4_1, 32 * h)
+QP_PANEL(q5_0, 32 * h)
+QP_PANEL(q5_1, 32 * h)
+QP_PANEL(q5_k, 64 * j + 32 * h)
 
-/* The types of llama.cpp's common files decoded straight into the panel: each column's bytes loaded as they lie
+/* The types of llama.cpp's common files (Q4_0, Q8_0, Q4_K, Q6_K) decoded straight into the panel: each column's
+ * bytes loaded as they lie
  * and transposed by dwords (the generic T##_panel above decodes per column first: ~3x the work per weight).
  * Columns past nc repeat the last one (their lanes are never stored). */
 static inline void qp_columns(const uint8_t *w, int64_t row_bytes, int64_t nc, const uint8_t *rows[8]) {
@@ -190,6 +189,54 @@ static void q4_k_direct_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, i
     }
 }
 
+/* Q6_K super-block u, half p (128 inputs): ql runs A (bytes 64p ..) and B (+ 32), qh run Q (128 + 32p ..), dword g
+ * of each: inputs 128p + 4g (A low nibbles), + 32 (B low), + 64 (A high), + 96 (B high), their high bit pairs
+ * 0-1, 2-3, 4-5, 6-7 of Q; blocks of 16, scales d * sc by quant_dot.c's q6_k_prep, transposed. */
+static void q6_k_direct_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1, int64_t nb,
+                              uint8_t *panel, float *S, float *M) {
+    (void)nb, (void)M;
+    const uint8_t *rows[8];
+    qp_columns(w, row_bytes, nc, rows);
+    const __m256i low = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(3);
+    for (int64_t u = u0; u < u1; u++) {
+        __m256i scales[2][8];
+        for (int c = 0; c < 8; c++) {
+            unit_k6 U;
+            q6_k_prep(&U, rows[c], u, 0);
+            scales[0][c] = _mm256_castps_si256(U.scales[0]);
+            scales[1][c] = _mm256_castps_si256(U.scales[1]);
+        }
+        const int64_t first = 16 * (u - u0); /* the super-block's first block of 16 in the chunk */
+        for (int half = 0; half < 2; half++) {
+            qp_transpose8(scales[half]);
+            for (int b = 0; b < 8; b++)
+                _mm256_store_si256((__m256i *)(S + 8 * (first + 8 * half + b)), scales[half][b]);
+        }
+        for (int p = 0; p < 2; p++) {
+            __m256i A[8], B[8], Q[8];
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *block = rows[c] + u * 210;
+                A[c] = _mm256_loadu_si256((const __m256i *)(block + 64 * p));
+                B[c] = _mm256_loadu_si256((const __m256i *)(block + 64 * p + 32));
+                Q[c] = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * p));
+            }
+            qp_transpose8(A);
+            qp_transpose8(B);
+            qp_transpose8(Q);
+            for (int g = 0; g < 8; g++) {
+                const __m256i parts[4] = {_mm256_and_si256(A[g], low), _mm256_and_si256(B[g], low),
+                                          _mm256_and_si256(_mm256_srli_epi16(A[g], 4), low),
+                                          _mm256_and_si256(_mm256_srli_epi16(B[g], 4), low)};
+                for (int s = 0; s < 4; s++) {
+                    const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(Q[g], 2 * s), pair), 4);
+                    const int64_t input = 256 * (u - u0) + 128 * p + 32 * s + 4 * g; /* in the chunk */
+                    _mm256_store_si256((__m256i *)(panel + 8 * input), _mm256_or_si256(parts[s], high));
+                }
+            }
+        }
+    }
+}
+
 static qp_panel_fn qp_panels(int type) {
     switch (type) {
     case QD_Q4_0: return q4_0_direct_panel;
@@ -199,7 +246,7 @@ static qp_panel_fn qp_panels(int type) {
     case QD_Q8_0: return q8_0_direct_panel;
     case QD_Q4_K: return q4_k_direct_panel;
     case QD_Q5_K: return q5_k_panel;
-    case QD_Q6_K: return q6_k_panel;
+    case QD_Q6_K: return q6_k_direct_panel;
     default: return 0;
     }
 }
