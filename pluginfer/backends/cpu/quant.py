@@ -136,7 +136,7 @@ def ggml_quant_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, cols: int)
     without a float copy of ``W`` (``csrc/quant_dot.c``): each row of ``x`` is quantized per block of
     32 to int8 with a float32 scale, as llama.cpp's Q8_0, and multiplied with the weights' levels in
     integers; from a few rows up, on a CPU with AMX, on int8 tiles (``backends/cpu/amx_quant.py``), and
-    without them, from :func:`panel_min_rows` rows (2-9 by type and instruction set), by the panel GEMM
+    without them, from :func:`panel_min_rows` rows (2-8 by type and instruction set), by the panel GEMM
     (``csrc/quant_panel.h``: each weight block decoded once per call and reused by every row).
     The result has ``x``'s dtype (float16/bfloat16 ``x`` is converted to float32 and back).
     None: a type, dtype, device or layout it does not handle; use the dequantizing path."""
@@ -239,12 +239,11 @@ def quant_dot_isa() -> str | None:
 # 0.5B llama's 4864 x 896 and 896 x 4864 linears: the panel as fast as quant_dot.c's few-row tiles at 3 rows
 # (Q4_0), 4 (Q4_K, Q6_K), 5-6 (Q8_0), 5-8 (the types decoded per column, then transposed); 1.9-2.2x theirs at
 # 16 rows, 2.5-3.2x at 512. AVX2 (vpmaddubsw), 2816 x 1024 and 1024 x 2816: from 2 rows (Q4_0: 1.44x, 1.18x at
-# one), 3 (Q8_0: its sign trick takes twice the operations), 4 (Q4_K, Q6_K), 5 (the types decoded per column,
-# then transposed), Q5_K as Q4_K's generic form did (9); 1.3-2.3x at 16 rows, 1.4-2.7x at 128. AVX2 with
-# AVX-VNNI: as AVX2 (not measured apart).
+# one), 3 (Q8_0: its sign trick takes twice the operations), 4 (Q4_K, Q5_K, Q6_K), 5 (the types decoded per
+# column, then transposed); 1.3-2.3x at 16 rows, 1.4-2.7x at 128. AVX2 with AVX-VNNI: as AVX2 (not measured apart).
 PANEL_MIN_ROWS = {
     "AVX-512 VNNI": {2: 3, 8: 6, 12: 4, 14: 4, 3: 8, 6: 8, 7: 8, 13: 8},
-    "AVX2": {2: 2, 8: 3, 12: 4, 14: 4, 3: 5, 6: 5, 7: 5, 13: 9},
+    "AVX2": {2: 2, 8: 3, 12: 4, 14: 4, 3: 5, 6: 5, 7: 5, 13: 4},
 }
 PANEL_MIN_ROWS["AVX2 + AVX-VNNI"] = PANEL_MIN_ROWS["AVX2"]
 _PANEL: list[dict[int, int]] = []  # this library's PANEL_MIN_ROWS, once asked

@@ -6,7 +6,7 @@
  *
  * A panel is 8 output columns: one 32-bit lane holds 4 consecutive levels of one column, so a vector holds the
  * same 4 inputs of the 8 columns, decoded per column and transposed 8 x 8 (llama.cpp's repacked 8-column
- * layout, built per chunk of a call instead of at load; Q4_0, Q8_0, Q4_K and Q6_K straight from their bytes). A
+ * layout, built per chunk of a call instead of at load; the K-quants, Q4_0 and Q8_0 straight from their bytes). A
  * block's integer sums per column:
  * - with AVX-VNNI, lanes += vpdpbusd(panel vector, broadcast of 4 activation levels of one row), as AVX-512;
  * - without it, vpmaddubsw gives 16-bit sums of input pairs, added in 16 bits for as many steps as cannot
@@ -85,16 +85,14 @@ static inline void qp_transpose8(__m256i r[8]) {
         }                                                                                                     \
     }
 
-/* The first input of half h of vector j of a unit, by the decoders' layouts: a legacy unit's two blocks; a
- * Q5_K super-block's blocks 2j and 2j + 1. */
+/* The first input of half h of a legacy unit: its two blocks. */
 QP_PANEL(q4_1, 32 * h)
 QP_PANEL(q5_0, 32 * h)
 QP_PANEL(q5_1, 32 * h)
-QP_PANEL(q5_k, 64 * j + 32 * h)
 
-/* The types of llama.cpp's common files (Q4_0, Q8_0, Q4_K, Q6_K) decoded straight into the panel: each column's
- * bytes loaded as they lie
- * and transposed by dwords (the generic T##_panel above decodes per column first: ~3x the work per weight).
+/* The types of llama.cpp's common files (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) decoded straight into the panel: each
+ * column's bytes loaded as they lie and transposed by dwords (the generic T##_panel above decodes per column
+ * first: ~3x the work per weight).
  * Columns past nc repeat the last one (their lanes are never stored). */
 static inline void qp_columns(const uint8_t *w, int64_t row_bytes, int64_t nc, const uint8_t *rows[8]) {
     for (int64_t c = 0; c < 8; c++) rows[c] = w + (c < nc ? c : nc - 1) * row_bytes;
@@ -153,24 +151,27 @@ static void q8_0_direct_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, i
     }
 }
 
-/* Q4_K super-block u: qs bytes 32i .. 32i + 31 hold block 2i (low nibbles) and 2i + 1 (high); each column's 8
- * scales and mins by quant_dot.c's k4_scales, transposed to 8 columns a block. */
-static void q4_k_direct_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1, int64_t nb,
-                              uint8_t *panel, float *S, float *M) {
-    (void)nb;
+/* Q4_K / Q5_K super-block u (size bytes; Q5_K: qh at 16, qs at 48): qs bytes 32i .. 32i + 31 hold block 2i (low
+ * nibbles) and 2i + 1 (high), Q5_K's fifth bit of input l of block j bit j of qh byte l; each column's 8 scales
+ * and mins by quant_dot.c's k4_scales, transposed to 8 columns a block. */
+static inline void qp_k4_direct_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1,
+                                      uint8_t *panel, float *S, float *M, int size, int fifth) {
     const uint8_t *rows[8];
     qp_columns(w, row_bytes, nc, rows);
-    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const int qs_at = fifth ? 48 : 16;
     for (int64_t u = u0; u < u1; u++) {
-        __m256i scales[8], mins[8];
+        __m256i scales[8], mins[8], high[8];
         for (int c = 0; c < 8; c++) {
             unit_k4 U;
-            k4_scales(&U, rows[c] + u * 144);
+            k4_scales(&U, rows[c] + u * size);
             scales[c] = _mm256_castps_si256(U.scales);
             mins[c] = _mm256_castps_si256(U.mins);
+            if (fifth) high[c] = _mm256_loadu_si256((const __m256i *)(rows[c] + u * size + 16));
         }
         qp_transpose8(scales);
         qp_transpose8(mins);
+        if (fifth) qp_transpose8(high);
         const int64_t first = 8 * (u - u0); /* the super-block's first block in the chunk */
         for (int b = 0; b < 8; b++) {
             _mm256_store_si256((__m256i *)(S + 8 * (first + b)), scales[b]);
@@ -178,15 +179,32 @@ static void q4_k_direct_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, i
         }
         for (int i = 0; i < 4; i++) {
             __m256i v[8];
-            for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(rows[c] + u * 144 + 16 + 32 * i));
+            for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(rows[c] + u * size + qs_at + 32 * i));
             qp_transpose8(v);
             uint8_t *dst = panel + (first + 2 * i) * 8 * 32;
             for (int g = 0; g < 8; g++) {
-                _mm256_store_si256((__m256i *)(dst + 32 * g), _mm256_and_si256(v[g], low));
-                _mm256_store_si256((__m256i *)(dst + 256 + 32 * g), _mm256_and_si256(_mm256_srli_epi16(v[g], 4), low));
+                __m256i lo = _mm256_and_si256(v[g], low), hi = _mm256_and_si256(_mm256_srli_epi16(v[g], 4), low);
+                if (fifth) {
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[g], 2 * i), one), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high[g], 2 * i + 1), one), 4));
+                }
+                _mm256_store_si256((__m256i *)(dst + 32 * g), lo);
+                _mm256_store_si256((__m256i *)(dst + 256 + 32 * g), hi);
             }
         }
     }
+}
+
+static void q4_k_direct_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1, int64_t nb,
+                              uint8_t *panel, float *S, float *M) {
+    (void)nb;
+    qp_k4_direct_panel(w, row_bytes, nc, u0, u1, panel, S, M, 144, 0);
+}
+
+static void q5_k_direct_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1, int64_t nb,
+                              uint8_t *panel, float *S, float *M) {
+    (void)nb;
+    qp_k4_direct_panel(w, row_bytes, nc, u0, u1, panel, S, M, 176, 1);
 }
 
 /* Q6_K super-block u, half p (128 inputs): ql runs A (bytes 64p ..) and B (+ 32), qh run Q (128 + 32p ..), dword g
@@ -245,7 +263,7 @@ static qp_panel_fn qp_panels(int type) {
     case QD_Q5_1: return q5_1_panel;
     case QD_Q8_0: return q8_0_direct_panel;
     case QD_Q4_K: return q4_k_direct_panel;
-    case QD_Q5_K: return q5_k_panel;
+    case QD_Q5_K: return q5_k_direct_panel;
     case QD_Q6_K: return q6_k_direct_panel;
     default: return 0;
     }
