@@ -109,8 +109,8 @@ def test_fused_kernel_up_to_its_rows_then_bfloat16_tiles(monkeypatch: pytest.Mon
         pytest.skip("no fused int8-activation kernel on this CPU")
     limit = kernel.quant_matmul_max_rows[int(T.Q4_K)]  # the AVX-512 VNNI kernel's, or the AMX int8 kernel's
     assert kernel.tile_dtype == torch.bfloat16
-    assert limit in (native_quant.BFLOAT16_TILES_FROM_ROWS, native_quant.AMX_INT8_MAX_ROWS[int(T.Q4_K)])
-    assert kernel.quant_matmul_max_rows[int(T.Q5_K)] == native_quant.BFLOAT16_TILES_FROM_ROWS  # no AMX
+    assert limit in (native_quant.FUSED_MAX_ROWS_BEFORE_BFLOAT16_TILES, native_quant.AMX_INT8_MAX_ROWS[int(T.Q4_K)])
+    assert kernel.quant_matmul_max_rows[int(T.Q5_K)] == native_quant.FUSED_MAX_ROWS_BEFORE_BFLOAT16_TILES  # no AMX
     cols = 256
     raw = weight_bytes(T.Q4_K, 64, cols, seed=2)
     tiles_only = native_quant.GGMLDequantize(native_quant.ggml_dequantize, None, torch.bfloat16)

@@ -287,7 +287,7 @@ QUANT_TILES_ENV = "PLUGINFER_QUANT_TILES"
 # given Q4_K's. Against float32 tiles the panel GEMM wins at every row count (AVX2 or AVX-512 VNNI, 3x at 512),
 # but for Q8_0 on AVX2 without AVX-VNNI: its sign trick takes twice the operations, and dequantize + float32
 # GEMM takes its steps past 128 rows (a 512-token prefill at 137.6 tok/s on the panel, 161.6 on the tiles).
-BFLOAT16_TILES_FROM_ROWS = 48
+FUSED_MAX_ROWS_BEFORE_BFLOAT16_TILES = 48
 PANEL_MAX_ROWS = 1 << 40
 AVX2_Q8_0_MAX_ROWS = 128
 # With bfloat16 tiles, for the GGML types the AMX int8 kernel takes (Q4_0, Q8_0, Q4_K, Q6_K).
@@ -305,7 +305,7 @@ def quant_matmul_max_rows(tile_dtype: torch.dtype) -> dict[int, int]:
     from pluginfer.backends.cpu import amx_quant
 
     return {qtype: AMX_INT8_MAX_ROWS[qtype] if amx_quant.takes(qtype, AMX_INT8_MAX_ROWS.get(qtype, 0))
-            else BFLOAT16_TILES_FROM_ROWS for qtype in QUANT_MATMUL_TYPES}
+            else FUSED_MAX_ROWS_BEFORE_BFLOAT16_TILES for qtype in QUANT_MATMUL_TYPES}
 # Rows of float32 x from which tiles take that dtype (one core, CPU time, float32 tiles
 # against bfloat16: 0.9-1.3x as fast at 16-24 rows, 1.1-1.6x at 32, 1.3-1.7x at 48, 3.4-3.8x at 512).
 TILE_DTYPE_MIN_ROWS = {torch.bfloat16: 32}
@@ -335,7 +335,7 @@ def tile_dtype() -> torch.dtype:
     why = f"{QUANT_TILES_ENV}=bfloat16" if mode == "bfloat16" else "AMX-BF16"
     log_once(logging.INFO, f"quantized linears: tiles dequantized to bfloat16 for torch's bfloat16 GEMM ({why}), "
                             f"from {TILE_DTYPE_MIN_ROWS[torch.bfloat16]} rows and past the fused kernel's "
-                            f"{BFLOAT16_TILES_FROM_ROWS} (128-256 on AMX int8 tiles); "
+                            f"{FUSED_MAX_ROWS_BEFORE_BFLOAT16_TILES} (128-256 on AMX int8 tiles); "
                             f"{QUANT_TILES_ENV}=float32 keeps float32 tiles")
     return torch.bfloat16
 
