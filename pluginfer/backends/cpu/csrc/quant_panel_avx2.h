@@ -41,58 +41,47 @@ static inline void qp_transpose8(__m256i r[8]) {
     }
 }
 
-/* T##_panel: units u0 .. u1 of the nc (<= 8) weight rows at w into a chunk's panel: the 4 inputs 4i .. 4i + 3
- * of the chunk (from its first input) in the 32 bytes at panel + 32 i, a dword per column; the scale of the
- * chunk's block b (of 32 inputs; Q6_K's of 16 below) and column c at S[8 b + c], its min at M[8 b + c] (types
- * with one). Columns past nc are zero. Vector j of unit u holds its inputs from FIRST (two halves of 32). */
-#define QP_PANEL(T, FIRST)                                                                                    \
+/* T##_panel, for the legacy types the direct decoders below do not take (Q4_1, Q5_0, Q5_1): units u0 .. u1 (two
+ * blocks of 32 each) of the nc (<= 8) weight rows at w into a chunk's panel: the 4 inputs 4i .. 4i + 3 of the
+ * chunk (from its first input) in the 32 bytes at panel + 32 i, a dword per column; the scale of the chunk's
+ * block b and column c at S[8 b + c], its min at M[8 b + c]. Columns past nc are zero. */
+#define QP_PANEL(T)                                                                                           \
     static void T##_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1, int64_t nb, \
                           uint8_t *panel, float *S, float *M) {                                               \
-        enum { UNIT = 32 * 2 * T##_VPU };                                                                     \
         for (int64_t u = u0; u < u1; u++) {                                                                   \
-            T##_UNIT U[8];                                                                                    \
-            for (int64_t c = 0; c < nc; c++) T##_prep(&U[c], w + c * row_bytes, u, nb);                      \
-            for (int j = 0; j < T##_VPU; j++) {                                                               \
-                __m256i wv[8][2];                                                                             \
-                __m256 sv[8][2], mv[8][2], mins[8];                                                           \
-                for (int64_t c = 0; c < 8; c++) {                                                             \
-                    if (c < nc) {                                                                             \
-                        T##_decode(&U[c], j, wv[c], sv[c], mv[c]);                                           \
-                        mins[c] = T##_mins(&U[c]);                                                            \
-                    } else {                                                                                  \
-                        wv[c][0] = wv[c][1] = _mm256_setzero_si256();                                         \
-                        sv[c][0] = sv[c][1] = mv[c][0] = mv[c][1] = mins[c] = _mm256_setzero_ps();            \
-                    }                                                                                         \
+            __m256i wv[8][2];                                                                                 \
+            __m256 sv[8][2], mv[8][2];                                                                        \
+            for (int64_t c = 0; c < 8; c++) {                                                                 \
+                if (c < nc) {                                                                                 \
+                    T##_UNIT U;                                                                               \
+                    T##_prep(&U, w + c * row_bytes, u, nb);                                                   \
+                    T##_decode(&U, 0, wv[c], sv[c], mv[c]);                                                   \
+                } else {                                                                                      \
+                    wv[c][0] = wv[c][1] = _mm256_setzero_si256();                                             \
+                    sv[c][0] = sv[c][1] = mv[c][0] = mv[c][1] = _mm256_setzero_ps();                          \
                 }                                                                                             \
-                for (int h = 0; h < 2; h++) {                                                                 \
-                    const int64_t at = (u - u0) * UNIT + (FIRST); /* the half's first input in the chunk */   \
-                    if ((int64_t)(u * UNIT + (FIRST)) >= 32 * nb) break; /* an odd count of blocks */          \
-                    __m256i t[8];                                                                             \
-                    for (int c = 0; c < 8; c++) t[c] = wv[c][h];                                              \
-                    qp_transpose8(t);                                                                         \
-                    for (int q = 0; q < 8; q++) _mm256_store_si256((__m256i *)(panel + 8 * at + 32 * q), t[q]); \
-                    const int64_t b = at / 32;                                                                \
-                    for (int c = 0; c < 8; c++) {                                                             \
-                        float s[8], m[8], n[8];                                                               \
-                        _mm256_storeu_ps(s, sv[c][h]);                                                        \
-                        _mm256_storeu_ps(m, mv[c][h]);                                                        \
-                        _mm256_storeu_ps(n, mins[c]);                                                         \
-                        S[8 * b + c] = s[0];                                                                  \
-                        M[8 * b + c] = T##_VPU == 1 ? m[0] : n[(b % 8)];                                      \
-                    }                                                                                         \
+            }                                                                                                 \
+            for (int h = 0; h < 2 && 2 * u + h < nb; h++) { /* an odd count of blocks: the second is absent */ \
+                const int64_t b = 2 * (u - u0) + h; /* the block in the chunk */                               \
+                __m256i t[8];                                                                                 \
+                for (int c = 0; c < 8; c++) t[c] = wv[c][h];                                                  \
+                qp_transpose8(t);                                                                             \
+                for (int q = 0; q < 8; q++) _mm256_store_si256((__m256i *)(panel + 256 * b + 32 * q), t[q]);   \
+                for (int c = 0; c < 8; c++) {                                                                 \
+                    S[8 * b + c] = _mm256_cvtss_f32(sv[c][h]);                                                \
+                    M[8 * b + c] = _mm256_cvtss_f32(mv[c][h]);                                                \
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
     }
 
-/* The first input of half h of a legacy unit: its two blocks. */
-QP_PANEL(q4_1, 32 * h)
-QP_PANEL(q5_0, 32 * h)
-QP_PANEL(q5_1, 32 * h)
+QP_PANEL(q4_1)
+QP_PANEL(q5_0)
+QP_PANEL(q5_1)
 
 /* The types of llama.cpp's common files (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) decoded straight into the panel: each
- * column's bytes loaded as they lie and transposed by dwords (the generic T##_panel above decodes per column
- * first: ~3x the work per weight).
+ * column's bytes loaded as they lie and transposed by dwords (T##_panel above decodes per column first: ~3x the
+ * work per weight).
  * Columns past nc repeat the last one (their lanes are never stored). */
 static inline void qp_columns(const uint8_t *w, int64_t row_bytes, int64_t nc, const uint8_t *rows[8]) {
     for (int64_t c = 0; c < 8; c++) rows[c] = w + (c < nc ? c : nc - 1) * row_bytes;
