@@ -1,7 +1,8 @@
 """The kernel tests again under every narrower instruction set this CPU can execute, so one run on an AVX-512 or
 AMX machine also covers what a CPU without them runs: ``PLUGINFER_CPU_ISA=avx2`` (the AVX2 builds and the
-kernel choices of a CPU without AVX-512, VNNI or AMX) and ``PLUGINFER_AMX=0`` (the AVX-512 paths an AMD Zen 4
-takes). Also: a bad value of either variable is an error naming it."""
+kernel choices of a CPU without AVX-512, VNNI or AMX) and ``PLUGINFER_CPU_ISA=zen4`` (an AMD Zen 4's build and
+AVX-512 paths, with oneDNN and MKL on the instructions they pick there). Also: a bad value of either variable is an
+error naming it."""
 
 from __future__ import annotations
 
@@ -22,15 +23,24 @@ KERNEL_TESTS = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "backe
     "tests/backends/test_cpu_step_replay.py", "tests/backends/test_cpu_step_recorder.py",
     "tests/backends/test_bf16_tiles.py", "tests/backends/test_half_linear_engine.py",
     "tests/backends/test_amx_library.py"]
-VARIANTS = {"avx2": ({"PLUGINFER_CPU_ISA": "avx2"}, "avx512f"), "no-amx": ({"PLUGINFER_AMX": "0"}, "amx_tile")}
+# each: (environment, what the CPU must have to run it, what makes it narrower than this CPU's own run)
+VARIANTS = {
+    "avx2": ({"PLUGINFER_CPU_ISA": "avx2"}, {"avx2", "fma", "f16c"}, "avx512f"),
+    # MKL takes its AVX2 GEMMs on an AMD CPU, whose float32 sums round otherwise than its AVX-512 ones
+    "zen4": ({"PLUGINFER_CPU_ISA": "zen4", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+             native_build.ZEN4_FEATURES, "amx_tile"),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_kernel_tests_pass_on_the_narrower_instruction_set(variant: str) -> None:
-    setting, needs = VARIANTS[variant]
-    if needs not in native_build.reported_cpu_features():
-        pytest.skip(f"this CPU has no {needs}: its own run already takes the narrower paths")
+    setting, needs, beyond = VARIANTS[variant]
+    reported = native_build.reported_cpu_features()
+    if beyond not in reported:
+        pytest.skip(f"this CPU has no {beyond}: its own run already takes the narrower paths")
+    if not needs <= reported:
+        pytest.skip(f"this CPU cannot run the {variant} build: it lacks {', '.join(sorted(needs - reported))}")
     env = {**os.environ, **setting, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *KERNEL_TESTS],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
@@ -47,8 +57,24 @@ def test_the_avx2_variant_hides_what_a_cpu_without_avx512_lacks(monkeypatch: pyt
     assert not any(f.startswith(("avx512", "amx", "avx_vnni")) for f in features)
 
 
+def test_the_zen4_variant_hides_what_an_amd_zen_4_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not native_build.ZEN4_FEATURES <= native_build.reported_cpu_features():
+        pytest.skip("this CPU lacks part of Zen 4's AVX-512")
+    monkeypatch.setenv(native_build.ISA_ENV, "zen4")
+    features = native_build.cpu_features()
+    assert native_build.ZEN4_FEATURES <= features
+    assert not any(f.startswith(("amx", "avx512_fp16", "avx_vnni")) for f in features)
+
+
+def test_the_zen4_variant_on_a_cpu_without_it_is_an_error_naming_what_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_build, "reported_cpu_features", lambda: frozenset({"avx2", "fma", "f16c", "avx512f"}))
+    monkeypatch.setenv(native_build.ISA_ENV, "zen4")
+    with pytest.raises(ValueError, match=r"PLUGINFER_CPU_ISA=zen4 needs what an AMD Zen 4 has; this CPU lacks .*avx512_bf16"):
+        native_build.isa()
+
+
 @pytest.mark.parametrize(("variable", "value", "message"), [
-    ("PLUGINFER_CPU_ISA", "avx3", r"PLUGINFER_CPU_ISA='avx3' is not one of native, avx2"),
+    ("PLUGINFER_CPU_ISA", "avx3", r"PLUGINFER_CPU_ISA='avx3' is not one of native, avx2, zen4"),
     ("PLUGINFER_AMX", "yes", r"PLUGINFER_AMX='yes': expected 1 .* or 0"),
 ])
 def test_a_bad_setting_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch, variable: str, value: str,

@@ -34,10 +34,19 @@ logger = logging.getLogger(__name__)
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "PLUGINFER_CPU_ISA"
 _AVX512_AND_LATER = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10")
+_AFTER_ZEN4 = ("amx", "avx512_fp16", "avx512_vp2intersect", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10")
+# AMD Zen 4's AVX-512 (gcc's -march=znver4 less its tuning, spelt so gcc 11 and clang take it)
+_ZEN4_EXTENSIONS = ("avx512vnni", "avx512bf16", "avx512vbmi", "avx512vbmi2", "avx512ifma", "avx512bitalg",
+                    "avx512vpopcntdq", "gfni", "vaes", "vpclmulqdq")
+ZEN4_FEATURES = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni", "avx512_bf16",
+                           "avx512vbmi", "avx512_vbmi2", "avx512ifma", "avx512_bitalg", "avx512_vpopcntdq", "gfni",
+                           "vaes", "vpclmulqdq"})
 # Each ISA choice: (compiler flags, the /proc/cpuinfo flags it hides from the kernels' choices).
 ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "native": (["-march=native"], ()),
     "avx2": (["-march=x86-64-v3"], _AVX512_AND_LATER),  # what an AVX2-only CPU builds and runs
+    # what an AMD Zen 4 builds and runs: AVX-512 with VNNI and BF16, no AMX, no AVX512-FP16, no AVX-VNNI
+    "zen4": (["-march=x86-64-v4", *(f"-m{name}" for name in _ZEN4_EXTENSIONS)], _AFTER_ZEN4),
 }
 OPENMP_FLAG = "-fopenmp"
 BUILD_TIMEOUT_ENV = "PLUGINFER_NATIVE_BUILD_TIMEOUT"
@@ -106,8 +115,9 @@ def reported_cpu_features() -> frozenset[str]:
 
 
 def isa() -> str:
-    """``PLUGINFER_CPU_ISA``: ``native`` (default: every extension this CPU has), or ``avx2``: the build and kernel
-    choices of a CPU without AVX-512, VNNI or AMX, so an AVX-512 machine tests the paths older ones take."""
+    """``PLUGINFER_CPU_ISA``: ``native`` (default: every extension this CPU has), ``avx2``: the build and kernel
+    choices of a CPU without AVX-512, VNNI or AMX, or ``zen4``: those of an AMD Zen 4 (AVX-512 with VNNI and BF16,
+    no AMX), so a newer machine tests the paths other CPUs take."""
     name = os.environ.get(ISA_ENV, "native")
     if name not in ISAS:
         raise ValueError(f"{ISA_ENV}={name!r} is not one of {', '.join(ISAS)}")
@@ -115,6 +125,9 @@ def isa() -> str:
         raise ValueError(f"{ISA_ENV}={name!r} is for x86-64 CPUs; this one is {platform.machine()}")
     if name == "avx2" and not {"avx2", "fma", "f16c"} <= reported_cpu_features():
         raise ValueError(f"{ISA_ENV}=avx2 needs AVX2, FMA and F16C, which this CPU lacks")
+    if name == "zen4" and not ZEN4_FEATURES <= reported_cpu_features():
+        missing = ", ".join(sorted(ZEN4_FEATURES - reported_cpu_features()))
+        raise ValueError(f"{ISA_ENV}=zen4 needs what an AMD Zen 4 has; this CPU lacks {missing}")
     return name
 
 
