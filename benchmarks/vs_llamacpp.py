@@ -23,8 +23,8 @@ Also the file's weight bytes (what a batch-1 token reads) and the memory-bandwid
 file the bound of float32 multiply-adds (its linears run float32 activations against the 16-bit weights): the
 linears' FLOPs per token against torch's float32 GEMM rate here.
 
-``--kv-cache-dtypes auto float16`` adds our engine with a float16 KV cache to the interleaved runs (a GGUF
-model's activations are float32, so ``auto`` is a float32 cache); llama.cpp keeps its default F16 cache.
+Our engine keeps a GGUF file's default KV cache, float16 as llama.cpp's (``auto``; the activations stay float32);
+``--kv-cache-dtypes auto float32`` adds it with a float32 cache to the interleaved runs.
 
 ``--cpu-time`` runs both engines on one thread and times each phase by the process's CPU time instead of
 the wall clock: on a machine shared with other work, a thread that waits for a core inflates wall-clock
@@ -226,14 +226,14 @@ def ours_logits(path: Path, prompt: list[int]) -> torch.Tensor:
     from pluginfer.testing.model_contract import prefill_logits
 
     llm = LLM(model=str(path), max_model_len=len(prompt) + 16, enable_prefix_caching=False,
-              max_num_batched_tokens=max(2048, len(prompt)))
+              max_num_batched_tokens=max(2048, len(prompt)), kv_cache_dtype="float32")
     return prefill_logits(llm, prompt)
 
 
 def llama_cpp_logits(path: Path, prompt: list[int], threads: int) -> torch.Tensor:
     import llama_cpp
 
-    # type_k / type_v 0 (GGML_TYPE_F32): a float32 KV cache as ours; its default F16 cache alone moves logits.
+    # type_k / type_v 0 (GGML_TYPE_F32): float32 KV caches in both; the default F16 ones alone move logits.
     model = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + 16, n_batch=len(prompt), n_ubatch=len(prompt),
                             logits_all=True, verbose=False, n_threads=threads, n_threads_batch=threads,
                             type_k=0, type_v=0)

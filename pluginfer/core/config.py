@@ -48,7 +48,8 @@ class CacheConfig(_Section):
     )
     num_blocks: int | None = Field(None, ge=1, description="Exact number of KV blocks (tests).")
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
-        "auto", description="KV cache dtype; auto: the model's. int8, fp8 (= fp8_e4m3), fp8_e5m2: 1-byte codes "
+        "auto", description="KV cache dtype; auto: the model's (float16 for a GGUF file with dtype auto, "
+                            "llama.cpp's default). int8, fp8 (= fp8_e4m3), fp8_e5m2: 1-byte codes "
                             "with a float32 scale per token and KV head (the checkpoint's fixed per-head scales "
                             "when it ships them), about half a 16-bit cache's bytes.")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of a shared prompt prefix.")

@@ -71,14 +71,17 @@ def resolve_plan(config: EngineConfig, rank: RankInfo, registry: Registry) -> Ra
                     collective=collective and _usable(registry, "collective", collective),
                     model=_model_spec(hf_config, path, registry).name,
                     quant=_usable(registry, "quant", _quant_name(config.quant, hf_config, registry)), dtype=dtype,
-                    kv_cache_dtype=_kv_cache_dtype(kind, dtype),
+                    kv_cache_dtype=_kv_cache_dtype(kind, config.dtype, dtype, hf_config),
                     max_model_len=_max_model_len(config, hf_config), seconds=time.perf_counter() - started)
 
 
-def _kv_cache_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
-    """The cache's storage dtype: the model's (auto), a float dtype, or a quantized cache's code dtype."""
+def _kv_cache_dtype(kind: str, dtype_name: str, dtype: torch.dtype, hf_config: dict) -> torch.dtype:
+    """The cache's storage dtype: the model's (auto), a float dtype, or a quantized cache's code dtype. A GGUF
+    file computes in float32 unless ``dtype`` says otherwise; its auto cache is then float16, as llama.cpp keeps
+    it (half the bytes every decode step reads); ``dtype float32`` asked for by name keeps a float32 cache."""
     if kind == "auto":
-        return dtype
+        gguf = (hf_config.get("quantization_config") or {}).get("quant_method") == "gguf"
+        return torch.float16 if gguf and dtype_name == "auto" and dtype == torch.float32 else dtype
     return QUANTIZED_KV_DTYPES.get(kind) or resolve_dtype(kind, {})
 
 

@@ -61,7 +61,8 @@ def test_converted_file_reads_like_transformers(stem: str, tmp_path: Path, tiny_
     assert types["blk.1.ffn_down.weight"] == "Q8_0" and types["token_embd.weight"] == "F16"
 
     oracle = transformers_from_source(out, architecture, config)
-    llm = LLM(model=str(out), num_blocks=64, block_size=8)
+    # a float32 KV cache, as the float32 oracle's (a GGUF file's default is float16, llama.cpp's)
+    llm = LLM(model=str(out), num_blocks=64, block_size=8, kv_cache_dtype="float32")
     prompt = random_prompts(config["vocab_size"], [72 if "longrope" in stem else 24], seed=5)[0]
     torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(oracle, prompt), atol=1e-4, rtol=1e-4)
     assert llm.generate([prompt], greedy(12))[0].outputs[0].token_ids == hf_greedy(oracle, prompt, 12)

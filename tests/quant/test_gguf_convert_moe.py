@@ -55,7 +55,8 @@ def test_converted_moe_file_reads_like_transformers_and_llama_cpp(stem: str, tmp
     assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type.name == "F32"
 
     monkeypatch.setenv("PLUGINFER_QUANT_ACTIVATIONS", "float")
-    ours = LLM(model=str(exact), num_blocks=64, block_size=8, max_model_len=256)
+    # a float32 KV cache, as the float32 oracle's (a GGUF file's default is float16, llama.cpp's)
+    ours = LLM(model=str(exact), num_blocks=64, block_size=8, kv_cache_dtype="float32", max_model_len=256)
     logits = prefill_logits(ours, prompt)
     torch.testing.assert_close(logits, hf_logits(oracle, prompt), atol=1e-4, rtol=1e-4)
     assert ours.generate([prompt], greedy(12))[0].outputs[0].token_ids == hf_greedy(oracle, prompt, 12)
@@ -68,7 +69,8 @@ def test_converted_moe_file_reads_like_transformers_and_llama_cpp(stem: str, tmp
     types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(quantized).tensors}
     assert types["blk.0.ffn_down_exps.weight"] == types["blk.1.ffn_up_exps.weight"] == "Q8_0"
     long_prompt = random_prompts(config["vocab_size"], [96], seed=6)[0]
-    ours_q = prefill_logits(LLM(model=str(quantized), num_blocks=64, block_size=8, max_model_len=256), long_prompt)
+    ours_q = prefill_logits(LLM(model=str(quantized), num_blocks=64, block_size=8, kv_cache_dtype="float32",
+                                max_model_len=256), long_prompt)
     theirs_q = llama_cpp_logits(quantized, long_prompt, tmp_path)
     assert abs(mean_nll(ours_q, long_prompt) - mean_nll(theirs_q, long_prompt)) <= 0.01 * mean_nll(theirs_q,
                                                                                                      long_prompt)

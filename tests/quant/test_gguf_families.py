@@ -54,7 +54,8 @@ def test_llama_cpp_file_generates_like_transformers(name: str) -> None:
         assert weights[linear].qtype.name == linear_type
 
     oracle = transformers_from_source(path, architecture, source_config(config))
-    llm = LLM(model=str(path), num_blocks=64, block_size=8)
+    # a float32 KV cache, as the float32 oracle's (a GGUF file's default is float16, llama.cpp's)
+    llm = LLM(model=str(path), num_blocks=64, block_size=8, kv_cache_dtype="float32")
     prompt = random_prompts(1000, [PROMPT_LENGTHS.get(name, 24)], seed=9)[0]  # past the sliding windows of 8
     torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(oracle, prompt), atol=1e-4, rtol=1e-4)
     assert llm.generate([prompt], greedy(16))[0].outputs[0].token_ids == hf_greedy(oracle, prompt, 16)
@@ -121,6 +122,6 @@ def test_phi2_file_with_fused_qkv(tmp_path: Path) -> None:
 
     architecture, config, _ = MODELS["llamacpp-phi2"]
     oracle = transformers_from_source(source_path, architecture, source_config(config))
-    llm = LLM(model=str(path), num_blocks=64, block_size=8)
+    llm = LLM(model=str(path), num_blocks=64, block_size=8, kv_cache_dtype="float32")
     prompt = random_prompts(1000, [24], seed=9)[0]
     torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(oracle, prompt), atol=1e-4, rtol=1e-4)

@@ -42,7 +42,8 @@ def float_activations(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def load(path: Path, **kwargs: object) -> LLM:
-    return LLM(model=str(path), num_blocks=64, block_size=8, **kwargs)
+    # a float32 KV cache, as the float32 oracle's (a GGUF file's default is float16, llama.cpp's)
+    return LLM(model=str(path), num_blocks=64, block_size=8, kv_cache_dtype="float32", **kwargs)
 
 
 def assert_matches_transformers(path: Path, prompt: list[int], atol: float = 1e-4) -> LLM:

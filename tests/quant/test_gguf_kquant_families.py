@@ -89,7 +89,8 @@ def test_kquant_file_with_float_activations_generates_like_transformers(name: st
     assert read_hf_config(path)["hidden_size"] == 256
     weights = dict(iter_weights(path))
     assert type(weights[linear]) is GGMLTensor and weights[linear].qtype.name in types
-    llm = LLM(model=str(path), num_blocks=64, block_size=8)
+    # a float32 KV cache, as the float32 oracle's (a GGUF file's default is float16, llama.cpp's)
+    llm = LLM(model=str(path), num_blocks=64, block_size=8, kv_cache_dtype="float32")
     model = oracle(path)
     prompt = random_prompts(1000, [24], seed=9)[0]
     torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(model, prompt), atol=1e-4, rtol=1e-4)
@@ -119,7 +120,8 @@ def test_default_path_nll_within_one_percent_of_llama_cpp(name: str, tmp_path: P
     path = FIXTURES / name
     prompt = random_prompts(1000, [96], seed=3)[0]
     theirs = llama_cpp_logits(path, prompt, tmp_path)
-    ours = prefill_logits(LLM(model=str(path), num_blocks=64, block_size=8, max_model_len=256), prompt)
+    ours = prefill_logits(LLM(model=str(path), num_blocks=64, block_size=8, kv_cache_dtype="float32",
+                              max_model_len=256), prompt)
     assert abs(mean_nll(ours, prompt) - mean_nll(theirs, prompt)) <= 0.01 * mean_nll(theirs, prompt)
     # both quantize activations (llama.cpp: Q8_K rows; ours: int8 per row), so logits differ a little, not the picks
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9

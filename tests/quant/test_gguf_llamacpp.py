@@ -59,7 +59,8 @@ def test_llama_cpp_file_generates_like_transformers_reading_it(name: str) -> Non
         factors = llama3_rope_factors(config["rope_theta"], config["head_dim"], rope).tolist()  # applied as given
         assert config["rope_scaling"] == {"rope_type": "default", "frequency_factors": pytest.approx(factors)}
     oracle = transformers_from_gguf(path, rope)
-    llm = LLM(model=str(path), num_blocks=64, block_size=8)
+    # a float32 KV cache, as the float32 oracle's (a GGUF file's default is float16, llama.cpp's)
+    llm = LLM(model=str(path), num_blocks=64, block_size=8, kv_cache_dtype="float32")
     pipeline = llm.engine.executor.pipeline
     table = pipeline.model.embed_tokens.table
     assert table is not None and table.qtype.name == types["token_embd.weight"]

@@ -117,8 +117,9 @@ def test_expert_adapters_on_experts_held_in_blocks_equal_peft(name: str, tp: int
     adapted.eval()
     prompt = random_prompts(900, [24], seed=9)[0]
     request = LoRARequest("experts", 1, str(tmp_path / "experts"))
-    with LLM(model=str(path), num_blocks=64, block_size=8, enable_lora=True, max_lora_rank=4,
-             tensor_parallel_size=tp) as llm:
+    # a float32 KV cache, as the float32 oracle's (a GGUF file's default is float16, llama.cpp's)
+    with LLM(model=str(path), num_blocks=64, block_size=8, kv_cache_dtype="float32", enable_lora=True,
+             max_lora_rank=4, tensor_parallel_size=tp) as llm:
         experts = next(m for m in llm.engine.executor.pipeline.modules() if isinstance(m, FusedExperts))
         assert experts.linears is not None
         got = llm.generate([prompt], greedy(16), lora_request=request)[0].outputs[0].token_ids
@@ -148,7 +149,7 @@ def test_llama_cpp_moe_file_generates_like_transformers(name: str) -> None:
             assert isinstance(weights[hf], GGMLTensor) and weights[hf].qtype.name == "Q8_0", hf
 
     oracle = transformers_oracle(path)
-    llm = LLM(model=str(path), num_blocks=64, block_size=8)
+    llm = LLM(model=str(path), num_blocks=64, block_size=8, kv_cache_dtype="float32")
     experts = next(module for module in llm.engine.executor.pipeline.modules() if isinstance(module, FusedExperts))
     # the experts are layers of the gguf quant method: the file's types, no stacked float copy
     assert experts.linears is not None and experts.gate_up_proj.numel() == 0

@@ -49,7 +49,8 @@ def test_rope_freqs_are_the_config_frequency_factors() -> None:
 
 @pytest.fixture(scope="module")
 def ours() -> LLM:
-    return LLM(model=str(FIXTURE), num_blocks=64, block_size=8, max_model_len=256)
+    # a float32 KV cache, as the float32 oracle's (a GGUF file's default is float16, llama.cpp's)
+    return LLM(model=str(FIXTURE), num_blocks=64, block_size=8, kv_cache_dtype="float32", max_model_len=256)
 
 
 PROMPT = random_prompts(1000, [48], seed=21)[0]
@@ -75,7 +76,8 @@ def test_logits_equal_llama_cpp_reading_the_same_file(tmp_path: Path) -> None:
                             n_threads=1, type_k=0, type_v=0)
     model.eval(PROMPT)
     theirs = torch.tensor(np.array(model.scores[: len(PROMPT)]), dtype=torch.float32)
-    ours = LLM(model=str(FIXTURE), num_blocks=64, block_size=8, max_model_len=256)  # no cached prefix
+    # no cached prefix
+    ours = LLM(model=str(FIXTURE), num_blocks=64, block_size=8, kv_cache_dtype="float32", max_model_len=256)
     # Both in float32, summed in other orders: measured at most 1e-5 apart (logits spread ~14).
     torch.testing.assert_close(prefill_logits(ours, PROMPT), theirs, atol=1e-4, rtol=1e-4)
 

@@ -28,7 +28,8 @@ def _configured_activations_restored(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _logits(path: Path, prompt: list[int], **kwargs: object) -> torch.Tensor:
-    llm = LLM(model=str(path), num_blocks=64, block_size=8, **kwargs)
+    # a float32 KV cache, as the float32 oracle's (a GGUF file's default is float16, llama.cpp's)
+    llm = LLM(model=str(path), num_blocks=64, block_size=8, kv_cache_dtype="float32", **kwargs)
     try:
         return prefill_logits(llm, prompt)
     finally:
