@@ -202,6 +202,19 @@ def test_a_bfloat16_query_over_a_float16_cache(backend: CpuBackend, monkeypatch:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+def test_a_float32_query_over_a_float16_cache(backend: CpuBackend, case: str) -> None:
+    """A GGUF model's default: float32 queries and new rows over a float16 cache. Each path widens the cached rows
+    and keeps the query as it is, so only the cache's own rounding (made when written) separates the result
+    from float32 attention."""
+    step = build_step(backend, *CASES[case], dtype=torch.float16, seed=6)
+    step.query = torch.randn(step.query.shape, generator=torch.Generator().manual_seed(7))  # not float16-exact
+    step.key, step.value = step.key.float(), step.value.float()  # rounded to the cache's dtype when written
+    out = run(backend, step)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference(step), **FP32_TOLERANCE)
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_new_keys_and_values_are_written_to_their_slots(backend: CpuBackend, case: str) -> None:
     step = build_step(backend, *CASES[case], seed=5)
     key_before, value_before = (c.clone() for c in step.cache)

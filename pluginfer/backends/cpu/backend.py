@@ -358,7 +358,9 @@ def _attend(part: _Part, query: torch.Tensor, flat_keys: torch.Tensor, flat_valu
         queries = query[part.token_start:part.token_end].unsqueeze(2)  # [seqs, heads, 1, dim]
     else:
         queries = query[part.token_rows].transpose(1, 2)  # [seqs, heads, max_q, dim]
-    queries = queries.to(keys.dtype)
+    # a float32 query against a 16-bit cache widens the gathered rows, as the native kernels do: never rounded
+    dtype = torch.promote_types(queries.dtype, keys.dtype)
+    queries, keys, values = queries.to(dtype), keys.to(dtype), values.to(dtype)
     mask = part.mask(sliding_window)
     seqs, heads, max_q, _ = queries.shape
     if logit_soft_cap is None and keys.shape[1] == 1 and heads > 1:
