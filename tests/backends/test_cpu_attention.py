@@ -278,6 +278,26 @@ def test_native_paged_decode_attention_directly(kv_heads: int, v_dim: int, slidi
 
 
 @pytest.mark.usefixtures("native_kernel")
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "soft_cap"), [(32, None), (40, None), (32, 5.0)])  # 40, soft cap: portable loop
+def test_a_16_bit_cache_decodes_as_the_float32_kernel_on_the_widened_cache(cache_dtype: torch.dtype, head_dim: int,
+                                                                           soft_cap: float | None) -> None:
+    """A float32 query over a 16-bit cache widens each cached value exactly, then runs the float32 kernel's
+    operations in its order: the same bits as that kernel over the cache widened first."""
+    generator = torch.Generator().manual_seed(5)
+    block_size, seq_lens, heads, kv_heads = 8, [1, 9, 40, 77], 8, 2
+    num_blocks = len(seq_lens) * 10
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype)
+    tables = torch.randperm(num_blocks, generator=generator).reshape(len(seq_lens), 10)
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=generator)
+    args = (tables, torch.tensor(seq_lens), head_dim ** -0.5, None, soft_cap)
+    out = native_layer_ops.paged_decode_attention(query, key_cache, value_cache, *args)
+    widened = native_layer_ops.paged_decode_attention(query, key_cache.float(), value_cache.float(), *args)
+    assert torch.equal(out, widened)
+
+
+@pytest.mark.usefixtures("native_kernel")
 def test_native_paged_decode_attention_accepts_a_sliced_block_table() -> None:
     seq_lens = [5, 40, 9]
     step = build_step(CpuBackend(), seq_lens, [1] * len(seq_lens), seed=9)

@@ -334,7 +334,7 @@ decode_attention(const float *query,          /* [seqs, heads, head_dim] */
                     const float *k = (const float *)key_cache + (slot * num_kv_heads + kv_begin) * head_dim;
                     if (kind) {
                         const uint16_t *k16 = (const uint16_t *)key_cache + (slot * num_kv_heads + kv_begin) * head_dim;
-                        for (int64_t j = 0; j < task_heads * head_dim; j++) widened[j] = load16(k16 + j, kind);
+                        widen16_row(k16, widened, task_heads * head_dim, kind);
                         k = widened;
                     }
                     for (int64_t h = 0; h < rows; h++) {
@@ -351,7 +351,7 @@ decode_attention(const float *query,          /* [seqs, heads, head_dim] */
                     const float *v = (const float *)value_cache + (slot * num_kv_heads + kv_begin) * v_dim;
                     if (kind) {
                         const uint16_t *v16 = (const uint16_t *)value_cache + (slot * num_kv_heads + kv_begin) * v_dim;
-                        for (int64_t j = 0; j < task_heads * v_dim; j++) widened[j] = load16(v16 + j, kind);
+                        widen16_row(v16, widened, task_heads * v_dim, kind);
                         v = widened;
                     }
                     for (int64_t h = 0; h < rows; h++) {
