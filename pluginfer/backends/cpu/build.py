@@ -33,14 +33,15 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11"]
 ISA_ENV = "PLUGINFER_CPU_ISA"
-_AVX512_AND_LATER = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10")
-_AFTER_ZEN4 = ("amx", "avx512_fp16", "avx512_vp2intersect", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10")
-# AMD Zen 4's AVX-512 (gcc's -march=znver4 less its tuning, spelt so gcc 11 and clang take it)
-_ZEN4_EXTENSIONS = ("avx512vnni", "avx512bf16", "avx512vbmi", "avx512vbmi2", "avx512ifma", "avx512bitalg",
-                    "avx512vpopcntdq", "gfni", "vaes", "vpclmulqdq")
-ZEN4_FEATURES = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni", "avx512_bf16",
-                           "avx512vbmi", "avx512_vbmi2", "avx512ifma", "avx512_bitalg", "avx512_vpopcntdq", "gfni",
-                           "vaes", "vpclmulqdq"})
+_BEYOND_AVX512 = ("amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10")
+_AVX512_AND_LATER = ("avx512", *_BEYOND_AVX512)
+_AFTER_ZEN4 = ("avx512_fp16", "avx512_vp2intersect", *_BEYOND_AVX512)
+# AMD Zen 4's extensions beyond x86-64-v4, gcc's -m name -> /proc/cpuinfo's flag (-march=znver4 less its tuning,
+# spelt so gcc 11 and clang take it)
+_ZEN4_EXTENSIONS = {"avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "avx512vbmi": "avx512vbmi",
+                    "avx512vbmi2": "avx512_vbmi2", "avx512ifma": "avx512ifma", "avx512bitalg": "avx512_bitalg",
+                    "avx512vpopcntdq": "avx512_vpopcntdq", "gfni": "gfni", "vaes": "vaes", "vpclmulqdq": "vpclmulqdq"}
+ZEN4_FEATURES = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", *_ZEN4_EXTENSIONS.values()})
 # Each ISA choice: (compiler flags, the /proc/cpuinfo flags it hides from the kernels' choices).
 ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "native": (["-march=native"], ()),
