@@ -21,6 +21,10 @@ static inline float half_to_float(const uint8_t *p) {
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
 #if defined(__F16C__)
     return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+    __fp16 value; /* fcvt: exact, a NaN quieted with its payload, as vcvtph2ps */
+    memcpy(&value, &h, sizeof value);
+    return (float)value;
 #else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
     uint32_t bits;
@@ -56,6 +60,11 @@ static inline float load16(const uint16_t *p, int dtype) {
 static inline uint16_t half_round(float f) {
 #if defined(__F16C__)
     return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#elif defined(__aarch64__)
+    const __fp16 value = (__fp16)f; /* fcvt in the default rounding mode, to nearest even */
+    uint16_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return bits;
 #else
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -92,11 +101,25 @@ static inline float round16(float f, int dtype) {
     return load16(&bits, dtype);
 }
 
-/* n values widened exactly into out, as load16 does each; 8 at a time with AVX2 and F16C (a scalar conversion
- * per value made a float16 cache's portable decode attention slower than a float32 cache's). */
+/* n values widened exactly into out, as load16 does each; 8 at a time with AVX2 and F16C, by NEON's fcvtl on
+ * ARM (a conversion per value in software made a float16 cache's portable decode attention slower than a float32
+ * cache's). */
 static inline void widen16_row(const uint16_t *in, float *out, int64_t n, int dtype) {
     int64_t j = 0;
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(__aarch64__)
+    if (dtype == HALF_F16) {
+        for (; j < n; j++) { /* vectorized by the compiler */
+            __fp16 value;
+            memcpy(&value, in + j, sizeof value);
+            out[j] = (float)value;
+        }
+    } else {
+        for (; j < n; j++) {
+            const uint32_t bits = (uint32_t)in[j] << 16;
+            memcpy(out + j, &bits, sizeof bits);
+        }
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
     for (; j + 8 <= n; j += 8) {
         const __m128i bits = _mm_loadu_si128((const __m128i *)(in + j));
         _mm256_storeu_ps(out + j, dtype == HALF_F16 ? _mm256_cvtph_ps(bits)
