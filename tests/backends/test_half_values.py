@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pluginfer.backends.cpu import build as native_build
+from pluginfer.backends.cpu import int8_gemm, library
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "half_values_probe.c"
@@ -62,3 +63,15 @@ def test_arm_gives_the_software_bits(software: torch.Tensor, tmp_path: Path) -> 
         pytest.skip("no aarch64 cross compiler and qemu-user here (apt-get install gcc-aarch64-linux-gnu qemu-user)")
     arm = run_probe(tmp_path, "arm", compiler, ["-march=armv8-a"], [qemu, "-L", "/usr/aarch64-linux-gnu"])
     assert torch.equal(arm, software)
+
+
+def test_the_kernels_build_for_arm_without_a_warning() -> None:
+    """What an ARM CPU compiles (its portable loops and the conversions above): every C library the cpu backend
+    builds off x86, with the backend's flags and -Wall."""
+    compiler = shutil.which("aarch64-linux-gnu-gcc")
+    if compiler is None:
+        pytest.skip("no aarch64 cross compiler here (apt-get install gcc-aarch64-linux-gnu)")
+    for sources in (library.SOURCES, int8_gemm.SOURCES):
+        result = subprocess.run([compiler, *native_build.FLAGS, native_build.OPENMP_FLAG, "-march=armv8-a", "-Wall",
+                                 *map(str, sources), "-o", "/dev/null"], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0 and not result.stderr, result.stderr[-4000:]
