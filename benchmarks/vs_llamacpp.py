@@ -34,8 +34,8 @@ time (and a second thread waits at every barrier), while the CPU time of one thr
 ``PLUGINFER_AMX=0`` against a llama.cpp built without AMX (its build is checked).
 
 ``--avx2`` times what a CPU with AVX2 but no AVX-512 gets, on one with AVX-512: the tool runs itself again with
-``PLUGINFER_CPU_ISA=avx2 PLUGINFER_AMX=0 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` (our kernels, oneDNN
-and torch's own all on AVX2), against a llama.cpp built with AVX2 and without AVX-512 (checked; put its build first on
+``PLUGINFER_CPU_ISA=avx2 PLUGINFER_AMX=0 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2``
+(our kernels, oneDNN, torch's own and MKL's GEMM all on AVX2), against a llama.cpp built with AVX2 and without AVX-512 (checked; put its build first on
 ``PYTHONPATH``; docs/performance.md has the command).
 
 ``--plot FILE.png`` draws decode tokens/s against batch size, ours and llama.cpp's, one colour per file
@@ -303,7 +303,7 @@ def main() -> None:
     if args.avx2 and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
         # torch reads its capability at import, so the whole run starts again with the AVX2 settings
         env = dict(os.environ, PLUGINFER_CPU_ISA="avx2", PLUGINFER_AMX="0", ONEDNN_MAX_CPU_ISA="AVX2",
-                   ATEN_CPU_CAPABILITY="avx2")
+                   ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2")
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     if args.avx2:
         import llama_cpp

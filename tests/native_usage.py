@@ -23,7 +23,7 @@ from pathlib import Path
 
 # family -> (the C functions that are the family, the /proc/cpuinfo flags its fast path needs).
 # The C guards: panel_linear.c needs __AVX512F__; quant_dot.c AVX-512 VNNI (with BW, VL, F16C) or, at least,
-# AVX2 with FMA and F16C (its AVX2 kernels); half_linear.c AVX2 with FMA and F16C at least; half_panel.c and prefill_attention.c __AVX512F__.
+# AVX2 with FMA and F16C (its AVX2 kernels); half_linear.c and half_panel.c AVX2 with FMA and F16C at least; prefill_attention.c __AVX512F__.
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "decode attention": (("paged_decode_attention", "paged_decode_attention_kv16"), ()),
     "prefill attention (AVX-512)": (("paged_prefill_attention",), ("avx512f",)),
@@ -38,7 +38,7 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "int4 dequantize": (("int4_dequantize_rows",), ()),
     "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)": (("quant_matmul", "quant_panel_matmul"), ("avx2", "fma", "f16c")),
     "16-bit GEMV (AVX2 / AVX512-BF16)": (("half_linear", "half_weight_linear"), ("avx2", "fma", "f16c")),
-    "16-bit panel GEMM (AVX-512)": (("pack_half_panels", "half_panel_linear"), ("avx512f",)),
+    "16-bit panel GEMM (AVX2 / AVX-512)": (("pack_half_panels", "half_panel_linear"), ("avx2", "fma", "f16c")),
 }
 PANELS, FUSED = "panel GEMM (AVX-512)", "fused int8 GGML matmul (AVX2 / AVX-512 VNNI)"
 HALF = "16-bit GEMV (AVX2 / AVX512-BF16)"

@@ -1,35 +1,42 @@
 """The 16-bit panel GEMM (``csrc/half_panel.c``, ops ``ggml_half_pack`` / ``ggml_half_linear``): float32 activations
 against a bfloat16/float16 weight packed at load into panels, a GGUF file's F16/BF16 tensors in a float32 model
-on a CPU with AVX-512 and without AMX.
+on a CPU without AMX (AVX-512, or AVX2 with FMA and F16C: the same bits).
 
 The bound is half_weight_linear's (test_native_half_weight_linear.py): widening is exact and each output is one
 chain of fused multiply-adds, so ``|out - exact| <= (k + 2) * 2^-24 * S``. Each output's chain runs over the inputs
-in order whatever the tile (8 x 3 widened in registers, 8 x 3 or 14 x 2 on widened blocks), so a row's result is
-the same bits whatever rows share its call, and whatever the thread count.
+in order whatever the tile (AVX-512: 8 x 3 widened in registers, 8 x 3 or 14 x 2 on widened blocks; AVX2: 1-2 rows
+x the whole group, 6 rows x a third widened in registers or on widened blocks), so a row's result is the same bits
+whatever rows share its call, the thread count or the instruction set.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from pluginfer.backends.cpu import amx_half, half_panels
+from pluginfer.backends.cpu import amx_half, half_panels, library
+from pluginfer.backends.cpu import build as native_build
 from pluginfer.backends.cpu import ops as native
 from pluginfer.quant import ggml_ops
 from tests.backends import half_linear_cases
 from tests.backends.half_linear_cases import assert_nonfinite_as_exact, exact, plant_nonfinite
 
 pytestmark = pytest.mark.skipif(native.available() is not None or not half_panels.supported(),
-                                reason="the 16-bit panel GEMM needs the native library and AVX-512F")
+                                reason="the 16-bit panel GEMM needs the native library and AVX2 (FMA, F16C)")
 
 DTYPES = [torch.bfloat16, torch.float16]
 # (out, in): fewer outputs than a panel, one group (a tile of 2 panels past it), outputs past whole tiles of 2 and
 # 3 panels, inputs past whole blocks of 128 and 256 (and shorter than one), the tiny model's LM head.
 SHAPES = [(1, 1), (17, 33), (48, 40), (70, 96), (97, 129), (130, 300), (200, 513), (1001, 96)]
-# one group widened in registers (1-8), 8 x 3 on widened blocks (9-48), 14 x 2 above; a second row block (> 112)
-ROWS = [1, 2, 5, 8, 9, 16, 33, 48, 49, 64, 113, 130]
+# AVX-512: one group widened in registers (1-8), 8 x 3 on widened blocks (9-48), 14 x 2 above; AVX2: the whole
+# group (1-2), thirds of 6 rows widened in registers (3-6), on widened blocks above; a second row block (> 112)
+ROWS = [1, 2, 3, 5, 8, 9, 16, 33, 48, 49, 64, 113, 130]
 
 inputs = functools.partial(half_linear_cases.inputs, activations=torch.float32)
 
@@ -115,3 +122,26 @@ def test_bad_inputs_are_refused() -> None:
         half_panels.half_panel_linear(torch.randn(2, 63), packed, 40)
     with pytest.raises(ValueError, match="float32 inputs"):
         half_panels.half_panel_linear(torch.randn(2, 64).half(), packed, 40)
+
+
+@pytest.mark.slow
+def test_the_avx2_form_gives_the_avx512_forms_bits(tmp_path: Path) -> None:
+    """The AVX2 tiles (a CPU without AVX-512) run the same multiply-add chains: the same outputs bit for bit."""
+    if library.load().half_panel_supported() != 1 or not {"avx2", "fma", "f16c"} <= native_build.reported_cpu_features():
+        pytest.skip("needs this CPU's AVX-512 form here and AVX2 for the other")
+    cases = []
+    for index, (rows, (out_features, in_features)) in enumerate(zip([1, 2, 3, 16, 130], SHAPES[3:])):
+        for dtype in DTYPES:
+            x, weight, bias = inputs(rows, out_features, in_features, dtype, 41 + index, index % 2 == 0)
+            cases.append((x, weight, bias, run(x, weight, bias)))
+    torch.save([case[:3] for case in cases], tmp_path / "cases.pt")
+    script = ("import sys, torch\n"
+              "from pluginfer.backends.cpu import half_panels\n"
+              "cases = torch.load(sys.argv[1])\n"
+              "torch.save([half_panels.half_panel_linear(x, half_panels.pack_half_panels(w), w.shape[0], b)\n"
+              "            for x, w, b in cases], sys.argv[2])\n")
+    env = {**os.environ, native_build.ISA_ENV: "avx2"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")], env=env,
+                   check=True, capture_output=True, timeout=900)
+    for (_, _, _, expected), got in zip(cases, torch.load(tmp_path / "avx2.pt")):
+        assert torch.equal(got, expected)

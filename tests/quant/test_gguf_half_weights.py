@@ -1,7 +1,7 @@
 """A GGUF file's F16/BF16 tensors in a float32 model, kept as the file stores them (``quant/gguf.py``): the
 embedding and LM head as a ``GGMLVocabTable`` of 16-bit rows, the linears as 16-bit weights, both read in
 place by the cpu backend's ``half_linear`` op (float32 activations: ``half_weight_linear``) for a few rows,
-and by tiles widened to float32 for torch's GEMM above; or, on a CPU with AVX-512 and without AMX, packed at
+and by tiles widened to float32 for torch's GEMM above; or, on a CPU with AVX2 or AVX-512 and without AMX, packed at
 load into the backend's 16-bit panels (ops ``ggml_half_pack`` / ``ggml_half_linear``; the embedding still
 reads the file's rows).
 
@@ -43,11 +43,11 @@ NATIVE = native.available() is None and native_half_linear.half_linear_isa() is 
 @pytest.fixture(params=["stored", "panels"])
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Where the cpu backend keeps a float32 model's 16-bit weights: as the file stores them (a CPU with AMX-BF16,
-    whose tiles read them, or without AVX-512) or packed into its 16-bit panels (AVX-512 without AMX)."""
+    whose tiles read them, or without AVX2) or packed into its 16-bit panels (AVX2 or AVX-512, without AMX)."""
     if request.param == "stored":
         monkeypatch.setitem(native.NATIVE, "ggml_half_pack", lambda weight: None)
     elif not NATIVE or not half_panels.supported():
-        pytest.skip("no 16-bit panel GEMM here (it needs AVX-512F)")
+        pytest.skip("no 16-bit panel GEMM here (it needs AVX2 with FMA and F16C)")
     else:
         monkeypatch.setattr(amx_half, "library", lambda: None)
     return request.param

@@ -1,4 +1,4 @@
-"""The 16-bit panel GEMM (``csrc/half_panel.c``, AVX-512): a GGUF file's F16/BF16 weights in a float32 model packed
+"""The 16-bit panel GEMM (``csrc/half_panel.c``, AVX-512 or AVX2): a GGUF file's F16/BF16 weights in a float32 model packed
 once at load into groups of 48 outputs (ops ``ggml_half_pack`` and ``ggml_half_linear``), float32 activations.
 Where the CPU has AMX-BF16 the weights stay as stored, for ``half_linear``'s GEMV and AMX tiles."""
 
@@ -17,7 +17,7 @@ DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 
 def supported() -> bool:
-    """Whether this CPU runs the kernel (AVX-512F)."""
+    """Whether this CPU runs the kernel (AVX-512F, or AVX2 with FMA and F16C)."""
     return bool(library.load().half_panel_supported())
 
 
@@ -29,7 +29,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     if amx_half.library() is not None:
         return None
     log_once(logging.INFO, "F16/BF16 weights of a float32 model: packed at load into 16-bit panels for the panel "
-                            "GEMM (AVX-512, no AMX)")
+                            "GEMM (no AMX)")
     return pack_half_panels(weight)
 
 

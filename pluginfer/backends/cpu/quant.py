@@ -286,7 +286,8 @@ QUANT_TILES_ENV = "PLUGINFER_QUANT_TILES"
 # (0.92-1.0x at 128, 1.2x at 192) and ~256 for Q8_0 (0.94-1.16x at 256, 1.14-1.33x at 384); Q6_K not measured,
 # given Q4_K's. Against float32 tiles the panel GEMM wins at every row count (AVX2 or AVX-512 VNNI, 3x at 512),
 # but for Q8_0 on AVX2 without AVX-VNNI: its sign trick takes twice the operations, and dequantize + float32
-# GEMM takes its steps past 128 rows (a 512-token prefill at 137.6 tok/s on the panel, 161.6 on the tiles).
+# GEMM takes its steps past 128 rows (a 512-token prefill at 114-117 tok/s on the panel, 116-124 on the tiles with
+# MKL on AVX2, as on such a CPU; 137.6 against 161.6 with MKL's AVX-512 GEMM).
 FUSED_MAX_ROWS_BEFORE_BFLOAT16_TILES = 48
 PANEL_MAX_ROWS = 1 << 40
 AVX2_Q8_0_MAX_ROWS = 128

@@ -40,6 +40,33 @@ void pack_panels(const float *w, float *out, int64_t n, int64_t k) {
     }
 }
 
+/* The repacked rows of x, one buffer per calling thread, grown as needed. */
+static _Thread_local float *row_groups;
+static _Thread_local int64_t row_groups_capacity;
+
+/* x [m][k] repacked into groups of `rows` rows, [groups][k][rows] (the group's inputs in turn, its rows' values
+ * side by side, so a tile's broadcasts read the next float), in the calling thread's buffer; NULL when it cannot
+ * grow. Shared with half_panel.c (whose AVX2 form needs it without AVX-512). */
+float *repack_row_groups(const float *x, int64_t m, int64_t k, int64_t rows) {
+    const int64_t groups = (m + rows - 1) / rows, needed = groups * rows * k;
+    if (needed > row_groups_capacity) {
+        float *grown = realloc(row_groups, (size_t)needed * sizeof(float));
+        if (!grown) return NULL;
+        row_groups = grown;
+        row_groups_capacity = needed;
+    }
+    float *at = row_groups;
+#pragma omp parallel for if (m * k >= (1 << 16))
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = g * rows, count = m - r0 < rows ? m - r0 : rows;
+        float *dst = at + r0 * k;
+        const float *src = x + r0 * k;
+        for (int64_t i = 0; i < k; i++)
+            for (int64_t r = 0; r < count; r++) dst[i * rows + r] = src[r * k + i];
+    }
+    return at;
+}
+
 #if defined(__AVX512F__)
 int panel_linear_supported(void) { return 1; }
 
@@ -98,33 +125,6 @@ typedef void (*panel_tile)(const float *, const float *, int64_t, float *, int64
 static const panel_tile TILES_2[15] = {0, tile_1x2, tile_2x2, tile_3x2, tile_4x2, tile_5x2, tile_6x2, tile_7x2,
                                        tile_8x2, tile_9x2, tile_10x2, tile_11x2, tile_12x2, tile_13x2, tile_14x2};
 static const panel_tile TILES_4[5] = {0, tile_1x4, tile_2x4, tile_3x4, tile_4x4};
-
-/* The repacked rows of x, one buffer per calling thread, grown as needed. */
-static _Thread_local float *row_groups;
-static _Thread_local int64_t row_groups_capacity;
-
-/* x [m][k] repacked into groups of `rows` rows, [groups][k][rows] (the group's inputs in turn, its rows' values
- * side by side, so a tile's broadcasts read the next float), in the calling thread's buffer; NULL when it cannot
- * grow. Shared with half_panel.c. */
-float *repack_row_groups(const float *x, int64_t m, int64_t k, int64_t rows) {
-    const int64_t groups = (m + rows - 1) / rows, needed = groups * rows * k;
-    if (needed > row_groups_capacity) {
-        float *grown = realloc(row_groups, (size_t)needed * sizeof(float));
-        if (!grown) return NULL;
-        row_groups = grown;
-        row_groups_capacity = needed;
-    }
-    float *at = row_groups;
-#pragma omp parallel for if (m * k >= (1 << 16))
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t r0 = g * rows, count = m - r0 < rows ? m - r0 : rows;
-        float *dst = at + r0 * k;
-        const float *src = x + r0 * k;
-        for (int64_t i = 0; i < k; i++)
-            for (int64_t r = 0; r < count; r++) dst[i * rows + r] = src[r * k + i];
-    }
-    return at;
-}
 
 /* x [m][k], packed weight from pack_panels, bias [n] or NULL, out [m][n]. Returns -1 when the
  * row-group buffer cannot be allocated. */
