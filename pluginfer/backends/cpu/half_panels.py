@@ -1,5 +1,6 @@
-"""The 16-bit panel GEMM (``csrc/half_panel.c``, AVX-512 or AVX2): a GGUF file's F16/BF16 weights in a float32 model packed
-once at load into groups of 48 outputs (ops ``ggml_half_pack`` and ``ggml_half_linear``), float32 activations.
+"""The 16-bit panel GEMM (``csrc/half_panel.c``, AVX-512 or AVX2): a GGUF file's F16/BF16 weights in a float32
+model packed once at load into groups of 48 outputs (ops ``ggml_half_pack`` and ``ggml_half_linear``), float32
+activations.
 Where the CPU has AMX-BF16 the weights stay as stored, for ``half_linear``'s GEMV and AMX tiles."""
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ int half_panel_linear(int dtype, const float *x, const uint16_t *packed, const f
 #define HQ_UNROLL 2
 #define HQ_KB 128
 
-int half_panel_supported(void) { return 2; }
+int half_panel_supported(void) { return 2; } /* the AVX2 form (1: AVX-512) */
 
 /* 8 values of a packed line widened exactly (dtype 0 bfloat16, 1 float16). */
 static inline __m256 hq_widen(int dtype, const uint16_t *p) {
