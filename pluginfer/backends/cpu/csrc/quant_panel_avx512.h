@@ -104,9 +104,9 @@ static inline __m512i qp_gather(__mmask16 cols, __m512i at, const uint8_t *p) {
     return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), cols, at, p, 1);
 }
 
-/* 4 gathers of consecutive dwords of 16 columns without a gather: the 16 bytes at p + c * stride of column c
- * loaded as they are, transposed by in-lane unpacks: out[g] lane c = dword g of column c. Q4_0, Q8_0 and Q4_K
- * linears of 4-16 rows ran 1-7 % faster on a Sapphire Rapids core (Q6_K's decoding, heavier, gained nothing). */
+/* out[g] lane c = dword g of the 16 bytes at p + c * stride, for 16 columns c: loaded as they are and transposed
+ * by in-lane unpacks, where 4 gathers took 1-7 % longer in Q4_0, Q8_0 and Q4_K linears of 4-16 rows on a
+ * Sapphire Rapids core (Q6_K's decoding, heavier, gained nothing from it). */
 static inline void qp_load16x4(const uint8_t *p, int64_t stride, __m512i out[4]) {
     __m512i a[4];
     for (int j = 0; j < 4; j++) { /* lane i of a[j]: column 4i + j, so the unpacks leave column c in lane c */
@@ -139,9 +139,9 @@ static inline __mmask16 qp_half_mask(int64_t nc, int h) {
 
 static inline __m512 qp_fp16_low(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
 
-#define QP_GATHER_PANEL(T, ...)                                                                               \
-    static void T##_gather_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1,      \
-                                 int64_t nb, uint8_t *panel, float *S, float *M) {                            \
+#define QP_LANE_PANEL(T, ...)                                                                                 \
+    static void T##_lane_panel(const uint8_t *w, int64_t row_bytes, int64_t nc, int64_t u0, int64_t u1,       \
+                               int64_t nb, uint8_t *panel, float *S, float *M) {                              \
         (void)nb, (void)M;                                                                                    \
         const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, \
                                                                  14, 15), _mm512_set1_epi32((int)row_bytes)); \
@@ -154,7 +154,7 @@ static inline __m512 qp_fp16_low(__m512i v) { return _mm512_cvtph_ps(_mm512_cvte
     }
 
 /* Q4_0 block b: qs dword g holds inputs 4g .. 4g + 3 (low nibbles) and 16 + 4g .. (high ones). */
-QP_GATHER_PANEL(q4_0, {
+QP_LANE_PANEL(q4_0, {
     const int64_t b0 = 2 * u0, b1 = 2 * u1 < nb ? 2 * u1 : nb;
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *block = base + b * 18;
@@ -170,7 +170,7 @@ QP_GATHER_PANEL(q4_0, {
 })
 
 /* Q8_0 block b: qs dword g, levels + 128 (xor 0x80, as quant_dot.c's offset). */
-QP_GATHER_PANEL(q8_0, {
+QP_LANE_PANEL(q8_0, {
     const int64_t b0 = 2 * u0, b1 = 2 * u1 < nb ? 2 * u1 : nb;
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *block = base + b * 34;
@@ -188,7 +188,7 @@ QP_GATHER_PANEL(q8_0, {
  * scales and mins of get_scale_min_k4 from the 12 bytes q: for i < 4, with a, c, e bytes i of q[0..3],
  * q[4..7], q[8..11]: scale i = a & 63, min i = c & 63, scale i + 4 = (e & 15) | (a >> 6) << 4,
  * min i + 4 = (e >> 4) | (c >> 6) << 4; the panel's min is -dmin * min. */
-QP_GATHER_PANEL(q4_k, {
+QP_LANE_PANEL(q4_k, {
     const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15), byte = _mm512_set1_epi32(0xFF);
     for (int64_t u = u0; u < u1; u++) {
         const uint8_t *block = base + u * 144;
@@ -226,7 +226,7 @@ QP_GATHER_PANEL(q4_k, {
 /* Q6_K super-block u, half p (128 inputs): ql dwords A (bytes 64p + 4g) and B (+ 32), qh dword Q (128 + 32p +
  * 4g): inputs 128p + 4g (A low nibbles), + 32 (B low), + 64 (A high), + 96 (B high), their high bit pairs
  * 0-1, 2-3, 4-5, 6-7 of Q; blocks of 16 with int8 scales (bytes 192 ..), d at 208. */
-QP_GATHER_PANEL(q6_k, {
+QP_LANE_PANEL(q6_k, {
     const __m512i pair = _mm512_set1_epi8(3);
     for (int64_t u = u0; u < u1; u++) {
         const uint8_t *block = base + u * 210;
@@ -258,14 +258,14 @@ QP_GATHER_PANEL(q6_k, {
 
 static qp_panel_fn qp_panels(int type) {
     switch (type) {
-    case QD_Q4_0: return q4_0_gather_panel;
+    case QD_Q4_0: return q4_0_lane_panel;
     case QD_Q4_1: return q4_1_panel;
     case QD_Q5_0: return q5_0_panel;
     case QD_Q5_1: return q5_1_panel;
-    case QD_Q8_0: return q8_0_gather_panel;
-    case QD_Q4_K: return q4_k_gather_panel;
+    case QD_Q8_0: return q8_0_lane_panel;
+    case QD_Q4_K: return q4_k_lane_panel;
     case QD_Q5_K: return q5_k_panel;
-    case QD_Q6_K: return q6_k_gather_panel;
+    case QD_Q6_K: return q6_k_lane_panel;
     default: return 0;
     }
 }
