@@ -106,7 +106,7 @@ static inline __m512i qp_gather(__mmask16 cols, __m512i at, const uint8_t *p) {
 
 /* out[g] lane c = dword g of the 16 bytes at p + c * stride, for 16 columns c: loaded as they are and transposed
  * by in-lane unpacks, where 4 gathers took 1-7 % longer in Q4_0, Q8_0 and Q4_K linears of 4-16 rows on a
- * Sapphire Rapids core (Q6_K's decoding, heavier, gained nothing from it). */
+ * Sapphire Rapids core (Q6_K's: the same time there) and AMD's gathers are slower still. */
 static inline void qp_load16x4(const uint8_t *p, int64_t stride, __m512i out[4]) {
     __m512i a[4];
     for (int j = 0; j < 4; j++) { /* lane i of a[j]: column 4i + j, so the unpacks leave column c in lane c */
@@ -231,11 +231,16 @@ QP_LANE_PANEL(q6_k, {
     for (int64_t u = u0; u < u1; u++) {
         const uint8_t *block = base + u * 210;
         uint8_t *dst = panel + (u - u0) * 16 * 4 * 128 + 64 * h;
-        for (int p = 0; p < 2; p++)
+        for (int p = 0; p < 2; p++) {
+            __m512i As[8], Bs[8], Qs[8];
+            qp_dwords4(cols, at, block + 64 * p, row_bytes, As);
+            qp_dwords4(cols, at, block + 64 * p + 16, row_bytes, As + 4);
+            qp_dwords4(cols, at, block + 64 * p + 32, row_bytes, Bs);
+            qp_dwords4(cols, at, block + 64 * p + 48, row_bytes, Bs + 4);
+            qp_dwords4(cols, at, block + 128 + 32 * p, row_bytes, Qs);
+            qp_dwords4(cols, at, block + 128 + 32 * p + 16, row_bytes, Qs + 4);
             for (int g = 0; g < 8; g++) {
-                const __m512i A = qp_gather(cols, at, block + 64 * p + 4 * g);
-                const __m512i B = qp_gather(cols, at, block + 64 * p + 32 + 4 * g);
-                const __m512i Q = qp_gather(cols, at, block + 128 + 32 * p + 4 * g);
+                const __m512i A = As[g], B = Bs[g], Q = Qs[g];
                 const __m512i parts[4] = {_mm512_and_si512(A, low), _mm512_and_si512(B, low),
                                           _mm512_and_si512(_mm512_srli_epi32(A, 4), low),
                                           _mm512_and_si512(_mm512_srli_epi32(B, 4), low)};
@@ -245,10 +250,13 @@ QP_LANE_PANEL(q6_k, {
                     _mm512_store_si512(dst + (at_input / 4) * 128, _mm512_or_si512(parts[s], high));
                 }
             }
+        }
         const __m512 d = qp_fp16_low(_mm512_srli_epi32(qp_gather(cols, at, block + 206), 16));
         float *s = S + 32 * 16 * (u - u0) + 16 * h;
+        __m512i sc[4];
+        qp_dwords4(cols, at, block + 192, row_bytes, sc);
         for (int i = 0; i < 4; i++) {
-            const __m512i q = qp_gather(cols, at, block + 192 + 4 * i);
+            const __m512i q = sc[i];
             for (int j = 0; j < 4; j++)
                 _mm512_store_ps(s + 32 * (4 * i + j),
                                 _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(q, 24 - 8 * j), 24))));
