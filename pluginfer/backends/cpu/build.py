@@ -46,6 +46,9 @@ ZEN4_FEATURES = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx51
 ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "native": (["-march=native"], ()),
     "avx2": (["-march=x86-64-v3"], _AVX512_AND_LATER),  # what an AVX2-only CPU builds and runs
+    # what a CPU with AVX2 and AVX-VNNI but no AVX-512 builds and runs (Intel's client cores from Alder Lake, the
+    # E-core Xeons): the int8 kernels' vpdpbusd on 256 bits
+    "avx2-vnni": (["-march=x86-64-v3", "-mavxvnni"], tuple(f for f in _AVX512_AND_LATER if f != "avx_vnni")),
     # what an AMD Zen 4 builds and runs: AVX-512 with VNNI and BF16, no AMX, no AVX512-FP16, no AVX-VNNI
     "zen4": (["-march=x86-64-v4", *(f"-m{name}" for name in _ZEN4_EXTENSIONS)], _AFTER_ZEN4),
 }
@@ -117,15 +120,18 @@ def reported_cpu_features() -> frozenset[str]:
 
 def isa() -> str:
     """``PLUGINFER_CPU_ISA``: ``native`` (default: every extension this CPU has), ``avx2``: the build and kernel
-    choices of a CPU without AVX-512, VNNI or AMX, or ``zen4``: those of an AMD Zen 4 (AVX-512 with VNNI and BF16,
-    no AMX), so a newer machine tests the paths other CPUs take."""
+    choices of a CPU without AVX-512, VNNI or AMX, ``avx2-vnni``: those of one with AVX2 and AVX-VNNI but no
+    AVX-512 (Intel Alder Lake), or ``zen4``: those of an AMD Zen 4 (AVX-512 with VNNI and BF16, no AMX), so a
+    newer machine tests the paths other CPUs take."""
     name = os.environ.get(ISA_ENV, "native")
     if name not in ISAS:
         raise ValueError(f"{ISA_ENV}={name!r} is not one of {', '.join(ISAS)}")
     if name != "native" and platform.machine() not in ("x86_64", "AMD64"):
         raise ValueError(f"{ISA_ENV}={name!r} is for x86-64 CPUs; this one is {platform.machine()}")
-    if name == "avx2" and not {"avx2", "fma", "f16c"} <= reported_cpu_features():
-        raise ValueError(f"{ISA_ENV}=avx2 needs AVX2, FMA and F16C, which this CPU lacks")
+    if name in ("avx2", "avx2-vnni") and not {"avx2", "fma", "f16c"} <= reported_cpu_features():
+        raise ValueError(f"{ISA_ENV}={name} needs AVX2, FMA and F16C, which this CPU lacks")
+    if name == "avx2-vnni" and "avx_vnni" not in reported_cpu_features():
+        raise ValueError(f"{ISA_ENV}=avx2-vnni needs AVX-VNNI, which this CPU lacks")
     if name == "zen4" and not ZEN4_FEATURES <= reported_cpu_features():
         missing = ", ".join(sorted(ZEN4_FEATURES - reported_cpu_features()))
         raise ValueError(f"{ISA_ENV}=zen4 needs what an AMD Zen 4 has; this CPU lacks {missing}")

@@ -238,14 +238,15 @@ def quant_dot_isa() -> str | None:
 # the instruction set it was built for and GGML type: one core, CPU time. AVX-512 VNNI, 1024 x 1024 and the
 # 0.5B llama's 4864 x 896 and 896 x 4864 linears: the panel as fast as quant_dot.c's few-row tiles at 3 rows
 # (Q4_0), 4 (Q4_K, Q6_K), 5-6 (Q8_0), 5-8 (the types decoded per column, then transposed); 1.9-2.2x theirs at
-# 16 rows, 2.5-3.2x at 512. AVX2 (vpmaddubsw), 2816 x 1024 and 1024 x 2816: from 2 rows (Q4_0: 1.44x, 1.18x at
-# one), 3 (Q8_0: its sign trick takes twice the operations), 4 (Q4_K, Q5_K, Q6_K), 5 (the types decoded per
-# column, then transposed); 1.3-2.3x at 16 rows, 1.4-2.7x at 128. AVX2 with AVX-VNNI: as AVX2 (not measured apart).
+# 16 rows, 2.5-3.2x at 512. AVX2, 2816 x 1024 and 1024 x 2816, the first row count from which the panel is as
+# fast in every run (vpmaddubsw, two runs): 2 (Q4_0, Q5_K), 3 (Q8_0: its sign trick takes twice the operations;
+# Q4_K, Q6_K, Q5_0, Q5_1), 4 (Q4_1); 1.3-1.4x at 16 rows for Q8_0, 1.7-2.5x the others. With AVX-VNNI (vpdpbusd,
+# three runs): 2 (Q4_0, Q5_K), 3 (Q8_0, Q4_K, Q6_K), 4 (Q4_1, Q5_0, Q5_1); 1.9-2.5x at 16 rows.
 PANEL_MIN_ROWS = {
     "AVX-512 VNNI": {2: 3, 8: 6, 12: 4, 14: 4, 3: 8, 6: 8, 7: 8, 13: 8},
-    "AVX2": {2: 2, 8: 3, 12: 4, 14: 4, 3: 5, 6: 5, 7: 5, 13: 4},
+    "AVX2": {2: 2, 8: 3, 12: 3, 14: 3, 3: 4, 6: 3, 7: 3, 13: 2},
+    "AVX2 + AVX-VNNI": {2: 2, 8: 3, 12: 3, 14: 3, 3: 4, 6: 4, 7: 4, 13: 2},
 }
-PANEL_MIN_ROWS["AVX2 + AVX-VNNI"] = PANEL_MIN_ROWS["AVX2"]
 _PANEL: list[dict[int, int]] = []  # this library's PANEL_MIN_ROWS, once asked
 
 
