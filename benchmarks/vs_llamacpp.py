@@ -36,7 +36,9 @@ time (and a second thread waits at every barrier), while the CPU time of one thr
 ``--avx2`` times what a CPU with AVX2 but no AVX-512 gets, on one with AVX-512: the tool runs itself again with
 ``PLUGINFER_CPU_ISA=avx2 PLUGINFER_AMX=0 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2``
 (our kernels, oneDNN, torch's own and MKL's GEMM all on AVX2), against a llama.cpp built with AVX2 and without AVX-512 (checked; put its build first on
-``PYTHONPATH``; docs/performance.md has the command).
+``PYTHONPATH``; docs/performance.md has the command). ``--avx2-vnni`` is the same with AVX-VNNI, as an Intel CPU
+from Alder Lake on without AVX-512 (``PLUGINFER_CPU_ISA=avx2-vnni``, oneDNN on ``AVX2_VNNI``), against a llama.cpp
+built with AVX2 and AVX-VNNI, without AVX-512 (checked).
 
 ``--plot FILE.png`` draws decode tokens/s against batch size, ours and llama.cpp's, one colour per file
 (needs matplotlib).
@@ -286,9 +288,13 @@ def main() -> None:
                         help="decode batch sizes to time (sequences decoded together)")
     parser.add_argument("--no-amx", action="store_true",
                         help="our engine with PLUGINFER_AMX=0 against a llama.cpp built without AMX (checked)")
-    parser.add_argument("--avx2", action="store_true",
-                        help="every kernel on AVX2 (ours, oneDNN, torch) against a llama.cpp built without AVX-512 "
-                             "(checked)")
+    isa = parser.add_mutually_exclusive_group()
+    isa.add_argument("--avx2", action="store_true",
+                     help="every kernel on AVX2 (ours, oneDNN, torch) against a llama.cpp built without AVX-512 "
+                          "(checked)")
+    isa.add_argument("--avx2-vnni", action="store_true",
+                     help="as --avx2, with AVX-VNNI (an Alder Lake), against a llama.cpp built with AVX-VNNI and "
+                          "without AVX-512 (checked)")
     parser.add_argument("--nll", type=int, default=0, metavar="TOKENS",
                         help="also compare mean NLL and logits on this many tokens of the demo corpus")
     parser.add_argument("--plot", type=Path, default=None,
@@ -300,17 +306,22 @@ def main() -> None:
         parser.error("--runs must be positive (or 0 with --nll TOKENS), --nll not negative")
     if args.plot is not None:
         import matplotlib  # noqa: F401 - fail before the runs, not after them
-    if args.avx2 and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
+    narrow = "--avx2" if args.avx2 else "--avx2-vnni" if args.avx2_vnni else None
+    if narrow and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
         # torch reads its capability at import, so the whole run starts again with the AVX2 settings
-        env = dict(os.environ, PLUGINFER_CPU_ISA="avx2", PLUGINFER_AMX="0", ONEDNN_MAX_CPU_ISA="AVX2",
-                   ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2")
+        env = dict(os.environ, PLUGINFER_CPU_ISA=narrow[2:], PLUGINFER_AMX="0",
+                   ONEDNN_MAX_CPU_ISA="AVX2" if args.avx2 else "AVX2_VNNI", ATEN_CPU_CAPABILITY="avx2",
+                   MKL_ENABLE_INSTRUCTIONS="AVX2")
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    if args.avx2:
+    if narrow:
         import llama_cpp
 
-        if "AVX512 = 1" in llama_cpp.llama_print_system_info().decode():
-            parser.error(f"--avx2: {llama_cpp.__file__} was built with AVX-512; build it without "
-                         "(docs/performance.md) and put it first on PYTHONPATH")
+        info = llama_cpp.llama_print_system_info().decode()
+        if "AVX512 = 1" in info or ("AVX_VNNI = 1" in info) != bool(args.avx2_vnni):
+            parser.error(f"{narrow}: {llama_cpp.__file__} was built {'with' if 'AVX512 = 1' in info else 'without'} "
+                         f"AVX-512, {'with' if 'AVX_VNNI = 1' in info else 'without'} AVX-VNNI; build it with AVX2"
+                         f"{' and AVX-VNNI' if args.avx2_vnni else ''} only (docs/performance.md) and put it first "
+                         "on PYTHONPATH")
     if args.no_amx:
         import llama_cpp
 
@@ -355,6 +366,10 @@ def float32_gemm_rate(args: argparse.Namespace) -> float:
     return 2.0 * 512 * args.hidden * args.intermediate / statistics.median(seconds)
 
 
+AVX2_VNNI_RUN = ("AVX2 + AVX-VNNI (PLUGINFER_CPU_ISA=avx2-vnni, oneDNN on AVX2_VNNI, torch on AVX2, llama.cpp with "
+                 "AVX-VNNI, without AVX-512); ")
+
+
 def time_files(files: dict[str, Path], args: argparse.Namespace) -> None:
     """The speed table (and the plot): each engine's decode and prefill tokens/s per file, runs interleaved."""
     rng = np.random.default_rng(0)
@@ -364,6 +379,7 @@ def time_files(files: dict[str, Path], args: argparse.Namespace) -> None:
     print(f"llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.threads} threads; "
           f"{'no AMX (PLUGINFER_AMX=0, llama.cpp without AMX); ' if args.no_amx else ''}"
           f"{'AVX2 only (PLUGINFER_CPU_ISA=avx2, oneDNN and torch on AVX2, llama.cpp without AVX-512); ' if args.avx2 else ''}"
+          f"{AVX2_VNNI_RUN if args.avx2_vnni else ''}"
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s; timed by {'CPU time' if args.cpu_time else 'wall clock'}")
     measures = [*args.batch_sizes, "prefill"]
     print("format   file MB  bound b1 | " + " | ".join(f"batch-{b} tok/s" for b in args.batch_sizes)
