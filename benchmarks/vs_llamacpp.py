@@ -266,6 +266,20 @@ def compare_nll(files: dict[str, Path], tokens: int, threads: int) -> None:
               f"{(ours - theirs).abs().max().item():19.4f} | {theirs.std().item():9.4f} | {agree:11.1%}", flush=True)
 
 
+# --avx2 / --avx2-vnni: oneDNN's cap, and what the table's header says about the run
+NARROW_ONEDNN = {"avx2": "AVX2", "avx2-vnni": "AVX2_VNNI"}
+NARROW_RUNS = {
+    "avx2": "AVX2 only (PLUGINFER_CPU_ISA=avx2, oneDNN and torch on AVX2, llama.cpp without AVX-512); ",
+    "avx2-vnni": "AVX2 + AVX-VNNI (PLUGINFER_CPU_ISA=avx2-vnni, oneDNN on AVX2_VNNI, torch on AVX2, llama.cpp with "
+                 "AVX-VNNI, without AVX-512); ",
+}
+
+
+def narrow_isa(args: argparse.Namespace) -> str | None:
+    """The PLUGINFER_CPU_ISA that --avx2 or --avx2-vnni asks for, else None."""
+    return "avx2" if args.avx2 else "avx2-vnni" if args.avx2_vnni else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=24)
@@ -306,19 +320,18 @@ def main() -> None:
         parser.error("--runs must be positive (or 0 with --nll TOKENS), --nll not negative")
     if args.plot is not None:
         import matplotlib  # noqa: F401 - fail before the runs, not after them
-    narrow = "--avx2" if args.avx2 else "--avx2-vnni" if args.avx2_vnni else None
+    narrow = narrow_isa(args)
     if narrow and os.environ.get("ATEN_CPU_CAPABILITY") != "avx2":
         # torch reads its capability at import, so the whole run starts again with the AVX2 settings
-        env = dict(os.environ, PLUGINFER_CPU_ISA=narrow[2:], PLUGINFER_AMX="0",
-                   ONEDNN_MAX_CPU_ISA="AVX2" if args.avx2 else "AVX2_VNNI", ATEN_CPU_CAPABILITY="avx2",
-                   MKL_ENABLE_INSTRUCTIONS="AVX2")
+        env = dict(os.environ, PLUGINFER_CPU_ISA=narrow, PLUGINFER_AMX="0", ONEDNN_MAX_CPU_ISA=NARROW_ONEDNN[narrow],
+                   ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2")
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     if narrow:
         import llama_cpp
 
         info = llama_cpp.llama_print_system_info().decode()
-        if "AVX512 = 1" in info or ("AVX_VNNI = 1" in info) != bool(args.avx2_vnni):
-            parser.error(f"{narrow}: {llama_cpp.__file__} was built {'with' if 'AVX512 = 1' in info else 'without'} "
+        if "AVX512 = 1" in info or ("AVX_VNNI = 1" in info) != args.avx2_vnni:
+            parser.error(f"--{narrow}: {llama_cpp.__file__} was built {'with' if 'AVX512 = 1' in info else 'without'} "
                          f"AVX-512, {'with' if 'AVX_VNNI = 1' in info else 'without'} AVX-VNNI; build it with AVX2"
                          f"{' and AVX-VNNI' if args.avx2_vnni else ''} only (docs/performance.md) and put it first "
                          "on PYTHONPATH")
@@ -366,10 +379,6 @@ def float32_gemm_rate(args: argparse.Namespace) -> float:
     return 2.0 * 512 * args.hidden * args.intermediate / statistics.median(seconds)
 
 
-AVX2_VNNI_RUN = ("AVX2 + AVX-VNNI (PLUGINFER_CPU_ISA=avx2-vnni, oneDNN on AVX2_VNNI, torch on AVX2, llama.cpp with "
-                 "AVX-VNNI, without AVX-512); ")
-
-
 def time_files(files: dict[str, Path], args: argparse.Namespace) -> None:
     """The speed table (and the plot): each engine's decode and prefill tokens/s per file, runs interleaved."""
     rng = np.random.default_rng(0)
@@ -378,8 +387,7 @@ def time_files(files: dict[str, Path], args: argparse.Namespace) -> None:
     bandwidth = memory_bandwidth("cpu", torch.float32)
     print(f"llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.threads} threads; "
           f"{'no AMX (PLUGINFER_AMX=0, llama.cpp without AMX); ' if args.no_amx else ''}"
-          f"{'AVX2 only (PLUGINFER_CPU_ISA=avx2, oneDNN and torch on AVX2, llama.cpp without AVX-512); ' if args.avx2 else ''}"
-          f"{AVX2_VNNI_RUN if args.avx2_vnni else ''}"
+          f"{NARROW_RUNS.get(narrow_isa(args), '')}"
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s; timed by {'CPU time' if args.cpu_time else 'wall clock'}")
     measures = [*args.batch_sizes, "prefill"]
     print("format   file MB  bound b1 | " + " | ".join(f"batch-{b} tok/s" for b in args.batch_sizes)

@@ -232,20 +232,19 @@ QP_LANE_PANEL(q6_k, {
         const uint8_t *block = base + u * 210;
         uint8_t *dst = panel + (u - u0) * 16 * 4 * 128 + 64 * h;
         for (int p = 0; p < 2; p++) {
-            __m512i As[8], Bs[8], Qs[8];
-            qp_dwords4(cols, at, block + 64 * p, row_bytes, As);
-            qp_dwords4(cols, at, block + 64 * p + 16, row_bytes, As + 4);
-            qp_dwords4(cols, at, block + 64 * p + 32, row_bytes, Bs);
-            qp_dwords4(cols, at, block + 64 * p + 48, row_bytes, Bs + 4);
-            qp_dwords4(cols, at, block + 128 + 32 * p, row_bytes, Qs);
-            qp_dwords4(cols, at, block + 128 + 32 * p + 16, row_bytes, Qs + 4);
+            __m512i A[8], B[8], Q[8];
+            qp_dwords4(cols, at, block + 64 * p, row_bytes, A);
+            qp_dwords4(cols, at, block + 64 * p + 16, row_bytes, A + 4);
+            qp_dwords4(cols, at, block + 64 * p + 32, row_bytes, B);
+            qp_dwords4(cols, at, block + 64 * p + 48, row_bytes, B + 4);
+            qp_dwords4(cols, at, block + 128 + 32 * p, row_bytes, Q);
+            qp_dwords4(cols, at, block + 128 + 32 * p + 16, row_bytes, Q + 4);
             for (int g = 0; g < 8; g++) {
-                const __m512i A = As[g], B = Bs[g], Q = Qs[g];
-                const __m512i parts[4] = {_mm512_and_si512(A, low), _mm512_and_si512(B, low),
-                                          _mm512_and_si512(_mm512_srli_epi32(A, 4), low),
-                                          _mm512_and_si512(_mm512_srli_epi32(B, 4), low)};
+                const __m512i parts[4] = {_mm512_and_si512(A[g], low), _mm512_and_si512(B[g], low),
+                                          _mm512_and_si512(_mm512_srli_epi32(A[g], 4), low),
+                                          _mm512_and_si512(_mm512_srli_epi32(B[g], 4), low)};
                 for (int s = 0; s < 4; s++) {
-                    const __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(Q, 2 * s), pair), 4);
+                    const __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(Q[g], 2 * s), pair), 4);
                     const int at_input = 128 * p + 32 * s + 4 * g; /* block at_input / 16, dword (at_input % 16) / 4 */
                     _mm512_store_si512(dst + (at_input / 4) * 128, _mm512_or_si512(parts[s], high));
                 }
@@ -253,14 +252,13 @@ QP_LANE_PANEL(q6_k, {
         }
         const __m512 d = qp_fp16_low(_mm512_srli_epi32(qp_gather(cols, at, block + 206), 16));
         float *s = S + 32 * 16 * (u - u0) + 16 * h;
-        __m512i sc[4];
-        qp_dwords4(cols, at, block + 192, row_bytes, sc);
-        for (int i = 0; i < 4; i++) {
-            const __m512i q = sc[i];
-            for (int j = 0; j < 4; j++)
-                _mm512_store_ps(s + 32 * (4 * i + j),
-                                _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(q, 24 - 8 * j), 24))));
-        }
+        __m512i q[4]; /* the 16 int8 scales, 4 a dword */
+        qp_dwords4(cols, at, block + 192, row_bytes, q);
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++) {
+                const __m512i scale = _mm512_srai_epi32(_mm512_slli_epi32(q[i], 24 - 8 * j), 24); /* byte j */
+                _mm512_store_ps(s + 32 * (4 * i + j), _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale)));
+            }
     }
 })
 
