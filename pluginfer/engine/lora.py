@@ -1,7 +1,7 @@
 """LoRA adapters in PEFT's format: the request that names one, reading it, and a model's adapter slots.
 
 An adapter is a directory with ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``,
-``target_modules``, ``target_parameters``) and ``adapter_model.safetensors`` (``...<module>.lora_A.weight [r, in]``
+``target_modules``, ``target_parameters``, ``rank_pattern``, ``alpha_pattern``) and ``adapter_model.safetensors`` (``...<module>.lora_A.weight [r, in]``
 and ``...<module>.lora_B.weight [out, r]``). Its modules are mapped onto the model's linear layers by the
 model's weight routes (``q_proj`` -> projection ``q`` of ``qkv_proj``), as its checkpoint's tensors are.
 
@@ -32,8 +32,7 @@ from pluginfer.layers.moe import FusedExperts
 
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _PREFIX = "base_model.model."
-_UNSUPPORTED = {"use_dora": "DoRA", "rank_pattern": "per-module ranks", "alpha_pattern": "per-module alphas",
-                "modules_to_save": "modules_to_save"}
+_UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save"}
 _EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the fused expert tensors target_parameters may name
 # an adapter module on routed experts: a fused tensor's wrapper(s), or one expert's linear
 _EXPERTS = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\..*\bexperts(?:\.(?P<expert>\d+)\.(?P<proj>\w+)|"
@@ -42,11 +41,49 @@ _EXPERTS = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\..*\bexperts(?:\.(?P<ex
 
 @dataclass
 class Adapter:
-    """A read adapter: its scale (alpha / r, or alpha / sqrt(r) with rsLoRA) and (A, B) by PEFT module name."""
+    """A read adapter: (A, B) by PEFT module name, and each module's rank and scale (alpha / r, or alpha /
+    sqrt(r) with rsLoRA), ``r`` and ``lora_alpha`` unless ``rank_pattern`` / ``alpha_pattern`` name the module."""
 
     name: str
-    scale: float
+    rank: int
+    alpha: float
+    rslora: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def rank_of(self, key: str) -> int:
+        """The rank of the module ``key`` (a module's name in the model, a fused expert tensor's with it)."""
+        return self.rank_pattern.get(_pattern_key(self.rank_pattern, key), self.rank)
+
+    def scale_of(self, key: str) -> float:
+        rank, alpha = self.rank_of(key), self.alpha_pattern.get(_pattern_key(self.alpha_pattern, key), self.alpha)
+        return alpha / math.sqrt(rank) if self.rslora else alpha / rank
+
+
+def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
+    """The first pattern naming the module ``key``: the pattern is its name's end, a regular expression (peft's
+    ``get_pattern_key``)."""
+    return next((p for p in patterns if re.match(rf"(.*\.)?({p})$", key)), None)
+
+
+def _patterns(config: dict, name: str, kind: type, where: str) -> dict:
+    """``rank_pattern`` (positive integers) or ``alpha_pattern`` (numbers) of an adapter_config.json, checked."""
+    patterns = config.get(name) or {}
+    if not isinstance(patterns, dict):
+        raise ValueError(f"{where}: adapter_config.json {name} {patterns!r} is not an object of module patterns")
+    for pattern, value in patterns.items():
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"{where}: adapter_config.json {name} key {pattern!r} is not a regular expression: "
+                             f"{exc}") from None
+        good = isinstance(value, int) and value >= 1 if kind is int else \
+            isinstance(value, (int, float)) and math.isfinite(value)
+        if isinstance(value, bool) or not good:
+            raise ValueError(f"{where}: adapter_config.json {name} {pattern!r}: {value!r} is not "
+                             + ("a positive integer rank" if kind is int else "a number"))
+    return {pattern: kind(value) for pattern, value in patterns.items()}
 
 
 def read_adapter(request: LoRARequest) -> Adapter:
@@ -75,15 +112,20 @@ def read_adapter(request: LoRARequest) -> Adapter:
                              "adapters on parameters")
     if config.get("bias", "none") != "none":
         raise ValueError(f"{where}: adapter_config.json bias {config['bias']!r}: only 'none' is supported")
-    rank, alpha = config["r"], float(config.get("lora_alpha", config["r"]))
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    rank_pattern, alpha_pattern = (_patterns(config, "rank_pattern", int, where),
+                                   _patterns(config, "alpha_pattern", float, where))
     try:
         from safetensors.torch import load_file
 
         tensors = load_file(str(weights_file))
     except Exception as exc:  # noqa: BLE001 - a damaged file, named
         raise ValueError(f"{where}: adapter_model.safetensors cannot be read: {exc}") from None
-    adapter, halves = Adapter(request.lora_name, scale), {}
+    alpha = config.get("lora_alpha", config["r"])
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{where}: adapter_config.json lora_alpha {alpha!r} is not a number")
+    adapter = Adapter(request.lora_name, config["r"], float(alpha),
+                      bool(config.get("use_rslora")), rank_pattern, alpha_pattern)
+    halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
         if suffix is None:
@@ -98,6 +140,14 @@ def read_adapter(request: LoRARequest) -> Adapter:
     if not adapter.modules:
         raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
     return adapter
+
+
+def _check_rank(adapter: Adapter, key: str, rank: int, name: str) -> None:
+    """A module's rank as its weights hold it against the config's (``r``, or ``rank_pattern``'s for it)."""
+    if rank != adapter.rank_of(key):
+        raise ValueError(f"{name}: lora_A holds rank {rank} where adapter_config.json gives {key} r "
+                         f"{adapter.rank_of(key)}" + (" (rank_pattern)" if _pattern_key(adapter.rank_pattern, key)
+                                                       else ""))
 
 
 class ModelLoRA:
@@ -161,14 +211,15 @@ class ModelLoRA:
         return module, 0
 
     def resolve(self, adapter: Adapter, request: LoRARequest) -> dict[str, dict]:
-        """This stage's layers' parts of the adapter: layer name -> projection -> (A, B), experts' name ->
-        (expert, part) -> (A, B); every module of every stage checked, a ValueError naming the adapter's module."""
+        """This stage's layers' parts of the adapter: layer name -> projection -> (A, B, scale), experts' name ->
+        (expert, part) -> (A, B, scale); every module of every stage checked, a ValueError naming the adapter's
+        module."""
         where = f"LoRA adapter {request.lora_name!r}"
         placed: dict[str, dict] = {}
         for module, (a, b) in adapter.modules.items():
             match = _EXPERTS.match(module)
             if match is not None:
-                self._resolve_experts(match, a, b, f"{where} module {module}", placed)
+                self._resolve_experts(match, a, b, adapter, f"{where} module {module}", placed)
                 continue
             try:
                 name, index = self._target(module)
@@ -176,13 +227,15 @@ class ModelLoRA:
                 raise ValueError(f"{where}: target module {module} is not a linear layer of this model "
                                  "(LoRA applies to its attention and MLP projections)") from None
             self.targets[name][0].check(index, a, b, f"{where} module {module}")
+            _check_rank(adapter, module, a.shape[0], f"{where} module {module}")
             if name in self.layers:  # else another pipeline stage's, loaded there
-                placed.setdefault(name, {})[index] = (a, b)
+                placed.setdefault(name, {})[index] = (a, b, adapter.scale_of(module))
         return placed
 
-    def _resolve_experts(self, match: re.Match, a: torch.Tensor, b: torch.Tensor, name: str,
+    def _resolve_experts(self, match: re.Match, a: torch.Tensor, b: torch.Tensor, adapter: Adapter, name: str,
                          placed: dict[str, dict]) -> None:
-        """One adapter module on routed experts as (expert, part) -> (A, B) of its layer's experts, checked."""
+        """One adapter module on routed experts as (expert, part) -> (A, B, scale) of its layer's experts,
+        checked."""
         layer = match["layer"]
         owner = self._experts_of_layer.get(layer)
         if owner is None:
@@ -195,6 +248,7 @@ class ModelLoRA:
             if part is None or expert >= count:
                 raise ValueError(f"{name}: not an expert projection of this model (experts 0-{count - 1}, "
                                  f"projections {', '.join(self._expert_parts)})")
+            key, rank = match[0], a.shape[0]
             parts = {(expert, part): (a, b)}
         else:  # a fused expert tensor: A [r * E, in], B [out, r * E]; expert e's ranks at r * e (A), every E-th (B)
             part = {shapes.of(p): p for p in ("gate_up", "down")}.get((a.shape[-1], b.shape[0])) \
@@ -204,15 +258,18 @@ class ModelLoRA:
                                  f"experts' gate_up_proj nor their down_proj ([r * {count}, in] and [out, r * {count}]:"
                                  f" gate_up {shapes.of('gate_up')[::-1]}, down {shapes.of('down')[::-1]})")
             rank = a.shape[0] // count
+            # peft's name for a fused tensor's pattern: the experts' module (no wrapper) and the parameter
+            key = re.sub(r"(\.base_layer)+$", "", match[0]) + "." + _EXPERT_PARAMETERS[part == "down"]
             a_of, b_of = a.reshape(count, rank, -1), b.reshape(b.shape[0], rank, count)
             parts = {(expert, part): (a_of[expert], b_of[:, :, expert]) for expert in range(count)}
-        target = placed.setdefault(owner, {})
+        target, scale = placed.setdefault(owner, {}), adapter.scale_of(key)
         for (expert, part), (a_part, b_part) in parts.items():
             shapes.check(part, a_part, b_part, name)
             block = PARTS[part][:2]
             if any(PARTS[held][:2] == block for e, held in target if e == expert):
                 raise ValueError(f"{name}: expert {expert}'s {part} projection is adapted twice")
-            target[(expert, part)] = (a_part, b_part)
+            target[(expert, part)] = (a_part, b_part, scale)
+        _check_rank(adapter, key, rank, name)
         if owner not in self.experts:  # another pipeline stage's, loaded there
             placed.pop(owner)
 
@@ -220,9 +277,9 @@ class ModelLoRA:
         adapter = read_adapter(request)
         placed = self.resolve(adapter, request)
         for name, layer in self.layers.items():
-            layer.lora.set_slot(slot, placed.get(name, {}), adapter.scale)
+            layer.lora.set_slot(slot, placed.get(name, {}))
         for name, experts in self.experts.items():
-            experts.lora.set_slot(slot, placed.get(name, {}), adapter.scale)
+            experts.lora.set_slot(slot, placed.get(name, {}))
 
     def prepare(self, step: Any, seq_ids: list[int], query_start_loc: np.ndarray) -> None:
         """Map this step's tokens to their rows' slots (``step``: a ``StepData``; its loads done first)."""

@@ -69,12 +69,11 @@ class ExpertLoRA:
                   torch.zeros(*shape, max_rank, hidden_size, dtype=dtype, device=device))
         self.held = np.zeros(max_loras, bool)  # slots holding an adapter on these experts
 
-    def set_slot(self, slot: int, parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                 scale: float) -> None:
-        """Load slot ``slot`` with (expert, part) -> (A, B); experts and parts not named get no adapter."""
+    def set_slot(self, slot: int, parts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+        """Load slot ``slot`` with (expert, part) -> (A, B, scale); experts and parts not named get no adapter."""
         self.clear_slot(slot)
         size, start, full = self.shard_size, self.tp_rank * self.shard_size, self.shapes.intermediate_size
-        for (expert, part), (a, b) in parts.items():
+        for (expert, part), (a, b, scale) in parts.items():
             which, block, halves = PARTS[part]
             rank, first = a.shape[0], block * self.shapes.max_rank
             precise = b.to(torch.promote_types(self.b[which].dtype, torch.float32)) * scale  # scaled, then rounded

@@ -145,10 +145,10 @@ class LoRALayer:
         out = sum(rows for _, rows, _ in self.rows)
         self.b = torch.zeros(max_loras, width, out, dtype=dtype, device=device)  # B^T per slot
 
-    def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
-        """Load slot ``slot`` with projection index -> (A, B); projections not named get no adapter."""
+    def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+        """Load slot ``slot`` with projection index -> (A, B, scale); projections not named get no adapter."""
         self.clear_slot(slot)
-        for index, (a, b) in parts.items():
+        for index, (a, b, scale) in parts.items():
             rank, first = a.shape[0], index * self.max_rank
             if self.shard.dim == 1 and self.shard.size > 1:  # row parallel: this rank's inputs
                 a = self.shard.narrow(a, 1, self.input_size)

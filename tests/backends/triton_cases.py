@@ -234,9 +234,10 @@ def case_lora_sgmv(dtype: str) -> dict:
         layer = lora.LoRALayer(40, ShardSpec(output_sizes=(24, 18)), 3, 8, mapping, kind, device, kernel)
         layers.append((mapping, layer))
     for slot, rank in enumerate((8, 3, 5)):
-        parts = {0: (randn(rank, 40) * 0.3, randn(24, rank) * 0.3), 1: (randn(rank, 40) * 0.3, randn(18, rank) * 0.3)}
+        parts = {0: (randn(rank, 40) * 0.3, randn(24, rank) * 0.3, 0.5),
+                 1: (randn(rank, 40) * 0.3, randn(18, rank) * 0.3, 0.5)}
         for _, layer in layers:
-            layer.set_slot(slot, parts, 0.5)
+            layer.set_slot(slot, parts)
     x, base = randn(21, 40, dtype=kind), randn(21, 42, dtype=kind)
     for mapping, _ in layers:
         mapping.set(token_slots)

@@ -150,15 +150,16 @@ def moe_case(family: str) -> tuple[str, dict]:
 
 def moe_adapters(family: str, tmp_path: Path, tiny_tokenizer_dir: Path) -> tuple:
     """A MoE base and three peft adapters on it: "modules" (attention / shared expert linears), "experts" (the
-    routed experts' fused tensors and q_proj) and "per-expert" ("experts" rewritten as one adapter per expert
-    linear, as adapters of checkpoints whose experts were linears are: the same deltas, so peft's tokens of
-    "experts"); (base, adapter name -> peft model, adapter name -> directory)."""
+    routed experts' fused tensors, gate_up with an alpha of its own, and q_proj) and "per-expert" ("experts"
+    rewritten as one adapter per expert linear, as adapters of checkpoints whose experts were linears are: the
+    same deltas, so peft's tokens of "experts"); (base, adapter name -> peft model, adapter name -> directory)."""
     arch, overrides = moe_case(family)
     base = save_hf_model(arch, {**TINY_LLAMA, **overrides}, tmp_path / "base", tiny_tokenizer_dir)
     models = {"modules": save_adapter(base, tmp_path / "modules", 1, r=4, lora_alpha=8,
                                       target_modules=MOE_ADAPTERS[family]),
               "experts": save_adapter(base, tmp_path / "experts", 2, r=3, lora_alpha=6, target_modules=["q_proj"],
-                                      target_parameters=EXPERT_TENSORS)}
+                                      target_parameters=EXPERT_TENSORS,
+                                      alpha_pattern={"mlp.experts.gate_up_proj": 12})}
     models["per-expert"] = models["experts"]
     per_expert(tmp_path / "experts", tmp_path / "per-expert", base)
     return base, models, {name: tmp_path / name for name in models}
@@ -191,7 +192,9 @@ def per_expert(source: Path, target: Path, base: torch.nn.Module) -> None:
     target.mkdir()
     save_file(out, str(target / "adapter_model.safetensors"))
     adapter_config = json.loads((source / "adapter_config.json").read_text())
-    adapter_config.update(target_parameters=None, target_modules=["q_proj", gate, up, down])
+    adapter_config.update(target_parameters=None, target_modules=["q_proj", gate, up, down],
+                          alpha_pattern={rf"experts\.\d+\.{name}": alpha for name in (gate, up)
+                                         for alpha in adapter_config["alpha_pattern"].values()})
     (target / "adapter_config.json").write_text(json.dumps(adapter_config))
 
 
@@ -341,6 +344,47 @@ def test_bad_adapters_are_named(lora_setup: tuple, tmp_path: Path) -> None:
             plain.generate("hello", greedy(2), lora_request=LoRARequest("all", 1, str(root / "all")))
     finally:
         plain.close()
+
+
+def test_per_module_ranks_and_alphas_equal_peft(lora_setup: tuple, tmp_path: Path) -> None:
+    """peft's ``rank_pattern`` and ``alpha_pattern`` (a module's rank and alpha named by its name's end or a
+    regular expression): the prefill logits within 1e-4 of peft's and the greedy tokens its; patterns that do not
+    parse, and a rank the weights do not hold, refused naming them; the engine serves on."""
+    from pluginfer.engine.lora_request import LoRARequest
+    from pluginfer.engine.step import NewRow, StepData
+    from tests.checkpoints import hf_logits
+
+    root, base, _ = lora_setup
+    patterns = dict(rank_pattern={"q_proj": 2, r"layers\.1\.mlp\.down_proj": 8},
+                    alpha_pattern={"v_proj": 32, r"layers\.0\.self_attn\.o_proj": 2})
+    model = save_adapter(base, tmp_path / "patterned", 7, r=4, lora_alpha=8, target_modules=ALL_TARGETS, **patterns)
+    ranks = {name: p.shape[0] for name, p in model.named_parameters() if "lora_A" in name}
+    assert {ranks[k] for k in ranks if "q_proj" in k} == {2} and ranks[next(k for k in ranks if "1.mlp.down" in k)] == 8
+    prompt = random_prompts(base.config.vocab_size, [11], seed=5)[0]
+    want = hf_logits(model, prompt)
+    with model.disable_adapter():
+        assert (want - hf_logits(model, prompt)).abs().max() > 0.1
+    request = LoRARequest("patterned", 1, str(tmp_path / "patterned"))
+    with make_llm(root, dtype="float32", max_loras=1) as llm:
+        got = llm.generate([prompt], greedy(MAX_TOKENS), lora_request=request)[0].outputs[0].token_ids
+        assert list(got) == hf_greedy(model, prompt, MAX_TOKENS)
+        logits = llm.engine.executor.run_step(StepData(  # the adapter holds the only slot, 0
+            token_ids=list(prompt), num_computed_tokens=[0], block_size=4, num_new_tokens=[len(prompt)],
+            seq_ids=[10**9], new_rows=[NewRow(10**9, [40, 41, 42], lora_slot=0)], reset=True))[-1]
+        torch.testing.assert_close(logits, want[-1], atol=1e-4, rtol=1e-4)
+        for i, (changes, message) in enumerate([
+                (dict(rank_pattern=["q_proj"]), "rank_pattern .* is not an object of module patterns"),
+                (dict(rank_pattern={"q_proj(": 2}), r"rank_pattern key 'q_proj\(' is not a regular expression"),
+                (dict(rank_pattern={"q_proj": 0}), "rank_pattern 'q_proj': 0 is not a positive integer rank"),
+                (dict(alpha_pattern={"v_proj": "big"}), "alpha_pattern 'v_proj': 'big' is not a number"),
+                (dict(lora_alpha="8"), "lora_alpha '8' is not a number"),
+                (dict(rank_pattern={"q_proj": 3}), r"layers\.0\.self_attn\.q_proj: lora_A holds rank 2 where "
+                                                   r"adapter_config.json gives .*q_proj r 3 \(rank_pattern\)")]):
+            bad = copy_adapter(tmp_path / "patterned", tmp_path / f"bad{i}", **changes)
+            with pytest.raises(ValueError, match=message):
+                llm.generate([prompt], greedy(2), lora_request=LoRARequest(f"bad{i}", 10 + i, str(bad)))
+        again = llm.generate([prompt], greedy(MAX_TOKENS), lora_request=request)[0].outputs[0].token_ids
+        assert list(again) == list(got)
 
 
 def copy_adapter(source: Path, target: Path, **config_changes: object) -> Path:

@@ -42,20 +42,20 @@ def experts_of(rank: int, world: int, weights: tuple[torch.Tensor, torch.Tensor]
     return experts
 
 
-def adapters() -> dict[int, tuple[dict, float]]:
-    """slot -> ((expert, part) -> (A, B), scale): slot 0 fused gate_up and down on every expert; slot 2 per-expert
-    gate, up and down on two experts, ranks 2 and 4; slot 1 holds nothing."""
+def adapters() -> dict[int, dict]:
+    """slot -> (expert, part) -> (A, B, scale): slot 0 fused gate_up and down on every expert (scales 0.5 and
+    1.5); slot 2 per-expert gate, up and down on two experts, ranks 2 and 4 (scale 2); slot 1 holds nothing."""
     generator = torch.Generator().manual_seed(1)
 
-    def pair(rank: int, inputs: int, outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair(rank: int, inputs: int, outputs: int, scale: float = 2.0) -> tuple[torch.Tensor, torch.Tensor, float]:
         return (torch.randn(rank, inputs, generator=generator) * 0.3,
-                torch.randn(outputs, rank, generator=generator) * 0.3)
+                torch.randn(outputs, rank, generator=generator) * 0.3, scale)
 
-    fused = {(e, "gate_up"): pair(3, HIDDEN, 2 * INTERMEDIATE) for e in range(EXPERTS)}
-    fused |= {(e, "down"): pair(3, INTERMEDIATE, HIDDEN) for e in range(EXPERTS)}
+    fused = {(e, "gate_up"): pair(3, HIDDEN, 2 * INTERMEDIATE, 0.5) for e in range(EXPERTS)}
+    fused |= {(e, "down"): pair(3, INTERMEDIATE, HIDDEN, 1.5) for e in range(EXPERTS)}
     single = {(1, "gate"): pair(2, HIDDEN, INTERMEDIATE), (1, "up"): pair(4, HIDDEN, INTERMEDIATE),
               (3, "down"): pair(4, INTERMEDIATE, HIDDEN), (3, "up"): pair(2, HIDDEN, INTERMEDIATE)}
-    return {0: (fused, 0.5), 2: (single, 2.0)}
+    return {0: fused, 2: single}
 
 
 def reference(x: torch.Tensor, weights: tuple, ids: torch.Tensor, topk: torch.Tensor, token_slots: np.ndarray,
@@ -67,8 +67,7 @@ def reference(x: torch.Tensor, weights: tuple, ids: torch.Tensor, topk: torch.Te
             e = int(ids[t, k])
             gate_up, down = weights[0][e].clone(), weights[1][e].clone()
             if token_slots[t] >= 0:
-                parts, scale = held[int(token_slots[t])]
-                for (expert, part), (a, b) in parts.items():
+                for (expert, part), (a, b, scale) in held[int(token_slots[t])].items():
                     if expert != e:
                         continue
                     delta = scale * b @ a
@@ -91,8 +90,8 @@ def test_each_routed_row_takes_its_slots_deltas(native: bool, token_slots: list[
     mapping = LoRAMapping("cpu")
     experts = experts_of(0, 1, weights, mapping, native)
     held = adapters()
-    for slot, (parts, scale) in held.items():
-        experts.lora.set_slot(slot, parts, scale)
+    for slot, parts in held.items():
+        experts.lora.set_slot(slot, parts)
     x = torch.randn(len(token_slots), HIDDEN)
     topk, ids = route(torch.randn(len(token_slots), EXPERTS), TOP_K, True)
     slots = np.array(token_slots)
@@ -120,8 +119,8 @@ def test_two_ranks_shares_sum_to_the_whole() -> None:
         for rank in range(world):
             mapping = LoRAMapping("cpu")
             experts = experts_of(rank, world, weights, mapping, False)
-            for slot, (parts, scale) in held.items():
-                experts.lora.set_slot(slot, parts, scale)
+            for slot, parts in held.items():
+                experts.lora.set_slot(slot, parts)
             mapping.set(slots)
             total = total + experts.partial(x, topk, ids)
         outputs.append(total)
