@@ -2,7 +2,8 @@
 
 from pluginfer.core.hookspecs import PLUGIN_API_VERSION
 
-_LAZY = {"LLM": "pluginfer.llm", "LoRARequest": "pluginfer.engine.lora_request",
+_LAZY = {"LLM": "pluginfer.llm", "BeamSearchParams": "pluginfer.engine.beam_search",
+         "LoRARequest": "pluginfer.engine.lora_request",
          "PoolingParams": "pluginfer.engine.pooling",
          "SamplingParams": "pluginfer.engine.sequence", "StructuredOutputsParams": "pluginfer.engine.structured"}
 
@@ -18,7 +19,7 @@ def _version() -> str:
 
 
 __version__ = _version()
-__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "PLUGIN_API_VERSION",
+__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "PLUGIN_API_VERSION",
            "__version__"]
 
 

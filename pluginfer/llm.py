@@ -120,9 +120,11 @@ class LLM:
         outputs = self.embed(prompts, PoolingParams(task="score"))
         return [ScoreOutput(output.embedding[0], output.prompt_token_ids) for output in outputs]
 
-    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[list[Beam]]:
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[list[Beam]]:
         """The ``beam_width`` best continuations of each prompt, best first, found as transformers'
-        ``generate(num_beams=...)`` finds them (``pluginfer/engine/beam_search.py``)."""
+        ``generate(num_beams=...)`` finds them (``pluginfer/engine/beam_search.py``). ``lora_request``: as
+        ``generate``'s, the adapter of every prompt or one per prompt."""
         from pluginfer.engine.beam_search import run_beam_search
 
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
@@ -131,8 +133,12 @@ class LLM:
             raise ValueError("beam_search takes text or token-id prompts (no multi_modal_data)")
         tokenizer = self.engine.tokenizer
         token_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+        adapters = lora_request if isinstance(lora_request, list) else [lora_request] * len(token_ids)
+        if len(adapters) != len(token_ids):
+            raise ValueError(f"lora_request: {len(adapters)} adapters for {len(token_ids)} prompts")
         return run_beam_search(self.generate, token_ids, params, self.engine.eos_token_ids, self.engine.max_model_len,
-                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                               decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                               lora_requests=adapters if any(a is not None for a in adapters) else None)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None,

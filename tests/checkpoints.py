@@ -50,6 +50,23 @@ def hf_logits(model: torch.nn.Module, prompt_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt_ids])).logits[0].float()
 
 
+def hf_beams(model: torch.nn.Module, prompt: list[int], params, eos: int | None) -> tuple[list[list[int]], list[float]]:
+    """transformers' ``generate(num_beams=...)`` under ``params`` (a ``BeamSearchParams``): its beams (generated
+    tokens, padded with EOS, as it pads them) and their scores."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), num_beams=params.beam_width,
+                             num_return_sequences=params.beam_width, max_new_tokens=params.max_tokens,
+                             do_sample=False, early_stopping=params.early_stopping,
+                             length_penalty=params.length_penalty, eos_token_id=eos, pad_token_id=eos,
+                             output_scores=True, return_dict_in_generate=True)
+    return out.sequences[:, len(prompt):].tolist(), out.sequences_scores.tolist()
+
+
+def padded(beam_tokens: list[int], width: int, fill: int) -> list[int]:
+    """A beam's tokens padded with ``fill`` to ``width``, as transformers returns beams of a search."""
+    return beam_tokens + [fill] * (width - len(beam_tokens))
+
+
 def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Prompts of the given lengths, ids drawn (seeded) from [10, vocab): clear of special tokens."""
     rng = random.Random(seed)

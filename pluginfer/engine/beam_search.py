@@ -144,9 +144,12 @@ class BeamSearch:
 
 def run_beam_search(generate: Callable[..., list[Any]], prompts: list[list[int]], params: BeamSearchParams,
                     eos_token_ids: set[int], max_model_len: int,
-                    decode: Callable[[list[int]], str] | None = None) -> list[list[Beam]]:
+                    decode: Callable[[list[int]], str] | None = None,
+                    lora_requests: list[Any] | None = None) -> list[list[Beam]]:
     """Search every prompt at once: each step is one ``generate`` call of one-token requests, one per
-    distinct running beam of every unfinished search (``LLM.generate``: batched, prefix-cached)."""
+    distinct running beam of every unfinished search (``LLM.generate``: batched, prefix-cached).
+    ``lora_requests``: each prompt's LoRA adapter (None: the base), passed to ``generate`` as
+    ``lora_request``, one per request."""
     from pluginfer.engine.sequence import SamplingParams
 
     longest = max(len(prompt) for prompt in prompts) + params.max_tokens
@@ -156,12 +159,16 @@ def run_beam_search(generate: Callable[..., list[Any]], prompts: list[list[int]]
     searches = [BeamSearch(list(prompt), params, eos_token_ids) for prompt in prompts]
     step = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=searches[0].candidates,
                           skip_special_tokens=False)
-    while live := [search for search in searches if not search.done]:
-        wanted = list(dict.fromkeys(tuple(seq) for search in live for seq in search.running()))
-        outputs = generate([list(seq) for seq in wanted], step)
-        table = {seq: output.outputs[0].logprobs[0] for seq, output in zip(wanted, outputs)}
-        for search in live:
-            search.advance([table[tuple(seq)] for seq in search.running()])
+    adapters = lora_requests or [None] * len(searches)
+    while live := [i for i, search in enumerate(searches) if not search.done]:
+        # one request per distinct (adapter, beam): the same tokens under two adapters are two requests
+        wanted = list(dict.fromkeys((adapters[i], tuple(seq)) for i in live for seq in searches[i].running()))
+        requests = [list(seq) for _, seq in wanted]
+        outputs = generate(requests, step, lora_request=[adapter for adapter, _ in wanted]) if lora_requests \
+            else generate(requests, step)
+        table = {key: output.outputs[0].logprobs[0] for key, output in zip(wanted, outputs)}
+        for i in live:
+            searches[i].advance([table[adapters[i], tuple(seq)] for seq in searches[i].running()])
     results = [search.results() for search in searches]
     if decode is not None:
         for beams in results:

@@ -12,6 +12,7 @@ from contextlib import aclosing
 from typing import Any
 
 from pluginfer.engine.beam_search import Beam, BeamSearch, BeamSearchParams
+from pluginfer.engine.lora_request import LoRARequest
 from pluginfer.engine.sequence import SamplingParams
 from pluginfer.server.errors import bad_request
 from pluginfer.server.state import ServerState
@@ -44,8 +45,9 @@ def beam_params(body: Any, max_tokens: int) -> BeamSearchParams | None:
 
 
 async def search(state: ServerState, prompts: list[list[int]], params: BeamSearchParams, request_id: str,
-                 prompt_field: str) -> list[list[Beam]]:
-    """The beams of each prompt, best first; their text decoded with the tokenizer."""
+                 prompt_field: str, lora_request: LoRARequest | None = None) -> list[list[Beam]]:
+    """The beams of each prompt, best first; their text decoded with the tokenizer. ``lora_request``: the
+    adapter the request's ``model`` named (None: the base)."""
     info = state.model_info
     try:
         searches = [BeamSearch(list(prompt), params, info.eos_token_ids) for prompt in prompts]
@@ -61,7 +63,7 @@ async def search(state: ServerState, prompts: list[list[int]], params: BeamSearc
         wanted = list(dict.fromkeys(tuple(seq) for s in live for seq in s.running()))
         table: dict[tuple[int, ...], dict[int, float]] = {}
         async with aclosing(run_requests(state, [list(seq) for seq in wanted], step,
-                                         f"{request_id}-beam{number}", prompt_field)) as outputs:
+                                         f"{request_id}-beam{number}", prompt_field, lora_request)) as outputs:
             async for index, output in outputs:
                 if output.finished:
                     table[wanted[index]] = output.outputs[0].logprobs[0]

@@ -100,8 +100,6 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             raise bad_request("beam search does not take images", "messages")
         prompt = {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}
     beam = beam_params(body, params.max_tokens)
-    if beam is not None and state.lora_for(body.model) is not None:
-        raise bad_request("beam search does not run LoRA adapters yet", "model")
     if beam is not None:
         return web.json_response(await _beam_chat(state, body, prompt, beam, request_id))
     outputs = state.processors.outputs(processed, run_requests(state, [prompt], params, request_id, "messages",
@@ -123,12 +121,12 @@ async def _beam_chat(state: ServerState, body: ChatCompletionRequest, prompt: li
                      request_id: str) -> dict[str, Any]:
     if body.stream:
         raise bad_request("stream: beam search answers once the search ends; use stream: false", "stream")
-    [beams] = await search(state, [prompt], beam, request_id, "messages")
+    [beams] = await search(state, [prompt], beam, request_id, "messages", state.lora_for(body.model))
     eos = state.model_info.eos_token_ids
     choices = [{"index": i, "message": {"role": "assistant", "content": b.text}, "logprobs": None,
                 "finish_reason": finish_reason(b, eos)} for i, b in enumerate(beams)]
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-            "choices": choices, "usage": usage(len(prompt), sum(len(b.token_ids) for b in beams))}
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": state.answer_model(body.model), "choices": choices, "usage": usage(len(prompt), sum(len(b.token_ids) for b in beams))}
 
 
 def with_tools(state: ServerState, params: SamplingParams, grammar: tuple[StructuredOutputsParams, str] | None,

@@ -62,8 +62,6 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if bad:
         raise bad_request(f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}", "prompt")
     beam = beam_params(body, params.max_tokens)
-    if beam is not None and state.lora_for(body.model) is not None:
-        raise bad_request("beam search does not run LoRA adapters yet", "model")
     if beam is not None:
         return web.json_response(await _beam_completion(state, body, prompts, beam, request_id))
     outputs = state.processors.outputs(processed, run_requests(state, prompts, params, request_id, "prompt",
@@ -93,12 +91,12 @@ async def _beam_completion(state: ServerState, body: CompletionRequest, prompts:
                            beam: BeamSearchParams, request_id: str) -> dict[str, Any]:
     if body.stream:
         raise bad_request("stream: beam search answers once the search ends; use stream: false", "stream")
-    results = await search(state, prompts, beam, request_id, "prompt")
+    results = await search(state, prompts, beam, request_id, "prompt", state.lora_for(body.model))
     eos = state.model_info.eos_token_ids
     choices = [{"index": i * body.n + j, "text": b.text, "logprobs": None, "finish_reason": finish_reason(b, eos)}
                for i, beams in enumerate(results) for j, b in enumerate(beams)]
     return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": state.model_name, "choices": choices,
+            "model": state.answer_model(body.model), "choices": choices,
             "usage": usage(sum(map(len, prompts)), sum(len(b.token_ids) for beams in results for b in beams))}
 
 

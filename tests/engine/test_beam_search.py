@@ -9,19 +9,9 @@ import torch
 
 from pluginfer import LLM
 from pluginfer.engine.beam_search import BeamSearch, BeamSearchParams, run_beam_search
+from tests.checkpoints import hf_beams, padded
 
 PROMPTS = [[11, 12, 13, 14, 15], [300, 7, 42]]
-
-
-def hf_beams(model, prompt: list[int], params: BeamSearchParams, eos: int | None) -> tuple[list[list[int]], list[float]]:
-    """transformers' beams (generated tokens, padded with EOS, as it pads them) and their scores."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), num_beams=params.beam_width,
-                             num_return_sequences=params.beam_width, max_new_tokens=params.max_tokens,
-                             do_sample=False, early_stopping=params.early_stopping,
-                             length_penalty=params.length_penalty, eos_token_id=eos, pad_token_id=eos,
-                             output_scores=True, return_dict_in_generate=True)
-    return out.sequences[:, len(prompt):].tolist(), out.sequences_scores.tolist()
 
 
 def hf_scorer(model, candidates: int):
@@ -36,10 +26,6 @@ def hf_scorer(model, candidates: int):
             outputs.append(type("Out", (), {"outputs": [type("Choice", (), {"logprobs": [entry]})]}))
         return outputs
     return generate
-
-
-def padded(beam_tokens: list[int], width: int, fill: int) -> list[int]:
-    return beam_tokens + [fill] * (width - len(beam_tokens))
 
 
 @pytest.fixture(scope="module")

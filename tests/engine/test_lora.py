@@ -387,6 +387,34 @@ def test_per_module_ranks_and_alphas_equal_peft(lora_setup: tuple, tmp_path: Pat
         assert list(again) == list(got)
 
 
+def test_beam_search_with_adapters_equals_peft(lora_setup: tuple) -> None:
+    """``LLM.beam_search`` under an adapter, and with one adapter per prompt (the base, two adapters): the beams
+    and scores of peft's ``generate(num_beams=...)``; the same prompt under two adapters is two searches."""
+    from pluginfer.engine.beam_search import BeamSearchParams
+    from pluginfer.engine.lora_request import LoRARequest
+    from tests.checkpoints import hf_beams, padded
+
+    root, base, peft_models = lora_setup
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    prompt = random_prompts(base.config.vocab_size, [6], seed=8)[0]
+    eos = base.generation_config.eos_token_id
+    want = {name: hf_beams(base if name is None else peft_models[name], prompt, params, eos)
+            for name in (None, "all", "attn")}
+    assert want["all"][0] != want[None][0] and want["attn"][0] != want[None][0]
+    requests = {name: LoRARequest(name, i, str(root / name)) for i, name in enumerate(ADAPTERS, start=1)}
+    with make_llm(root, dtype="float32") as llm:
+        for names, results in (
+                (["all"], llm.beam_search([prompt], params, lora_request=requests["all"])),
+                ([None, "all", "attn"], llm.beam_search([prompt] * 3, params,
+                                                        lora_request=[None, requests["all"], requests["attn"]]))):
+            for name, beams in zip(names, results):
+                tokens, scores = want[name]
+                assert [padded(b.token_ids, len(tokens[0]), eos) for b in beams] == tokens, name
+                assert [b.score for b in beams] == pytest.approx(scores, abs=1e-4), name
+        with pytest.raises(ValueError, match="lora_request: 1 adapters for 2 prompts"):
+            llm.beam_search([prompt, prompt], params, lora_request=[requests["all"]])
+
+
 def copy_adapter(source: Path, target: Path, **config_changes: object) -> Path:
     import shutil
 

@@ -88,6 +88,35 @@ def test_chat_with_an_adapter_answers_as_peft(served) -> None:
         http(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "chat"})
 
 
+def test_beam_search_with_an_adapter_answers_as_peft(served) -> None:
+    """use_beam_search on /v1/completions naming an adapter: the n beams of peft's ``generate(num_beams=...)``,
+    best first, and the adapter's name in ``model``; on chat too."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pluginfer.engine.beam_search import BeamSearchParams
+    from tests.checkpoints import hf_beams
+
+    server, _, root, prompt, _ = served
+    base = AutoModelForCausalLM.from_pretrained(str(root / "base"))
+    model = PeftModel.from_pretrained(base, str(root / "all")).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "base"))
+    eos = base.generation_config.eos_token_id
+    beams, _ = hf_beams(model, prompt, BeamSearchParams(beam_width=3, max_tokens=6), eos)
+    with model.disable_adapter():
+        assert hf_beams(model, prompt, BeamSearchParams(beam_width=3, max_tokens=6), eos)[0] != beams
+    status, _, body = http(server, "POST", "/v1/completions", {
+        "model": "one", "prompt": prompt, "max_tokens": 6, "n": 3, "use_beam_search": True, "temperature": 0})
+    answer = json.loads(body)
+    assert status == 200 and answer["model"] == "one", answer
+    assert [c["text"] for c in answer["choices"]] == [tokenizer.decode(b, skip_special_tokens=True) for b in beams]
+    status, _, body = http(server, "POST", "/v1/chat/completions", {
+        "model": "one", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+        "use_beam_search": True})
+    answer = json.loads(body)
+    assert status == 200 and answer["model"] == "one" and len(answer["choices"]) == 2, answer
+
+
 def _decode(root: Path, tokens: list[int]) -> str:
     from transformers import AutoTokenizer
 
