@@ -62,6 +62,14 @@ class LLM:
         return SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k,
                               min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty)
 
+    @staticmethod
+    def _adapters(lora_request: LoRARequest | list[LoRARequest | None] | None, count: int) -> list[LoRARequest | None]:
+        """``lora_request`` as one adapter (or None) per prompt: the one given for all, or the list, of ``count``."""
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * count
+        if len(loras) != count:
+            raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts")
+        return loras
+
     def generate(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
@@ -74,9 +82,7 @@ class LLM:
             [params or self.get_default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        loras = self._adapters(lora_request, len(prompts))
         ids: list[str] = []
         try:
             for prompt, p, lora in zip(prompts, params_list, loras):
@@ -88,17 +94,20 @@ class LLM:
             raise
         return self._run(ids)
 
-    def embed(self, prompts: Prompt | list[Prompt], params: PoolingParams | None = None) -> list[RequestOutput]:
+    def embed(self, prompts: Prompt | list[Prompt], params: PoolingParams | None = None,
+              lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One embedding per prompt (``output.embedding``, a list of floats), in prompt order, pooled as the
         checkpoint's sentence-transformers files say; the prompts run batched through the engine like any
-        other. A prompt that cannot run (e.g. longer than the context) raises ValueError."""
+        other. A prompt that cannot run (e.g. longer than the context) raises ValueError. ``lora_request``: as
+        ``generate``'s."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = params or PoolingParams()
+        loras = self._adapters(lora_request, len(prompts))
         ids: list[str] = []
         try:
-            for prompt in prompts:
-                ids.append(self.engine.add_request(prompt, params))
+            for prompt, lora in zip(prompts, loras):
+                ids.append(self.engine.add_request(prompt, params, lora_request=lora))
         except BaseException:
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -109,15 +118,17 @@ class LLM:
                 raise ValueError(f"prompt {index}: {output.error or 'no embedding was produced'}")
         return outputs
 
-    def score(self, text_1: str | list[str], text_2: str | list[str]) -> list[ScoreOutput]:
+    def score(self, text_1: str | list[str], text_2: str | list[str],
+              lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[ScoreOutput]:
         """How well each pair of texts matches, as vLLM's ``LLM.score``: one ``text_1`` against each ``text_2``,
         or the two lists side by side. A cross-encoder or a causal LM served with ``score_tokens`` scores
-        (``pluginfer/engine/scoring.py``); any other model raises ValueError saying so."""
+        (``pluginfer/engine/scoring.py``); any other model raises ValueError saying so. ``lora_request``: the
+        adapter of every pair, or one per pair."""
         self.engine.scorer.check()
         token_types = uses_token_types(self.engine.executor.hf_config)
         prompts = [encode_pair(self.engine.tokenizer, first, second, token_types)
                    for first, second in score_pairs(text_1, text_2)]
-        outputs = self.embed(prompts, PoolingParams(task="score"))
+        outputs = self.embed(prompts, PoolingParams(task="score"), lora_request)
         return [ScoreOutput(output.embedding[0], output.prompt_token_ids) for output in outputs]
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
@@ -133,9 +144,7 @@ class LLM:
             raise ValueError("beam_search takes text or token-id prompts (no multi_modal_data)")
         tokenizer = self.engine.tokenizer
         token_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
-        adapters = lora_request if isinstance(lora_request, list) else [lora_request] * len(token_ids)
-        if len(adapters) != len(token_ids):
-            raise ValueError(f"lora_request: {len(adapters)} adapters for {len(token_ids)} prompts")
+        adapters = self._adapters(lora_request, len(token_ids))
         return run_beam_search(self.generate, token_ids, params, self.engine.eos_token_ids, self.engine.max_model_len,
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                lora_requests=adapters if any(a is not None for a in adapters) else None)

@@ -81,9 +81,10 @@ class EngineClient(Protocol):
         request it refuses."""
         ...
 
-    def encode(self, prompt: str | list[int], params: PoolingParams,
-               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """An embedding request: its output once finished (``RequestOutput.embedding``); errors as ``generate``."""
+    def encode(self, prompt: str | list[int], params: PoolingParams, request_id: str | None = None,
+               lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """An embedding or score request: its output once finished (``RequestOutput.embedding``); the adapter and
+        errors as ``generate``'s."""
         ...
 
     def abort(self, request_id: str) -> None:

@@ -130,7 +130,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, PoolingParams):
-            return self._add_embedding(prompt, params, request_id)
+            return self._add_embedding(prompt, params, request_id, lora_request)
         if not self.can_generate:
             names = self.executor.hf_config.get("architectures")
             raise ValueError(f"this checkpoint is a bare decoder without an LM head (architectures {names}): "
@@ -173,8 +173,10 @@ class LLMEngine:
         model_lora.resolve(read_adapter(request), request)
         self._checked_adapters.add(request.key)
 
-    def _add_embedding(self, prompt: str | list[int], params: PoolingParams, request_id: str) -> str:
-        """An embedding or score request: its prompt is prefilled like any other, pooled, and nothing is sampled.
+    def _add_embedding(self, prompt: str | list[int], params: PoolingParams, request_id: str,
+                       lora_request: LoRARequest | None) -> str:
+        """An embedding or score request: its prompt is prefilled like any other (under its adapter, if any),
+        pooled, and nothing is sampled.
 
         A score request's prompt is the pair's token ids, token types in their high bits (``encode_pair``)."""
         prompt, media = split_prompt(prompt)
@@ -198,7 +200,10 @@ class LLMEngine:
         if not self.is_causal and len(token_ids) > budget:
             raise ValueError(f"prompt has {len(token_ids)} tokens; an encoder reads a prompt in one step, and a "
                              f"step holds at most scheduler.max_num_batched_tokens {budget}")
-        seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), arrival_step=self.step_count)
+        if lora_request is not None:
+            self.check_lora(lora_request)
+        seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), arrival_step=self.step_count,
+                       lora=lora_request)
         seq.pooling = pooling
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq.params)
         self._requests[request_id] = _Request(request_id, text, token_ids, [seq], [detokenizer])

@@ -142,6 +142,17 @@ def read_adapter(request: LoRARequest) -> Adapter:
     return adapter
 
 
+def _held_name(name: str, held: dict[str, Any]) -> str:
+    """The model's name for an adapter's module: ``name`` itself, else the one name in ``held`` of which it is a
+    dotted suffix or which is one of it (an adapter made on a bare decoder, ``layers.0...``, on the model's
+    ``model.layers.0...``; one made on a classifier, ``bert.encoder...``, on ``encoder...``, as the checkpoint's
+    weights are loaded)."""
+    if name in held:
+        return name
+    found = [other for other in held if other.endswith("." + name) or name.endswith("." + other)]
+    return found[0] if len(found) == 1 else name
+
+
 def _check_rank(adapter: Adapter, key: str, rank: int, name: str) -> None:
     """A module's rank as its weights hold it against the config's (``r``, or ``rank_pattern``'s for it)."""
     if rank != adapter.rank_of(key):
@@ -203,12 +214,13 @@ class ModelLoRA:
         name = module + "."
         for fused, part, shard in self.routes:
             if part in name:
-                layer = name.replace(part, fused)[:-1]
+                layer = _held_name(name.replace(part, fused)[:-1], self.targets)
                 if isinstance(self.targets.get(layer), tuple):
                     return layer, self.targets[layer][1][shard]
-        if not isinstance(self.targets.get(module), tuple):
+        layer = _held_name(module, self.targets)
+        if not isinstance(self.targets.get(layer), tuple):
             raise KeyError(module)
-        return module, 0
+        return layer, 0
 
     def resolve(self, adapter: Adapter, request: LoRARequest) -> dict[str, dict]:
         """This stage's layers' parts of the adapter: layer name -> projection -> (A, B, scale), experts' name ->
@@ -219,7 +231,7 @@ class ModelLoRA:
         for module, (a, b) in adapter.modules.items():
             match = _EXPERTS.match(module)
             if match is not None:
-                self._resolve_experts(match, a, b, adapter, f"{where} module {module}", placed)
+                self._resolve_experts(match, module, a, b, adapter, f"{where} module {module}", placed)
                 continue
             try:
                 name, index = self._target(module)
@@ -232,12 +244,12 @@ class ModelLoRA:
                 placed.setdefault(name, {})[index] = (a, b, adapter.scale_of(module))
         return placed
 
-    def _resolve_experts(self, match: re.Match, a: torch.Tensor, b: torch.Tensor, adapter: Adapter, name: str,
-                         placed: dict[str, dict]) -> None:
-        """One adapter module on routed experts as (expert, part) -> (A, B, scale) of its layer's experts,
-        checked."""
+    def _resolve_experts(self, match: re.Match, module: str, a: torch.Tensor, b: torch.Tensor, adapter: Adapter,
+                         name: str, placed: dict[str, dict]) -> None:
+        """One adapter module on routed experts (``match``: of its name as loaded) as (expert, part) -> (A, B,
+        scale) of its layer's experts, checked."""
         layer = match["layer"]
-        owner = self._experts_of_layer.get(layer)
+        owner = self._experts_of_layer.get(_held_name(layer, self._experts_of_layer))
         if owner is None:
             raise ValueError(f"{name}: {layer} has no mixture-of-experts experts (LoRA applies to the attention "
                              "and MLP projections, and to a sparse layer's experts)")
@@ -248,7 +260,7 @@ class ModelLoRA:
             if part is None or expert >= count:
                 raise ValueError(f"{name}: not an expert projection of this model (experts 0-{count - 1}, "
                                  f"projections {', '.join(self._expert_parts)})")
-            key, rank = match[0], a.shape[0]
+            key, rank = module, a.shape[0]
             parts = {(expert, part): (a, b)}
         else:  # a fused expert tensor: A [r * E, in], B [out, r * E]; expert e's ranks at r * e (A), every E-th (B)
             part = {shapes.of(p): p for p in ("gate_up", "down")}.get((a.shape[-1], b.shape[0])) \
@@ -259,7 +271,7 @@ class ModelLoRA:
                                  f" gate_up {shapes.of('gate_up')[::-1]}, down {shapes.of('down')[::-1]})")
             rank = a.shape[0] // count
             # peft's name for a fused tensor's pattern: the experts' module (no wrapper) and the parameter
-            key = re.sub(r"(\.base_layer)+$", "", match[0]) + "." + _EXPERT_PARAMETERS[part == "down"]
+            key = re.sub(r"(\.base_layer)+$", "", module) + "." + _EXPERT_PARAMETERS[part == "down"]
             a_of, b_of = a.reshape(count, rank, -1), b.reshape(b.shape[0], rank, count)
             parts = {(expert, part): (a_of[expert], b_of[:, :, expert]) for expert in range(count)}
         target, scale = placed.setdefault(owner, {}), adapter.scale_of(key)

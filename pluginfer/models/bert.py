@@ -35,8 +35,9 @@ from pluginfer.layers.weights import load_named_weights
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 _SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
                 "max_position_embeddings")
-_STACKED = (("attention.qkv_proj", "attention.self.query", "q"), ("attention.qkv_proj", "attention.self.key", "k"),
-            ("attention.qkv_proj", "attention.self.value", "v"))
+_STACKED = ((".attention.qkv_proj.", ".attention.self.query.", "q"),
+            (".attention.qkv_proj.", ".attention.self.key.", "k"),
+            (".attention.qkv_proj.", ".attention.self.value.", "v"))
 
 
 def is_roberta(config: dict) -> bool:
@@ -146,6 +147,10 @@ class BertEncoder(nn.Module):
             raise RuntimeError("this encoder has no classification head: it only embeds")
         return self.head(hidden).float()
 
+    def weight_routes(self) -> tuple:
+        """The fused query/key/value projection's routes (a checkpoint's and a LoRA adapter's names)."""
+        return _STACKED
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         bert = not is_roberta(self.config)
 
@@ -165,7 +170,7 @@ class BertEncoder(nn.Module):
                     continue  # a masked-LM head: not used to embed
                 yield name.replace(".gamma", ".weight").replace(".beta", ".bias"), tensor
 
-        load_named_weights(self, renamed(weights), stacked=_STACKED, ignore=("position_ids",))
+        load_named_weights(self, renamed(weights), stacked=self.weight_routes(), ignore=("position_ids",))
 
 
 def num_labels(config: dict) -> int:

@@ -205,10 +205,10 @@ class CoreProcessClient:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def encode(self, prompt: str | list[int], params: PoolingParams,
-               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """An embedding request: its output once finished (``RequestOutput.embedding``)."""
-        return self.generate(prompt, params, request_id)
+    def encode(self, prompt: str | list[int], params: PoolingParams, request_id: str | None = None,
+               lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """An embedding or score request: its output once finished (``RequestOutput.embedding``)."""
+        return self.generate(prompt, params, request_id, lora_request)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | PoolingParams,
                        request_id: str | None = None,

@@ -95,7 +95,7 @@ async def create_embedding(request: web.Request) -> web.Response:
     data = [{"object": "embedding", "index": index, "embedding": _encode(finals[index].embedding, body.encoding_format)}
             for index in range(len(prompts))]
     prompt_tokens = sum(map(len, prompts))
-    return web.json_response({"object": "list", "data": data, "model": state.model_name,
+    return web.json_response({"object": "list", "data": data, "model": state.answer_model(body.model),
                               "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
 
 

@@ -79,7 +79,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
                                                                      state.lora_for(body.model)))
     # A grammar holds from the first token: there is no <think> section to split off.
     reasoning = state.reasoning_parser if params.structured_outputs is None else None
-    answer = MessageAnswer(state, request_id, reasoning, tools, body.stop_sequences or [], params.max_tokens)
+    answer = MessageAnswer(state, request_id, reasoning, tools, body.stop_sequences or [], params.max_tokens,
+                           state.answer_model(body.model))
     if body.stream:
         return await send_events(request, MessageEvents(answer).events(outputs))
     final: RequestOutput | None = None
@@ -110,8 +111,8 @@ class MessageAnswer:
     """Turns the engine's output into Anthropic's message: content blocks, stop reason, usage."""
 
     def __init__(self, state: ServerState, request_id: str, reasoning: Callable[[], ReasoningParser] | None,
-                 tools: ToolCalling | None, stop_sequences: list[str], max_tokens: int | None) -> None:
-        self.state, self.id, self.reasoning, self.tools = state, request_id, reasoning, tools
+                 tools: ToolCalling | None, stop_sequences: list[str], max_tokens: int | None, model: str) -> None:
+        self.state, self.id, self.reasoning, self.tools, self.model = state, request_id, reasoning, tools, model
         self.stop_sequences, self.max_tokens = stop_sequences, max_tokens
 
     def cut_stop(self, choice: CompletionOutput) -> tuple[str, str | None]:
@@ -137,7 +138,7 @@ class MessageAnswer:
 
     def shell(self, content: list[dict[str, Any]], stop_reason: str | None, stop_sequence: str | None,
               usage: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.state.model_name,
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
     def message(self, output: RequestOutput) -> dict[str, Any]:

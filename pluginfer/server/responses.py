@@ -81,7 +81,8 @@ async def _start(state: ServerState, chat: ChatCompletionRequest, request_id: st
     for grammar, field in grammars:
         await compile_grammar(state, grammar, field)
     prompt = render_prompt(state, processed.messages or [], True, template_kwargs(state, chat, tools))
-    outputs = state.processors.outputs(processed, run_requests(state, [prompt], params, request_id, "input"))
+    outputs = state.processors.outputs(processed, run_requests(state, [prompt], params, request_id, "input",
+                                                                     state.lora_for(chat.model)))
     return _Run(state, tools, params, outputs)
 
 
@@ -98,7 +99,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     response_id = item_id("resp")
     with in_responses_terms():
         run = await _start(state, body.chat_request(instructions + history + new), response_id)
-    envelope = ResponseEnvelope(response_id, body, state.model_name, run.params)
+    envelope = ResponseEnvelope(response_id, body, state.answer_model(body.model), run.params)
 
     def finish(response: dict[str, Any]) -> None:
         if body.stored:

@@ -103,8 +103,9 @@ def _token_types(model: str, revision: str | None) -> bool:
     return uses_token_types(read_hf_config(path) if path.is_dir() else {})
 
 
-async def _scores(state: ServerState, pairs: list[tuple[str, str]], kind: str, field: str) -> tuple[list[float], int]:
-    """Each pair's score and the prompt tokens spent."""
+async def _scores(state: ServerState, pairs: list[tuple[str, str]], kind: str, field: str,
+                  model: str | None) -> tuple[list[float], int]:
+    """Each pair's score and the prompt tokens spent (``model``: the request's, which may name a LoRA adapter)."""
     if len(pairs) > MAX_PAIRS:
         raise bad_request(f"at most {MAX_PAIRS} pairs per request, got {len(pairs)}", field)
     types = _token_types(state.config.model, state.config.revision)
@@ -116,7 +117,8 @@ async def _scores(state: ServerState, pairs: list[tuple[str, str]], kind: str, f
                               "tokens", field)
     scores: dict[int, float] = {}
     request_id = f"{kind}-{uuid.uuid4().hex}"
-    async with aclosing(run_requests(state, prompts, PoolingParams(task="score"), request_id, field)) as stream:
+    async with aclosing(run_requests(state, prompts, PoolingParams(task="score"), request_id, field,
+                                     state.lora_for(model))) as stream:
         async for index, output in stream:
             if output.finished:
                 scores[index] = output.embedding[0]
@@ -131,10 +133,10 @@ async def create_score(request: web.Request) -> web.Response:
         pairs = score_pairs(body.text_1, body.text_2)
     except ValueError as exc:
         raise bad_request(str(exc), "text_2") from None
-    scores, tokens = await _scores(state, pairs, "score", "text_1")
+    scores, tokens = await _scores(state, pairs, "score", "text_1", body.model)
     data = [{"index": index, "object": "score", "score": score} for index, score in enumerate(scores)]
     return web.json_response({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                              "model": state.model_name, "data": data,
+                              "model": state.answer_model(body.model), "data": data,
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
@@ -143,11 +145,12 @@ async def create_rerank(request: web.Request) -> web.Response:
     body = await read_body(request, RerankRequest)
     state.check_model(body.model)
     texts = [doc.text if isinstance(doc, RerankDocument) else doc for doc in body.documents]
-    scores, tokens = await _scores(state, [(body.query, text) for text in texts], "rerank", "documents")
+    scores, tokens = await _scores(state, [(body.query, text) for text in texts], "rerank", "documents", body.model)
     ranked = sorted(range(len(texts)), key=lambda index: -scores[index])[: body.top_n]
     results = [{"index": index, "relevance_score": scores[index],
                 **({"document": {"text": texts[index]}} if body.return_documents else {})} for index in ranked]
-    return web.json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": state.model_name, "results": results,
+    return web.json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": state.answer_model(body.model),
+                              "results": results,
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 

@@ -147,9 +147,7 @@ async def run_requests(state: ServerState, prompts: list[list[int]], params: Sam
     ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
     timers = [state.metrics.timer() for _ in prompts]
     if isinstance(params, PoolingParams):
-        if lora_request is not None:
-            raise bad_request(f"embeddings do not run LoRA adapters ({lora_request.lora_name!r})", "model")
-        streams = [state.engine.encode(prompt, params, rid) for prompt, rid in zip(prompts, ids)]
+        streams = [state.engine.encode(prompt, params, rid, lora_request) for prompt, rid in zip(prompts, ids)]
     elif lora_request is not None:
         streams = [state.engine.generate(prompt, params, rid, lora_request=lora_request)
                    for prompt, rid in zip(prompts, ids)]

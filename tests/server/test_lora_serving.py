@@ -88,6 +88,30 @@ def test_chat_with_an_adapter_answers_as_peft(served) -> None:
         http(server, "POST", "/v1/unload_lora_adapter", {"lora_name": "chat"})
 
 
+def test_responses_and_messages_with_an_adapter_answer_as_its_chat(served) -> None:
+    """/v1/responses and /v1/messages naming an adapter: the text its chat completion (peft's, above) answers,
+    not the base's, and the adapter's name in ``model``."""
+    server, _, _, _, _ = served
+    texts = {}
+    for model in ("one", MODEL_NAME):
+        _, _, body = http(server, "POST", "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": MAX_TOKENS,
+            "temperature": 0})
+        texts[model] = json.loads(body)["choices"][0]["message"]["content"]
+        status, _, body = http(server, "POST", "/v1/responses", {
+            "model": model, "input": "hello there", "max_output_tokens": MAX_TOKENS, "temperature": 0})
+        answer = json.loads(body)
+        assert status == 200 and answer["model"] == model, answer
+        assert answer["output"][-1]["content"][0]["text"] == texts[model]
+        status, _, body = http(server, "POST", "/v1/messages", {
+            "model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": MAX_TOKENS,
+            "temperature": 0})
+        answer = json.loads(body)
+        assert status == 200 and answer["model"] == model, answer
+        assert answer["content"][0]["text"] == texts[model]
+    assert texts["one"] != texts[MODEL_NAME]
+
+
 def test_beam_search_with_an_adapter_answers_as_peft(served) -> None:
     """use_beam_search on /v1/completions naming an adapter: the n beams of peft's ``generate(num_beams=...)``,
     best first, and the adapter's name in ``model``; on chat too."""
@@ -115,6 +139,46 @@ def test_beam_search_with_an_adapter_answers_as_peft(served) -> None:
         "use_beam_search": True})
     answer = json.loads(body)
     assert status == 200 and answer["model"] == "one" and len(answer["choices"]) == 2, answer
+
+
+def test_rerank_and_score_with_an_adapter(encoder_checkpoints: dict, tmp_path: Path) -> None:
+    """/v1/rerank and /v1/score naming an adapter on a cross-encoder, through the engine core process: the scores
+    of sentence-transformers with the adapter loaded, the adapter's name in ``model``; the base's name answers as
+    the base."""
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForSequenceClassification
+
+    from pluginfer.server.core_client import CoreProcessClient
+    from pluginfer.server.launch import BackgroundServer
+
+    cross = encoder_checkpoints["bert_cross"]
+    save_adapter(AutoModelForSequenceClassification.from_pretrained(str(cross)), tmp_path / "cross", 5, r=4,
+                 lora_alpha=8, target_modules=["query", "value", "intermediate.dense"])
+    query, documents = "the quick brown fox", ["the sea is calm", "jumps over the lazy dog"]
+    oracle = CrossEncoder(str(cross), device="cpu")
+    plain = oracle.predict([(query, d) for d in documents])
+    oracle.load_adapter(str(tmp_path / "cross"))
+    want = oracle.predict([(query, d) for d in documents])
+    config = server_config(cross, **{"lora.enable_lora": True, "lora.max_lora_rank": 4,
+                                     "lora.lora_modules": [f"tuned={tmp_path / 'cross'}"]})
+    engine = CoreProcessClient(config).start()
+    server = BackgroundServer(engine, config)
+    try:
+        for model, scores in (("tuned", want), (MODEL_NAME, plain)):
+            status, _, body = http(server, "POST", "/v1/rerank", {"model": model, "query": query,
+                                                                 "documents": documents})
+            answer = json.loads(body)
+            assert status == 200 and answer["model"] == model, answer
+            assert {r["index"]: r["relevance_score"] for r in answer["results"]} == \
+                pytest.approx(dict(enumerate(scores.tolist())), abs=1e-5)
+            status, _, body = http(server, "POST", "/v1/score", {"model": model, "text_1": query,
+                                                                "text_2": documents})
+            answer = json.loads(body)
+            assert status == 200 and answer["model"] == model, answer
+            assert [d["score"] for d in answer["data"]] == pytest.approx(scores.tolist(), abs=1e-5)
+    finally:
+        server.stop()
+        engine.shutdown()
 
 
 def _decode(root: Path, tokens: list[int]) -> str:

@@ -36,7 +36,7 @@ def _outputs(text: str, step: int, finish_reason: str, stop: str = "") -> list[R
 def _answer(reasoning: bool, tools: bool, stops: list[str] = ()) -> MessageAnswer:
     calling = ToolCalling.from_request(TOOLS, "auto", None, HermesToolParser) if tools else None
     return MessageAnswer(SimpleNamespace(model_name="m"), "msg_1", DeepSeekR1ReasoningParser if reasoning else None,
-                         calling, list(stops), 100)
+                         calling, list(stops), 100, "m")
 
 
 def _streamed(answer: MessageAnswer, outputs: list[RequestOutput]) -> tuple[list[str], Message]:
