@@ -140,6 +140,11 @@ def with_tools(state: ServerState, params: SamplingParams, grammar: tuple[Struct
     if tool_grammar is None and grammar is None and state.reasoning_parser is None:
         # auto: not under a reasoning parser, whose <think> section a grammar from the first token would forbid
         tool_grammar = tools.auto_grammar(special_tokens(state.tokenizer))
+    if tool_grammar is None and tools.allowed is not None:
+        why = grammar[1] if grammar else "the server's reasoning parser" if state.reasoning_parser else \
+            "the tool call parser (its calls have no grammar)"
+        raise bad_request("tool_choice: allowed_tools with mode auto needs the grammar that holds calls to the "
+                          f"allowed tools, and {why} rules it out here; use mode required", "tool_choice")
     if tool_grammar is not None:
         if grammar is not None:
             raise bad_request(f"tool_choice {tools.mode} constrains the output itself; it cannot be combined "

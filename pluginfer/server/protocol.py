@@ -18,7 +18,7 @@ from pluginfer.engine.sequence import SamplingParams
 from pluginfer.engine.structured import StructuredOutputsParams
 from pluginfer.server.errors import APIError, bad_request, from_sampling_error
 from pluginfer.server.grammar import ResponseFormat, StructuredOutputsRequest, requested_grammar
-from pluginfer.server.tools import Tool, ToolChoice
+from pluginfer.server.tools import Tool, ToolChoice, allowed_tools_choice
 from pluginfer.server.unsupported import CHAT, COMPLETION, CheckedRequest, Unsupported, check_metadata
 
 Prompt = str | list[int]
@@ -235,9 +235,11 @@ class ChatCompletionRequest(SamplingRequest):
     def _check_tool_choice(cls, choice: Any) -> Any:
         if isinstance(choice, str) and choice not in ("none", "auto", "required"):
             raise ValueError(f"must be none, auto, required or a named function, got {choice!r}")
-        if isinstance(choice, dict) and choice.get("type") != "function":
-            raise ValueError(f"only {{type: function, function: {{name}}}} names a tool, got type "
-                             f"{choice.get('type')!r}")
+        if isinstance(choice, dict) and choice.get("type") not in ("function", "allowed_tools"):
+            raise ValueError(f"only {{type: function, function: {{name}}}} names a tool (or {{type: allowed_tools, "
+                             f"allowed_tools: {{mode, tools}}}} a few), got type {choice.get('type')!r}")
+        if isinstance(choice, dict) and choice["type"] == "allowed_tools":
+            return allowed_tools_choice(choice)
         return choice
 
     @field_validator("metadata")

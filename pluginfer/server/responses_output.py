@@ -13,7 +13,7 @@ from typing import Any
 
 from pluginfer.engine.outputs import RequestOutput
 from pluginfer.engine.sequence import SamplingParams
-from pluginfer.server.responses_protocol import ResponsesRequest, ToolChoiceFunction
+from pluginfer.server.responses_protocol import ResponsesRequest, ToolChoiceAllowed, ToolChoiceFunction
 
 
 def item_id(prefix: str) -> str:
@@ -89,7 +89,7 @@ class ResponseEnvelope:
         body = self.body
         text_format = body.text.format if body.text is not None and body.text.format is not None else None
         tool_choice = body.tool_choice or "auto"
-        if isinstance(tool_choice, ToolChoiceFunction):
+        if isinstance(tool_choice, ToolChoiceFunction | ToolChoiceAllowed):
             tool_choice = tool_choice.model_dump()
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,

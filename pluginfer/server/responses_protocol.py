@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pluginfer.server.errors import APIError, bad_request, from_validation_error
 from pluginfer.server.protocol import ChatCompletionRequest
-from pluginfer.server.tools import FunctionDefinition
+from pluginfer.server.tools import FunctionDefinition, allowed_tools_choice
 from pluginfer.server.unsupported import RESPONSES, CheckedRequest, Unsupported, check_metadata
 
 
@@ -37,6 +37,12 @@ class FunctionTool(FunctionDefinition):
 class ToolChoiceFunction(_Strict):
     type: Literal["function"]
     name: str
+
+
+class ToolChoiceAllowed(_Strict):
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[ToolChoiceFunction] = Field(min_length=1)
 
 
 class TextFormat(_Strict):
@@ -94,7 +100,7 @@ class ResponsesRequest(CheckedRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | ToolChoiceAllowed | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -131,8 +137,12 @@ class ResponsesRequest(CheckedRequest):
             raise ValueError(f"must be none, auto, required or {{type: function, name}}, got {choice!r}")
         if isinstance(choice, str) and choice not in ("none", "auto", "required"):
             raise ValueError(f"must be none, auto, required or {{type: function, name}}, got {choice!r}")
-        if isinstance(choice, dict) and choice.get("type") != "function":
-            raise ValueError(f"only {{type: function, name}} names a tool, got type {choice.get('type')!r}")
+        if isinstance(choice, dict) and choice.get("type") not in ("function", "allowed_tools"):
+            raise ValueError(f"only {{type: function, name}} names a tool (or {{type: allowed_tools, mode, tools}} a "
+                             f"few), got type {choice.get('type')!r}")
+        if isinstance(choice, dict) and choice["type"] == "allowed_tools":
+            return allowed_tools_choice(choice, ToolChoiceAllowed, "{type: allowed_tools, mode: auto or required, "
+                                                                  "tools: [{type: function, name}, ...]}")
         return choice
 
     @field_validator("metadata")
@@ -155,6 +165,10 @@ class ResponsesRequest(CheckedRequest):
             data["tools"] = [tool.chat_tool() for tool in self.tools]
         if isinstance(self.tool_choice, ToolChoiceFunction):
             data["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif isinstance(self.tool_choice, ToolChoiceAllowed):
+            data["tool_choice"] = {"type": "allowed_tools", "allowed_tools": {
+                "mode": self.tool_choice.mode,
+                "tools": [{"type": "function", "function": {"name": t.name}} for t in self.tool_choice.tools]}}
         else:
             data["tool_choice"] = self.tool_choice
         if self.text is not None and self.text.format is not None:

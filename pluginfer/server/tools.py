@@ -4,8 +4,9 @@ and the model's output back to ``message.tool_calls`` / streamed ``delta.tool_ca
 ``none``: plain content. ``auto``: calls in the model's own format (``--tool-call-parser``, ``tool_parsers.py``)
 or bare JSON (``json_tool_calls.py``), held to a declared tool by a grammar once its trigger appears where the
 parser gives its ``call_syntax`` (``tool_grammar.py``). ``required`` / a named function: constrained decoding
-makes the call valid, as vLLM does, read here whatever the model's format. Parameters are strict
-(``strict_schema.py``) unless ``server.strict_tool_schemas: false``.
+makes the call valid, as vLLM does, read here whatever the model's format. ``allowed_tools``: ``auto`` or
+``required`` whose grammar holds calls to a subset of the tools, every tool still in the prompt. Parameters are
+strict (``strict_schema.py``) unless ``server.strict_tool_schemas: false``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pluginfer.core.parsers import ToolCallParser
 from pluginfer.engine.strict_schema import strict_json_schema
@@ -56,7 +57,32 @@ class NamedToolChoice(_Strict):
     function: _FunctionName
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+class AllowedTools(_Strict):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Strict):
+    """OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}``: every tool stays in the prompt,
+    the model may call only these."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
+
+
+def allowed_tools_choice(choice: dict[str, Any], form: type[BaseModel] = AllowedToolsChoice,
+                         shape: str = "{type: allowed_tools, allowed_tools: {mode: auto or required, tools: "
+                                      "[{type: function, function: {name}}, ...]}}") -> Any:
+    """An allowed_tools ``choice`` validated as ``form``, or a ValueError saying what of it is wrong against
+    ``shape`` (not what every branch of the tool_choice union wanted)."""
+    try:
+        return form.model_validate(choice)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"allowed_tools is {shape}: {problems}") from None
 
 
 @dataclass
@@ -71,6 +97,7 @@ class ToolCalling:
     special_tokens: list[str] = field(default_factory=list)  # stripped from content when kept for the parser
     # an object without additionalProperties holds only its declared keys
     strict_schemas: bool = True
+    allowed: frozenset[str] | None = None  # the tools the model may call (allowed_tools; None: every one)
 
     @classmethod
     def from_request(cls, tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None,
@@ -96,6 +123,14 @@ class ToolCalling:
                 raise bad_request(f"tool_choice: no tool named {choice.function.name!r}; tools: {names}",
                                   "tool_choice")
             return cls(tools, "named", choice.function.name, parallel is not False, strict_schemas=strict_schemas)
+        allowed = None
+        if isinstance(choice, AllowedToolsChoice):
+            allowed = frozenset(tool.function.name for tool in choice.allowed_tools.tools)
+            for i, tool in enumerate(choice.allowed_tools.tools):
+                if tool.function.name not in names:
+                    raise bad_request(f"tool_choice.allowed_tools.tools.{i}: no tool named {tool.function.name!r}; "
+                                      f"tools: {names}", "tool_choice")
+            choice = choice.allowed_tools.mode
         mode = choice or "auto"
         made = None
         if mode == "auto":
@@ -104,11 +139,16 @@ class ToolCalling:
                                   "--tool-call-parser; required and a named function work without one",
                                   "tool_choice")
             made = parser()
-        return cls(tools, mode, None, parallel is not False, made, strict_schemas=strict_schemas)
+        return cls(tools, mode, None, parallel is not False, made, strict_schemas=strict_schemas, allowed=allowed)
+
+    @property
+    def callable_tools(self) -> list[Tool]:
+        """The tools the model may call: ``allowed_tools``' (every one of ``tools`` stays in the prompt)."""
+        return [tool for tool in self.tools if self.allowed is None or tool.function.name in self.allowed]
 
     @property
     def names(self) -> set[str]:
-        return {tool.function.name for tool in self.tools}
+        return {tool.function.name for tool in self.callable_tools}
 
     def template_tools(self) -> list[dict[str, Any]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
@@ -134,7 +174,7 @@ class ToolCalling:
             return None
         definitions: dict[str, Any] = {}
         options = []
-        for i, tool in enumerate(self.tools):
+        for i, tool in enumerate(self.callable_tools):
             definitions.update(_hoisted(self.parameters(tool.function.name), f"tool{i}"))
             options.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                             "properties": {"name": {"const": tool.function.name},
@@ -153,7 +193,7 @@ class ToolCalling:
         syntax = tuple(self.parser.call_syntax)
         if not syntax:
             return None
-        tools = [(tool.function.name, self.parameters(tool.function.name)) for tool in self.tools]
+        tools = [(tool.function.name, self.parameters(tool.function.name)) for tool in self.callable_tools]
         return StructuredOutputsParams(grammar=auto_tool_grammar(syntax, tools, special_tokens))
 
     def new_output(self) -> ToolCallOutput:

@@ -188,6 +188,26 @@ def test_a_tool_call_round_trip(client, tool_template):
     assert by_id.previous_response_id == first.id
 
 
+def test_allowed_tools_answer_as_chat(client, tool_template):
+    """tool_choice allowed_tools (the Responses form: mode and function names): the chat answer under chat's
+    allowed_tools, calls only of the allowed tool; the response says the choice as it was asked."""
+    from tests.server.test_tools import TIME
+
+    tools = [TOOL, {"type": "function", "name": "get_time", "parameters": TIME}]
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    response = client.responses.create(input="weather in Paris?", tools=tools, tool_choice=choice,
+                                       max_output_tokens=60, **GREEDY)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and {call.name for call in calls} == {"get_time"}
+    chat = _chat(client, [{"role": "user", "content": "weather in Paris?"}], max_completion_tokens=60,
+                 tools=[CHAT_TOOL, {"type": "function", "function": {"name": "get_time", "parameters": TIME}}],
+                 tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+                     {"type": "function", "function": {"name": "get_time"}}]}})
+    assert [(c.name, c.arguments) for c in calls] == [(c.function.name, c.function.arguments)
+                                                      for c in chat.choices[0].message.tool_calls]
+    assert response.tool_choice.type == "allowed_tools" and response.tool_choice.mode == "required"
+
+
 def test_required_calls_stream_their_arguments(client, tool_template):
     request = dict(input="weather in Paris?", tools=[TOOL], tool_choice="required", max_output_tokens=60, **GREEDY)
     whole = _call_of(client.responses.create(**request))
@@ -264,6 +284,11 @@ BAD = [
     (None, {"input": "hi", "tools": [{"type": "function", "name": "f", "defer_loading": True}]}, 400,
      "tools.0.defer_loading"),
     (None, {"input": "hi", "tool_choice": "required"}, 400, "tool_choice"),
+    (None, {"input": "hi", "tools": [TOOL], "tool_choice": {"type": "allowed_tools", "mode": "required",
+                                                             "tools": [{"type": "function", "name": "nope"}]}},
+     400, "tool_choice"),
+    (None, {"input": "hi", "tools": [TOOL], "tool_choice": {"type": "allowed_tools", "mode": "required",
+                                                             "tools": []}}, 400, "tool_choice"),
     (None, {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}],
             "tool_choice": "required"}, 400, "tools.0.parameters"),
     (None, {"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text.format.name"),

@@ -121,6 +121,37 @@ def test_required_calls_validate_against_their_tools(client, parallel, temperatu
     assert [json.loads(c["arguments"]) for c in calls.values()] == [json.loads(c.function.arguments) for c in first]
 
 
+def test_allowed_tools_keep_every_tool_in_the_prompt_and_call_only_theirs(client, hermes_server):
+    """tool_choice allowed_tools (OpenAI's): the prompt is the one with every tool, the calls only the allowed
+    tools' (mode required: sampled choices that, with every tool allowed, call both); mode auto holds a call
+    once the parser's trigger appears, and refuses a request whose output format rules its grammar out."""
+    def required(choice) -> openai.types.chat.ChatCompletion:
+        return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                              max_tokens=150, temperature=1.0, seed=3, n=6)
+
+    only_time = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}}
+    every, allowed = required("required"), required(only_time)
+    assert {name for c in every.choices for name, _ in _check_calls(c.message.tool_calls)} == {"get_weather",
+                                                                                                 "get_time"}
+    assert allowed.usage.prompt_tokens == every.usage.prompt_tokens  # both tools rendered
+    for choice in allowed.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert {name for name, _ in _check_calls(choice.message.tool_calls)} == {"get_time"}
+    auto_time = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}}
+    with make_client(hermes_server) as hermes:
+        answer = hermes.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS,
+                                                tool_choice=auto_time, max_tokens=20, temperature=0)
+        assert answer.choices[0].message.tool_calls is None or {
+            name for name, _ in _check_calls(answer.choices[0].message.tool_calls)} == {"get_time"}
+    status, _, raw = http(hermes_server, "POST", "/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS, "tool_choice": auto_time,
+        "structured_outputs": {"choice": [HERMES_TEXT]}})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "tool_choice" and "use mode required" in error["message"], error
+
+
 def test_required_cut_by_max_tokens_returns_the_partial_call(client):
     """Cut by max_tokens, ``required`` answers "length" with the calls as far as they came, never its internal
     array as content: greedy, a cut output is a prefix of the whole one, so each call is the whole answer's
@@ -242,7 +273,18 @@ BAD_PARAMETERS = {"type": "object", "properties": {"city": {"type": "strng"}}}
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "none were given"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
-    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {}}}, "tool_choice", "allowed_tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {}}}, "tool_choice", "mode"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}}},
+     "tool_choice", "at least 1"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "none", "tools": [NAMED]}}},
+     "tool_choice", "mode"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "nope"}}]}}},
+     "tool_choice", "tool_choice.allowed_tools.tools.0: no tool named 'nope'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [NAMED]}}},
+     "tool_choice", "--tool-call-parser"),  # auto, and this server has no parser
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [NAMED]}},
+      "response_format": {"type": "json_object"}}, "tool_choice", "response_format"),
     ({"tools": TOOLS}, "tool_choice", "--tool-call-parser"),  # auto, and this server has no parser
     ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools", "unique"),
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0.type", "function"),
