@@ -1,4 +1,5 @@
-"""Tiny W8A8 checkpoints written by compressed-tensors itself (the library llm-compressor saves with)."""
+"""Tiny W8A8 (int8, float8) checkpoints written by compressed-tensors itself (the library llm-compressor saves
+with)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 
 def save_w8a8_checkpoint(model: torch.nn.Module, out_dir: Path, tokenizer_dir: Path, scheme: str = "W8A8") -> Path:
     """``model`` (a transformers causal LM, changed in place) quantized with compressed-tensors' ``scheme`` preset
-    on every Linear but the LM head, as llm-compressor's W8A8 recipe does: per-channel scales from each weight's
-    min/max (its calculate_qparams), weights compressed by ModelCompressor, saved with its quantization_config."""
+    (``W8A8``, ``FP8_DYNAMIC``) on every Linear but the LM head, as llm-compressor's recipes do: per-channel scales
+    from each weight's min/max (its calculate_qparams), weights compressed by ModelCompressor in the scheme's
+    format, saved with its quantization_config."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
@@ -29,7 +31,8 @@ def save_w8a8_checkpoint(model: torch.nn.Module, out_dir: Path, tokenizer_dir: P
             module.weight_scale.data.copy_(scale)
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.data.copy_(zero)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="int-quantized")
+    fmt = "float-quantized" if scheme.startswith("FP8") else "int-quantized"
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(out_dir)
     compressor.update_config(str(out_dir))
