@@ -102,6 +102,18 @@ def _fp8_scaled(sums: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.T
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
+def _levels_and_scales(layer: nn.Module, input_size: int, output_size: int, levels: torch.dtype) -> None:
+    """The checkpoint's ``weight`` (``levels`` ``[out, in]``) and ``weight_scale`` (float32, one per output row) as
+    the layer's parameters: a column split cuts the scales with the rows, a row split keeps them whole."""
+    weight = nn.Parameter(torch.zeros(output_size, input_size, dtype=levels), requires_grad=False)
+    weight.output_dim, weight.input_dim = 0, 1
+    weight.weight_loader = partial(_load_levels, layer, levels)
+    scale = nn.Parameter(torch.zeros(output_size, 1, dtype=torch.float32), requires_grad=False)
+    scale.output_dim, scale.input_dim = 0, None
+    layer.register_parameter("weight", weight)
+    layer.register_parameter("weight_scale", scale)
+
+
 def _load_levels(layer: nn.Module, dtype: torch.dtype, param: nn.Parameter, loaded: torch.Tensor,
                  shard_id: object = None) -> None:
     """A quantized layer's ``weight`` must arrive as its format's levels (int8, float8): a float one is a layer the
@@ -119,14 +131,7 @@ class CompressedTensorsW8A8:
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
                        shard: ShardSpec = UNSPLIT) -> None:
-        # Per-output scales: a column split cuts them with the rows, a row split keeps them whole.
-        weight = nn.Parameter(torch.zeros(output_size, input_size, dtype=torch.int8), requires_grad=False)
-        weight.output_dim, weight.input_dim = 0, 1
-        weight.weight_loader = partial(_load_levels, layer, torch.int8)
-        scale = nn.Parameter(torch.zeros(output_size, 1, dtype=torch.float32), requires_grad=False)
-        scale.output_dim, scale.input_dim = 0, None
-        layer.register_parameter("weight", weight)
-        layer.register_parameter("weight_scale", scale)
+        _levels_and_scales(layer, input_size, output_size, torch.int8)
         pack, linear = quant_kernel("w8a8_pack", self.name), quant_kernel("w8a8_linear", self.name)
         # the backend's pair or the reference's: one packs the layout the other reads
         layer.w8a8_ops = (pack, linear) if pack is not None and linear is not None else (w8a8_pack, w8a8_linear)
@@ -156,13 +161,7 @@ class CompressedTensorsFP8:
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
                        shard: ShardSpec = UNSPLIT) -> None:
-        weight = nn.Parameter(torch.zeros(output_size, input_size, dtype=torch.float8_e4m3fn), requires_grad=False)
-        weight.output_dim, weight.input_dim = 0, 1
-        weight.weight_loader = partial(_load_levels, layer, torch.float8_e4m3fn)
-        scale = nn.Parameter(torch.zeros(output_size, 1, dtype=torch.float32), requires_grad=False)
-        scale.output_dim, scale.input_dim = 0, None
-        layer.register_parameter("weight", weight)
-        layer.register_parameter("weight_scale", scale)
+        _levels_and_scales(layer, input_size, output_size, torch.float8_e4m3fn)
         # a device kernel of the op, else the reference's steps with the products on the backend's 16-bit linear
         layer.fp8_kernel = quant_kernel("fp8_linear", self.name)
         layer.fp8_half = backend_op(current_context().backend, "half_linear") if has_context() else None
