@@ -53,9 +53,12 @@ def browser() -> Iterator[object]:
 @pytest.fixture(scope="module")
 def endless_llama(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
     """The tiny llama with a 4096-token context whose LM head never picks a special token (EOS included):
-    their rows are zero (logit 0) and the others' are scaled up, so every answer runs to max_tokens."""
+    their rows are zero (logit 0) and the others' are scaled up, so every answer runs to max_tokens. 12 layers:
+    a long answer runs for seconds, longer than a loaded machine's browser takes to see it start (with 2 layers
+    the stop test's whole answer once came and went in 1 s before the page looked)."""
     out = tmp_path_factory.mktemp("endless_llama")
-    save_hf_model("LlamaForCausalLM", {**TINY_LLAMA, "max_position_embeddings": 4096}, out, tiny_tokenizer_dir)
+    save_hf_model("LlamaForCausalLM", {**TINY_LLAMA, "max_position_embeddings": 4096, "num_hidden_layers": 12}, out,
+                  tiny_tokenizer_dir)
     from transformers import AutoTokenizer
 
     special = AutoTokenizer.from_pretrained(str(out)).all_special_ids

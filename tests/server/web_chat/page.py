@@ -8,7 +8,7 @@ from pluginfer.engine.async_engine import AsyncEngine
 from pluginfer.server.launch import BackgroundServer
 from tests.server.conftest import server_config
 
-MAX_TOKENS = 3000  # the stop test's answer: long enough to be stopped half way
+MAX_TOKENS = 4000  # the stop test's answer: long enough to be stopped half way (the context is 4096)
 
 
 def serve(engine: AsyncEngine, endless_llama: Path, **overrides: object) -> BackgroundServer:
