@@ -263,6 +263,11 @@ class QuantMethod(Protocol):
     Optional class attribute ``holds_experts`` (True): mixture-of-experts layers hold each expert's
     projections as layers of this method (its ``weight_loader`` installed by ``create_weights``), not as
     stacked float weights; a format whose checkpoint tensors stay in their own layout (GGUF's blocks).
+
+    Optional method ``checkpoint_tensors(tensors)``: the checkpoint's ``(name, tensor)`` pairs, a lazy iterable,
+    as the model is to receive them (an iterator of pairs); a format whose tensors are combined before any layer
+    sees them (block-wise FP8: each weight's levels with their scales, for every layer, experts included) combines
+    them here. Without it the pairs reach the model as read.
     """
 
     name: str

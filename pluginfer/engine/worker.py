@@ -107,7 +107,8 @@ class Worker:
         reading = [0.0]
         self.kv_scale_tensors = ScaleTensors()  # a checkpoint's k_scale/v_scale: the KV cache's, no layer's
         weights = self.kv_scale_tensors.filter(iter_weights(plan.checkpoint, allow_pickle=config.allow_pickle))
-        self.pipeline.load_weights(timed_items(weights, reading))
+        combine = getattr(self.quant, "checkpoint_tensors", None)  # optional (QuantMethod's docstring)
+        self.pipeline.load_weights(timed_items(weights if combine is None else combine(weights), reading))
         self.startup_times["load"] = reading[0]
         self.startup_times["repack"] = time.perf_counter() - started - reading[0]
         if self.expert_memory.offloaded_bytes or self.expert_memory.resident_bytes:

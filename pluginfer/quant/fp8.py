@@ -1,74 +1,76 @@
 """The ``fp8`` quant method: block-wise FP8 checkpoints (``quant_method: fp8``, ``weight_block_size``), as
 DeepSeek-V3/R1 and Qwen3's ``-FP8`` models ship.
 
-Each linear's ``weight`` is float8 e4m3 ``[out, in]`` with ``weight_scale_inv`` float32, one per block of
-``weight_block_size`` (``[ceil(out / bn), ceil(in / bk)]``): ``W = level * scale`` blockwise. The weights are
-dequantized once at load to the model's dtype and served as dense weights (the ``none`` method's layouts and
-kernels), as transformers does on a CPU (``dequantize``) and vLLM where a device has no FP8 GEMM: activations
-stay in the model's dtype (``activation_scheme: dynamic``'s per-token quantization of the activations is not
-done; it would only move the logits away from the dequantized model's).
+Each quantized weight ``X.weight`` is float8 e4m3 ``[out, in]`` with ``X.weight_scale_inv`` float32, one per block
+of ``weight_block_size`` (``[ceil(out / bn), ceil(in / bk)]``): ``W = level * scale`` blockwise. The method
+combines each pair as the checkpoint streams in (``checkpoint_tensors``), so every layer, mixture-of-experts
+experts and latent attention included, receives a dense weight, and serves it as the ``none`` method does (its
+layouts and kernels), as transformers does on a CPU (``dequantize``) and vLLM where a device has no FP8 GEMM: the
+activations stay in the model's dtype (``activation_scheme: dynamic``'s per-group quantization of the activations
+is not done; it would only move the logits away from the dequantized model's).
 """
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Iterable, Iterator
 
 import torch
-from torch import nn
 
-from pluginfer.core.protocols import ShardSpec
-from pluginfer.quant.sharding import UNSPLIT
 from pluginfer.quant.unquantized import UnquantizedLinear
+
+_SCALE = "_scale_inv"  # X.weight_scale_inv scales X.weight
 
 
 class BlockFP8Linear(UnquantizedLinear):
-    """float8 levels and block scales while loading; a dense weight of the model's dtype after."""
+    """Dense weights of the model's dtype, made from the checkpoint's float8 blocks and their scales."""
 
     name = "fp8"
 
     def __init__(self, block: tuple[int, int]) -> None:
         self.block = block
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype,
-                       shard: ShardSpec = UNSPLIT) -> None:
+    def checkpoint_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each float8 weight with its block scales as one float32 weight (``QuantMethod.checkpoint_tensors``);
+        the other tensors as they come. A level tensor without its scales, or scales without their levels, is an
+        error naming it once the checkpoint has been read."""
+        levels: dict[str, torch.Tensor] = {}
+        scales: dict[str, torch.Tensor] = {}
+        dense: dict[str, torch.dtype] = {}  # weights that came as floats, should their scales follow
+        for name, tensor in tensors:
+            if name.endswith(_SCALE):
+                weight = name.removesuffix(_SCALE)
+                if weight in dense:
+                    raise ValueError(f"{name}: {weight} is {dense[weight]}, not the float8_e4m3fn levels it scales")
+                if weight in levels:
+                    yield weight, self.dequantize(weight, levels.pop(weight), tensor)
+                else:
+                    scales[weight] = tensor
+            elif tensor.dtype == torch.float8_e4m3fn:
+                if name in scales:
+                    yield name, self.dequantize(name, tensor, scales.pop(name))
+                else:
+                    levels[name] = tensor
+            else:
+                if name in scales:
+                    raise ValueError(f"{name}{_SCALE}: {name} is {tensor.dtype}, not the float8_e4m3fn levels it "
+                                     f"scales")
+                if name.endswith(".weight"):
+                    dense[name] = tensor.dtype
+                yield name, tensor
+        if levels or scales:
+            lonely = [f"{name} (no {name}{_SCALE})" for name in levels] + \
+                [f"{name}{_SCALE} (no {name})" for name in scales]
+            raise KeyError(f"fp8 checkpoint: {', '.join(sorted(lonely)[:4])}" + (" ..." if len(lonely) > 4 else ""))
+
+    def dequantize(self, name: str, levels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        rows, cols = levels.shape[-2:]
         bn, bk = self.block
-        if input_size % bk:
-            raise ValueError(f"quantization_config.weight_block_size {list(self.block)}: a layer's {input_size} "
-                             f"inputs (this rank's) are not whole blocks of {bk}")
-        super().create_weights(layer, input_size, output_size, dtype, shard)
-        levels = nn.Parameter(torch.zeros(output_size, input_size, dtype=torch.float8_e4m3fn), requires_grad=False)
-        levels.output_dim, levels.input_dim = 0, 1
-        levels.weight_loader = partial(_load_levels, layer)
-        layer.register_parameter("weight", levels)
-        # a scale per output row (each block row repeated at load) and input block: rows split like the weight's
-        scale = nn.Parameter(torch.zeros(output_size, input_size // bk, dtype=torch.float32), requires_grad=False)
-        scale.output_dim, scale.input_dim = 0, 1
-        scale.weight_loader = partial(_load_scales, layer, bn)
-        layer.register_parameter("weight_scale_inv", scale)
-        layer.fp8_dtype = dtype
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if "weight_scale_inv" not in layer._parameters:
-            return  # already dequantized
-        scale = layer.weight_scale_inv.data.repeat_interleave(self.block[1], dim=1)
-        weight = (layer.weight.data.float() * scale).to(layer.fp8_dtype)
-        del layer.weight_scale_inv
-        layer.weight = nn.Parameter(weight, requires_grad=False)
-        super().process_weights_after_loading(layer)
-
-
-def _load_levels(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-    if loaded.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"is {loaded.dtype}, not the float8_e4m3fn of an fp8 checkpoint's linear weight")
-    layer.weight_loader(param, loaded) if shard_id is None else layer.weight_loader(param, loaded, shard_id)
-
-
-def _load_scales(layer: nn.Module, rows: int, param: nn.Parameter, loaded: torch.Tensor,
-                 shard_id: object = None) -> None:
-    """A checkpoint's block scales ``[out / rows, in / bk]`` as one row per output row, for the layer's loader
-    (which cuts this rank's rows and places a fused projection's)."""
-    expanded = loaded.float().repeat_interleave(rows, dim=0)
-    layer.weight_loader(param, expanded) if shard_id is None else layer.weight_loader(param, expanded, shard_id)
+        grid = (-(-rows // bn), -(-cols // bk))
+        if tuple(scale.shape[-2:]) != grid or scale.shape[:-2] != levels.shape[:-2]:
+            raise ValueError(f"{name}{_SCALE}: shape {tuple(scale.shape)}, where {name} {tuple(levels.shape)} in "
+                             f"blocks of {list(self.block)} (quantization_config.weight_block_size) needs {grid}")
+        expanded = scale.float().repeat_interleave(bn, dim=-2)[..., :rows, :].repeat_interleave(bk, dim=-1)
+        return levels.float() * expanded[..., :cols]
 
 
 def build(quant_config: dict | None = None) -> BlockFP8Linear:

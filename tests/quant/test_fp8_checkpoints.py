@@ -23,29 +23,47 @@ FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # qwen2: 
 
 
 def quantize_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 e4m3 levels, float32 scale per block) as DeepSeek's weight quantization writes them."""
+    """(float8 e4m3 levels, float32 scale per block) as DeepSeek's weight quantization writes them: a block at a
+    ragged edge is the part of it the weight has."""
     rows, cols = weight.shape
-    blocks = weight.reshape(rows // block, block, cols // block, block)
-    scale = blocks.abs().amax(dim=(1, 3)) / 448
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    levels = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(rows, cols)
-    return levels, scale.float()
+    levels = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(-(-rows // block), -(-cols // block))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            part = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = part.abs().max() / 448 if part.abs().max() > 0 else 1.0
+            levels[i * block:(i + 1) * block, j * block:(j + 1) * block] = (part / scale[i, j]).clamp(-448, 448).to(
+                torch.float8_e4m3fn)
+    return levels, scale
 
 
-def save_fp8_checkpoint(source: Path, out: Path, **config: object) -> Path:
-    """``source``'s linear projections as float8 blocks with ``weight_scale_inv``; the rest as it is."""
+def dequantize_blocks(levels: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    out = torch.empty(levels.shape)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            cut = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
+            out[cut] = levels[cut].float() * scale[i, j]
+    return out
+
+
+def save_fp8_checkpoint(source: Path, out: Path, block: int = BLOCK, dequantized: Path | None = None) -> Path:
+    """``source``'s linear projections (experts' too) as float8 blocks with ``weight_scale_inv``; the rest as it
+    is. ``dequantized``: where to write the same checkpoint with those weights dequantized back to float32."""
     shutil.copytree(source, out)
-    tensors = {}
+    tensors, plain = {}, {}
     for name, tensor in load_file(str(source / "model.safetensors")).items():
+        plain[name] = tensors[name] = tensor
         if name.endswith("_proj.weight"):
-            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantize_blocks(tensor, BLOCK)
-        else:
-            tensors[name] = tensor
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(tensor, block)
+            plain[name] = dequantize_blocks(tensors[name], tensors[name + "_scale_inv"], block)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf_config = json.loads((out / "config.json").read_text())
     hf_config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                        "weight_block_size": [BLOCK, BLOCK], **config}
+                                        "weight_block_size": [block, block]}
     (out / "config.json").write_text(json.dumps(hf_config))
+    if dequantized is not None:
+        shutil.copytree(source, dequantized)
+        save_file(plain, str(dequantized / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -76,6 +94,36 @@ def test_logits_and_greedy_tokens_match_transformers(family: str, fp8_checkpoint
         assert layers and {m.quant_method.name for m in layers} == {"fp8"}
         torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(hf, prompt), atol=1e-4, rtol=1e-4)
         assert llm.generate([prompt], greedy(12))[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
+def test_mixture_of_experts_fp8_experts_match_transformers(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """A Qwen3-MoE whose routed experts are float8 blocks too (as Qwen3-30B-A3B-FP8's): each expert's weight with
+    its scales reaches the stacked experts dense; logits within 1e-4 of transformers' CPU dequantization."""
+    import transformers
+
+    moe = {**SHAPE, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+           "head_dim": 32}
+    save_hf_model("Qwen3MoeForCausalLM", moe, tmp_path / "float", tiny_tokenizer_dir)
+    path = save_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8")
+    assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in load_file(str(path / "model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompt = random_prompts(200, [24], seed=3)[0]
+    with load(path) as llm:
+        torch.testing.assert_close(prefill_logits(llm, prompt), hf_logits(hf, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_ragged_blocks_equal_the_dequantized_checkpoint(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
+    """Blocks of 48 over 64, 128 and 256 (DeepSeek-V3's 576-row kv_a_proj ends in a part-block the same way):
+    the model loaded from the float8 blocks equals, bit for bit, the one loaded from the weights dequantized
+    block by block here."""
+    save_hf_model("LlamaForCausalLM", SHAPE, tmp_path / "float", tiny_tokenizer_dir)
+    path = save_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", block=48, dequantized=tmp_path / "plain")
+    assert load_file(str(path / "model.safetensors"))["model.layers.0.self_attn.k_proj.weight_scale_inv"].shape == (2, 3)
+    prompt = random_prompts(200, [24], seed=3)[0]
+    with load(path) as llm:
+        blocks = prefill_logits(llm, prompt)
+    with load(tmp_path / "plain") as llm:
+        assert torch.equal(blocks, prefill_logits(llm, prompt))
 
 
 def test_dequantized_weights_are_the_blocks_times_their_scales(fp8_checkpoints: dict[str, Path]) -> None:
@@ -115,18 +163,24 @@ def test_configs_it_does_not_serve_are_named(change: dict, message: str) -> None
         fp8.build({**config, **change})
 
 
-def test_blocks_that_do_not_tile_a_layer_and_float_weights_are_named(fp8_checkpoints: dict[str, Path],
-                                                                   tmp_path: Path) -> None:
-    uneven = shutil.copytree(fp8_checkpoints["llama"], tmp_path / "uneven")
-    config = json.loads((uneven / "config.json").read_text())
-    config["quantization_config"]["weight_block_size"] = [64, 96]
-    (uneven / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"weight_block_size \[64, 96\]: a layer's 128 inputs .* are not whole "
-                                         r"blocks of 96"):
-        load(uneven)
-    floats = shutil.copytree(fp8_checkpoints["llama"], tmp_path / "floats")
-    tensors = load_file(str(floats / "model.safetensors"))
-    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].float()
-    save_file(tensors, str(floats / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"up_proj.*float32, not the float8_e4m3fn of an fp8 checkpoint"):
+def test_float_weights_and_scales_that_do_not_fit_are_named(fp8_checkpoints: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    def edited(name: str, change) -> Path:
+        path = shutil.copytree(fp8_checkpoints["llama"], tmp_path / name)
+        tensors = load_file(str(path / "model.safetensors"))
+        change(tensors)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+
+    up = "model.layers.0.mlp.up_proj.weight"
+    floats = edited("floats", lambda t: t.update({up: t[up].float()}))
+    with pytest.raises(ValueError, match=r"up_proj\.weight_scale_inv: .*up_proj\.weight is torch\.float32, not the "
+                                         r"float8_e4m3fn levels it scales"):
         load(floats)
+    grid = edited("grid", lambda t: t.update({up + "_scale_inv": t[up + "_scale_inv"][:, :1].contiguous()}))
+    with pytest.raises(ValueError, match=r"up_proj\.weight_scale_inv: shape \(4, 1\), where .*up_proj\.weight "
+                                         r"\(256, 128\) in blocks of \[64, 64\] .* needs \(4, 2\)"):
+        load(grid)
+    lonely = edited("lonely", lambda t: t.pop(up + "_scale_inv"))
+    with pytest.raises(KeyError, match=r"up_proj\.weight \(no .*up_proj\.weight_scale_inv\)"):
+        load(lonely)
