@@ -53,7 +53,7 @@ def save_fp8_checkpoint(source: Path, out: Path, block: int = BLOCK, dequantized
     tensors, plain = {}, {}
     for name, tensor in load_file(str(source / "model.safetensors")).items():
         plain[name] = tensors[name] = tensor
-        if name.endswith("_proj.weight"):
+        if tensor.dim() == 2 and name.endswith(".weight") and "proj" in name.split(".")[-2]:  # kv_a_proj_with_mqa too
             tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(tensor, block)
             plain[name] = dequantize_blocks(tensors[name], tensors[name + "_scale_inv"], block)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -96,16 +96,27 @@ def test_logits_and_greedy_tokens_match_transformers(family: str, fp8_checkpoint
         assert llm.generate([prompt], greedy(12))[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)
 
 
-def test_mixture_of_experts_fp8_experts_match_transformers(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
-    """A Qwen3-MoE whose routed experts are float8 blocks too (as Qwen3-30B-A3B-FP8's): each expert's weight with
-    its scales reaches the stacked experts dense; logits within 1e-4 of transformers' CPU dequantization."""
+@pytest.mark.parametrize("case", ["qwen3-moe", "deepseek-v3"])
+def test_mixture_of_experts_and_latent_attention_match_transformers(case: str, tmp_path: Path,
+                                                                    tiny_tokenizer_dir: Path) -> None:
+    """A Qwen3-MoE whose routed experts are float8 blocks too (as Qwen3-30B-A3B-FP8's), and a DeepSeek-V3 (latent
+    attention's q_a/q_b/kv_a/kv_b projections, shared and routed experts, YaRN) in blocks of 8: each weight with
+    its scales reaches its layer dense; logits within 1e-4 of transformers' CPU dequantization."""
     import transformers
 
-    moe = {**SHAPE, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
-           "head_dim": 32}
-    save_hf_model("Qwen3MoeForCausalLM", moe, tmp_path / "float", tiny_tokenizer_dir)
-    path = save_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8")
-    assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in load_file(str(path / "model.safetensors"))
+    from tests.models.family_cases_deepseek import CASES
+
+    if case == "qwen3-moe":
+        arch, shape, block = "Qwen3MoeForCausalLM", {**SHAPE, "moe_intermediate_size": 128, "num_experts": 4,
+                                                     "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                                                     "head_dim": 32}, BLOCK
+    else:
+        arch, overrides = CASES["deepseek-v3-yarn"][:2]
+        shape, block = {**TINY_LLAMA, **overrides}, 8  # its projections are 24-128 wide
+    save_hf_model(arch, shape, tmp_path / "float", tiny_tokenizer_dir)
+    path = save_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", block=block)
+    stored = load_file(str(path / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv" in stored
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     prompt = random_prompts(200, [24], seed=3)[0]
     with load(path) as llm:
