@@ -19,8 +19,8 @@ def _version() -> str:
 
 
 __version__ = _version()
-__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "PLUGIN_API_VERSION",
-           "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams",
+           "PLUGIN_API_VERSION", "__version__"]
 
 
 def __getattr__(name: str) -> type:

@@ -144,10 +144,9 @@ class LLM:
             raise ValueError("beam_search takes text or token-id prompts (no multi_modal_data)")
         tokenizer = self.engine.tokenizer
         token_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
-        adapters = self._adapters(lora_request, len(token_ids))
         return run_beam_search(self.generate, token_ids, params, self.engine.eos_token_ids, self.engine.max_model_len,
                                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                               lora_requests=adapters if any(a is not None for a in adapters) else None)
+                               lora_requests=self._adapters(lora_request, len(token_ids)))
 
     def chat(self, messages: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None,

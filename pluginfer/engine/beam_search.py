@@ -146,10 +146,9 @@ def run_beam_search(generate: Callable[..., list[Any]], prompts: list[list[int]]
                     eos_token_ids: set[int], max_model_len: int,
                     decode: Callable[[list[int]], str] | None = None,
                     lora_requests: list[Any] | None = None) -> list[list[Beam]]:
-    """Search every prompt at once: each step is one ``generate`` call of one-token requests, one per
-    distinct running beam of every unfinished search (``LLM.generate``: batched, prefix-cached).
-    ``lora_requests``: each prompt's LoRA adapter (None: the base), passed to ``generate`` as
-    ``lora_request``, one per request."""
+    """Search every prompt at once: each step is one ``generate(prompts, params, lora_request=...)`` call of
+    one-token requests, one per distinct running beam of every unfinished search (``LLM.generate``: batched,
+    prefix-cached). ``lora_requests``: each prompt's LoRA adapter (None, or a None: the base)."""
     from pluginfer.engine.sequence import SamplingParams
 
     longest = max(len(prompt) for prompt in prompts) + params.max_tokens
@@ -163,9 +162,7 @@ def run_beam_search(generate: Callable[..., list[Any]], prompts: list[list[int]]
     while live := [i for i, search in enumerate(searches) if not search.done]:
         # one request per distinct (adapter, beam): the same tokens under two adapters are two requests
         wanted = list(dict.fromkeys((adapters[i], tuple(seq)) for i in live for seq in searches[i].running()))
-        requests = [list(seq) for _, seq in wanted]
-        outputs = generate(requests, step, lora_request=[adapter for adapter, _ in wanted]) if lora_requests \
-            else generate(requests, step)
+        outputs = generate([list(seq) for _, seq in wanted], step, lora_request=[adapter for adapter, _ in wanted])
         table = {key: output.outputs[0].logprobs[0] for key, output in zip(wanted, outputs)}
         for i in live:
             searches[i].advance([table[adapters[i], tuple(seq)] for seq in searches[i].running()])

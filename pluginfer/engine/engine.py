@@ -129,6 +129,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            self.check_lora(lora_request)
         if isinstance(params, PoolingParams):
             return self._add_embedding(prompt, params, request_id, lora_request)
         if not self.can_generate:
@@ -145,8 +147,6 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.logit_bias: token ids must be below the vocabulary size {vocab}")
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
             raise ValueError(f"SamplingParams.stop_token_ids: token ids must be below the vocabulary size {vocab}")
-        if lora_request is not None:
-            self.check_lora(lora_request)
         seqs = [Sequence(request_id, token_ids, params, index=i, arrival_step=self.step_count, lora=lora_request)
                 for i in range(params.n)]
         if media is not None:
@@ -200,8 +200,6 @@ class LLMEngine:
         if not self.is_causal and len(token_ids) > budget:
             raise ValueError(f"prompt has {len(token_ids)} tokens; an encoder reads a prompt in one step, and a "
                              f"step holds at most scheduler.max_num_batched_tokens {budget}")
-        if lora_request is not None:
-            self.check_lora(lora_request)
         seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), arrival_step=self.step_count,
                        lora=lora_request)
         seq.pooling = pooling

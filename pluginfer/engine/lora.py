@@ -1,8 +1,8 @@
 """LoRA adapters in PEFT's format: the request that names one, reading it, and a model's adapter slots.
 
 An adapter is a directory with ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``,
-``target_modules``, ``target_parameters``, ``rank_pattern``, ``alpha_pattern``) and ``adapter_model.safetensors`` (``...<module>.lora_A.weight [r, in]``
-and ``...<module>.lora_B.weight [out, r]``). Its modules are mapped onto the model's linear layers by the
+``target_modules``, ``target_parameters``, ``rank_pattern``, ``alpha_pattern``) and ``adapter_model.safetensors``
+(``...<module>.lora_A.weight [r, in]`` and ``...<module>.lora_B.weight [out, r]``). Its modules are mapped onto the model's linear layers by the
 model's weight routes (``q_proj`` -> projection ``q`` of ``qkv_proj``), as its checkpoint's tensors are.
 
 A mixture-of-experts layer's routed experts take adapters in either of PEFT's forms: ``target_parameters`` on

@@ -126,7 +126,8 @@ async def _beam_chat(state: ServerState, body: ChatCompletionRequest, prompt: li
     choices = [{"index": i, "message": {"role": "assistant", "content": b.text}, "logprobs": None,
                 "finish_reason": finish_reason(b, eos)} for i, b in enumerate(beams)]
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": state.answer_model(body.model), "choices": choices, "usage": usage(len(prompt), sum(len(b.token_ids) for b in beams))}
+            "model": state.answer_model(body.model), "choices": choices,
+            "usage": usage(len(prompt), sum(len(b.token_ids) for b in beams))}
 
 
 def with_tools(state: ServerState, params: SamplingParams, grammar: tuple[StructuredOutputsParams, str] | None,

@@ -16,7 +16,7 @@ PROMPTS = [[11, 12, 13, 14, 15], [300, 7, 42]]
 
 def hf_scorer(model, candidates: int):
     """A ``generate`` stand-in: the top next-token logprobs of each sequence, from transformers' own forward."""
-    def generate(prompts: list[list[int]], _params: object) -> list[object]:
+    def generate(prompts: list[list[int]], _params: object, lora_request: object = None) -> list[object]:
         outputs = []
         for prompt in prompts:
             with torch.inference_mode():
